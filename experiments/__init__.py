@@ -1,0 +1,1 @@
+"""CLI, experiment runner, figures."""

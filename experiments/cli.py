@@ -1,0 +1,380 @@
+"""`overlap-lab`: simulate, show, list, compare and run overlap schedules.
+
+    overlap-lab sim --schedule serial --model deepseek-v3 --gpu h800 --mode decode --batch 128 --ep 32
+    overlap-lab show --schedule tbo ...           # the Program's text form
+    overlap-lab schedules                         # one line per schedule, with its seed
+    overlap-lab compare --schedules serial,tbo,sbo ...
+    overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
+
+Every option has a default. Schedule knobs are the fields of ScheduleConfig and hardware
+overrides the fields of the GPU preset, both turned into options here so that a knob added to
+either is on the command line at once. Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+from shared.errors import ConfigError
+from shared.hardware import GPU, GPUS, get_gpu
+from shared.schedules import SCHEDULES, ScheduleConfig
+from shared.schedules import build as build_schedule
+from shared.workload import MODELS, Batch, Parallel, Workload, get_model
+
+DEFAULT_BATCH = {"decode": 128, "prefill": 4}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line and exits 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"overlap-lab: error: {message}\n")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one length")
+    return vals
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(tp):
+    """The scalar type of a dataclass field annotation (``int | None`` -> int), or None."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"HostCosts": object}, {})  # annotations are strings (PEP 563)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 and args[0] in (int, float, str, bool) else None
+    return tp if tp in (int, float, str, bool) else None
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def _add_dataclass_options(group, cls, *, skip=(), prefix="") -> None:
+    for f in dataclasses.fields(cls):
+        tp = _scalar_type(f.type)
+        if f.name in skip or tp is None:
+            continue
+        comment = f"{cls.__name__}.{f.name}"
+        group.add_argument(
+            _flag(prefix + f.name),
+            dest=prefix + f.name,
+            type=_bool if tp is bool else tp,
+            default=None,
+            metavar=tp.__name__.upper(),
+            help=f"(default: {'preset' if cls is GPU else f.default}) {comment}",
+        )
+
+
+def _workload_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--model", default="deepseek-v3", help=f"one of {', '.join(MODELS)}")
+    g.add_argument("--gpu", default="h800", help=f"one of {', '.join(GPUS)}")
+    g.add_argument("--mode", default="decode", help="decode or prefill")
+    g.add_argument("--batch", type=_positive_int, default=None,
+                   help="sequences per GPU (rank) (default: 128 decode, 4 prefill)")
+    g.add_argument("--kv-len", type=_positive_int, default=4096, help="decode: KV length per seq")
+    g.add_argument("--kv-lens", type=_int_list, default=None, help="decode: explicit KV lengths")
+    g.add_argument("--tokens-per-seq", type=_positive_int, default=1,
+                   help="decode: tokens per sequence (MTP / target verify)")
+    g.add_argument("--extend-len", type=_positive_int, default=4096, help="prefill: new tokens")
+    g.add_argument("--extend-lens", type=_int_list, default=None,
+                   help="prefill: explicit new-token counts, e.g. 4096,4096,1")
+    g.add_argument("--prefix-len", type=int, default=0, help="prefill: cached prefix per seq")
+    g.add_argument("--prefix-lens", type=_int_list, default=None, help="prefill: explicit prefixes")
+    g.add_argument("--layers", type=_positive_int, default=None,
+                   help="keep only the first N layers of the model (default: all)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--ep", type=_positive_int, default=32, help="expert-parallel size")
+    g.add_argument("--gpus-per-node", type=_positive_int, default=8)
+    g.add_argument("--attn-tp", type=_positive_int, default=1, help="attention TP size")
+    g.add_argument("--dp-attention", type=_bool, default=True, help="DP attention (true/false)")
+    g.add_argument("--pp-size", type=_positive_int, default=1, help="pipeline-parallel size")
+    _add_dataclass_options(p.add_argument_group("schedule knobs"), ScheduleConfig)
+    _add_dataclass_options(
+        p.add_argument_group("hardware overrides (fields of the GPU preset)"), GPU,
+        skip=("name", "arch"),
+    )
+
+
+def workload_from(args) -> Workload:
+    if args.mode not in ("decode", "prefill"):
+        raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
+    model = get_model(args.model)
+    if args.layers is not None:
+        if args.layers > model.num_layers:
+            raise ConfigError(f"--layers {args.layers} exceeds {model.name}'s {model.num_layers}")
+        model = dataclasses.replace(
+            model, num_layers=args.layers, first_k_dense=min(model.first_k_dense, args.layers)
+        )
+    n = args.batch
+    if args.mode == "decode":
+        if args.kv_lens is not None:
+            batch = Batch.decode(n, kv_lens=args.kv_lens, tokens_per_seq=args.tokens_per_seq)
+        else:
+            batch = Batch.decode(n or DEFAULT_BATCH["decode"], kv_len=args.kv_len,
+                                 tokens_per_seq=args.tokens_per_seq)
+    elif args.extend_lens is not None:
+        batch = Batch.prefill(n, extend_lens=args.extend_lens, prefix_lens=args.prefix_lens)
+    else:
+        batch = Batch.prefill(n or DEFAULT_BATCH["prefill"], extend_len=args.extend_len,
+                              prefix_len=args.prefix_len)
+    par = Parallel(ep=args.ep, gpus_per_node=args.gpus_per_node, dp_attention=args.dp_attention,
+                   attn_tp=args.attn_tp, pp=args.pp_size)
+    return Workload(model, batch, par)
+
+
+def _overrides(args, cls, skip=()) -> dict:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and getattr(args, f.name, None) is not None
+    }
+
+
+def gpu_from(args) -> GPU:
+    return get_gpu(args.gpu, **_overrides(args, GPU, skip=("name", "arch")))
+
+
+def config_from(args) -> ScheduleConfig:
+    return ScheduleConfig(**_overrides(args, ScheduleConfig))
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
+    """The JSON a `sim` run prints: the keys documented in README.md."""
+    from shared.program import ops_of
+
+    meta = program.meta
+    out = {
+        "schedule": name,
+        "model": w.model.name,
+        "gpu": gpu.name,
+        "mode": w.batch.mode,
+        "batch": w.batch.num_seqs,
+        "tokens": w.batch.num_tokens,
+        "ep": w.parallel.ep,
+        "step_time_us": trace.step_time_us,
+        "busy_us": trace.busy_us(),
+        "exposed_comm_us": trace.exposed_comm_us(),
+        "comm_only_us": trace.comm_only_us(),
+        "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
+        "micro_batches": meta.get("micro_batches", []),
+        "num_ops": len(ops_of(program)),
+    }
+    for key in ("comm_sms", "fallback_reason", "deepep_mode"):
+        if key in meta:
+            out[key] = meta[key]
+    if meta.get("report"):
+        out["report"] = meta["report"]
+    return out
+
+
+def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig):
+    from sim import simulate
+
+    program = build_schedule(name, w, gpu, cfg)
+    return program, simulate(program, gpu)
+
+
+def _print_summary(res: dict) -> None:
+    print(f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
+          f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}")
+    print(f"  step time        {res['step_time_us'] / 1e3:10.3f} ms")
+    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms")
+    print(f"  SM utilisation   {res['sm_utilisation'] * 100:10.1f} %")
+    print(f"  ops              {res['num_ops']:10d}")
+    for mb in res["micro_batches"]:
+        cut = ", splits a sequence" if mb.get("split_seq") else ""
+        print(f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
+              f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}")
+    if "comm_sms" in res:
+        print(f"  communication SMs {res['comm_sms']}")
+    if res.get("fallback_reason"):
+        print(f"  ran unsplit: {res['fallback_reason']}")
+    for lane, busy in sorted(res["busy_us"].items()):
+        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
+
+
+def cmd_sim(args) -> int:
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    program, trace = simulate_one(args.schedule, w, gpu, cfg)
+    res = result_dict(args.schedule, w, gpu, program, trace)
+    if args.out:
+        from experiments.figures import moe_window, save_timeline
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        trace.to_chrome(out / "trace.json")
+        save_timeline(trace, out / f"timeline.{args.figure_format}", window=moe_window(trace))
+        res["files"] = [str(out / "trace.json"), str(out / f"timeline.{args.figure_format}")]
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        _print_summary(res)
+        for f in res.get("files", []):
+            print(f"  wrote {f}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    from shared.validate import validate
+
+    program = build_schedule(args.schedule, w, gpu, cfg)
+    validate(program, gpu.num_sms)
+    sys.stdout.write(str(program))
+    return 0
+
+
+def cmd_schedules(args) -> int:
+    from shared.schedules import describe
+
+    rows = describe()
+    width = max(len(n) for n, _, _ in rows)
+    for name, seed, summary in rows:
+        print(f"{name:<{width}}  [{seed}]  {summary}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from tqdm import tqdm
+
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    names = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for n in names:
+        if n not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
+    runs = {}
+    todo = names if "serial" in names else ["serial", *names]
+    for n in tqdm(todo, desc="simulating", unit="schedule", disable=args.json, file=sys.stderr):
+        runs[n] = simulate_one(n, w, gpu, cfg)
+    base = runs["serial"][1].step_time_us
+    rows = []
+    for n in names:
+        p, tr = runs[n]
+        res = result_dict(n, w, gpu, p, tr)
+        res["speedup_vs_serial"] = base / tr.step_time_us
+        rows.append(res)
+    if args.out:
+        from experiments.figures import compare_timelines, moe_window
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        traces = {n: runs[n][1] for n in names}
+        fig = out / f"compare.{args.figure_format}"
+        compare_timelines(traces, fig, window=moe_window(runs[names[-1]][1]))
+        for n in names:
+            runs[n][1].to_chrome(out / f"trace_{n.replace('+', '_')}.json")
+    if args.json:
+        print(json.dumps({"results": rows}, sort_keys=True))
+        return 0
+    head = f"{'schedule':<16}{'step ms':>10}{'speed-up':>10}{'exposed comm ms':>17}" \
+           f"{'comm-only ms':>14}  note"
+    print(head)
+    for r in rows:
+        note = r.get("fallback_reason") or ""
+        print(f"{r['schedule']:<16}{r['step_time_us'] / 1e3:>10.3f}{r['speedup_vs_serial']:>10.3f}"
+              f"{r['exposed_comm_us'] / 1e3:>17.3f}{r['comm_only_us'] / 1e3:>14.3f}  {note}")
+    if args.out:
+        print(f"wrote {Path(args.out) / ('compare.' + args.figure_format)}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from real.cli import run_main
+
+    args.cfg = config_from(args)
+    return run_main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="overlap-lab", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sub.required = True
+
+    s = sub.add_parser("sim", help="simulate one schedule and write its trace and timeline")
+    s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
+    s.add_argument("--out", default="overlap-lab-out", help="directory for trace.json and the "
+                   "timeline figure ('' to write nothing)")
+    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _workload_options(s)
+    s.set_defaults(func=cmd_sim)
+
+    s = sub.add_parser("show", help="print the Program's text form")
+    s.add_argument("--schedule", default="serial")
+    _workload_options(s)
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser("schedules", help="list the schedules and their seeds")
+    s.set_defaults(func=cmd_schedules)
+
+    s = sub.add_parser("compare", help="simulate several schedules on one workload")
+    s.add_argument("--schedules", default="serial,sbo,tbo,tbo+sbo,lightllm,vllm-dbo,deepseek")
+    s.add_argument("--out", default="overlap-lab-out", help="directory for the stacked figure")
+    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    s.add_argument("--json", action="store_true")
+    _workload_options(s)
+    s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("run", help="run a schedule with the real executor (GPU, or --device cpu)")
+    s.add_argument("--schedule", default=None, help="a schedule, or all (default) with --check")
+    s.add_argument("--backend", default="auto", help="emulated, torch, deepep or auto")
+    s.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    s.add_argument("--check", action="store_true", help="CPU: equivalence with serial")
+    s.add_argument("--ranks", type=_positive_int, default=1, help="CPU: gloo processes")
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--repeats", type=_positive_int, default=5)
+    s.add_argument("--tolerance", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="overlap-lab-out")
+    s.add_argument("--json", action="store_true")
+    _workload_options(s)
+    s.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        msg = str(e).strip()
+        print(f"overlap-lab: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?
+
+Seed 002 §0x05/§0x11: LightLLM moved the MoE block one slot later in decode and runs attention and
+shared experts of one micro-batch back to back, where DeepSeek's figure pairs one micro-batch's
+computation with the other's communication; the seed's author suspects that "in some cases the GPU
+has only communication and no computation". This sweeps batch sizes on an H800 with DeepSeek-V3 at
+the EP sizes of DeepSeek's published profiles (deepseek-ai/profile-data: prefill EP32 with 4K
+prompts, decode EP128 with 4K contexts) and reports, per schedule, the step time, the GPU time with
+only communication running (``Trace.comm_only_us``) and the exposed communication, plus where in a
+layer the comm-only time falls. Serial is the reference. Figure: the curves and one MoE layer of
+each schedule's timeline, stacked (decode at 128 requests, prefill at 16K tokens per GPU).
+
+Run: ``python -m experiments.exp_lightllm_vs_deepseek`` (about 20 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from tqdm import tqdm
+
+from shared.hardware import get_gpu
+from shared.schedules import build
+from shared.trace import Trace, intersect, length, union
+from shared.workload import Batch, Parallel, Workload, get_model
+from sim import simulate
+
+TOPIC = "lightllm_vs_deepseek"
+RESULTS = Path(__file__).parent / "results"
+SCHEDULES = ("serial", "lightllm", "deepseek")
+DECODE_BATCHES = (16, 32, 64, 128, 192, 256)  # requests per GPU, 4K context (profile: 128)
+PREFILL_PROMPTS = (1, 2, 3, 4, 6, 8)  # 4K prompts per GPU (profile: 4 = 16K tokens)
+DECODE_EP, PREFILL_EP = 128, 32
+CONTEXT = 4096
+SHOW_DECODE, SHOW_PREFILL = 128, 4  # the timelines drawn
+
+
+def workload(mode: str, size: int) -> Workload:
+    model = get_model("deepseek-v3")
+    if mode == "decode":
+        return Workload(model, Batch.decode(size, kv_len=CONTEXT), Parallel(ep=DECODE_EP))
+    return Workload(model, Batch.prefill(size, extend_len=CONTEXT), Parallel(ep=PREFILL_EP))
+
+
+def layer_window(trace: Trace, layer: int) -> tuple[float, float]:
+    """One steady-state period: micro-batch 0's first attention kernel of ``layer`` to that of
+    ``layer + 1`` (both schedules, like serial, start a layer there)."""
+
+    def start(L: int) -> float:
+        return min(
+            s.start
+            for s in trace.spans
+            if s.layer == L and s.op == "comm_prepare_attn" and s.mb == 0
+        )
+
+    return start(layer), start(layer + 1)
+
+
+def comm_only_in(trace: Trace, t0: float, t1: float) -> tuple[float, dict[str, float]]:
+    """Comm-only time inside [t0, t1) and who it belongs to: the communication kernel running
+    (e.g. a receive hook spinning), else the transfer in flight with nothing running at all."""
+    clip = [(t0, t1)]
+    comm = intersect(
+        union((s.start, s.end) for s in trace.spans if s.kind in ("comm", "link")), clip
+    )
+    busy = union((s.start, s.end) for s in trace.spans if s.kind in ("compute", "copy"))
+    only, cur = [], t0
+    for a, b in busy + [(t1, t1)]:
+        if a > cur:
+            only += intersect(comm, [(cur, a)])
+        cur = max(cur, b)
+    who: dict[str, float] = defaultdict(float)
+    for a, b in only:
+        kernels = [s for s in trace.spans if s.kind == "comm" and s.start < b and s.end > a]
+        links = [s for s in trace.spans if s.kind == "link" and s.start < b and s.end > a]
+        pick = kernels or links
+        label = (
+            " + ".join(sorted({f"{s.op} mb{s.mb} L{s.layer}" for s in pick})) if pick else "other"
+        )
+        who[("running: " if kernels else "in flight: ") + label] += b - a
+    return length(only), dict(sorted(who.items(), key=lambda kv: -kv[1]))
+
+
+def shifted(trace: Trace, t0: float, t1: float) -> Trace:
+    """The spans overlapping [t0, t1), clipped and moved to start at 0 (for stacked drawing)."""
+    spans = [
+        replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
+        for s in trace.spans
+        if s.end > t0 and s.start < t1 and not s.lane.startswith("host")
+    ]
+    return Trace(spans, dict(trace.meta))
+
+
+def run(args: argparse.Namespace) -> dict:
+    gpu = get_gpu(args.gpu)
+    model = get_model("deepseek-v3")
+    layer = (model.first_k_dense + model.num_layers) // 2
+    cases = [("decode", n) for n in args.decode] + [("prefill", n) for n in args.prefill]
+    rows, shown = [], {}
+    bar = tqdm(total=len(cases) * len(SCHEDULES), desc=TOPIC)
+    for mode, size in cases:
+        w = workload(mode, size)
+        for name in SCHEDULES:
+            program = build(name, w, gpu)
+            trace = simulate(program, gpu)
+            t0, t1 = layer_window(trace, layer)
+            layer_only, who = comm_only_in(trace, t0, t1)
+            rows.append(
+                {
+                    "schedule": name,
+                    "mode": mode,
+                    "requests": size,
+                    "tokens": w.batch.num_tokens,
+                    "ep": w.parallel.ep,
+                    "step_time_us": trace.step_time_us,
+                    "comm_only_us": trace.comm_only_us(),
+                    "exposed_comm_us": trace.exposed_comm_us(),
+                    "layer": layer,
+                    "layer_time_us": t1 - t0,
+                    "layer_comm_only_us": layer_only,
+                    "layer_comm_only_by": {k: round(v, 3) for k, v in who.items()},
+                    "micro_batches": program.meta.get("micro_batches"),
+                    "comm_sms": program.meta.get("comm_sms"),
+                }
+            )
+            if (mode, size) in (("decode", SHOW_DECODE), ("prefill", SHOW_PREFILL)):
+                shown[(mode, name)] = shifted(trace, t0, t1)
+            bar.update()
+    bar.close()
+    serial = {
+        (r["mode"], r["requests"]): r["step_time_us"] for r in rows if r["schedule"] == "serial"
+    }
+    for r in rows:
+        r["speedup_over_serial"] = serial[(r["mode"], r["requests"])] / r["step_time_us"]
+    return {"rows": rows, "shown": shown, "layer": layer, "gpu": gpu.name}
+
+
+def figure(result: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from experiments.figures import legend_handles, op_family, timeline
+
+    shown = result["shown"]
+    names = [n for n in SCHEDULES if n != "serial"]
+    tl = [(m, n) for m in ("decode", "prefill") for n in names if (m, n) in shown]
+    tracks = [max(len(shown[k].tracks(0)), 1) for k in tl]
+    fig = Figure(figsize=(13, 3.2 + 0.36 * sum(tracks) + 0.5 * len(tl)), layout="constrained")
+    gs = fig.add_gridspec(1 + len(tl), 2, height_ratios=[7] + tracks)
+    rows = result["rows"]
+    for col, mode in enumerate(("decode", "prefill")):
+        ax = fig.add_subplot(gs[0, col])
+        for name, style in (("serial", ":"), ("lightllm", "-o"), ("deepseek", "-s")):
+            pts = [r for r in rows if r["schedule"] == name and r["mode"] == mode]
+            xs = [r["requests"] if mode == "decode" else r["tokens"] / 1024 for r in pts]
+            ax.plot(xs, [r["comm_only_us"] / 1e3 for r in pts], style, label=f"{name} comm-only")
+        for name in names:
+            pts = [r for r in rows if r["schedule"] == name and r["mode"] == mode]
+            xs = [r["requests"] if mode == "decode" else r["tokens"] / 1024 for r in pts]
+            ax.plot(
+                xs,
+                [r["step_time_us"] / 1e3 for r in pts],
+                "--",
+                alpha=0.5,
+                label=f"{name} step time",
+            )
+        ep = DECODE_EP if mode == "decode" else PREFILL_EP
+        ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {result['gpu']}", fontsize=9, loc="left")
+        ax.set_xlabel("requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU")
+        ax.set_ylabel("ms per step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    width = {m: max(shown[(m, n)].step_time_us for n in names if (m, n) in shown) for m, _ in tl}
+    seen = set()
+    for i, key in enumerate(tl):
+        ax = fig.add_subplot(gs[1 + i, :])
+        tr = shown[key]
+        mode, name = key
+        size = SHOW_DECODE if mode == "decode" else SHOW_PREFILL * CONTEXT
+        unit = "requests" if mode == "decode" else "tokens"
+        only, _ = comm_only_in(tr, 0.0, tr.step_time_us)
+        title = (
+            f"{name} {mode} ({size} {unit}/GPU), layer {result['layer']}: "
+            f"{tr.step_time_us:.0f} µs, comm-only {only:.0f} µs"
+        )
+        timeline(tr, ax, title=title, window=(0.0, width[mode]), legend=False)
+        seen |= {(op_family(s), s.mb) for s in tr.spans}
+    handles = legend_handles(seen)
+    if handles and tl:
+        fig.axes[2].legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=7,
+            frameon=False,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path.with_suffix(".png"), dpi=130)
+    fig.savefig(path.with_suffix(".svg"), metadata={"Date": None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", default="h800")
+    ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES))
+    ap.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_PROMPTS))
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    result = run(args)
+    out = args.out / TOPIC
+    figure(result, out)
+    doc = {
+        "command": " ".join(
+            ["python -m experiments.exp_lightllm_vs_deepseek", *(argv or sys.argv[1:])]
+        ),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "gpu": result["gpu"],
+        "model": "deepseek-v3",
+        "decode_ep": DECODE_EP,
+        "prefill_ep": PREFILL_EP,
+        "context": CONTEXT,
+        "rows": result["rows"],
+    }
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    for r in result["rows"]:
+        if r["schedule"] != "serial":
+            print(
+                f"{r['mode']:7s} {r['requests']:4d} {r['schedule']:9s} "
+                f"step {r['step_time_us'] / 1e3:8.2f} ms  comm-only {r['comm_only_us'] / 1e3:7.2f} ms"
+                f"  x{r['speedup_over_serial']:.2f} vs serial"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

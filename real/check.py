@@ -1,0 +1,142 @@
+"""CPU equivalence: every schedule computes what the serial schedule computes.
+
+Each schedule's Program is executed on the CPU (real/executor.py, hazards checked) for several
+workloads, and its outputs (final normed hidden states of every real token, logits of the
+sampled tokens) are compared with the serial schedule's on the same seeded weights and inputs.
+Every step of a multi-step Program is an independent forward of the same batch, compared with
+serial's single step. The result per schedule is the largest relative difference
+max|a - b| / max|b| over workloads, steps and both outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from real import model as M
+from real.executor import HazardError, execute
+
+DEFAULT_TOLERANCE = 1e-4  # FP32 on the CPU; splits change GEMM shapes, hence rounding
+
+
+def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
+    """Decode, an uneven prefill split, and a prefill TBO cuts in two (two-chunk split)."""
+    from shared.workload import Batch, Parallel, Workload
+
+    mc = M.get_model_config(model)
+    par = Parallel(ep=ep)
+    batches = [
+        Batch.decode(kv_lens=[7, 12, 5, 9]),
+        Batch.decode(kv_lens=[6, 3, 11], tokens_per_seq=2),
+        Batch.prefill(extend_lens=[5, 9, 3], prefix_lens=[0, 4, 2]),
+        Batch.prefill(extend_lens=[30, 2], prefix_lens=[3, 0]),  # two-chunk split of seq 0
+    ]
+    return [Workload(mc, b, par) for b in batches]
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    d = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    return d / scale if scale > 0 else d
+
+
+def compare_steps(states: dict, ref) -> float:
+    """Largest relative difference of every step of ``states`` against the reference step, on
+    the tokens each step covered (all of them, for a complete forward)."""
+    worst = 0.0
+    for st in states.values():
+        if not st.covered:
+            continue
+        toks = sorted(st.covered)
+        worst = max(worst, rel_diff(st.final[toks], ref.final[toks]))
+        common = sorted(set(st.logits) & set(ref.logits))
+        if common:
+            a = torch.stack([st.logits[t] for t in common])
+            b = torch.stack([ref.logits[t] for t in common])
+            worst = max(worst, rel_diff(a, b))
+        missing = set(ref.logits) - set(st.logits)
+        if missing and st.covered >= set(range(ref.layout.num_tokens)):
+            raise AssertionError(f"logits missing for tokens {sorted(missing)[:5]}")
+    return worst
+
+
+@dataclass
+class CheckResult:
+    max_rel_diff_vs_serial: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(
+            v <= self.tolerance for v in self.max_rel_diff_vs_serial.values()
+        )
+
+
+def check_equivalence(
+    schedule_names: list[str] | None = None,
+    workloads: list | None = None,
+    *,
+    gpu: str = "h100",
+    cfg=None,
+    seed: int = 0,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> CheckResult:
+    """Run each schedule on each workload on the CPU and compare with serial.
+
+    A schedule that refuses a workload with ConfigError is skipped for it (reported in
+    ``skipped``); a hazard (an unordered read) or a kernel error is an error for that schedule.
+    """
+    from shared import schedules as S
+    from shared.hardware import get_gpu
+
+    names = schedule_names or S.available()
+    workloads = workloads or default_workloads()
+    g = get_gpu(gpu)
+    res = CheckResult(tolerance=tolerance)
+    with one_thread():
+        _check(names, workloads, g, cfg, seed, res)
+    return res
+
+
+class one_thread:
+    """Tiny CPU kernels run fastest on one thread (and CI has two cores shared by pytest)."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
+
+
+def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
+    from shared import schedules as S
+    from shared.errors import ConfigError
+
+    weights_cache: dict = {}
+    for w in workloads:
+        key = w.model
+        if key not in weights_cache:
+            weights_cache[key] = M.init_weights(M.from_model_config(w.model), seed=seed)
+        weights = weights_cache[key]
+        ref_prog = S.build("serial", w, g, cfg)
+        ref = execute(ref_prog, w, weights=weights, seed=seed).outputs[0][0]
+        for name in names:
+            if name in res.errors:
+                continue
+            try:
+                prog = S.build(name, w, g, cfg)
+            except ConfigError as e:
+                res.skipped.setdefault(name, str(e))
+                continue
+            try:
+                out = execute(prog, w, weights=weights, seed=seed)
+            except (HazardError, KeyError, RuntimeError) as e:
+                res.errors[name] = f"{type(e).__name__}: {e}"
+                continue
+            d = max(compare_steps(states, ref) for states in out.outputs.values())
+            prev = res.max_rel_diff_vs_serial.get(name, 0.0)
+            res.max_rel_diff_vs_serial[name] = max(prev, d)

@@ -1,0 +1,295 @@
+"""`overlap-lab run`: the real executor from the command line (wired in experiments/cli.py).
+
+``run_main(args) -> exit code`` takes the parsed options (any object with attributes; missing
+ones take the defaults below): schedule, model, gpu, mode, batch, kv_len, seq_len, prefix_len,
+ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance.
+
+- GPU: run the schedule, write the measured trace (Chrome JSON) and a timeline figure under
+  ``out``, print the summary (the keys of `sim`, plus backend and device).
+- ``--device cpu --check``: the equivalence check for every schedule (or the one named); with
+  ``--json`` prints ``{"max_rel_diff_vs_serial": {schedule: diff}, ...}``; exit 1 if any
+  difference exceeds the tolerance or a schedule fails (an unordered read counts).
+- ``--device cpu --ranks N``: the same through N gloo processes with EP over them.
+- No GPU and no ``--device cpu``: one line saying so, exit 2.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import sys
+from pathlib import Path
+
+DEFAULTS = dict(
+    schedule=None,
+    model="deepseek-v3",
+    gpu="h100",
+    mode="decode",
+    batch=None,
+    kv_len=None,
+    seq_len=None,
+    prefix_len=0,
+    ep=None,
+    layers=None,
+    backend="auto",
+    device="auto",
+    check=False,
+    ranks=1,
+    json=False,
+    out="results/run",
+    warmup=2,
+    repeats=5,
+    seed=0,
+    tolerance=None,
+    cfg=None,
+)
+
+NO_GPU = (
+    "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check for the "
+    "CPU equivalence check"
+)
+
+
+def _opt(args, name):
+    v = getattr(args, name, None)
+    return DEFAULTS[name] if v is None else v
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run_main(args) -> int:
+    from shared.errors import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _schedules(args) -> list[str]:
+    from shared import schedules as S
+
+    name = _opt(args, "schedule")
+    if name in (None, "all"):
+        return S.available()
+    S.module(name)  # ConfigError for an unknown or missing schedule
+    return ["serial", name] if name != "serial" else ["serial"]
+
+
+def _cpu_model(args) -> str:
+    from real.model import TINY_NAMES
+
+    m = _opt(args, "model")
+    return m if m in TINY_NAMES else "tiny-mla"
+
+
+def _run(args) -> int:
+    device = _opt(args, "device")
+    if device == "cpu":
+        return _run_cpu(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return 2
+    return _run_gpu(args)
+
+
+# -- CPU ---------------------------------------------------------------------------------------
+
+
+def _run_cpu(args) -> int:
+    from real.check import DEFAULT_TOLERANCE, check_equivalence, default_workloads
+
+    model = _cpu_model(args)
+    if model != _opt(args, "model"):
+        _say(f"note: the CPU check runs {model} (scaled down), not {_opt(args, 'model')}")
+    names = _schedules(args)
+    tol = _opt(args, "tolerance") or DEFAULT_TOLERANCE
+    ranks = int(_opt(args, "ranks"))
+    workloads = default_workloads(model, ep=max(2, ranks))
+    out: dict = {"device": "cpu", "model": model, "tolerance": tol}
+    if ranks > 1:
+        from real.distributed import run_gloo
+
+        cases = [(n, w) for n in names for w in workloads]
+        res = run_gloo(cases, world=ranks, seed=_opt(args, "seed"))
+        diffs: dict[str, float] = {}
+        for r in res:
+            diffs[r["schedule"]] = max(diffs.get(r["schedule"], 0.0), r["max_rel_diff"])
+        out.update(backend="torch (gloo)", ranks=ranks, max_rel_diff_vs_one_process=diffs)
+        ok = all(v <= tol for v in diffs.values())
+        key = "max_rel_diff_vs_one_process"
+    else:
+        cr = check_equivalence(
+            names,
+            workloads,
+            gpu=_opt(args, "gpu"),
+            seed=_opt(args, "seed"),
+            tolerance=tol,
+            cfg=_opt(args, "cfg"),
+        )
+        out.update(
+            backend="local",
+            max_rel_diff_vs_serial=cr.max_rel_diff_vs_serial,
+            errors=cr.errors,
+            skipped=cr.skipped,
+        )
+        ok, key = cr.ok, "max_rel_diff_vs_serial"
+    out["ok"] = ok
+    if _opt(args, "json"):
+        print(_json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for name, d in out[key].items():
+            flag = "ok" if d <= tol else "FAIL"
+            print(f"{name:16s} max rel diff {d:.2e}  {flag}")
+        for name, e in out.get("errors", {}).items():
+            print(f"{name:16s} ERROR {e}")
+        for name, e in out.get("skipped", {}).items():
+            print(f"{name:16s} skipped for a workload: {e}")
+    return 0 if ok else 1
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+def workload_from_args(args):
+    """The Workload the GPU run measures (the layer count cut applies to the Program too)."""
+    from real.model import get_model_config_layers
+    from shared.workload import Batch, Parallel, Workload
+
+    mc = get_model_config_layers(_opt(args, "model"), _opt(args, "layers") or 4)
+    mode = _opt(args, "mode")
+    n = _opt(args, "batch") or (64 if mode == "decode" else 2)
+    if mode == "decode":
+        batch = Batch.decode(n, kv_len=_opt(args, "kv_len") or 2048)
+    else:
+        batch = Batch.prefill(
+            n, extend_len=_opt(args, "seq_len") or 4096, prefix_len=_opt(args, "prefix_len")
+        )
+    ep = _opt(args, "ep") or min(mc.num_experts, 32)
+    return Workload(mc, batch, Parallel(ep=ep))
+
+
+def _backend(args, w, gpu):
+    import torch
+
+    from real.comm import make_backend
+    from real.comm.bytes import LinkParams
+    from real.model import from_model_config
+
+    rc = from_model_config(w.model)
+    name = _opt(args, "backend")
+    link = LinkParams.from_gpu(gpu)
+    if name == "auto":
+        import torch.distributed as dist
+
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        from real.deps import available
+
+        name = ("deepep" if available("deep_ep") else "torch") if multi else "emulated"
+    kw = dict(
+        num_experts=rc.num_experts, hidden=rc.hidden, link=link, num_sms=gpu.deepep_normal_sms
+    )
+    if name in ("local", "emulated"):
+        kw.update(rank=0, world=w.parallel.ep)
+    if name == "emulated":
+        kw["device_sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    return make_backend(name, **kw)
+
+
+def _run_gpu(args) -> int:
+    import torch
+
+    from real.deps import probe
+    from real.executor import execute
+    from shared import schedules as S
+    from shared.hardware import get_gpu
+
+    gpu = get_gpu(_opt(args, "gpu"))
+    w = workload_from_args(args)
+    names = (
+        [n for n in _schedules(args)]
+        if _opt(args, "schedule") in (None, "all")
+        else [_opt(args, "schedule")]
+    )
+    out_dir = Path(_opt(args, "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    deps = probe()
+    summaries = {}
+    for name in names:
+        prog = S.build(name, w, gpu, _opt(args, "cfg"))
+        be = _backend(args, w, gpu)
+        res = execute(
+            prog,
+            w,
+            backend=be,
+            device="cuda",
+            seed=_opt(args, "seed"),
+            warmup=_opt(args, "warmup"),
+            repeats=_opt(args, "repeats"),
+            host_spin=True,
+            meta=dict(
+                schedule=name,
+                model=w.model.name,
+                gpu=gpu.name,
+                device_name=props.name,
+                num_sms=props.multi_processor_count,
+                mode=w.batch.mode,
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                driver=_driver(),
+                packages={k: v.get("version") for k, v in deps.items()},
+            ),
+        )
+        tr = res.trace
+        tr.to_chrome(out_dir / f"{name}.trace.json")
+        try:
+            from experiments.figures import save_timeline
+
+            save_timeline(tr, out_dir / f"{name}.png")
+        except ImportError:
+            pass
+        s = tr.summary()
+        s.update(
+            backend=tr.meta.get("backend"),
+            device=props.name,
+            emulated=tr.meta.get("emulated"),
+            link=tr.meta.get("link"),
+            step_times_us=tr.meta.get("step_times_us"),
+        )
+        summaries[name] = s
+    if _opt(args, "json"):
+        print(
+            _json.dumps(
+                summaries if len(summaries) > 1 else summaries[names[0]], indent=2, default=str
+            )
+        )
+    else:
+        for name, s in summaries.items():
+            print(
+                f"{name:16s} step {s['step_time_us']:.1f} us  exposed comm "
+                f"{s['exposed_comm_us']:.1f} us  backend {s['backend']}  device {s['device']}"
+            )
+    return 0
+
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

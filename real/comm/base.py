@@ -1,0 +1,322 @@
+"""The communication interface every backend implements: DeepEP V1's, reduced to what the
+executor calls.
+
+- ``dispatch`` / ``combine`` (normal mode): each token goes once to every rank holding one of its
+  experts, with its top-k ids (local ids there, -1 elsewhere) and weights; the receiver reduces
+  its experts' outputs with the weights; combine sums the rows coming back. ``async_finish=True``
+  returns at once with an :class:`EventOverlap`; ``event.current_stream_wait()`` completes it.
+- ``low_latency_dispatch`` / ``low_latency_combine``: one message per (token, expert) into the
+  ``[E_local, max_tokens * world, H]`` layout with ``recv_count[E_local]``; combine returns the
+  weighted sum. ``return_recv_hook=True`` returns a ``hook`` that completes the receive, called
+  where the Program's recv op stands (DeepEP's "issue now, receive later").
+- ``set_num_sms(k)``: the SM budget of the communication kernels.
+
+Subclasses implement one primitive, the two halves of a variable all-to-all of rows
+(``_exchange_start``, whose Pending carries the receive half); this module turns it into DeepEP's layouts, so the
+torch, loopback and emulated backends share one data path and differ only in how rows move.
+Tensors the finishing half fills are allocated when the send half runs, as DeepEP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real.comm.bytes import LinkParams, all_to_all_bytes
+
+CAPABILITIES = ("normal", "ll_hook", "sbo_signal", "sm_limit", "cpu_blocking_dispatch")
+
+
+class EventOverlap:
+    """DeepEP's EventOverlap: completion of an async half. ``current_stream_wait()`` makes the
+    current stream (or, on the CPU, the host) wait for the transfer and runs the receive-side
+    kernels (unpack, reduce) once. Calling it again does nothing."""
+
+    def __init__(self, waits: list[Callable[[], None]] | None = None, finish=None):
+        self._waits = list(waits or [])
+        self._finish = finish
+        self.done = False
+
+    def current_stream_wait(self) -> None:
+        if self.done:
+            return
+        for w in self._waits:
+            w()
+        if self._finish is not None:
+            self._finish()
+        self.done = True
+
+    __call__ = current_stream_wait  # a hook is the same completion
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+
+
+@dataclass
+class Pending:
+    """An all-to-all in flight: ``recv`` tensors are allocated, filled once ``waits`` ran."""
+
+    recv: list[torch.Tensor]
+    recv_counts: list[int]
+    waits: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass
+class DispatchResult:
+    """Normal-mode dispatch output (DeepEP returns these as a tuple)."""
+
+    recv_x: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    handle: Any
+    event: EventOverlap
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages sent so far, by kind (what a trace reports)."""
+
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, kind: str, **counts: int) -> None:
+        d = self.by_kind.setdefault(kind, {})
+        for k, v in counts.items():
+            d[k] = d.get(k, 0) + int(v)
+
+
+class EPBackend:
+    """Expert-parallel all-to-all between ``world`` ranks; this process is ``rank``.
+
+    ``num_experts`` is the global expert count; rank r holds experts [r*E/world, (r+1)*E/world).
+    """
+
+    name = "base"
+    emulated = False
+    capabilities: frozenset[str] = frozenset({"normal", "ll_hook"})
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        num_experts: int,
+        hidden: int,
+        link: LinkParams | None = None,
+        num_sms: int = 24,
+    ):
+        if num_experts % world:
+            raise ValueError(f"{world} ranks do not divide {num_experts} experts")
+        self.rank, self.world, self.num_experts, self.hidden = rank, world, num_experts, hidden
+        self.experts_per_rank = num_experts // world
+        self.link = link or LinkParams()
+        self.num_sms = num_sms
+        self.traffic = Traffic()
+
+    # -- what subclasses implement -------------------------------------------------------------
+
+    def _exchange_start(self, chunks: list[list[torch.Tensor]], kind: str) -> Pending:
+        """Send ``chunks[p]`` (a list of row tensors, same row count) to rank p; returns the
+        received rows per tensor (concatenated in source-rank order) once waited. ``kind`` is
+        one of real.comm.bytes.KINDS; ``self.last_bytes`` holds its ByteCount."""
+        raise NotImplementedError
+
+    # -- SM budget, info ------------------------------------------------------------------------
+
+    def set_num_sms(self, k: int) -> None:
+        self.num_sms = int(k)
+
+    def describe(self) -> dict:
+        """What a Trace records about this backend."""
+        return {
+            "backend": self.name,
+            "emulated": self.emulated,
+            "comm_world": self.world,
+            "link": self.link.as_meta(),
+            "capabilities": sorted(self.capabilities),
+        }
+
+    def capture(self) -> EventOverlap:
+        return EventOverlap()
+
+    # -- layout helpers ---------------------------------------------------------------------------
+
+    def _account(self, kind: str, topk_idx: torch.Tensor) -> None:
+        self.last_bytes = b = all_to_all_bytes(
+            kind,
+            topk_idx.tolist(),
+            num_experts=self.num_experts,
+            rank=self.rank,
+            world=self.world,
+            hidden=self.hidden,
+            gpus_per_node=self.link.gpus_per_node,
+        )
+        self.traffic.add(kind, local=b.local, nvlink=b.nvlink, rdma=b.rdma, messages=b.messages)
+
+    # -- normal mode ------------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+    ) -> DispatchResult:
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        self._account("normal_dispatch", topk_idx)
+        per, W = self.experts_per_rank, self.world
+        dst = torch.where(topk_idx >= 0, topk_idx // per, torch.full_like(topk_idx, -1))
+        in_rank = torch.zeros(x.shape[0], W, dtype=torch.bool, device=x.device)
+        valid = dst >= 0
+        in_rank[torch.nonzero(valid)[:, 0], dst[valid]] = True
+        rk, tok = in_rank.t().nonzero(as_tuple=True)  # sorted by rank, then token
+        counts = torch.bincount(rk, minlength=W).tolist()
+        ti = topk_idx[tok]
+        mine = (ti >= 0) & (ti // per == rk[:, None])
+        local = torch.where(mine, ti - rk[:, None] * per, torch.full_like(ti, -1))
+        send_x, w_rows = x[tok], topk_weights[tok]
+        chunks, lo = [], 0
+        for n in counts:
+            chunks.append([send_x[lo : lo + n], local[lo : lo + n], w_rows[lo : lo + n]])
+            lo += n
+        pend = self._exchange_start(chunks, "normal_dispatch")
+        recv_x, recv_idx, recv_w = pend.recv
+        handle = {
+            "tok": tok,
+            "send_counts": counts,
+            "recv_counts": pend.recv_counts,
+            "n": len(x),
+            "topk_idx": topk_idx,
+        }
+        ev = EventOverlap(pend.waits)
+        if not async_finish:
+            ev.current_stream_wait()
+        return DispatchResult(recv_x, recv_idx, recv_w, handle, ev)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        *,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+    ) -> tuple[torch.Tensor, None, EventOverlap]:
+        """Rows back to their senders, summed per token (the receiver already weighted them)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        chunks, lo = [], 0
+        for n in handle["recv_counts"]:
+            chunks.append([x[lo : lo + n]])
+            lo += n
+        self._account("normal_combine", handle["topk_idx"])
+        pend = self._exchange_start(chunks, "normal_combine")
+        out = torch.zeros(handle["n"], x.shape[1], dtype=torch.float32, device=x.device)
+        result = torch.empty(handle["n"], x.shape[1], dtype=x.dtype, device=x.device)
+
+        def finish():
+            out.index_add_(0, handle["tok"], pend.recv[0].float())
+            result.copy_(out)
+
+        ev = EventOverlap(pend.waits, finish)
+        if not async_finish:
+            ev.current_stream_wait()
+        return result, None, ev
+
+    # -- low-latency mode -------------------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        *,
+        use_fp8: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Returns (recv_x [E_local, max*world, H], recv_count [E_local], handle, event, hook)."""
+        assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
+        assert num_experts == self.num_experts
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
+                f"{num_max_dispatch_tokens_per_rank}"
+            )
+        self._account("ll_dispatch", topk_idx)
+        per, W, k = self.experts_per_rank, self.world, topk_idx.shape[1]
+        flat = topk_idx.reshape(-1)
+        pairs = torch.nonzero(flat >= 0)[:, 0]
+        experts = flat[pairs]
+        order = torch.argsort(experts // per, stable=True)  # by destination, then (token, slot)
+        pairs, experts = pairs[order], experts[order]
+        counts = torch.bincount(experts // per, minlength=W).tolist()
+        tok = pairs // k
+        local = experts % per
+        chunks, lo = [], 0
+        send_x = x[tok]
+        for n in counts:
+            chunks.append([send_x[lo : lo + n], local[lo : lo + n]])
+            lo += n
+        pend = self._exchange_start(chunks, "ll_dispatch")
+        M = num_max_dispatch_tokens_per_rank * W
+        recv_x = torch.zeros(per, M, x.shape[1], dtype=x.dtype, device=x.device)
+        recv_count = torch.zeros(per, dtype=torch.int32, device=x.device)
+        handle: dict = {"pairs": pairs, "send_counts": counts, "n": x.shape[0], "k": k}
+
+        def finish():
+            rx, rl = pend.recv
+            # slot of each received row inside its expert: arrival order (source rank, token)
+            onehot = torch.nn.functional.one_hot(rl, per) if len(rl) else rl.new_zeros(0, per)
+            pos = (onehot.cumsum(0) - 1).gather(1, rl[:, None])[:, 0] if len(rl) else rl
+            recv_x[rl, pos] = rx
+            recv_count.copy_(torch.bincount(rl, minlength=per).to(torch.int32))
+            handle.update(recv_expert=rl, recv_pos=pos, recv_counts=pend.recv_counts)
+
+        ev = EventOverlap(pend.waits, finish)
+        if not return_recv_hook and not async_finish:
+            ev.current_stream_wait()
+        return recv_x, recv_count, handle, ev, (ev if return_recv_hook else None)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle,
+        *,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Returns (combined_x [N, H], event, hook): Σ_k w[t, k] · expert_k(x_t) per token."""
+        assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
+        self._account("ll_combine", topk_idx)
+        rows = x[handle["recv_expert"], handle["recv_pos"]]
+        chunks, lo = [], 0
+        for n in handle["recv_counts"]:
+            chunks.append([rows[lo : lo + n]])
+            lo += n
+        pend = self._exchange_start(chunks, "ll_combine")
+        n, k = handle["n"], handle["k"]
+        result = torch.empty(n, x.shape[-1], dtype=x.dtype, device=x.device)
+
+        def finish():
+            back = pend.recv[0].float()
+            pairs = handle["pairs"]
+            w = topk_weights.reshape(-1)[pairs].float()
+            out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
+            out.index_add_(0, pairs // k, back * w[:, None])
+            result.copy_(out)
+
+        ev = EventOverlap(pend.waits, finish)
+        if not return_recv_hook and not async_finish:
+            ev.current_stream_wait()
+        return result, ev, (ev if return_recv_hook else None)

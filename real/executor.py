@@ -1,0 +1,528 @@
+"""The executor: interprets a Program with real kernels (real/kernels.py), on the CPU or a GPU.
+
+Host side (both devices): each rank's host threads run one at a time; at ``Yield`` control passes
+round-robin to the next live thread, exactly as in the simulator. Graph bodies are replayed
+instruction by instruction (CUDA-graph capture is a GPU-session item, see real/README.md). Ranks
+of a non-symmetric Program run in one process as coroutines that meet at point-to-point ops.
+
+CPU: streams become ordered execution in host issue order; a hook runs in place. Because host
+order hides races the GPU would have, every op's reads are checked against the Program's own
+ordering (``HazardTracker``): a value must have been written by an op that happens-before the
+reader by stream order, events, stream waits or host syncs, as CUDA would order them.
+
+GPU: torch CUDA streams and events, each op bracketed by CUDA events and a profiler range,
+compute SM budgets scoped (real.kernels.sm_budget), comm SM budgets given to the backend; warm-up,
+repeats, and the repeat with the median step time becomes the Trace.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real import kernels as K
+from real import model as M
+from shared.program import Graph, Host, Launch, Op, Program, Record, Sync, Wait, WaitStream, Yield
+from shared.trace import Span, Trace
+
+
+class HazardError(RuntimeError):
+    """An op reads a value whose writer is not ordered before it on the GPU."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Happens-before on the CPU: vector clocks per stream, events and host threads
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stamp:
+    stream: str
+    seq: int
+    clock: dict[str, int]
+    desc: str
+    coll: str | None = None  # collective key of the op
+    recv: bool = False  # a receive half: completes only when the collective's data arrived
+
+
+def _ordered(cur: _Stamp, w: _Stamp) -> bool:
+    """w happens-before cur: by streams and events, or because cur is the receive half of w's
+    collective (DeepEP's recv kernel polls arrival flags on the device, whatever its stream)."""
+    if w is cur or cur.clock.get(w.stream, 0) >= w.seq:
+        return True
+    return cur.recv and cur.coll is not None and cur.coll == w.coll
+
+
+class HazardTracker:
+    """Vector clocks over one rank's streams. An op X happens-before op Y iff Y's clock has seen
+    X's position on X's stream. Host-side reads (after a Sync) are not checked."""
+
+    def __init__(self):
+        self.streams: dict[str, dict[str, int]] = {}
+        self.events: dict[str, dict[str, int]] = {}
+        self.writers: dict[tuple, list[_Stamp]] = {}
+        self.current: _Stamp | None = None
+        self.violations: list[str] = []
+
+    def _vc(self, stream: str) -> dict[str, int]:
+        return self.streams.setdefault(stream, {})
+
+    @staticmethod
+    def _merge(a: dict[str, int], b: dict[str, int]) -> None:
+        for k, v in b.items():
+            if a.get(k, 0) < v:
+                a[k] = v
+
+    def launch(self, op: Op, stream: str) -> None:
+        vc = self._vc(stream)
+        vc[stream] = vc.get(stream, 0) + 1
+        desc = f"{op.name} (layer {op.layer}, mb {op.mb}, step {op.step}) on {stream}"
+        coll = op.coll.key if op.coll is not None else None
+        recv = op.coll is not None and op.coll.role in ("recv", "sendrecv")
+        self.current = _Stamp(stream, vc[stream], dict(vc), desc, coll, recv)
+
+    def record(self, event: str, stream: str) -> None:
+        self.events[event] = dict(self._vc(stream))
+
+    def wait(self, stream: str, event: str) -> None:
+        if event not in self.events:
+            raise HazardError(f"wait on event {event!r} before it was recorded")
+        self._merge(self._vc(stream), self.events[event])
+
+    def wait_stream(self, stream: str, other: str) -> None:
+        self._merge(self._vc(stream), self._vc(other))
+
+    def write(self, key: tuple, op: Op) -> None:
+        if self.current is not None:
+            if key[0] == "kv":
+                self.writers.setdefault(key, []).append(self.current)
+            else:
+                self.writers[key] = [self.current]
+
+    def check(self, w: _Stamp, what: str) -> None:
+        cur = self.current
+        if cur is not None and not _ordered(cur, w):
+            self.violations.append(
+                f"{cur.desc} reads {what} written by {w.desc}, which is not ordered before it "
+                "(missing event wait?)"
+            )
+
+    def read(self, key: tuple, op: Op) -> None:
+        cur = self.current
+        if cur is None:
+            return
+        for w in self.writers.get(key, ()):
+            if not _ordered(cur, w):
+                self.violations.append(
+                    f"{cur.desc} reads {key[-1] if key[0] == 'mb' else 'kv cache'} "
+                    f"written by {w.desc}, which is not ordered before it (missing event wait?)"
+                )
+
+
+# ----------------------------------------------------------------------------------------------
+# Point-to-point between in-process ranks
+# ----------------------------------------------------------------------------------------------
+
+
+class Mailbox:
+    def __init__(self):
+        self.box: dict[str, list[tuple[int, dict]]] = {}
+
+    def send(self, key: str, src: int, payload: dict) -> None:
+        self.box.setdefault(key, []).append((src, payload))
+
+    def recv(self, key: str, dst: int) -> dict | None:
+        q = self.box.get(key)
+        if not q:
+            return None
+        return q.pop(0)[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Execution
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecResult:
+    """Outputs per rank and step, plus the Trace (timings only on a GPU)."""
+
+    outputs: dict[int, dict[int, K.StepState]]
+    trace: Trace
+    violations: list[str] = field(default_factory=list)
+
+
+def _flatten(instrs) -> Iterator:
+    for ins in instrs:
+        if isinstance(ins, Graph):
+            yield from ins.body
+        else:
+            yield ins
+
+
+def _steps_of(rp) -> list[int]:
+    steps = set()
+    for th in rp.threads:
+        for ins in _flatten(th.instrs):
+            if isinstance(ins, Launch):
+                steps.add(ins.op.step if ins.op.step is not None else 0)
+    return sorted(steps) or [0]
+
+
+class _Gpu:
+    """CUDA streams, events and timing of one rank (created only on a GPU run)."""
+
+    def __init__(self, streams: tuple[str, ...]):
+        self.streams = {s: torch.cuda.Stream() for s in streams}
+        self.events: dict[str, torch.cuda.Event] = {}
+        self.timed: list[tuple[Op, str, Any, Any]] = []
+        self.t0 = torch.cuda.Event(enable_timing=True)
+
+    def stream(self, name: str):
+        if name not in self.streams:
+            self.streams[name] = torch.cuda.Stream()
+        return self.streams[name]
+
+
+class RankRunner:
+    """One rank: its host threads, its step states, its streams."""
+
+    def __init__(
+        self,
+        rp,
+        program: Program,
+        *,
+        weights,
+        backend,
+        workload,
+        device,
+        seed,
+        check_hazards,
+        world: Mailbox,
+        host_spin: bool,
+    ):
+        self.rp, self.program, self.weights, self.backend = rp, program, weights, backend
+        self.device, self.world, self.host_spin = torch.device(device), world, host_spin
+        self.layout = K.BatchLayout.of(workload.batch)
+        self.mbs = {m["index"]: m for m in program.meta.get("micro_batches", [])}
+        if not self.mbs:
+            n = self.layout.num_tokens
+            self.mbs = {
+                0: dict(
+                    index=0,
+                    seq_lo=0,
+                    seq_hi=len(self.layout.new),
+                    tok_lo=0,
+                    tok_hi=n,
+                    padded_tokens=n,
+                    split_seq=False,
+                )
+            }
+        n = self.layout.num_tokens
+        self.whole = dict(
+            index=-1,
+            seq_lo=0,
+            seq_hi=len(self.layout.new),
+            tok_lo=0,
+            tok_hi=n,
+            padded_tokens=n,
+            split_seq=False,
+        )
+        self.max_dispatch = max(m["padded_tokens"] for m in self.mbs.values())
+        mode = program.meta.get("deepep_mode") or (
+            "low_latency" if workload.batch.mode == "decode" else "normal"
+        )
+        self.deepep_mode = mode
+        self.seed = seed
+        self.piece_counts: dict[tuple, int] = {}
+        for th in rp.threads:
+            for ins in _flatten(th.instrs):
+                if isinstance(ins, Launch):
+                    base, k = K.split_piece(ins.op.name)
+                    if k is not None:
+                        key = (base, ins.op.step, ins.op.layer, ins.op.mb)
+                        self.piece_counts[key] = max(self.piece_counts.get(key, 0), k + 1)
+        self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
+        self.tracker = HazardTracker() if check_hazards else None
+        self.gpu = _Gpu(rp.streams) if self.device.type == "cuda" else None
+        self.spans: list[Span] = []
+        self.host_t0 = time.perf_counter()
+
+    def reset(self) -> None:
+        for st in self.states.values():
+            st.mbs.clear()
+            st.rowlog.clear()
+            st.logits.clear()
+            st.covered.clear()
+        if self.tracker is not None:
+            self.tracker = HazardTracker()
+        if self.gpu is not None:
+            self.gpu.events.clear()
+            self.gpu.timed.clear()
+        self.spans = []
+
+    def resolve_mb(self, op: Op) -> dict:
+        """The micro-batch an op works on. Listed micro-batches match by index and token count;
+        an op over the whole batch (TBO's dense layers and head, index 0 like its first half)
+        is recognised by its token count and gets the synthetic index -1."""
+        m = self.mbs.get(op.mb if op.mb is not None else 0)
+        if m is not None and op.tokens in (0, m["padded_tokens"]):
+            return m
+        if op.tokens == self.whole["padded_tokens"] or m is None:
+            return self.whole
+        return m
+
+    def _now_us(self) -> float:
+        return (time.perf_counter() - self.host_t0) * 1e6
+
+    # -- instructions ----------------------------------------------------------------------------
+
+    def launch(self, op: Op, stream: str) -> None:
+        mb = self.resolve_mb(op)
+        step = self.states[op.step if op.step is not None else 0]
+        ctx = K.KernelCtx(
+            op=op,
+            mb=mb,
+            step=step,
+            weights=self.weights,
+            backend=self.backend,
+            deepep_mode=self.deepep_mode,
+            max_dispatch_tokens=self.max_dispatch,
+            tracker=self.tracker,
+            world=self.world,
+            rank=self.rp.rank,
+        )
+        fn = K.bind(op.name)
+        base, k = K.split_piece(op.name)
+        if k is not None:
+            ctx.piece = (k, self.piece_counts[(base, op.step, op.layer, op.mb)])
+        if self.tracker is not None:
+            self.tracker.launch(op, stream)
+        if self.gpu is None:
+            t = self._now_us()
+            fn(ctx)
+            self.spans.append(self._span(op, stream, t, self._now_us()))
+            return
+        s = self.gpu.stream(stream)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with (
+            torch.cuda.stream(s),
+            torch.profiler.record_function(f"{op.name}.L{op.layer}.mb{op.mb}"),
+        ):
+            start.record(s)
+            fn(ctx)
+            end.record(s)
+        self.gpu.timed.append((op, stream, start, end))
+
+    def _span(self, op: Op, stream: str, t0: float, t1: float) -> Span:
+        kind = op.kind if op.kind in ("compute", "comm", "copy") else "compute"
+        sms = op.sms if op.sms is not None else 0
+        return Span(
+            self.rp.rank, f"stream:{stream}", op.name, kind, t0, t1, sms, op.mb, op.layer, op.step
+        )
+
+    def run_instr(self, ins, thread: str) -> None:
+        if isinstance(ins, Launch):
+            self.launch(ins.op, ins.stream)
+        elif isinstance(ins, Record):
+            if self.tracker is not None:
+                self.tracker.record(ins.event, ins.stream)
+            if self.gpu is not None:
+                ev = torch.cuda.Event()
+                ev.record(self.gpu.stream(ins.stream))
+                self.gpu.events[ins.event] = ev
+        elif isinstance(ins, Wait):
+            if self.tracker is not None:
+                self.tracker.wait(ins.stream, ins.event)
+            if self.gpu is not None:
+                self.gpu.stream(ins.stream).wait_event(self.gpu.events[ins.event])
+        elif isinstance(ins, WaitStream):
+            if self.tracker is not None:
+                self.tracker.wait_stream(ins.stream, ins.other)
+            if self.gpu is not None:
+                self.gpu.stream(ins.stream).wait_stream(self.gpu.stream(ins.other))
+        elif isinstance(ins, Host):
+            t = self._now_us()
+            if self.host_spin and ins.us > 0:  # stand in for the host work the Program models
+                end = time.perf_counter() + ins.us * 1e-6
+                while time.perf_counter() < end:
+                    pass
+            self.spans.append(
+                Span(
+                    self.rp.rank,
+                    f"host:{thread}",
+                    ins.name,
+                    "host",
+                    t,
+                    self._now_us(),
+                    0,
+                    ins.mb,
+                    ins.layer,
+                    ins.step,
+                )
+            )
+        elif isinstance(ins, Sync):
+            t = self._now_us()
+            if self.gpu is not None:
+                self.gpu.events[ins.event].synchronize()
+            self.spans.append(
+                Span(self.rp.rank, f"host:{thread}", f"sync:{ins.event}", "sync", t, self._now_us())
+            )
+        else:
+            raise TypeError(f"unexpected instruction {ins!r}")
+
+    # -- host threads ----------------------------------------------------------------------------
+
+    def process(self):
+        """A coroutine running this rank's host threads; yields (instructions run since the
+        last yield) when a receive must wait for another rank."""
+        threads = [(th.name, _flatten(th.instrs)) for th in self.rp.threads]
+        pending: dict[int, Any] = {}
+        live = list(range(len(threads)))
+        cur = done = 0
+        while live:
+            i = live[cur % len(live)]
+            name, it = threads[i]
+            switched = False
+            while True:
+                ins = pending.pop(i, None) or next(it, None)
+                if ins is None:
+                    live.remove(i)
+                    switched = True
+                    break
+                if isinstance(ins, Yield):
+                    cur = (live.index(i) + 1) % len(live)
+                    break
+                try:
+                    self.run_instr(ins, name)
+                    done += 1
+                except K.WouldBlock:
+                    pending[i] = ins
+                    yield done  # instructions run since the last block: progress if > 0
+                    done = 0
+            if switched and live:
+                cur = cur % len(live)
+        return
+
+    def collect_gpu_spans(self) -> None:
+        torch.cuda.synchronize()
+        for op, stream, a, b in self.gpu.timed:
+            t0 = self.gpu.t0.elapsed_time(a) * 1e3
+            t1 = self.gpu.t0.elapsed_time(b) * 1e3
+            self.spans.append(self._span(op, stream, t0, t1))
+
+
+def _run_once(runners: list[RankRunner]) -> None:
+    for r in runners:
+        r.reset()
+        r.host_t0 = time.perf_counter()
+        if r.gpu is not None:
+            torch.cuda.synchronize()
+            r.gpu.t0.record()
+    procs = {r.rp.rank: r.process() for r in runners}
+    while procs:
+        progressed = False
+        for rank in list(procs):
+            try:
+                progressed |= next(procs[rank]) > 0
+            except StopIteration:
+                del procs[rank]
+                progressed = True
+        if procs and not progressed:
+            raise RuntimeError(f"deadlock: ranks {sorted(procs)} wait on receives nobody sends")
+    for r in runners:
+        if r.gpu is not None:
+            r.collect_gpu_spans()
+
+
+def execute(
+    program: Program,
+    workload,
+    *,
+    weights: M.ModelWeights | None = None,
+    backend=None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    check_hazards: bool | None = None,
+    ranks: list[int] | None = None,
+    warmup: int = 0,
+    repeats: int = 1,
+    host_spin: bool = False,
+    meta: dict | None = None,
+) -> ExecResult:
+    """Run ``program`` for ``workload``. ``ranks``: which of the Program's ranks this process
+    runs (default: all it holds). On the CPU hazards are checked by default; a violation raises
+    HazardError listing them. On a GPU, ``warmup`` unrecorded runs, then ``repeats`` timed runs;
+    the Trace is the repeat with the median step time (all step times in its meta)."""
+    dev = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if check_hazards is None:
+        check_hazards = dev.type == "cpu"
+    cfg = M.from_model_config(workload.model)
+    if backend is None:
+        from real.comm.loopback import LoopbackBackend
+
+        backend = LoopbackBackend(rank=0, world=1, num_experts=cfg.num_experts, hidden=cfg.hidden)
+    if weights is None:  # this rank's experts: all of them with the local backend
+        weights = M.init_weights(
+            cfg, seed=seed, dtype=dtype, device=dev, ep_rank=backend.rank, ep_size=backend.world
+        )
+    mailbox = Mailbox()
+    chosen = [rp for rp in program.ranks if ranks is None or rp.rank in ranks]
+    runners = [
+        RankRunner(
+            rp,
+            program,
+            weights=weights,
+            backend=backend,
+            workload=workload,
+            device=dev,
+            seed=seed,
+            check_hazards=check_hazards,
+            world=mailbox,
+            host_spin=host_spin,
+        )
+        for rp in chosen
+    ]
+    times: list[float] = []
+    traces: list[Trace] = []
+    base_meta = dict(program.meta)
+    base_meta.update(backend.describe())
+    base_meta.update(device=str(dev), dtype=str(dtype).replace("torch.", ""), world=program.world)
+    if any(isinstance(i, Graph) for rp in chosen for th in rp.threads for i in th.instrs):
+        base_meta["cuda_graphs"] = "replayed op by op, not captured"
+    if dev.type == "cpu":
+        base_meta["timing"] = "none: CPU spans are host wall-clock of ordered execution"
+    base_meta.update(meta or {})
+    for i in range(warmup + repeats):
+        _run_once(runners)
+        if i < warmup:
+            continue
+        tr = Trace([s for r in runners for s in r.spans], dict(base_meta))
+        traces.append(tr)
+        times.append(tr.step_time_us)
+    violations = [v for r in runners if r.tracker for v in r.tracker.violations]
+    if violations and check_hazards:
+        raise HazardError(
+            f"{len(violations)} unordered read(s) in schedule {program.meta.get('schedule')!r}:\n  "
+            + "\n  ".join(violations[:10])
+        )
+    med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
+    trace = traces[med]
+    trace.meta.update(
+        step_times_us=times,
+        median_step_time_us=statistics.median(times),
+        warmup=warmup,
+        repeats=repeats,
+    )
+    if dev.type == "cuda":
+        trace.meta["sm_budget_mechanisms"] = dict(K.sm_budget.applied)
+    outputs = {r.rp.rank: r.states for r in runners}
+    return ExecResult(outputs, trace, violations)

@@ -1,0 +1,696 @@
+"""Op names bound to kernels: the IR names work ("attn.core", "dispatch_a"), never a kernel.
+
+A kernel is ``fn(ctx: KernelCtx) -> None``: it reads and writes the named tensors of its
+micro-batch (``ctx.get`` / ``ctx.put``) and of its step (the KV cache), so the executor can check
+on the CPU that every read is ordered after its write by the Program's streams and events, not
+merely by host issue order (see real/executor.py, "hazards").
+
+Per micro-batch tensors (rows = ``padded_tokens``; rows past the real tokens are padding, zero
+at embedding and never mixed into real rows): hidden, residual, attn_in, q, mlp_in,
+router_logits, topk_idx, topk_w, dispatch, recv, expert_out, combine, moe_out, shared_out,
+final, logits, next_ids.
+
+Register more names with ``@register("name", ...)``; ``bind(name)`` raises KeyError naming the
+op when nothing is bound, and ``unbound(names)`` lists the gaps (tests check every schedule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real import model as M
+
+Kernel = Callable[["KernelCtx"], None]
+ROW_KEYS = ("hidden", "residual")
+REGISTRY: dict[str, Kernel] = {}
+PIECES: dict[str, Kernel] = {}
+
+
+def register(*names: str):
+    def deco(fn: Kernel) -> Kernel:
+        for n in names:
+            REGISTRY[n] = fn
+        return fn
+
+    return deco
+
+
+def split_piece(name: str) -> tuple[str, int | None]:
+    """ "experts.down.2" -> ("experts.down", 2): a schedule's slice of an op (SBO's chunks)."""
+    base, _, k = name.rpartition(".")
+    if base and k.isdigit() and base in PIECES:
+        return base, int(k)
+    return name, None
+
+
+def bind(name: str) -> Kernel:
+    base, k = split_piece(name)
+    if k is not None:
+        return PIECES[base]
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"op {name!r} has no kernel bound in real/kernels.py; register one with "
+            f"@register({name!r})"
+        ) from None
+
+
+def unbound(names) -> list[str]:
+    return sorted({n for n in names if n not in REGISTRY and split_piece(n)[1] is None})
+
+
+def register_pieces(*bases: str):
+    """Kernels for the numbered slices "<base>.<k>" of an op (ctx.piece = (k, n))."""
+
+    def deco(fn: Kernel) -> Kernel:
+        for b in bases:
+            PIECES[b] = fn
+        return fn
+
+    return deco
+
+
+class WouldBlock(Exception):
+    """A receive whose data has not been sent yet (in-process multi-rank runs): retry later."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch layout and state
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each token of one rank's batch sits: sequence, position, cached prefix."""
+
+    mode: str
+    cached: tuple[int, ...]
+    new: tuple[int, ...]
+
+    @classmethod
+    def of(cls, batch) -> BatchLayout:
+        n = batch.num_seqs
+        return cls(
+            batch.mode,
+            tuple(batch.seq_cached(i) for i in range(n)),
+            tuple(batch.seq_tokens(i) for i in range(n)),
+        )
+
+    @property
+    def offsets(self) -> list[int]:
+        out = [0]
+        for n in self.new:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new)
+
+    def tokens(self, tok_lo: int, tok_hi: int) -> list[tuple[int, int, int, int]]:
+        """(seq, first row in the slice, rows, first position) per sequence piece in
+        [tok_lo, tok_hi)."""
+        out, off = [], self.offsets
+        for s in range(len(self.new)):
+            a, b = max(tok_lo, off[s]), min(tok_hi, off[s + 1])
+            if a < b:
+                out.append((s, a - tok_lo, b - a, self.cached[s] + a - off[s]))
+        return out
+
+    def sampled(self) -> list[int]:
+        """Tokens whose logits are computed: each sequence's last (prefill), all (decode)."""
+        if self.mode == "prefill":
+            return [o - 1 for o in self.offsets[1:]]
+        return list(range(self.num_tokens))
+
+
+@dataclass
+class StepState:
+    """One forward step of one rank: inputs, the KV cache, micro-batch tensors, outputs."""
+
+    layout: BatchLayout
+    token_ids: torch.Tensor
+    kv: dict[int, torch.Tensor]
+    mbs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    final: torch.Tensor | None = None  # [T, H] normed final hidden of real tokens
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # token -> row
+    covered: set[int] = field(default_factory=set)
+    # hidden/residual rows cross micro-batch boundaries (TBO runs dense layers on the whole
+    # batch, MoE layers on its halves): every write is logged with its token range.
+    rowlog: dict[str, list] = field(default_factory=dict)
+    version: int = 0
+
+
+def new_step_state(layout: BatchLayout, weights: M.ModelWeights, *, seed: int) -> StepState:
+    """Seeded token ids and a KV cache whose prefix rows are seeded too (independent of how the
+    batch is split), for the layers of ``weights``."""
+    cfg, dev = weights.cfg, weights.device
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed + 17)
+    T = layout.num_tokens
+    ids = torch.randint(0, cfg.vocab, (T,), generator=g, device=dev)
+    lmax = max(c + n for c, n in zip(layout.cached, layout.new, strict=True))
+    row = M.kv_row_shape(cfg)
+    kv = {}
+    for li in weights.layers:
+        t = M._randn(
+            (len(layout.new), lmax, *row), f"kv{li}", seed=seed, dtype=weights.dtype, device=dev
+        )
+        for s, c in enumerate(layout.cached):
+            t[s, c:] = 0
+        kv[li] = t
+    final = torch.zeros(T, cfg.hidden, dtype=weights.dtype, device=dev)
+    return StepState(layout, ids, kv, final=final)
+
+
+@dataclass
+class KernelCtx:
+    """What a kernel sees: its op, micro-batch, step state, weights, comm backend, tracker."""
+
+    op: Any
+    mb: dict  # MicroBatch.as_meta()
+    step: StepState
+    weights: M.ModelWeights
+    backend: Any
+    deepep_mode: str
+    max_dispatch_tokens: int
+    tracker: Any = None  # real.executor.HazardTracker or None
+    world: Any = None  # the in-process mailbox for send/recv between ranks
+    rank: int = 0
+    piece: tuple[int, int] = (0, 1)  # (k, n) for the slices "<op>.<k>" of one op
+
+    @property
+    def cfg(self) -> M.RealModelConfig:
+        return self.weights.cfg
+
+    @property
+    def lw(self) -> dict:
+        return self.weights.layers[self.op.layer]
+
+    @property
+    def state(self) -> dict:
+        return self.step.mbs.setdefault(self.mb["index"], {})
+
+    def get(self, key: str, default=KeyError):
+        if key in ROW_KEYS:
+            return self._get_rows(key)
+        if self.tracker is not None:
+            self.tracker.read(("mb", self.op.step, self.mb["index"], key), self.op)
+        st = self.state
+        if key not in st:
+            if default is KeyError:
+                raise KeyError(
+                    f"op {self.op.name} (layer {self.op.layer}, mb {self.mb['index']}) reads "
+                    f"{key!r}, which no earlier op of this micro-batch wrote"
+                )
+            return default
+        return st[key]
+
+    def put(self, key: str, value) -> None:
+        if self.tracker is not None:
+            self.tracker.write(("mb", self.op.step, self.mb["index"], key), self.op)
+        self.state[key] = value
+        if key in ROW_KEYS:
+            st = self.step
+            st.version += 1
+            self.state[key + "@v"] = st.version
+            lo, hi = self.mb["tok_lo"], self.mb["tok_hi"]
+            stamp = self.tracker.current if self.tracker is not None else None
+            log = [e for e in st.rowlog.get(key, []) if not (e[1] == lo and e[2] == hi)]
+            log.append((st.version, lo, hi, value, stamp))
+            st.rowlog[key] = log
+
+    def _get_rows(self, key: str):
+        """This micro-batch's rows of ``key``, rebuilt from other micro-batches' writes when
+        those are newer (the whole batch after its halves, or the halves after the whole)."""
+        st, lo, hi = self.state, self.mb["tok_lo"], self.mb["tok_hi"]
+        lv = st.get(key + "@v", -1)
+        newer = [e for e in self.step.rowlog.get(key, []) if e[0] > lv and e[1] < hi and e[2] > lo]
+        if not newer:
+            if key not in st:
+                raise KeyError(
+                    f"op {self.op.name} (layer {self.op.layer}, mb {self.mb['index']}) reads "
+                    f"{key!r}, which no earlier op wrote for its tokens"
+                )
+            if self.tracker is not None:
+                self.tracker.read(("mb", self.op.step, self.mb["index"], key), self.op)
+            return st[key]
+        base = st.get(key)
+        if all(e[3] is None for e in newer) and (base is None or lv < 0):
+            return None
+        ref = next(e[3] for e in newer if e[3] is not None)
+        out = torch.zeros(
+            self.mb["padded_tokens"], *ref.shape[1:], dtype=ref.dtype, device=ref.device
+        )
+        if base is not None:
+            out.copy_(base)
+        for _ver, wlo, whi, val, stamp in sorted(newer, key=lambda e: e[0]):
+            a, b = max(lo, wlo), min(hi, whi)
+            out[a - lo : b - lo] = 0 if val is None else val[a - wlo : b - wlo]
+            if self.tracker is not None and stamp is not None:
+                self.tracker.check(stamp, key)
+        return out
+
+    def kv_access(self, seq: int, write: bool) -> None:
+        if self.tracker is not None:
+            k = ("kv", self.op.step, self.op.layer, seq)
+            (self.tracker.write if write else self.tracker.read)(k, self.op)
+
+    def gather_mbs(self, key: str) -> torch.Tensor:
+        """(rows, values) pairs of ``key`` from every micro-batch inside this op's token range
+        (one d2h copy after both halves sampled), concatenated in token order."""
+        if key in self.state:
+            return self.get(key)[1]
+        lo, hi, parts = self.mb["tok_lo"], self.mb["tok_hi"], []
+        for idx, st in sorted(self.step.mbs.items()):
+            if key in st and idx != self.mb["index"]:
+                rows, vals = st[key]
+                if len(rows) and lo <= int(rows.min()) and int(rows.max()) < hi:
+                    if self.tracker is not None:
+                        self.tracker.read(("mb", self.op.step, idx, key), self.op)
+                    parts.append((int(rows.min()), vals))
+        if not parts:
+            raise KeyError(f"op {self.op.name}: no micro-batch wrote {key!r} for its tokens")
+        return torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
+
+    def real_rows(self) -> int:
+        return self.mb["tok_hi"] - self.mb["tok_lo"]
+
+    def ll_mode(self, phase: str) -> bool:
+        """Low-latency layout? From the op's collective role (send: LL, sendrecv: normal)."""
+        coll = self.op.coll
+        if coll is not None:
+            return coll.role == "send" if phase == "a" else self.get("dispatch")["ll"]
+        return self.deepep_mode == "low_latency"
+
+
+# ----------------------------------------------------------------------------------------------
+# Head: embed, logits, sample, d2h
+# ----------------------------------------------------------------------------------------------
+
+
+@register("embed")
+def embed(ctx: KernelCtx) -> None:
+    w, mb = ctx.weights, ctx.mb
+    ids = ctx.step.token_ids[mb["tok_lo"] : mb["tok_hi"]]
+    h = torch.zeros(mb["padded_tokens"], ctx.cfg.hidden, dtype=w.dtype, device=w.device)
+    h[: len(ids)] = w.embed[ids]
+    ctx.put("hidden", h)
+    ctx.put("residual", None)
+
+
+@register("logits")
+def logits(ctx: KernelCtx) -> None:
+    """Final norm (after the last residual add) and lm_head for the sampled tokens."""
+    h, res = ctx.get("hidden"), ctx.get("residual")
+    if res is not None:
+        h = h + res
+    n = ctx.real_rows()
+    final = M.rms_norm(h[:n], ctx.weights.final_norm, ctx.cfg.eps)
+    lo = ctx.mb["tok_lo"]
+    sampled = [t - lo for t in ctx.step.layout.sampled() if lo <= t < ctx.mb["tok_hi"]]
+    rows = torch.tensor(sampled, dtype=torch.long, device=h.device)
+    lg = final[rows].float() @ ctx.weights.lm_head.float().t()
+    ctx.put("final", final)
+    ctx.put("logits", (rows + lo, lg))
+    hi = ctx.mb["tok_hi"]
+    ctx.step.final[lo:hi] = final
+    for i, t in enumerate((rows + lo).tolist()):
+        ctx.step.logits[t] = lg[i]
+    ctx.step.covered.update(range(lo, hi))
+
+
+@register("sample")
+def sample(ctx: KernelCtx) -> None:
+    rows, lg = ctx.get("logits")
+    ctx.put("next_ids", (rows, lg.argmax(-1)))
+
+
+@register("d2h", "d2h_next_token_ids")
+def d2h(ctx: KernelCtx) -> None:
+    """The non-blocking copy of the sampled ids to the host."""
+    ids = ctx.gather_mbs("next_ids")
+    ctx.put("next_ids_host", ids.to("cpu", non_blocking=ids.is_cuda))
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+@register("comm_prepare_attn")
+def comm_prepare_attn(ctx: KernelCtx) -> None:
+    """Input RMSNorm; the hidden state entering the layer becomes the residual."""
+    h = ctx.get("hidden")
+    ctx.put("residual", h)
+    ctx.put("attn_in", M.rms_norm(h, ctx.lw["input_norm"], ctx.cfg.eps))
+
+
+def _pieces(ctx: KernelCtx):
+    return ctx.step.layout.tokens(ctx.mb["tok_lo"], ctx.mb["tok_hi"])
+
+
+@register("attn.prepare")
+def attn_prepare(ctx: KernelCtx) -> None:
+    """q projections and the new KV rows (written into the cache at their positions)."""
+    cfg, lw = ctx.cfg, ctx.lw
+    n = ctx.real_rows()
+    x = ctx.get("attn_in")[:n]
+    pos = torch.cat([torch.arange(p, p + r, device=x.device) for _, _, r, p in _pieces(ctx)]).long()
+    if cfg.attention == "mla":
+        q_nope, q_pe, rows = M.mla_prepare(cfg, lw, x, pos)
+        ctx.put("q", (q_nope, q_pe))
+    else:
+        q, rows = M.gqa_prepare(cfg, lw, x, pos)
+        ctx.put("q", (q,))
+    cache = ctx.step.kv[ctx.op.layer]
+    for s, r0, r, p in _pieces(ctx):
+        ctx.kv_access(s, write=True)
+        cache[s, p : p + r] = rows[r0 : r0 + r].to(cache.dtype)
+
+
+@register("attn.core")
+def attn_core(ctx: KernelCtx) -> None:
+    """Attention over the cache (prefix, earlier chunks and this micro-batch's tokens, causal),
+    then o_proj. Decode uses MLA's absorbed form over padded caches; prefill the expanded form
+    per sequence."""
+    cfg, lw = ctx.cfg, ctx.lw
+    q = ctx.get("q")
+    cache = ctx.step.kv[ctx.op.layer]
+    pieces = _pieces(ctx)
+    for s, *_ in pieces:
+        ctx.kv_access(s, write=False)
+    n, P = ctx.real_rows(), ctx.mb["padded_tokens"]
+    dev = cache.device
+    if cfg.attention == "mla" and ctx.step.layout.mode == "decode":
+        s0 = pieces[0][0]
+        q_seq = torch.cat([torch.full((r,), s - s0, device=dev) for s, _, r, _ in pieces]).long()
+        q_pos = torch.cat([torch.arange(p, p + r, device=dev) for _, _, r, p in pieces]).long()
+        lmax = int(q_pos.max()) + 1
+        o = M.mla_attend_absorbed(
+            cfg, lw, q[0], q[1], cache[s0 : pieces[-1][0] + 1, :lmax], q_seq, q_pos
+        )
+    else:
+        outs = []
+        for s, r0, r, p in pieces:
+            q_pos = torch.arange(p, p + r, device=dev)
+            kv = cache[s, : p + r]
+            if cfg.attention == "mla":
+                outs.append(
+                    M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv, q_pos)
+                )
+            else:
+                outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv, q_pos))
+        o = torch.cat(outs)
+    out = torch.zeros(P, cfg.hidden, dtype=cache.dtype, device=dev)
+    out[:n] = (o @ lw["o_proj"].t()).to(out.dtype)
+    ctx.put("hidden", out)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP side
+# ----------------------------------------------------------------------------------------------
+
+
+@register("comm_prepare_mlp")
+def comm_prepare_mlp(ctx: KernelCtx) -> None:
+    h, res = ctx.get("hidden"), ctx.get("residual")
+    normed, s = M.fused_add_rms_norm(h, res, ctx.lw["post_attn_norm"], ctx.cfg.eps)
+    ctx.put("residual", s)
+    ctx.put("mlp_in", normed)
+
+
+@register("mlp")
+def dense_mlp(ctx: KernelCtx) -> None:
+    x = ctx.get("mlp_in")
+    with sm_budget(ctx.op.sms):
+        ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"]))
+
+
+@register("gate")
+def gate(ctx: KernelCtx) -> None:
+    ctx.put("router_logits", ctx.get("mlp_in") @ ctx.lw["gate"].t())
+
+
+@register("select_experts")
+def select_experts(ctx: KernelCtx) -> None:
+    idx, w = M.select_experts(ctx.cfg, ctx.get("router_logits"), ctx.lw.get("gate_bias"))
+    ctx.put("topk_idx", idx)
+    ctx.put("topk_w", w)
+
+
+@register("dispatch_a")
+def dispatch_a(ctx: KernelCtx) -> None:
+    """Issue the dispatch: DeepEP low-latency with a receive hook (role send), or normal mode
+    with async_finish (role sendrecv). Nothing is received here."""
+    x, idx, w = ctx.get("mlp_in"), ctx.get("topk_idx"), ctx.get("topk_w")
+    be = ctx.backend
+    if ctx.op.sms:
+        be.set_num_sms(ctx.op.sms)
+    if ctx.ll_mode("a"):
+        rx, cnt, handle, _ev, hook = be.low_latency_dispatch(
+            x, idx, ctx.max_dispatch_tokens, ctx.cfg.num_experts, return_recv_hook=True
+        )
+        ctx.put(
+            "dispatch", {"ll": True, "recv_x": rx, "count": cnt, "handle": handle, "done": hook}
+        )
+    else:
+        r = be.dispatch(x, idx, w, async_finish=True)
+        ctx.put("dispatch", {"ll": False, "res": r, "done": r.event})
+
+
+@register("dispatch_b")
+def dispatch_b(ctx: KernelCtx) -> None:
+    """Complete the dispatch: the hook (LL) or the event wait (normal)."""
+    d = ctx.get("dispatch")
+    d["done"]()
+    ctx.put("recv", d)
+
+
+@register("experts")
+def experts(ctx: KernelCtx) -> None:
+    d, lw = ctx.get("recv"), ctx.lw
+    with sm_budget(ctx.op.sms):
+        if d["ll"]:
+            y = M.grouped_experts_masked(d["recv_x"], d["count"], lw["w13"], lw["w2"])
+        else:
+            r = d["res"]
+            y = M.experts_weighted(
+                r.recv_x, r.recv_topk_idx, r.recv_topk_weights, lw["w13"], lw["w2"]
+            )
+    ctx.put("expert_out", y)
+
+
+# SBO (shared/schedules/sbo.py, mode 1): the experts op split into the gate-up GEMM and slices
+# of the down GEMM, each slice signalled (an event) to one slice of the combine on the alt stream.
+# Slice k of the down GEMM covers local experts [k*E/n, (k+1)*E/n); combine slice k reads the
+# rows of slice k (so the CPU check proves each is ordered after its signal) and the last slice
+# issues the combine of all rows (DeepEP sends per signalled block; the data are the same).
+
+
+def _expert_groups(num_local: int, n: int) -> list[range]:
+    return [range(k * num_local // n, (k + 1) * num_local // n) for k in range(n)]
+
+
+@register("experts.gate_up")
+def experts_gate_up(ctx: KernelCtx) -> None:
+    d, lw = ctx.get("recv"), ctx.lw
+    with sm_budget(ctx.op.sms):
+        if d["ll"]:
+            gu = torch.bmm(d["recv_x"], lw["w13"].transpose(1, 2))
+            g, u = gu.chunk(2, dim=-1)
+            ctx.put("expert_act", torch.nn.functional.silu(g) * u)
+        else:  # the normal layout reduces per token: both GEMMs run per slice below
+            ctx.put("expert_act", None)
+
+
+@register_pieces("experts.down")
+def experts_down(ctx: KernelCtx) -> None:
+    k, n = ctx.piece
+    d, lw, act = ctx.get("recv"), ctx.lw, ctx.get("expert_act")
+    grp = _expert_groups(lw["w13"].shape[0], n)[k]
+    with sm_budget(ctx.op.sms):
+        if d["ll"]:
+            y = torch.bmm(act[grp.start : grp.stop], lw["w2"][grp.start : grp.stop].transpose(1, 2))
+            cnt = d["count"][grp.start : grp.stop].to(y.device)
+            valid = torch.arange(y.shape[1], device=y.device)[None, :] < cnt[:, None]
+            y = y * valid[..., None].to(y.dtype)
+        else:
+            r = d["res"]
+            idx = r.recv_topk_idx
+            mine = (idx >= grp.start) & (idx < grp.stop)
+            y = M.experts_weighted(
+                r.recv_x, torch.where(mine, idx, -1), r.recv_topk_weights, lw["w13"], lw["w2"]
+            )
+    ctx.put(f"expert_out.{k}", (grp, y))
+
+
+def _assemble_expert_out(ctx: KernelCtx, n: int) -> torch.Tensor:
+    parts = [ctx.get(f"expert_out.{j}") for j in range(n)]
+    if ctx.get("recv")["ll"]:
+        return torch.cat([y for _, y in parts])
+    return sum(y for _, y in parts)
+
+
+@register_pieces("combine_a")
+def combine_a_piece(ctx: KernelCtx) -> None:
+    k, n = ctx.piece
+    ctx.get(f"expert_out.{k}")  # this slice waits for its signal
+    if k < n - 1:
+        return
+    ctx.put("expert_out", _assemble_expert_out(ctx, n))
+    combine_a(ctx)
+
+
+@register("combine_a")
+def combine_a(ctx: KernelCtx) -> None:
+    y, d = ctx.get("expert_out"), ctx.get("dispatch")
+    be = ctx.backend
+    if ctx.op.sms:
+        be.set_num_sms(ctx.op.sms)
+    if d["ll"]:
+        out, _ev, hook = be.low_latency_combine(
+            y, ctx.get("topk_idx"), ctx.get("topk_w"), d["handle"], return_recv_hook=True
+        )
+        ctx.put("combine", {"out": out, "done": hook})
+    else:
+        out, _, ev = be.combine(y, d["res"].handle, async_finish=True)
+        ctx.put("combine", {"out": out, "done": ev})
+
+
+@register("combine_b")
+def combine_b(ctx: KernelCtx) -> None:
+    c = ctx.get("combine")
+    c["done"]()
+    ctx.put("moe_out", c["out"])
+
+
+@register("shared_experts")
+def shared_experts(ctx: KernelCtx) -> None:
+    lw = ctx.lw
+    x = ctx.get("mlp_in")
+    if "shared_w13" not in lw:  # Qwen3: no shared expert, the op carries no work
+        ctx.put("shared_out", None)
+        return
+    with sm_budget(ctx.op.sms):
+        ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"]))
+
+
+@register("output")
+def output(ctx: KernelCtx) -> None:
+    # A schedule may drop shared_experts when the model has none (its op carries no work);
+    # dropping it for a model that has one shows up as a difference from serial.
+    y, s = ctx.get("moe_out"), ctx.get("shared_out", None)
+    ctx.put("hidden", y if s is None else y + s)
+
+
+@register("comm_postprocess_layer")
+def comm_postprocess_layer(ctx: KernelCtx) -> None:
+    """The layer's residual add (shared/ops.py's postprocess): hidden += residual."""
+    h, res = ctx.get("hidden"), ctx.get("residual")
+    ctx.put("hidden", h + res)
+    ctx.put("residual", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops with no numerical effect: host-side scheduler work launched on the GPU, copies of inputs
+# the executor already holds. Bound so every schedule's Program runs; extend as schedules grow.
+# ----------------------------------------------------------------------------------------------
+
+NOOP_OPS = (
+    "noop",
+    "h2d",
+    "h2d_input_ids",
+    "copy_input",
+    "prepare_inputs",
+    "resolve_future",
+    "store_to_map",
+    "seq_lens_update",
+    "req_to_token",
+    "write_req_to_token",
+    "schedule_kernels",
+    "prefill_metadata",
+    # SGLang's overlap scheduler (shared/schedules/sglang_overlap.py): metadata kernels on the
+    # schedule stream; the executor's inputs are already on the device.
+    "out_cache_loc_cast",
+    "req_to_token_gather",
+    "req_to_token_scatter",
+    "seq_lens_add",
+    "seq_lens_clone",
+    "seq_lens_next",
+    "write_req_to_token_pool_triton",
+)
+
+
+@register(*NOOP_OPS)
+def noop(ctx: KernelCtx) -> None:
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Point to point (pipeline parallelism): the micro-batch's tensors move between ranks by coll key.
+# ----------------------------------------------------------------------------------------------
+
+SEND_OPS = ("send", "pp_send", "pp.send", "send_hidden", "send_tokens")
+RECV_OPS = ("recv", "pp_recv", "pp.recv", "recv_hidden", "recv_tokens")
+
+
+@register(*SEND_OPS)
+def p2p_send(ctx: KernelCtx) -> None:
+    keys = [k for k in ("hidden", "residual", "next_ids") if k in ctx.state]
+    payload = {k: ctx.get(k) for k in keys}
+    if ctx.world is None:
+        raise RuntimeError(f"op {ctx.op.name}: point-to-point needs an in-process world")
+    ctx.world.send(ctx.op.coll.key if ctx.op.coll else ctx.op.name, ctx.rank, payload)
+
+
+@register(*RECV_OPS)
+def p2p_recv(ctx: KernelCtx) -> None:
+    key = ctx.op.coll.key if ctx.op.coll else ctx.op.name
+    payload = ctx.world.recv(key, ctx.rank) if ctx.world is not None else None
+    if payload is None:
+        raise WouldBlock(key)
+    for k, v in payload.items():
+        ctx.put(k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# SM budgets for compute
+# ----------------------------------------------------------------------------------------------
+
+
+class sm_budget:
+    """Scope a compute kernel's SM limit: DeepGEMM's set_num_sms when deep_gemm imports (restored
+    on exit), nothing on the CPU. The mechanism used is recorded in ``sm_budget.applied``."""
+
+    applied: dict[str, int] = {}
+
+    def __init__(self, sms: int | None):
+        self.sms = sms
+        self._prev = None
+
+    def __enter__(self):
+        if not self.sms or not torch.cuda.is_available():
+            return self
+        from real.deps import available
+
+        if available("deep_gemm"):
+            import deep_gemm
+
+            self._prev = deep_gemm.get_num_sms()
+            deep_gemm.set_num_sms(int(self.sms))
+            sm_budget.applied["deep_gemm.set_num_sms"] = (
+                sm_budget.applied.get("deep_gemm.set_num_sms", 0) + 1
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            import deep_gemm
+
+            deep_gemm.set_num_sms(self._prev)

@@ -1,0 +1,555 @@
+"""A real DeepSeek-style MoE decoder in torch: MLA (or GQA) attention over a KV cache, a router
+with top-k and DeepSeek-V3's group-limited routing, routed experts as grouped GEMMs, a shared
+expert, RMSNorm and residuals; dense MLP layers for the first ``first_k_dense`` layers.
+
+The model is a bag of seeded weights plus pure functions on tensors, so that the kernels bound to
+op names (real/kernels.py) can run any slice of a layer on any micro-batch. Weights are generated
+per tensor (and per expert) from the seed and the tensor's name, so an EP rank holding experts
+[r*E/R, (r+1)*E/R) holds exactly the slices a one-process model holds: that is what makes the
+gloo EP test comparable with one process.
+
+torch is imported when this module is imported; ``real`` itself imports it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RealModelConfig:
+    """The shapes the executor needs; built from a shared.workload ModelConfig or a tiny preset."""
+
+    name: str
+    num_layers: int
+    first_k_dense: int
+    hidden: int
+    vocab: int
+    attention: str = "mla"  # "mla" | "gqa"
+    num_heads: int = 4
+    # MLA
+    q_lora_rank: int = 0  # 0: q projected directly from the hidden state (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    # GQA
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    # MoE
+    num_experts: int = 8
+    top_k: int = 2
+    expert_inter: int = 32
+    num_shared_experts: int = 1
+    dense_inter: int = 128
+    n_group: int = 1
+    topk_group: int = 1
+    scoring: str = "softmax"  # "sigmoid" (DeepSeek-V3) | "softmax"
+    norm_topk: bool = True
+    routed_scaling: float = 1.0
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense and self.num_experts > 0
+
+
+def tiny_models() -> dict:
+    """Scaled-down shared.workload ModelConfigs for CPU tests (schedules need a ModelConfig).
+
+    ``tiny-mla`` is DeepSeek-V3 in miniature (MLA with q LoRA, sigmoid group-limited routing,
+    a shared expert, one dense layer); ``tiny-gqa`` is Qwen3-MoE in miniature.
+    """
+    from shared.workload import ModelConfig
+
+    return {
+        "tiny-mla": ModelConfig(
+            name="tiny-mla",
+            num_layers=3,
+            first_k_dense=1,
+            hidden=64,
+            vocab=128,
+            attention="mla",
+            num_heads=4,
+            num_kv_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_dim=16,
+            qk_rope_dim=8,
+            v_head_dim=16,
+            num_experts=8,
+            top_k=2,
+            expert_inter=32,
+            num_shared_experts=1,
+            dense_inter=128,
+            n_group=4,
+            topk_group=2,
+            gemm_dtype="bf16",
+        ),
+        "tiny-gqa": ModelConfig(
+            name="tiny-gqa",
+            num_layers=2,
+            first_k_dense=0,
+            hidden=64,
+            vocab=128,
+            attention="gqa",
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            num_experts=8,
+            top_k=2,
+            expert_inter=32,
+            dense_inter=128,
+            qk_norm=True,
+        ),
+    }
+
+
+TINY_NAMES = ("tiny-mla", "tiny-gqa")
+
+
+# Fallbacks for fields a shared.workload ModelConfig may name differently or not carry.
+_DEEPSEEK_V3_DEFAULTS = dict(
+    num_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_group=8,
+    topk_group=4,
+)
+
+
+def _pick(mc, *names, default=None):
+    for n in names:
+        v = getattr(mc, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def from_model_config(mc, num_layers: int | None = None) -> RealModelConfig:
+    """Adapt a shared.workload ModelConfig (read field by field, tolerant of naming)."""
+    name = _pick(mc, "name", default="model")
+    d = _DEEPSEEK_V3_DEFAULTS
+    mla = _pick(mc, "attention", default="mla") == "mla"
+    n_group = int(_pick(mc, "n_group", "num_expert_groups", default=1) or 1)
+    scoring = _pick(mc, "scoring_func", "scoring", default=None)
+    if scoring is None:
+        # DeepSeek-V3 scores with sigmoid (+ correction bias) and group-limited top-k; V2 and
+        # Qwen3 with softmax.
+        scoring = "sigmoid" if n_group > 1 else "softmax"
+    cfg = RealModelConfig(
+        name=name,
+        num_layers=int(_pick(mc, "num_layers")),
+        first_k_dense=int(_pick(mc, "first_k_dense", default=0)),
+        hidden=int(_pick(mc, "hidden", "hidden_size")),
+        vocab=int(_pick(mc, "vocab", "vocab_size")),
+        attention=str(_pick(mc, "attention", default="mla")),
+        num_heads=int(
+            _pick(mc, "num_heads", "num_attention_heads", "heads", default=d["num_heads"])
+        ),
+        q_lora_rank=int(_pick(mc, "q_lora_rank", default=0) or 0),
+        kv_lora_rank=int(_pick(mc, "kv_lora_rank", default=d["kv_lora_rank"])),
+        qk_nope_head_dim=int(
+            _pick(mc, "qk_nope_dim", "qk_nope_head_dim", default=d["qk_nope_head_dim"])
+        ),
+        qk_rope_head_dim=int(
+            _pick(mc, "qk_rope_dim", "qk_rope_head_dim", default=d["qk_rope_head_dim"])
+        ),
+        v_head_dim=int(_pick(mc, "v_head_dim", default=d["v_head_dim"])),
+        num_kv_heads=int(_pick(mc, "num_kv_heads", "kv_heads", default=1)),
+        head_dim=int(_pick(mc, "head_dim", default=128)),
+        num_experts=int(_pick(mc, "num_experts", default=0)),
+        top_k=int(_pick(mc, "top_k", default=1)),
+        expert_inter=int(_pick(mc, "expert_inter", "moe_inter", default=1)),
+        num_shared_experts=int(_pick(mc, "num_shared_experts", default=0)),
+        dense_inter=int(_pick(mc, "dense_inter", "intermediate", default=1)),
+        n_group=n_group,
+        topk_group=int(_pick(mc, "topk_group", default=1) or 1),
+        scoring=str(scoring),
+        routed_scaling=float(
+            _pick(
+                mc, "routed_scaling_factor", "routed_scaling", default=2.5 if n_group > 1 else 1.0
+            )
+        ),
+        qk_norm=bool(_pick(mc, "qk_norm", default=not mla)),
+    )
+    return with_layers(cfg, num_layers)
+
+
+def with_layers(cfg, num_layers: int | None):
+    """The same model cut to ``num_layers`` layers, so a few layers of a full-size model fit on
+    one GPU: one dense layer is kept first when the model has any (and n > 1), the rest are MoE.
+    Works on a RealModelConfig and on a shared.workload ModelConfig alike (apply it to the
+    ModelConfig the schedule sees, so Program and weights agree)."""
+    if num_layers is None or num_layers == cfg.num_layers:
+        return cfg
+    if num_layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {num_layers}")
+    dense = min(cfg.first_k_dense, 1 if num_layers > 1 else 0)
+    return replace(cfg, num_layers=num_layers, first_k_dense=dense)
+
+
+def get_config(name: str, num_layers: int | None = None) -> RealModelConfig:
+    """A tiny preset of this module, or a shared.workload preset adapted."""
+    return from_model_config(get_model_config(name), num_layers)
+
+
+def get_model_config(name: str):
+    """The shared.workload ModelConfig of a tiny preset or a shared preset."""
+    tiny = tiny_models()
+    if name in tiny:
+        return tiny[name]
+    from shared.workload import get_model
+
+    return get_model(name)
+
+
+def get_model_config_layers(name: str, num_layers: int | None = None):
+    return with_layers(get_model_config(name), num_layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _gen(seed: int, key: str, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1))
+    return g
+
+
+def _randn(shape, key: str, *, seed: int, dtype, device, std: float = 1.0) -> torch.Tensor:
+    g = _gen(seed, key, device)
+    t = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+    return (t * std).to(dtype)
+
+
+@dataclass
+class ModelWeights:
+    """Seeded weights of the layers this rank runs; experts only for ``ep_rank``'s slice."""
+
+    cfg: RealModelConfig
+    layers: dict[int, dict[str, torch.Tensor]]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    ep_rank: int
+    ep_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.cfg.num_experts // self.ep_size
+
+
+def init_weights(
+    cfg: RealModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    layers: list[int] | None = None,
+) -> ModelWeights:
+    """Random weights, std 1/sqrt(fan_in) so activations keep their scale through the layers."""
+    device = torch.device(device)
+    if cfg.num_experts and cfg.num_experts % ep_size:
+        raise ConfigError(f"EP size {ep_size} does not divide {cfg.num_experts} experts")
+
+    def w(shape, key, fan_in=None, std=None):
+        s = std if std is not None else 1.0 / math.sqrt(fan_in or shape[-1])
+        return _randn(shape, key, seed=seed, dtype=dtype, device=device, std=s)
+
+    def norm(n, key):
+        return (1.0 + w((n,), key, std=0.1)).to(dtype)
+
+    H = cfg.hidden
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for li in layers if layers is not None else range(cfg.num_layers):
+        p = f"L{li}."
+        lw: dict[str, torch.Tensor] = {
+            "input_norm": norm(H, p + "input_norm"),
+            "post_attn_norm": norm(H, p + "post_attn_norm"),
+        }
+        if cfg.attention == "mla":
+            qd = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            if cfg.q_lora_rank:
+                lw["q_a"] = w((cfg.q_lora_rank, H), p + "q_a")
+                lw["q_a_norm"] = norm(cfg.q_lora_rank, p + "q_a_norm")
+                lw["q_b"] = w((cfg.num_heads * qd, cfg.q_lora_rank), p + "q_b")
+            else:
+                lw["q_proj"] = w((cfg.num_heads * qd, H), p + "q_proj")
+            lw["kv_a"] = w((cfg.kv_lora_rank + cfg.qk_rope_head_dim, H), p + "kv_a")
+            lw["kv_a_norm"] = norm(cfg.kv_lora_rank, p + "kv_a_norm")
+            lw["kv_b"] = w(
+                (cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                p + "kv_b",
+            )
+            lw["o_proj"] = w((H, cfg.num_heads * cfg.v_head_dim), p + "o_proj")
+        elif cfg.attention == "gqa":
+            hd = cfg.head_dim
+            lw["q_proj"] = w((cfg.num_heads * hd, H), p + "q_proj")
+            lw["k_proj"] = w((cfg.num_kv_heads * hd, H), p + "k_proj")
+            lw["v_proj"] = w((cfg.num_kv_heads * hd, H), p + "v_proj")
+            lw["q_norm"] = norm(hd, p + "q_norm")
+            lw["k_norm"] = norm(hd, p + "k_norm")
+            lw["o_proj"] = w((H, cfg.num_heads * hd), p + "o_proj")
+        else:
+            raise ConfigError(f"unknown attention kind {cfg.attention!r}")
+        if cfg.is_moe_layer(li):
+            E, inter = cfg.num_experts, cfg.expert_inter
+            lw["gate"] = w((E, H), p + "gate")
+            if cfg.scoring == "sigmoid":
+                lw["gate_bias"] = w((E,), p + "gate_bias", std=0.05)
+            e_lo = ep_rank * (E // ep_size)
+            idx = range(e_lo, e_lo + E // ep_size)
+            lw["w13"] = torch.stack([w((2 * inter, H), f"{p}e{e}.w13") for e in idx])
+            lw["w2"] = torch.stack([w((H, inter), f"{p}e{e}.w2") for e in idx])
+            if cfg.num_shared_experts:
+                si = inter * cfg.num_shared_experts
+                lw["shared_w13"] = w((2 * si, H), p + "shared.w13")
+                lw["shared_w2"] = w((H, si), p + "shared.w2")
+        else:
+            lw["mlp_w13"] = w((2 * cfg.dense_inter, H), p + "mlp.w13")
+            lw["mlp_w2"] = w((H, cfg.dense_inter), p + "mlp.w2")
+        out[li] = lw
+    return ModelWeights(
+        cfg=cfg,
+        layers=out,
+        embed=w((cfg.vocab, H), "embed", std=1.0),
+        final_norm=norm(H, "final_norm"),
+        lm_head=w((cfg.vocab, H), "lm_head"),
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        dtype=dtype,
+        device=device,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks (pure functions)
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6):
+    """SGLang's fused (x + residual) -> (norm(sum), sum)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim of x [T, ..., d] at integer positions [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, d/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
+    cos, sin = ang.cos().view(shape), ang.sin().view(shape)
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    g, u = (x @ w13.t()).chunk(2, dim=-1)
+    return (F.silu(g) * u) @ w2.t()
+
+
+# -- MLA ---------------------------------------------------------------------------------------
+
+
+def mla_prepare(cfg: RealModelConfig, lw, h: torch.Tensor, positions: torch.Tensor):
+    """Project to q (nope, rope parts) and the compressed KV (normed latent, roped k_pe)."""
+    T = h.shape[0]
+    qd = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        q = rms_norm(h @ lw["q_a"].t(), lw["q_a_norm"], cfg.eps) @ lw["q_b"].t()
+    else:
+        q = h @ lw["q_proj"].t()
+    q = q.view(T, cfg.num_heads, qd)
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    kv = h @ lw["kv_a"].t()
+    c_kv = rms_norm(kv[:, : cfg.kv_lora_rank], lw["kv_a_norm"], cfg.eps)
+    k_pe = rope(kv[:, cfg.kv_lora_rank :], positions, cfg.rope_theta)
+    q_pe = rope(q_pe, positions, cfg.rope_theta)
+    return q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1)
+
+
+def _kv_b_split(cfg: RealModelConfig, lw):
+    w = lw["kv_b"].view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [h,n,c], W_UV [h,v,c]
+
+
+def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor, q_pos: torch.Tensor):
+    """Prefill form for one sequence: expand the latent to per-head K and V, masked attention.
+
+    q_*: [T, h, *] at positions q_pos [T]; kv: [L, c + r] cache rows for positions 0..L-1.
+    """
+    w_uk, w_uv = _kv_b_split(cfg, lw)
+    c, k_pe = kv[:, : cfg.kv_lora_rank], kv[:, cfg.kv_lora_rank :]
+    k_nope = torch.einsum("lc,hnc->hln", c, w_uk)
+    v = torch.einsum("lc,hvc->hlv", c, w_uv)
+    k = torch.cat([k_nope, k_pe[None].expand(cfg.num_heads, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [h, T, d]
+    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [h, T, v]
+    return o.transpose(0, 1).reshape(q_nope.shape[0], -1)
+
+
+def mla_attend_absorbed(cfg, lw, q_nope, q_pe, kv_pad, q_seq, q_pos):
+    """Decode form (weight absorption): attention in the latent space over padded caches.
+
+    q_*: [T, h, *]; kv_pad: [S, Lmax, c + r]; q_seq [T] index into S; q_pos [T] positions.
+    """
+    w_uk, w_uv = _kv_b_split(cfg, lw)
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    kvt = kv_pad[q_seq]  # [T, L, c + r]
+    c, k_pe = kvt[..., : cfg.kv_lora_rank], kvt[..., cfg.kv_lora_rank :]
+    scores = torch.einsum("thc,tlc->thl", q_lat.float(), c.float())
+    scores = scores + torch.einsum("thr,tlr->thl", q_pe.float(), k_pe.float())
+    scores = scores / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    valid = torch.arange(kv_pad.shape[1], device=kv_pad.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    p = scores.softmax(-1)
+    o_lat = torch.einsum("thl,tlc->thc", p, c.float()).to(q_nope.dtype)
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(q_nope.shape[0], -1)
+
+
+# -- GQA ---------------------------------------------------------------------------------------
+
+
+def gqa_prepare(cfg: RealModelConfig, lw, h, positions):
+    T, hd = h.shape[0], cfg.head_dim
+    q = (h @ lw["q_proj"].t()).view(T, cfg.num_heads, hd)
+    k = (h @ lw["k_proj"].t()).view(T, cfg.num_kv_heads, hd)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lw["q_norm"], cfg.eps), rms_norm(k, lw["k_norm"], cfg.eps)
+    v = (h @ lw["v_proj"].t()).view(T, cfg.num_kv_heads, hd)
+    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    return q, torch.stack([k, v], dim=1)  # cache rows [T, 2, kvh, hd]
+
+
+def gqa_attend(cfg, q, kv, q_pos):
+    """One sequence: q [T, h, d], kv [L, 2, kvh, d]."""
+    rep = cfg.num_heads // cfg.num_kv_heads
+    k = kv[:, 0].transpose(0, 1).repeat_interleave(rep, 0)
+    v = kv[:, 1].transpose(0, 1).repeat_interleave(rep, 0)
+    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def kv_row_shape(cfg: RealModelConfig) -> tuple[int, ...]:
+    if cfg.attention == "mla":
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+    return (2, cfg.num_kv_heads, cfg.head_dim)
+
+
+# -- Router ------------------------------------------------------------------------------------
+
+
+def select_experts(cfg: RealModelConfig, logits: torch.Tensor, bias: torch.Tensor | None):
+    """Top-k with DeepSeek-V3's group-limited routing (sigmoid scores, correction bias used only
+    for the choice, top-2 sum per group, ``topk_group`` groups kept), or softmax top-k.
+
+    Returns (topk_idx int64 [T, k], topk_weights float32 [T, k]); the routed scaling factor is
+    folded into the weights.
+    """
+    lf = logits.float()
+    scores = lf.sigmoid() if cfg.scoring == "sigmoid" else lf.softmax(-1)
+    choice = scores + bias.float() if bias is not None else scores
+    if cfg.n_group > 1:
+        T = choice.shape[0]
+        grouped = choice.view(T, cfg.n_group, -1)
+        gscore = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        gidx = gscore.topk(cfg.topk_group, dim=-1).indices
+        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+        choice = choice.masked_fill(~gmask[:, :, None].expand_as(grouped).reshape(T, -1), -1e30)
+    idx = choice.topk(cfg.top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if cfg.norm_topk:
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+    return idx, w * cfg.routed_scaling
+
+
+# -- Experts -----------------------------------------------------------------------------------
+
+
+def grouped_experts_contiguous(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
+    """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts.
+
+    Uses torch._grouped_mm on CUDA BF16 when present (one grouped GEMM per projection), a loop of
+    GEMMs per expert otherwise.
+    """
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        try:
+            offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0).int()
+            gu = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+            g, u = gu.chunk(2, dim=-1)
+            return torch._grouped_mm((F.silu(g) * u).contiguous(), w2.transpose(1, 2), offs=offs)
+        except (RuntimeError, TypeError):  # unsupported arch/layout: fall back to the loop
+            pass
+    out = torch.empty_like(x)
+    lo = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[lo : lo + n] = swiglu_mlp(x[lo : lo + n], w13[e], w2[e])
+        lo += n
+    return out
+
+
+def grouped_experts_masked(x: torch.Tensor, counts: torch.Tensor, w13, w2) -> torch.Tensor:
+    """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows: batched GEMMs over the
+    padded rows (what a masked grouped GEMM computes), rows past the count zeroed."""
+    gu = torch.bmm(x, w13.transpose(1, 2))
+    g, u = gu.chunk(2, dim=-1)
+    y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
+    return y * valid[..., None].to(y.dtype)
+
+
+def experts_weighted(x, topk_local: torch.Tensor, topk_w: torch.Tensor, w13, w2) -> torch.Tensor:
+    """DeepEP normal layout: x [M, H] received rows, topk_local [M, k] local expert ids (-1: not
+    here), weights [M, k]. Returns Σ_k w_k expert_k(x) per row (the receiver-side reduction)."""
+    M = x.shape[0]
+    out = torch.zeros_like(x, dtype=torch.float32)
+    if M == 0:
+        return out.to(x.dtype)
+    rows, slots = (topk_local >= 0).nonzero(as_tuple=True)
+    experts = topk_local[rows, slots]
+    order = torch.argsort(experts, stable=True)
+    rows, slots, experts = rows[order], slots[order], experts[order]
+    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
+    y = grouped_experts_contiguous(x[rows], counts, w13, w2)
+    out.index_add_(0, rows, y.float() * topk_w[rows, slots].float()[:, None])
+    return out.to(x.dtype)
+
+
+def moe_reference(cfg: RealModelConfig, lw, h: torch.Tensor) -> torch.Tensor:
+    """Dense reference of one MoE MLP (all experts local): routed + shared, no communication."""
+    idx, w = select_experts(cfg, h @ lw["gate"].t(), lw.get("gate_bias"))
+    y = experts_weighted(h, idx, w, lw["w13"], lw["w2"])
+    if "shared_w13" in lw:
+        y = y + swiglu_mlp(h, lw["shared_w13"], lw["shared_w2"])
+    return y

@@ -1,0 +1,211 @@
+"""Hardware presets: one frozen GPU record per device, every constant with its source.
+
+Presets store datasheet units (TFLOP/s, GB/s, GiB, µs); the cost model converts to FLOPs/µs and
+bytes/µs with the helpers below. Link bandwidths are per GPU and per direction (what one GPU can
+push into the fabric), because a flow in the Program is bytes one rank sends.
+
+Values marked "estimate" are order-of-magnitude placeholders to be replaced by measurement
+(calibration files); nothing here is claimed as measured by this project.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.errors import ConfigError
+
+ARCHS = ("hopper", "blackwell")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU and its links. Bandwidths in GB/s (1e9 B/s) per direction, FLOP/s dense."""
+
+    name: str
+    arch: str
+    num_sms: int
+    bf16_tflops: float  # dense (no 2:4 sparsity)
+    fp8_tflops: float  # dense
+    hbm_gbps: float
+    mem_gib: float
+    launch_us: float  # host cost of one kernel launch (CUDA driver + PyTorch dispatch)
+    graph_launch_us: float  # host cost of one cudaGraphLaunch
+    kernel_min_us: float  # GPU-side floor of any kernel (launch latency, ramp, tail)
+    nvlink_gbps: float  # nominal, per GPU, per direction
+    nvlink_lat_us: float
+    rdma_gbps: float  # one NIC per GPU, line rate
+    rdma_lat_us: float
+    pcie_gbps: float  # per direction
+    pcie_lat_us: float
+    sbo_comm_sms: int  # SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)
+    deepep_normal_sms: int  # DeepEP normal kernels (Buffer.num_sms)
+    nvlink_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
+    rdma_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"gpu {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "arch") or f.name.endswith("_eff_gbps"):
+                continue
+            may_be_zero = f.name.endswith(("_us",))  # costs and latencies may be switched off
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not (v >= 0 if may_be_zero else v > 0)
+            ):
+                need = "a number >= 0" if may_be_zero else "a positive number"
+                raise ConfigError(f"gpu {self.name}: {f.name} must be {need}, got {v!r}")
+        if self.nvlink_eff_gbps < 0 or self.rdma_eff_gbps < 0:
+            raise ConfigError(f"gpu {self.name}: effective link bandwidths must be >= 0")
+        for f in ("num_sms", "sbo_comm_sms", "deepep_normal_sms"):
+            if not isinstance(getattr(self, f), int):
+                raise ConfigError(f"gpu {self.name}: {f} must be an integer")
+        for f in ("sbo_comm_sms", "deepep_normal_sms"):
+            if getattr(self, f) >= self.num_sms:
+                raise ConfigError(
+                    f"gpu {self.name}: {f}={getattr(self, f)} must be below num_sms={self.num_sms}"
+                )
+
+    # --- unit conversions for the cost model ---------------------------------------------------
+    def peak_flops_per_us(self, dtype: str) -> float:
+        """Dense tensor-core FLOPs per µs for a GEMM dtype ("bf16" or "fp8")."""
+        if dtype == "fp8":
+            return self.fp8_tflops * 1e6
+        if dtype == "bf16":
+            return self.bf16_tflops * 1e6
+        raise ConfigError(f"unknown dtype {dtype!r}; expected bf16 or fp8")
+
+    @property
+    def hbm_bytes_per_us(self) -> float:
+        return self.hbm_gbps * 1e3
+
+    def link_bytes_per_us(self, link: str, effective: bool = False) -> float:
+        """Per-direction bandwidth of a link kind in bytes/µs (nominal, or DeepEP-achievable)."""
+        nominal = {"nvlink": self.nvlink_gbps, "rdma": self.rdma_gbps, "pcie": self.pcie_gbps}
+        if link not in nominal:
+            raise ConfigError(f"unknown link {link!r}; expected nvlink, rdma or pcie")
+        eff = {"nvlink": self.nvlink_eff_gbps, "rdma": self.rdma_eff_gbps}.get(link, 0.0)
+        return (eff if effective and eff > 0 else nominal[link]) * 1e3
+
+    def link_latency_us(self, link: str) -> float:
+        lat = {"nvlink": self.nvlink_lat_us, "rdma": self.rdma_lat_us, "pcie": self.pcie_lat_us}
+        if link not in lat:
+            raise ConfigError(f"unknown link {link!r}; expected nvlink, rdma or pcie")
+        return lat[link]
+
+
+# Host-side and latency constants shared by all presets (estimates, to be calibrated):
+#   launch_us 5: cudaLaunchKernel costs ~2-4 µs of CPU, PyTorch's op dispatch adds a few more.
+#   graph_launch_us 10: one cudaGraphLaunch of a whole decode step, CPU side.
+#   kernel_min_us 2: an empty kernel occupies the GPU ~2 µs (launch latency + drain).
+#   nvlink_lat_us 1, rdma_lat_us 3 (IB one-way ~1-2 µs + NIC/PCIe), pcie_lat_us 2 (small copy).
+_COMMON = dict(
+    launch_us=5.0,
+    graph_launch_us=10.0,
+    kernel_min_us=2.0,
+    nvlink_lat_us=1.0,
+    rdma_lat_us=3.0,
+    pcie_lat_us=2.0,
+    deepep_normal_sms=24,  # DeepEP Buffer.num_sms default 24 (= 12 channels, 2 SMs each)
+)
+
+_HOPPER = dict(
+    _COMMON,
+    arch="hopper",
+    num_sms=132,  # H100/H200/H800 SXM5: 132 SMs (NVIDIA Hopper architecture whitepaper)
+    bf16_tflops=989.4,  # H100 SXM datasheet: 1,979 TFLOPS BF16 with sparsity -> 989.4 dense
+    fp8_tflops=1978.9,  # H100 SXM datasheet: 3,958 TFLOPS FP8 with sparsity -> 1,979 dense
+    pcie_gbps=64.0,  # PCIe Gen5 x16: 128 GB/s bidirectional (datasheet) -> 64 per direction
+    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s, one NIC per GPU (DGX H100 / DeepSeek's H800 cluster)
+    rdma_eff_gbps=46.0,  # DeepEP README: ~43-58 GB/s RDMA bottleneck bandwidth measured on CX7
+    sbo_comm_sms=3,  # SGLang SBO: 3 communication SMs on Hopper (`32 if is_blackwell() else 3`)
+)
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU(
+        name="h100",
+        hbm_gbps=3350.0,  # H100 SXM datasheet: 3.35 TB/s HBM3
+        mem_gib=80.0,  # H100 SXM datasheet: 80 GB
+        nvlink_gbps=450.0,  # H100 SXM datasheet: NVLink 900 GB/s bidirectional
+        nvlink_eff_gbps=360.0,  # estimate: DeepEP's H800 ratio (160/200 = 0.8) applied
+        **_HOPPER,
+    ),
+    "h200": GPU(
+        name="h200",
+        hbm_gbps=4800.0,  # H200 SXM datasheet: 4.8 TB/s HBM3e
+        mem_gib=141.0,  # H200 SXM datasheet: 141 GB
+        nvlink_gbps=450.0,  # H200 SXM datasheet: NVLink 900 GB/s bidirectional
+        nvlink_eff_gbps=360.0,  # estimate: DeepEP's H800 ratio (160/200 = 0.8) applied
+        **_HOPPER,
+    ),
+    "h800": GPU(
+        name="h800",
+        hbm_gbps=3350.0,  # H800 SXM: same HBM3 as H100 SXM (3.35 TB/s)
+        mem_gib=80.0,
+        nvlink_gbps=200.0,  # H800: NVLink 400 GB/s bidirectional (export-limited H100)
+        nvlink_eff_gbps=160.0,  # DeepEP README: ~153-158 GB/s NVLink bottleneck bw on H800
+        **_HOPPER,  # same SMs and tensor throughput as H100 SXM
+    ),
+    "b200": GPU(
+        name="b200",
+        arch="blackwell",
+        num_sms=148,  # B200: 148 SMs (2 dies x 74), as reported by the CUDA device query
+        bf16_tflops=2250.0,  # HGX B200 datasheet: 36 PFLOPS BF16 sparse / 8 GPUs -> 2.25 dense
+        fp8_tflops=4500.0,  # HGX B200 datasheet: 72 PFLOPS FP8 sparse / 8 GPUs -> 4.5 dense
+        hbm_gbps=8000.0,  # B200 datasheet: 8 TB/s HBM3e
+        mem_gib=180.0,  # HGX B200 datasheet: 1,440 GB / 8 GPUs
+        nvlink_gbps=900.0,  # NVLink 5: 1.8 TB/s bidirectional per GPU
+        nvlink_eff_gbps=720.0,  # estimate: DeepEP's H800 ratio (0.8) applied
+        rdma_gbps=50.0,  # DGX/HGX B200: ConnectX-7 400 Gb/s per GPU
+        rdma_eff_gbps=46.0,  # estimate: as measured by DeepEP on CX7 (Hopper hosts)
+        pcie_gbps=64.0,  # PCIe Gen5 x16 per direction
+        sbo_comm_sms=32,  # SGLang SBO: 32 communication SMs on Blackwell
+        **_COMMON,
+    ),
+}
+
+
+def get_gpu(name: str, **overrides) -> GPU:
+    """A preset by name (case-insensitive), with fields replaced; validated again."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ConfigError(f"unknown gpu {name!r}; choose from {', '.join(GPUS)}")
+    known = {f.name for f in dataclasses.fields(GPU)}
+    for k in overrides:
+        if k not in known:
+            raise ConfigError(f"unknown gpu field {k!r}; fields are {', '.join(sorted(known))}")
+    return dataclasses.replace(GPUS[key], **overrides)
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Per-iteration host (CPU) costs of SGLang's scheduler loop, in µs.
+
+    ESTIMATES, order of magnitude only, chosen from the scale of SGLang's event loop (Python
+    scheduling and result processing dominate at large batch); they are placeholders to be replaced
+    by measurement (profiling the scheduler) and are never reported as measured.
+    """
+
+    recv_requests_us: float = 10.0  # recv_requests + process_input_requests, idle queue
+    schedule_base_us: float = 100.0  # get_next_batch_to_run: fixed part
+    schedule_per_req_us: float = 2.0  # per running request (prepare_for_decode, req_to_token)
+    process_result_base_us: float = 50.0  # process_batch_result: fixed part
+    process_result_per_req_us: float = 5.0  # per request (append token, check finish, logprobs)
+    detokenizer_send_us: float = 20.0  # stream_output: pickling + ZMQ send to the detokenizer
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise ConfigError(f"host cost {f.name} must be >= 0, got {getattr(self, f.name)}")
+
+    def schedule_us(self, num_reqs: int) -> float:
+        return self.schedule_base_us + self.schedule_per_req_us * num_reqs
+
+    def process_result_us(self, num_reqs: int) -> float:
+        return self.process_result_base_us + self.process_result_per_req_us * num_reqs
+
+
+HOST_COSTS = HostCosts()

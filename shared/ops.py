@@ -1,0 +1,500 @@
+"""The ops of one layer (and of the model's head) with their work, computed from the workload.
+
+Each op carries FLOPs, HBM bytes, dtype, op_class and SM demand; dispatch/combine carry the bytes
+this rank pushes over NVLink (peers in its node) and RDMA (other nodes). Op names follow the seeds
+(SGLang's DeepSeek operations): see MOE_OP_NAMES. Schedules take ops from here and never invent
+work (they may only narrow ``sms`` with ``dataclasses.replace``).
+
+Conventions and simplifications, stated once:
+- GEMM M is the micro-batch's ``padded_tokens``; attention work uses its real tokens (padding
+  rows of a CUDA graph attend over nothing worth counting).
+- A GEMM Y[m,n] = X[m,k] W[k,n] costs 2mkn FLOPs and reads W once (``gemm_dtype`` bytes per
+  weight; block scales ignored), reads X and writes Y in bf16.
+- Under DP attention with ``attn_tp > 1`` each rank computes ``heads/attn_tp`` heads for all the
+  micro-batch's tokens, and the MoE half runs on its ``1/attn_tp`` share of them (SGLang's
+  scattered layout). The attention-TP all-reduce / reduce-scatter / all-gather that this implies
+  lives in comm_prepare_mlp / comm_prepare_attn / comm_postprocess_layer and is NOT modeled as
+  link traffic yet (a note, not a flow).
+- Routing is balanced (a later issue adds real routing and imbalance): every rank sends and
+  receives the same number of token copies, and each of a token's top-k experts lands on an EP
+  rank independently and uniformly (choices with replacement; ignores that the k experts are
+  distinct and DeepSeek-V3's group-limited routing, which concentrate a token on fewer ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.program import Coll, Flow, Op
+from shared.schedules.common import MicroBatch
+from shared.workload import (
+    DTYPE_BYTES,
+    Batch,
+    Workload,
+    dense_layers,
+    moe_layers,
+    whole_batch,
+)
+
+__all__ = [
+    "DENSE_OP_NAMES",
+    "HEAD_OP_NAMES",
+    "MOE_OP_NAMES",
+    "AttnWork",
+    "Work",
+    "attn_work",
+    "combine_bytes_per_copy",
+    "dense_layers",
+    "dispatch_bytes_per_copy",
+    "expected_dest_ranks",
+    "head_ops",
+    "layer_ops",
+    "ll_num_sms",
+    "moe_layers",
+    "moe_tokens",
+    "traffic",
+    "whole_batch",
+]
+
+MOE_OP_NAMES: tuple[str, ...] = (
+    "comm_prepare_attn",
+    "attn.prepare",
+    "attn.core",
+    "comm_prepare_mlp",
+    "gate",
+    "select_experts",
+    "dispatch_a",
+    "dispatch_b",
+    "experts",
+    "combine_a",
+    "combine_b",
+    "shared_experts",
+    "output",
+    "comm_postprocess_layer",
+)
+DENSE_OP_NAMES: tuple[str, ...] = (
+    "comm_prepare_attn",
+    "attn.prepare",
+    "attn.core",
+    "comm_prepare_mlp",
+    "mlp",
+    "comm_postprocess_layer",
+)
+HEAD_OP_NAMES: tuple[str, ...] = ("embed", "logits", "sample", "d2h")
+
+ACT = 2  # activations are bf16
+FP8_SCALE_BLOCK = 128  # DeepEP / DeepGEMM: one fp32 scale per 128 fp8 values of a token
+
+
+# ----------------------------------------------------------------------------------------------
+# Work: FLOPs and HBM bytes, with the primitive formulas
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes)
+
+
+def gemm(m: float, k: int, n: int, wbytes: int, out_bytes: int = ACT) -> Work:
+    """Y[m,n] = X[m,k] W[k,n]: 2mkn FLOPs; W read once, X read and Y written once."""
+    if m <= 0:
+        return Work()
+    return Work(2.0 * m * k * n, k * n * wbytes + m * k * ACT + m * n * out_bytes)
+
+
+def bmm(m: float, heads: int, k: int, n: int, wbytes: int) -> Work:
+    """Per-head GEMM (MLA's W_UK / W_UV absorption): ``heads`` GEMMs of m x k x n."""
+    if m <= 0:
+        return Work()
+    return Work(2.0 * m * heads * k * n, heads * k * n * wbytes + m * heads * (k + n) * ACT)
+
+
+def rmsnorm(rows: float, width: int, residual: bool = False) -> Work:
+    """RMSNorm (fused with the residual add): reads x (+residual), writes y (+new residual)."""
+    tensors = 4 if residual else 2
+    return Work(5.0 * rows * width, tensors * rows * width * ACT)
+
+
+def elementwise(rows: float, width: int, reads: int, writes: int, flops_per: float = 1.0) -> Work:
+    """A memory-bound pass over ``rows x width`` bf16 values."""
+    return Work(flops_per * rows * width, (reads + writes) * rows * width * ACT)
+
+
+def mlp(rows: float, hidden: int, inter: int, wbytes: int) -> Work:
+    """Gated MLP: gate_up GEMM (hidden -> 2*inter), SiLU-and-mul, down GEMM (inter -> hidden)."""
+    if rows <= 0 or inter <= 0:
+        return Work()
+    act = elementwise(rows, inter, reads=2, writes=1, flops_per=4.0)
+    return gemm(rows, hidden, 2 * inter, wbytes) + act + gemm(rows, inter, hidden, wbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: what a micro-batch's tokens attend over
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnWork:
+    """Attention geometry of a token range of a batch (sequences may be cut, see split_seq).
+
+    A piece is the part of one sequence inside the range; ``cached`` for a piece is every token of
+    its sequence before the piece (prefix or KV cache, plus earlier pieces).
+    """
+
+    q_tokens: int  # query tokens (real, unpadded)
+    pairs: float  # causal query-key pairs: sum over pieces of n*cached + n(n+1)/2
+    ctx_tokens: int  # keys read: sum over pieces of cached + n
+    cached_tokens: int  # keys already in the KV cache: sum over pieces of cached
+    seq_ends: int  # pieces that hold their sequence's last token (rows of prefill logits)
+    pieces: int
+
+
+@lru_cache(maxsize=4096)
+def attn_work(batch: Batch, tok_lo: int, tok_hi: int) -> AttnWork:
+    """Sum the attention geometry of tokens [tok_lo, tok_hi) of ``batch``."""
+    offs = batch.token_offsets()
+    q = ctx = cached_sum = ends = pieces = 0
+    pairs = 0.0
+    for i in range(batch.num_seqs):
+        lo, hi = max(tok_lo, offs[i]), min(tok_hi, offs[i + 1])
+        if lo >= hi:
+            continue
+        n = hi - lo
+        cached = batch.seq_cached(i) + (lo - offs[i])
+        q += n
+        pairs += n * cached + n * (n + 1) / 2
+        ctx += cached + n
+        cached_sum += cached
+        ends += hi == offs[i + 1]
+        pieces += 1
+    return AttnWork(q, pairs, ctx, cached_sum, ends, pieces)
+
+
+def mla_prepare(w: Workload, rows: int) -> Work:
+    """q down/up projection (or q_proj without q_lora), kv_a (down) projection with its norm,
+    RoPE and the KV-cache write; decode adds the W_UK absorption (q_nope -> latent), prefill
+    the kv_b up-projection of the new tokens (non-absorbed MHA path)."""
+    m, h = w.model, w.heads_per_rank
+    wb, kvb = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype]
+    dqk, lat = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
+    if m.q_lora_rank:
+        q = gemm(rows, m.hidden, m.q_lora_rank, wb) + rmsnorm(rows, m.q_lora_rank)
+        q = q + gemm(rows, m.q_lora_rank, h * dqk, wb)
+    else:
+        q = gemm(rows, m.hidden, h * dqk, wb)
+    kv = gemm(rows, m.hidden, lat, wb) + rmsnorm(rows, m.kv_lora_rank)
+    rope = elementwise(rows, (h + 1) * m.qk_rope_dim, reads=1, writes=1, flops_per=6.0)
+    cache_write = Work(0.0, rows * lat * kvb)
+    if w.batch.mode == "decode":
+        extra = bmm(rows, h, m.qk_nope_dim, m.kv_lora_rank, wb)
+    else:
+        extra = gemm(rows, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
+    return q + kv + rope + cache_write + extra
+
+
+def mla_core(w: Workload, aw: AttnWork, rows: int) -> Work:
+    """Core attention + W_UV / o_proj. Decode: absorbed MLA (MQA over the kv_lora+rope latent,
+    read once per piece for all heads). Prefill: MHA with causal attention over prefix+extend,
+    the cached prefix latents up-projected by kv_b first."""
+    m, h = w.model, w.heads_per_rank
+    wb, kvb = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype]
+    dqk, lat = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
+    o_proj = gemm(rows, h * m.v_head_dim, m.hidden, wb)
+    if w.batch.mode == "decode":
+        qo = aw.q_tokens * h * (lat + m.kv_lora_rank) * ACT
+        core = Work(2.0 * h * aw.pairs * (lat + m.kv_lora_rank), aw.ctx_tokens * lat * kvb + qo)
+        return core + bmm(rows, h, m.kv_lora_rank, m.v_head_dim, wb) + o_proj
+    up = gemm(aw.cached_tokens, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
+    up = up + Work(0.0, aw.cached_tokens * lat * kvb)
+    qo = aw.q_tokens * h * (dqk + m.v_head_dim) * ACT
+    core = Work(
+        2.0 * h * aw.pairs * (dqk + m.v_head_dim),
+        aw.ctx_tokens * h * (dqk + m.v_head_dim) * ACT + qo,
+    )
+    return up + core + o_proj
+
+
+def gqa_prepare(w: Workload, rows: int) -> Work:
+    """Fused qkv projection, q/k RMSNorm (Qwen3), RoPE and the KV-cache write."""
+    m, hq, hkv = w.model, w.heads_per_rank, w.kv_heads_per_rank
+    wb, kvb, d = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype], m.head_dim
+    qkv = gemm(rows, m.hidden, (hq + 2 * hkv) * d, wb)
+    norm = rmsnorm(rows, (hq + hkv) * d) if m.qk_norm else Work()
+    rope = elementwise(rows, (hq + hkv) * d, reads=1, writes=1, flops_per=6.0)
+    return qkv + norm + rope + Work(0.0, rows * 2 * hkv * d * kvb)
+
+
+def gqa_core(w: Workload, aw: AttnWork, rows: int) -> Work:
+    """Causal attention (QK^T and PV: 4*d FLOPs per pair per q head; K and V read once per
+    piece per kv head) + o_proj."""
+    m, hq, hkv = w.model, w.heads_per_rank, w.kv_heads_per_rank
+    wb, kvb, d = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype], m.head_dim
+    kv_read = aw.ctx_tokens * 2 * hkv * d * kvb
+    core = Work(4.0 * hq * d * aw.pairs, kv_read + 2 * aw.q_tokens * hq * d * ACT)
+    return core + gemm(rows, hq * d, m.hidden, wb)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE: routing, experts and the traffic of dispatch/combine
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_tokens(w: Workload, mb: MicroBatch) -> int:
+    """Tokens of the micro-batch that this rank's MoE half handles (its attn-TP share)."""
+    return math.ceil(mb.padded_tokens / w.parallel.attn_tp)
+
+
+def router_gemm(w: Workload, rows: int) -> Work:
+    """gate: hidden x num_experts router GEMM in bf16 with fp32 logits (unquantized in V3)."""
+    return gemm(rows, w.model.hidden, w.model.num_experts, DTYPE_BYTES["bf16"], out_bytes=4)
+
+
+def select_experts_work(w: Workload, rows: int) -> Work:
+    """Top-k over the router logits (+ group scores and group top-k for DeepSeek-V3's
+    group-limited routing): reads fp32 logits, writes int32 ids and fp32 weights."""
+    e, k = w.model.num_experts, w.model.top_k
+    flops_per = 8.0 if w.model.group_limited else 4.0
+    return Work(flops_per * rows * e, rows * e * 4 + rows * k * 8)
+
+
+def expert_active_prob(w: Workload, rows: int) -> float:
+    """Chance a given expert receives at least one of the ``rows * ep`` tokens of the EP group
+    (each token picks ``top_k`` of ``num_experts``), i.e. that its weights are read."""
+    m, total = w.model, rows * w.parallel.ep
+    return 1.0 - (1.0 - m.top_k / m.num_experts) ** total
+
+
+def routed_experts(w: Workload, rows: int) -> Work:
+    """Grouped GEMM over the token copies this rank receives. Under symmetric balanced load a
+    rank receives as many copies as it sends: rows * top_k, i.e. rows * top_k / local_experts
+    per local expert (= rows * ep * top_k / num_experts). Weights of active experts are read."""
+    m, wb = w.model, DTYPE_BYTES[w.model.gemm_dtype]
+    copies = rows * m.top_k
+    if copies <= 0:
+        return Work()
+    flops = copies * 6.0 * m.hidden * m.expert_inter
+    weights = w.local_experts * expert_active_prob(w, rows) * 3 * m.hidden * m.expert_inter * wb
+    acts = copies * (m.hidden * (1 + ACT) + 3 * m.expert_inter * ACT + m.expert_inter)
+    return Work(flops, weights + acts)
+
+
+def expected_dest_ranks(ep: int, top_k: int) -> float:
+    """Distinct EP ranks a token goes to: R * (1 - (1 - 1/R)^k), each of its k experts landing
+    on a rank independently and uniformly (balanced routing, choices with replacement)."""
+    return ep * rank_hit_prob(ep, top_k)
+
+
+def rank_hit_prob(ep: int, top_k: int) -> float:
+    """Chance that a given EP rank holds at least one of a token's top-k experts."""
+    return 1.0 - (1.0 - 1.0 / ep) ** top_k
+
+
+def dispatch_bytes_per_copy(hidden: int) -> float:
+    """FP8 dispatch: hidden fp8 bytes + one fp32 scale per 128 values."""
+    return hidden + math.ceil(hidden / FP8_SCALE_BLOCK) * 4
+
+
+def combine_bytes_per_copy(hidden: int) -> float:
+    """BF16 combine: 2 bytes per hidden value."""
+    return 2.0 * hidden
+
+
+def ll_num_sms(num_experts: int, num_device_sms: int) -> int:
+    """SMs of DeepEP's low-latency kernels (csrc/kernels/internode_ll.cu):
+    num_warp_groups = ceil(E / device_sms); num_sms = ceil(E / num_warp_groups)."""
+    groups = math.ceil(num_experts / num_device_sms)
+    return math.ceil(num_experts / groups)
+
+
+def traffic(w: Workload, rows: int, per_copy: float, dedup: bool) -> dict[str, float]:
+    """Bytes this rank sends for ``rows`` tokens, split into "local" (itself, no flow),
+    "nvlink" (the other gpus_per_node-1 ranks of its node) and "rdma" (other nodes).
+
+    low-latency (no dedup): one copy per (token, expert): k/R copies per token per rank.
+    normal (dedup): one copy per (token, destination rank): P(rank hit) copies per token per rank.
+    (DeepEP's internode normal kernels go further, sending one RDMA copy per destination node
+    and forwarding over NVLink there; not modeled yet.)
+    """
+    r, k = w.parallel.ep, w.model.top_k
+    per_rank = rank_hit_prob(r, k) if dedup else k / r
+    g = w.parallel.node_peers
+    unit = rows * per_rank * per_copy
+    return {"local": unit, "nvlink": unit * (g - 1), "rdma": unit * (r - g)}
+
+
+def _flows(t: dict[str, float]) -> tuple[Flow, ...]:
+    return tuple(Flow(link, t[link]) for link in ("nvlink", "rdma") if t[link] > 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Assembling the ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve_mode(w: Workload, deepep_mode: str) -> str:
+    if deepep_mode == "auto":
+        return "low_latency" if w.batch.mode == "decode" else "normal"
+    if deepep_mode not in ("normal", "low_latency"):
+        raise ConfigError(f"deepep_mode must be normal, low_latency or auto, got {deepep_mode!r}")
+    return deepep_mode
+
+
+def _check_mb(w: Workload, mb: MicroBatch) -> None:
+    b = w.batch
+    if not (
+        0 <= mb.tok_lo <= mb.tok_hi <= b.num_tokens and 0 <= mb.seq_lo <= mb.seq_hi <= b.num_seqs
+    ):
+        raise ConfigError(f"micro-batch {mb.index} lies outside the batch: {mb}")
+    if mb.padded_tokens < mb.tokens:
+        raise ConfigError(f"micro-batch {mb.index}: padded_tokens < tokens ({mb})")
+
+
+class _Maker:
+    """Stamps layer / micro-batch / step / tokens on every op of one call."""
+
+    def __init__(self, layer: int | None, mb: MicroBatch, step: int | None):
+        self.layer, self.mb, self.step = layer, mb, step
+
+    def __call__(self, name: str, work: Work = Work(), **kw) -> Op:
+        return Op(
+            name,
+            layer=self.layer,
+            mb=self.mb.index,
+            step=self.step,
+            tokens=self.mb.padded_tokens,
+            flops=float(work.flops),
+            hbm_bytes=float(work.hbm_bytes),
+            **kw,
+        )
+
+    def key(self, what: str) -> str:
+        return f"s{self.step}.L{self.layer}.mb{self.mb.index}.{what}"
+
+
+def _attention_ops(w: Workload, mb: MicroBatch, mk: _Maker) -> dict[str, Op]:
+    m, rows = w.model, mb.padded_tokens
+    aw = attn_work(w.batch, mb.tok_lo, mb.tok_hi)
+    if m.attention == "mla":
+        prep, core = mla_prepare(w, rows), mla_core(w, aw, rows)
+    else:
+        prep, core = gqa_prepare(w, rows), gqa_core(w, aw, rows)
+    return {
+        "comm_prepare_attn": mk("comm_prepare_attn", rmsnorm(rows, m.hidden, residual=True)),
+        "attn.prepare": mk("attn.prepare", prep, dtype=m.gemm_dtype, op_class="gemm"),
+        "attn.core": mk("attn.core", core, dtype=m.attn_dtype, op_class="attention"),
+    }
+
+
+def _comm_pair(w: Workload, gpu: GPU, mk: _Maker, what: str, rows: int, mode: str):
+    """The two halves of dispatch or combine. low_latency: *_a sends (DeepEP LL grid), *_b is
+    the recv hook (the same grid, recv phase: waits for arrival, unpacks). normal: *_a sends
+    and receives holding deepep_normal_sms; *_b is an empty completion marker."""
+    m = w.model
+    dispatch = what == "dispatch"
+    per_copy = dispatch_bytes_per_copy(m.hidden) if dispatch else combine_bytes_per_copy(m.hidden)
+    t = traffic(w, rows, per_copy, dedup=mode == "normal")
+    sent = t["local"] + t["nvlink"] + t["rdma"]  # == received, by symmetry
+    dtype, key = ("fp8" if dispatch else "bf16"), mk.key(what)
+    common = dict(kind="comm", op_class="comm", dtype=dtype)
+    if mode == "low_latency":
+        sms = ll_num_sms(m.num_experts, gpu.num_sms)
+        src = rows * m.hidden * ACT if dispatch else rows * m.top_k * m.hidden * ACT
+        a = mk(
+            f"{what}_a", Work(0.0, src + sent), sms=sms, coll=Coll(key, "send", _flows(t)), **common
+        )
+        b = mk(f"{what}_b", Work(0.0, 2 * sent), sms=sms, coll=Coll(key, "recv"), **common)
+    else:
+        sms = gpu.deepep_normal_sms
+        a = mk(
+            f"{what}_a",
+            Work(0.0, 2 * sent),
+            sms=sms,
+            coll=Coll(key, "sendrecv", _flows(t)),
+            **common,
+        )
+        b = mk(f"{what}_b", sms=0, coll=Coll(key, "recv"), **common)
+    return {a.name: a, b.name: b}
+
+
+def _moe_ops(w: Workload, gpu: GPU, mb: MicroBatch, mk: _Maker, mode: str) -> dict[str, Op]:
+    m, rows = w.model, moe_tokens(w, mb)
+    wb = DTYPE_BYTES[m.gemm_dtype]
+    ops = {
+        "comm_prepare_mlp": mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True)),
+        "gate": mk("gate", router_gemm(w, rows), op_class="gemm"),
+        "select_experts": mk("select_experts", select_experts_work(w, rows)),
+    }
+    ops.update(_comm_pair(w, gpu, mk, "dispatch", rows, mode))
+    ops["experts"] = mk(
+        "experts", routed_experts(w, rows), dtype=m.gemm_dtype, op_class="grouped_gemm"
+    )
+    ops.update(_comm_pair(w, gpu, mk, "combine", rows, mode))
+    shared = mlp(rows, m.hidden, m.shared_inter, wb)  # zero work without shared experts (Qwen3)
+    ops["shared_experts"] = mk("shared_experts", shared, dtype=m.gemm_dtype, op_class="gemm")
+    ops["output"] = mk("output", elementwise(rows, m.hidden, reads=2, writes=1))
+    ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
+    return ops
+
+
+def _postprocess(w: Workload, rows: int) -> Work:
+    """Residual add of the layer output. With attn_tp > 1 SGLang also gathers the scattered
+    tokens here (an all-gather over the attention-TP group): not modeled as traffic yet."""
+    return elementwise(rows, w.model.hidden, reads=2, writes=1)
+
+
+def layer_ops(
+    w: Workload,
+    gpu: GPU,
+    layer: int,
+    mb: MicroBatch,
+    *,
+    deepep_mode: str = "auto",
+    step: int | None = None,
+) -> dict[str, Op]:
+    """The ops of one layer for one micro-batch, keyed (and ordered) as MOE_OP_NAMES or, for the
+    first dense layers, DENSE_OP_NAMES. ``deepep_mode`` "auto" resolves as SGLang does."""
+    mode = _resolve_mode(w, deepep_mode)
+    _check_mb(w, mb)
+    mk = _Maker(layer, mb, step)
+    ops = _attention_ops(w, mb, mk)
+    if w.model.is_moe_layer(layer):
+        ops.update(_moe_ops(w, gpu, mb, mk, mode))
+        return ops
+    m, rows = w.model, moe_tokens(w, mb)
+    ops["comm_prepare_mlp"] = mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True))
+    # Dense MLP computed whole on each rank (SGLang's moe_dense_tp_size=1 under DP attention).
+    dense = mlp(rows, m.hidden, m.dense_inter, DTYPE_BYTES[m.gemm_dtype])
+    ops["mlp"] = mk("mlp", dense, dtype=m.gemm_dtype, op_class="gemm")
+    ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
+    return ops
+
+
+def head_ops(w: Workload, gpu: GPU, mb: MicroBatch, step: int | None = None) -> dict[str, Op]:
+    """embed (before layer 0), logits (final norm + lm_head, bf16 in every preset), sample and
+    d2h (the non-blocking copy of the sampled int32 ids to the host, over PCIe, no SMs).
+    Prefill computes logits only for the last token of each sequence ending in the micro-batch;
+    decode for every token (MTP / verify needs them all)."""
+    _check_mb(w, mb)
+    m, mk = w.model, _Maker(None, mb, step)
+    if w.batch.mode == "prefill":
+        rows = attn_work(w.batch, mb.tok_lo, mb.tok_hi).seq_ends
+    else:
+        rows = mb.padded_tokens
+    embed = Work(0.0, 2 * mb.padded_tokens * m.hidden * ACT)  # gather rows, write them
+    logits = rmsnorm(rows, m.hidden) + gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
+    sample = Work(5.0 * rows * m.vocab, rows * m.vocab * 4 + rows * 8)
+    return {
+        "embed": mk("embed", embed),
+        "logits": mk("logits", logits, op_class="gemm"),
+        "sample": mk("sample", sample, op_class="sampling"),
+        "d2h": mk("d2h", Work(0.0, rows * 4), kind="copy", op_class="copy", sms=0),
+    }

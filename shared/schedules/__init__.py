@@ -1,0 +1,65 @@
+"""The schedules, one module per system; each exposes SEED, SUMMARY and build(workload, gpu, cfg).
+
+A schedule is a pure function from a frozen configuration to a Program: it reads no environment,
+probes no device and imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from shared.errors import ConfigError
+from shared.schedules.common import MicroBatch, ScheduleConfig
+
+__all__ = ["SCHEDULES", "MicroBatch", "ScheduleConfig", "build", "describe", "module"]
+
+SCHEDULES: dict[str, str] = {
+    "serial": "shared.schedules.serial",
+    "sglang-overlap": "shared.schedules.sglang_overlap",
+    "sbo": "shared.schedules.sbo",
+    "tbo": "shared.schedules.tbo",
+    "tbo+sbo": "shared.schedules.tbo_sbo",
+    "lightllm": "shared.schedules.lightllm",
+    "vllm-dbo": "shared.schedules.vllm_dbo",
+    "deepseek": "shared.schedules.deepseek",
+    "pp": "shared.schedules.pp",
+}
+
+
+def available() -> list[str]:
+    """Schedule names whose module is present (all of them once the project is complete)."""
+    out = []
+    for name, mod in SCHEDULES.items():
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        out.append(name)
+    return out
+
+
+def module(name: str):
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    try:
+        return importlib.import_module(SCHEDULES[name])
+    except ModuleNotFoundError as e:
+        if e.name == SCHEDULES[name]:
+            raise ConfigError(f"schedule {name!r} is not implemented yet") from None
+        raise
+
+
+def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
+    """Emit the Program of schedule ``name`` for a workload on a GPU."""
+    return module(name).build(workload, gpu, cfg or ScheduleConfig())
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, seed, one-line summary) for every implemented schedule."""
+    out = []
+    for name in available():
+        m = module(name)
+        out.append((name, m.SEED, m.SUMMARY))
+    return out

@@ -1,0 +1,207 @@
+"""SGLang pipeline parallelism: ``Scheduler.event_loop_pp`` on every PP rank (seed 004, v0.4.9).
+
+Each PP rank holds a contiguous slice of the layers (``get_pp_indices``, shared/ops_pp.py) and runs
+its own scheduler loop over ``pp_size`` micro-batches (``mbs``, ``last_mbs``, ``bids``), walked
+round robin. Per micro-batch iteration ``mb_id`` (``next_mb_id = (mb_id + 1) % pp_size``):
+
+1. ``recv_requests`` + ``process_input_requests`` + ``get_next_batch_to_run``: rank 0 reads the
+   tokenizer's socket; every other rank receives the requests its predecessor forwards
+   (``point_to_point_pyobj``).
+2. ``run_batch``: a non-first rank first receives the hidden states (``recv_tensor_dict``: metadata
+   over the CPU group, tensors over the device group, send-allgather inside attention TP); then the
+   forward of its layers; the last rank samples.
+3. last rank: ``send_tensor_dict(next_token_ids [+ logprobs])`` to rank 0 (``dst = (rank+1) % N``).
+4. if ``mbs[next_mb_id]`` exists: ``recv_tensor_dict`` of that micro-batch's outputs from the
+   previous rank (rank 0: from the last), then ``process_batch_result``, whose ``.tolist()`` blocks
+   the host until the current stream (this iteration's forward included) has finished: the
+   CPU-GPU overlap scheduler is off under PP.
+5. non-last rank: forward the outputs received in the previous iteration (``pp_outputs``, the ring
+   relay: one micro-batch iteration later), forward the requests, send the hidden states on.
+
+Every rank thus receives every micro-batch's next_token_ids once, one hop per micro-batch
+iteration around the ring last -> 0 -> 1 -> ... -> last. The simulated window is
+``cfg.iterations`` rounds of the ``while True`` loop; the receive that would pair with a send
+after the window (non-first ranks, last iteration) is left out.
+
+Streams: ``main`` (forward), ``pp_recv`` and ``pp_send`` (PyTorch gives each point-to-point pair
+its own NCCL communicator and stream; a send waits for the current stream first, the current
+stream waits for a receive).
+"""
+
+from __future__ import annotations
+
+from shared.builder import RankBuilder, ThreadBuilder, program
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import head_ops, layer_ops, whole_batch
+from shared.ops_pp import (
+    PP_HOST_COSTS,
+    allgather_op,
+    hidden_bytes,
+    output_bytes,
+    p2p_pair,
+    pp_layer_split,
+)
+from shared.program import Op, Program
+from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.schedules.serial import launch_all
+from shared.workload import Workload
+
+SEED = "004 (SCHEDULES.md §7)"
+SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"
+STREAMS = ("main", "pp_recv", "pp_send")
+
+
+def micro_batch(w: Workload, k: int) -> MicroBatch:
+    """Micro-batch k: one whole ScheduleBatch of the workload's batch (every mb alike)."""
+    whole = whole_batch(w)
+    return MicroBatch(k, whole.seq_lo, whole.seq_hi, whole.tok_lo, whole.tok_hi, whole.padded_tokens)
+
+
+def stage_ops(w: Workload, gpu: GPU, mb: MicroBatch, layers: range, *, first: bool, last: bool,
+              mode: str, step: int) -> list[Op]:
+    """The forward of one stage: embed on the first, its layers, logits + sample on the last."""
+    head = head_ops(w, gpu, mb, step=step)
+    ops: list[Op] = [head["embed"]] if first else []
+    for layer in layers:
+        ops += layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step).values()
+    if last:
+        ops += [head["logits"], head["sample"]]
+    return ops
+
+
+def out_key(g: int, src: int, dst: int) -> str:
+    return f"pp.out.g{g}.r{src}to{dst}"
+
+
+def hidden_key(g: int, src: int) -> str:
+    return f"pp.hidden.g{g}.r{src}to{src + 1}"
+
+
+class _Loop:
+    """Emits the rank's scheduler thread, iteration by iteration."""
+
+    def __init__(self, w: Workload, gpu: GPU, cfg: ScheduleConfig, rank: int):
+        self.w, self.gpu, self.cfg, self.r = w, gpu, cfg, rank
+        self.pp = w.parallel.pp
+        self.first, self.last = rank == 0, rank == self.pp - 1
+        self.M = cfg.micro_batches or self.pp
+        self.G = cfg.iterations * self.M
+        self.layers = pp_layer_split(w.model, self.pp)[rank]
+        self.mode = cfg.resolved_deepep_mode(w.batch.mode)
+        self.graph = cfg.use_cuda_graph(w.batch.mode)
+        self.nseq = w.batch.num_seqs
+        self.out_nbytes = output_bytes(self.nseq, cfg.return_logprob)
+        self.rb = RankBuilder(rank, STREAMS)
+        self.t: ThreadBuilder = self.rb.thread("scheduler")
+        self.host = PP_HOST_COSTS
+
+    # -- receiving and sending tensor dicts ---------------------------------------------------
+    def _recv(self, what: str, nbytes: float, key: str, src: int, mb: int, step: int) -> None:
+        t = self.t
+        t.host("recv_object", self.host.recv_object_us, mb=mb, step=step)  # metadata, CPU group
+        _, recv = p2p_pair(self.w, what, nbytes, src=src, dst=self.r, key=key, mb=mb, step=step)
+        t.launch(recv, "pp_recv")
+        ag = allgather_op(self.w, what, nbytes, key=f"{key}.ag.r{self.r}", mb=mb, step=step)
+        if ag is not None:
+            t.launch(ag, "pp_recv")
+        t.wait_stream("main", "pp_recv")
+
+    def _send(self, what: str, nbytes: float, key: str, dst: int, mb: int, step: int) -> None:
+        t = self.t
+        t.host("send_object", self.host.send_object_us, mb=mb, step=step)
+        send, _ = p2p_pair(self.w, what, nbytes, src=self.r, dst=dst, key=key, mb=mb, step=step)
+        t.wait_stream("pp_send", "main")  # NCCL send is ordered after the current stream
+        t.launch(send, "pp_send")
+
+    def _recv_outputs_key(self, g: int) -> str | None:
+        """Which send the receive at the end of iteration g pairs with (None: outside window)."""
+        if g < self.M - 1:
+            return None  # mbs[next_mb_id] is still None in the first round
+        if self.first:
+            return out_key(g - (self.M - 1), self.pp - 1, 0)  # the last rank's g-(M-1) send
+        if g + 1 >= self.G:
+            return None  # the predecessor forwards it in iteration g+1, after the window
+        return out_key(g + 1, self.r - 1, self.r)  # relayed by the predecessor next iteration
+
+    # -- one micro-batch iteration ------------------------------------------------------------
+    def iteration(self, g: int, relayed: bool) -> bool:
+        """Emit iteration g; return whether outputs were received (pp_outputs for g+1)."""
+        w, t, k = self.w, self.t, g % self.M
+        mb = micro_batch(w, k)
+        # 1. requests and scheduling
+        if self.first:
+            t.host("recv_requests", self.cfg.host.recv_requests_us, mb=k, step=g)
+        else:
+            t.host("recv_reqs_pyobj", self.host.pyobj_us, mb=k, step=g)
+        t.host("schedule", self.cfg.host.schedule_us(self.nseq), mb=k, step=g)
+        # 2. run_batch (forward_batch_generation)
+        if not self.first:
+            self._recv("hidden", hidden_bytes(w, mb), hidden_key(g, self.r - 1), self.r - 1, k, g)
+        ops = stage_ops(w, self.gpu, mb, self.layers, first=self.first, last=self.last,
+                        mode=self.mode, step=g)
+        launch_all(t, ops, "main", graph=f"forward.g{g}" if self.graph else None)
+        # 3. last rank: next_token_ids (+ logprobs) to rank 0
+        if self.last:
+            self._send("out", self.out_nbytes, out_key(g, self.r, 0), 0, k, g)
+        # 4. outputs of the next micro-batch, then process_batch_result
+        key = self._recv_outputs_key(g)
+        received = key is not None
+        if received:
+            nxt = (g + 1) % self.M
+            src = self.pp - 1 if self.first else self.r - 1
+            self._recv("out", self.out_nbytes, key, src, nxt, g)
+            t.record(f"outputs.g{g}", "main")
+            t.sync(f"outputs.g{g}")  # .tolist(): waits for this iteration's forward too
+            t.host("process_result", self.cfg.host.process_result_us(self.nseq), mb=nxt, step=g)
+            if self.first:  # stream_output: only pp rank 0 (attn-TP rank 0) owns the socket
+                t.host("detokenizer_send", self.cfg.host.detokenizer_send_us, mb=nxt, step=g)
+        # 5. non-last rank: relay outputs, forward requests, send hidden states on
+        if not self.last:
+            if relayed:
+                self._send("out", self.out_nbytes, out_key(g, self.r, self.r + 1), self.r + 1, k, g)
+            t.host("send_reqs_pyobj", self.host.pyobj_us, mb=k, step=g)
+            self._send("hidden", hidden_bytes(w, mb), hidden_key(g, self.r), self.r + 1, k, g)
+        return received
+
+    def run(self) -> RankBuilder:
+        pp_outputs = False
+        for g in range(self.G):
+            pp_outputs = self.iteration(g, pp_outputs)
+        return self.rb
+
+
+def _check(w: Workload, cfg: ScheduleConfig) -> None:
+    if w.parallel.pp < 2:
+        raise ConfigError("pp needs --pp-size >= 2 (event_loop_pp runs only when pp_size > 1)")
+    if cfg.micro_batches is not None and cfg.micro_batches < w.parallel.pp:
+        raise ConfigError(
+            f"pp needs --micro-batches >= --pp-size {w.parallel.pp}: with fewer, event_loop_pp "
+            "deadlocks (a rank waits for outputs relayed by its predecessor one iteration later, "
+            "which waits for hidden states this rank sends only after that wait)"
+        )
+    split = pp_layer_split(w.model, w.parallel.pp)
+    if sum(len(s) for s in split) != w.model.num_layers:  # pragma: no cover - by construction
+        raise ConfigError("PP layer slices do not cover the model")
+
+
+def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
+    _check(w, cfg)
+    pp = w.parallel.pp
+    loops = [_Loop(w, gpu, cfg, r) for r in range(pp)]
+    ranks = [lp.run() for lp in loops]
+    lp = loops[0]
+    return program(
+        ranks,
+        world=pp,
+        symmetric=False,
+        schedule="pp",
+        pp_size=pp,
+        micro_batches=[micro_batch(w, k).as_meta() for k in range(lp.M)],
+        iterations=cfg.iterations,
+        layer_split=[[s.start, s.stop] for s in pp_layer_split(w.model, pp)],
+        return_logprob=cfg.return_logprob,
+        deepep_mode=lp.mode,
+        cuda_graph=lp.graph,
+        overlap_schedule=False,
+    )

@@ -1,0 +1,325 @@
+"""SGLang Single Batch Overlap (SBO) [seed 000 §4; single_batch_overlap.py, deepseek_v2.py].
+
+Inside each MoE layer of one (unsplit) batch, with DeepEP's low-latency kernels:
+
+    SM partition (compute_overlap_args): comm = SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS, else the
+    GPU preset (3 Hopper, 32 Blackwell); compute = total - comm.
+
+    mode 1, combine <-> down GEMM (two streams, signal tensor):
+      main: dispatch_a | dispatch_b | gate_up GEMM | rec start | down[0] rec sig0 | down[1] ...
+      alt:                                      wait start | wait sig0 combine[0] | wait sig1 ...
+      The down GEMM runs on the compute SMs and raises a signal per finished block (Hopper:
+      num_local_experts x ceil(rows/64) int32, block_m 64; Blackwell: one uint32 per local
+      expert); the combine kernel on the comm SMs sends each block as soon as it is signalled.
+    mode 2, combine <-> shared experts (two streams):
+      main: experts | rec down | shared experts (compute SMs)
+      alt:                wait down | combine (comm SMs)
+    mode 3, dispatch <-> shared experts (one stream): the shared experts run in DeepEP's dispatch
+      hook, between the send (dispatch_a) and the receive hook (dispatch_b).
+    combine_b (with the combine on alt): alt waits main, hook() waits for the traffic, main
+      waits alt.
+
+SGLang switches the three on by hardware (SboFlags): mode 1 with DeepGEMM on Hopper or CuteDSL,
+mode 3 on every non-Blackwell GPU, mode 2 where mode 3 is off. Mode 1 never runs alone there:
+its shared experts go where the GPU's companion mode puts them (Hopper: the dispatch hook of
+mode 3; Blackwell: after the down GEMM on the compute SMs, mode 2's pre-combine hook). So
+``--sbo-mode 1`` is SGLang's Hopper+DeepGEMM (1+3) or Blackwell+CuteDSL (1+2) configuration,
+``2`` its Blackwell+DeepGEMM one and ``3`` Hopper without a signalling down GEMM; modes 2 on
+Hopper and 3 on Blackwell are what-ifs SGLang itself does not run (meta ``sbo_upstream``).
+
+Modelling choice, stated once: the signals are grouped into at most ``MAX_STREAM_CHUNKS``
+chunks, each a slice of the down GEMM recorded as an event and a slice of the combine waiting on
+it (same collective key, so the receive hook still waits for all of it). The granularity sets
+how much of the combine is left exposed after the GEMM (one chunk's worth); it is fixed here and
+never tuned per experiment. Rows per local expert are the expected token copies it receives
+(``moe_tokens * top_k / local_experts``, = the batch's tokens for DeepSeek-V3 at EP 32); the
+static signal tensor is larger (the LL buffer's capacity) but only blocks holding tokens signal.
+
+SBO needs DeepEP's low-latency combine: a batch on the normal kernels (prefill) runs unchanged
+with a ``fallback_reason``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from shared.builder import program
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import head_ops, layer_ops, whole_batch
+from shared.program import Coll, Flow, GpuInstr, Launch, Op, Program, Record, Wait, WaitStream
+from shared.schedules import serial
+from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.schedules.stages import forward_step, launches
+from shared.workload import Workload
+
+SEED = "000 §4"
+SUMMARY = (
+    "SGLang SBO: inside each MoE layer, combine on an alt stream with few SMs against the down "
+    "GEMM (1, block signals) or shared experts (2); shared experts in the dispatch hook (3)"
+)
+
+SIGNAL_BLOCK_M = 64  # Hopper: DeepGEMM's MIN_BLOCK_M, one int32 signal per 64-row block
+MAX_STREAM_CHUNKS = 4  # mode 1: signals grouped into at most this many chunks (see docstring)
+MAIN, ALT = "main", "alt"
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: which overlaps run and on how many SMs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SboPlan:
+    """What compute_overlap_args and SboFlags decide for one GPU and mode."""
+
+    mode: int
+    arch: str
+    num_sms: int
+    comm_sms: int
+    stream_down_gemm: bool  # mode 1: combine streams blocks of the down GEMM
+    combine_on_alt: bool  # modes 1 and 2: combine on the alt stream with comm_sms
+    shared_in_dispatch_hook: bool  # mode 3 (and mode 1's Hopper companion)
+    shared_after_down: bool  # mode 2 (and mode 1's Blackwell companion), on compute SMs
+
+    @property
+    def compute_sms(self) -> int:
+        return self.num_sms - self.comm_sms
+
+    @property
+    def overlaps(self) -> list[str]:
+        out = []
+        if self.stream_down_gemm:
+            out.append("combine<->down_gemm")
+        if self.shared_after_down:
+            out.append("combine<->shared_experts")
+        if self.shared_in_dispatch_hook:
+            out.append("dispatch<->shared_experts")
+        return out
+
+    @property
+    def upstream(self) -> bool:
+        """Whether SGLang itself runs this combination on this architecture (SboFlags)."""
+        return not (self.mode == 2 and self.arch != "blackwell") and not (
+            self.mode == 3 and self.arch == "blackwell"
+        )
+
+    def meta(self) -> dict:
+        return {
+            "sbo_mode": self.mode,
+            "sbo_overlaps": self.overlaps,
+            "sbo_upstream": self.upstream,
+            "comm_sms": self.comm_sms,
+            "compute_sms": self.compute_sms,
+        }
+
+
+def comm_sms(gpu: GPU, cfg: ScheduleConfig) -> int:
+    """cfg.comm_sms (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS) or the preset (3 Hopper, 32 Blackwell)."""
+    n = gpu.sbo_comm_sms if cfg.comm_sms is None else cfg.comm_sms
+    if not 1 <= n < gpu.num_sms:
+        raise ConfigError(f"--comm-sms must lie in 1..{gpu.num_sms - 1} on {gpu.name}, got {n}")
+    return n
+
+
+def plan(gpu: GPU, cfg: ScheduleConfig) -> SboPlan:
+    mode, hopper = cfg.sbo_mode, gpu.arch != "blackwell"
+    return SboPlan(
+        mode=mode,
+        arch=gpu.arch,
+        num_sms=gpu.num_sms,
+        comm_sms=comm_sms(gpu, cfg),
+        stream_down_gemm=mode == 1,
+        combine_on_alt=mode in (1, 2),
+        shared_in_dispatch_hook=mode == 3 or (mode == 1 and hopper),
+        shared_after_down=mode == 2 or (mode == 1 and not hopper),
+    )
+
+
+def signal_count(w: Workload, gpu: GPU, padded_tokens: int) -> int:
+    """Signals the down GEMM raises for a (micro-)batch of ``padded_tokens``: Blackwell one per
+    local expert; Hopper one per 64-row block of each local expert (experts x ceil(rows / 64))."""
+    if gpu.arch == "blackwell":
+        return w.local_experts
+    moe_rows = math.ceil(padded_tokens / w.parallel.attn_tp)  # ops.moe_tokens
+    rows = math.ceil(moe_rows * w.model.top_k / w.local_experts)
+    return w.local_experts * math.ceil(rows / SIGNAL_BLOCK_M)
+
+
+def stream_chunks(signals: int) -> list[float]:
+    """Fractions of the down GEMM / combine in each chunk: signals spread over at most
+    MAX_STREAM_CHUNKS chunks as evenly as whole signals allow."""
+    k = min(signals, MAX_STREAM_CHUNKS)
+    sizes = [signals // k + (1 if i < signals % k else 0) for i in range(k)]
+    return [s / signals for s in sizes]
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting ops' work (never inventing it)
+# ----------------------------------------------------------------------------------------------
+
+
+def split_experts(op: Op) -> tuple[Op, Op]:
+    """The routed-experts op as its gate-up GEMM (+ SiLU-and-mul) and its down GEMM.
+
+    Per token copy a SwiGLU expert does gate+up = 2·h·i·2 FLOPs and down = h·i·2, so the down
+    GEMM is 1/3 of the FLOPs; it also holds 1/3 of the weights (h·i of 3·h·i), which dominate the
+    bytes, so the HBM bytes are split in the same 2:1 ratio.
+    """
+    gate_up = replace(
+        op, name=f"{op.name}.gate_up", flops=op.flops * 2 / 3, hbm_bytes=op.hbm_bytes * 2 / 3
+    )
+    down = replace(op, name=f"{op.name}.down", flops=op.flops / 3, hbm_bytes=op.hbm_bytes / 3)
+    return gate_up, down
+
+
+def _scaled_coll(c: Coll | None, f: float) -> Coll | None:
+    if c is None:
+        return None
+    return Coll(c.key, c.role, tuple(Flow(x.link, x.nbytes * f, x.dst) for x in c.flows))
+
+
+def split_op(op: Op, fractions: list[float], **kw) -> list[Op]:
+    """``op`` cut into pieces named ``name.k`` doing ``fractions[k]`` of its work and traffic
+    (flows keep the collective key, so a receive half waits for every piece)."""
+    return [
+        replace(
+            op,
+            name=f"{op.name}.{k}",
+            flops=op.flops * f,
+            hbm_bytes=op.hbm_bytes * f,
+            coll=_scaled_coll(op.coll, f),
+            **kw,
+        )
+        for k, f in enumerate(fractions)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Lowering of the MoE ops: shared by sbo and tbo+sbo
+# ----------------------------------------------------------------------------------------------
+
+
+def _ev(op: Op, what: str) -> str:
+    return f"s{op.step}.L{op.layer}.mb{op.mb}.sbo.{what}"
+
+
+def lower_experts(p: SboPlan, experts: Op, signals: int) -> list[GpuInstr]:
+    """Routed experts on main. Mode 1: gate-up on all SMs, DownGemmOverlapArgs.start_event,
+    then the down GEMM on the compute SMs, a signal (event) after each chunk. Mode 2: the whole
+    experts op, then ``record_event_after_down`` (recorded in the pre-combine hook)."""
+    if p.stream_down_gemm:
+        gate_up, down = split_experts(experts)
+        out: list[GpuInstr] = [Launch(gate_up, MAIN), Record(_ev(experts, "start"), MAIN)]
+        for k, piece in enumerate(split_op(down, stream_chunks(signals), sms=p.compute_sms)):
+            out += [Launch(piece, MAIN), Record(_ev(experts, f"sig{k}"), MAIN)]
+        return out
+    out = [Launch(experts, MAIN)]
+    if p.combine_on_alt:
+        out.append(Record(_ev(experts, "down_done"), MAIN))
+    return out
+
+
+def lower_combine_a(p: SboPlan, combine_a: Op, experts: Op, signals: int) -> list[GpuInstr]:
+    """combine_a: on alt with the comm SMs after ``alt.wait_event(wait_event)``; in mode 1 one
+    piece per signal chunk, each waiting for its signal, then a record once the last piece is
+    sent (see lower_combine_b). Mode 3 alone: on main, unchanged."""
+    if not p.combine_on_alt:
+        return [Launch(combine_a, MAIN)]
+    if not p.stream_down_gemm:
+        return [
+            Wait(ALT, _ev(experts, "down_done")),
+            Launch(replace(combine_a, sms=p.comm_sms), ALT),
+        ]
+    out: list[GpuInstr] = [Wait(ALT, _ev(experts, "start"))]
+    for k, piece in enumerate(split_op(combine_a, stream_chunks(signals), sms=p.comm_sms)):
+        out += [Wait(ALT, _ev(experts, f"sig{k}")), Launch(piece, ALT)]
+    return out + [Record(_ev(experts, "sent"), ALT)]
+
+
+def lower_combine_b(p: SboPlan, combine_b: Op, experts: Op) -> list[GpuInstr]:
+    """combine_b: alt.wait_stream(main); hook() on main waits for the traffic; main waits alt.
+
+    Mode 1 adds one wait before the hook: main waits until the last send piece has run. The real
+    send is one kernel, resident on its comm SMs from the start event on; our pieces ask for SMs
+    one after another, so a receive hook issued first could take the SMs a later piece needs and
+    spin forever on data that piece has yet to send. With the wait the hook starts once everything
+    is sent, when it would otherwise only have been spinning (main has nothing else queued), so
+    the timing is the same and the chunked model cannot deadlock.
+    """
+    if not p.combine_on_alt:
+        return [Launch(combine_b, MAIN)]
+    hook = [Launch(combine_b, MAIN)]
+    if p.stream_down_gemm:
+        hook.insert(0, Wait(MAIN, _ev(experts, "sent")))
+    return [WaitStream(ALT, MAIN), *hook, WaitStream(MAIN, ALT)]
+
+
+def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
+    """One MoE layer as DeepseekV2MoE.forward_deepep issues it with SBO on."""
+    shared = ops["shared_experts"]
+    body = launches(ops[k] for k in ("comm_prepare_attn", "attn.prepare", "attn.core"))
+    body += launches(ops[k] for k in ("comm_prepare_mlp", "gate", "select_experts"))
+    body.append(Launch(ops["dispatch_a"], MAIN))  # LL send: the traffic is in flight from here
+    if p.shared_in_dispatch_hook:  # _deepep_dispatch_hook: shared experts while dispatch flies
+        body.append(Launch(shared, MAIN))
+    body.append(Launch(ops["dispatch_b"], MAIN))  # the receive hook
+    body += lower_experts(p, ops["experts"], signals)
+    if p.shared_after_down:  # _pre_combine_hook, DeepGEMM limited to the compute SMs
+        body.append(Launch(replace(shared, sms=p.compute_sms), MAIN))
+    body += lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
+    body += lower_combine_b(p, ops["combine_b"], ops["experts"])
+    if not (p.shared_in_dispatch_hook or p.shared_after_down):
+        body.append(Launch(shared, MAIN))  # not reached by modes 1-3; kept for completeness
+    body += launches(ops[k] for k in ("output", "comm_postprocess_layer"))
+    return body
+
+
+# ----------------------------------------------------------------------------------------------
+# build
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_body(
+    w: Workload, gpu: GPU, p: SboPlan, mb: MicroBatch, *, mode: str, step: int
+) -> list[GpuInstr]:
+    """embed, the dense layers as serial runs them, the MoE layers with SBO, logits, sample."""
+    head = head_ops(w, gpu, mb, step=step)
+    signals = signal_count(w, gpu, mb.padded_tokens)
+    body: list[GpuInstr] = [Launch(head["embed"], MAIN)]
+    for layer in range(w.model.num_layers):
+        ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
+        if w.model.is_moe_layer(layer):
+            body += moe_layer(p, ops, signals)
+        else:
+            body += launches(ops.values())
+    body += launches([head["logits"], head["sample"]])
+    return body
+
+
+def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") -> Program:
+    if w.parallel.pp > 1:
+        raise ConfigError("sbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    mode = cfg.resolved_deepep_mode(w.batch.mode)
+    p = plan(gpu, cfg)
+    mb = whole_batch(w)
+    if mode != "low_latency":
+        base = serial.build(w, gpu, cfg)
+        reason = "SBO overlaps DeepEP's low-latency combine; this batch uses the normal kernels"
+        meta = dict(base.meta, schedule=schedule, fallback_reason=reason, **p.meta())
+        return replace(base, meta=meta)
+    body = forward_body(w, gpu, p, mb, mode=mode, step=0)
+    rank = forward_step(w, gpu, cfg, body, streams=(MAIN, ALT))
+    return program(
+        [rank],
+        world=w.parallel.ep,
+        schedule=schedule,
+        deepep_mode=mode,
+        micro_batches=[mb.as_meta()],
+        sbo_signals=signal_count(w, gpu, mb.padded_tokens),
+        sbo_chunks=len(stream_chunks(signal_count(w, gpu, mb.padded_tokens)))
+        if p.stream_down_gemm
+        else 0,
+        **p.meta(),
+    )

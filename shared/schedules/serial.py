@@ -1,0 +1,73 @@
+"""The serial baseline: one stream, every op of every layer in order, dense then MoE.
+
+The host launches every kernel (or one graph launch for a CUDA-graph decode step) and processes
+the step's result only after the step has finished: nothing overlaps but what one stream allows.
+"""
+
+from __future__ import annotations
+
+from shared.builder import RankBuilder, ThreadBuilder, program
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import head_ops, layer_ops, whole_batch
+from shared.program import Op, Program
+from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.workload import Workload
+
+SEED = "SCHEDULES.md §0"
+SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
+
+
+def layer_sequence(
+    w: Workload, gpu: GPU, mb: MicroBatch, layers: range, *, deepep_mode: str, step: int | None
+) -> list[Op]:
+    """Every op of ``layers`` for one micro-batch, in the seeds' order."""
+    ops: list[Op] = []
+    for layer in layers:
+        ops += layer_ops(w, gpu, layer, mb, deepep_mode=deepep_mode, step=step).values()
+    return ops
+
+
+def forward_sequence(
+    w: Workload, gpu: GPU, mb: MicroBatch, *, deepep_mode: str, step: int | None = None
+) -> list[Op]:
+    """embed, every layer, logits, sample: one forward pass of one micro-batch in order."""
+    head = head_ops(w, gpu, mb, step=step)
+    body = layer_sequence(
+        w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step
+    )
+    return [head["embed"], *body, head["logits"], head["sample"]]
+
+
+def launch_all(t: ThreadBuilder, ops: list[Op], stream: str, *, graph: str | None) -> None:
+    """Launch ``ops`` in order on ``stream``, captured in one CUDA graph when ``graph`` names one."""
+    if graph:
+        t.begin_graph()
+    for op in ops:
+        t.launch(op, stream)
+    if graph:
+        t.end_graph(graph)
+
+
+def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
+    if w.parallel.pp > 1:
+        raise ConfigError("serial runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    mode = cfg.resolved_deepep_mode(w.batch.mode)
+    mb = whole_batch(w)
+    step = 0
+    rank = RankBuilder(0, ("main",))
+    t = rank.thread("main")
+    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+    ops = forward_sequence(w, gpu, mb, deepep_mode=mode, step=step)
+    launch_all(t, ops, "main", graph="forward" if cfg.use_cuda_graph(w.batch.mode) else None)
+    t.launch(head_ops(w, gpu, mb, step=step)["d2h"], "main")
+    t.record("step_done", "main")
+    t.sync("step_done")
+    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
+    return program(
+        [rank],
+        world=w.parallel.ep,
+        schedule="serial",
+        deepep_mode=mode,
+        micro_batches=[mb.as_meta()],
+    )

@@ -1,0 +1,136 @@
+"""Stages and the two-micro-batch interleaver of SGLang's TBO (``batch_overlap/operations.py``).
+
+A strategy is a flat list of operations with ``YIELD`` separators; the stages are the chunks
+between separators (``_convert_operations_to_stages``). Upstream concatenates the operations of
+every sparse layer before chunking (``OperationsStrategy.concat``), so when a layer's list does not
+end with a separator its last stage merges with the next layer's first stage; that is kept here by
+chunking the concatenated list, never layer by layer.
+
+``interleave`` is ``execute_overlapped_operations``: micro-batch A runs ``delta`` stages alone,
+then A and B alternate one stage each, then B runs its last ``delta`` stages. Items are opaque, so
+the same function serves plain TBO and TBO+SBO (whose items carry SBO's two-stream lowering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+from shared.builder import RankBuilder, ThreadBuilder
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import head_ops, whole_batch
+from shared.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
+from shared.schedules.common import ScheduleConfig
+from shared.workload import Workload
+
+T = TypeVar("T")
+
+
+class _Yield:
+    """The separator between stages (SGLang's ``YieldOperation``)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "YIELD"
+
+
+YIELD = _Yield()
+
+
+def to_stages(operations: Sequence[T | _Yield]) -> list[list[T]]:
+    """Chunk by ``YIELD``; a trailing separator adds no empty stage, an empty stage is an error."""
+    stages: list[list[T]] = []
+    pending: list[T] = []
+    for op in operations:
+        if op is YIELD:
+            stages.append(pending)
+            pending = []
+        else:
+            pending.append(op)
+    if pending:
+        stages.append(pending)
+    if any(not s for s in stages):
+        raise ConfigError("a TBO strategy has an empty stage (two YIELDs in a row)")
+    return stages
+
+
+def interleave(
+    stages_a: Sequence[Sequence[T]], stages_b: Sequence[Sequence[T]], delta: int
+) -> list[tuple[int, Sequence[T]]]:
+    """The order in which the two executors run their stages: (micro-batch 0|1, stage) pairs."""
+    if len(stages_a) != len(stages_b):
+        raise ConfigError(f"micro-batches have {len(stages_a)} and {len(stages_b)} stages")
+    if not 0 <= delta <= len(stages_a):
+        raise ConfigError(f"delta_stages={delta} must lie in 0..{len(stages_a)} stages")
+    order: list[tuple[int, Sequence[T]]] = []
+    a, b = iter(stages_a), iter(stages_b)
+    for _ in range(delta):  # A runs ahead alone
+        order.append((0, next(a)))
+    for _ in range(len(stages_a) - delta):  # then one stage each, A first
+        order.append((0, next(a)))
+        order.append((1, next(b)))
+    for _ in range(delta):  # B finishes
+        order.append((1, next(b)))
+    return order
+
+
+# ----------------------------------------------------------------------------------------------
+# Emission: what SBO and TBO share around their layers (the same frame as serial.build)
+# ----------------------------------------------------------------------------------------------
+
+
+def emit(t: ThreadBuilder, instrs: Iterable[GpuInstr]) -> None:
+    """Append GPU-side instructions (launch / record / wait / wait_stream) to a host thread."""
+    for ins in instrs:
+        if isinstance(ins, Launch):
+            t.launch(ins.op, ins.stream)
+        elif isinstance(ins, Record):
+            t.record(ins.event, ins.stream)
+        elif isinstance(ins, Wait):
+            t.wait(ins.stream, ins.event)
+        elif isinstance(ins, WaitStream):
+            t.wait_stream(ins.stream, ins.other)
+        else:
+            raise TypeError(f"not a GPU instruction: {ins!r}")
+
+
+def forward_step(
+    w: Workload,
+    gpu: GPU,
+    cfg: ScheduleConfig,
+    body: Sequence[GpuInstr],
+    *,
+    streams: tuple[str, ...],
+    step: int = 0,
+) -> RankBuilder:
+    """One scheduler step around a forward ``body`` (embed .. sample), as serial frames it: host
+    scheduling, the launches (one CUDA graph for a graph-captured decode, both micro-batches in
+    it), the D2H of the sampled ids, the one host sync and result processing."""
+    mb = whole_batch(w)
+    rank = RankBuilder(0, streams)
+    t = rank.thread("main")
+    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+    graph = cfg.use_cuda_graph(w.batch.mode)
+    if graph:
+        t.begin_graph()
+    emit(t, body)
+    if graph:
+        t.end_graph("forward")
+    d2h = head_ops(w, gpu, mb, step=step).get("d2h")
+    if d2h is not None:
+        t.launch(d2h, "main")
+    t.record("step_done", "main")
+    t.sync("step_done")
+    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
+    return rank
+
+
+def launches(ops: Iterable[Op], stream: str = "main") -> list[Launch]:
+    return [Launch(op, stream) for op in ops]

@@ -1,0 +1,93 @@
+"""TBO and SBO at once [seed 000 §4-§5, "组合使用"]: TBO interleaves the two micro-batches stage
+by stage; inside each micro-batch's MoE, SBO lowers the experts and combine operations onto two
+streams with the SM partition of ``sbo.plan``.
+
+Per micro-batch, in the stage TBO's strategy gives each operation:
+    experts   -> mode 1: gate-up, then the down GEMM on the compute SMs with a signal per chunk;
+                 mode 2: experts, then record_event_after_down
+    combine_a -> on the alt stream with the comm SMs (mode 1: one piece per signal chunk)
+    combine_b -> alt waits main, the receive hook on main, main waits alt
+The shared experts stay where TBO's strategy puts them (decode: stage 2, right after dispatch_a,
+which already is mode 3's "shared experts while the dispatch flies"), so mode 3 adds nothing to
+TBO's decode and mode 2 only moves the combine to the alt stream. Both micro-batches share the
+layer's one alt stream (SGLang creates one per model), so their combines queue on it.
+
+SBO needs the low-latency combine: a prefill batch on DeepEP's normal kernels runs plain TBO
+(``sbo_inactive_reason``). When TBO refuses to split, SGLang's normal forward still runs SBO, so
+the unsplit fallback is the SBO program with TBO's ``fallback_reason``.
+
+Note on upstream: SGLang registers SBO's hooks in ``DeepseekV2MoE.forward_deepep``; its TBO
+``op_*`` path (op_experts / op_combine_a) does not pass overlap args in the versions read for this
+module, whereas the seed describes the two as composed. This module follows the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.program import GpuInstr, Op, Program
+from shared.schedules import sbo, tbo
+from shared.schedules.common import ScheduleConfig
+from shared.schedules.tbo_split import tbo_split
+from shared.workload import Workload
+
+SEED = "000 §4-§5"
+SUMMARY = (
+    "SGLang TBO + SBO: micro-batches interleaved by TBO, each one's MoE combine overlapped by SBO"
+)
+
+SCHEDULE = "tbo+sbo"
+
+
+def make_lowering(w: Workload, gpu: GPU, p: sbo.SboPlan):
+    """TBO's per-operation lowering with SBO's two-stream version of the MoE operations."""
+
+    def lower(key: str, ops: dict[str, Op]) -> list[GpuInstr]:
+        signals = sbo.signal_count(w, gpu, ops["experts"].tokens)
+        if key == "experts":
+            return sbo.lower_experts(p, ops["experts"], signals)
+        if key == "combine_a":
+            return sbo.lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
+        if key == "combine_b":
+            return sbo.lower_combine_b(p, ops["combine_b"], ops["experts"])
+        return tbo.lower_op(key, ops)
+
+    return lower
+
+
+def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
+    if w.parallel.pp > 1:
+        raise ConfigError("tbo+sbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    mode = cfg.resolved_deepep_mode(w.batch.mode)
+    p = sbo.plan(gpu, cfg)
+    split = tbo_split(w, cfg, mode)
+    if split.micro_batches is None:  # TBO refused: the normal forward, with SBO where it applies
+        base = sbo.build(w, gpu, cfg, schedule=SCHEDULE)
+        meta = dict(base.meta, fallback_reason=split.fallback_reason)
+        if "fallback_reason" in base.meta:
+            meta["sbo_inactive_reason"] = base.meta["fallback_reason"]
+        return replace(base, meta=meta)
+    if mode != "low_latency":
+        reason = "SBO overlaps DeepEP's low-latency combine; this batch uses the normal kernels"
+        return tbo.build(
+            w, gpu, cfg, schedule=SCHEDULE, extra_meta=dict(sbo_inactive_reason=reason, **p.meta())
+        )
+    signals = [sbo.signal_count(w, gpu, mb.padded_tokens) for mb in split.micro_batches]
+    extra = dict(p.meta(), sbo_signals=signals)
+    # Under TBO only the combine side is SBO's: the shared experts stay in TBO's stages.
+    extra["sbo_overlaps"] = {1: ["combine<->down_gemm"], 2: ["combine on alt after down"], 3: []}[
+        p.mode
+    ]
+    if p.stream_down_gemm:
+        extra["sbo_chunks"] = [len(sbo.stream_chunks(s)) for s in signals]
+    return tbo.build(
+        w,
+        gpu,
+        cfg,
+        schedule=SCHEDULE,
+        lower=make_lowering(w, gpu, p),
+        extra_streams=(sbo.ALT,),
+        extra_meta=extra,
+    )

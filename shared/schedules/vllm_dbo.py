@@ -1,0 +1,386 @@
+"""vLLM's Dual Batch Overlap (DBO): two ubatch host threads ping-pong at ``dbo_yield``.
+
+Upstream (vllm/v1/worker/gpu_ubatch_wrapper.py, ubatching.py, ubatch_utils.py, dp_utils.py,
+fused_moe/modular_kernel.py, prepare_finalize/deepep_ll.py and deepep_ht.py):
+
+- ``GPUModelRunner`` decides per step whether to micro-batch: ``check_ubatch_thresholds`` (a
+  uniform-decode batch needs ``num_tokens >= dbo_decode_token_threshold``, any other batch
+  ``>= dbo_prefill_token_threshold``; the comparison is ``>=``), then ``coordinate_batch_across_dp``
+  all-reduces the wish of every DP rank: all must agree, every rank is padded to the largest token
+  count, and ubatching is aborted on every rank when ``is_last_ubatch_empty`` (the padded maximum
+  halved reaches the smallest real count). The split point is ``padded // 2``; the second
+  micro-batch takes the rest, padded out to the padded total.
+- ``UBatchWrapper`` starts one thread per micro-batch; both run the whole model on their half.
+  Both threads issue to the SAME two CUDA streams: the runner's compute stream and one comm
+  stream (``make_ubatch_contexts(compute_stream=..., comm_stream=...)``, the "two CUDA streams" of
+  the seed). Thread 0 runs first; ``dbo_yield`` wakes the other thread and sleeps, so exactly one
+  thread issues at a time (the IR's ``Yield``).
+- Every yield lives in ``FusedMoEModularKernel``. DeepEP low-latency (decode):
+  ``_prepare``: run the hook the other thread registered, dispatch send, register this dispatch's
+  recv hook with the OTHER thread, yield; ``_finalize``: run the other's hook, combine send,
+  shared experts, register the combine's recv hook with the other thread, yield. Everything is on
+  the compute stream (LL kernels hold no SMs for communication: ``max_sms_used() == 0``).
+  DeepEP high-throughput (prefill): no hooks; ``dbo_yield_and_switch_from_compute_to_comm``
+  before dispatch and before combine, ``dbo_switch_to_compute_sync`` after dispatch, and
+  ``dbo_yield_and_switch_from_comm_to_compute`` after the combine's output copy; the comm
+  kernels hold ``min(VLLM_DBO_COMM_SMS, 20)`` SMs and DeepGEMM the rest.
+- With full CUDA graphs (decode) the two threads run once, under capture; every later step
+  replays the graph from one host thread: one launch, the captured body keeping the issue order.
+
+The published order (seed 003) is the steady state of this ping-pong. Its subscripts name the
+micro-batch whose attention comes first in the window as 0; in the code's terms that is ubatch 1
+(ubatch 0 starts the step and is half a layer ahead): published X₀ is ubatch 1, X₁ ubatch 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass, field
+
+from shared.builder import RankBuilder, ThreadBuilder, program
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import head_ops, layer_ops
+from shared.program import Graph, Launch, Op, Program, Record, Wait, WaitStream
+from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.schedules.serial import forward_sequence, launch_all
+from shared.validate import issue_order
+from shared.workload import Workload
+
+SEED = "003 (SCHEDULES.md §5)"
+SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
+
+VLLM_DBO_COMM_SMS = 20  # vllm/envs.py: VLLM_DBO_COMM_SMS default "20"
+DEEPEP_HT_NUM_SMS = 20  # vLLM DeepEPHTAll2AllManager.num_sms ("This is the DeepEP default")
+THREADS = ("ubatch0", "ubatch1")
+DEEPGEMM_CLASSES = ("gemm", "grouped_gemm")  # what deep_gemm.set_num_sms limits
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-step decision: thresholds, DP agreement, padding, abort (dp_utils / ubatch_utils)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``coordinate_batch_across_dp`` settles for this step."""
+
+    ubatch: bool
+    padded_tokens: int  # this rank's tokens after DP padding
+    reason: str | None = None  # why the batch runs unsplit
+
+
+def check_ubatch_thresholds(cfg: ScheduleConfig, num_tokens: int, uniform_decode: bool) -> bool:
+    """ubatch_utils.check_ubatch_thresholds: ``>=`` the decode or the prefill threshold."""
+    if uniform_decode:
+        return num_tokens >= cfg.dbo_decode_token_threshold
+    return num_tokens >= cfg.dbo_prefill_token_threshold
+
+
+def is_last_ubatch_empty(orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int = 2) -> bool:
+    """ubatch_utils.is_last_ubatch_empty."""
+    return (padded_num_tokens // num_ubatches) * (num_ubatches - 1) >= orig_num_tokens
+
+
+def dp_tokens(w: Workload, cfg: ScheduleConfig) -> tuple[int, ...]:
+    """Tokens of every DP rank, this rank first (peers as this one unless given)."""
+    dp = w.parallel.ep // w.parallel.attn_tp
+    own = w.batch.num_tokens
+    if not cfg.dp_peer_tokens:
+        return (own,) * dp
+    if len(cfg.dp_peer_tokens) != dp - 1:
+        raise ConfigError(
+            f"--dp-peer-tokens gives {len(cfg.dp_peer_tokens)} ranks; DP size {dp} has {dp - 1} peers"
+        )
+    return (own, *cfg.dp_peer_tokens)
+
+
+def decide(w: Workload, cfg: ScheduleConfig) -> Decision:
+    """``coordinate_batch_across_dp`` for every DP rank at once (peers run the same kind of
+    batch as this one: a uniform decode when this batch is a decode)."""
+    tokens = dp_tokens(w, cfg)
+    uniform_decode = w.batch.mode == "decode"
+    wants = [check_ubatch_thresholds(cfg, n, uniform_decode) for n in tokens]
+    graph = _graph_mode(w, cfg)
+    ubatch = all(wants)
+    reason = None
+    if not ubatch:
+        thr = "dbo_decode_token_threshold" if uniform_decode else "dbo_prefill_token_threshold"
+        limit = getattr(cfg, thr)
+        r = wants.index(False)
+        who = "this rank" if r == 0 else f"DP rank {r}"
+        reason = f"{who} has {tokens[r]} tokens < {thr} {limit}: no DP rank micro-batches"
+    elif is_last_ubatch_empty(min(tokens), max(tokens)):
+        ubatch = False
+        reason = (
+            f"second micro-batch would be empty: max padded tokens {max(tokens)} // 2 >= "
+            f"min tokens {min(tokens)} across DP ranks"
+        )
+    # DP padding (should_dp_pad): when micro-batching or when every rank runs a CUDA graph.
+    padded = max(tokens) if (ubatch or graph) else tokens[0]
+    return Decision(ubatch, padded, reason)
+
+
+def split(w: Workload, padded: int) -> tuple[MicroBatch, MicroBatch]:
+    """maybe_create_ubatch_slices: split at ``padded // 2``; the second takes the remaining real
+    tokens and is padded out to the padded total. Request slices as upstream (searchsorted)."""
+    cu = list(w.batch.token_offsets())
+    total = cu[-1]
+    point = padded // 2
+    out = []
+    for i, (lo, hi) in enumerate(((0, point), (point, total))):
+        req_lo = bisect.bisect_right(cu, lo) - 1
+        req_hi = bisect.bisect_left(cu, hi)
+        cut = (i == 0 and hi not in cu) or (i == 1 and lo not in cu)
+        pad = point if i == 0 else padded - point
+        out.append(MicroBatch(i, req_lo, req_hi, lo, hi, pad, split_seq=cut))
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Two ubatch threads (UBatchContext) and what each issues
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ctx:
+    """One UBatchContext: its thread, the recv hook another thread registered with it, and
+    counters for its (re-recorded upstream, single-assignment here) GPU events."""
+
+    index: int
+    t: ThreadBuilder
+    recv_hook: Op | None = None
+    events: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def event(self, what: str) -> str:
+        self.events += 1
+        return f"ub{self.index}.{what}.{self.events}"
+
+
+class _Dbo:
+    """Emits both threads. Thread bodies are Python generators that yield at ``dbo_yield``; the
+    driver resumes them round robin, so a hook registered by one thread is launched by the other
+    exactly where upstream's ``dbo_maybe_run_recv_hook`` runs it."""
+
+    def __init__(self, w: Workload, gpu: GPU, cfg: ScheduleConfig, mbs, mode: str, step: int):
+        self.w, self.gpu, self.cfg, self.mbs, self.mode, self.step = w, gpu, cfg, mbs, mode, step
+        self.rank = RankBuilder(0, ("main",) if mode == "low_latency" else ("main", "comm"))
+        self.ctxs = [_Ctx(i, self.rank.thread(THREADS[i])) for i in range(2)]
+        self.comm_sms = 0
+        if mode == "normal":
+            want = VLLM_DBO_COMM_SMS if cfg.comm_sms is None else cfg.comm_sms
+            self.comm_sms = min(want, DEEPEP_HT_NUM_SMS)  # min(comm_sms, max_sms_used())
+            if self.comm_sms >= gpu.num_sms:
+                raise ConfigError(f"--comm-sms {self.comm_sms} must be below {gpu.num_sms} SMs")
+
+    # -- SM control (SMControlContextManager): comm kernels hold comm_sms, DeepGEMM the rest ----
+    def _sm(self, op: Op) -> Op:
+        if self.comm_sms <= 0:
+            return op
+        if op.kind == "comm" and op.sms:
+            return dataclasses.replace(op, sms=self.comm_sms)
+        if op.kind == "compute" and op.op_class in DEEPGEMM_CLASSES:
+            return dataclasses.replace(op, sms=self.gpu.num_sms - self.comm_sms)
+        return op
+
+    def _launch(self, c: _Ctx, op: Op, stream: str = "main") -> None:
+        c.t.launch(self._sm(op), stream)
+        c.log.append(f"{op.name}@{stream}")
+
+    # -- ubatching.py primitives --------------------------------------------------------------
+    def _maybe_run_recv_hook(self, c: _Ctx) -> None:
+        if c.recv_hook is not None:
+            self._launch(c, c.recv_hook)
+            c.recv_hook = None
+
+    def _register_recv_hook(self, c: _Ctx, hook: Op) -> None:
+        other = self.ctxs[(c.index + 1) % 2]
+        other.recv_hook = hook
+
+    # -- one thread: the model forward on its micro-batch ---------------------------------------
+    def thread_body(self, c: _Ctx):
+        w, mb = self.w, self.mbs[c.index]
+        self._launch(c, head_ops(w, self.gpu, mb, step=self.step)["embed"])
+        for layer in range(w.model.num_layers):
+            ops = layer_ops(w, self.gpu, layer, mb, deepep_mode=self.mode, step=self.step)
+            if not w.model.is_moe_layer(layer):  # dense layers: no yield, nothing to overlap
+                for op in ops.values():
+                    self._launch(c, op)
+                continue
+            for k in ("comm_prepare_attn", "attn.prepare", "attn.core"):  # A0, A1 (attention)
+                self._launch(c, ops[k])
+            for k in ("comm_prepare_mlp", "gate", "select_experts"):  # A1 (MoE gate)
+                self._launch(c, ops[k])
+            if self.mode == "low_latency":
+                yield from self._moe_ll(c, ops)
+            else:
+                yield from self._moe_ht(c, ops)
+            for k in ("output", "comm_postprocess_layer"):
+                self._launch(c, ops[k])
+        # UBatchContext.__exit__: run a hook still registered with this thread, wake the other.
+        self._maybe_run_recv_hook(c)
+
+    def _moe_ll(self, c: _Ctx, ops: dict[str, Op]):
+        # FusedMoEModularKernel._prepare
+        self._maybe_run_recv_hook(c)  # the other thread's pending recv (C of its last layer)
+        self._launch(c, ops["dispatch_a"])  # D send (low_latency_dispatch, return_recv_hook)
+        self._register_recv_hook(c, ops["dispatch_b"])
+        c.log.append("yield")
+        yield  # dbo_yield
+        self._launch(c, ops["experts"])  # MLP (receiver() unpacks; batched experts)
+        # FusedMoEModularKernel._finalize -> DeepEPLLPrepareAndFinalize._finalize
+        self._maybe_run_recv_hook(c)  # the other thread's D recv
+        self._launch(c, ops["combine_a"])  # C send
+        self._launch(c, ops["shared_experts"])  # S, overlapped with the combine in flight
+        self._register_recv_hook(c, ops["combine_b"])
+        c.log.append("yield")
+        yield  # dbo_yield
+
+    def _yield_compute_to_comm(self, c: _Ctx):
+        ev = c.event("compute_done")
+        c.t.record(ev, "main")
+        c.log.append("yield")
+        yield
+        c.t.wait("comm", ev)
+
+    def _moe_ht(self, c: _Ctx, ops: dict[str, Op]):
+        self._maybe_run_recv_hook(c)  # _prepare; HT registers no hooks, so nothing runs
+        yield from self._yield_compute_to_comm(c)  # before the dispatch kernel (CPU-blocking)
+        self._launch(c, ops["dispatch_a"], "comm")
+        self._launch(c, ops["dispatch_b"], "comm")
+        ev = c.event("comm_done")  # dbo_switch_to_compute_sync
+        c.t.record(ev, "comm")
+        c.t.wait("main", ev)
+        self._launch(c, ops["experts"])
+        yield from self._yield_compute_to_comm(c)  # HT _finalize, before buffer.combine
+        self._launch(c, ops["combine_a"], "comm")
+        self._launch(c, ops["shared_experts"])  # dbo_switch_to_compute; shared experts
+        self._launch(c, ops["combine_b"], "comm")  # receiver: switch_to_comm, output.copy_
+        ev = c.event("comm_done")  # dbo_yield_and_switch_from_comm_to_compute
+        c.t.record(ev, "comm")
+        c.log.append("yield")
+        yield
+        c.t.wait("main", ev)
+
+    def run(self) -> None:
+        """UBatchWrapper._run_ubatches: thread 0 first; each dbo_yield wakes the other thread;
+        a finished thread wakes the other (``__exit__`` sets its cpu_signal_event)."""
+        gens = [self.thread_body(c) for c in self.ctxs]
+        live, cur = [0, 1], 0
+        while live:
+            i = live[cur % len(live)]
+            try:
+                next(gens[i])
+                self.ctxs[i].t.yield_()
+                cur = (live.index(i) + 1) % len(live)
+            except StopIteration:
+                live.remove(i)
+                cur = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------
+
+
+def _graph_mode(w: Workload, cfg: ScheduleConfig) -> bool:
+    """Full CUDA graphs for decode; DeepEP high-throughput kernels cannot be captured."""
+    graph = cfg.use_cuda_graph(w.batch.mode)
+    if graph and cfg.resolved_deepep_mode(w.batch.mode) == "normal":
+        if cfg.cuda_graph:
+            raise ConfigError("vllm-dbo: DeepEP high-throughput kernels cannot be CUDA-graphed")
+        return False
+    return graph
+
+
+def _check(w: Workload) -> None:
+    p = w.parallel
+    if p.pp > 1:
+        raise ConfigError("vllm-dbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    if p.ep // p.attn_tp < 2 or p.ep < 2:
+        raise ConfigError(
+            "vllm-dbo needs --data-parallel-size > 1 with expert parallelism (--ep >= 2 and "
+            "ep / attn_tp >= 2)"
+        )
+
+
+def _head_whole(w: Workload, gpu: GPU, padded: int, step: int) -> dict[str, Op]:
+    """compute_logits / sampler on the concatenated outputs (main thread, after the join)."""
+    n = w.batch.num_tokens
+    whole = MicroBatch(0, 0, w.batch.num_seqs, 0, n, padded)
+    return {k: dataclasses.replace(v, mb=None) for k, v in head_ops(w, gpu, whole, step=step).items()}
+
+
+def _finish(t: ThreadBuilder, w: Workload, gpu: GPU, cfg: ScheduleConfig, padded: int, step: int):
+    head = _head_whole(w, gpu, padded, step)
+    for k in ("logits", "sample", "d2h"):
+        if k in head:
+            t.launch(head[k], "main")
+    t.record("step_done", "main")
+    t.sync("step_done")
+    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
+
+
+def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
+    _check(w)
+    mode = cfg.resolved_deepep_mode(w.batch.mode)
+    graph = _graph_mode(w, cfg)
+    d = decide(w, cfg)
+    step = 0
+    knobs = dict(
+        schedule="vllm-dbo",
+        deepep_mode=mode,
+        cuda_graph=graph,
+        dbo_decode_token_threshold=cfg.dbo_decode_token_threshold,
+        dbo_prefill_token_threshold=cfg.dbo_prefill_token_threshold,
+        dp_tokens=list(dp_tokens(w, cfg)),
+    )
+    if not d.ubatch:  # the runner's normal path: one thread, one stream
+        n = w.batch.num_tokens
+        mb = MicroBatch(0, 0, w.batch.num_seqs, 0, n, d.padded_tokens)
+        rank = RankBuilder(0, ("main",))
+        t = rank.thread("main")
+        t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+        body = forward_sequence(w, gpu, mb, deepep_mode=mode, step=step)[:-2]  # model only
+        launch_all(t, body, "main", graph="forward" if graph else None)
+        _finish(t, w, gpu, cfg, d.padded_tokens, step)
+        return program(
+            [rank], world=w.parallel.ep, micro_batches=[mb.as_meta()],
+            fallback_reason=d.reason, **knobs,
+        )
+    mbs = split(w, d.padded_tokens)
+    dbo = _Dbo(w, gpu, cfg, mbs, mode, step)
+    c0, c1 = dbo.ctxs
+    c0.t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+    dbo.run()
+    # The main thread joins both and runs compute_logits / sampling: issued after ubatch1, the
+    # thread that finishes last (ubatch0 exits first and wakes it).
+    _finish(c1.t, w, gpu, cfg, d.padded_tokens, step)
+    rank = dbo.rank
+    if graph:
+        rank = _as_graph_replay(rank, w, gpu, cfg, d.padded_tokens, step)
+    meta = dict(knobs, micro_batches=[m.as_meta() for m in mbs])
+    if dbo.comm_sms:
+        meta["comm_sms"] = dbo.comm_sms
+    return program([rank], world=w.parallel.ep, **meta)
+
+
+def _as_graph_replay(rank: RankBuilder, w, gpu, cfg, padded: int, step: int) -> RankBuilder:
+    """A captured DBO graph replays without threads: one host thread, one graph launch whose body
+    keeps the GPU instructions in the order the ping-ponging threads issued them."""
+    rp = rank.build()
+    body = []
+    for it in issue_order(rp):
+        ins = it.instr
+        if isinstance(ins, (Launch, Record, Wait, WaitStream)):
+            if isinstance(ins, Launch) and ins.op.mb is None:
+                break  # compute_logits onwards is the main thread's, outside the graph
+            body.append(ins)
+    out = RankBuilder(0, rp.streams)
+    t = out.thread("main")
+    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+    t.instrs.append(Graph("dbo_forward", tuple(body)))
+    _finish(t, w, gpu, cfg, padded, step)
+    return out

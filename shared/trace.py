@@ -1,0 +1,561 @@
+"""The Trace: what both interpreters return, and the one Chrome/Perfetto JSON reader and writer.
+
+A Trace is a flat tuple of Spans (one kernel on a stream, one slice of host work, one transfer on
+a link) plus free-form ``meta``. Metrics are computed from span unions, so the same numbers come
+out whether the spans were simulated (sim/), measured with CUDA events (real/) or imported from a
+torch.profiler trace.
+
+Lane names: ``"host:<thread>"``, ``"stream:<name>"``, ``"link:<nvlink|rdma|pcie>"``.
+Times are microseconds (float).
+
+Chrome trace layout (opens in ui.perfetto.dev and chrome://tracing): one process per rank
+("rank N"), one thread per lane, host lanes first, then streams, then links. Perfetto cannot draw
+overlapping slices on one track, so spans that overlap inside one lane are moved to sub-tracks
+named ``"<lane> #2"``, ``"<lane> #3"``...; :meth:`Trace.tracks` is that layout, and the figures
+use it too. This module imports neither matplotlib, torch nor simpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ConfigError
+
+SPAN_KINDS: tuple[str, ...] = ("compute", "comm", "copy", "host", "link", "sync")
+COMM_KINDS = frozenset({"comm", "link"})
+LANE_PREFIXES: tuple[str, ...] = ("host:", "stream:", "link:")
+
+# torch.profiler kernel names that are communication (NCCL, DeepEP, all-to-all) or copies.
+_COMM_NAME = re.compile(
+    r"nccl|deep_?ep|dispatch|combine|all_?to_?all|all_?reduce|all_?gather|reduce_?scatter",
+    re.IGNORECASE,
+)
+_COPY_NAME = re.compile(r"memcpy", re.IGNORECASE)
+_SUBTRACK = re.compile(r"^(.*) #\d+$")
+_PROFILER_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One busy interval of one lane: a kernel, a copy, host work, a host sync or a transfer.
+
+    ``sms`` is the number of SMs the kernel held (0 for host work, copies, links and kernels whose
+    SM count is unknown); ``mb``, ``layer`` and ``step`` say which micro-batch, layer and decode
+    step the work belongs to (None where it belongs to none).
+    """
+
+    rank: int
+    lane: str
+    op: str
+    kind: str
+    start: float
+    end: float
+    sms: int = 0
+    mb: int | None = None
+    layer: int | None = None
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SPAN_KINDS:
+            raise ConfigError(
+                f"span {self.op!r}: kind must be one of {SPAN_KINDS}, got {self.kind!r}"
+            )
+        if not self.end >= self.start:
+            raise ConfigError(
+                f"span {self.op!r} on {self.lane}: end {self.end} < start {self.start}"
+            )
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Track:
+    """One Perfetto track (and one row of a timeline figure): a lane or one of its sub-tracks."""
+
+    name: str  # "stream:main" or "stream:main #2"
+    lane: str
+    spans: tuple[Span, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Interval arithmetic on sorted, disjoint interval lists.
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Merge intervals into sorted disjoint ones (touching intervals merge)."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Total length of the union of ``intervals``."""
+    return sum(hi - lo for lo, hi in union(intervals))
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Intersection of two sorted disjoint interval lists (outputs of :func:`union`)."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def lane_order(lane: str) -> int:
+    """Track order on a rank: host threads, then streams, then links, then anything else."""
+    for i, prefix in enumerate(LANE_PREFIXES):
+        if lane.startswith(prefix):
+            return i
+    return len(LANE_PREFIXES)
+
+
+def _span_key(s: Span) -> tuple:
+    return (
+        s.start,
+        s.end,
+        s.op,
+        s.kind,
+        s.sms,
+        _none_last(s.mb),
+        _none_last(s.layer),
+        _none_last(s.step),
+    )
+
+
+def _canonical_key(s: Span) -> tuple:
+    return (s.start, s.rank, lane_order(s.lane), s.lane, *_span_key(s)[1:])
+
+
+def _none_last(x: int | None) -> tuple[int, int]:
+    return (1, 0) if x is None else (0, x)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Spans of one run (every rank) plus ``meta`` (schedule, model, gpu, mode, num_sms, world,
+    backend, ...).
+
+    ``spans`` may be given as any iterable in any order; it is stored as a tuple in canonical
+    order (start, rank, lane, then the rest), so two traces of the same spans compare equal and
+    export to the same bytes whatever order an interpreter emitted them in.
+    """
+
+    spans: tuple[Span, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        spans = tuple(sorted(self.spans, key=_canonical_key))
+        object.__setattr__(self, "spans", spans)
+
+    # -- selection --------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({s.rank for s in self.spans}))
+
+    def lanes(self, rank: int = 0) -> tuple[str, ...]:
+        """Lanes of ``rank`` in track order (host, streams, links), then by first start, name."""
+        first: dict[str, float] = {}
+        for s in self.spans:
+            if s.rank == rank:
+                first[s.lane] = min(first.get(s.lane, s.start), s.start)
+        return tuple(sorted(first, key=lambda ln: (lane_order(ln), first[ln], ln)))
+
+    def select(
+        self, *, rank: int | None = None, lane: str | None = None, kind: str | None = None
+    ) -> Trace:
+        """The spans matching every given filter, same meta."""
+        spans = (
+            s
+            for s in self.spans
+            if (rank is None or s.rank == rank)
+            and (lane is None or s.lane == lane)
+            and (kind is None or s.kind == kind)
+        )
+        return Trace(spans, self.meta)
+
+    def tracks(self, rank: int = 0) -> tuple[Track, ...]:
+        """The Perfetto layout of ``rank``: per lane, overlapping spans go to sub-tracks.
+
+        Greedy interval partitioning in start order: each span takes the first sub-track whose
+        last span has ended, so a lane with no overlap keeps a single track named as the lane.
+        """
+        by_lane: dict[str, list[Span]] = {}
+        for s in self.spans:
+            if s.rank == rank:
+                by_lane.setdefault(s.lane, []).append(s)
+        out: list[Track] = []
+        for ln in self.lanes(rank):
+            rows: list[list[Span]] = []
+            for s in sorted(by_lane[ln], key=_span_key):
+                for row in rows:
+                    if row[-1].end <= s.start:
+                        row.append(s)
+                        break
+                else:
+                    rows.append([s])
+            for k, row in enumerate(rows):
+                out.append(Track(ln if k == 0 else f"{ln} #{k + 1}", ln, tuple(row)))
+        return tuple(out)
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    @property
+    def step_time_us(self) -> float:
+        """Latest end minus earliest start over all spans of all ranks (0 for an empty trace)."""
+        if not self.spans:
+            return 0.0
+        return max(s.end for s in self.spans) - min(s.start for s in self.spans)
+
+    def per_rank_step_us(self) -> dict[int, float]:
+        """Latest end minus earliest start of each rank's spans."""
+        lo: dict[int, float] = {}
+        hi: dict[int, float] = {}
+        for s in self.spans:
+            lo[s.rank] = min(lo.get(s.rank, s.start), s.start)
+            hi[s.rank] = max(hi.get(s.rank, s.end), s.end)
+        return {r: hi[r] - lo[r] for r in sorted(lo)}
+
+    def busy_us(self, rank: int | None = None) -> dict[str, float]:
+        """Busy time per lane: the length of the union of its spans (overlaps count once).
+
+        Host ``sync`` spans (a thread blocked on an event) are waiting, not work, and are left
+        out. Keys: with ``rank`` given, or when the trace has a single rank, the lane name
+        (``"stream:main"``); otherwise ``"r{rank}/{lane}"`` for every rank. Ordered by rank,
+        then track order.
+        """
+        ranks = self.ranks if rank is None else (rank,)
+        prefixed = rank is None and len(ranks) > 1
+        out: dict[str, float] = {}
+        for r in ranks:
+            for ln in self.lanes(r):
+                iv = [
+                    (s.start, s.end)
+                    for s in self.spans
+                    if s.rank == r and s.lane == ln and s.kind != "sync"
+                ]
+                if iv:
+                    out[f"r{r}/{ln}" if prefixed else ln] = length(iv)
+        return out
+
+    def _union_of(self, rank: int, kinds: Iterable[str]) -> list[Interval]:
+        ks = frozenset(kinds)
+        return union((s.start, s.end) for s in self.spans if s.rank == rank and s.kind in ks)
+
+    def exposed_comm_us(self, rank: int = 0) -> float:
+        """Communication not covered by computation on ``rank``.
+
+        |C| - |C ∩ K| where C is the union of ``comm`` kernels and ``link`` transfers and K the
+        union of ``compute`` kernels of that rank, all streams together.
+        """
+        comm = self._union_of(rank, COMM_KINDS)
+        comp = self._union_of(rank, ("compute",))
+        return length(comm) - length(intersect(comm, comp))
+
+    def comm_only_us(self, rank: int = 0) -> float:
+        """GPU time of ``rank`` during which only communication runs: |C \\ (K ∪ Y)|.
+
+        C: union of ``comm``/``link`` spans, K: ``compute`` spans, Y: ``copy`` spans. Equal to
+        :meth:`exposed_comm_us` when no copy overlaps exposed communication; smaller otherwise
+        (a PCIe copy hiding a transfer keeps the GPU busy, though not computing).
+        """
+        comm = self._union_of(rank, COMM_KINDS)
+        busy = self._union_of(rank, ("compute", "copy"))
+        return length(comm) - length(intersect(comm, busy))
+
+    def sm_utilisation(self, num_sms: int | None = None, rank: int = 0) -> float:
+        """Fraction of the SM-time of the step that kernels held: Σ sms·duration over the
+        ``stream:`` spans of ``rank``, divided by ``num_sms`` · :attr:`step_time_us`.
+
+        ``num_sms`` defaults to ``meta["num_sms"]``. Kernels with unknown SM count (sms=0) add
+        nothing. 0 for an empty trace.
+        """
+        n = num_sms if num_sms is not None else self.meta.get("num_sms")
+        if not n or n <= 0:
+            raise ConfigError("sm_utilisation needs num_sms > 0 (argument or meta['num_sms'])")
+        step = self.step_time_us
+        if step <= 0:
+            return 0.0
+        held = sum(
+            s.sms * s.duration
+            for s in self.spans
+            if s.rank == rank and s.lane.startswith("stream:")
+        )
+        return held / (n * step)
+
+    def summary(self, rank: int = 0) -> dict[str, Any]:
+        """The headline numbers: step time, per-lane busy time (all ranks, keys as
+        :meth:`busy_us`), exposed and comm-only communication and SM utilisation of ``rank``
+        (the latter when ``meta`` has num_sms), number of spans."""
+        out: dict[str, Any] = {
+            "step_time_us": self.step_time_us,
+            "busy_us": self.busy_us(),
+            "exposed_comm_us": self.exposed_comm_us(rank),
+            "comm_only_us": self.comm_only_us(rank),
+        }
+        if self.meta.get("num_sms"):
+            out["sm_utilisation"] = self.sm_utilisation(rank=rank)
+        out["num_spans"] = len(self.spans)
+        return out
+
+    # -- Chrome trace JSON -------------------------------------------------------------------
+
+    def to_chrome(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The Chrome Trace Event JSON of this trace; written to ``path`` too when given
+        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes."""
+        events: list[dict[str, Any]] = []
+        slices: list[dict[str, Any]] = []
+        for r in self.ranks:
+            events.append(_meta_event("process_name", r, None, {"name": f"rank {r}"}))
+            events.append(_meta_event("process_sort_index", r, None, {"sort_index": r}))
+            for tid, track in enumerate(self.tracks(r), start=1):
+                events.append(_meta_event("thread_name", r, tid, {"name": track.name}))
+                events.append(_meta_event("thread_sort_index", r, tid, {"sort_index": tid}))
+                slices.extend(_slice_event(s, tid) for s in track.spans)
+        doc = {
+            "traceEvents": events + slices,
+            "displayTimeUnit": "ns",
+            "otherData": _jsonable(self.meta),
+        }
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(doc, separators=(",", ":"))
+            if path.suffix == ".gz":
+                path.write_bytes(gzip.compress(text.encode(), mtime=0))
+            else:
+                path.write_text(text)
+        return doc
+
+    @classmethod
+    def from_chrome(
+        cls, src: str | Path | dict | list, *, rank: int | None = None, num_sms: int | None = None
+    ) -> Trace:
+        """Read a Chrome trace: our own export, or a torch.profiler (Kineto) trace.
+
+        Our events (args carry ``lane`` and ``kind``) come back as the exact spans written.
+        torch.profiler GPU events (cat ``kernel``/``gpu_memcpy``/``gpu_memset``) become spans on
+        lane ``"stream:<args.stream>"``: kind ``comm`` when the name looks like communication
+        (nccl, deep_ep, dispatch, combine, all-to-all...), ``copy`` for memcpy, else ``compute``;
+        times are rebased so the first kernel starts at 0 (origin in meta["time_origin_us"]).
+        Their rank is ``rank``, else the trace's distributedInfo.rank, else args.device, else 0;
+        ``sms`` is min(grid blocks, num_sms) when the SM count is known (argument or the trace's
+        deviceProperties), else 0. Other events (CPU ops, flows, annotations) are ignored.
+        """
+        doc = _read_json(src)
+        if isinstance(doc, list):
+            doc = {"traceEvents": doc}
+        events = doc.get("traceEvents")
+        if not isinstance(events, list):
+            raise ConfigError("not a Chrome trace: no traceEvents list")
+        names: dict[tuple[Any, Any], str] = {}
+        for e in events:
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                names[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+        ours: list[Span] = []
+        foreign: list[dict[str, Any]] = []
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            args = e.get("args") or {}
+            if "lane" in args and "kind" in args:
+                ours.append(_span_from_ours(e, args))
+            elif e.get("cat") in _PROFILER_CATS:
+                foreign.append(e)
+            elif "kind" in args and (e.get("pid"), e.get("tid")) in names:
+                ours.append(
+                    _span_from_ours(e, {**args, "lane": _lane_of(names[(e["pid"], e["tid"])])})
+                )
+        meta = dict(doc.get("otherData") or {}) if ours else {}
+        spans = ours
+        if foreign:
+            spans = spans + _spans_from_profiler(doc, foreign, rank, num_sms, meta)
+        return cls(spans, meta)
+
+
+def save_json(trace: Trace, path: str | Path) -> Path:
+    """Write ``trace`` as Chrome trace JSON (the one writer: :meth:`Trace.to_chrome`)."""
+    trace.to_chrome(path)
+    return Path(path)
+
+
+def load_json(path: str | Path, **kw: Any) -> Trace:
+    """Read a Chrome trace JSON (ours or torch.profiler's): :meth:`Trace.from_chrome`."""
+    return Trace.from_chrome(path, **kw)
+
+
+def merge(traces: Iterable[Trace], meta: dict[str, Any] | None = None) -> Trace:
+    """One trace from several (e.g. one file per rank under torchrun); meta of the first unless
+    given."""
+    traces = list(traces)
+    spans = tuple(s for t in traces for s in t.spans)
+    return Trace(spans, dict(meta if meta is not None else (traces[0].meta if traces else {})))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chrome JSON helpers
+
+
+def _meta_event(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    e: dict[str, Any] = {"name": name, "ph": "M", "pid": pid}
+    if tid is not None:
+        e["tid"] = tid
+    e["args"] = args
+    return e
+
+
+def _slice_event(s: Span, tid: int) -> dict[str, Any]:
+    args: dict[str, Any] = {"lane": s.lane, "kind": s.kind, "sms": s.sms}
+    for k in ("mb", "layer", "step"):
+        v = getattr(s, k)
+        if v is not None:
+            args[k] = v
+    dur = s.end - s.start
+    if s.start + dur != s.end:  # keep the round trip exact despite float rounding
+        args["end"] = s.end
+    return {
+        "name": s.op,
+        "cat": s.kind,
+        "ph": "X",
+        "pid": s.rank,
+        "tid": tid,
+        "ts": s.start,
+        "dur": dur,
+        "args": args,
+    }
+
+
+def _span_from_ours(e: dict[str, Any], args: dict[str, Any]) -> Span:
+    start = float(e["ts"])
+    end = float(args["end"]) if "end" in args else start + float(e.get("dur", 0.0))
+    return Span(
+        rank=int(e.get("pid", 0)),
+        lane=str(args["lane"]),
+        op=str(e.get("name", "")),
+        kind=str(args["kind"]),
+        start=start,
+        end=end,
+        sms=int(args.get("sms", 0)),
+        mb=_opt_int(args.get("mb")),
+        layer=_opt_int(args.get("layer")),
+        step=_opt_int(args.get("step")),
+    )
+
+
+def _lane_of(track_name: str) -> str:
+    m = _SUBTRACK.match(track_name)
+    return m.group(1) if m else track_name
+
+
+def _opt_int(x: Any) -> int | None:
+    return None if x is None else int(x)
+
+
+def profiler_kind(name: str, cat: str = "kernel") -> str:
+    """Span kind of a torch.profiler GPU event from its name and category."""
+    if cat == "gpu_memcpy" or _COPY_NAME.search(name):
+        return "copy"
+    if _COMM_NAME.search(name):
+        return "comm"
+    return "compute"
+
+
+def _spans_from_profiler(
+    doc: dict[str, Any],
+    events: list[dict[str, Any]],
+    rank: int | None,
+    num_sms: int | None,
+    meta: dict,
+) -> list[Span]:
+    if rank is None:
+        dist = doc.get("distributedInfo") or {}
+        rank = dist.get("rank")
+    sms_by_device: dict[Any, int] = {}
+    for p in doc.get("deviceProperties") or []:
+        if "numSms" in p:
+            sms_by_device[p.get("id")] = int(p["numSms"])
+    origin = min(float(e["ts"]) for e in events)
+    meta.setdefault("backend", "torch.profiler")
+    meta["time_origin_us"] = origin
+    out = []
+    for e in events:
+        args = e.get("args") or {}
+        device = args.get("device", 0)
+        r = rank if rank is not None else int(device or 0)
+        n = num_sms if num_sms is not None else sms_by_device.get(device)
+        sms = 0
+        grid = args.get("grid")
+        if n and isinstance(grid, list) and grid:
+            blocks = 1
+            for g in grid:
+                blocks *= int(g)
+            sms = min(blocks, n)
+        if n and "num_sms" not in meta:
+            meta["num_sms"] = n
+        name = str(e.get("name", ""))
+        start = float(e["ts"]) - origin
+        out.append(
+            Span(
+                rank=int(r),
+                lane=f"stream:{args.get('stream', e.get('tid', 0))}",
+                op=name,
+                kind=profiler_kind(name, str(e.get("cat", "kernel"))),
+                start=start,
+                end=start + float(e.get("dur", 0.0)),
+                sms=sms,
+            )
+        )
+    return out
+
+
+def _read_json(src: str | Path | dict | list) -> Any:
+    if isinstance(src, (dict, list)):
+        return src
+    path = Path(src)
+    if not path.exists():
+        raise ConfigError(f"no such trace file: {path}")
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from e
+
+
+def _jsonable(x: Any) -> Any:
+    """Meta as JSON: dataclasses to dicts, tuples to lists, unknown objects to their str."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)

@@ -1,0 +1,444 @@
+"""The workload: a model's shapes, one rank's batch and the parallel layout, each validated.
+
+Everything is per rank (per GPU): a Batch is what one rank's attention sees (its DP group's
+requests under DP attention). ``ops.py`` turns a Workload into per-op work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.errors import ConfigError
+from shared.schedules.common import MicroBatch
+
+DTYPES = ("bf16", "fp8")
+DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+
+
+def _positive(owner: str, **values: int) -> None:
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{owner}: {k} must be a positive integer, got {v!r}")
+
+
+def _non_negative(owner: str, **values: int) -> None:
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{owner}: {k} must be a non-negative integer, got {v!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes that set the work of every op (names follow the HF configs).
+
+    MLA fields are 0 for GQA models and GQA's ``head_dim`` is 0 for MLA models; ``q_lora_rank`` 0
+    means a plain q projection (DeepSeek-V2-Lite). ``num_shared_experts`` shared experts of width
+    ``expert_inter`` each form one dense MLP of width ``num_shared_experts * expert_inter``.
+    """
+
+    name: str
+    num_layers: int
+    first_k_dense: int
+    hidden: int
+    vocab: int
+    attention: str  # "mla" | "gqa"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # GQA
+    q_lora_rank: int = 0  # MLA; 0: no q down-projection
+    kv_lora_rank: int = 0  # MLA latent width
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    num_experts: int = 1
+    top_k: int = 1
+    expert_inter: int = 1
+    num_shared_experts: int = 0
+    dense_inter: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    gemm_dtype: str = "bf16"
+    attn_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        m = f"model {self.name}"
+        _positive(m, num_layers=self.num_layers, hidden=self.hidden, vocab=self.vocab)
+        _positive(m, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        _positive(m, num_experts=self.num_experts, top_k=self.top_k, dense_inter=self.dense_inter)
+        _positive(m, expert_inter=self.expert_inter, n_group=self.n_group)
+        _positive(m, topk_group=self.topk_group)
+        _non_negative(m, first_k_dense=self.first_k_dense, shared=self.num_shared_experts)
+        if self.first_k_dense > self.num_layers:
+            raise ConfigError(f"{m}: first_k_dense={self.first_k_dense} > {self.num_layers} layers")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"{m}: top_k={self.top_k} > num_experts={self.num_experts}")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ConfigError(f"{m}: need n_group | num_experts and topk_group <= n_group")
+        for f in ("gemm_dtype", "attn_dtype"):
+            if getattr(self, f) not in DTYPES:
+                raise ConfigError(f"{m}: {f} must be one of {DTYPES}, got {getattr(self, f)!r}")
+        if self.attention == "mla":
+            _non_negative(m, q_lora_rank=self.q_lora_rank)
+            _positive(m, kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim)
+            _positive(m, qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim)
+        elif self.attention == "gqa":
+            _positive(m, head_dim=self.head_dim)
+            if self.num_heads % self.num_kv_heads:
+                raise ConfigError(f"{m}: num_kv_heads must divide num_heads")
+        else:
+            raise ConfigError(f"{m}: attention must be 'mla' or 'gqa', got {self.attention!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """DeepSeek's first_k_dense_replace: layers below it use a dense MLP."""
+        if not 0 <= layer < self.num_layers:
+            raise ConfigError(f"model {self.name}: layer {layer} outside 0..{self.num_layers - 1}")
+        return layer >= self.first_k_dense
+
+    @property
+    def shared_inter(self) -> int:
+        return self.num_shared_experts * self.expert_inter
+
+    @property
+    def group_limited(self) -> bool:
+        """DeepSeek-V3's node-limited routing: top-k inside the best topk_group of n_group."""
+        return self.n_group > 1
+
+
+MODELS: dict[str, ModelConfig] = {
+    # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: num_hidden_layers 61,
+    # first_k_dense_replace 3, hidden_size 7168, intermediate_size 18432, moe_intermediate_size
+    # 2048, n_routed_experts 256, n_shared_experts 1, num_experts_per_tok 8, n_group 8,
+    # topk_group 4, q_lora_rank 1536, kv_lora_rank 512, num_attention_heads 128,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, vocab_size 129280;
+    # quantization_config fp8 e4m3 with 128x128 blocks (attention runs in bf16).
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3",
+        num_layers=61,
+        first_k_dense=3,
+        hidden=7168,
+        vocab=129280,
+        attention="mla",
+        num_heads=128,
+        num_kv_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        num_experts=256,
+        top_k=8,
+        expert_inter=2048,
+        num_shared_experts=1,
+        dense_inter=18432,
+        n_group=8,
+        topk_group=4,
+        gemm_dtype="fp8",
+        attn_dtype="bf16",
+    ),
+    # huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json: num_hidden_layers 27,
+    # first_k_dense_replace 1, hidden_size 2048, intermediate_size 10944, moe_intermediate_size
+    # 1408, n_routed_experts 64, n_shared_experts 2, num_experts_per_tok 6, n_group 1,
+    # topk_group 1, q_lora_rank null, kv_lora_rank 512, num_attention_heads 16,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, vocab_size 102400; bf16.
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite",
+        num_layers=27,
+        first_k_dense=1,
+        hidden=2048,
+        vocab=102400,
+        attention="mla",
+        num_heads=16,
+        num_kv_heads=16,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        num_experts=64,
+        top_k=6,
+        expert_inter=1408,
+        num_shared_experts=2,
+        dense_inter=10944,
+    ),
+    # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: num_hidden_layers 48,
+    # hidden_size 2048, num_attention_heads 32, num_key_value_heads 4, head_dim 128,
+    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, intermediate_size 6144
+    # (unused: decoder_sparse_step 1, mlp_only_layers []), no shared expert, vocab_size 151936.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b",
+        num_layers=48,
+        first_k_dense=0,
+        hidden=2048,
+        vocab=151936,
+        attention="gqa",
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        expert_inter=768,
+        dense_inter=6144,
+        qk_norm=True,
+    ),
+    # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json: num_hidden_layers 94,
+    # hidden_size 4096, num_attention_heads 64, num_key_value_heads 4, head_dim 128,
+    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 1536, intermediate_size
+    # 12288 (unused), no shared expert, vocab_size 151936.
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b",
+        num_layers=94,
+        first_k_dense=0,
+        hidden=4096,
+        vocab=151936,
+        attention="gqa",
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        expert_inter=1536,
+        dense_inter=12288,
+        qk_norm=True,
+    ),
+}
+
+
+def get_model(name: str, **overrides) -> ModelConfig:
+    """A preset by name (case-insensitive), with fields replaced; validated again."""
+    key = name.lower()
+    if key not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for k in overrides:
+        if k not in known:
+            raise ConfigError(f"unknown model field {k!r}; fields are {', '.join(sorted(known))}")
+    return dataclasses.replace(MODELS[key], **overrides)
+
+
+def moe_layers(model: ModelConfig) -> range:
+    return range(model.first_k_dense, model.num_layers)
+
+
+def dense_layers(model: ModelConfig) -> range:
+    return range(0, model.first_k_dense)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One rank's batch for one forward step.
+
+    prefill: sequence i computes ``extend_lens[i]`` new tokens on top of ``prefix_lens[i]`` cached
+    ones. decode: sequence i has ``kv_lens[i]`` tokens in its KV cache and computes
+    ``tokens_per_seq`` new ones (1; more for MTP / speculative verify), each attending causally.
+    """
+
+    mode: str
+    extend_lens: tuple[int, ...] = ()
+    prefix_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
+    tokens_per_seq: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("extend_lens", "prefix_lens", "kv_lens"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        if self.mode == "prefill":
+            self._check_prefill()
+        elif self.mode == "decode":
+            self._check_decode()
+        else:
+            raise ConfigError(f"batch mode must be 'decode' or 'prefill', got {self.mode!r}")
+
+    def _check_prefill(self) -> None:
+        if not self.extend_lens:
+            raise ConfigError("prefill batch needs at least one sequence (extend_lens is empty)")
+        if self.kv_lens:
+            raise ConfigError("prefill batch takes extend_lens/prefix_lens, not kv_lens")
+        if len(self.prefix_lens) != len(self.extend_lens):
+            raise ConfigError(
+                f"prefill batch: {len(self.prefix_lens)} prefix_lens for "
+                f"{len(self.extend_lens)} extend_lens"
+            )
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.extend_lens):
+            raise ConfigError("prefill batch: every extend_len must be a positive integer")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.prefix_lens):
+            raise ConfigError("prefill batch: every prefix_len must be a non-negative integer")
+
+    def _check_decode(self) -> None:
+        if not self.kv_lens:
+            raise ConfigError("decode batch needs at least one sequence (kv_lens is empty)")
+        if self.extend_lens or self.prefix_lens:
+            raise ConfigError("decode batch takes kv_lens, not extend_lens/prefix_lens")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.kv_lens):
+            raise ConfigError("decode batch: every kv_len must be a positive integer")
+        _positive("decode batch", tokens_per_seq=self.tokens_per_seq)
+
+    @classmethod
+    def decode(
+        cls,
+        num_seqs: int | None = None,
+        *,
+        kv_len: int = 4096,
+        tokens_per_seq: int = 1,
+        kv_lens: Sequence[int] | None = None,
+    ) -> Batch:
+        """``num_seqs`` sequences of ``kv_len`` cached tokens, or explicit ``kv_lens``."""
+        if kv_lens is None:
+            if num_seqs is None:
+                raise ConfigError("decode batch: give num_seqs or kv_lens")
+            _positive("decode batch", num_seqs=num_seqs)
+            kv_lens = (kv_len,) * num_seqs
+        elif num_seqs is not None and num_seqs != len(kv_lens):
+            raise ConfigError(f"decode batch: num_seqs={num_seqs} but {len(kv_lens)} kv_lens")
+        return cls("decode", kv_lens=tuple(kv_lens), tokens_per_seq=tokens_per_seq)
+
+    @classmethod
+    def prefill(
+        cls,
+        num_seqs: int | None = None,
+        *,
+        extend_len: int = 4096,
+        prefix_len: int = 0,
+        extend_lens: Sequence[int] | None = None,
+        prefix_lens: Sequence[int] | None = None,
+    ) -> Batch:
+        """``num_seqs`` sequences of ``extend_len`` new tokens over ``prefix_len`` cached ones."""
+        if extend_lens is None:
+            if num_seqs is None:
+                raise ConfigError("prefill batch: give num_seqs or extend_lens")
+            _positive("prefill batch", num_seqs=num_seqs)
+            extend_lens = (extend_len,) * num_seqs
+        elif num_seqs is not None and num_seqs != len(extend_lens):
+            raise ConfigError(f"prefill batch: num_seqs={num_seqs} but {len(extend_lens)} lens")
+        if prefix_lens is None:
+            prefix_lens = (prefix_len,) * len(extend_lens)
+        return cls("prefill", extend_lens=tuple(extend_lens), prefix_lens=tuple(prefix_lens))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens) if self.mode == "prefill" else len(self.kv_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        if self.mode == "prefill":
+            return sum(self.extend_lens)
+        return self.num_seqs * self.tokens_per_seq
+
+    def seq_tokens(self, i: int) -> int:
+        """New tokens sequence i computes in this step."""
+        return self.extend_lens[i] if self.mode == "prefill" else self.tokens_per_seq
+
+    def seq_cached(self, i: int) -> int:
+        """Tokens sequence i already holds in the KV cache before this step."""
+        return self.prefix_lens[i] if self.mode == "prefill" else self.kv_lens[i]
+
+    def token_offsets(self) -> tuple[int, ...]:
+        """Start of each sequence's tokens in the flattened batch, plus the total at the end."""
+        out, acc = [0], 0
+        for i in range(self.num_seqs):
+            acc += self.seq_tokens(i)
+            out.append(acc)
+        return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel layout and the workload
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """EP over ``ep`` ranks (DeepEP), attention DP (+ TP inside a DP group), PP stages."""
+
+    ep: int = 1
+    gpus_per_node: int = 8
+    dp_attention: bool = True
+    attn_tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel", ep=self.ep, gpus_per_node=self.gpus_per_node)
+        _positive("parallel", attn_tp=self.attn_tp, pp=self.pp)
+        if self.ep > self.gpus_per_node and self.ep % self.gpus_per_node:
+            raise ConfigError(
+                f"parallel: ep={self.ep} spans nodes, so it must be a multiple of "
+                f"gpus_per_node={self.gpus_per_node}"
+            )
+        if self.ep % self.attn_tp:
+            raise ConfigError(f"parallel: attn_tp={self.attn_tp} must divide ep={self.ep}")
+
+    @property
+    def node_peers(self) -> int:
+        """EP ranks in this rank's node, itself included."""
+        return min(self.ep, self.gpus_per_node)
+
+    @property
+    def world(self) -> int:
+        return self.ep * self.pp
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, one rank's batch and the layout, checked against each other."""
+
+    model: ModelConfig
+    batch: Batch
+    parallel: Parallel = Parallel()
+
+    def __post_init__(self) -> None:
+        m, p = self.model, self.parallel
+        if m.num_experts % p.ep:
+            raise ConfigError(f"ep={p.ep} must divide the {m.num_experts} experts of {m.name}")
+        if m.num_heads % p.attn_tp:
+            raise ConfigError(
+                f"attn_tp={p.attn_tp} must divide the {m.num_heads} heads of {m.name}"
+            )
+        kv = m.num_kv_heads
+        if m.attention == "gqa" and kv % p.attn_tp and p.attn_tp % kv:
+            raise ConfigError(f"attn_tp={p.attn_tp} and the {kv} kv heads of {m.name} must nest")
+        if p.pp > m.num_layers:
+            raise ConfigError(f"pp={p.pp} exceeds the {m.num_layers} layers of {m.name}")
+
+    @property
+    def local_experts(self) -> int:
+        return self.model.num_experts // self.parallel.ep
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.model.num_heads // self.parallel.attn_tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """GQA kv heads a rank holds (replicated when attn_tp exceeds them, as SGLang does)."""
+        return max(1, self.model.num_kv_heads // self.parallel.attn_tp)
+
+
+def pp_stage_layers(model: ModelConfig, pp: int) -> tuple[range, ...]:
+    """Contiguous layer ranges of the ``pp`` stages, the remainder going to the first stages."""
+    if pp < 1 or pp > model.num_layers:
+        raise ConfigError(f"pp={pp} must lie in 1..{model.num_layers}")
+    base, extra = divmod(model.num_layers, pp)
+    out, lo = [], 0
+    for s in range(pp):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append(range(lo, hi))
+        lo = hi
+    return tuple(out)
+
+
+def whole_batch(w: Workload) -> MicroBatch:
+    """The unsplit batch as one micro-batch (index 0, no padding)."""
+    n = w.batch.num_tokens
+    return MicroBatch(0, 0, w.batch.num_seqs, 0, n, n)

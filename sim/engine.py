@@ -1,0 +1,240 @@
+"""The SimPy interpreter: host threads issue, streams run FIFO, kernels share SMs, HBM and links.
+
+Per rank:
+- one host process walks the rank's instructions in issue order (``shared.validate.issue_order``:
+  one host thread runs at a time and hands over at ``Yield``), paying the launch cost per kernel
+  (one graph-launch cost per ``Graph``), host time per ``Host`` and blocking at ``Sync``; its spans
+  land on the lane of the thread that issued them;
+- one process per stream takes instructions in FIFO order: a launch runs once it holds its SMs;
+  a record fires its event; a wait holds the stream until the event has fired;
+- a ``sim.resources.Gpu`` (SMs and HBM) and one ``sim.resources.Link`` per link kind.
+
+Collectives: a send (or sendrecv) op starts its flows when it starts; a recv op makes no progress
+until every flow of its key addressed to its rank has arrived, then does its own work (DeepEP's
+receive hook spins on its SMs until the data is there); a sendrecv op (DeepEP's normal kernels)
+works from its start but cannot finish before its data has arrived. In a symmetric program a flow
+with ``dst=None`` returns to its sender, standing for the identical flow of the mirror peer.
+
+Nothing here is random: the same Program and GPU give the same Trace (``seed`` is accepted for
+the stochastic workloads of later versions and recorded in the trace).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import simpy
+
+from shared.hardware import GPU
+from shared.program import (
+    Graph,
+    Host,
+    Launch,
+    Op,
+    Program,
+    RankProgram,
+    Record,
+    Sync,
+    Wait,
+    WaitStream,
+    Yield,
+)
+from shared.trace import Span, Trace
+from shared.validate import issue_order, validate
+from sim import cost
+from sim.resources import Gpu, Kernel, Link
+
+
+class SimulationStalled(RuntimeError):
+    """Resource contention stopped every process before the Program finished."""
+
+
+class _Rank:
+    def __init__(self, engine: "Engine", rp: RankProgram):
+        env, gpu = engine.env, engine.gpu
+        self.rp = rp
+        self.gpu = Gpu(env, gpu)
+        self.links = {
+            k: Link(env, cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k))
+            for k in ("nvlink", "rdma", "pcie")
+        }
+        self.events: dict[str, simpy.Event] = defaultdict(env.event)
+        self.queues = {s: simpy.Store(env) for s in rp.streams}
+        self.busy: dict[str, str] = {}  # stream -> what it is doing now (for stall reports)
+        self.host_at = "not started"
+
+
+class Engine:
+    def __init__(self, program: Program, gpu: GPU, seed: int = 0):
+        self.program, self.gpu, self.seed = program, gpu, seed
+        self.env = simpy.Environment()
+        self.spans: list[Span] = []
+        self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
+        self._expected: dict[tuple[str, int], int] = defaultdict(int)
+        self._arrived: dict[tuple[str, int], simpy.Event] = defaultdict(self.env.event)
+        for rp in program.ranks:
+            for it in issue_order(rp):
+                for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
+                    if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
+                        for f in ins.op.coll.flows:
+                            dst = rp.rank if f.dst is None else f.dst
+                            self._expected[(ins.op.coll.key, dst)] += 1
+        self._implicit = 0
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def run(self) -> Trace:
+        for r in self.ranks.values():
+            self.env.process(self._host(r))
+            for s, q in r.queues.items():
+                self.env.process(self._stream(r, s, q))
+        self.env.run()
+        self._check_finished()
+        meta = dict(self.program.meta)
+        meta.update(
+            gpu=self.gpu.name,
+            num_sms=self.gpu.num_sms,
+            world=self.program.world,
+            symmetric=self.program.symmetric,
+            backend="sim",
+            seed=self.seed,
+        )
+        return Trace(tuple(self.spans), meta)
+
+    def _host(self, r: _Rank):
+        env, rank = self.env, r.rp.rank
+        launch_open: dict[str, int] = {}  # lane -> index of its last launch span
+        for it in issue_order(r.rp):
+            ins, lane = it.instr, f"host:{it.thread}"
+            r.host_at = f"thread {it.thread} instruction {it.index}"
+            if isinstance(ins, (Launch, Graph)):
+                t0 = env.now
+                yield env.timeout(
+                    self.gpu.graph_launch_us if isinstance(ins, Graph) else self.gpu.launch_us
+                )
+                i = launch_open.get(lane)
+                if i is not None and self.spans[i].end == t0:  # extend a run of launches
+                    self.spans[i] = Span(rank, lane, "launch", "host", self.spans[i].start, env.now)
+                else:
+                    launch_open[lane] = len(self.spans)
+                    self.spans.append(Span(rank, lane, "launch", "host", t0, env.now))
+                for part in ins.body if isinstance(ins, Graph) else (ins,):
+                    self._enqueue(r, part)
+            elif isinstance(ins, (Record, Wait, WaitStream)):
+                self._enqueue(r, ins)
+            elif isinstance(ins, Host):
+                t0 = env.now
+                yield env.timeout(ins.us)
+                self.spans.append(
+                    Span(rank, lane, ins.name, "host", t0, env.now, 0, ins.mb, ins.layer, ins.step)
+                )
+            elif isinstance(ins, Sync):
+                t0, ev = env.now, r.events[ins.event]
+                if not ev.processed:
+                    yield ev
+                if env.now > t0:
+                    self.spans.append(Span(rank, lane, f"sync {ins.event}", "sync", t0, env.now))
+            elif isinstance(ins, Yield):
+                pass  # issue_order already hands control to the next thread
+        r.host_at = "done"
+
+    def _enqueue(self, r: _Rank, ins) -> None:
+        if isinstance(ins, WaitStream):
+            self._implicit += 1
+            ev = f"__wait_stream_{self._implicit}"
+            r.queues[ins.other].put(Record(ev, ins.other))
+            r.queues[ins.stream].put(Wait(ins.stream, ev))
+        else:
+            r.queues[ins.stream].put(ins)
+
+    def _stream(self, r: _Rank, name: str, q: simpy.Store):
+        while True:
+            ins = yield q.get()
+            if isinstance(ins, Record):
+                r.events[ins.event].succeed()
+            elif isinstance(ins, Wait):
+                ev = r.events[ins.event]
+                if not ev.processed:
+                    r.busy[name] = f"waiting for event {ins.event!r}"
+                    yield ev
+            else:
+                r.busy[name] = f"running {ins.op.name} (layer {ins.op.layer}, mb {ins.op.mb})"
+                yield from self._run_op(r, name, ins.op)
+            r.busy.pop(name, None)
+
+    # -- one op --------------------------------------------------------------------------------
+
+    def _run_op(self, r: _Rank, stream: str, op: Op):
+        env, rank, lane = self.env, r.rp.rank, f"stream:{stream}"
+        if op.kind == "copy":
+            t0 = env.now
+            yield r.links["pcie"].send(op.hbm_bytes)
+            self.spans.append(
+                Span(rank, lane, op.name, "copy", t0, env.now, 0, op.mb, op.layer, op.step)
+            )
+            return
+        limit = self.gpu.num_sms if op.sms is None else op.sms
+        k = Kernel(op, limit, op.kind == "comm", env.event())
+        yield r.gpu.acquire(k)
+        c = op.coll
+        if c is not None and c.role != "recv":
+            for f in c.flows:
+                self._start_flow(r, op, f)
+        if c is not None and c.role != "send":
+            arrived = self._arrival(c.key, rank)
+            if not arrived.processed:
+                if c.role == "recv":
+                    k.waiting_data = True
+                else:
+                    k.gated = True
+                arrived.callbacks.append(lambda _e: r.gpu.data_arrived(k))
+        r.gpu.start(k)
+        yield k.done
+        segs = k.segments + [(env.now, 0)]
+        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
+            if t1 > t0 or len(segs) == 2:
+                self.spans.append(
+                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
+                )
+
+    def _arrival(self, key: str, rank: int) -> simpy.Event:
+        ev = self._arrived[(key, rank)]
+        if self._expected.get((key, rank), 0) == 0 and not ev.triggered:
+            ev.succeed()
+        return ev
+
+    def _start_flow(self, r: _Rank, op: Op, f) -> None:
+        env, t0 = self.env, self.env.now
+        dst = r.rp.rank if f.dst is None else f.dst
+        key = (op.coll.key, dst)
+        done = r.links[f.link].send(f.nbytes)
+
+        def arrived(_e, rank=r.rp.rank):
+            self.spans.append(
+                Span(rank, f"link:{f.link}", op.name, "link", t0, env.now, 0, op.mb, op.layer,
+                     op.step)
+            )
+            self._expected[key] -= 1
+            if self._expected[key] == 0:
+                self._arrived[key].succeed()
+
+        done.callbacks.append(arrived)
+
+    def _check_finished(self) -> None:
+        problems = []
+        for rank, r in self.ranks.items():
+            if r.host_at != "done":
+                problems.append(f"rank {rank} host blocked at {r.host_at}")
+            for s, what in r.busy.items():
+                problems.append(f"rank {rank} stream {s} stuck {what}")
+            for s, q in r.queues.items():
+                if q.items:
+                    problems.append(f"rank {rank} stream {s} has {len(q.items)} unissued items")
+        if problems:
+            raise SimulationStalled("simulation stalled: " + "; ".join(problems))
+
+
+def simulate(program: Program, gpu: GPU, *, seed: int = 0) -> Trace:
+    """Validate ``program`` and simulate it on ``gpu``; deterministic for the same inputs."""
+    validate(program, gpu.num_sms)
+    return Engine(program, gpu, seed).run()

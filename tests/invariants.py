@@ -1,0 +1,98 @@
+"""Invariants every simulated Trace must satisfy; shared by the simulator and schedule tests."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from shared.program import Graph, Launch, Program, Record, Wait
+from shared.trace import Trace
+from shared.validate import issue_order
+
+EPS = 1e-6
+
+
+def kernels_on(trace: Trace, rank: int, lane: str) -> list[tuple[str, float, float]]:
+    """(op, start, end) per kernel on a lane, joining the SM-grant segments of one kernel."""
+    out: list[tuple] = []
+    spans = sorted(
+        (s for s in trace.spans if s.rank == rank and s.lane == lane), key=lambda s: (s.start, s.end)
+    )
+    for s in spans:
+        # a kernel whose SM grant changed appears as contiguous segments with different sms
+        key = (s.op, s.mb, s.layer, s.step)
+        if (
+            out
+            and out[-1][0] == key
+            and abs(out[-1][2] - s.start) < EPS
+            and out[-1][3] != s.sms
+            and s.end > s.start > out[-1][1]
+        ):
+            out[-1] = (key, out[-1][1], s.end, s.sms)
+        else:
+            out.append((key, s.start, s.end, s.sms))
+    return [(k[0], a, b) for k, a, b, _ in out]
+
+
+def no_stream_overlap(trace: Trace) -> None:
+    """A stream runs one op at a time."""
+    for rank in trace.ranks:
+        for lane in trace.lanes(rank):
+            if lane.startswith("stream:"):
+                ks = kernels_on(trace, rank, lane)
+                for (a, _, e), (b, s, _) in zip(ks, ks[1:]):
+                    assert s >= e - EPS, f"rank {rank} {lane}: {b} starts before {a} ends"
+
+
+def sm_never_above(trace: Trace, num_sms: int) -> None:
+    """At every instant the SMs held on a rank sum to at most the GPU's."""
+    for rank in trace.ranks:
+        points = []
+        for s in trace.spans:
+            if s.rank == rank and s.lane.startswith("stream:") and s.end > s.start:
+                points += [(s.start, s.sms), (s.end, -s.sms)]
+        points.sort(key=lambda p: (p[0], p[1]))  # releases before grants at equal times
+        used = 0
+        for t, d in points:
+            used += d
+            assert used <= num_sms, f"rank {rank}: {used} SMs in use at t={t}"
+
+
+def waits_respected(program: Program, trace: Trace) -> None:
+    """An op issued to a stream after ``wait(stream, E)`` starts no earlier than E fired, where
+    E fires when the last op issued to the recording stream before the record has finished."""
+    for rp in program.ranks:
+        issued = defaultdict(list)
+        for it in issue_order(rp):
+            for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
+                if isinstance(ins, (Launch, Record, Wait)):
+                    issued[ins.stream].append(ins)
+        timed = {}  # stream -> list of (instr, start, end) for launches
+        fired: dict[str, float] = {}
+        for stream, items in issued.items():
+            ks = iter(kernels_on(trace, rp.rank, f"stream:{stream}"))
+            last = 0.0
+            rows = []
+            for ins in items:
+                if isinstance(ins, Launch):
+                    name, start, end = next(ks)
+                    assert name == ins.op.name, f"{stream}: expected {ins.op.name}, ran {name}"
+                    rows.append((ins, start, end))
+                    last = end
+                elif isinstance(ins, Record):
+                    fired[ins.event] = last
+                else:
+                    rows.append((ins, None, None))
+            timed[stream] = rows
+        for stream, rows in timed.items():
+            floor = 0.0
+            for ins, start, _ in rows:
+                if isinstance(ins, Wait):
+                    floor = max(floor, fired[ins.event])
+                else:
+                    assert start >= floor - EPS, f"{ins.op.name} on {stream} ran before its wait"
+
+
+def check_all(program: Program, trace: Trace, num_sms: int) -> None:
+    no_stream_overlap(trace)
+    sm_never_above(trace, num_sms)
+    waits_respected(program, trace)

@@ -1,0 +1,102 @@
+"""The Program's text form parses back to the same Program; validation names the fault."""
+
+import pytest
+
+from shared.builder import RankBuilder, program
+from shared.program import Coll, Flow, Op, parse, to_text
+from shared.validate import ProgramError, issue_order, validate
+
+
+def sample_program():
+    r = RankBuilder(0, ("main", "alt"))
+    t = r.thread("t0")
+    t.host("schedule", 12.5, step=0)
+    t.launch(Op("attn.core", layer=3, mb=0, flops=1.5e9, hbm_bytes=2e6, op_class="attention"), "main")
+    t.record("ev", "main")
+    t.wait("alt", "ev")
+    t.launch(
+        Op("dispatch_a", kind="comm", layer=3, mb=0, sms=24,
+           coll=Coll("L3.mb0.dispatch", "send", (Flow("rdma", 1e6), Flow("nvlink", 5e5, dst=None)))),
+        "alt",
+    )
+    t.yield_()
+    u = r.thread("t1")
+    u.begin_graph()
+    u.launch(Op("dispatch_b", kind="comm", sms=0, coll=Coll("L3.mb0.dispatch", "recv")), "alt")
+    u.wait_stream("main", "alt")
+    u.end_graph("g0")
+    u.record("done", "main")
+    u.sync("done")
+    return program([r], world=8, schedule="test", micro_batches=[{"index": 0}])
+
+
+def test_round_trip_text():
+    p = sample_program()
+    text = to_text(p)
+    assert parse(text) == p
+    assert to_text(parse(text)) == text
+    assert "<-- ERROR" not in text and "graph g0 {" in text
+
+
+def test_issue_order_hands_over_at_yield():
+    p = sample_program()
+    order = [(i.thread, type(i.instr).__name__) for i in issue_order(p.ranks[0])]
+    assert order[:6] == [("t0", "Host"), ("t0", "Launch"), ("t0", "Record"), ("t0", "Wait"),
+                         ("t0", "Launch"), ("t0", "Yield")]
+    assert [t for t, _ in order[6:]] == ["t1"] * 3
+
+
+def test_valid_program_passes():
+    validate(sample_program(), num_sms=132)
+
+
+def one_thread(*calls, streams=("main",)):
+    r = RankBuilder(0, streams)
+    t = r.thread("main")
+    for name, *args in calls:
+        getattr(t, name)(*args)
+    return program([r], world=1)
+
+
+G = Op("gemm", flops=1e9)
+
+
+@pytest.mark.parametrize(
+    "prog, message",
+    [
+        (one_thread(("wait", "main", "nope")), "'nope' is never recorded"),
+        (one_thread(("sync", "nope")), "never recorded"),
+        (one_thread(("launch", G, "side")), "unknown stream 'side'"),
+        (one_thread(("launch", Op("x", kind="comm", sms=200), "main")), "asks for 200 SMs"),
+        (one_thread(("record", "e", "main"), ("record", "e", "main")), "recorded twice"),
+        (one_thread(("launch", Op("d_b", kind="comm", sms=0, coll=Coll("k", "recv")), "main")),
+         "without its issue half"),
+        (one_thread(("sync", "e"), ("launch", G, "main"), ("record", "e", "main")), "wait cycle"),
+        (one_thread(("wait", "main", "e"), ("launch", G, "main"), ("record", "e", "main")),
+         "wait cycle"),
+        (one_thread(("launch", Op("x", kind="bogus"), "main")), "unknown op kind"),
+    ],
+)
+def test_validation_errors_name_the_instruction(prog, message):
+    with pytest.raises(ProgramError) as e:
+        validate(prog, num_sms=132)
+    assert message in str(e.value)
+    assert "<-- ERROR HERE" in str(e.value)
+
+
+def test_cross_stream_cycle_is_caught():
+    r = RankBuilder(0, ("a", "b"))
+    t = r.thread("main")
+    t.wait("a", "eb").launch(G, "a").record("ea", "a")
+    t.wait("b", "ea").launch(G, "b").record("eb", "b")
+    with pytest.raises(ProgramError, match="wait cycle"):
+        validate(program([r], world=1))
+
+
+def test_recv_before_send_on_one_stream_is_a_cycle():
+    r = RankBuilder(0, ("main",))
+    t = r.thread("main")
+    t.launch(Op("d_b", kind="comm", sms=0, coll=Coll("k", "recv")), "main")
+    t.launch(Op("d_a", kind="comm", sms=4, coll=Coll("k", "send", (Flow("rdma", 10.0),))), "main")
+    with pytest.raises(ProgramError, match="wait cycle"):
+        validate(program([r], world=2))

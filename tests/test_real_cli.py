@@ -1,0 +1,36 @@
+"""real/cli.py: the CPU check's JSON and exit codes; the one line without a GPU."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from real.cli import NO_GPU, run_main  # noqa: E402
+
+
+def test_without_gpu_and_without_device_cpu_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_main(SimpleNamespace(schedule="tbo")) == 2
+    assert capsys.readouterr().out.strip() == NO_GPU
+
+
+def test_cpu_check_json_reports_each_schedule(capsys):
+    rc = run_main(SimpleNamespace(device="cpu", check=True, json=True, schedule="serial"))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    assert out["max_rel_diff_vs_serial"] == {"serial": 0.0}
+
+
+def test_cpu_check_fails_when_tolerance_exceeded(monkeypatch, capsys):
+    import real.check as C
+
+    monkeypatch.setattr(C, "compare_steps", lambda states, ref: 1.0)
+    rc = run_main(SimpleNamespace(device="cpu", check=True, schedule="serial"))
+    assert rc == 1 and "FAIL" in capsys.readouterr().out
+
+
+def test_unknown_schedule_is_a_config_error(capsys):
+    assert run_main(SimpleNamespace(device="cpu", check=True, schedule="nope")) == 2
+    assert "unknown schedule" in capsys.readouterr().err

@@ -1,0 +1,152 @@
+"""real/executor.py on the CPU: every schedule computes serial's numbers, every op is bound,
+races the GPU would have are caught, host threads hand over at yields, padding is inert."""
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from real import kernels as K  # noqa: E402
+from real import model as M  # noqa: E402
+from real.check import check_equivalence, compare_steps, default_workloads  # noqa: E402
+from real.executor import HazardError, execute  # noqa: E402
+from shared import schedules as S  # noqa: E402
+from shared.builder import RankBuilder, program  # noqa: E402
+from shared.hardware import get_gpu  # noqa: E402
+from shared.ops import head_ops, layer_ops  # noqa: E402
+from shared.program import Coll, Op, ops_of  # noqa: E402
+from shared.schedules.common import MicroBatch  # noqa: E402
+from shared.workload import Batch, Parallel, Workload  # noqa: E402
+
+GPU = get_gpu("h100")
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    return default_workloads()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return M.init_weights(M.get_config("tiny-mla"), seed=0)
+
+
+def _forward(w, mb, step=0, layers=None):
+    h = head_ops(w, GPU, mb, step=step)
+    ops = [h["embed"]]
+    for layer in layers if layers is not None else range(w.model.num_layers):
+        ops += layer_ops(w, GPU, layer, mb, step=step).values()
+    return ops + [h["logits"], h["sample"], h["d2h"]]
+
+
+def _serial_ref(w, weights):
+    return execute(S.build("serial", w, GPU), w, weights=weights).outputs[0][0]
+
+
+def test_every_op_name_emitted_by_every_schedule_is_bound(workloads):
+    names = set()
+    for name in S.available():
+        for w in workloads:
+            try:
+                prog = S.build(name, w, GPU)
+            except Exception:  # a schedule may refuse a workload (ConfigError)
+                continue
+            names |= {op.name for _, op in ops_of(prog)}
+    assert K.unbound(names) == []
+
+
+def test_every_schedule_matches_serial(workloads):
+    res = check_equivalence(workloads=workloads)
+    assert not res.errors, res.errors
+    assert set(res.max_rel_diff_vs_serial) | set(res.skipped) == set(S.available())
+    assert res.ok, res.max_rel_diff_vs_serial
+
+
+def test_every_schedule_matches_serial_on_gqa():
+    res = check_equivalence(workloads=default_workloads("tiny-gqa")[::3])
+    assert not res.errors and res.ok, (res.errors, res.max_rel_diff_vs_serial)
+
+
+def test_two_chunk_workload_really_splits_a_sequence(workloads):
+    if "tbo" not in S.available():
+        pytest.skip("tbo not implemented yet")
+    prog = S.build("tbo", workloads[3], GPU)
+    assert any(m["split_seq"] for m in prog.meta["micro_batches"])
+
+
+def test_unordered_cross_stream_read_is_caught(weights):
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+    mb = MicroBatch(0, 0, 2, 0, 2, 2)
+    ops = _forward(w, mb)
+    i = next(k for k, op in enumerate(ops) if op.name == "experts")
+
+    def build(with_wait: bool):
+        r = RankBuilder(0, ("main", "alt"))
+        t = r.thread("main")
+        for k, op in enumerate(ops):
+            if k == i:
+                if with_wait:
+                    t.wait_stream("alt", "main")
+                t.launch(op, "alt")
+                t.wait_stream("main", "alt")
+            else:
+                t.launch(op, "main")
+        return program([r], world=2, schedule="racy", micro_batches=[mb.as_meta()])
+
+    with pytest.raises(HazardError, match="experts .* reads recv"):
+        execute(build(False), w, weights=weights)
+    out = execute(build(True), w, weights=weights).outputs[0][0]
+    assert compare_steps({0: out}, _serial_ref(w, weights)) == 0.0
+
+
+def test_host_threads_hand_over_round_robin_at_yields(weights):
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+    r = RankBuilder(0, ("main",))
+    a, b = r.thread("a"), r.thread("b")
+    for k in range(3):
+        a.launch(Op("noop", mb=10 + k), "main").yield_()
+        b.launch(Op("noop", mb=20 + k), "main").yield_()
+    res = execute(program([r], world=1), w, weights=weights)
+    order = [s.mb for s in sorted(res.trace.spans, key=lambda s: s.start) if s.op == "noop"]
+    assert order == [10, 20, 11, 21, 12, 22]
+
+
+def test_padding_rows_do_not_change_real_tokens(weights):
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[5, 9, 3]), Parallel(ep=2))
+    padded = MicroBatch(0, 0, 3, 0, 3, 8)
+    ops = [dataclasses.replace(op, tokens=8) for op in _forward(w, MicroBatch(0, 0, 3, 0, 3, 3))]
+    r = RankBuilder(0, ("main",))
+    t = r.thread("main")
+    for op in ops:
+        t.launch(op, "main")
+    prog = program([r], world=2, micro_batches=[padded.as_meta()])
+    out = execute(prog, w, weights=weights).outputs[0][0]
+    assert compare_steps({0: out}, _serial_ref(w, weights)) < 1e-5
+
+
+def test_in_process_ranks_meet_at_point_to_point(weights):
+    """Two pipeline stages as one non-symmetric Program: rank 0 sends, rank 1 receives."""
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+    mb = MicroBatch(0, 0, 2, 0, 2, 2)
+    ops = _forward(w, mb)
+    cut = 1 + len(layer_ops(w, GPU, 0, mb)) + len(layer_ops(w, GPU, 1, mb))
+    key = Coll("s0.mb0.pp", "send")
+    r0, r1 = RankBuilder(0, ("main",)), RankBuilder(1, ("main",))
+    t0, t1 = r0.thread("main"), r1.thread("main")
+    t1.launch(Op("pp_recv", mb=0, step=0, coll=Coll(key.key, "recv")), "main")  # blocks first
+    for op in ops[cut:]:
+        t1.launch(op, "main")
+    for op in ops[:cut]:
+        t0.launch(op, "main")
+    t0.launch(Op("pp_send", mb=0, step=0, coll=key), "main")
+    prog = program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()])
+    out = execute(prog, w, weights=weights).outputs
+    assert compare_steps(out[1], _serial_ref(w, weights)) == 0.0
+    t0.instrs.pop()  # no send: rank 1 waits forever
+    with pytest.raises(RuntimeError, match="deadlock"):
+        execute(
+            program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()]),
+            w,
+            weights=weights,
+        )
