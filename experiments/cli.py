@@ -16,15 +16,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
 from pathlib import Path
 
 from shared.errors import ConfigError
-from shared.hardware import GPU, GPUS, get_gpu
+from shared.hardware import GPU, GPUS, HostCosts, get_gpu
 from shared.schedules import SCHEDULES, ScheduleConfig
 from shared.schedules import build as build_schedule
+from shared.schedules import module as schedule_module
 from shared.workload import MODELS, Batch, Parallel, Workload, get_model
 
 DEFAULT_BATCH = {"decode": 128, "prefill": 4}
@@ -61,14 +63,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _scalar_type(tp):
-    """The scalar type of a dataclass field annotation (``int | None`` -> int), or None."""
+def _option_type(tp):
+    """A parser for a dataclass field annotation: scalars, optionals and comma-separated tuples."""
     if isinstance(tp, str):
         tp = eval(tp, {"HostCosts": object}, {})  # annotations are strings (PEP 563)
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 and args[0] in (int, float, str, bool) else None
-    return tp if tp in (int, float, str, bool) else None
+        return _option_type(args[0]) if len(args) == 1 else None
+    if typing.get_origin(tp) is tuple:
+        inner = typing.get_args(tp)[0]
+        if inner is int:
+            return _int_list
+        if inner is str:
+            return lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
+        return None
+    if tp is bool:
+        return _bool
+    return tp if tp in (int, float, str) else None
 
 
 def _bool(s: str) -> bool:
@@ -79,19 +90,34 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """The trailing ``# comment`` of each field in the class source: the option's help."""
+    import inspect
+
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
 def _add_dataclass_options(group, cls, *, skip=(), prefix="") -> None:
+    notes = _field_comments(cls)
     for f in dataclasses.fields(cls):
-        tp = _scalar_type(f.type)
-        if f.name in skip or tp is None:
+        parse = _option_type(f.type)
+        if f.name in skip or parse is None:
             continue
-        comment = f"{cls.__name__}.{f.name}"
+        default = "preset" if cls is GPU else f.default
+        kw = dict(nargs="?", const=True) if parse is _bool else {}
         group.add_argument(
             _flag(prefix + f.name),
             dest=prefix + f.name,
-            type=_bool if tp is bool else tp,
+            type=parse,
             default=None,
-            metavar=tp.__name__.upper(),
-            help=f"(default: {'preset' if cls is GPU else f.default}) {comment}",
+            metavar=f.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
+            help=f"{notes.get(f.name, '')} (default: {default})".strip(),
+            **kw,
         )
 
 
@@ -100,19 +126,35 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="deepseek-v3", help=f"one of {', '.join(MODELS)}")
     g.add_argument("--gpu", default="h800", help=f"one of {', '.join(GPUS)}")
     g.add_argument("--mode", default="decode", help="decode or prefill")
-    g.add_argument("--batch", type=_positive_int, default=None,
-                   help="sequences per GPU (rank) (default: 128 decode, 4 prefill)")
+    g.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=None,
+        help="sequences per GPU (rank) (default: 128 decode, 4 prefill)",
+    )
     g.add_argument("--kv-len", type=_positive_int, default=4096, help="decode: KV length per seq")
     g.add_argument("--kv-lens", type=_int_list, default=None, help="decode: explicit KV lengths")
-    g.add_argument("--tokens-per-seq", type=_positive_int, default=1,
-                   help="decode: tokens per sequence (MTP / target verify)")
+    g.add_argument(
+        "--tokens-per-seq",
+        type=_positive_int,
+        default=1,
+        help="decode: tokens per sequence (MTP / target verify)",
+    )
     g.add_argument("--extend-len", type=_positive_int, default=4096, help="prefill: new tokens")
-    g.add_argument("--extend-lens", type=_int_list, default=None,
-                   help="prefill: explicit new-token counts, e.g. 4096,4096,1")
+    g.add_argument(
+        "--extend-lens",
+        type=_int_list,
+        default=None,
+        help="prefill: explicit new-token counts, e.g. 4096,4096,1",
+    )
     g.add_argument("--prefix-len", type=int, default=0, help="prefill: cached prefix per seq")
     g.add_argument("--prefix-lens", type=_int_list, default=None, help="prefill: explicit prefixes")
-    g.add_argument("--layers", type=_positive_int, default=None,
-                   help="keep only the first N layers of the model (default: all)")
+    g.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="keep only the first N layers of the model (default: all)",
+    )
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=_positive_int, default=32, help="expert-parallel size")
     g.add_argument("--gpus-per-node", type=_positive_int, default=8)
@@ -121,7 +163,11 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-size", type=_positive_int, default=1, help="pipeline-parallel size")
     _add_dataclass_options(p.add_argument_group("schedule knobs"), ScheduleConfig)
     _add_dataclass_options(
-        p.add_argument_group("hardware overrides (fields of the GPU preset)"), GPU,
+        p.add_argument_group("host costs of the scheduler loop (µs)"), HostCosts, prefix="host_"
+    )
+    _add_dataclass_options(
+        p.add_argument_group("hardware overrides (fields of the GPU preset)"),
+        GPU,
         skip=("name", "arch"),
     )
 
@@ -141,23 +187,30 @@ def workload_from(args) -> Workload:
         if args.kv_lens is not None:
             batch = Batch.decode(n, kv_lens=args.kv_lens, tokens_per_seq=args.tokens_per_seq)
         else:
-            batch = Batch.decode(n or DEFAULT_BATCH["decode"], kv_len=args.kv_len,
-                                 tokens_per_seq=args.tokens_per_seq)
+            batch = Batch.decode(
+                n or DEFAULT_BATCH["decode"], kv_len=args.kv_len, tokens_per_seq=args.tokens_per_seq
+            )
     elif args.extend_lens is not None:
         batch = Batch.prefill(n, extend_lens=args.extend_lens, prefix_lens=args.prefix_lens)
     else:
-        batch = Batch.prefill(n or DEFAULT_BATCH["prefill"], extend_len=args.extend_len,
-                              prefix_len=args.prefix_len)
-    par = Parallel(ep=args.ep, gpus_per_node=args.gpus_per_node, dp_attention=args.dp_attention,
-                   attn_tp=args.attn_tp, pp=args.pp_size)
+        batch = Batch.prefill(
+            n or DEFAULT_BATCH["prefill"], extend_len=args.extend_len, prefix_len=args.prefix_len
+        )
+    par = Parallel(
+        ep=args.ep,
+        gpus_per_node=args.gpus_per_node,
+        dp_attention=args.dp_attention,
+        attn_tp=args.attn_tp,
+        pp=args.pp_size,
+    )
     return Workload(model, batch, par)
 
 
-def _overrides(args, cls, skip=()) -> dict:
+def _overrides(args, cls, skip=(), prefix="") -> dict:
     return {
-        f.name: getattr(args, f.name)
+        f.name: getattr(args, prefix + f.name)
         for f in dataclasses.fields(cls)
-        if f.name not in skip and getattr(args, f.name, None) is not None
+        if f.name not in skip and getattr(args, prefix + f.name, None) is not None
     }
 
 
@@ -166,7 +219,11 @@ def gpu_from(args) -> GPU:
 
 
 def config_from(args) -> ScheduleConfig:
-    return ScheduleConfig(**_overrides(args, ScheduleConfig))
+    kw = _overrides(args, ScheduleConfig)
+    host = _overrides(args, HostCosts, prefix="host_")
+    if host:
+        kw["host"] = HostCosts(**host)
+    return ScheduleConfig(**kw)
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -196,8 +253,9 @@ def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
     for key in ("comm_sms", "fallback_reason", "deepep_mode"):
         if key in meta:
             out[key] = meta[key]
-    if meta.get("report"):
-        out["report"] = meta["report"]
+    report = getattr(schedule_module(name), "report", None)
+    if report is not None:
+        out["report"] = report(trace, program)
     return out
 
 
@@ -209,16 +267,20 @@ def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig):
 
 
 def _print_summary(res: dict) -> None:
-    print(f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
-          f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}")
+    print(
+        f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
+        f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
+    )
     print(f"  step time        {res['step_time_us'] / 1e3:10.3f} ms")
     print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms")
     print(f"  SM utilisation   {res['sm_utilisation'] * 100:10.1f} %")
     print(f"  ops              {res['num_ops']:10d}")
     for mb in res["micro_batches"]:
         cut = ", splits a sequence" if mb.get("split_seq") else ""
-        print(f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
-              f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}")
+        print(
+            f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
+            f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}"
+        )
     if "comm_sms" in res:
         print(f"  communication SMs {res['comm_sms']}")
     if res.get("fallback_reason"):
@@ -300,13 +362,17 @@ def cmd_compare(args) -> int:
     if args.json:
         print(json.dumps({"results": rows}, sort_keys=True))
         return 0
-    head = f"{'schedule':<16}{'step ms':>10}{'speed-up':>10}{'exposed comm ms':>17}" \
-           f"{'comm-only ms':>14}  note"
+    head = (
+        f"{'schedule':<16}{'step ms':>10}{'speed-up':>10}{'exposed comm ms':>17}"
+        f"{'comm-only ms':>14}  note"
+    )
     print(head)
     for r in rows:
         note = r.get("fallback_reason") or ""
-        print(f"{r['schedule']:<16}{r['step_time_us'] / 1e3:>10.3f}{r['speedup_vs_serial']:>10.3f}"
-              f"{r['exposed_comm_us'] / 1e3:>17.3f}{r['comm_only_us'] / 1e3:>14.3f}  {note}")
+        print(
+            f"{r['schedule']:<16}{r['step_time_us'] / 1e3:>10.3f}{r['speedup_vs_serial']:>10.3f}"
+            f"{r['exposed_comm_us'] / 1e3:>17.3f}{r['comm_only_us'] / 1e3:>14.3f}  {note}"
+        )
     if args.out:
         print(f"wrote {Path(args.out) / ('compare.' + args.figure_format)}")
     return 0
@@ -326,8 +392,11 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sim", help="simulate one schedule and write its trace and timeline")
     s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
-    s.add_argument("--out", default="overlap-lab-out", help="directory for trace.json and the "
-                   "timeline figure ('' to write nothing)")
+    s.add_argument(
+        "--out",
+        default="overlap-lab-out",
+        help="directory for trace.json and the timeline figure ('' to write nothing)",
+    )
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     _workload_options(s)

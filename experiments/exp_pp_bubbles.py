@@ -52,7 +52,9 @@ def steady_idle(trace: Trace, rank: int, m: int, g_total: int) -> float:
     work = [s for s in spans if s.kind == "compute"]
     t0 = min(s.start for s in spans if s.step is not None and s.step >= m)
     t1 = min(s.start for s in spans if s.step is not None and s.step >= g_total - m)
-    busy = length(union((max(s.start, t0), min(s.end, t1)) for s in work if s.end > t0 and s.start < t1))
+    busy = length(
+        union((max(s.start, t0), min(s.end, t1)) for s in work if s.end > t0 and s.start < t1)
+    )
     return 1.0 - busy / (t1 - t0)
 
 
@@ -92,14 +94,24 @@ def figure(result: dict, path: Path) -> None:
     for pp in sorted({r["pp_size"] for r in rows}):
         pts = [r for r in rows if r["pp_size"] == pp]
         xs = [r["micro_batches"] / pp for r in pts]
-        (line,) = ax.plot(xs, [100 * r["idle_mean"] for r in pts], "-o", label=f"pp {pp}: mean over ranks")
-        ax.plot(xs, [100 * r["idle_per_rank"][0] for r in pts], ":", color=line.get_color(), label=f"pp {pp}: rank 0")
+        (line,) = ax.plot(
+            xs, [100 * r["idle_mean"] for r in pts], "-o", label=f"pp {pp}: mean over ranks"
+        )
+        ax.plot(
+            xs,
+            [100 * r["idle_per_rank"][0] for r in pts],
+            ":",
+            color=line.get_color(),
+            label=f"pp {pp}: rank 0",
+        )
         ax2.plot(xs, [r["tokens_per_s_per_gpu"] for r in pts], "-o", label=f"pp {pp}")
     ax.axvline(1.0, color="k", lw=0.8, ls="--")
     ax.text(1.02, ax.get_ylim()[1] * 0.9, "SGLang: micro-batches = pp_size", fontsize=7)
     ax.set_xlabel("micro-batches / pp_size")
     ax.set_ylabel("GPU idle fraction, steady state (%)")
-    ax.set_title(f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {result['gpu']}", fontsize=9, loc="left")
+    ax.set_title(
+        f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {result['gpu']}", fontsize=9, loc="left"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax2.set_xlabel("micro-batches / pp_size")
@@ -108,12 +120,17 @@ def figure(result: dict, path: Path) -> None:
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
     for suffix in (".png", ".svg"):
-        fig.savefig(path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {})
+        fig.savefig(
+            path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {}
+        )
 
 
 def notes(result: dict, command: str) -> str:
     rows = result["rows"]
-    tab = ["| pp_size | micro-batches | idle per rank (%) | mean idle | tokens/s/GPU |", "|---|---|---|---|---|"]
+    tab = [
+        "| pp_size | micro-batches | idle per rank (%) | mean idle | tokens/s/GPU |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         per = " ".join(f"{100 * x:.0f}" for x in r["idle_per_rank"])
         tab.append(
@@ -129,7 +146,7 @@ def notes(result: dict, command: str) -> str:
     return f"""# PP bubbles against the number of micro-batches
 
 Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  DeepSeek-V3 decode, {TOKENS} tokens per
-micro-batch per GPU, {CONTEXT} context, EP {EP} per stage, {result['gpu']}, CUDA graphs,
+micro-batch per GPU, {CONTEXT} context, EP {EP} per stage, {result["gpu"]}, CUDA graphs,
 DeepEP low-latency; {ROUNDS} rounds of event_loop_pp simulated, idle measured over the middle ones.
 
 {chr(10).join(tab)}
@@ -178,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error("--rounds must be >= 3 (fill, steady state, drain)")
-    command = "python -m experiments.exp_pp_bubbles " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m experiments.exp_pp_bubbles " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / TOPIC
-    payload = {"command": command.strip(), "date": datetime.now(UTC).isoformat(timespec="seconds"), **result}
+    payload = {
+        "command": command.strip(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **result,
+    }
     path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     figure(result, path)
     path.with_suffix(".md").write_text(notes(result, command.strip()))

@@ -29,38 +29,42 @@ class ThreadBuilder:
     instrs: list[Instr] = field(default_factory=list)
     _graph: list | None = None
 
-    def _emit(self, ins: Instr) -> "ThreadBuilder":
+    def emit(self, ins: Instr) -> ThreadBuilder:
+        """Append any instruction (as built elsewhere, e.g. a stage list of Launch objects)."""
+        return self._emit(ins)
+
+    def _emit(self, ins: Instr) -> ThreadBuilder:
         (self._graph if self._graph is not None else self.instrs).append(ins)
         return self
 
-    def launch(self, op: Op, stream: str) -> "ThreadBuilder":
+    def launch(self, op: Op, stream: str) -> ThreadBuilder:
         return self._emit(Launch(op, stream))
 
-    def record(self, event: str, stream: str) -> "ThreadBuilder":
+    def record(self, event: str, stream: str) -> ThreadBuilder:
         return self._emit(Record(event, stream))
 
-    def wait(self, stream: str, event: str) -> "ThreadBuilder":
+    def wait(self, stream: str, event: str) -> ThreadBuilder:
         return self._emit(Wait(stream, event))
 
-    def wait_stream(self, stream: str, other: str) -> "ThreadBuilder":
+    def wait_stream(self, stream: str, other: str) -> ThreadBuilder:
         return self._emit(WaitStream(stream, other))
 
-    def host(self, name: str, us: float, **kw) -> "ThreadBuilder":
+    def host(self, name: str, us: float, **kw) -> ThreadBuilder:
         assert self._graph is None, "host work cannot be captured in a graph"
         return self._emit(Host(name, float(us), **kw))
 
-    def sync(self, event: str) -> "ThreadBuilder":
+    def sync(self, event: str) -> ThreadBuilder:
         assert self._graph is None, "a host sync cannot be captured in a graph"
         return self._emit(Sync(event))
 
-    def yield_(self) -> "ThreadBuilder":
+    def yield_(self) -> ThreadBuilder:
         return self._emit(Yield())
 
     def begin_graph(self) -> None:
         assert self._graph is None, "graphs do not nest"
         self._graph = []
 
-    def end_graph(self, name: str) -> "ThreadBuilder":
+    def end_graph(self, name: str) -> ThreadBuilder:
         body, self._graph = tuple(self._graph), None
         self.instrs.append(Graph(name, body))
         return self

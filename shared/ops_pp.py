@@ -116,7 +116,9 @@ def p2p_pair(
     return send, recv
 
 
-def allgather_op(w: Workload, what: str, nbytes: float, *, key: str, mb: int, step: int) -> Op | None:
+def allgather_op(
+    w: Workload, what: str, nbytes: float, *, key: str, mb: int, step: int
+) -> Op | None:
     """The receiver's all-gather of the slices inside its attention-TP group (None for attn_tp 1):
     each rank sends its slice to the tp-1 others over NVLink."""
     tp = w.parallel.attn_tp

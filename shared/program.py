@@ -233,7 +233,9 @@ def _instr_text(ins: Instr, indent: str) -> list[str]:
         return [f"{indent}wait_stream {ins.stream} {ins.other}"]
     if isinstance(ins, Host):
         extra = "".join(
-            f" {k}={getattr(ins, k)}" for k in ("mb", "layer", "step") if getattr(ins, k) is not None
+            f" {k}={getattr(ins, k)}"
+            for k in ("mb", "layer", "step")
+            if getattr(ins, k) is not None
         )
         return [f"{indent}host {ins.name} {_fmt(float(ins.us))}{extra}"]
     if isinstance(ins, Sync):

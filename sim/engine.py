@@ -50,7 +50,7 @@ class SimulationStalled(RuntimeError):
 
 
 class _Rank:
-    def __init__(self, engine: "Engine", rp: RankProgram):
+    def __init__(self, engine: Engine, rp: RankProgram):
         env, gpu = engine.env, engine.gpu
         self.rp = rp
         self.gpu = Gpu(env, gpu)
@@ -211,8 +211,18 @@ class Engine:
 
         def arrived(_e, rank=r.rp.rank):
             self.spans.append(
-                Span(rank, f"link:{f.link}", op.name, "link", t0, env.now, 0, op.mb, op.layer,
-                     op.step)
+                Span(
+                    rank,
+                    f"link:{f.link}",
+                    op.name,
+                    "link",
+                    t0,
+                    env.now,
+                    0,
+                    op.mb,
+                    op.layer,
+                    op.step,
+                )
             )
             self._expected[key] -= 1
             if self._expected[key] == 0:

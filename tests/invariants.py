@@ -15,7 +15,8 @@ def kernels_on(trace: Trace, rank: int, lane: str) -> list[tuple[str, float, flo
     """(op, start, end) per kernel on a lane, joining the SM-grant segments of one kernel."""
     out: list[tuple] = []
     spans = sorted(
-        (s for s in trace.spans if s.rank == rank and s.lane == lane), key=lambda s: (s.start, s.end)
+        (s for s in trace.spans if s.rank == rank and s.lane == lane),
+        key=lambda s: (s.start, s.end),
     )
     for s in spans:
         # a kernel whose SM grant changed appears as contiguous segments with different sms

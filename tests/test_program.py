@@ -11,12 +11,22 @@ def sample_program():
     r = RankBuilder(0, ("main", "alt"))
     t = r.thread("t0")
     t.host("schedule", 12.5, step=0)
-    t.launch(Op("attn.core", layer=3, mb=0, flops=1.5e9, hbm_bytes=2e6, op_class="attention"), "main")
+    t.launch(
+        Op("attn.core", layer=3, mb=0, flops=1.5e9, hbm_bytes=2e6, op_class="attention"), "main"
+    )
     t.record("ev", "main")
     t.wait("alt", "ev")
     t.launch(
-        Op("dispatch_a", kind="comm", layer=3, mb=0, sms=24,
-           coll=Coll("L3.mb0.dispatch", "send", (Flow("rdma", 1e6), Flow("nvlink", 5e5, dst=None)))),
+        Op(
+            "dispatch_a",
+            kind="comm",
+            layer=3,
+            mb=0,
+            sms=24,
+            coll=Coll(
+                "L3.mb0.dispatch", "send", (Flow("rdma", 1e6), Flow("nvlink", 5e5, dst=None))
+            ),
+        ),
         "alt",
     )
     t.yield_()
@@ -41,8 +51,14 @@ def test_round_trip_text():
 def test_issue_order_hands_over_at_yield():
     p = sample_program()
     order = [(i.thread, type(i.instr).__name__) for i in issue_order(p.ranks[0])]
-    assert order[:6] == [("t0", "Host"), ("t0", "Launch"), ("t0", "Record"), ("t0", "Wait"),
-                         ("t0", "Launch"), ("t0", "Yield")]
+    assert order[:6] == [
+        ("t0", "Host"),
+        ("t0", "Launch"),
+        ("t0", "Record"),
+        ("t0", "Wait"),
+        ("t0", "Launch"),
+        ("t0", "Yield"),
+    ]
     assert [t for t, _ in order[6:]] == ["t1"] * 3
 
 
@@ -69,11 +85,15 @@ G = Op("gemm", flops=1e9)
         (one_thread(("launch", G, "side")), "unknown stream 'side'"),
         (one_thread(("launch", Op("x", kind="comm", sms=200), "main")), "asks for 200 SMs"),
         (one_thread(("record", "e", "main"), ("record", "e", "main")), "recorded twice"),
-        (one_thread(("launch", Op("d_b", kind="comm", sms=0, coll=Coll("k", "recv")), "main")),
-         "without its issue half"),
+        (
+            one_thread(("launch", Op("d_b", kind="comm", sms=0, coll=Coll("k", "recv")), "main")),
+            "without its issue half",
+        ),
         (one_thread(("sync", "e"), ("launch", G, "main"), ("record", "e", "main")), "wait cycle"),
-        (one_thread(("wait", "main", "e"), ("launch", G, "main"), ("record", "e", "main")),
-         "wait cycle"),
+        (
+            one_thread(("wait", "main", "e"), ("launch", G, "main"), ("record", "e", "main")),
+            "wait cycle",
+        ),
         (one_thread(("launch", Op("x", kind="bogus"), "main")), "unknown op kind"),
     ],
 )

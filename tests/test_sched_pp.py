@@ -57,7 +57,7 @@ def test_sglang_layer_split_deepseek_v3(pp, sizes):
     split = pp_layer_split(V3, pp)
     assert [len(s) for s in split] == sizes
     assert sum(sizes) == V3.num_layers and split[0].start == 0 and split[-1].stop == 61
-    assert all(a.stop == b.start for a, b in zip(split, split[1:]))
+    assert all(a.stop == b.start for a, b in zip(split, split[1:], strict=False))
     if len(split[0]) >= V3.first_k_dense:  # dense layers on rank 0 (contiguous slices)
         assert all(layer in split[0] for layer in range(V3.first_k_dense))
 
@@ -86,7 +86,9 @@ def _colls(p):
     for rp in p.ranks:
         for stream, op in launches(rp):
             if op.coll and op.name.startswith("pp_"):
-                (sends if op.coll.role == "send" else recvs)[op.coll.key].append((rp.rank, op, stream))
+                (sends if op.coll.role == "send" else recvs)[op.coll.key].append(
+                    (rp.rank, op, stream)
+                )
     return sends, recvs
 
 
@@ -111,7 +113,9 @@ def test_send_allgather_divides_traffic_by_attention_tp():
     assert b4.coll.flows[0].nbytes == pytest.approx(b1.coll.flows[0].nbytes / 4)
     ag = [op for _, op in launches(pp_prog(w4).ranks[1]) if op.name == "pp_allgather_hidden"]
     assert ag and ag[0].coll.flows[0].link == "nvlink"
-    assert not [op for _, op in launches(pp_prog(w1).ranks[1]) if op.name.startswith("pp_allgather")]
+    assert not [
+        op for _, op in launches(pp_prog(w1).ranks[1]) if op.name.startswith("pp_allgather")
+    ]
 
 
 def test_pp_link_is_rdma_across_nodes():

@@ -66,15 +66,15 @@ def test_event_wait_delays_exactly():
         t.launch(GEMM, "a").record("e", "a").wait("b", "e").launch(Op("x", flops=1e9, sms=8), "b")
 
     _, tr = run(build)
-    (_, a0, a1), = kernels_on(tr, 0, "stream:a")
-    (_, b0, _), = kernels_on(tr, 0, "stream:b")
+    ((_, a0, a1),) = kernels_on(tr, 0, "stream:a")
+    ((_, b0, _),) = kernels_on(tr, 0, "stream:b")
     assert b0 == pytest.approx(a1)
 
 
 def test_wait_stream_orders_like_record_plus_wait():
     _, tr = run(lambda t: t.launch(GEMM, "a").wait_stream("b", "a").launch(GEMM, "b"))
-    (_, _, a1), = kernels_on(tr, 0, "stream:a")
-    (_, b0, _), = kernels_on(tr, 0, "stream:b")
+    ((_, _, a1),) = kernels_on(tr, 0, "stream:a")
+    ((_, b0, _),) = kernels_on(tr, 0, "stream:b")
     assert b0 == pytest.approx(a1)
 
 
@@ -114,8 +114,13 @@ def test_graph_launch_pays_once():
 
 def test_collective_recv_waits_for_arrival_over_the_link():
     nbytes = 4e6
-    send = Op("dispatch_a", kind="comm", sms=8, hbm_bytes=1e3,
-              coll=Coll("k", "send", (Flow("rdma", nbytes),)))
+    send = Op(
+        "dispatch_a",
+        kind="comm",
+        sms=8,
+        hbm_bytes=1e3,
+        coll=Coll("k", "send", (Flow("rdma", nbytes),)),
+    )
     recv = Op("dispatch_b", kind="comm", sms=8, hbm_bytes=1e3, coll=Coll("k", "recv"))
     _, tr = run(lambda t: t.launch(send, "a").launch(recv, "a"), world=2)
     (_, s0, _), (_, _, r1) = kernels_on(tr, 0, "stream:a")
@@ -127,12 +132,17 @@ def test_collective_recv_waits_for_arrival_over_the_link():
 
 
 def test_hook_holds_no_sms_while_data_flies():
-    send = Op("dispatch_a", kind="comm", sms=N, hbm_bytes=1e3,
-              coll=Coll("k", "send", (Flow("rdma", 4e7),)))
+    send = Op(
+        "dispatch_a",
+        kind="comm",
+        sms=N,
+        hbm_bytes=1e3,
+        coll=Coll("k", "send", (Flow("rdma", 4e7),)),
+    )
     hook = Op("dispatch_b", kind="comm", sms=0, coll=Coll("k", "recv"))
     _, tr = run(lambda t: t.launch(send, "a").launch(hook, "a").launch(GEMM, "b"), world=2)
     # GEMM on b is not delayed by the in-flight dispatch (the hook holds 0 SMs)
-    (_, g0, _), = kernels_on(tr, 0, "stream:b")
+    ((_, g0, _),) = kernels_on(tr, 0, "stream:b")
     (_, _, s1), _ = kernels_on(tr, 0, "stream:a")
     assert g0 == pytest.approx(s1)
 
@@ -140,12 +150,20 @@ def test_hook_holds_no_sms_while_data_flies():
 def test_explicit_ranks_meet_in_point_to_point():
     r0, r1 = RankBuilder(0, ("main",)), RankBuilder(1, ("main",))
     r0.thread("main").launch(GEMM, "main").launch(
-        Op("send", kind="comm", sms=1, hbm_bytes=1e3, coll=Coll("p", "send", (Flow("nvlink", 1e6, 1),))), "main")
+        Op(
+            "send",
+            kind="comm",
+            sms=1,
+            hbm_bytes=1e3,
+            coll=Coll("p", "send", (Flow("nvlink", 1e6, 1),)),
+        ),
+        "main",
+    )
     r1.thread("main").launch(Op("recv", kind="comm", sms=1, coll=Coll("p", "recv")), "main")
     p = program([r0, r1], world=2, symmetric=False)
     tr = simulate(p, GPU)
-    (_, _, send_end), = [k for k in kernels_on(tr, 0, "stream:main") if k[0] == "send"]
-    (_, _, recv_end), = kernels_on(tr, 1, "stream:main")
+    ((_, _, send_end),) = [k for k in kernels_on(tr, 0, "stream:main") if k[0] == "send"]
+    ((_, _, recv_end),) = kernels_on(tr, 1, "stream:main")
     assert recv_end > solo(GEMM)  # rank 1 waited for rank 0's data
 
 
@@ -156,8 +174,10 @@ def test_deterministic():
 
 
 def test_importing_shared_and_sim_does_not_import_torch():
-    code = "import shared.program, shared.validate, shared.trace, shared.schedules, sim, sys; " \
-           "print('torch' in sys.modules)"
+    code = (
+        "import shared.program, shared.validate, shared.trace, shared.schedules, sim, sys; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -165,15 +185,21 @@ def test_importing_shared_and_sim_does_not_import_torch():
 # ---- hypothesis: invariants over random Programs -----------------------------------------------
 
 ops = st.builds(
-    lambda f, b, s, kind: Op("k", kind=kind, flops=f, hbm_bytes=b, sms=s,
-                             op_class="comm" if kind == "comm" else "gemm"),
+    lambda f, b, s, kind: Op(
+        "k", kind=kind, flops=f, hbm_bytes=b, sms=s, op_class="comm" if kind == "comm" else "gemm"
+    ),
     st.sampled_from([1e6, 1e8, 1e10, 5e10]),  # no zero-work ops: their order within one
     # instant on a stream is not observable in a trace
     st.sampled_from([0.0, 1e5, 1e7, 1e8]),
     st.one_of(st.none(), st.integers(1, N)),
     st.sampled_from(["compute", "compute", "comm"]),
-).map(lambda o: o if o.kind == "compute" or o.sms is not None else
-      Op(o.name, kind="comm", flops=o.flops, hbm_bytes=o.hbm_bytes, sms=3, op_class="comm"))
+).map(
+    lambda o: (
+        o
+        if o.kind == "compute" or o.sms is not None
+        else Op(o.name, kind="comm", flops=o.flops, hbm_bytes=o.hbm_bytes, sms=3, op_class="comm")
+    )
+)
 
 
 @st.composite
@@ -184,7 +210,9 @@ def programs(draw):
     n_events = 0
     recorded = []
     for _ in range(draw(st.integers(1, 25))):
-        action = draw(st.sampled_from(["launch", "launch", "launch", "record", "wait", "host", "sync"]))
+        action = draw(
+            st.sampled_from(["launch", "launch", "launch", "record", "wait", "host", "sync"])
+        )
         s = draw(st.sampled_from(streams))
         if action == "launch":  # unique names: kernels_on joins same-named contiguous segments
             t.launch(dataclasses.replace(draw(ops), name=f"k{len(t.instrs)}"), s)

@@ -29,7 +29,7 @@ class ScheduleConfig:
     dbo_prefill_token_threshold: int = 512  # vLLM --dbo-prefill-token-threshold
     host: HostCosts = HOST_COSTS  # host (CPU) costs of the scheduler loop
     dp_ranks_disagree: bool = False  # TBO: some DP rank cannot split (or runs another mode)
-    dp_peer_tokens: tuple[int, ...] = ()  # vllm-dbo: tokens of the other DP ranks (empty: as this one)
+    dp_peer_tokens: tuple[int, ...] = ()  # vllm-dbo: other DP ranks' tokens (empty: as this)
     # sglang-overlap (SGLang's CPU-GPU overlap scheduler, seeds 000 §3 and 001):
     disable_overlap_schedule: bool = False  # --disable-overlap-schedule (event_loop_normal)
     disable_consecutive_prefill_overlap: bool = False  # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
@@ -67,10 +67,11 @@ class ScheduleConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 flag = "--" + knob.replace("_", "-")
                 raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.dp_peer_tokens):
-            raise ConfigError(f"--dp-peer-tokens must be non-negative integers, got {self.dp_peer_tokens!r}")
+        peers = self.dp_peer_tokens
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in peers):
+            raise ConfigError(f"--dp-peer-tokens must be non-negative integers, got {peers!r}")
         if self.dbo_decode_token_threshold < 0 or self.dbo_prefill_token_threshold < 0:
-            raise ConfigError("--dbo-decode-token-threshold / --dbo-prefill-token-threshold must be >= 0")
+            raise ConfigError("--dbo-*-token-threshold must be >= 0")
         if self.iterations < 1:
             raise ConfigError(f"--iterations must be >= 1, got {self.iterations}")
         if self.micro_batches is not None and self.micro_batches < 1:

@@ -55,11 +55,22 @@ STREAMS = ("main", "pp_recv", "pp_send")
 def micro_batch(w: Workload, k: int) -> MicroBatch:
     """Micro-batch k: one whole ScheduleBatch of the workload's batch (every mb alike)."""
     whole = whole_batch(w)
-    return MicroBatch(k, whole.seq_lo, whole.seq_hi, whole.tok_lo, whole.tok_hi, whole.padded_tokens)
+    return MicroBatch(
+        k, whole.seq_lo, whole.seq_hi, whole.tok_lo, whole.tok_hi, whole.padded_tokens
+    )
 
 
-def stage_ops(w: Workload, gpu: GPU, mb: MicroBatch, layers: range, *, first: bool, last: bool,
-              mode: str, step: int) -> list[Op]:
+def stage_ops(
+    w: Workload,
+    gpu: GPU,
+    mb: MicroBatch,
+    layers: range,
+    *,
+    first: bool,
+    last: bool,
+    mode: str,
+    step: int,
+) -> list[Op]:
     """The forward of one stage: embed on the first, its layers, logits + sample on the last."""
     head = head_ops(w, gpu, mb, step=step)
     ops: list[Op] = [head["embed"]] if first else []
@@ -138,8 +149,9 @@ class _Loop:
         # 2. run_batch (forward_batch_generation)
         if not self.first:
             self._recv("hidden", hidden_bytes(w, mb), hidden_key(g, self.r - 1), self.r - 1, k, g)
-        ops = stage_ops(w, self.gpu, mb, self.layers, first=self.first, last=self.last,
-                        mode=self.mode, step=g)
+        ops = stage_ops(
+            w, self.gpu, mb, self.layers, first=self.first, last=self.last, mode=self.mode, step=g
+        )
         launch_all(t, ops, "main", graph=f"forward.g{g}" if self.graph else None)
         # 3. last rank: next_token_ids (+ logprobs) to rank 0
         if self.last:

@@ -51,7 +51,8 @@ from shared.ops import head_ops, layer_ops, whole_batch
 from shared.program import Coll, Flow, GpuInstr, Launch, Op, Program, Record, Wait, WaitStream
 from shared.schedules import serial
 from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.stages import forward_step, launches
+from shared.schedules.frame import step_frame
+from shared.schedules.stages import launches
 from shared.workload import Workload
 
 SEED = "000 §4"
@@ -310,7 +311,7 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         meta = dict(base.meta, schedule=schedule, fallback_reason=reason, **p.meta())
         return replace(base, meta=meta)
     body = forward_body(w, gpu, p, mb, mode=mode, step=0)
-    rank = forward_step(w, gpu, cfg, body, streams=(MAIN, ALT))
+    rank = step_frame(w, gpu, cfg, body, streams=(MAIN, ALT))
     return program(
         [rank],
         world=w.parallel.ep,

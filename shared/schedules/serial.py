@@ -6,12 +6,13 @@ the step's result only after the step has finished: nothing overlaps but what on
 
 from __future__ import annotations
 
-from shared.builder import RankBuilder, ThreadBuilder, program
+from shared.builder import ThreadBuilder, program
 from shared.errors import ConfigError
 from shared.hardware import GPU
 from shared.ops import head_ops, layer_ops, whole_batch
-from shared.program import Op, Program
+from shared.program import Launch, Op, Program
 from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.schedules.frame import step_frame
 from shared.workload import Workload
 
 SEED = "SCHEDULES.md §0"
@@ -33,9 +34,7 @@ def forward_sequence(
 ) -> list[Op]:
     """embed, every layer, logits, sample: one forward pass of one micro-batch in order."""
     head = head_ops(w, gpu, mb, step=step)
-    body = layer_sequence(
-        w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step
-    )
+    body = layer_sequence(w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step)
     return [head["embed"], *body, head["logits"], head["sample"]]
 
 
@@ -54,16 +53,8 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         raise ConfigError("serial runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     mb = whole_batch(w)
-    step = 0
-    rank = RankBuilder(0, ("main",))
-    t = rank.thread("main")
-    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
-    ops = forward_sequence(w, gpu, mb, deepep_mode=mode, step=step)
-    launch_all(t, ops, "main", graph="forward" if cfg.use_cuda_graph(w.batch.mode) else None)
-    t.launch(head_ops(w, gpu, mb, step=step)["d2h"], "main")
-    t.record("step_done", "main")
-    t.sync("step_done")
-    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
+    ops = forward_sequence(w, gpu, mb, deepep_mode=mode, step=0)
+    rank = step_frame(w, gpu, cfg, (Launch(op, "main") for op in ops), streams=("main",))
     return program(
         [rank],
         world=w.parallel.ep,

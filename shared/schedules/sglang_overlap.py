@@ -323,7 +323,10 @@ def _copy_to_cpu(t: ThreadBuilder, cfg: ScheduleConfig, it: Iteration) -> str:
     return f"copy_done.{i}"
 
 
-def _build_overlap(w, gpu, cfg, plan) -> tuple[RankBuilder, list[dict]]:
+def _build_overlap(
+    w: Workload, gpu: GPU, cfg: ScheduleConfig, plan: tuple[Iteration, ...]
+) -> tuple[RankBuilder, list[dict]]:
+    """event_loop_overlap over the planned iterations; returns the rank and the loop's record."""
     rank = RankBuilder(0, STREAMS_OVERLAP)
     t = rank.thread(HOST_THREAD)
     result_queue: deque[tuple[int, int, str]] = deque()  # (step, requests, copy_done event)
@@ -347,8 +350,9 @@ def _build_overlap(w, gpu, cfg, plan) -> tuple[RankBuilder, list[dict]]:
         t.wait_stream("forward", "schedule")
         t.launch(resolve_future_op(it.batch, step=i), "forward")
         ops = _forward_ops(w, gpu, cfg, it)
+        (sample,) = [op for op in ops if op.name == "sample"]
         if delayed:  # grammar: sampling waits for the last batch's grammar state (⑧)
-            ops = [op for op in ops if op.name != "sample"]
+            ops = [op for op in ops if op is not sample]
         launch_all(t, ops, "forward", graph=f"forward.{i}" if graph else None)
         if not delayed:
             result_queue.append((i, it.batch.num_seqs, _copy_to_cpu(t, cfg, it)))
@@ -360,7 +364,7 @@ def _build_overlap(w, gpu, cfg, plan) -> tuple[RankBuilder, list[dict]]:
         # ⑧ launch_batch_sample_if_needed(N): sample, store_to_map, D2H on the forward stream
         if delayed:
             t.wait_stream("forward", "schedule")
-            t.launch(_sample_op(w, gpu, cfg, it), "forward")
+            t.launch(sample, "forward")
             result_queue.append((i, it.batch.num_seqs, _copy_to_cpu(t, cfg, it)))
         info.append(row)
         last = it
@@ -372,11 +376,9 @@ def _build_overlap(w, gpu, cfg, plan) -> tuple[RankBuilder, list[dict]]:
     return rank, info
 
 
-def _sample_op(w, gpu, cfg, it) -> Op:
-    return next(op for op in _forward_ops(w, gpu, cfg, it) if op.name == "sample")
-
-
-def _build_normal(w, gpu, cfg, plan) -> tuple[RankBuilder, list[dict]]:
+def _build_normal(
+    w: Workload, gpu: GPU, cfg: ScheduleConfig, plan: tuple[Iteration, ...]
+) -> tuple[RankBuilder, list[dict]]:
     """event_loop_normal: recv, schedule, forward and the blocking result copy on one stream."""
     rank = RankBuilder(0, STREAMS_NORMAL)
     t = rank.thread(HOST_THREAD)
@@ -576,3 +578,8 @@ def overlap_report(
                 r["ttft_cost_us"] = r["ttft_us"] - b["ttft_us"]
                 r["wait_cost_us"] = r["wait_us"] - b["wait_us"]
     return report
+
+
+def report(trace: Trace, program: Program) -> dict:
+    """What `overlap-lab sim --json` adds under "report" for this schedule."""
+    return overlap_report(trace, program)

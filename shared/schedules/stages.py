@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-from shared.builder import RankBuilder, ThreadBuilder
+from shared.builder import ThreadBuilder
 from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, whole_batch
 from shared.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
-from shared.schedules.common import ScheduleConfig
-from shared.workload import Workload
 
 T = TypeVar("T")
 
@@ -99,37 +95,6 @@ def emit(t: ThreadBuilder, instrs: Iterable[GpuInstr]) -> None:
             t.wait_stream(ins.stream, ins.other)
         else:
             raise TypeError(f"not a GPU instruction: {ins!r}")
-
-
-def forward_step(
-    w: Workload,
-    gpu: GPU,
-    cfg: ScheduleConfig,
-    body: Sequence[GpuInstr],
-    *,
-    streams: tuple[str, ...],
-    step: int = 0,
-) -> RankBuilder:
-    """One scheduler step around a forward ``body`` (embed .. sample), as serial frames it: host
-    scheduling, the launches (one CUDA graph for a graph-captured decode, both micro-batches in
-    it), the D2H of the sampled ids, the one host sync and result processing."""
-    mb = whole_batch(w)
-    rank = RankBuilder(0, streams)
-    t = rank.thread("main")
-    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
-    graph = cfg.use_cuda_graph(w.batch.mode)
-    if graph:
-        t.begin_graph()
-    emit(t, body)
-    if graph:
-        t.end_graph("forward")
-    d2h = head_ops(w, gpu, mb, step=step).get("d2h")
-    if d2h is not None:
-        t.launch(d2h, "main")
-    t.record("step_done", "main")
-    t.sync("step_done")
-    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
-    return rank
 
 
 def launches(ops: Iterable[Op], stream: str = "main") -> list[Launch]:

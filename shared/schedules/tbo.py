@@ -42,7 +42,8 @@ from shared.ops import head_ops, layer_ops, whole_batch
 from shared.program import GpuInstr, Launch, Op, Program, Record, Wait
 from shared.schedules import serial
 from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.stages import YIELD, forward_step, interleave, launches, to_stages
+from shared.schedules.frame import step_frame
+from shared.schedules.stages import YIELD, interleave, launches, to_stages
 from shared.schedules.tbo_split import TboSplit, tbo_split
 from shared.workload import Workload, dense_layers, moe_layers
 
@@ -245,7 +246,7 @@ def build(
         return unsplit(w, gpu, cfg, schedule, split)
     body, strategy, delta = tbo_body(w, gpu, cfg, split, mode=mode, step=0, lower=lower)
     streams = (MAIN,) + ((COMM,) if mode == "normal" else ()) + extra_streams
-    rank = forward_step(w, gpu, cfg, body, streams=streams)
+    rank = step_frame(w, gpu, cfg, body, streams=streams)
     meta = dict(
         schedule=schedule,
         deepep_mode=mode,

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.builder import RankBuilder, program
+from shared.builder import program
 from shared.errors import ConfigError
 from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops, whole_batch
+from shared.ops import head_ops, layer_ops
 from shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
 from shared.schedules.common import MicroBatch, ScheduleConfig
+from shared.schedules.frame import step_frame
 from shared.workload import Workload
 
 MAIN = "main"
@@ -186,31 +187,6 @@ def step_program(
     """One scheduler step around a forward body, framed as serial frames it: host scheduling, the
     launches (one CUDA graph for a graph-captured decode, both micro-batches inside), the D2H of
     the sampled ids, the one host sync and result processing."""
-    mb = whole_batch(w)
-    rank = RankBuilder(0, streams)
-    t = rank.thread("main")
-    t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
+    rank = step_frame(w, gpu, cfg, body, streams=streams, step=step, stream=MAIN)
     graph = cfg.use_cuda_graph(w.batch.mode)
-    if graph:
-        t.begin_graph()
-    for ins in body:
-        if isinstance(ins, Launch):
-            t.launch(ins.op, ins.stream)
-        elif isinstance(ins, Record):
-            t.record(ins.event, ins.stream)
-        elif isinstance(ins, Wait):
-            t.wait(ins.stream, ins.event)
-        elif isinstance(ins, Sync):
-            assert not graph, "a host sync cannot sit inside a CUDA graph"
-            t.sync(ins.event)
-        else:
-            raise TypeError(f"unexpected instruction in a forward body: {ins!r}")
-    if graph:
-        t.end_graph("forward")
-    d2h = head_ops(w, gpu, mb, step=step).get("d2h")
-    if d2h is not None:
-        t.launch(d2h, MAIN)
-    t.record("step_done", MAIN)
-    t.sync("step_done")
-    t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)
     return program([rank], world=w.parallel.ep, cuda_graph=graph, **meta)

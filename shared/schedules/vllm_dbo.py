@@ -78,7 +78,9 @@ def check_ubatch_thresholds(cfg: ScheduleConfig, num_tokens: int, uniform_decode
     return num_tokens >= cfg.dbo_prefill_token_threshold
 
 
-def is_last_ubatch_empty(orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int = 2) -> bool:
+def is_last_ubatch_empty(
+    orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int = 2
+) -> bool:
     """ubatch_utils.is_last_ubatch_empty."""
     return (padded_num_tokens // num_ubatches) * (num_ubatches - 1) >= orig_num_tokens
 
@@ -310,7 +312,9 @@ def _head_whole(w: Workload, gpu: GPU, padded: int, step: int) -> dict[str, Op]:
     """compute_logits / sampler on the concatenated outputs (main thread, after the join)."""
     n = w.batch.num_tokens
     whole = MicroBatch(0, 0, w.batch.num_seqs, 0, n, padded)
-    return {k: dataclasses.replace(v, mb=None) for k, v in head_ops(w, gpu, whole, step=step).items()}
+    return {
+        k: dataclasses.replace(v, mb=None) for k, v in head_ops(w, gpu, whole, step=step).items()
+    }
 
 
 def _finish(t: ThreadBuilder, w: Workload, gpu: GPU, cfg: ScheduleConfig, padded: int, step: int):
@@ -347,8 +351,11 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         launch_all(t, body, "main", graph="forward" if graph else None)
         _finish(t, w, gpu, cfg, d.padded_tokens, step)
         return program(
-            [rank], world=w.parallel.ep, micro_batches=[mb.as_meta()],
-            fallback_reason=d.reason, **knobs,
+            [rank],
+            world=w.parallel.ep,
+            micro_batches=[mb.as_meta()],
+            fallback_reason=d.reason,
+            **knobs,
         )
     mbs = split(w, d.padded_tokens)
     dbo = _Dbo(w, gpu, cfg, mbs, mode, step)
