@@ -25,24 +25,20 @@ Run: ``python -m experiments.exp_cpu_overlap`` (about 30 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
-from shared.hardware import HostCosts, get_gpu
-from shared.schedules import ScheduleConfig, build
+from experiments.figures import save_figure, timeline
+from experiments.runner import Case, Experiment, kept_traces, main, stamp
+from shared.hardware import HostCosts
+from shared.schedules import ScheduleConfig
 from shared.schedules.sglang_overlap import overlap_report
 from shared.trace import Trace
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "cpu_overlap"
-RESULTS = Path(__file__).parent / "results"
+NAME = "cpu_overlap"
+GPU = "h100"  # sweeps (a), (c), (d); (b) runs on an H800
 SCALES = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
 V3_BATCHES = (16, 32, 64, 128, 256)
 ITERATIONS = 6
@@ -50,21 +46,52 @@ TTFT_MODES = ("prefill", "decode", "decode", "prefill", "decode")
 TTFT_STEP = 3  # the prefill measured (the second cohort, joining a running batch)
 CONSECUTIVE_MODES = ("prefill", "prefill", "decode")
 SHOW_SCALE = 8  # the timeline drawn
+LOOPS = ("overlap", "normal")
 
 
 def scaled(s: float) -> HostCosts:
     return HostCosts(**{k: v * s for k, v in dataclasses.asdict(HostCosts()).items()})
 
 
-def pair(w: Workload, gpu, cfg: ScheduleConfig) -> tuple[dict, Trace]:
-    """Overlap and normal loop over the same iterations: the report (with baseline) and the
-    overlap trace."""
-    ov = simulate(build("sglang-overlap", w, gpu, cfg), gpu)
-    no = simulate(
-        build("sglang-overlap", w, gpu, dataclasses.replace(cfg, disable_overlap_schedule=True)),
-        gpu,
-    )
-    return overlap_report(ov, baseline=no), ov
+def loop_cfg(cfg: ScheduleConfig, loop: str) -> ScheduleConfig:
+    """The overlap loop, ``--disable-overlap-schedule`` ("normal") or the overlap loop with
+    SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP ("overlap + switch")."""
+    if loop == "normal":
+        return dataclasses.replace(cfg, disable_overlap_schedule=True)
+    if loop == "overlap + switch":
+        return dataclasses.replace(cfg, disable_consecutive_prefill_overlap=True)
+    return cfg
+
+
+def cases():
+    lite, v3 = get_model("deepseek-v2-lite"), get_model("deepseek-v3")
+    decode = Workload(lite, Batch.decode(32, kv_len=2048), Parallel(ep=8))
+    prefill = Workload(lite, Batch.prefill(8, extend_len=32), Parallel(ep=8))
+    # (a) decode: host cost x0.25..x32
+    for s in SCALES:
+        cfg = ScheduleConfig(iterations=ITERATIONS, host=scaled(s))
+        for loop in LOOPS:
+            at = {"sweep": "decode", "host_scale": s, "loop": loop}
+            yield Case(at, "sglang-overlap", decode, GPU, loop_cfg(cfg, loop))
+    # (b) DeepSeek-V3 EP32 on H800, default host costs
+    for n in V3_BATCHES:
+        w = Workload(v3, Batch.decode(n, kv_len=4096), Parallel(ep=32))
+        for loop in LOOPS:
+            at = {"sweep": "v3", "requests_per_gpu": n, "loop": loop}
+            yield Case(at, "sglang-overlap", w, "h800", loop_cfg(ScheduleConfig(), loop))
+    # (c) a prefill joining a running decode batch
+    for s in SCALES:
+        cfg = ScheduleConfig(iterations=ITERATIONS + 1, iteration_modes=TTFT_MODES, host=scaled(s))
+        for loop in LOOPS:
+            at = {"sweep": "ttft", "host_scale": s, "loop": loop}
+            keep = f"ttft {loop} x{s}" if s == SHOW_SCALE and loop == "overlap" else None
+            yield Case(at, "sglang-overlap", prefill, GPU, loop_cfg(cfg, loop), keep)
+    # (d) prefill, prefill, decode: the consecutive-prefill switch
+    for s in (1, SHOW_SCALE):
+        cfg = ScheduleConfig(iterations=5, iteration_modes=CONSECUTIVE_MODES, host=scaled(s))
+        for loop in ("overlap", "overlap + switch", "normal"):
+            at = {"sweep": "consecutive", "host_scale": s, "loop": loop}
+            yield Case(at, "sglang-overlap", prefill, GPU, loop_cfg(cfg, loop))
 
 
 def host_us(trace: Trace, step: int) -> float:
@@ -76,151 +103,107 @@ def host_us(trace: Trace, step: int) -> float:
     return sum(min(s.end, t1) - max(s.start, t0) for s in busy if s.end > t0 and s.start < t1)
 
 
-def decode_sweep(gpu, bar) -> list[dict]:
-    w = Workload(get_model("deepseek-v2-lite"), Batch.decode(32, kv_len=2048), Parallel(ep=8))
-    rows = []
-    for s in SCALES:
-        rep, ov = pair(w, gpu, ScheduleConfig(iterations=ITERATIONS, host=scaled(s)))
-        mid = ITERATIONS // 2
-        rows.append(
-            {
-                "host_scale": s,
-                "host_us": host_us(ov, mid),
-                "gpu_us": rep["iterations"][mid]["forward_us"],
-                "overlap_us": rep["steady_period_us"],
-                "normal_us": rep["baseline"]["steady_period_us"],
-                "overlap_gpu_idle_us": rep["gpu_idle_us"],
-                "normal_gpu_idle_us": rep["baseline"]["gpu_idle_us"],
-                "speedup": rep["baseline"]["steady_period_us"] / rep["steady_period_us"],
-            }
-        )
-        bar.update()
-    return rows
-
-
-def v3_sweep(bar) -> list[dict]:
-    gpu = get_gpu("h800")
-    rows = []
-    for n in V3_BATCHES:
-        w = Workload(get_model("deepseek-v3"), Batch.decode(n, kv_len=4096), Parallel(ep=32))
-        rep, ov = pair(w, gpu, ScheduleConfig(iterations=4))
-        rows.append(
-            {
-                "requests_per_gpu": n,
-                "host_us": host_us(ov, 2),
-                "gpu_us": rep["iterations"][2]["forward_us"],
-                "overlap_us": rep["steady_period_us"],
-                "normal_us": rep["baseline"]["steady_period_us"],
-                "speedup": rep["baseline"]["steady_period_us"] / rep["steady_period_us"],
-            }
-        )
-        bar.update()
-    return rows
-
-
 def _forward_start(trace: Trace, step: int) -> float:
     return min(s.start for s in trace.spans if s.step == step and s.op == "embed")
 
 
-def ttft_sweep(gpu, bar) -> tuple[list[dict], Trace]:
-    w = Workload(get_model("deepseek-v2-lite"), Batch.prefill(8, extend_len=32), Parallel(ep=8))
-    rows, shown = [], None
-    for s in SCALES:
-        cfg = ScheduleConfig(iterations=ITERATIONS + 1, iteration_modes=TTFT_MODES, host=scaled(s))
-        ov = simulate(build("sglang-overlap", w, gpu, cfg), gpu)
-        no = simulate(
-            build(
-                "sglang-overlap", w, gpu, dataclasses.replace(cfg, disable_overlap_schedule=True)
-            ),
-            gpu,
-        )
-        rep = overlap_report(ov, baseline=no)
-        o, n = rep["iterations"][TTFT_STEP], rep["baseline"]["iterations"][TTFT_STEP]
-
-        def start_delay(tr: Trace, r: dict) -> float:
-            recv = next(
-                x.start for x in tr.spans if x.op == "recv_requests" and x.step == TTFT_STEP
-            )
-            return _forward_start(tr, TTFT_STEP) - recv
-
-        rows.append(
-            {
-                "host_scale": s,
-                "iteration_us": rep["steady_period_us"],
-                "prefill_forward_us": o["forward_us"],
-                "ttft_overlap_us": o["ttft_us"],
-                "ttft_normal_us": n["ttft_us"],
-                "ttft_cost_us": o["ttft_cost_us"],
-                "ttft_cost_iterations": o["ttft_cost_us"] / rep["steady_period_us"],
-                "start_delay_overlap_us": start_delay(ov, o),
-                "start_delay_normal_us": start_delay(no, n),
-                "wait_overlap_us": o["wait_us"],
-                "wait_normal_us": n["wait_us"],
-                "deferred": o["deferred"],
-                "iterations_late_overlap": o["iterations_late"],
-                "iterations_late_normal": n["iterations_late"],
-            }
-        )
-        if s == SHOW_SCALE:
-            shown = ov
-        bar.update()
-    return rows, shown
+def measure(trace, program, case) -> dict:
+    """Per loop; :func:`derive` pairs each overlap row with its normal loop."""
+    rep = overlap_report(trace)
+    kind, loop = case.params["sweep"], case.params["loop"]
+    if kind in ("decode", "v3"):
+        mid = case.cfg.iterations // 2
+        out = {"host_us": host_us(trace, mid), "gpu_us": rep["iterations"][mid]["forward_us"]}
+        out[f"{loop}_us"] = rep["steady_period_us"]
+        if kind == "decode":
+            out[f"{loop}_gpu_idle_us"] = rep["gpu_idle_us"]
+        return out if loop == "overlap" else {k: out[k] for k in out if k.startswith(loop)}
+    if kind == "ttft":
+        it = rep["iterations"][TTFT_STEP]
+        recv = next(x.start for x in trace.spans if x.op == "recv_requests" and x.step == TTFT_STEP)
+        out = {"iteration_us": rep["steady_period_us"], "prefill_forward_us": it["forward_us"]}
+        return (out if loop == "overlap" else {}) | {
+            f"ttft_{loop}_us": it["ttft_us"],
+            f"start_delay_{loop}_us": _forward_start(trace, TTFT_STEP) - recv,
+            f"wait_{loop}_us": it["wait_us"],
+            **({"deferred": it["deferred"]} if loop == "overlap" else {}),
+            f"iterations_late_{loop}": it["iterations_late"],
+        }
+    first = rep["iterations"][0]
+    return {
+        "ttft_first_prefill_us": first["ttft_us"],
+        "wait_first_prefill_us": first["wait_us"],
+        "ttft_second_prefill_us": rep["iterations"][1]["ttft_us"],
+        "total_us": rep["total_us"],
+        "gpu_idle_us": rep["gpu_idle_us"],
+    }
 
 
-def consecutive(gpu, bar) -> list[dict]:
-    """Two prefills in a row: default overlap, the SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
-    switch, and the normal loop; the first prefill's TTFT and the run's total time."""
-    w = Workload(get_model("deepseek-v2-lite"), Batch.prefill(8, extend_len=32), Parallel(ep=8))
-    rows = []
-    for s in (1, SHOW_SCALE):
-        base = ScheduleConfig(iterations=5, iteration_modes=CONSECUTIVE_MODES, host=scaled(s))
-        for label, cfg in (
-            ("overlap", base),
-            (
-                "overlap + switch",
-                dataclasses.replace(base, disable_consecutive_prefill_overlap=True),
-            ),
-            ("normal", dataclasses.replace(base, disable_overlap_schedule=True)),
-        ):
-            rep = overlap_report(simulate(build("sglang-overlap", w, gpu, cfg), gpu))
-            first = rep["iterations"][0]
-            rows.append(
-                {
-                    "host_scale": s,
-                    "loop": label,
-                    "ttft_first_prefill_us": first["ttft_us"],
-                    "wait_first_prefill_us": first["wait_us"],
-                    "ttft_second_prefill_us": rep["iterations"][1]["ttft_us"],
-                    "total_us": rep["total_us"],
-                    "gpu_idle_us": rep["gpu_idle_us"],
-                }
-            )
-            bar.update()
-    return rows
+def derive(rows: list[dict]) -> list[dict]:
+    """One row per overlap/normal pair in sweeps (a)-(c), with the speed-up and TTFT cost; the
+    consecutive-prefill rows as they are."""
+    out, pairs = [], {}
+    for r in rows:
+        if r["sweep"] == "consecutive":
+            out.append(r)
+            continue
+        key = (r["sweep"], r.get("host_scale"), r.get("requests_per_gpu"))
+        if r.pop("loop") == "overlap":
+            pairs[key] = r
+            out.append(r)
+        else:
+            pairs[key].update({k: v for k, v in r.items() if k not in pairs[key]})
+    for r in out:
+        if r["sweep"] in ("decode", "v3"):
+            r["speedup"] = r["normal_us"] / r["overlap_us"]
+        elif r["sweep"] == "ttft":
+            r["ttft_cost_us"] = r["ttft_overlap_us"] - r["ttft_normal_us"]
+            r["ttft_cost_iterations"] = r["ttft_cost_us"] / r["iteration_us"]
+    return out
 
 
-def figure(result: dict, path: Path) -> None:
+def keep_window(trace: Trace, case: Case) -> Trace:
+    """Panel (e): the loop from the recv of the step before the measured prefill to the
+    prefill's result reaching the detokenizer, padded by 5 %: the spans it shows, uncut."""
+    t0, t1 = ttft_window(trace)
+    pad = 0.05 * (t1 - t0)
+    shown = [s for s in trace.spans if s.end > t0 - pad and s.start < t1 + pad]
+    # and the first span of each lane, outside the window: it fixes the order of the rows
+    firsts = {}
+    for s in trace.spans:
+        firsts.setdefault((s.rank, s.lane), s)
+    return Trace(set(shown) | set(firsts.values()), trace.meta)
+
+
+def ttft_window(tr: Trace) -> tuple[float, float]:
+    t0 = min(s.start for s in tr.spans if s.step == TTFT_STEP - 1 and s.op == "recv_requests")
+    t1 = max(s.end for s in tr.spans if s.step == TTFT_STEP and s.op == "send_to_detokenizer")
+    return t0, t1
+
+
+def sweep(rows: list[dict], kind: str) -> list[dict]:
+    return [r for r in rows if r["sweep"] == kind]
+
+
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from experiments.figures import timeline
-
+    rows = doc["rows"]
     fig = Figure(figsize=(13, 9.5), layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 1.1])
     ax_a, ax_b = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     ax_c, ax_d = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     ax_t = fig.add_subplot(grid[2, :])
 
-    rows = result["decode"]
-    hx = [r["host_us"] / 1e3 for r in rows]
-    ax_a.plot(hx, [r["overlap_us"] / 1e3 for r in rows], "o", label="overlap (simulated)")
-    ax_a.plot(hx, [r["normal_us"] / 1e3 for r in rows], "s", label="--disable-overlap-schedule")
+    dec = sweep(rows, "decode")
+    hx = [r["host_us"] / 1e3 for r in dec]
+    ax_a.plot(hx, [r["overlap_us"] / 1e3 for r in dec], "o", label="overlap (simulated)")
+    ax_a.plot(hx, [r["normal_us"] / 1e3 for r in dec], "s", label="--disable-overlap-schedule")
     ax_a.plot(
-        hx, [max(r["gpu_us"], r["host_us"]) / 1e3 for r in rows], "-", lw=1, label="max(GPU, host)"
+        hx, [max(r["gpu_us"], r["host_us"]) / 1e3 for r in dec], "-", lw=1, label="max(GPU, host)"
     )
-    ax_a.plot(
-        hx, [(r["gpu_us"] + r["host_us"]) / 1e3 for r in rows], "--", lw=1, label="GPU + host"
-    )
-    ax_a.axvline(rows[0]["gpu_us"] / 1e3, color="grey", lw=0.6, ls=":")
+    ax_a.plot(hx, [(r["gpu_us"] + r["host_us"]) / 1e3 for r in dec], "--", lw=1, label="GPU + host")
+    ax_a.axvline(dec[0]["gpu_us"] / 1e3, color="grey", lw=0.6, ls=":")
     ax_a.set_xscale("log")
     ax_a.set_yscale("log")
     ax_a.set_xlabel("host time per iteration (ms)")
@@ -233,7 +216,7 @@ def figure(result: dict, path: Path) -> None:
     ax_a.legend(fontsize=7)
     ax_a.grid(alpha=0.3, which="both")
 
-    v3 = result["v3"]
+    v3 = sweep(rows, "v3")
     xs = [r["requests_per_gpu"] for r in v3]
     ax_b.plot(xs, [100 * (r["speedup"] - 1) for r in v3], "o-", label="overlap speed-up (%)")
     ax_b.plot(
@@ -246,7 +229,7 @@ def figure(result: dict, path: Path) -> None:
     ax_b.legend(fontsize=7)
     ax_b.grid(alpha=0.3)
 
-    tt = result["ttft"]
+    tt = sweep(rows, "ttft")
     sx = [r["host_scale"] for r in tt]
     ax_c.plot(sx, [r["ttft_cost_us"] / 1e3 for r in tt], "o-", label="TTFT cost (overlap - normal)")
     ax_c.plot(
@@ -271,7 +254,7 @@ def figure(result: dict, path: Path) -> None:
     ax_c.legend(fontsize=7)
     ax_c.grid(alpha=0.3)
 
-    cons = result["consecutive"]
+    cons = sweep(rows, "consecutive")
     labels = sorted({r["loop"] for r in cons}, key=["overlap", "overlap + switch", "normal"].index)
     scales = sorted({r["host_scale"] for r in cons})
     width = 0.8 / len(labels)
@@ -299,9 +282,8 @@ def figure(result: dict, path: Path) -> None:
     ax_d.legend(fontsize=7)
     ax_d.grid(alpha=0.3, axis="y")
 
-    tr = result["shown"]
-    t0 = min(s.start for s in tr.spans if s.step == TTFT_STEP - 1 and s.op == "recv_requests")
-    t1 = max(s.end for s in tr.spans if s.step == TTFT_STEP and s.op == "send_to_detokenizer")
+    (tr,) = kept_traces(doc).values()
+    t0, t1 = ttft_window(tr)
     pad = 0.05 * (t1 - t0)
     timeline(
         tr,
@@ -310,12 +292,11 @@ def figure(result: dict, path: Path) -> None:
         title=f"(e) overlap loop at host x{SHOW_SCALE}: the prefill of step {TTFT_STEP} "
         f"(recv -> forward -> D2H -> processed after step {TTFT_STEP + 1} is launched)",
     )
-    fig.savefig(path.with_suffix(".png"), dpi=130)
-    fig.savefig(path.with_suffix(".svg"), metadata={"Date": None})
+    save_figure(fig, path, dpi=130)
 
 
-def notes(result: dict, command: str) -> str:
-    dec, v3, tt, cons = result["decode"], result["v3"], result["ttft"], result["consecutive"]
+def notes(doc: dict) -> str:
+    dec, v3, tt, cons = (sweep(doc["rows"], k) for k in ("decode", "v3", "ttft", "consecutive"))
 
     def row_a(r):
         return (
@@ -361,7 +342,7 @@ def notes(result: dict, command: str) -> str:
     low = [r for r in tt if r["host_scale"] <= 1]
     return f"""# CPU-GPU overlap scheduler: host time hidden up to the GPU time; TTFT cost of a prefill
 
-Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  schedule `sglang-overlap` (and its
+{stamp(doc)}  ·  schedule `sglang-overlap` (and its
 `--disable-overlap-schedule` path), simulated. Host costs are `shared.hardware.HostCosts`
 (estimates, not measurements) scaled by the factor shown; kernel launches cost `launch_us` each
 (one `graph_launch_us` for a CUDA-graph decode forward).
@@ -449,47 +430,17 @@ second forward can be launched, and the second prefill's TTFT.
 """
 
 
-def run(args: argparse.Namespace) -> dict:
-    gpu = get_gpu(args.gpu)
-    total = 2 * len(SCALES) + len(V3_BATCHES) + 6
-    with tqdm(total=total, desc=TOPIC) as bar:
-        dec = decode_sweep(gpu, bar)
-        v3 = v3_sweep(bar)
-        tt, shown = ttft_sweep(gpu, bar)
-        cons = consecutive(gpu, bar)
-    return {
-        "gpu": gpu.name,
-        "decode": dec,
-        "v3": v3,
-        "ttft": tt,
-        "consecutive": cons,
-        "shown": shown,
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="h100", help="GPU of sweeps (a), (c), (d)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m experiments.exp_cpu_overlap " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    payload = {
-        "topic": TOPIC,
-        "command": command.strip(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host_costs": dataclasses.asdict(HostCosts()),
-        **{k: v for k, v in result.items() if k != "shown"},
-    }
-    (args.out / f"{TOPIC}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    figure(result, args.out / f"{TOPIC}.png")
-    (args.out / f"{TOPIC}.md").write_text(notes(result, command.strip()))
-    print((args.out / f"{TOPIC}.md").read_text())
-    return 0
-
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="SGLang's CPU-GPU overlap scheduler: host time hidden, TTFT cost of a prefill",
+    cases=cases,
+    measure=measure,
+    derive=derive,
+    clip=keep_window,
+    figure=figure,
+    notes=notes,
+    meta={"gpu": GPU, "host_costs": dataclasses.asdict(HostCosts())},
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

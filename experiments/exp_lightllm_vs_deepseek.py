@@ -15,24 +15,17 @@ Run: ``python -m experiments.exp_lightllm_vs_deepseek`` (about 20 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections import defaultdict
-from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
-from shared.hardware import get_gpu
-from shared.schedules import build
+from experiments.figures import clip, layer_window, legend_handles, op_family, save_figure, timeline
+from experiments.runner import Case, Experiment, kept_traces, main, middle_layer, speedup
 from shared.trace import Trace, intersect, length, union
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "lightllm_vs_deepseek"
-RESULTS = Path(__file__).parent / "results"
+NAME = "lightllm_vs_deepseek"
+GPU = "h800"
 SCHEDULES = ("serial", "lightllm", "deepseek")
 DECODE_BATCHES = (16, 32, 64, 128, 192, 256)  # requests per GPU, 4K context (profile: 128)
 PREFILL_PROMPTS = (1, 2, 3, 4, 6, 8)  # 4K prompts per GPU (profile: 4 = 16K tokens)
@@ -48,18 +41,20 @@ def workload(mode: str, size: int) -> Workload:
     return Workload(model, Batch.prefill(size, extend_len=CONTEXT), Parallel(ep=PREFILL_EP))
 
 
-def layer_window(trace: Trace, layer: int) -> tuple[float, float]:
-    """One steady-state period: micro-batch 0's first attention kernel of ``layer`` to that of
-    ``layer + 1`` (both schedules, like serial, start a layer there)."""
+def cases():
+    sweep = [("decode", n) for n in DECODE_BATCHES] + [("prefill", n) for n in PREFILL_PROMPTS]
+    for mode, size in sweep:
+        w = workload(mode, size)
+        shown = (mode, size) in (("decode", SHOW_DECODE), ("prefill", SHOW_PREFILL))
+        for name in SCHEDULES:
+            params = {"mode": mode, "requests": size, "tokens": w.batch.num_tokens}
+            yield Case(params, name, w, GPU, keep=f"{mode} {name}" if shown else None)
 
-    def start(L: int) -> float:
-        return min(
-            s.start
-            for s in trace.spans
-            if s.layer == L and s.op == "comm_prepare_attn" and s.mb == 0
-        )
 
-    return start(layer), start(layer + 1)
+def window(trace: Trace, case: Case) -> tuple[float, float]:
+    """One steady-state period: micro-batch 0's first attention kernel of the middle layer to
+    that of the next (both schedules, like serial, start a layer there)."""
+    return layer_window(trace, middle_layer(case), op="comm_prepare_attn")
 
 
 def comm_only_in(trace: Trace, t0: float, t1: float) -> tuple[float, dict[str, float]]:
@@ -87,72 +82,44 @@ def comm_only_in(trace: Trace, t0: float, t1: float) -> tuple[float, dict[str, f
     return length(only), dict(sorted(who.items(), key=lambda kv: -kv[1]))
 
 
-def shifted(trace: Trace, t0: float, t1: float) -> Trace:
-    """The spans overlapping [t0, t1), clipped and moved to start at 0 (for stacked drawing)."""
-    spans = [
-        replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
-        for s in trace.spans
-        if s.end > t0 and s.start < t1 and not s.lane.startswith("host")
-    ]
-    return Trace(spans, dict(trace.meta))
-
-
-def run(args: argparse.Namespace) -> dict:
-    gpu = get_gpu(args.gpu)
-    model = get_model("deepseek-v3")
-    layer = (model.first_k_dense + model.num_layers) // 2
-    cases = [("decode", n) for n in args.decode] + [("prefill", n) for n in args.prefill]
-    rows, shown = [], {}
-    bar = tqdm(total=len(cases) * len(SCHEDULES), desc=TOPIC)
-    for mode, size in cases:
-        w = workload(mode, size)
-        for name in SCHEDULES:
-            program = build(name, w, gpu)
-            trace = simulate(program, gpu)
-            t0, t1 = layer_window(trace, layer)
-            layer_only, who = comm_only_in(trace, t0, t1)
-            rows.append(
-                {
-                    "schedule": name,
-                    "mode": mode,
-                    "requests": size,
-                    "tokens": w.batch.num_tokens,
-                    "ep": w.parallel.ep,
-                    "step_time_us": trace.step_time_us,
-                    "comm_only_us": trace.comm_only_us(),
-                    "exposed_comm_us": trace.exposed_comm_us(),
-                    "layer": layer,
-                    "layer_time_us": t1 - t0,
-                    "layer_comm_only_us": layer_only,
-                    "layer_comm_only_by": {k: round(v, 3) for k, v in who.items()},
-                    "micro_batches": program.meta.get("micro_batches"),
-                    "comm_sms": program.meta.get("comm_sms"),
-                }
-            )
-            if (mode, size) in (("decode", SHOW_DECODE), ("prefill", SHOW_PREFILL)):
-                shown[(mode, name)] = shifted(trace, t0, t1)
-            bar.update()
-    bar.close()
-    serial = {
-        (r["mode"], r["requests"]): r["step_time_us"] for r in rows if r["schedule"] == "serial"
+def measure(trace, program, case) -> dict:
+    t0, t1 = window(trace, case)
+    layer_only, who = comm_only_in(trace, t0, t1)
+    return {
+        "ep": case.workload.parallel.ep,
+        "step_time_us": trace.step_time_us,
+        "comm_only_us": trace.comm_only_us(),
+        "exposed_comm_us": trace.exposed_comm_us(),
+        "layer": middle_layer(case),
+        "layer_time_us": t1 - t0,
+        "layer_comm_only_us": layer_only,
+        "layer_comm_only_by": {k: round(v, 3) for k, v in who.items()},
+        "micro_batches": program.meta.get("micro_batches"),
+        "comm_sms": program.meta.get("comm_sms"),
     }
-    for r in rows:
-        r["speedup_over_serial"] = serial[(r["mode"], r["requests"])] / r["step_time_us"]
-    return {"rows": rows, "shown": shown, "layer": layer, "gpu": gpu.name}
 
 
-def figure(result: dict, path: Path) -> None:
+def cut(trace: Trace, case: Case) -> Trace:
+    return clip(trace, *window(trace, case))
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    return speedup(
+        rows, over={"schedule": "serial"}, by=("mode", "requests"), column="speedup_over_serial"
+    )
+
+
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from experiments.figures import legend_handles, op_family, timeline
-
-    shown = result["shown"]
+    traces = kept_traces(doc)
+    shown = {tuple(k.split(" ", 1)): tr for k, tr in traces.items()}
     names = [n for n in SCHEDULES if n != "serial"]
     tl = [(m, n) for m in ("decode", "prefill") for n in names if (m, n) in shown]
     tracks = [max(len(shown[k].tracks(0)), 1) for k in tl]
     fig = Figure(figsize=(13, 3.2 + 0.36 * sum(tracks) + 0.5 * len(tl)), layout="constrained")
     gs = fig.add_gridspec(1 + len(tl), 2, height_ratios=[7] + tracks)
-    rows = result["rows"]
+    rows = doc["rows"]
     for col, mode in enumerate(("decode", "prefill")):
         ax = fig.add_subplot(gs[0, col])
         for name, style in (("serial", ":"), ("lightllm", "-o"), ("deepseek", "-s")):
@@ -170,7 +137,7 @@ def figure(result: dict, path: Path) -> None:
                 label=f"{name} step time",
             )
         ep = DECODE_EP if mode == "decode" else PREFILL_EP
-        ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {result['gpu']}", fontsize=9, loc="left")
+        ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {GPU}", fontsize=9, loc="left")
         ax.set_xlabel("requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU")
         ax.set_ylabel("ms per step")
         ax.grid(alpha=0.3)
@@ -185,7 +152,7 @@ def figure(result: dict, path: Path) -> None:
         unit = "requests" if mode == "decode" else "tokens"
         only, _ = comm_only_in(tr, 0.0, tr.step_time_us)
         title = (
-            f"{name} {mode} ({size} {unit}/GPU), layer {result['layer']}: "
+            f"{name} {mode} ({size} {unit}/GPU), layer {rows[0]['layer']}: "
             f"{tr.step_time_us:.0f} µs, comm-only {only:.0f} µs"
         )
         timeline(tr, ax, title=title, window=(0.0, width[mode]), legend=False)
@@ -199,43 +166,26 @@ def figure(result: dict, path: Path) -> None:
             fontsize=7,
             frameon=False,
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path.with_suffix(".png"), dpi=130)
-    fig.savefig(path.with_suffix(".svg"), metadata={"Date": None})
+    save_figure(fig, path, dpi=130)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="h800")
-    ap.add_argument("--decode", type=int, nargs="*", default=list(DECODE_BATCHES))
-    ap.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_PROMPTS))
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    result = run(args)
-    out = args.out / TOPIC
-    figure(result, out)
-    doc = {
-        "command": " ".join(
-            ["python -m experiments.exp_lightllm_vs_deepseek", *(argv or sys.argv[1:])]
-        ),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": result["gpu"],
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="LightLLM's order against DeepSeek's: comm-only GPU time, DeepSeek-V3 on H800",
+    cases=cases,
+    measure=measure,
+    derive=derive,
+    clip=cut,
+    figure=figure,
+    # no notes function: the .md is hand-written from the JSON
+    meta={
+        "gpu": GPU,
         "model": "deepseek-v3",
         "decode_ep": DECODE_EP,
         "prefill_ep": PREFILL_EP,
         "context": CONTEXT,
-        "rows": result["rows"],
-    }
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    for r in result["rows"]:
-        if r["schedule"] != "serial":
-            print(
-                f"{r['mode']:7s} {r['requests']:4d} {r['schedule']:9s} "
-                f"step {r['step_time_us'] / 1e3:8.2f} ms  comm-only {r['comm_only_us'] / 1e3:7.2f} ms"
-                f"  x{r['speedup_over_serial']:.2f} vs serial"
-            )
-    return 0
-
+    },
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

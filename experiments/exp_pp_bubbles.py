@@ -2,7 +2,7 @@
 
 DeepSeek-V3 decode (64 tokens per micro-batch per GPU, 4K context) on H100, EP 8 inside each
 stage, pp_size 2, 4 and 8. SGLang keeps exactly pp_size micro-batches in flight; the sweep adds
-more (a what-if: ``--micro-batches``) to show how they fill the bubbles. Fewer than pp_size
+more (a what-if) to show how they fill the bubbles. Fewer than pp_size
 deadlock the loop (the ring relay needs every rank to send hidden states before it waits for the
 outputs a successor relays), so the sweep starts at pp_size.
 
@@ -15,34 +15,32 @@ Run: ``python -m experiments.exp_pp_bubbles`` (about 40 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
-from shared.hardware import get_gpu
-from shared.schedules import ScheduleConfig, build
+from experiments.figures import save_figure
+from experiments.runner import Case, Experiment, main, md_table, stamp
+from shared.schedules import ScheduleConfig
 from shared.trace import Trace, length, union
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "pp_bubbles"
-RESULTS = Path(__file__).parent / "results"
+NAME = "pp_bubbles"
+GPU = "h100"
 PP_SIZES = (2, 4, 8)
 FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)  # micro-batches = round(factor * pp_size)
 TOKENS = 64
 CONTEXT = 4096
 EP = 8
-ROUNDS = 3
+ROUNDS = 3  # >= 3: fill, steady state, drain
 
 
-def workload(pp: int) -> Workload:
-    return Workload(
-        get_model("deepseek-v3"), Batch.decode(TOKENS, kv_len=CONTEXT), Parallel(ep=EP, pp=pp)
-    )
+def cases():
+    model = get_model("deepseek-v3")
+    sweep = dict.fromkeys((pp, max(pp, round(f * pp))) for pp in PP_SIZES for f in FACTORS)
+    for pp, m in sweep:
+        w = Workload(model, Batch.decode(TOKENS, kv_len=CONTEXT), Parallel(ep=EP, pp=pp))
+        cfg = ScheduleConfig(micro_batches=m, iterations=ROUNDS)
+        yield Case({"pp_size": pp, "micro_batches": m}, "pp", w, GPU, cfg)
 
 
 def steady_idle(trace: Trace, rank: int, m: int, g_total: int) -> float:
@@ -58,37 +56,25 @@ def steady_idle(trace: Trace, rank: int, m: int, g_total: int) -> float:
     return 1.0 - busy / (t1 - t0)
 
 
-def run(args: argparse.Namespace) -> dict:
-    gpu = get_gpu(args.gpu)
-    cases = [(pp, max(pp, round(f * pp))) for pp in args.pp for f in FACTORS]
-    cases = list(dict.fromkeys(cases))
-    rows = []
-    for pp, m in tqdm(cases, desc=TOPIC):
-        w = workload(pp)
-        program = build("pp", w, gpu, ScheduleConfig(micro_batches=m, iterations=args.rounds))
-        trace = simulate(program, gpu)
-        g_total = m * args.rounds
-        idle = [steady_idle(trace, r, m, g_total) for r in range(pp)]
-        rows.append(
-            {
-                "pp_size": pp,
-                "micro_batches": m,
-                "idle_per_rank": idle,
-                "idle_mean": sum(idle) / pp,
-                "makespan_us": trace.step_time_us,
-                # decode tokens per second per GPU: a lane of pp GPUs (one per stage) finishes
-                # TOKENS tokens per micro-batch iteration; whole window, fill and drain included
-                "tokens_per_s_per_gpu": g_total * TOKENS / trace.step_time_us * 1e6 / pp,
-                "layer_split": program.meta["layer_split"],
-            }
-        )
-    return {"rows": rows, "gpu": gpu.name}
+def measure(trace, program, case) -> dict:
+    pp, m = case.params["pp_size"], case.params["micro_batches"]
+    g_total = m * case.cfg.iterations
+    idle = [steady_idle(trace, r, m, g_total) for r in range(pp)]
+    return {
+        "idle_per_rank": idle,
+        "idle_mean": sum(idle) / pp,
+        "makespan_us": trace.step_time_us,
+        # decode tokens per second per GPU: a lane of pp GPUs (one per stage) finishes
+        # TOKENS tokens per micro-batch iteration; whole window, fill and drain included
+        "tokens_per_s_per_gpu": g_total * TOKENS / trace.step_time_us * 1e6 / pp,
+        "layer_split": program.meta["layer_split"],
+    }
 
 
-def figure(result: dict, path: Path) -> None:
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    rows = result["rows"]
+    rows = doc["rows"]
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for pp in sorted({r["pp_size"] for r in rows}):
@@ -109,9 +95,7 @@ def figure(result: dict, path: Path) -> None:
     ax.text(1.02, ax.get_ylim()[1] * 0.9, "SGLang: micro-batches = pp_size", fontsize=7)
     ax.set_xlabel("micro-batches / pp_size")
     ax.set_ylabel("GPU idle fraction, steady state (%)")
-    ax.set_title(
-        f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {result['gpu']}", fontsize=9, loc="left"
-    )
+    ax.set_title(f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {GPU}", fontsize=9, loc="left")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax2.set_xlabel("micro-batches / pp_size")
@@ -119,23 +103,23 @@ def figure(result: dict, path: Path) -> None:
     ax2.set_title("throughput", fontsize=9, loc="left")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
-    for suffix in (".png", ".svg"):
-        fig.savefig(
-            path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {}
-        )
+    save_figure(fig, path)
 
 
-def notes(result: dict, command: str) -> str:
-    rows = result["rows"]
-    tab = [
-        "| pp_size | micro-batches | idle per rank (%) | mean idle | tokens/s/GPU |",
-        "|---|---|---|---|---|",
-    ]
+def notes(doc: dict) -> str:
+    rows = doc["rows"]
+    header = ["pp_size", "micro-batches", "idle per rank (%)", "mean idle", "tokens/s/GPU"]
+    tab = []
     for r in rows:
         per = " ".join(f"{100 * x:.0f}" for x in r["idle_per_rank"])
         tab.append(
-            f"| {r['pp_size']} | {r['micro_batches']} | {per} | {100 * r['idle_mean']:.0f} % "
-            f"| {r['tokens_per_s_per_gpu']:.0f} |"
+            [
+                r["pp_size"],
+                r["micro_batches"],
+                per,
+                f"{100 * r['idle_mean']:.0f} %",
+                f"{r['tokens_per_s_per_gpu']:.0f}",
+            ]
         )
     at = {(r["pp_size"], r["micro_batches"]): r for r in rows}
     pps = sorted({r["pp_size"] for r in rows})
@@ -145,11 +129,11 @@ def notes(result: dict, command: str) -> str:
     )
     return f"""# PP bubbles against the number of micro-batches
 
-Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  DeepSeek-V3 decode, {TOKENS} tokens per
-micro-batch per GPU, {CONTEXT} context, EP {EP} per stage, {result["gpu"]}, CUDA graphs,
+{stamp(doc)}  ·  DeepSeek-V3 decode, {TOKENS} tokens per
+micro-batch per GPU, {CONTEXT} context, EP {EP} per stage, {GPU}, CUDA graphs,
 DeepEP low-latency; {ROUNDS} rounds of event_loop_pp simulated, idle measured over the middle ones.
 
-{chr(10).join(tab)}
+{md_table(header, tab)}
 
 Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in the sweep: {best}.
 
@@ -186,31 +170,15 @@ Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in t
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpu", default="h100")
-    p.add_argument("--pp", type=int, nargs="+", default=list(PP_SIZES))
-    p.add_argument("--rounds", type=int, default=ROUNDS)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
-    if args.rounds < 3:
-        p.error("--rounds must be >= 3 (fill, steady state, drain)")
-    command = "python -m experiments.exp_pp_bubbles " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / TOPIC
-    payload = {
-        "command": command.strip(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **result,
-    }
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    figure(result, path)
-    path.with_suffix(".md").write_text(notes(result, command.strip()))
-    return 0
-
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="PP bubbles against the number of micro-batches, DeepSeek-V3 decode on H100",
+    cases=cases,
+    measure=measure,
+    figure=figure,
+    notes=notes,
+    meta={"gpu": GPU, "tokens": TOKENS, "context": CONTEXT, "ep": EP, "rounds": ROUNDS},
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

@@ -2,7 +2,7 @@
 
 DeepSeek-V3 decode (DeepEP low-latency kernels, EP 32, 4K context) at 32 and 128 tokens per GPU on
 H800 (preset: 3 comm SMs) and B200 (preset: 32), sweeping SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS
-(``--comm-sms``) from 1 to 32 for SBO modes 1, 2 and 3 (mode 1 carries the shared-experts placement
+from 1 to 32 for SBO modes 1, 2 and 3 (mode 1 carries the shared-experts placement
 SGLang pairs with it on each architecture: dispatch hook on Hopper, after the down GEMM on
 Blackwell; see shared/schedules/sbo.py). The gain is ``serial / sbo - 1``.
 
@@ -11,21 +11,16 @@ Run: ``python -m experiments.exp_sbo_comm_sms`` (about 40 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
+from experiments.figures import save_figure
+from experiments.runner import Case, Experiment, main, md_table, middle_layer, speedup, stamp
 from shared.hardware import get_gpu
-from shared.schedules import ScheduleConfig, build
+from shared.schedules import ScheduleConfig
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "sbo_comm_sms"
-RESULTS = Path(__file__).parent / "results"
+NAME = "sbo_comm_sms"
 GPUS = ("h800", "b200")
 TOKENS = (32, 128)
 COMM_SMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -33,55 +28,53 @@ MODES = (1, 2, 3)
 EP = 32
 
 
-def run(args: argparse.Namespace) -> dict:
+def cases():
     model = get_model("deepseek-v3")
-    layer = (model.first_k_dense + model.num_layers) // 2
-    rows = []
-    total = len(args.gpus) * len(args.tokens) * (1 + len(MODES) * len(args.comm_sms))
-    bar = tqdm(total=total, desc=TOPIC)
-    for g in args.gpus:
-        gpu = get_gpu(g)
-        for n in args.tokens:
+    for g in GPUS:
+        for n in TOKENS:
             w = Workload(model, Batch.decode(n), Parallel(ep=EP))
-            serial = simulate(build("serial", w, gpu), gpu).step_time_us
-            bar.update()
+            at = {"gpu": g, "tokens_per_gpu": n}
+            yield Case({**at, "mode": None, "comm_sms": None}, "serial", w, g)
             for mode in MODES:
-                for c in args.comm_sms:
+                for c in COMM_SMS:
                     cfg = ScheduleConfig(sbo_mode=mode, comm_sms=c)
-                    p = build("sbo", w, gpu, cfg)
-                    tr = simulate(p, gpu)
-                    comb = [
-                        s
-                        for s in tr.spans
-                        if s.layer == layer
-                        and s.lane == "stream:alt"
-                        and s.op.startswith("combine_a")
-                    ]
-                    rows.append(
-                        {
-                            "gpu": g,
-                            "tokens_per_gpu": n,
-                            "mode": mode,
-                            "comm_sms": c,
-                            "preset_comm_sms": gpu.sbo_comm_sms,
-                            "upstream": p.meta["sbo_upstream"],
-                            "overlaps": p.meta["sbo_overlaps"],
-                            "serial_step_us": serial,
-                            "step_time_us": tr.step_time_us,
-                            "gain": serial / tr.step_time_us - 1,
-                            "exposed_comm_us": tr.exposed_comm_us(),
-                            "combine_send_us_layer": sum(s.end - s.start for s in comb),
-                        }
-                    )
-                    bar.update()
-    bar.close()
-    return {"rows": rows, "layer": layer}
+                    yield Case({**at, "mode": mode, "comm_sms": c}, "sbo", w, g, cfg)
 
 
-def figure(result: dict, path: Path) -> None:
+def measure(trace, program, case) -> dict:
+    layer = middle_layer(case)
+    comb = [
+        s
+        for s in trace.spans
+        if s.layer == layer and s.lane == "stream:alt" and s.op.startswith("combine_a")
+    ]
+    return {
+        "preset_comm_sms": get_gpu(case.gpu).sbo_comm_sms,
+        "upstream": program.meta.get("sbo_upstream"),
+        "overlaps": program.meta.get("sbo_overlaps"),
+        "step_time_us": trace.step_time_us,
+        "exposed_comm_us": trace.exposed_comm_us(),
+        "combine_send_us_layer": sum(s.end - s.start for s in comb),
+    }
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    """The gain ``serial / sbo - 1`` of each SBO row; the serial rows themselves are dropped."""
+    speedup(
+        rows,
+        over={"schedule": "serial"},
+        by=("gpu", "tokens_per_gpu"),
+        column="gain",
+        change=True,
+        base_column="serial_step_us",
+    )
+    return [r for r in rows if r["schedule"] == "sbo"]
+
+
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    rows = result["rows"]
+    rows = doc["rows"]
     gpus = sorted({r["gpu"] for r in rows}, key=GPUS.index)
     tokens = sorted({r["tokens_per_gpu"] for r in rows})
     fig = Figure(figsize=(11, 3.6 * len(tokens)), layout="constrained")
@@ -102,7 +95,7 @@ def figure(result: dict, path: Path) -> None:
                     style,
                     label=f"mode {mode}{up}",
                 )
-            preset = get_gpu(g).sbo_comm_sms
+            preset = pts[0]["preset_comm_sms"]
             ax.axvline(preset, color="grey", ls=":", label=f"preset {preset} SMs")
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xscale("log", base=2)
@@ -111,14 +104,11 @@ def figure(result: dict, path: Path) -> None:
             ax.set_title(f"SBO, DeepSeek-V3 EP{EP} decode {n} tok/GPU, {g}", fontsize=9, loc="left")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    for suffix in (".png", ".svg"):
-        fig.savefig(
-            path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {}
-        )
+    save_figure(fig, path)
 
 
-def notes(result: dict, command: str) -> str:
-    rows = result["rows"]
+def notes(doc: dict) -> str:
+    rows = doc["rows"]
 
     def get(g, n, mode, c):
         return next(
@@ -127,12 +117,18 @@ def notes(result: dict, command: str) -> str:
             if (r["gpu"], r["tokens_per_gpu"], r["mode"], r["comm_sms"]) == (g, n, mode, c)
         )
 
-    lines = [
-        "| GPU | tokens/GPU | mode | gain at preset SMs | best gain (SMs) | gain at 1 SM | gain at 32 SMs |",
-        "|---|---|---|---|---|---|---|",
+    header = [
+        "GPU",
+        "tokens/GPU",
+        "mode",
+        "gain at preset SMs",
+        "best gain (SMs)",
+        "gain at 1 SM",
+        "gain at 32 SMs",
     ]
+    lines = []
     for g in sorted({r["gpu"] for r in rows}, key=GPUS.index):
-        preset = get_gpu(g).sbo_comm_sms
+        preset = next(r["preset_comm_sms"] for r in rows if r["gpu"] == g)
         for n in sorted({r["tokens_per_gpu"] for r in rows}):
             for mode in MODES:
                 pts = [
@@ -142,17 +138,23 @@ def notes(result: dict, command: str) -> str:
                 at = {r["comm_sms"]: r["gain"] for r in pts}
                 flag = "" if pts[0]["upstream"] else " (what-if)"
                 lines.append(
-                    f"| {g} | {n} | {mode}{flag} | "
-                    f"{100 * at[preset]:+.1f} % | {100 * best['gain']:+.1f} % ({best['comm_sms']}) | "
-                    f"{100 * at[min(at)]:+.1f} % | {100 * at[max(at)]:+.1f} % |"
+                    [
+                        g,
+                        n,
+                        f"{mode}{flag}",
+                        f"{100 * at[preset]:+.1f} %",
+                        f"{100 * best['gain']:+.1f} % ({best['comm_sms']})",
+                        f"{100 * at[min(at)]:+.1f} %",
+                        f"{100 * at[max(at)]:+.1f} %",
+                    ]
                 )
     h1 = get("h800", 128, 1, 3) if any(r["gpu"] == "h800" for r in rows) else None
     return f"""# SBO: gain per mode and its dependence on the communication SMs
 
-Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  DeepSeek-V3 decode, EP{EP}, 4K context,
+{stamp(doc)}  ·  DeepSeek-V3 decode, EP{EP}, 4K context,
 DeepEP low-latency kernels, CUDA graph. Gain = serial step / SBO step - 1.
 
-{chr(10).join(lines)}
+{md_table(header, lines)}
 
 ## What the model shows
 - SBO's gains are a few percent to ~13 %: mode 3 hides the shared experts under the dispatch
@@ -180,31 +182,16 @@ DeepEP low-latency kernels, CUDA graph. Gain = serial step / SBO step - 1.
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    ap.add_argument("--gpus", type=lambda s: s.split(","), default=list(GPUS))
-    ap.add_argument("--tokens", type=ints, default=list(TOKENS))
-    ap.add_argument("--comm-sms", type=ints, default=list(COMM_SMS))
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m experiments.exp_sbo_comm_sms " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    payload = {
-        "topic": TOPIC,
-        "command": command.strip(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "rows": result["rows"],
-    }
-    (args.out / f"{TOPIC}.json").write_text(json.dumps(payload, indent=1))
-    figure(result, args.out / f"{TOPIC}.png")
-    (args.out / f"{TOPIC}.md").write_text(notes(result, command.strip()))
-    print((args.out / f"{TOPIC}.md").read_text())
-    return 0
-
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="SBO gain per mode against the combine's communication SMs, H800 and B200",
+    cases=cases,
+    measure=measure,
+    derive=derive,
+    figure=figure,
+    notes=notes,
+    meta={"ep": EP},
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

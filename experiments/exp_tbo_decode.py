@@ -13,23 +13,27 @@ Run: ``python -m experiments.exp_tbo_decode`` (about 20 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
-import json
+import math
 import sys
-from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
+from experiments.figures import compare_timelines, layer_clip, save_figure
+from experiments.runner import (
+    Case,
+    Experiment,
+    kept_traces,
+    main,
+    md_table,
+    middle_layer,
+    speedup,
+    stamp,
+    standard_metrics,
+)
 from shared.hardware import get_gpu
-from shared.schedules import build
-from shared.trace import Trace
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "tbo_decode"
-RESULTS = Path(__file__).parent / "results"
+NAME = "tbo_decode"
+GPU = "h800"
 SCHEDULES = ("serial", "tbo", "tbo+sbo")
 TOKENS = (8, 16, 32, 64, 128, 256, 512)
 EPS = (32, 64)
@@ -37,72 +41,47 @@ CONTEXT = 4096
 SHOW = (32, 256)  # tokens per GPU whose MoE layer is drawn (EP 32)
 
 
-def workload(tokens: int, ep: int) -> Workload:
-    return Workload(get_model("deepseek-v3"), Batch.decode(tokens, kv_len=CONTEXT), Parallel(ep=ep))
-
-
-def compute_busy_us(trace: Trace) -> float:
-    """GPU time spent in compute kernels (sum over kernels, overlap counted once per stream)."""
-    return sum(s.end - s.start for s in trace.spans if s.kind == "compute")
-
-
-def layer_clip(trace: Trace, layer: int) -> Trace:
-    """Spans of one MoE layer period (mb 0's first kernel of ``layer`` to that of ``layer + 1``),
-    moved to start at 0, host lanes dropped."""
-
-    def start(L: int) -> float:
-        return min(s.start for s in trace.spans if s.layer == L and s.mb == 0)
-
-    t0, t1 = start(layer), start(layer + 1)
-    spans = [
-        replace(s, start=max(s.start, t0) - t0, end=min(s.end, t1) - t0)
-        for s in trace.spans
-        if s.end > t0 and s.start < t1 and not s.lane.startswith("host")
-    ]
-    return Trace(tuple(spans), dict(trace.meta))
-
-
-def run(args: argparse.Namespace) -> dict:
-    gpu = get_gpu(args.gpu)
+def cases():
     model = get_model("deepseek-v3")
-    layer = (model.first_k_dense + model.num_layers) // 2
-    rows, shown = [], {}
-    cases = [(ep, n) for ep in args.ep for n in args.tokens]
-    bar = tqdm(total=len(cases) * len(SCHEDULES), desc=TOPIC)
-    for ep, n in cases:
-        w = workload(n, ep)
-        for name in SCHEDULES:
-            program = build(name, w, gpu)
-            trace = simulate(program, gpu)
-            rows.append(
-                {
-                    "schedule": name,
-                    "ep": ep,
-                    "tokens_per_gpu": n,
-                    "step_time_us": trace.step_time_us,
-                    "exposed_comm_us": trace.exposed_comm_us(),
-                    "comm_only_us": trace.comm_only_us(),
-                    "compute_kernel_us": compute_busy_us(trace),
-                    "kernels": sum(1 for s in trace.spans if s.lane.startswith("stream:")),
-                    "micro_batches": program.meta.get("micro_batches"),
-                    "fallback_reason": program.meta.get("fallback_reason"),
-                }
-            )
-            if ep == args.ep[0] and n in SHOW and name in ("serial", "tbo"):
-                shown[f"{name} {n} tok/GPU"] = layer_clip(trace, layer)
-            bar.update()
-    bar.close()
-    base = {(r["ep"], r["tokens_per_gpu"]): r for r in rows if r["schedule"] == "serial"}
-    for r in rows:
-        s = base[(r["ep"], r["tokens_per_gpu"])]
-        r["throughput_change"] = s["step_time_us"] / r["step_time_us"] - 1
-    return {"rows": rows, "shown": shown, "layer": layer, "gpu": gpu.name}
+    for ep in EPS:
+        for n in TOKENS:
+            w = Workload(model, Batch.decode(n, kv_len=CONTEXT), Parallel(ep=ep))
+            for name in SCHEDULES:
+                shown = ep == EPS[0] and n in SHOW and name in ("serial", "tbo")
+                yield Case(
+                    {"ep": ep, "tokens_per_gpu": n},
+                    name,
+                    w,
+                    GPU,
+                    keep=f"{name} {n} tok/GPU" if shown else None,
+                )
+
+
+def measure(trace, program, case) -> dict:
+    return {
+        **standard_metrics(trace, program, case),
+        "kernels": sum(1 for s in trace.spans if s.lane.startswith("stream:")),
+        "micro_batches": program.meta.get("micro_batches"),
+        "fallback_reason": program.meta.get("fallback_reason"),
+    }
+
+
+def clip(trace, case):
+    return layer_clip(trace, middle_layer(case))
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    return speedup(
+        rows,
+        over={"schedule": "serial"},
+        by=("ep", "tokens_per_gpu"),
+        column="throughput_change",
+        change=True,
+    )
 
 
 def break_even(rows: list[dict], ep: int, name: str = "tbo") -> float | None:
     """Tokens per GPU where the throughput change crosses zero (log-linear interpolation)."""
-    import math
-
     pts = sorted(
         (r["tokens_per_gpu"], r["throughput_change"])
         for r in rows
@@ -115,10 +94,10 @@ def break_even(rows: list[dict], ep: int, name: str = "tbo") -> float | None:
     return None
 
 
-def figure(result: dict, path: Path) -> None:
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    rows = result["rows"]
+    rows = doc["rows"]
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for ep in sorted({r["ep"] for r in rows}):
@@ -136,7 +115,7 @@ def figure(result: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode tokens per GPU (4K context)")
     ax.set_ylabel("throughput change vs serial (%)")
-    ax.set_title(f"TBO decode, DeepSeek-V3 on {result['gpu']}", fontsize=9, loc="left")
+    ax.set_title(f"TBO decode, DeepSeek-V3 on {GPU}", fontsize=9, loc="left")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ep = min(r["ep"] for r in rows)
@@ -157,44 +136,38 @@ def figure(result: dict, path: Path) -> None:
     ax2.set_title(f"EP{ep}: step time and exposed communication", fontsize=9, loc="left")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
-    for suffix in (".png", ".svg"):
-        fig.savefig(
-            path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {}
-        )
+    save_figure(fig, path)
+    compare_timelines(kept_traces(doc), path.with_name(f"{NAME}_timeline.png"))
 
 
-def notes(result: dict, command: str) -> str:
-    rows = result["rows"]
+def notes(doc: dict) -> str:
+    rows = doc["rows"]
     ep = min(r["ep"] for r in rows)
-    tab = [
-        "| tokens/GPU | "
-        + " | ".join(
-            f"serial EP{e} (ms) | TBO EP{e} | TBO+SBO EP{e}"
-            for e in sorted({r["ep"] for r in rows})
-        )
-        + " |"
+    eps = sorted({r["ep"] for r in rows})
+    header = ["tokens/GPU"] + [
+        h for e in eps for h in (f"serial EP{e} (ms)", f"TBO EP{e}", f"TBO+SBO EP{e}")
     ]
-    tab.append("|" + "---|" * (1 + 3 * len({r["ep"] for r in rows})))
+    tab = []
     for n in sorted({r["tokens_per_gpu"] for r in rows}):
-        cells = []
-        for e in sorted({r["ep"] for r in rows}):
+        cells = [n]
+        for e in eps:
             by = {r["schedule"]: r for r in rows if r["ep"] == e and r["tokens_per_gpu"] == n}
             cells += [
                 f"{by['serial']['step_time_us'] / 1e3:.1f}",
                 f"{100 * by['tbo']['throughput_change']:+.0f} %",
                 f"{100 * by['tbo+sbo']['throughput_change']:+.0f} %",
             ]
-        tab.append(f"| {n} | " + " | ".join(cells) + " |")
-    be = {e: break_even(rows, e) for e in sorted({r["ep"] for r in rows})}
+        tab.append(cells)
+    be = {e: break_even(rows, e) for e in eps}
     small = {r["schedule"]: r for r in rows if r["ep"] == ep and r["tokens_per_gpu"] == 32}
     big = {r["schedule"]: r for r in rows if r["ep"] == ep and r["tokens_per_gpu"] == 256}
     return f"""# TBO decode: throughput against serial
 
-Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  DeepSeek-V3, {result["gpu"]}, 4K context,
+{stamp(doc)}  ·  DeepSeek-V3, {GPU}, 4K context,
 DeepEP low-latency kernels, CUDA graph (both micro-batches in one graph), DeepSeek decode strategy
 (6 stages, delta 2). Throughput change = serial step / TBO step - 1.
 
-{chr(10).join(tab)}
+{md_table(header, tab)}
 
 Break-even (throughput change crosses 0): {", ".join(f"EP{e}: {v:.0f} tokens/GPU" if v else f"EP{e}: none in range" for e, v in be.items())}.
 
@@ -213,7 +186,7 @@ Break-even (throughput change crosses 0): {", ".join(f"EP{e}: {v:.0f} tokens/GPU
   (exposed comm {big["serial"]["exposed_comm_us"] / 1e3:.1f} -> {big["tbo"]["exposed_comm_us"] / 1e3:.1f} ms at 256),
   while the compute kernels are large enough that halving them costs little
   ({big["serial"]["compute_kernel_us"] / 1e3:.1f} -> {big["tbo"]["compute_kernel_us"] / 1e3:.1f} ms).
-- TBO+SBO is below TBO here: SBO's combine on {get_gpu(result["gpu"]).sbo_comm_sms} SMs is slower than the 128-SM low-latency combine,
+- TBO+SBO is below TBO here: SBO's combine on {get_gpu(GPU).sbo_comm_sms} SMs is slower than the 128-SM low-latency combine,
   and under TBO the other micro-batch's full-GPU kernels keep the comm SMs from being granted
   (the simulator does not let a 3-SM kernel in between the blocks of a running kernel), so the
   combine's tail is exposed instead of hidden. On real GPUs blocks of a running kernel retire and
@@ -227,41 +200,21 @@ Break-even (throughput change crosses 0): {", ".join(f"EP{e}: {v:.0f} tokens/GPU
   measured gain at large batches can exceed the model's.
 - SGLang measured whole-server throughput (with the CPU-GPU overlap scheduler and MTP off/on); the
   model compares one decode step of one rank.
-- Figure `{TOPIC}_timeline.png`: one MoE layer of serial and TBO at {SHOW[0]} and {SHOW[1]} tokens/GPU.
+- Figure `{NAME}_timeline.png`: one MoE layer of serial and TBO at {SHOW[0]} and {SHOW[1]} tokens/GPU.
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="h800")
-    ap.add_argument("--ep", type=lambda s: [int(x) for x in s.split(",")], default=list(EPS))
-    ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m experiments.exp_tbo_decode " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    payload = {
-        "topic": TOPIC,
-        "command": command.strip(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": result["gpu"],
-        "layer_drawn": result["layer"],
-        "break_even_tokens": {str(e): break_even(result["rows"], e) for e in args.ep},
-        "rows": result["rows"],
-    }
-    (args.out / f"{TOPIC}.json").write_text(json.dumps(payload, indent=1))
-    figure(result, args.out / f"{TOPIC}.png")
-    if result["shown"]:
-        from experiments.figures import compare_timelines
-
-        compare_timelines(result["shown"], args.out / f"{TOPIC}_timeline.png")
-    (args.out / f"{TOPIC}.md").write_text(notes(result, command.strip()))
-    print((args.out / f"{TOPIC}.md").read_text())
-    return 0
-
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="TBO against serial decode, DeepSeek-V3 EP32/EP64 on H800",
+    cases=cases,
+    measure=measure,
+    derive=derive,
+    clip=clip,
+    figure=figure,
+    notes=notes,
+    meta={"gpu": GPU, "context": CONTEXT},
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

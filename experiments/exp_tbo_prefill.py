@@ -11,25 +11,28 @@ Run: ``python -m experiments.exp_tbo_prefill`` (about 20 s on 2 cores).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
-from experiments.exp_tbo_decode import layer_clip
-from shared.hardware import get_gpu
-from shared.schedules import build
+from experiments.figures import compare_timelines, layer_clip, save_figure
+from experiments.runner import (
+    Case,
+    Experiment,
+    kept_traces,
+    main,
+    md_table,
+    middle_layer,
+    speedup,
+    stamp,
+    standard_metrics,
+)
 from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
 
-TOPIC = "tbo_prefill"
-RESULTS = Path(__file__).parent / "results"
+NAME = "tbo_prefill"
+GPU = "h800"
 EP = 32
 PROMPT = 4096
-CASES = (
+BATCHES = (
     ("4K prompts", [PROMPT] * 1),
     ("4K prompts", [PROMPT] * 2),
     ("4K prompts", [PROMPT] * 4),
@@ -42,47 +45,40 @@ CASES = (
 SHOW = 4  # 4 prompts of 4K: the layer drawn
 
 
-def run(args: argparse.Namespace) -> dict:
-    gpu = get_gpu(args.gpu)
+def cases():
     model = get_model("deepseek-v3")
-    layer = (model.first_k_dense + model.num_layers) // 2
-    rows, shown = [], {}
-    bar = tqdm(total=len(CASES) * 2, desc=TOPIC)
-    for kind, lens in CASES:
-        w = Workload(model, Batch.prefill(extend_lens=lens), Parallel(ep=args.ep))
+    for kind, lens in BATCHES:
+        w = Workload(model, Batch.prefill(extend_lens=lens), Parallel(ep=EP))
         for name in ("serial", "tbo"):
-            program = build(name, w, gpu)
-            trace = simulate(program, gpu)
-            rows.append(
-                {
-                    "schedule": name,
-                    "kind": kind,
-                    "extend_lens": lens,
-                    "tokens_per_gpu": sum(lens),
-                    "step_time_us": trace.step_time_us,
-                    "exposed_comm_us": trace.exposed_comm_us(),
-                    "comm_only_us": trace.comm_only_us(),
-                    "micro_batches": program.meta.get("micro_batches"),
-                    "two_chunk": program.meta.get("two_chunk"),
-                    "fallback_reason": program.meta.get("fallback_reason"),
-                    "deep_gemm_sms": program.meta.get("deep_gemm_sms"),
-                }
-            )
-            if kind == "4K prompts" and len(lens) == SHOW:
-                shown[f"{name} {len(lens)}x4K"] = layer_clip(trace, layer)
-            bar.update()
-    bar.close()
-    base = {str(r["extend_lens"]): r for r in rows if r["schedule"] == "serial"}
-    for r in rows:
-        r["throughput_change"] = base[str(r["extend_lens"])]["step_time_us"] / r["step_time_us"] - 1
-    return {"rows": rows, "shown": shown, "gpu": gpu.name, "layer": layer}
+            shown = kind == "4K prompts" and len(lens) == SHOW
+            params = {"kind": kind, "extend_lens": lens, "tokens_per_gpu": sum(lens)}
+            yield Case(params, name, w, GPU, keep=f"{name} {len(lens)}x4K" if shown else None)
 
 
-def figure(result: dict, path: Path) -> None:
+def measure(trace, program, case) -> dict:
+    meta = ("micro_batches", "two_chunk", "fallback_reason", "deep_gemm_sms")
+    return {**standard_metrics(trace, program, case), **{k: program.meta.get(k) for k in meta}}
+
+
+def clip(trace, case):
+    return layer_clip(trace, middle_layer(case))
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    return speedup(
+        rows,
+        over={"schedule": "serial"},
+        by=("extend_lens",),
+        column="throughput_change",
+        change=True,
+    )
+
+
+def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    rows = [r for r in result["rows"] if r["schedule"] == "tbo"]
-    serial = {str(r["extend_lens"]): r for r in result["rows"] if r["schedule"] == "serial"}
+    rows = [r for r in doc["rows"] if r["schedule"] == "tbo"]
+    serial = {str(r["extend_lens"]): r for r in doc["rows"] if r["schedule"] == "serial"}
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for kind, style in (("4K prompts", "-o"), ("one prompt", "-s"), ("mixed", "D")):
@@ -96,7 +92,7 @@ def figure(result: dict, path: Path) -> None:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("prefill K tokens per GPU")
     ax.set_ylabel("throughput change vs serial (%)")
-    ax.set_title(f"TBO prefill, DeepSeek-V3 EP{EP} on {result['gpu']}", fontsize=9, loc="left")
+    ax.set_title(f"TBO prefill, DeepSeek-V3 EP{EP} on {GPU}", fontsize=9, loc="left")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     pts = [r for r in rows if r["kind"] == "4K prompts"]
@@ -122,38 +118,48 @@ def figure(result: dict, path: Path) -> None:
     ax2.set_ylabel("ms per step")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
-    for suffix in (".png", ".svg"):
-        fig.savefig(
-            path.with_suffix(suffix), dpi=150, metadata={"Date": None} if suffix == ".svg" else {}
-        )
+    save_figure(fig, path)
+    compare_timelines(kept_traces(doc), path.with_name(f"{NAME}_timeline.png"))
 
 
-def notes(result: dict, command: str) -> str:
-    rows = result["rows"]
+def notes(doc: dict) -> str:
+    rows = doc["rows"]
     serial = {str(r["extend_lens"]): r for r in rows if r["schedule"] == "serial"}
-    tab = [
-        "| batch (extend lens) | tokens/GPU | split (A / B tokens) | serial (ms) | TBO (ms) | change | exposed comm serial -> TBO (ms) |",
-        "|---|---|---|---|---|---|---|",
+    header = [
+        "batch (extend lens)",
+        "tokens/GPU",
+        "split (A / B tokens)",
+        "serial (ms)",
+        "TBO (ms)",
+        "change",
+        "exposed comm serial -> TBO (ms)",
     ]
+    tab = []
     for r in (r for r in rows if r["schedule"] == "tbo"):
         s = serial[str(r["extend_lens"])]
         mbs = r["micro_batches"]
         split = " / ".join(str(m["tokens"]) for m in mbs) + (" two-chunk" if r["two_chunk"] else "")
         tab.append(
-            f"| {r['extend_lens']} | {r['tokens_per_gpu']} | {split} | {s['step_time_us'] / 1e3:.0f} | "
-            f"{r['step_time_us'] / 1e3:.0f} | {100 * r['throughput_change']:+.0f} % | "
-            f"{s['exposed_comm_us'] / 1e3:.0f} -> {r['exposed_comm_us'] / 1e3:.0f} |"
+            [
+                r["extend_lens"],
+                r["tokens_per_gpu"],
+                split,
+                f"{s['step_time_us'] / 1e3:.0f}",
+                f"{r['step_time_us'] / 1e3:.0f}",
+                f"{100 * r['throughput_change']:+.0f} %",
+                f"{s['exposed_comm_us'] / 1e3:.0f} -> {r['exposed_comm_us'] / 1e3:.0f}",
+            ]
         )
     gains = [
         r["throughput_change"] for r in rows if r["schedule"] == "tbo" and r["kind"] == "4K prompts"
     ]
     return f"""# TBO prefill gain
 
-Command: `{command}`  ·  {datetime.now(UTC).date()}  ·  DeepSeek-V3 on {result["gpu"]}, EP{EP},
+{stamp(doc)}  ·  DeepSeek-V3 on {GPU}, EP{EP},
 DeepEP normal kernels (24 SMs, own stream), DeepGEMM limited to {rows[1]["deep_gemm_sms"]} SMs in the
 sparse layers under TBO, no CUDA graph.
 
-{chr(10).join(tab)}
+{md_table(header, tab)}
 
 ## What the model shows
 - TBO speeds prefill up by {100 * min(gains):.0f}-{100 * max(gains):.0f} % for 4K prompts: the
@@ -175,37 +181,21 @@ sparse layers under TBO, no CUDA graph.
 - DeepEP's internode normal kernels send one RDMA copy per destination node and forward over
   NVLink; the model sends one copy per destination rank (see shared/ops.py), which overstates the
   RDMA traffic and so the communication TBO can hide.
-- Figure `{TOPIC}_timeline.png`: one MoE layer of serial and TBO at {SHOW}x4K tokens/GPU.
+- Figure `{NAME}_timeline.png`: one MoE layer of serial and TBO at {SHOW}x4K tokens/GPU.
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="h800")
-    ap.add_argument("--ep", type=int, default=EP)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m experiments.exp_tbo_prefill " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    payload = {
-        "topic": TOPIC,
-        "command": command.strip(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": result["gpu"],
-        "rows": result["rows"],
-    }
-    (args.out / f"{TOPIC}.json").write_text(json.dumps(payload, indent=1))
-    figure(result, args.out / f"{TOPIC}.png")
-    from experiments.figures import compare_timelines
-
-    compare_timelines(result["shown"], args.out / f"{TOPIC}_timeline.png")
-    (args.out / f"{TOPIC}.md").write_text(notes(result, command.strip()))
-    print((args.out / f"{TOPIC}.md").read_text())
-    return 0
-
+EXPERIMENT = Experiment(
+    name=NAME,
+    title="TBO prefill gain over prefill sizes, DeepSeek-V3 EP32 on H800",
+    cases=cases,
+    measure=measure,
+    derive=derive,
+    clip=clip,
+    figure=figure,
+    notes=notes,
+    meta={"gpu": GPU, "ep": EP},
+)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))

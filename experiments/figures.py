@@ -10,7 +10,8 @@ pyplot, no global backend state, no ``plt.show()``; figures render off-screen (A
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,52 @@ def compare_timelines(
     return fig
 
 
+def save_figure(
+    fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 150
+) -> None:
+    """Write ``fig`` to ``path`` with each of ``suffixes`` (png, pdf, svg; no dates in the
+    files)."""
+    for suffix in suffixes:
+        _save(fig, _check_suffix(Path(path).with_suffix(suffix)), dpi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cutting a trace for a timeline inset
+
+
+def layer_window(
+    trace: Trace, layer: int, *, op: str | None = None, mb: int = 0
+) -> tuple[float, float]:
+    """One layer period: the first span of micro-batch ``mb`` in ``layer`` (of op ``op``, when
+    given) to the same in ``layer + 1``."""
+
+    def start(L: int) -> float:
+        return min(
+            s.start
+            for s in trace.spans
+            if s.layer == L and s.mb == mb and (op is None or s.op == op)
+        )
+
+    return start(layer), start(layer + 1)
+
+
+def clip(trace: Trace, t0: float, t1: float, *, shift: bool = True, host: bool = False) -> Trace:
+    """The spans overlapping [t0, t1), cut to it; moved to start at 0 with ``shift``; host
+    lanes dropped unless ``host``."""
+    dt = t0 if shift else 0.0
+    spans = [
+        replace(s, start=max(s.start, t0) - dt, end=min(s.end, t1) - dt)
+        for s in trace.spans
+        if s.end > t0 and s.start < t1 and (host or not s.lane.startswith("host"))
+    ]
+    return Trace(tuple(spans), dict(trace.meta))
+
+
+def layer_clip(trace: Trace, layer: int, *, op: str | None = None) -> Trace:
+    """One layer period of ``trace`` (:func:`layer_window`), moved to 0, without host lanes."""
+    return clip(trace, *layer_window(trace, layer, op=op))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -253,9 +300,9 @@ def _figure(rows: float) -> Any:
     return Figure(figsize=(12, 1.2 + 0.32 * max(rows, 1)), layout="constrained")
 
 
-def _save(fig: Any, path: Path) -> None:
+def _save(fig: Any, path: Path, dpi: int = 150) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150, metadata=_metadata(path))
+    fig.savefig(path, dpi=dpi, metadata=_metadata(path))
 
 
 def _metadata(path: Path) -> dict[str, Any]:

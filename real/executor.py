@@ -1,8 +1,9 @@
 """The executor: interprets a Program with real kernels (real/kernels.py), on the CPU or a GPU.
 
 Host side (both devices): each rank's host threads run one at a time; at ``Yield`` control passes
-round-robin to the next live thread, exactly as in the simulator. Graph bodies are replayed
-instruction by instruction (CUDA-graph capture is a GPU-session item, see real/README.md). Ranks
+round-robin to the next live thread, exactly as in the simulator. A ``Graph`` runs instruction by
+instruction on the CPU; on a GPU it is captured once with torch.cuda.graph (``plan_graph``: which
+stream captures, which streams fork and join, which waits the capture skips) and replayed. Ranks
 of a non-symmetric Program run in one process as coroutines that meet at point-to-point ops.
 
 CPU: streams become ordered execution in host issue order; a hook runs in place. Because host
@@ -174,6 +175,103 @@ def _steps_of(rp) -> list[int]:
     return sorted(steps) or [0]
 
 
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs: the capture plan (pure, tested on the CPU) and its use on a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """How one ``Graph`` instruction is captured with torch.cuda.graph.
+
+    ``capture_stream`` (the body's first stream) is the stream captured and replayed on; every
+    other stream of the body forks from it (``wait_stream``) at the start of the capture and
+    joins it at the end, so all of the body's work is one graph. Before capture and replay the
+    capture stream waits for every body stream (work issued before the graph on any of them is
+    ordered before it: conservative). Waits in the body on events not recorded earlier in the
+    body (``skip_waits``, body indices) are satisfied by that join-in and skipped under capture
+    (an event from outside a capture cannot be waited on inside it). After each replay the
+    events recorded in the body (``exported_events``) are re-recorded on the capture stream, for
+    waits after the graph. ``eager_reason``: why the body must run op by op instead (then None
+    of the above is used)."""
+
+    name: str
+    capture_stream: str
+    streams: tuple[str, ...]
+    skip_waits: tuple[int, ...]
+    exported_events: tuple[str, ...]
+    eager_reason: str | None = None
+    step: int = 0
+
+
+def _streams_of(ins) -> tuple[str, ...]:
+    if isinstance(ins, WaitStream):
+        return (ins.stream, ins.other)
+    return (ins.stream,)
+
+
+def plan_graph(graph: Graph, before: list[Op] = (), others: list[Op] = ()) -> GraphPlan:
+    """The capture plan of ``graph``. ``before``: ops launched before it by its own host thread
+    in its step; ``others``: ops of its step launched by other threads. The graph is captured
+    once and replayed, so the tensors it reads must be the same objects every run: kernels with
+    no tensors (real.kernels.NOOP_OPS) may precede it, anything else makes it run eagerly."""
+    streams: list[str] = []
+    recorded: set[str] = set()
+    skip: list[int] = []
+    for i, ins in enumerate(graph.body):
+        for s in _streams_of(ins):
+            if s not in streams:
+                streams.append(s)
+        if isinstance(ins, Record):
+            recorded.add(ins.event)
+        elif isinstance(ins, Wait) and ins.event not in recorded:
+            skip.append(i)
+    reason = None
+    if not graph.body or not any(isinstance(i, Launch) for i in graph.body):
+        reason = "empty body"
+    feeders = sorted({op.name for op in (*before, *others) if op.name not in K.NOOP_OPS})
+    if feeders:
+        reason = (
+            f"ops outside the graph in its step ({', '.join(feeders[:4])}) may feed it: "
+            "inputs are not static"
+        )
+    ops = [i.op for i in graph.body if isinstance(i, Launch)]
+    return GraphPlan(
+        graph.name,
+        streams[0] if streams else "main",
+        tuple(streams),
+        tuple(skip),
+        tuple(sorted(recorded)),
+        reason,
+        (ops[0].step or 0) if ops else 0,
+    )
+
+
+def plan_graphs(rp) -> dict[int, GraphPlan]:
+    """Plans of every Graph of a rank, keyed by ``id`` of the Graph instruction."""
+    step_of = lambda op: op.step if op.step is not None else 0  # noqa: E731
+    out: dict[int, GraphPlan] = {}
+    for th in rp.threads:
+        seen: list[Op] = []
+        for ins in th.instrs:
+            if isinstance(ins, Graph):
+                ops = [i.op for i in ins.body if isinstance(i, Launch)]
+                step = step_of(ops[0]) if ops else 0
+                before = [op for op in seen if step_of(op) == step]
+                others = [
+                    i.op
+                    for t2 in rp.threads
+                    if t2 is not th
+                    for i in _flatten(t2.instrs)
+                    if isinstance(i, Launch) and step_of(i.op) == step
+                ]
+                out[id(ins)] = plan_graph(ins, before, others)
+                seen.extend(ops)
+            elif isinstance(ins, Launch):
+                seen.append(ins.op)
+    return out
+
+
 class _Gpu:
     """CUDA streams, events and timing of one rank (created only on a GPU run)."""
 
@@ -182,6 +280,9 @@ class _Gpu:
         self.events: dict[str, torch.cuda.Event] = {}
         self.timed: list[tuple[Op, str, Any, Any]] = []
         self.t0 = torch.cuda.Event(enable_timing=True)
+        self.graphs: dict[int, dict] = {}  # id(Graph) -> {"runs", "graph", "snapshot", "mode"}
+        self.capturing: GraphPlan | None = None
+        self.timed_graphs: list[tuple[Graph, GraphPlan, Any, Any]] = []
 
     def stream(self, name: str):
         if name not in self.streams:
@@ -205,6 +306,7 @@ class RankRunner:
         check_hazards,
         world: Mailbox,
         host_spin: bool,
+        cuda_graphs: bool = True,
     ):
         self.rp, self.program, self.weights, self.backend = rp, program, weights, backend
         self.device, self.world, self.host_spin = torch.device(device), world, host_spin
@@ -250,6 +352,8 @@ class RankRunner:
         self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
         self.tracker = HazardTracker() if check_hazards else None
         self.gpu = _Gpu(rp.streams) if self.device.type == "cuda" else None
+        self.graph_plans = plan_graphs(rp)
+        self.cuda_graphs = cuda_graphs and self.gpu is not None
         self.spans: list[Span] = []
         self.host_t0 = time.perf_counter()
 
@@ -264,6 +368,7 @@ class RankRunner:
         if self.gpu is not None:
             self.gpu.events.clear()
             self.gpu.timed.clear()
+            self.gpu.timed_graphs.clear()
         self.spans = []
 
     def resolve_mb(self, op: Op) -> dict:
@@ -309,6 +414,10 @@ class RankRunner:
             self.spans.append(self._span(op, stream, t, self._now_us()))
             return
         s = self.gpu.stream(stream)
+        if self.gpu.capturing is not None:  # inside a CUDA graph: timed as one replay
+            with torch.cuda.stream(s):
+                fn(ctx)
+            return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with (
             torch.cuda.stream(s),
@@ -373,15 +482,102 @@ class RankRunner:
             self.spans.append(
                 Span(self.rp.rank, f"host:{thread}", f"sync:{ins.event}", "sync", t, self._now_us())
             )
+        elif isinstance(ins, Graph):
+            self.run_graph(ins, thread)
         else:
             raise TypeError(f"unexpected instruction {ins!r}")
+
+    # -- CUDA graphs (GPU) -----------------------------------------------------------------------
+
+    def _snapshot(self, step: int):
+        st = self.states[step]
+        return (
+            {i: dict(d) for i, d in st.mbs.items()},
+            {k: list(v) for k, v in st.rowlog.items()},
+            dict(st.logits),
+            set(st.covered),
+            st.version,
+        )
+
+    def _restore(self, step: int, snap) -> None:
+        st = self.states[step]
+        mbs, rowlog, logits, covered, version = snap
+        st.mbs = {i: dict(d) for i, d in mbs.items()}
+        st.rowlog = {k: list(v) for k, v in rowlog.items()}
+        st.logits, st.covered, st.version = dict(logits), set(covered), version
+
+    def run_graph(self, g: Graph, thread: str) -> None:
+        """A Graph on a GPU: the first run op by op (warm-up: compiles kernels, sizes buffers),
+        the second captures the body with torch.cuda.graph on the plan's streams and replays
+        it, later runs replay it (the Python-side state the body produced is restored from
+        the capture). Falls back to op by op, with the reason in the trace, when the plan says
+        so or the capture fails (a host sync in the body, for instance)."""
+        plan = self.graph_plans[id(g)]
+        st = self.gpu.graphs.setdefault(id(g), {"runs": 0, "name": g.name, "mode": "eager"})
+        st["runs"] += 1
+        if not self.cuda_graphs or plan.eager_reason or st.get("failed") or st["runs"] == 1:
+            if plan.eager_reason:
+                st["reason"] = plan.eager_reason
+            elif not self.cuda_graphs:
+                st["reason"] = "cuda_graphs=False"
+            for ins in g.body:
+                self.run_instr(ins, thread)
+            return
+        cap = self.gpu.stream(plan.capture_stream)
+        others = [self.gpu.stream(s) for s in plan.streams[1:]]
+        for o in others:  # join in: earlier work on every body stream precedes the graph
+            cap.wait_stream(o)
+        if "graph" not in st:
+            before = self._snapshot(plan.step)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=cap):
+                    self.gpu.capturing = plan
+                    try:
+                        for o in others:  # fork from the capture stream
+                            o.wait_stream(cap)
+                        for i, ins in enumerate(g.body):
+                            if i not in plan.skip_waits:
+                                self.run_instr(ins, thread)
+                        for o in others:  # join back
+                            cap.wait_stream(o)
+                    finally:
+                        self.gpu.capturing = None
+            except Exception as e:  # noqa: BLE001 - any capture error falls back, recorded
+                st.update(failed=True, reason=f"capture failed: {type(e).__name__}: {e}"[:300])
+                torch.cuda.synchronize()
+                self._restore(plan.step, before)
+                for ins in g.body:
+                    self.run_instr(ins, thread)
+                return
+            st.update(graph=graph, snapshot=self._snapshot(plan.step), mode="captured")
+            st.pop("reason", None)
+        else:
+            self._restore(plan.step, st["snapshot"])
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(cap):
+            a.record(cap)
+            st["graph"].replay()
+            b.record(cap)
+        self.gpu.timed_graphs.append((g, plan, a, b))
+        for name in plan.exported_events:  # real events for waits after the graph
+            ev = torch.cuda.Event()
+            ev.record(cap)
+            self.gpu.events[name] = ev
+        for o in others:  # later work on any body stream sees the graph's results
+            o.wait_stream(cap)
 
     # -- host threads ----------------------------------------------------------------------------
 
     def process(self):
         """A coroutine running this rank's host threads; yields (instructions run since the
         last yield) when a receive must wait for another rank."""
-        threads = [(th.name, _flatten(th.instrs)) for th in self.rp.threads]
+        # On a GPU a Graph is one instruction (captured and replayed); on the CPU its body runs
+        # instruction by instruction, exactly like the simulator's graph launch.
+        unit = self.gpu is not None
+        threads = [
+            (th.name, iter(th.instrs) if unit else _flatten(th.instrs)) for th in self.rp.threads
+        ]
         pending: dict[int, Any] = {}
         live = list(range(len(threads)))
         cur = done = 0
@@ -415,6 +611,23 @@ class RankRunner:
             t0 = self.gpu.t0.elapsed_time(a) * 1e3
             t1 = self.gpu.t0.elapsed_time(b) * 1e3
             self.spans.append(self._span(op, stream, t0, t1))
+        for g, plan, a, b in self.gpu.timed_graphs:
+            t0 = self.gpu.t0.elapsed_time(a) * 1e3
+            t1 = self.gpu.t0.elapsed_time(b) * 1e3
+            self.spans.append(
+                Span(
+                    self.rp.rank,
+                    f"stream:{plan.capture_stream}",
+                    f"graph:{g.name}",
+                    "compute",
+                    t0,
+                    t1,
+                    0,
+                    None,
+                    None,
+                    plan.step,
+                )
+            )
 
 
 def _run_once(runners: list[RankRunner]) -> None:
@@ -455,11 +668,15 @@ def execute(
     repeats: int = 1,
     host_spin: bool = False,
     meta: dict | None = None,
+    cuda_graphs: bool = True,
 ) -> ExecResult:
     """Run ``program`` for ``workload``. ``ranks``: which of the Program's ranks this process
     runs (default: all it holds). On the CPU hazards are checked by default; a violation raises
     HazardError listing them. On a GPU, ``warmup`` unrecorded runs, then ``repeats`` timed runs;
-    the Trace is the repeat with the median step time (all step times in its meta)."""
+    the Trace is the repeat with the median step time (all step times in its meta). On a GPU
+    with ``cuda_graphs``, each Graph runs op by op on its first run, is captured on its second
+    and replayed from then on (``warmup >= 2`` times only replays); the trace meta
+    ``cuda_graphs`` says, per graph, "captured" or why it ran op by op."""
     dev = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -488,6 +705,7 @@ def execute(
             check_hazards=check_hazards,
             world=mailbox,
             host_spin=host_spin,
+            cuda_graphs=cuda_graphs,
         )
         for rp in chosen
     ]
@@ -496,8 +714,9 @@ def execute(
     base_meta = dict(program.meta)
     base_meta.update(backend.describe())
     base_meta.update(device=str(dev), dtype=str(dtype).replace("torch.", ""), world=program.world)
-    if any(isinstance(i, Graph) for rp in chosen for th in rp.threads for i in th.instrs):
-        base_meta["cuda_graphs"] = "replayed op by op, not captured"
+    has_graphs = any(isinstance(i, Graph) for rp in chosen for th in rp.threads for i in th.instrs)
+    if has_graphs and dev.type == "cpu":
+        base_meta["cuda_graphs"] = "CPU: graph bodies run op by op"
     if dev.type == "cpu":
         base_meta["timing"] = "none: CPU spans are host wall-clock of ordered execution"
     base_meta.update(meta or {})
@@ -522,7 +741,15 @@ def execute(
         warmup=warmup,
         repeats=repeats,
     )
+    if dev.type == "cuda" and has_graphs:
+        trace.meta["cuda_graphs"] = {
+            g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")
+            for r in runners
+            for g in r.gpu.graphs.values()
+        }
     if dev.type == "cuda":
-        trace.meta["sm_budget_mechanisms"] = dict(K.sm_budget.applied)
+        from real.gemm import ComputeBudget
+
+        trace.meta["sm_budget_mechanisms"] = dict(ComputeBudget.applied)
     outputs = {r.rp.rank: r.states for r in runners}
     return ExecResult(outputs, trace, violations)

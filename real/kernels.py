@@ -144,6 +144,15 @@ class StepState:
     # batch, MoE layers on its halves): every write is logged with its token range.
     rowlog: dict[str, list] = field(default_factory=dict)
     version: int = 0
+    consts: dict = field(default_factory=dict)  # index tensors built once from the host layout
+
+    def const(self, key, make):
+        """A tensor that depends only on the layout, made once (an H2D copy cannot be captured
+        in a CUDA graph; the first, eager run makes it)."""
+        t = self.consts.get(key)
+        if t is None:
+            t = self.consts[key] = make()
+        return t
 
 
 def new_step_state(layout: BatchLayout, weights: M.ModelWeights, *, seed: int) -> StepState:
@@ -314,14 +323,17 @@ def logits(ctx: KernelCtx) -> None:
     final = M.rms_norm(h[:n], ctx.weights.final_norm, ctx.cfg.eps)
     lo = ctx.mb["tok_lo"]
     sampled = [t - lo for t in ctx.step.layout.sampled() if lo <= t < ctx.mb["tok_hi"]]
-    rows = torch.tensor(sampled, dtype=torch.long, device=h.device)
+    rows = ctx.step.const(
+        ("sampled_rows", lo, ctx.mb["tok_hi"]),
+        lambda: torch.tensor(sampled, dtype=torch.long, device=h.device),
+    )
     lg = final[rows].float() @ ctx.weights.lm_head.float().t()
     ctx.put("final", final)
     ctx.put("logits", (rows + lo, lg))
     hi = ctx.mb["tok_hi"]
     ctx.step.final[lo:hi] = final
-    for i, t in enumerate((rows + lo).tolist()):
-        ctx.step.logits[t] = lg[i]
+    for i, t in enumerate(sampled):  # host indices: no device read
+        ctx.step.logits[t + lo] = lg[i]
     ctx.step.covered.update(range(lo, hi))
 
 
@@ -391,7 +403,7 @@ def attn_core(ctx: KernelCtx) -> None:
         s0 = pieces[0][0]
         q_seq = torch.cat([torch.full((r,), s - s0, device=dev) for s, _, r, _ in pieces]).long()
         q_pos = torch.cat([torch.arange(p, p + r, device=dev) for _, _, r, p in pieces]).long()
-        lmax = int(q_pos.max()) + 1
+        lmax = max(p + r for _, _, r, p in pieces)  # from the host layout: no device read
         o = M.mla_attend_absorbed(
             cfg, lw, q[0], q[1], cache[s0 : pieces[-1][0] + 1, :lmax], q_seq, q_pos
         )
@@ -428,8 +440,8 @@ def comm_prepare_mlp(ctx: KernelCtx) -> None:
 @register("mlp")
 def dense_mlp(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms):
-        ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"]))
+    with sm_budget(ctx.op.sms, x.device) as g:
+        ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"], mm=g.mm))
 
 
 @register("gate")
@@ -475,13 +487,13 @@ def dispatch_b(ctx: KernelCtx) -> None:
 @register("experts")
 def experts(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms):
+    with sm_budget(ctx.op.sms, lw["w13"].device) as g:
         if d["ll"]:
-            y = M.grouped_experts_masked(d["recv_x"], d["count"], lw["w13"], lw["w2"])
+            y = M.grouped_experts_masked(d["recv_x"], d["count"], lw["w13"], lw["w2"], gemm=g)
         else:
             r = d["res"]
             y = M.experts_weighted(
-                r.recv_x, r.recv_topk_idx, r.recv_topk_weights, lw["w13"], lw["w2"]
+                r.recv_x, r.recv_topk_idx, r.recv_topk_weights, lw["w13"], lw["w2"], gemm=g
             )
     ctx.put("expert_out", y)
 
@@ -500,11 +512,10 @@ def _expert_groups(num_local: int, n: int) -> list[range]:
 @register("experts.gate_up")
 def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms):
+    with sm_budget(ctx.op.sms, lw["w13"].device) as gm:
         if d["ll"]:
-            gu = torch.bmm(d["recv_x"], lw["w13"].transpose(1, 2))
-            g, u = gu.chunk(2, dim=-1)
-            ctx.put("expert_act", torch.nn.functional.silu(g) * u)
+            g, u = gm.grouped_masked(d["recv_x"], lw["w13"], d["count"]).chunk(2, dim=-1)
+            ctx.put("expert_act", (torch.nn.functional.silu(g) * u).contiguous())
         else:  # the normal layout reduces per token: both GEMMs run per slice below
             ctx.put("expert_act", None)
 
@@ -514,18 +525,21 @@ def experts_down(ctx: KernelCtx) -> None:
     k, n = ctx.piece
     d, lw, act = ctx.get("recv"), ctx.lw, ctx.get("expert_act")
     grp = _expert_groups(lw["w13"].shape[0], n)[k]
-    with sm_budget(ctx.op.sms):
+    with sm_budget(ctx.op.sms, lw["w2"].device) as g:
         if d["ll"]:
-            y = torch.bmm(act[grp.start : grp.stop], lw["w2"][grp.start : grp.stop].transpose(1, 2))
-            cnt = d["count"][grp.start : grp.stop].to(y.device)
-            valid = torch.arange(y.shape[1], device=y.device)[None, :] < cnt[:, None]
-            y = y * valid[..., None].to(y.dtype)
+            sl = slice(grp.start, grp.stop)
+            y = g.grouped_masked(act[sl], lw["w2"][sl], d["count"][sl])
         else:
             r = d["res"]
             idx = r.recv_topk_idx
             mine = (idx >= grp.start) & (idx < grp.stop)
             y = M.experts_weighted(
-                r.recv_x, torch.where(mine, idx, -1), r.recv_topk_weights, lw["w13"], lw["w2"]
+                r.recv_x,
+                torch.where(mine, idx, -1),
+                r.recv_topk_weights,
+                lw["w13"],
+                lw["w2"],
+                gemm=g,
             )
     ctx.put(f"expert_out.{k}", (grp, y))
 
@@ -577,8 +591,8 @@ def shared_experts(ctx: KernelCtx) -> None:
     if "shared_w13" not in lw:  # Qwen3: no shared expert, the op carries no work
         ctx.put("shared_out", None)
         return
-    with sm_budget(ctx.op.sms):
-        ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"]))
+    with sm_budget(ctx.op.sms, x.device) as g:
+        ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"], mm=g.mm))
 
 
 @register("output")
@@ -664,33 +678,12 @@ def p2p_recv(ctx: KernelCtx) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-class sm_budget:
-    """Scope a compute kernel's SM limit: DeepGEMM's set_num_sms when deep_gemm imports (restored
-    on exit), nothing on the CPU. The mechanism used is recorded in ``sm_budget.applied``."""
+def sm_budget(sms: int | None, device=None):
+    """Scope a compute op's SM limit (``op.sms``) around its GEMMs: ``with sm_budget(op.sms,
+    device) as g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``,
+    ``g.grouped_contiguous`` (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or
+    persistent Triton GEMMs whose grid is the budget, on a GPU with more SMs than the limit;
+    torch otherwise). Mechanisms used are counted in real.gemm.ComputeBudget.applied."""
+    from real.gemm import ComputeBudget
 
-    applied: dict[str, int] = {}
-
-    def __init__(self, sms: int | None):
-        self.sms = sms
-        self._prev = None
-
-    def __enter__(self):
-        if not self.sms or not torch.cuda.is_available():
-            return self
-        from real.deps import available
-
-        if available("deep_gemm"):
-            import deep_gemm
-
-            self._prev = deep_gemm.get_num_sms()
-            deep_gemm.set_num_sms(int(self.sms))
-            sm_budget.applied["deep_gemm.set_num_sms"] = (
-                sm_budget.applied.get("deep_gemm.set_num_sms", 0) + 1
-            )
-        return self
-
-    def __exit__(self, *exc):
-        if self._prev is not None:
-            import deep_gemm
-
-            deep_gemm.set_num_sms(self._prev)
+    return ComputeBudget(sms, device)

@@ -116,73 +116,39 @@ def tiny_models() -> dict:
 TINY_NAMES = ("tiny-mla", "tiny-gqa")
 
 
-# Fallbacks for fields a shared.workload ModelConfig may name differently or not carry.
-_DEEPSEEK_V3_DEFAULTS = dict(
-    num_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_group=8,
-    topk_group=4,
-)
-
-
-def _pick(mc, *names, default=None):
-    for n in names:
-        v = getattr(mc, n, None)
-        if v is not None:
-            return v
-    return default
-
-
 def from_model_config(mc, num_layers: int | None = None) -> RealModelConfig:
-    """Adapt a shared.workload ModelConfig (read field by field, tolerant of naming)."""
-    name = _pick(mc, "name", default="model")
-    d = _DEEPSEEK_V3_DEFAULTS
-    mla = _pick(mc, "attention", default="mla") == "mla"
-    n_group = int(_pick(mc, "n_group", "num_expert_groups", default=1) or 1)
-    scoring = _pick(mc, "scoring_func", "scoring", default=None)
-    if scoring is None:
-        # DeepSeek-V3 scores with sigmoid (+ correction bias) and group-limited top-k; V2 and
-        # Qwen3 with softmax.
-        scoring = "sigmoid" if n_group > 1 else "softmax"
+    """The torch model's configuration for a shared.workload ModelConfig.
+
+    Router scoring is not a ModelConfig field: DeepSeek-V3 (group-limited, n_group > 1) scores
+    with sigmoid plus a correction bias and scales routed outputs by 2.5; DeepSeek-V2-Lite and
+    Qwen3 score with softmax (HF configs: scoring_func, routed_scaling_factor).
+    """
+    grouped = mc.n_group > 1
     cfg = RealModelConfig(
-        name=name,
-        num_layers=int(_pick(mc, "num_layers")),
-        first_k_dense=int(_pick(mc, "first_k_dense", default=0)),
-        hidden=int(_pick(mc, "hidden", "hidden_size")),
-        vocab=int(_pick(mc, "vocab", "vocab_size")),
-        attention=str(_pick(mc, "attention", default="mla")),
-        num_heads=int(
-            _pick(mc, "num_heads", "num_attention_heads", "heads", default=d["num_heads"])
-        ),
-        q_lora_rank=int(_pick(mc, "q_lora_rank", default=0) or 0),
-        kv_lora_rank=int(_pick(mc, "kv_lora_rank", default=d["kv_lora_rank"])),
-        qk_nope_head_dim=int(
-            _pick(mc, "qk_nope_dim", "qk_nope_head_dim", default=d["qk_nope_head_dim"])
-        ),
-        qk_rope_head_dim=int(
-            _pick(mc, "qk_rope_dim", "qk_rope_head_dim", default=d["qk_rope_head_dim"])
-        ),
-        v_head_dim=int(_pick(mc, "v_head_dim", default=d["v_head_dim"])),
-        num_kv_heads=int(_pick(mc, "num_kv_heads", "kv_heads", default=1)),
-        head_dim=int(_pick(mc, "head_dim", default=128)),
-        num_experts=int(_pick(mc, "num_experts", default=0)),
-        top_k=int(_pick(mc, "top_k", default=1)),
-        expert_inter=int(_pick(mc, "expert_inter", "moe_inter", default=1)),
-        num_shared_experts=int(_pick(mc, "num_shared_experts", default=0)),
-        dense_inter=int(_pick(mc, "dense_inter", "intermediate", default=1)),
-        n_group=n_group,
-        topk_group=int(_pick(mc, "topk_group", default=1) or 1),
-        scoring=str(scoring),
-        routed_scaling=float(
-            _pick(
-                mc, "routed_scaling_factor", "routed_scaling", default=2.5 if n_group > 1 else 1.0
-            )
-        ),
-        qk_norm=bool(_pick(mc, "qk_norm", default=not mla)),
+        name=mc.name,
+        num_layers=mc.num_layers,
+        first_k_dense=mc.first_k_dense,
+        hidden=mc.hidden,
+        vocab=mc.vocab,
+        attention=mc.attention,
+        num_heads=mc.num_heads,
+        q_lora_rank=mc.q_lora_rank,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_nope_head_dim=mc.qk_nope_dim,
+        qk_rope_head_dim=mc.qk_rope_dim,
+        v_head_dim=mc.v_head_dim,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        num_experts=mc.num_experts,
+        top_k=mc.top_k,
+        expert_inter=mc.expert_inter,
+        num_shared_experts=mc.num_shared_experts,
+        dense_inter=mc.dense_inter,
+        n_group=mc.n_group,
+        topk_group=mc.topk_group,
+        scoring="sigmoid" if grouped else "softmax",
+        routed_scaling=2.5 if grouped else 1.0,
+        qk_norm=mc.qk_norm,
     )
     return with_layers(cfg, num_layers)
 
@@ -368,9 +334,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
-def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    g, u = (x @ w13.t()).chunk(2, dim=-1)
-    return (F.silu(g) * u) @ w2.t()
+def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, mm=None) -> torch.Tensor:
+    """``mm(a, w) = a @ w.T``: torch by default, or an SM-limited GEMM (real.gemm)."""
+    if mm is None:
+        g, u = (x @ w13.t()).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ w2.t()
+    g, u = mm(x, w13).chunk(2, dim=-1)
+    return mm((F.silu(g) * u).contiguous(), w2)
 
 
 # -- MLA ---------------------------------------------------------------------------------------
@@ -494,14 +464,20 @@ def select_experts(cfg: RealModelConfig, logits: torch.Tensor, bias: torch.Tenso
 # -- Experts -----------------------------------------------------------------------------------
 
 
-def grouped_experts_contiguous(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
+def grouped_experts_contiguous(
+    x: torch.Tensor, counts: list[int], w13, w2, gemm=None
+) -> torch.Tensor:
     """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts.
 
-    Uses torch._grouped_mm on CUDA BF16 when present (one grouped GEMM per projection), a loop of
+    With an SM-limited ``gemm`` (real.gemm.ComputeBudget): its contiguous grouped GEMMs. Else
+    torch._grouped_mm on CUDA BF16 when present (one grouped GEMM per projection), a loop of
     GEMMs per expert otherwise.
     """
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
+    if gemm is not None and gemm.limited:
+        g, u = gemm.grouped_contiguous(x.contiguous(), w13, counts).chunk(2, dim=-1)
+        return gemm.grouped_contiguous((F.silu(g) * u).contiguous(), w2, counts)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:
             offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0).int()
@@ -519,17 +495,28 @@ def grouped_experts_contiguous(x: torch.Tensor, counts: list[int], w13, w2) -> t
     return out
 
 
-def grouped_experts_masked(x: torch.Tensor, counts: torch.Tensor, w13, w2) -> torch.Tensor:
-    """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows: batched GEMMs over the
-    padded rows (what a masked grouped GEMM computes), rows past the count zeroed."""
+def grouped_experts_masked(
+    x: torch.Tensor, counts: torch.Tensor, w13, w2, gemm=None
+) -> torch.Tensor:
+    """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows (a device tensor: no
+    host read). Rows past the count may hold garbage (DeepEP's buffers are torch.empty); they
+    are never mixed into valid rows. ``gemm``: a real.gemm.ComputeBudget (masked grouped GEMMs
+    within an SM budget; rows past the count left unwritten), or None: batched GEMMs over the
+    padded rows, rows past the count zeroed."""
+    if gemm is not None and gemm.limited:
+        gu = gemm.grouped_masked(x, w13, counts)
+        g, u = gu.chunk(2, dim=-1)
+        return gemm.grouped_masked((F.silu(g) * u).contiguous(), w2, counts)
     gu = torch.bmm(x, w13.transpose(1, 2))
     g, u = gu.chunk(2, dim=-1)
     y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))
     valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
-    return y * valid[..., None].to(y.dtype)
+    return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
-def experts_weighted(x, topk_local: torch.Tensor, topk_w: torch.Tensor, w13, w2) -> torch.Tensor:
+def experts_weighted(
+    x, topk_local: torch.Tensor, topk_w: torch.Tensor, w13, w2, gemm=None
+) -> torch.Tensor:
     """DeepEP normal layout: x [M, H] received rows, topk_local [M, k] local expert ids (-1: not
     here), weights [M, k]. Returns Σ_k w_k expert_k(x) per row (the receiver-side reduction)."""
     M = x.shape[0]
@@ -541,7 +528,7 @@ def experts_weighted(x, topk_local: torch.Tensor, topk_w: torch.Tensor, w13, w2)
     order = torch.argsort(experts, stable=True)
     rows, slots, experts = rows[order], slots[order], experts[order]
     counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
-    y = grouped_experts_contiguous(x[rows], counts, w13, w2)
+    y = grouped_experts_contiguous(x[rows], counts, w13, w2, gemm)
     out.index_add_(0, rows, y.float() * topk_w[rows, slots].float()[:, None])
     return out.to(x.dtype)
 

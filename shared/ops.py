@@ -15,10 +15,10 @@ Conventions and simplifications, stated once:
   scattered layout). The attention-TP all-reduce / reduce-scatter / all-gather that this implies
   lives in comm_prepare_mlp / comm_prepare_attn / comm_postprocess_layer and is NOT modeled as
   link traffic yet (a note, not a flow).
-- Routing is balanced (a later issue adds real routing and imbalance): every rank sends and
-  receives the same number of token copies, and each of a token's top-k experts lands on an EP
-  rank independently and uniformly (choices with replacement; ignores that the k experts are
-  distinct and DeepSeek-V3's group-limited routing, which concentrate a token on fewer ranks).
+- Routing here is balanced (the symmetric program): every rank sends and receives the same
+  number of token copies, and each of a token's top-k experts lands on an EP rank independently
+  and uniformly (choices with replacement). Real routing, imbalance and per-rank work come from
+  ``shared.routing`` and are applied per rank by ``shared.ranks.expand_ranks``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ __all__ = [
     "dense_layers",
     "dispatch_bytes_per_copy",
     "expected_dest_ranks",
+    "experts_work",
     "head_ops",
     "layer_ops",
     "ll_num_sms",
@@ -277,12 +278,17 @@ def routed_experts(w: Workload, rows: int) -> Work:
     """Grouped GEMM over the token copies this rank receives. Under symmetric balanced load a
     rank receives as many copies as it sends: rows * top_k, i.e. rows * top_k / local_experts
     per local expert (= rows * ep * top_k / num_experts). Weights of active experts are read."""
+    return experts_work(w, rows * w.model.top_k, w.local_experts * expert_active_prob(w, rows))
+
+
+def experts_work(w: Workload, copies: float, active_experts: float) -> Work:
+    """Grouped GEMM (gate_up, SiLU-and-mul, down) over ``copies`` received token copies; the
+    weights of ``active_experts`` local experts are read (fp8 activations in, bf16 out)."""
     m, wb = w.model, DTYPE_BYTES[w.model.gemm_dtype]
-    copies = rows * m.top_k
     if copies <= 0:
         return Work()
     flops = copies * 6.0 * m.hidden * m.expert_inter
-    weights = w.local_experts * expert_active_prob(w, rows) * 3 * m.hidden * m.expert_inter * wb
+    weights = active_experts * 3 * m.hidden * m.expert_inter * wb
     acts = copies * (m.hidden * (1 + ACT) + 3 * m.expert_inter * ACT + m.expert_inter)
     return Work(flops, weights + acts)
 
@@ -316,19 +322,19 @@ def ll_num_sms(num_experts: int, num_device_sms: int) -> int:
 
 
 def traffic(w: Workload, rows: int, per_copy: float, dedup: bool) -> dict[str, float]:
-    """Bytes this rank sends for ``rows`` tokens, split into "local" (itself, no flow),
-    "nvlink" (the other gpus_per_node-1 ranks of its node) and "rdma" (other nodes).
+    """Bytes this rank sends for ``rows`` tokens under balanced routing, split into "local"
+    (itself, no flow), "nvlink" and "rdma" (``shared.deepep.expected_bytes``).
 
-    low-latency (no dedup): one copy per (token, expert): k/R copies per token per rank.
-    normal (dedup): one copy per (token, destination rank): P(rank hit) copies per token per rank.
-    (DeepEP's internode normal kernels go further, sending one RDMA copy per destination node
-    and forwarding over NVLink there; not modeled yet.)
+    low-latency (no dedup): one copy per (token, expert): k/R copies per token per rank, peers of
+    the node over NVLink, other nodes over RDMA. normal (dedup): one copy per (token, destination
+    rank) inside a node; across nodes one RDMA copy per (token, destination node) to the same-rail
+    GPU there, which forwards it over NVLink to the GPUs of its node that need it.
     """
-    r, k = w.parallel.ep, w.model.top_k
-    per_rank = rank_hit_prob(r, k) if dedup else k / r
-    g = w.parallel.node_peers
-    unit = rows * per_rank * per_copy
-    return {"local": unit, "nvlink": unit * (g - 1), "rdma": unit * (r - g)}
+    from shared.deepep import expected_bytes
+
+    p = w.parallel
+    mode = "normal" if dedup else "low_latency"
+    return expected_bytes(rows, p.ep, p.gpus_per_node, w.model.top_k, mode, per_copy)
 
 
 def _flows(t: dict[str, float]) -> tuple[Flow, ...]:

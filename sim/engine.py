@@ -7,7 +7,12 @@ Per rank:
   land on the lane of the thread that issued them;
 - one process per stream takes instructions in FIFO order: a launch runs once it holds its SMs;
   a record fires its event; a wait holds the stream until the event has fired;
-- a ``sim.resources.Gpu`` (SMs and HBM) and one ``sim.resources.Link`` per link kind.
+- a ``sim.resources.Gpu`` (SMs and HBM) and one ``sim.resources.Link`` per link kind (its
+  egress, used by symmetric flows and PCIe copies).
+
+Across ranks, flows with an explicit destination go through one ``sim.network.Network``: each
+crosses its source's egress and its destination's ingress port of its link kind, shared max-min
+fairly; an op's flows form one bundle, drawn as one span per link kind on the sender's link lane.
 
 Collectives: a send (or sendrecv) op starts its flows when it starts; a recv op makes no progress
 until every flow of its key addressed to its rank has arrived, then does its own work (DeepEP's
@@ -15,8 +20,9 @@ receive hook spins on its SMs until the data is there); a sendrecv op (DeepEP's 
 works from its start but cannot finish before its data has arrived. In a symmetric program a flow
 with ``dst=None`` returns to its sender, standing for the identical flow of the mirror peer.
 
-Nothing here is random: the same Program and GPU give the same Trace (``seed`` is accepted for
-the stochastic workloads of later versions and recorded in the trace).
+Nothing here is random: the same Program and GPU give the same Trace (routing noise and load
+imbalance are drawn, seeded, when the Program is built: ``shared.routing``, ``shared.ranks``;
+``seed`` is recorded in the trace).
 """
 
 from __future__ import annotations
@@ -42,7 +48,13 @@ from shared.program import (
 from shared.trace import Span, Trace
 from shared.validate import issue_order, validate
 from sim import cost
+from sim.network import Network
 from sim.resources import Gpu, Kernel, Link
+
+#: Link kinds carried by the network model (per-rank egress and ingress ports); PCIe copies stay
+#: on each rank's own ``Link``.
+NET_KINDS = ("nvlink", "rdma")
+_SINK_BITS = 24
 
 
 class SimulationStalled(RuntimeError):
@@ -54,7 +66,7 @@ class _Rank:
         env, gpu = engine.env, engine.gpu
         self.rp = rp
         self.gpu = Gpu(env, gpu)
-        self.links = {
+        self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
             k: Link(env, cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k))
             for k in ("nvlink", "rdma", "pcie")
         }
@@ -65,7 +77,7 @@ class _Rank:
 
 
 class Engine:
-    def __init__(self, program: Program, gpu: GPU, seed: int = 0):
+    def __init__(self, program: Program, gpu: GPU, seed: int = 0, net_group_tol: float = 0.0):
         self.program, self.gpu, self.seed = program, gpu, seed
         self.env = simpy.Environment()
         self.spans: list[Span] = []
@@ -80,6 +92,11 @@ class Engine:
                             dst = rp.rank if f.dst is None else f.dst
                             self._expected[(ins.op.coll.key, dst)] += 1
         self._implicit = 0
+        kinds = {k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS}
+        self.net = Network(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
+        self._sinks: dict[tuple[str, int], int] = {}
+        self._sink_keys: list[tuple[str, int]] = []
+        self._bundles: list[list] = []  # [rank, op, t0, {kind: flows left}]
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -177,9 +194,12 @@ class Engine:
         k = Kernel(op, limit, op.kind == "comm", env.event())
         yield r.gpu.acquire(k)
         c = op.coll
-        if c is not None and c.role != "recv":
-            for f in c.flows:
-                self._start_flow(r, op, f)
+        if c is not None and c.role != "recv" and c.flows:
+            if any(f.dst is not None for f in c.flows):
+                self._start_flows(r, op)
+            else:
+                for f in c.flows:
+                    self._start_flow(r, op, f)
         if c is not None and c.role != "send":
             arrived = self._arrival(c.key, rank)
             if not arrived.processed:
@@ -204,31 +224,61 @@ class Engine:
         return ev
 
     def _start_flow(self, r: _Rank, op: Op, f) -> None:
+        """A symmetric flow (to the mirror peer): it only shares its rank's egress link, as every
+        rank's ingress carries the same load as its egress."""
         env, t0 = self.env, self.env.now
-        dst = r.rp.rank if f.dst is None else f.dst
-        key = (op.coll.key, dst)
+        key = (op.coll.key, r.rp.rank)
         done = r.links[f.link].send(f.nbytes)
 
         def arrived(_e, rank=r.rp.rank):
             self.spans.append(
-                Span(
-                    rank,
-                    f"link:{f.link}",
-                    op.name,
-                    "link",
-                    t0,
-                    env.now,
-                    0,
-                    op.mb,
-                    op.layer,
-                    op.step,
-                )
+                Span(rank, f"link:{f.link}", op.name, "link", t0, env.now, 0, op.mb, op.layer,
+                     op.step)
             )
             self._expected[key] -= 1
             if self._expected[key] == 0:
                 self._arrived[key].succeed()
 
         done.callbacks.append(arrived)
+
+    def _start_flows(self, r: _Rank, op: Op) -> None:
+        """Hand the op's flows to the network as one bundle (one link span per kind)."""
+        src, key = r.rp.rank, op.coll.key
+        dsts, kinds, nbytes, tags, left = [], [], [], [], {}
+        b = len(self._bundles)
+        for f in op.coll.flows:
+            dst = src if f.dst is None else f.dst
+            sk = (key, dst)
+            sink = self._sinks.get(sk)
+            if sink is None:
+                sink = self._sinks[sk] = len(self._sink_keys)
+                self._sink_keys.append(sk)
+            k = self.net.kind_index[f.link]
+            dsts.append(dst)
+            kinds.append(k)
+            nbytes.append(f.nbytes)
+            tags.append((b << _SINK_BITS) | sink)
+            left[k] = left.get(k, 0) + 1
+        self._bundles.append([src, op, self.env.now, left])
+        self.net.send(src, dsts, kinds, nbytes, tags)
+
+    def _net_done(self, tags, kinds) -> None:
+        """Flows arrived: count them off their collective's arrival and their bundle's span."""
+        mask = (1 << _SINK_BITS) - 1
+        for tag, k in zip(tags.tolist(), kinds.tolist()):
+            sk = self._sink_keys[tag & mask]
+            self._expected[sk] -= 1
+            if self._expected[sk] == 0:
+                self._arrived[sk].succeed()
+            bundle = self._bundles[tag >> _SINK_BITS]
+            left = bundle[3]
+            left[k] -= 1
+            if left[k] == 0:
+                rank, op, t0 = bundle[0], bundle[1], bundle[2]
+                lane = f"link:{NET_KINDS[k]}"
+                self.spans.append(
+                    Span(rank, lane, op.name, "link", t0, self.env.now, 0, op.mb, op.layer, op.step)
+                )
 
     def _check_finished(self) -> None:
         problems = []

@@ -180,9 +180,15 @@ def test_traffic_splits_by_node(ep, gpn):
     assert sum(ll.values()) == pytest.approx(64 * 8)  # one copy per (token, expert)
     hn = traffic(w, 64, 1.0, dedup=True)
     p = 1 - (1 - 1 / ep) ** 8
-    assert hn["nvlink"] == pytest.approx(64 * p * (g - 1))
-    assert hn["rdma"] == pytest.approx(64 * p * (ep - g))
-    assert sum(hn.values()) == pytest.approx(64 * expected_dest_ranks(ep, 8))
+    nodes = ep // g
+    if nodes == 1:  # intranode normal kernels: one NVLink copy per (token, rank)
+        assert hn["nvlink"] == pytest.approx(64 * p * (g - 1))
+        assert hn["rdma"] == 0
+        assert sum(hn.values()) == pytest.approx(64 * expected_dest_ranks(ep, 8))
+    else:  # internode: one RDMA copy per (token, node), NVLink forwarding of every rail's tokens
+        p_node = 1 - (1 - 1 / nodes) ** 8
+        assert hn["rdma"] == pytest.approx(64 * p_node * (nodes - 1))
+        assert hn["nvlink"] == pytest.approx(64 * p * (g - 1) * nodes)
 
 
 def _flow_bytes(op):

@@ -25,9 +25,32 @@ from typing import Any
 
 import torch
 
-from real.comm.bytes import LinkParams, all_to_all_bytes
+from real.comm.bytes import ByteCount, LinkParams, message_bytes, rank_classes
 
 CAPABILITIES = ("normal", "ll_hook", "sbo_signal", "sm_limit", "cpu_blocking_dispatch")
+
+
+def rank_counts(topk_idx: torch.Tensor, num_experts: int, world: int, *, dedup: bool):
+    """Messages this rank sends to each rank, on the device ([world] int64, no host sync): one
+    per (token, expert) pair, or per (token, rank) when ``dedup`` (normal mode)."""
+    per = num_experts // world
+    dst = torch.where(topk_idx >= 0, topk_idx // per, torch.full_like(topk_idx, world))
+    if dedup:
+        hit = torch.zeros(topk_idx.shape[0], world + 1, dtype=torch.int64, device=dst.device)
+        hit.scatter_(1, dst, 1)
+        return hit[:, :world].sum(0)
+    out = torch.zeros(world + 1, dtype=torch.int64, device=dst.device)
+    out.scatter_add_(0, dst.reshape(-1), torch.ones_like(dst.reshape(-1)))
+    return out[:world]
+
+
+def nonzero_known(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """``mask.nonzero(as_tuple=True)`` when the host already knows how many (no second sync)."""
+    try:
+        nz = torch.nonzero_static(mask, size=count)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        nz = torch.nonzero(mask)
+    return tuple(nz.t())
 
 
 class EventOverlap:
@@ -78,16 +101,33 @@ class DispatchResult:
     event: EventOverlap
 
 
-@dataclass
-class Traffic:
-    """Bytes and messages sent so far, by kind (what a trace reports)."""
+STAT_KEYS = ("local", "nvlink", "rdma", "messages")
 
-    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+
+class Traffic:
+    """Bytes and messages sent so far, by kind (what a trace reports). Device-side counts
+    (``add_tensor``: [local, nvlink, rdma, messages]) accumulate on the device and are read back
+    only when ``by_kind`` is read, after the run, so accounting adds no host sync."""
+
+    def __init__(self):
+        self._host: dict[str, dict[str, int]] = {}
+        self._dev: dict[str, torch.Tensor] = {}
 
     def add(self, kind: str, **counts: int) -> None:
-        d = self.by_kind.setdefault(kind, {})
+        d = self._host.setdefault(kind, {})
         for k, v in counts.items():
             d[k] = d.get(k, 0) + int(v)
+
+    def add_tensor(self, kind: str, stats: torch.Tensor) -> None:
+        acc = self._dev.get(kind)
+        self._dev[kind] = stats.clone() if acc is None else acc.add_(stats)
+
+    @property
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        for kind, t in self._dev.items():
+            self.add(kind, **dict(zip(STAT_KEYS, t.tolist())))
+        self._dev = {}
+        return self._host
 
 
 class EPBackend:
@@ -117,6 +157,9 @@ class EPBackend:
         self.link = link or LinkParams()
         self.num_sms = num_sms
         self.traffic = Traffic()
+        self.host_waits: dict[str, int] = {}  # named host syncs taken, by reason
+        self._stat_mats: dict[tuple, torch.Tensor] = {}
+        self.last_stats: torch.Tensor | None = None
 
     # -- what subclasses implement -------------------------------------------------------------
 
@@ -146,17 +189,34 @@ class EPBackend:
 
     # -- layout helpers ---------------------------------------------------------------------------
 
-    def _account(self, kind: str, topk_idx: torch.Tensor) -> None:
-        self.last_bytes = b = all_to_all_bytes(
-            kind,
-            topk_idx.tolist(),
-            num_experts=self.num_experts,
-            rank=self.rank,
-            world=self.world,
-            hidden=self.hidden,
-            gpus_per_node=self.link.gpus_per_node,
-        )
-        self.traffic.add(kind, local=b.local, nvlink=b.nvlink, rdma=b.rdma, messages=b.messages)
+    def _account(self, kind: str, counts: torch.Tensor, num_topk: int = 0) -> torch.Tensor:
+        """Bytes of one all-to-all from the messages per destination rank (a device tensor, from
+        ``rank_counts``), on the device: [local, nvlink, rdma, messages] into ``last_stats`` and
+        the traffic totals. No host sync (``last_bytes`` reads it back, for tests and logs)."""
+        key = (kind, num_topk, counts.device)
+        mat = self._stat_mats.get(key)
+        if mat is None:
+            mb = message_bytes(kind, self.hidden, num_topk=num_topk)
+            cls = rank_classes(self.rank, self.world, self.link.gpus_per_node)
+            rows = [[mb * (c == 0), mb * (c == 1), mb * (c == 2), 1] for c in cls]
+            mat = self._stat_mats[key] = torch.tensor(rows, dtype=torch.int64).to(counts.device)
+        stats = (counts.to(torch.int64)[:, None] * mat).sum(0)
+        self.last_stats = stats
+        self.traffic.add_tensor(kind, stats)
+        return stats
+
+    @property
+    def last_bytes(self) -> ByteCount:
+        return ByteCount(*(int(v) for v in self.last_stats.tolist()))
+
+    def _host_wait(self, reason: str, counts: torch.Tensor) -> list[int]:
+        """THE host sync of the normal path, named: the CPU waits for the row counts before it
+        can size the receive buffers. DeepEP's non-cached normal dispatch does the same (the host
+        busy-waits on the host-mapped ``moe_recv_counter``; real_executor_notes.md §2.2), and
+        vLLM yields before launching it for that reason. The low-latency path never calls it
+        (fixed-size buffers + a device tensor of counts; see real/comm/loopback.py)."""
+        self.host_waits[reason] = self.host_waits.get(reason, 0) + 1
+        return [int(v) for v in counts.tolist()]
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -171,14 +231,15 @@ class EPBackend:
     ) -> DispatchResult:
         if previous_event is not None:
             previous_event.current_stream_wait()
-        self._account("normal_dispatch", topk_idx)
         per, W = self.experts_per_rank, self.world
-        dst = torch.where(topk_idx >= 0, topk_idx // per, torch.full_like(topk_idx, -1))
-        in_rank = torch.zeros(x.shape[0], W, dtype=torch.bool, device=x.device)
-        valid = dst >= 0
-        in_rank[torch.nonzero(valid)[:, 0], dst[valid]] = True
-        rk, tok = in_rank.t().nonzero(as_tuple=True)  # sorted by rank, then token
-        counts = torch.bincount(rk, minlength=W).tolist()
+        dst = torch.where(topk_idx >= 0, topk_idx // per, torch.full_like(topk_idx, W))
+        hit = torch.zeros(x.shape[0], W + 1, dtype=torch.bool, device=x.device)
+        hit.scatter_(1, dst, True)
+        in_rank = hit[:, :W]
+        counts_dev = in_rank.sum(0)
+        self._account("normal_dispatch", counts_dev, topk_idx.shape[1])
+        counts = self._host_wait("normal_dispatch: recv counts", counts_dev)
+        rk, tok = nonzero_known(in_rank.t(), sum(counts))  # sorted by rank, then token
         ti = topk_idx[tok]
         mine = (ti >= 0) & (ti // per == rk[:, None])
         local = torch.where(mine, ti - rk[:, None] * per, torch.full_like(ti, -1))
@@ -192,6 +253,7 @@ class EPBackend:
         handle = {
             "tok": tok,
             "send_counts": counts,
+            "send_counts_dev": counts_dev,
             "recv_counts": pend.recv_counts,
             "n": len(x),
             "topk_idx": topk_idx,
@@ -216,7 +278,7 @@ class EPBackend:
         for n in handle["recv_counts"]:
             chunks.append([x[lo : lo + n]])
             lo += n
-        self._account("normal_combine", handle["topk_idx"])
+        self._account("normal_combine", handle["send_counts_dev"])
         pend = self._exchange_start(chunks, "normal_combine")
         out = torch.zeros(handle["n"], x.shape[1], dtype=torch.float32, device=x.device)
         result = torch.empty(handle["n"], x.shape[1], dtype=x.dtype, device=x.device)
@@ -251,14 +313,17 @@ class EPBackend:
                 f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
                 f"{num_max_dispatch_tokens_per_rank}"
             )
-        self._account("ll_dispatch", topk_idx)
         per, W, k = self.experts_per_rank, self.world, topk_idx.shape[1]
+        counts_dev = rank_counts(topk_idx, self.num_experts, W, dedup=False)
+        self._account("ll_dispatch", counts_dev)
+        # Variable-size exchange (the torch backend): the host needs the row counts. The
+        # loopback/emulated backends override this with DeepEP's fixed-size layout (no wait).
+        counts = self._host_wait("ll_dispatch: variable all-to-all", counts_dev)
         flat = topk_idx.reshape(-1)
-        pairs = torch.nonzero(flat >= 0)[:, 0]
+        (pairs,) = nonzero_known(flat >= 0, sum(counts))
         experts = flat[pairs]
         order = torch.argsort(experts // per, stable=True)  # by destination, then (token, slot)
         pairs, experts = pairs[order], experts[order]
-        counts = torch.bincount(experts // per, minlength=W).tolist()
         tok = pairs // k
         local = experts % per
         chunks, lo = [], 0
@@ -270,7 +335,13 @@ class EPBackend:
         M = num_max_dispatch_tokens_per_rank * W
         recv_x = torch.zeros(per, M, x.shape[1], dtype=x.dtype, device=x.device)
         recv_count = torch.zeros(per, dtype=torch.int32, device=x.device)
-        handle: dict = {"pairs": pairs, "send_counts": counts, "n": x.shape[0], "k": k}
+        handle: dict = {
+            "pairs": pairs,
+            "send_counts": counts,
+            "send_counts_dev": counts_dev,
+            "n": x.shape[0],
+            "k": k,
+        }
 
         def finish():
             rx, rl = pend.recv
@@ -298,7 +369,7 @@ class EPBackend:
     ):
         """Returns (combined_x [N, H], event, hook): Σ_k w[t, k] · expert_k(x_t) per token."""
         assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
-        self._account("ll_combine", topk_idx)
+        self._account("ll_combine", handle["send_counts_dev"])
         rows = x[handle["recv_expert"], handle["recv_pos"]]
         chunks, lo = [], 0
         for n in handle["recv_counts"]:

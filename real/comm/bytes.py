@@ -79,17 +79,35 @@ def all_to_all_bytes(
     dedup = kind.startswith("normal")
     counts = rows_per_rank(topk_idx, num_experts, world, dedup=dedup)
     k = len(topk_idx[0]) if topk_idx else 0
-    mb = message_bytes(kind, hidden, use_fp8=use_fp8, num_topk=k)
+    return bytes_from_rank_counts(
+        kind, counts, rank=rank, hidden=hidden, gpus_per_node=gpus_per_node, num_topk=k,
+        use_fp8=use_fp8,
+    )  # fmt: skip
+
+
+def rank_classes(rank: int, world: int, gpus_per_node: int = 8) -> list[int]:
+    """Where each destination rank is from ``rank``: 0 itself (HBM), 1 NVLink, 2 RDMA."""
     node = rank // gpus_per_node
-    local = nv = rd = 0
-    for dst, n in enumerate(counts):
-        if dst == rank:
-            local += n * mb
-        elif dst // gpus_per_node == node:
-            nv += n * mb
-        else:
-            rd += n * mb
-    return ByteCount(local, nv, rd, sum(counts))
+    return [0 if d == rank else 1 if d // gpus_per_node == node else 2 for d in range(world)]
+
+
+def bytes_from_rank_counts(
+    kind: str,
+    counts: list[int],
+    *,
+    rank: int,
+    hidden: int,
+    gpus_per_node: int = 8,
+    num_topk: int = 0,
+    use_fp8: bool = False,
+) -> ByteCount:
+    """ByteCount from the messages sent to each rank (``rows_per_rank``), so a backend that
+    counted rows on the device (one host read, or none) uses the same formula."""
+    mb = message_bytes(kind, hidden, use_fp8=use_fp8, num_topk=num_topk)
+    by = [0, 0, 0]
+    for c, n in zip(rank_classes(rank, len(counts), gpus_per_node), counts):
+        by[c] += int(n) * mb
+    return ByteCount(by[0], by[1], by[2], int(sum(counts)))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from real.comm.base import DispatchResult, EPBackend, EventOverlap
+from real.comm.base import DispatchResult, EPBackend, EventOverlap, rank_counts
 from real.deps import require
 
 
@@ -96,7 +96,11 @@ class DeepEPBackend(EPBackend):
             num_tokens_per_expert=n_expert,
             async_finish=async_finish,
         )
-        self._account("normal_dispatch", topk_idx)
+        self._account(
+            "normal_dispatch",
+            rank_counts(topk_idx, self.num_experts, self.world, dedup=True),
+            topk_idx.shape[1],
+        )
         out_ev = EventOverlap([ev.current_stream_wait] if async_finish else [])
         return DispatchResult(recv_x, recv_idx, recv_w, handle, out_ev)
 
@@ -115,7 +119,9 @@ class DeepEPBackend(EPBackend):
         async_finish=False,
         return_recv_hook=False,
     ):
-        self._account("ll_dispatch", topk_idx)
+        self._account(
+            "ll_dispatch", rank_counts(topk_idx, self.num_experts, self.world, dedup=False)
+        )
         recv_x, count, handle, ev, hook = self.buffer.low_latency_dispatch(
             x,
             topk_idx,
@@ -131,7 +137,9 @@ class DeepEPBackend(EPBackend):
     def low_latency_combine(
         self, x, topk_idx, topk_weights, handle, *, async_finish=False, return_recv_hook=False
     ):
-        self._account("ll_combine", topk_idx)
+        self._account(
+            "ll_combine", rank_counts(topk_idx, self.num_experts, self.world, dedup=False)
+        )
         out, ev, hook = self.buffer.low_latency_combine(
             x,
             topk_idx,

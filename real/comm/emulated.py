@@ -22,52 +22,17 @@ import math
 import torch
 
 from real.comm.base import Pending
+from real.comm.bytes import ByteCount, message_bytes
 from real.comm.loopback import LoopbackBackend
 
-_KERNELS = None
 _UNSET = -1  # t_arrive before the send kernel stamped it
 
 
 def _kernels():
-    """Compile the Triton kernels on first use (triton imported lazily)."""
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
-    import triton
-    import triton.language as tl
+    """(send_kernel, recv_kernel); triton imported on first use."""
+    from real.comm import _triton_emulated as K
 
-    @triton.jit
-    def _now():
-        return tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
-
-    @triton.jit
-    def send_kernel(src, dst, n_words, t_arrive, delay_ns, SPIN: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        t0 = _now()
-        if pid == 0:
-            tl.store(t_arrive, t0 + delay_ns)
-        for off in range(pid * BLOCK, n_words, nprog * BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            m = idx < n_words
-            tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
-        if SPIN:
-            while _now() < t0 + delay_ns:
-                pass
-
-    @triton.jit
-    def recv_kernel(t_arrive, unset):
-        # the send kernel may run on another stream: wait for its stamp, then for the arrival
-        t = tl.load(t_arrive, volatile=True)
-        while t == unset:
-            t = tl.load(t_arrive, volatile=True)
-        while _now() < t:
-            pass
-
-    _KERNELS = (send_kernel, recv_kernel)
-    return _KERNELS
+    return K.send_kernel, K.recv_kernel
 
 
 def ll_num_ctas(num_experts: int, device_sms: int) -> int:
@@ -86,7 +51,7 @@ class EmulatedBackend(LoopbackBackend):
             device_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.device_sms = device_sms or 132
         self._scratch: torch.Tensor | None = None
-        self.launches: list[dict] = []
+        self._launches: list[dict] = []
 
     def grid(self, kind: str) -> int:
         if kind.startswith("ll"):
@@ -98,40 +63,62 @@ class EmulatedBackend(LoopbackBackend):
             self._scratch = torch.zeros(2 * words + 2, dtype=torch.int32, device=device)
         return self._scratch[:words], self._scratch[words : 2 * words]
 
+    @property
+    def launches(self) -> list[dict]:
+        """One record per emulated transfer: kind, CTAs, remote bytes and modelled delay (read
+        back from the device here, after the run, never on the hot path)."""
+        out = []
+        for rec in self._launches:
+            b = ByteCount(*(int(v) for v in rec["stats"].tolist()))
+            r = {k: v for k, v in rec.items() if k != "stats"}
+            r.update(remote_bytes=b.remote, delay_us=self.link.arrival_us(b))
+            out.append(r)
+        return out
+
     def _exchange_start(self, chunks, kind: str) -> Pending:
+        """Normal mode (and the variable LL path): rows counted on the host already."""
         pend = super()._exchange_start(chunks, kind)
         dev = chunks[0][0].device
-        b = self.last_bytes
-        delay_us = self.link.arrival_us(b)
-        rec = {
-            "kind": kind,
-            "ctas": self.grid(kind),
-            "remote_bytes": b.remote,
-            "delay_us": delay_us,
-        }
-        self.launches.append(rec)
-        if dev.type != "cuda":  # the CPU runs the data path only
-            return pend
-        send_kernel, recv_kernel = _kernels()
-        words = max(1, b.remote // 4)
-        src, dst = self._buffers(words, dev)
-        t_arrive = torch.full((1,), _UNSET, dtype=torch.int64, device=dev)
+        rows = sum(int(c[0].shape[0]) for c in chunks)
+        max_bytes = rows * message_bytes(kind, self.hidden, num_topk=self._topk_hint(chunks))
         hook_split = kind.startswith("ll")  # LL send/recv split at the hook; normal: one kernel
+        waits = self._link(kind, self.last_stats, max_bytes, dev, hook_split=hook_split)
+        pend.waits[:0] = waits
+        return pend
+
+    @staticmethod
+    def _topk_hint(chunks) -> int:
+        c = chunks[0]
+        return int(c[1].shape[1]) if len(c) > 1 and c[1].dim() == 2 else 0
+
+    def _link(self, kind, stats, max_bytes, device, *, hook_split):
+        """Launch the send kernel now (grid = DeepEP's CTAs) with the byte counts as a device
+        tensor; with ``hook_split`` return the receive kernel as the hook's wait."""
+        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats}
+        self._launches.append(rec)
+        if torch.device(device).type != "cuda":  # the CPU runs the data path only
+            return []
+        send_kernel, recv_kernel = _kernels()
+        words = max(1, max_bytes // 4)
+        src, dst = self._buffers(words, device)
+        t_arrive = torch.full((1,), _UNSET, dtype=torch.int64, device=device)
+        L = self.link
         send_kernel[(rec["ctas"],)](
             src,
             dst,
-            words,
+            stats,
             t_arrive,
-            int(delay_us * 1e3),
+            L.nvlink_lat_us * 1e3,
+            1.0 / L.nvlink_gbps,
+            L.rdma_lat_us * 1e3,
+            1.0 / L.rdma_gbps,
             SPIN=not hook_split,
             BLOCK=1024,
             num_warps=32,
         )
-        if hook_split:
-            pend.waits.insert(
-                0, lambda: recv_kernel[(rec["ctas"],)](t_arrive, _UNSET, num_warps=32)
-            )
-        return pend
+        if not hook_split:
+            return []
+        return [lambda: recv_kernel[(rec["ctas"],)](t_arrive, _UNSET, num_warps=32)]
 
     def describe(self) -> dict:
         d = super().describe()

@@ -1,0 +1,347 @@
+"""Declared experiments and the one runner that sweeps them.
+
+An experiment is data: its name, the Cases of its sweep (each a workload, a GPU preset, a schedule
+and its configuration, plus the sweep coordinates that label the result row), what to measure
+on each simulated trace, and how to draw and describe the results::
+
+    EXPERIMENT = Experiment(
+        name="tbo_decode",
+        title="TBO against serial decode",
+        cases=cases,                 # () -> Iterable[Case]
+        measure=standard_metrics,    # (trace, program, case) -> dict, the default
+        derive=lambda rows: speedup(rows, over={"schedule": "serial"}, by=("tokens",)),
+        figure=figure,               # (results doc, path without suffix) -> None
+        notes=notes,                 # (results doc) -> markdown
+    )
+
+:func:`run` simulates the cases (in parallel: a ``multiprocessing`` pool, results in case order
+whatever the pool does), writes ``results/<name>.json`` (rows, the exact command, date, git
+commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
+file back and draws the figure and the notes from it: plots read files.
+
+Run them with ``python -m experiments [NAME ...]`` or ``python -m experiments.exp_<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import pkgutil
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ConfigError
+from shared.hardware import get_gpu
+from shared.program import Program
+from shared.schedules import ScheduleConfig, build
+from shared.trace import Trace
+from shared.workload import Workload
+from sim import simulate
+
+RESULTS = Path(__file__).parent / "results"
+PROCESSES = 2  # this machine's cores; `--processes` / run(processes=) override
+
+
+@dataclass(frozen=True)
+class Case:
+    """One simulation of a sweep: ``schedule`` built for ``workload`` on the ``gpu`` preset with
+    ``cfg``. ``params`` are the sweep coordinates; they open the result row (after the schedule).
+    ``keep`` names the trace (as cut by :attr:`Experiment.clip`) to store in the results file for
+    the figure."""
+
+    params: Mapping[str, Any]
+    schedule: str
+    workload: Workload
+    gpu: str
+    cfg: ScheduleConfig = field(default_factory=ScheduleConfig)
+    keep: str | None = None
+
+
+def compute_kernel_us(trace: Trace, rank: int = 0) -> float:
+    """GPU time spent in compute kernels of ``rank``: the sum over kernels (kernels running
+    together on different streams each count)."""
+    return sum(s.duration for s in trace.spans if s.rank == rank and s.kind == "compute")
+
+
+def standard_metrics(trace: Trace, program: Program, case: Case) -> dict[str, Any]:
+    """The default measurement: step time, exposed and comm-only communication, compute time."""
+    return {
+        "step_time_us": trace.step_time_us,
+        "exposed_comm_us": trace.exposed_comm_us(),
+        "comm_only_us": trace.comm_only_us(),
+        "compute_kernel_us": compute_kernel_us(trace),
+    }
+
+
+def middle_layer(case: Case) -> int:
+    """The MoE layer halfway through the case's model: a steady-state layer to look at."""
+    model = case.workload.model
+    return (model.first_k_dense + model.num_layers) // 2
+
+
+def _whole(trace: Trace, case: Case) -> Trace:
+    return trace
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A declared experiment. ``measure`` and ``clip`` run in the pool's workers, so they must be
+    module-level functions (pickled by name); the others run in the calling process. ``derive``
+    adds columns that compare rows (speed-ups, see :func:`speedup`) and may drop rows; ``clip``
+    cuts the traces the cases keep; ``meta`` is written into the results file as is (the sweep's
+    constants)."""
+
+    name: str
+    title: str
+    cases: Callable[[], Iterable[Case]]
+    measure: Callable[[Trace, Program, Case], dict[str, Any]] = standard_metrics
+    derive: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+    clip: Callable[[Trace, Case], Trace] = _whole
+    figure: Callable[[dict[str, Any], Path], None] | None = None
+    notes: Callable[[dict[str, Any]], str] | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def simulate_case(
+    case: Case,
+    measure: Callable[[Trace, Program, Case], dict[str, Any]] = standard_metrics,
+    clip: Callable[[Trace, Case], Trace] = _whole,
+) -> tuple[dict[str, Any], Trace | None]:
+    """Build, simulate and measure one case: its row, and its kept trace (or None)."""
+    gpu = get_gpu(case.gpu)
+    program = build(case.schedule, case.workload, gpu, case.cfg)
+    trace = simulate(program, gpu)
+    row = {"schedule": case.schedule, **case.params, **measure(trace, program, case)}
+    return row, (clip(trace, case) if case.keep else None)
+
+
+def run(
+    exp: Experiment,
+    processes: int | None = None,
+    *,
+    out: Path = RESULTS,
+    command: str | None = None,
+) -> Path:
+    """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
+    process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
+    Returns the JSON path."""
+    from tqdm import tqdm
+
+    cases = list(exp.cases())
+    labels = [c.keep for c in cases if c.keep]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"{exp.name}: two cases keep a trace under the same label")
+    one = partial(simulate_case, measure=exp.measure, clip=exp.clip)
+    n = min(processes or PROCESSES, len(cases)) or 1
+    bar = tqdm(total=len(cases), desc=exp.name, file=sys.stderr, leave=False)
+    results = []
+    if n == 1:
+        for case in cases:
+            results.append(one(case))
+            bar.update()
+    else:
+        with Pool(n) as pool:
+            for res in pool.imap(one, cases):  # imap keeps the case order
+                results.append(res)
+                bar.update()
+    bar.close()
+    rows = [row for row, _ in results]
+    if exp.derive is not None:
+        rows = exp.derive(rows)
+    doc = {
+        "experiment": exp.name,
+        "title": exp.title,
+        "command": command or f"python -m experiments {exp.name}",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "presets": presets(cases),
+        **dict(exp.meta),
+        "rows": rows,
+        "traces": {c.keep: _stored(t) for c, (_, t) in zip(cases, results, strict=True) if c.keep},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{exp.name}.json"
+    path.write_text(_dumps(_jsonable(doc)))
+    draw(exp, path)
+    return path
+
+
+def draw(exp: Experiment, path: Path) -> None:
+    """The figure and the notes of ``exp`` from its results file (no simulation)."""
+    doc = json.loads(path.read_text())
+    if exp.figure is not None:
+        exp.figure(doc, path.with_suffix(""))
+    if exp.notes is not None:
+        path.with_suffix(".md").write_text(exp.notes(doc))
+
+
+def kept_traces(doc: Mapping[str, Any]) -> dict[str, Trace]:
+    """The traces a results file keeps, by label, in case order."""
+    return {k: Trace.from_chrome(v) for k, v in doc.get("traces", {}).items()}
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository, with ``+dirty`` when the tree has changes; None without git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def presets(cases: Sequence[Case]) -> dict[str, Any]:
+    """The model and GPU presets the cases used, as simulated (overrides included)."""
+    models = {c.workload.model.name: c.workload.model for c in cases}
+    gpus = {c.gpu: get_gpu(c.gpu) for c in cases}
+    return {
+        "models": {k: dataclasses.asdict(v) for k, v in sorted(models.items())},
+        "gpus": {k: dataclasses.asdict(v) for k, v in sorted(gpus.items())},
+    }
+
+
+def _stored(trace: Trace) -> dict[str, Any]:
+    """A kept trace as Chrome trace JSON, with only its scalar meta (schedule, gpu, ...)."""
+    meta = {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))}
+    return Trace(trace.spans, meta).to_chrome()
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """JSON with one-space indents, except the kept traces' events: one line each."""
+    events: list[str] = []
+
+    def mark(e: Any) -> str:
+        events.append(json.dumps(e, separators=(",", ":")))
+        return f"@@event{len(events) - 1}@@"
+
+    traces = {
+        k: {**v, "traceEvents": [mark(e) for e in v["traceEvents"]]}
+        for k, v in doc.get("traces", {}).items()
+    }
+    text = json.dumps({**doc, "traces": traces}, indent=1) + "\n"
+    return re.sub(r'"@@event(\d+)@@"', lambda m: events[int(m.group(1))], text)
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers the experiments share
+
+
+def speedup(
+    rows: list[dict[str, Any]],
+    *,
+    over: Mapping[str, Any],
+    by: Sequence[str],
+    metric: str = "step_time_us",
+    column: str = "speedup",
+    change: bool = False,
+    base_column: str | None = None,
+) -> list[dict[str, Any]]:
+    """Add ``column`` = base[metric] / row[metric] to every row (minus 1 with ``change``: the
+    throughput change), where base is the row matching ``over`` with the same values of ``by``;
+    ``base_column`` also copies base[metric] into each row. Returns ``rows``."""
+    base = {_key(r, by): r for r in rows if all(r.get(k) == v for k, v in over.items())}
+    for r in rows:
+        b = base[_key(r, by)][metric]
+        if base_column:
+            r[base_column] = b
+        r[column] = b / r[metric] - (1 if change else 0)
+    return rows
+
+
+def _key(row: Mapping[str, Any], by: Sequence[str]) -> str:
+    return json.dumps([row[k] for k in by])
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; ``align`` ``"---:"`` right-aligns every column."""
+    lines = ["| " + " | ".join(header) + " |", "|" + f"{align or '---'}|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def stamp(doc: Mapping[str, Any]) -> str:
+    """``Command: `...`  ·  date`` for the head of a notes file."""
+    return f"Command: `{doc['command']}`  ·  {doc['date'][:10]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def declared() -> dict[str, Experiment]:
+    """Every ``experiments/exp_*.py`` module's ``EXPERIMENT``, by name, sorted."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if info.name.startswith("exp_"):
+            exp = getattr(importlib.import_module(f"experiments.{info.name}"), "EXPERIMENT", None)
+            if isinstance(exp, Experiment):
+                found[exp.name] = exp
+    return found
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = "python -m experiments",
+    default: Sequence[str] = (),
+) -> int:
+    """``python -m experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
+    ``default``: the names run when none is given (all when empty)."""
+    ap = argparse.ArgumentParser(prog=prog, description="Run declared experiments.")
+    ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")
+    ap.add_argument("--list", action="store_true", help="list the declared experiments")
+    ap.add_argument("--processes", type=int, default=PROCESSES, help="worker processes")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--draw", action="store_true", help="redraw from the results files only")
+    args = ap.parse_args(argv)
+    exps = declared()
+    if args.list:
+        for name, exp in exps.items():
+            print(f"{name:24s} {exp.title}")
+        return 0
+    names = [n.removeprefix("exp_") for n in args.names] or list(default) or list(exps)
+    unknown = [n for n in names if n not in exps]
+    if unknown:
+        ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
+    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    for name in names:
+        if args.draw:
+            draw(exps[name], args.out / f"{name}.json")
+            path = args.out / f"{name}.json"
+        else:
+            path = run(exps[name], args.processes, out=args.out, command=command)
+        print(f"{name}: {path}", file=sys.stderr)
+    return 0

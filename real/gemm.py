@@ -1,0 +1,296 @@
+"""Compute-side SM budgets: GEMMs that run on at most ``sms`` SMs.
+
+A schedule limits a compute op with ``Op.sms`` (SBO's ``compute_num_sms``, DeepSeek prefill's
+132 - 24 = 108, TBO prefill's DeepGEMM limit ``num_sms - DeepEP's SMs``). cuBLAS ignores such
+limits, so on a GPU, when an op's limit is below the device's SMs, the kernel registry runs its
+GEMMs through :class:`ComputeBudget`:
+
+- ``deep_gemm`` imports: ``deep_gemm.set_num_sms(sms)`` scoped by :func:`deep_gemm_num_sms` (the
+  previous value restored on exit, even on error), and DeepGEMM's BF16 kernels when this build
+  has them (``bf16_gemm_nt``, ``m_grouped_bf16_gemm_nt_masked``; feature-detected). GEMMs this
+  build lacks run through the Triton kernels below with the same budget.
+- otherwise, triton imports: persistent Triton GEMMs whose grid is exactly the budget
+  (``num_sms`` programs, each looping over output tiles ``pid, pid + num_sms, ...``), as
+  DeepGEMM's persistent kernels and NanoFlow limit a kernel's SMs:
+  :func:`matmul` (``a @ w.T``), :func:`grouped_matmul_masked` (DeepEP low-latency layout
+  ``[E, M, K]`` with a device tensor of valid rows per expert: tiles past the count are skipped,
+  their rows left unwritten, as DeepGEMM's masked kernel does; no host sync) and
+  :func:`grouped_matmul_contiguous` (rows sorted by expert, host counts: the normal layout).
+- neither, or the CPU, or no limit: torch (the whole GPU); the mechanism is recorded.
+
+Triton is imported on first use (the kernels live in real/_triton_gemm.py). On the CPU they run
+under Triton's interpreter with CPU tensors: ``TRITON_INTERPRET=1`` must be in the environment
+before ``import triton`` (triton.language's own helpers, tl.cdiv for one, are @jit functions
+decorated at import, and a compiled helper cannot be called from an interpreted kernel); the
+tests run those checks in a child process. bf16 does not survive the interpreter: fp32/fp16 there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+
+_KERNELS: dict[bool, tuple] = {}
+
+# Tile sizes for the GPU (BF16, Hopper-sized registers); tests pass small ones to the interpreter.
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernels():
+    """(persistent_mm, grouped_masked_mm, grouped_contig_mm), defined in the interpreter mode
+    in force at the first call (the module is reloaded when the mode changed)."""
+    mode = interpreting()
+    if mode not in _KERNELS:
+        import real._triton_gemm as mod
+
+        if _KERNELS:  # defined before in the other mode
+            mod = importlib.reload(mod)
+        _KERNELS.clear()
+        _KERNELS[mode] = (mod.persistent_mm, mod.grouped_masked_mm, mod.grouped_contig_mm)
+    return _KERNELS[mode]
+
+
+def _blocks(blocks):
+    bm, bn, bk = blocks or (BLOCK_M, BLOCK_N, BLOCK_K)
+    return bm, bn, bk
+
+
+def _warps(bm, bn) -> int:
+    return 8 if bm * bn >= 128 * 128 else 4
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, *, num_sms: int, blocks=None) -> torch.Tensor:
+    """``a @ w.T`` (a [M, K], w [N, K]) by ``num_sms`` persistent programs."""
+    persistent_mm, _, _ = _kernels()
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, a.shape[-1])
+    M, K = a2.shape
+    N = w.shape[0]
+    c = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M and N:
+        bm, bn, bk = _blocks(blocks)
+        persistent_mm[(max(1, int(num_sms)),)](
+            a2, w, c, M, N, K, a2.stride(0), a2.stride(1), w.stride(0), w.stride(1),
+            c.stride(0), c.stride(1), BM=bm, BN=bn, BK=bk, GM=GROUP_M, num_warps=_warps(bm, bn),
+        )  # fmt: skip
+    return c.reshape(*lead, N)
+
+
+def grouped_matmul_masked(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    num_sms: int,
+    out: torch.Tensor | None = None,
+    blocks=None,
+) -> torch.Tensor:
+    """DeepEP low-latency layout: ``out[e, :counts[e]] = a[e, :counts[e]] @ w[e].T`` (a [E, M, K],
+    w [E, N, K], counts [E] on the device). Rows past the count are not written (torch.empty
+    unless ``out`` is given), and nothing is read back to the host."""
+    _, grouped_masked_mm, _ = _kernels()
+    E, M, K = a.shape
+    N = w.shape[1]
+    c = out if out is not None else torch.empty(E, M, N, dtype=a.dtype, device=a.device)
+    if E and M and N:
+        bm, bn, bk = _blocks(blocks)
+        grouped_masked_mm[(max(1, int(num_sms)),)](
+            a, w, c, counts, E, M, N, K, a.stride(0), a.stride(1), a.stride(2),
+            w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), c.stride(2),
+            BM=bm, BN=bn, BK=bk, num_warps=_warps(bm, bn),
+        )  # fmt: skip
+    return c
+
+
+def contiguous_tiles(counts: list[int], block_m: int) -> tuple[list[int], list[int], list[int]]:
+    """M tiles of the contiguous layout (rows sorted by expert, ``counts[e]`` each): (expert,
+    first row, end row) per tile; a tile never spans two experts."""
+    te, lo, hi = [], [], []
+    start = 0
+    for e, n in enumerate(counts):
+        for r in range(start, start + n, block_m):
+            te.append(e)
+            lo.append(r)
+            hi.append(start + n)
+        start += n
+    return te, lo, hi
+
+
+def grouped_matmul_contiguous(
+    a: torch.Tensor, w: torch.Tensor, counts: list[int], *, num_sms: int, blocks=None
+) -> torch.Tensor:
+    """Normal layout: rows of ``a`` [T, K] sorted by expert (``counts`` from the host, which
+    DeepEP's normal dispatch returns as a list), row block of expert e times ``w[e].T``."""
+    _, _, grouped_contig_mm = _kernels()
+    T, K = a.shape
+    N = w.shape[1]
+    c = torch.empty(T, N, dtype=a.dtype, device=a.device)
+    bm, bn, bk = _blocks(blocks)
+    te, lo, hi = contiguous_tiles(counts, bm)
+    if te and N:
+        tab = torch.tensor([te, lo, hi], dtype=torch.int32).to(a.device, non_blocking=True)
+        grouped_contig_mm[(max(1, int(num_sms)),)](
+            a, w, c, tab[0], tab[1], tab[2], len(te), N, K, a.stride(0), a.stride(1),
+            w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+            BM=bm, BN=bn, BK=bk, num_warps=_warps(bm, bn),
+        )  # fmt: skip
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepGEMM's SM budget, scoped
+# ----------------------------------------------------------------------------------------------
+
+
+def deep_gemm_module():
+    """The deep_gemm module when it imports (a module already in sys.modules counts), else None."""
+    mod = sys.modules.get("deep_gemm")
+    if mod is not None:
+        return mod
+    from real.deps import available
+
+    return importlib.import_module("deep_gemm") if available("deep_gemm") else None
+
+
+@contextmanager
+def deep_gemm_num_sms(sms: int | None, module=None):
+    """``deep_gemm.set_num_sms(sms)`` for the body; the previous value is restored on exit (also
+    on error, and when nested). Does nothing when ``sms`` is None or deep_gemm is absent."""
+    dg = module if module is not None else (deep_gemm_module() if sms else None)
+    if not sms or dg is None:
+        yield None
+        return
+    prev = dg.get_num_sms()
+    dg.set_num_sms(int(sms))
+    try:
+        yield dg
+    finally:
+        dg.set_num_sms(prev)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the kernel registry uses
+# ----------------------------------------------------------------------------------------------
+
+MECHANISMS = ("none", "deep_gemm", "triton_persistent", "torch_unlimited")
+
+
+def choose_mechanism(
+    sms: int | None, *, device_sms: int | None, cuda: bool, deep_gemm: bool, triton: bool
+) -> str:
+    """How a compute op with limit ``sms`` runs: "none" (no limit, or the CPU: torch),
+    "deep_gemm" (set_num_sms scoped; DeepGEMM's kernels where this build has them, the Triton
+    ones with the same budget otherwise), "triton_persistent", or "torch_unlimited" (a limit
+    that cannot be honoured: recorded so the trace says so)."""
+    if not cuda or not sms or (device_sms is not None and sms >= device_sms):
+        return "none"
+    if deep_gemm:
+        return "deep_gemm"
+    if triton:
+        return "triton_persistent"
+    return "torch_unlimited"
+
+
+_DEVICE_SMS: dict[int, int] = {}
+
+
+def device_sms(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _DEVICE_SMS:
+        _DEVICE_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _DEVICE_SMS[i]
+
+
+class ComputeBudget:
+    """``with ComputeBudget(op.sms, device) as g:`` then ``g.linear``, ``g.grouped_masked``,
+    ``g.grouped_contiguous`` run the op's GEMMs within its SM budget (``g.mechanism`` says
+    how). ``applied`` counts mechanisms used since the process started (trace meta)."""
+
+    applied: dict[str, int] = {}
+
+    def __init__(self, sms: int | None, device=None, *, mechanism: str | None = None):
+        self.sms = int(sms) if sms else None
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = dev
+        if mechanism is None:
+            cuda = dev.type == "cuda"
+            dsms = device_sms(dev) if cuda and self.sms else None
+            mechanism = choose_mechanism(
+                self.sms,
+                device_sms=dsms,
+                cuda=cuda,
+                deep_gemm=cuda and bool(self.sms) and deep_gemm_module() is not None,
+                triton=cuda and bool(self.sms) and _has_triton(),
+            )
+        self.mechanism = mechanism
+        self._scope = None
+        self._dg = None
+
+    def __enter__(self) -> ComputeBudget:
+        if self.mechanism != "none":
+            ComputeBudget.applied[self.mechanism] = ComputeBudget.applied.get(self.mechanism, 0) + 1
+        if self.mechanism == "deep_gemm":
+            self._scope = deep_gemm_num_sms(self.sms)
+            self._dg = self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._scope is not None:
+            self._scope.__exit__(*exc)
+            self._scope = None
+        return False
+
+    @property
+    def limited(self) -> bool:
+        return self.mechanism in ("deep_gemm", "triton_persistent")
+
+    @property
+    def mm(self):
+        """``mm(a, w) = a @ w.T`` within the budget, or None (plain torch) when unlimited."""
+        return self.linear if self.limited else None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T``."""
+        if not self.limited:
+            return x @ w.t()
+        dg = self._dg
+        if dg is not None and hasattr(dg, "bf16_gemm_nt") and x.dtype == torch.bfloat16:
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+            dg.bf16_gemm_nt(x2, w, out)
+            return out.reshape(*x.shape[:-1], w.shape[0])
+        return matmul(x, w, num_sms=self.sms)
+
+    def grouped_masked(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor):
+        """Per expert ``x[e] @ w[e].T`` over its ``counts[e]`` valid rows (low-latency layout).
+        Rows past the count: zero on the torch path, unwritten on the limited paths."""
+        if not self.limited:
+            y = torch.bmm(x, w.transpose(1, 2))
+            valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]
+            return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        dg = self._dg
+        if dg is not None and hasattr(dg, "m_grouped_bf16_gemm_nt_masked"):
+            out = torch.empty(*x.shape[:2], w.shape[1], dtype=x.dtype, device=x.device)
+            dg.m_grouped_bf16_gemm_nt_masked(x, w, out, counts.int(), x.shape[1])
+            return out
+        return grouped_matmul_masked(x, w, counts, num_sms=self.sms)
+
+    def grouped_contiguous(self, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
+        """Rows of x sorted by expert (host counts) times their expert's ``w[e].T``."""
+        if not self.limited:
+            return None  # the caller's torch path (torch._grouped_mm or a loop)
+        return grouped_matmul_contiguous(x, w, counts, num_sms=self.sms)
+
+
+def _has_triton() -> bool:
+    from real.deps import available
+
+    return available("triton")

@@ -1,0 +1,177 @@
+"""Lowering pass: a symmetric one-rank Program -> every EP rank explicit, with its own work.
+
+Schedules emit one rank and mark the Program symmetric: every rank is assumed to do the same,
+and a flow with ``dst=None`` stands for the identical flow of the mirror peer. ``expand_ranks``
+turns that into ``ep`` rank programs driven by the batch's actual routing (``shared.routing``):
+
+- each rank gets the same instruction sequence (the schedule is the same on every rank);
+- ``dispatch_*`` / ``combine_*`` issue halves get one flow per destination rank, from the routing
+  and DeepEP's kernel family (``shared.deepep``: low-latency sends a copy per (token, expert);
+  normal kernels dedup per rank and, across nodes, send one RDMA copy per node then forward over
+  NVLink); an op that the schedule split (SBO's pieces) keeps its share of the bytes;
+- ``experts`` runs on the token copies the rank receives and reads the weights of its local
+  experts that receive any, so a hot rank computes longer and every collective after it waits;
+- under DP attention a rank with fewer real tokens than the padded size all ranks replay
+  (``dp_tokens``) computes attention over its real tokens only, and dispatches only those; the
+  GEMMs keep the padded shape (CUDA graphs replay one size on every rank).
+
+Other collectives (PP send/recv) keep their mirror flows. The pass is pure: same inputs, same
+Program. Balanced routing reproduces the symmetric Program's work and bytes on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.deepep import LINKS, byte_matrices, expected_bytes
+from shared.errors import ConfigError
+from shared.hardware import GPU
+from shared.ops import (
+    attn_work,
+    combine_bytes_per_copy,
+    dispatch_bytes_per_copy,
+    experts_work,
+    gqa_core,
+    mla_core,
+    routed_experts,
+)
+from shared.program import (
+    Coll,
+    Flow,
+    Graph,
+    HostThread,
+    Launch,
+    Op,
+    Program,
+    RankProgram,
+)
+from shared.routing import Routing
+from shared.topology import Topology
+from shared.workload import Workload
+
+
+def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> Program:
+    """The symmetric ``program`` replicated over ``w.parallel.ep`` ranks with per-rank work.
+
+    Before (symmetric, one rank)::
+
+        rank 0:  launch main dispatch_a coll=K:send flow=rdma:sym:B   ...  launch main experts W
+
+    After (ep ranks, symmetric=False)::
+
+        rank r:  launch main dispatch_a coll=K:send flow=nvlink:d:B_rd ... (one flow per peer d)
+                 ...  launch main experts W_r   (from the copies rank r receives)
+    """
+    if not program.symmetric or len(program.ranks) != 1:
+        raise ConfigError("expand_ranks takes a symmetric one-rank program")
+    ep = w.parallel.ep
+    if routing.cfg.ep != ep or len(routing.dp_tokens) != ep:
+        raise ConfigError(f"routing is for ep {routing.cfg.ep}, the workload for ep {ep}")
+    lw = _Lowering(program, w, gpu, routing)
+    ranks = tuple(lw.rank(r) for r in range(ep))
+    meta = dict(program.meta)
+    meta.update(
+        ranks="explicit",
+        imbalance=str(routing.cfg.imbalance),
+        routing_seed=routing.cfg.seed,
+        dp_tokens=list(routing.dp_tokens),
+    )
+    return Program(ranks, world=ep, symmetric=False, meta=meta)
+
+
+class _Lowering:
+    def __init__(self, program: Program, w: Workload, gpu: GPU, routing: Routing):
+        self.rp, self.w, self.gpu, self.routing = program.ranks[0], w, gpu, routing
+        p = w.parallel
+        self.topo = Topology(p.ep, min(p.gpus_per_node, p.ep))
+        n = w.batch.num_tokens
+        self.mbs = {m["index"]: (m["tok_lo"], m["tok_hi"], m["padded_tokens"])
+                    for m in program.meta.get("micro_batches", [])}  # fmt: skip
+        self.whole = (0, n, n)
+        self._bytes: dict[tuple, dict] = {}
+        self._cache: dict[tuple, Op] = {}
+
+    # -- per op ---------------------------------------------------------------------------------
+
+    def _range(self, op: Op) -> tuple[int, int, int]:
+        lo, hi, padded = self.mbs.get(op.mb, self.whole)
+        return lo, hi, max(padded, op.tokens)
+
+    def _matrices(self, op: Op):
+        lo, hi, _ = self._range(op)
+        return self.routing.layer(op.layer).matrices(lo, hi)
+
+    def op(self, op: Op, r: int) -> Op:
+        base = op.name.split(".")[0]
+        if op.layer is None:
+            return op
+        c = op.coll
+        if c is not None and c.role != "recv" and c.flows and all(f.dst is None for f in c.flows):
+            what = c.key.rsplit(".", 1)[-1]
+            if what in ("dispatch", "combine"):
+                return self._comm(op, r, what)
+        if base == "experts" and op.flops > 0:
+            return self._experts(op, r)
+        if op.name == "attn.core" and self.routing.dp_tokens[r] < self._range(op)[1]:
+            return self._attention(op, r)
+        return op
+
+    def _comm(self, op: Op, r: int, what: str) -> Op:
+        mode = "low_latency" if op.coll.role == "send" else "normal"
+        lo, hi, padded = self._range(op)
+        key = (op.layer, op.mb, what, mode)
+        if key not in self._bytes:
+            m, h = self.w.model, self.w.model.hidden
+            per_copy = dispatch_bytes_per_copy(h) if what == "dispatch" else combine_bytes_per_copy(h)
+            p = self.w.parallel
+            exp = expected_bytes(padded, p.ep, p.gpus_per_node, m.top_k, mode, per_copy)
+            self._bytes[key] = (
+                byte_matrices(self._matrices(op), self.topo, mode, what, per_copy),
+                exp["nvlink"] + exp["rdma"],
+            )
+        mats, expected = self._bytes[key]
+        ratio = sum(f.nbytes for f in op.coll.flows) / expected if expected > 0 else 1.0
+        flows = []
+        for link in LINKS:
+            row = mats[link][r]
+            for d in row.nonzero()[0].tolist():
+                flows.append(Flow(link, float(row[d]) * ratio, d))
+        return replace(op, coll=Coll(op.coll.key, op.coll.role, tuple(flows)))
+
+    def _experts(self, op: Op, r: int) -> Op:
+        _, _, padded = self._range(op)
+        nominal = routed_experts(self.w, padded)
+        ratio = op.flops / nominal.flops if nominal.flops > 0 else 1.0
+        m = self._matrices(op)
+        work = experts_work(self.w, float(m.recv_copies[r]), float(m.active[r]))
+        return replace(op, flops=work.flops * ratio, hbm_bytes=work.hbm_bytes * ratio)
+
+    def _attention(self, op: Op, r: int) -> Op:
+        lo, hi, _ = self._range(op)
+        real_hi = max(lo, min(hi, self.routing.dp_tokens[r]))
+        core = mla_core if self.w.model.attention == "mla" else gqa_core
+        b, rows = self.w.batch, op.tokens
+        full = core(self.w, attn_work(b, lo, hi), rows)
+        real = core(self.w, attn_work(b, lo, real_hi), rows)
+        return replace(
+            op,
+            flops=max(0.0, op.flops - full.flops + real.flops),
+            hbm_bytes=max(0.0, op.hbm_bytes - full.hbm_bytes + real.hbm_bytes),
+        )
+
+    # -- per rank -------------------------------------------------------------------------------
+
+    def _instr(self, ins, r: int):
+        if isinstance(ins, Launch):
+            new = self.op(ins.op, r)
+            return ins if new is ins.op else Launch(new, ins.stream)
+        if isinstance(ins, Graph):
+            return Graph(ins.name, tuple(self._instr(b, r) for b in ins.body))
+        return ins
+
+    def rank(self, r: int) -> RankProgram:
+        threads = tuple(
+            HostThread(th.name, tuple(self._instr(i, r) for i in th.instrs))
+            for th in self.rp.threads
+        )
+        return RankProgram(r, self.rp.streams, threads)

@@ -1,0 +1,176 @@
+"""The network: per-rank egress and ingress ports per link kind, shared max-min fairly by flows.
+
+Every rank has, for each link kind (NVLink, RDMA), one egress port (what it can push into the
+fabric) and one ingress port (what it can take in), each with the preset's bandwidth. A flow from
+``src`` to ``dst`` over kind ``k`` crosses egress(src, k) and ingress(dst, k) and nothing else (an
+NVSwitch inside a node and a rail-optimised, non-blocking fabric across nodes). Live flows get the
+max-min fair allocation over these ports (progressive filling / water-filling): all flows grow at
+the same pace, a port that fills freezes the flows crossing it, the others go on growing. So two
+flows on one egress each take half of it; a flow whose destination is shared with more senders
+than its source is limited by the ingress side; N senders to one receiver share its ingress.
+
+A fluid model like ``sim.resources.Fluid``, but vectorised (numpy) and coalesced, because an
+explicit EP-32 step has ~1000 flows per all-to-all: sends issued at the same simulated time are
+re-rated once; between two changes every flow's rate is constant, so one SimPy timer for the next
+completion is all it needs. ``group_tol`` (relative, default 0: exact) lets flows whose remaining
+time is within that fraction of the earliest one finish with it, trading exactness for fewer
+re-ratings when routing noise gives every flow a slightly different size.
+
+A finished flow is reported ``latency`` later (per kind) through ``on_done``; the engine turns those
+into arrivals of collectives. In a symmetric program a flow's destination is its source (the
+mirror peer): egress and ingress of the same rank then carry the same flows, which gives exactly
+the equal split of one egress link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import simpy
+
+_EPS = 1e-9
+#: Bytes below which a flow counts as delivered (float round-off of rate * time).
+_BYTE_EPS = 1e-3
+_TIME_EPS = 1e-7
+
+
+def max_min_rates(src_port: np.ndarray, dst_port: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Max-min fair rates of flows each crossing two ports (progressive filling)."""
+    n, p = len(src_port), len(cap)
+    rate = np.zeros(n)
+    if n == 0:
+        return rate
+    frozen = np.zeros(n, dtype=bool)
+    rem = cap.astype(np.float64).copy()
+    while True:
+        act = ~frozen
+        if not act.any():
+            return rate
+        cnt = np.bincount(src_port[act], minlength=p) + np.bincount(dst_port[act], minlength=p)
+        used = cnt > 0
+        inc = float((rem[used] / cnt[used]).min())
+        rate[act] += inc
+        rem[used] -= inc * cnt[used]
+        full = used & (rem <= _EPS * cap)
+        frozen |= full[src_port] | full[dst_port]
+
+
+class Network:
+    """Flows between ranks over link kinds; ``send`` injects, ``on_done`` reports arrivals."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        world: int,
+        kinds: dict[str, tuple[float, float]],
+        on_done: Callable[[np.ndarray, np.ndarray], None],
+        group_tol: float = 0.0,
+    ):
+        """``kinds``: link kind -> (bytes per µs per port, latency µs). ``on_done(tags, kinds)``
+        is called with the tags and kind indices of the flows that arrive at the same time."""
+        self.env, self.world, self.on_done, self.group_tol = env, world, on_done, group_tol
+        self.kind_index = {k: i for i, k in enumerate(kinds)}
+        nk = len(kinds)
+        bw = np.array([kinds[k][0] for k in kinds], dtype=np.float64)
+        self.latency = np.array([kinds[k][1] for k in kinds], dtype=np.float64)
+        self.cap = np.concatenate([np.repeat(bw, world), np.repeat(bw, world)])
+        self._ingress_base = nk * world
+        # live flows, as parallel arrays
+        self.src = np.zeros(0, dtype=np.int64)  # egress port
+        self.dst = np.zeros(0, dtype=np.int64)  # ingress port
+        self.kind = np.zeros(0, dtype=np.int64)
+        self.left = np.zeros(0)
+        self.rate = np.zeros(0)
+        self.tag = np.zeros(0, dtype=np.int64)
+        self._pending: list[tuple] = []
+        self._flush_set = False
+        self._t = 0.0
+        self._gen = 0
+        self.rerates = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.left)
+
+    def send(self, src: int, dsts, kinds, nbytes, tags) -> None:
+        """Start flows from rank ``src`` to ranks ``dsts`` over kind indices ``kinds``."""
+        self._pending.append((src, dsts, kinds, nbytes, tags))
+        if not self._flush_set:
+            self._flush_set = True
+            t = self.env.timeout(0)
+            t.callbacks.append(self._flush)
+
+    # -- the fluid -------------------------------------------------------------------------------
+
+    def _flush(self, _e=None) -> None:
+        self._flush_set = False
+        self._advance()
+        w = self.world
+        srcs, dsts, kinds, nbytes, tags = [], [], [], [], []
+        for src, d, k, b, t in self._pending:
+            k = np.asarray(k, dtype=np.int64)
+            srcs.append(k * w + src)
+            dsts.append(self._ingress_base + k * w + np.asarray(d, dtype=np.int64))
+            kinds.append(k)
+            nbytes.append(np.asarray(b, dtype=np.float64))
+            tags.append(np.asarray(t, dtype=np.int64))
+        self._pending.clear()
+        self.src = np.concatenate([self.src, *srcs])
+        self.dst = np.concatenate([self.dst, *dsts])
+        self.kind = np.concatenate([self.kind, *kinds])
+        self.left = np.concatenate([self.left, *nbytes])
+        self.rate = np.concatenate([self.rate, np.zeros(sum(len(b) for b in nbytes))])
+        self.tag = np.concatenate([self.tag, *tags])
+        self._changed()
+
+    def _advance(self) -> None:
+        now = self.env.now
+        dt = now - self._t
+        if dt > 0 and len(self.left):
+            self.left = np.maximum(self.left - self.rate * dt, 0.0)
+        self._t = now
+
+    def _timer(self, _e, gen: int) -> None:
+        if gen == self._gen:
+            self._advance()
+            self._changed()
+
+    def _changed(self) -> None:
+        """Finish what is done, re-rate the rest, set the timer for the next completion."""
+        if len(self.left):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                t_left = np.where(self.rate > 0, self.left / self.rate, np.inf)
+            done = (self.left <= _BYTE_EPS) | (t_left <= _TIME_EPS)
+            if done.any():
+                self._finish(done)
+        self.rerates += 1
+        self.rate = max_min_rates(self.src, self.dst, self.cap)
+        self._gen += 1
+        if not len(self.left):
+            return
+        t_left = self.left / self.rate
+        nxt = float(t_left.min())
+        if self.group_tol > 0:
+            # flows finishing within group_tol of the first finish with it: top their bytes down
+            # to what they will have sent by then, so they all complete at the timer
+            horizon = nxt * (1.0 + self.group_tol)
+            near = t_left <= horizon
+            self.left[near] = np.minimum(self.left[near], self.rate[near] * nxt)
+        gen = self._gen
+        t = self.env.timeout(max(nxt, 0.0))
+        t.callbacks.append(lambda e, g=gen: self._timer(e, g))
+
+    def _finish(self, done: np.ndarray) -> None:
+        tags, kinds = self.tag[done], self.kind[done]
+        keep = ~done
+        self.src, self.dst, self.kind = self.src[keep], self.dst[keep], self.kind[keep]
+        self.left, self.rate, self.tag = self.left[keep], self.rate[keep], self.tag[keep]
+        for k in np.unique(kinds):
+            sel = kinds == k
+            lat = float(self.latency[k])
+            if lat > 0:
+                t = self.env.timeout(lat)
+                t.callbacks.append(lambda _e, a=tags[sel], b=kinds[sel]: self.on_done(a, b))
+            else:
+                self.on_done(tags[sel], kinds[sel])

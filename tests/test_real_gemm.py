@@ -1,0 +1,163 @@
+"""real/gemm.py: SM-budgeted GEMMs. The Triton kernels run under Triton's CPU interpreter in a
+subprocess: TRITON_INTERPRET=1 must be set before ``import triton`` (triton.language's own
+helpers, tl.cdiv for one, are @jit functions decorated at import), so one child process with the
+variable set runs every ``_interp_*`` check below. The mechanism choice and DeepGEMM's scoped
+set_num_sms (with a fake module) are pure. bf16 does not survive the interpreter (even a copy),
+so numerics use fp32 and fp16; bf16 is checked on a GPU (tests/test_real_gpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from real import gemm as G  # noqa: E402
+from real import model as M  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = (16, 16, 16)  # tl.dot's smallest tile: keeps the interpreter fast
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "check", ["gemms_fp32", "gemms_fp16", "model_experts_through_a_limited_budget"]
+)
+def test_triton_kernels_under_the_interpreter(interpreter_results, check):
+    assert interpreter_results[check] == "ok", interpreter_results[check]
+
+
+def _close(a, b, dtype):
+    return (a.float() - b.float()).abs().max().item() <= TOL[dtype] * max(1.0, b.abs().max())
+
+
+def _interp_gemms(dtype):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 48, generator=g).to(dtype)
+    w = torch.randn(40, 48, generator=g).to(dtype)
+    ref = a.float() @ w.float().t()
+    for sms in (1, 3, 64):  # fewer programs than tiles (persistent loop), and more
+        assert _close(G.matmul(a, w, num_sms=sms, blocks=BLOCKS), ref, dtype)
+
+    # masked (DeepEP low-latency layout): counts on the device; rows past a count unwritten
+    x = torch.randn(3, 20, 48, generator=g).to(dtype)
+    we = torch.randn(3, 24, 48, generator=g).to(dtype)
+    cnt = torch.tensor([5, 0, 20], dtype=torch.int32)
+    out = torch.full((3, 20, 24), 7.0, dtype=dtype)
+    y = G.grouped_matmul_masked(x, we, cnt, num_sms=2, out=out, blocks=BLOCKS)
+    ref = torch.bmm(x.float(), we.float().transpose(1, 2))
+    assert _close(y[0, :5], ref[0, :5], dtype) and _close(y[2], ref[2], dtype)
+    assert (y[0, 5:] == 7).all() and (y[1] == 7).all()
+
+    # contiguous (normal layout): rows sorted by expert, host counts; tiles never span experts
+    counts = [5, 0, 17]
+    xs = torch.randn(22, 48, generator=g).to(dtype)
+    y = G.grouped_matmul_contiguous(xs, we, counts, num_sms=2, blocks=BLOCKS)
+    ref = torch.cat([xs[:5].float() @ we[0].float().t(), xs[5:].float() @ we[2].float().t()])
+    assert _close(y, ref, dtype)
+
+
+def _interp_model_experts_through_a_limited_budget():
+    """The registry's path on a GPU with op.sms below the device's SMs, forced on the CPU."""
+    G.BLOCK_M = G.BLOCK_N = G.BLOCK_K = 16
+    cfg = M.get_config("tiny-mla")
+    lw = M.init_weights(cfg, seed=3).layers[1]
+    g = torch.Generator().manual_seed(1)
+    budget = G.ComputeBudget(4, mechanism="triton_persistent")
+    with budget as b:
+        assert b.limited and b.mm is not None
+        x = torch.randn(3, 10, cfg.hidden, generator=g)
+        cnt = torch.tensor([4, 0, 10])
+        y = M.grouped_experts_masked(x, cnt, lw["w13"][:3], lw["w2"][:3], gemm=b)
+        ref = M.grouped_experts_masked(x, cnt, lw["w13"][:3], lw["w2"][:3])
+        assert torch.allclose(y[0, :4], ref[0, :4], atol=1e-4) and torch.allclose(y[2], ref[2], atol=1e-4)
+        h = torch.randn(6, cfg.hidden, generator=g)
+        assert torch.allclose(
+            M.swiglu_mlp(h, lw["shared_w13"], lw["shared_w2"], mm=b.mm),
+            M.swiglu_mlp(h, lw["shared_w13"], lw["shared_w2"]),
+            atol=1e-4,
+        )
+        idx = torch.tensor([[0, 2], [1, -1], [2, 0], [3, 1], [0, 1], [2, 3]])
+        wt = torch.rand(6, 2, generator=g)
+        got = M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"], gemm=b)
+        assert torch.allclose(got, M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"]), atol=1e-4)
+    assert G.ComputeBudget.applied.get("triton_persistent", 0) >= 1
+
+
+def test_contiguous_tiles_never_span_experts():
+    assert G.contiguous_tiles([3, 0, 5], 4) == ([0, 2, 2], [0, 3, 7], [3, 8, 8])
+
+
+def test_mechanism_follows_limit_device_and_libraries():
+    c = dict(device_sms=132, cuda=True, deep_gemm=False, triton=True)
+    assert G.choose_mechanism(None, **c) == "none"
+    assert G.choose_mechanism(132, **c) == "none"  # a limit at the device's SMs limits nothing
+    assert G.choose_mechanism(108, **c) == "triton_persistent"  # DeepSeek prefill's 132 - 24
+    assert G.choose_mechanism(129, **{**c, "deep_gemm": True}) == "deep_gemm"  # SBO compute
+    assert G.choose_mechanism(108, **{**c, "triton": False}) == "torch_unlimited"
+    assert G.choose_mechanism(108, **{**c, "cuda": False}) == "none"  # the CPU
+    assert G.ComputeBudget(108).mechanism == "none"  # CPU tensors: plain torch
+
+
+def _fake_deep_gemm(start=132):
+    state = {"sms": start, "calls": []}
+    mod = types.ModuleType("deep_gemm")
+    mod.get_num_sms = lambda: state["sms"]
+
+    def set_num_sms(n):
+        state["calls"].append(n)
+        state["sms"] = n
+
+    mod.set_num_sms = set_num_sms
+    return mod, state
+
+
+def test_deep_gemm_num_sms_is_scoped_and_restored(monkeypatch):
+    mod, state = _fake_deep_gemm()
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+    with G.deep_gemm_num_sms(108):
+        assert state["sms"] == 108
+        with G.deep_gemm_num_sms(129):  # nested
+            assert state["sms"] == 129
+        assert state["sms"] == 108
+    assert state["sms"] == 132
+    with pytest.raises(RuntimeError), G.deep_gemm_num_sms(100):
+        raise RuntimeError("kernel failed")
+    assert state["sms"] == 132  # restored on error too
+    with G.deep_gemm_num_sms(None):
+        assert state["sms"] == 132
+    with G.ComputeBudget(108, mechanism="deep_gemm") as b:  # what the registry enters on a GPU
+        assert state["sms"] == 108 and b.limited
+    assert state["sms"] == 132 and state["calls"] == [108, 129, 108, 132, 100, 132, 108, 132]
+
+
+if __name__ == "__main__":  # the interpreter child (see interpreter_results)
+    assert G.interpreting(), "run with TRITON_INTERPRET=1"
+    checks = {
+        "gemms_fp32": lambda: _interp_gemms(torch.float32),
+        "gemms_fp16": lambda: _interp_gemms(torch.float16),
+        "model_experts_through_a_limited_budget": _interp_model_experts_through_a_limited_budget,
+    }
+    out = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # reported to the parent test, which names the check
+            out[name] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
