@@ -172,6 +172,44 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _rank_options(p: argparse.ArgumentParser) -> None:
+    """Explicit ranks, routing imbalance and DP-attention imbalance (sim, show, compare)."""
+    g = p.add_argument_group("ranks and imbalance")
+    g.add_argument("--ranks", default="symmetric", choices=("symmetric", "explicit"),
+                   help="simulate one mirrored rank (fast) or every EP rank explicitly")
+    g.add_argument("--imbalance", default="balanced",
+                   help="expert load: balanced, zipf:S or file:PATH (JSON/CSV routing sample, "
+                        "see shared/routing.py); needs --ranks explicit unless balanced")
+    g.add_argument("--dp-imbalance", type=float, default=0.0,
+                   help="DP attention: ranks hold a seeded uniform share in [1-F, 1] of the "
+                        "padded batch of real tokens (0: all full); needs --ranks explicit")
+    g.add_argument("--group-limited", type=_bool, default=None,
+                   help="DeepSeek-V3 group-limited routing (default: the model's own gating)")
+    g.add_argument("--seed", type=int, default=0, help="seed of routing and DP imbalance")
+
+
+def lower_ranks(program, w: Workload, gpu: GPU, args):
+    """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
+    from shared.routing import dp_token_counts, parse_imbalance, routing_for
+
+    mode = getattr(args, "ranks", "symmetric")
+    imb = parse_imbalance(getattr(args, "imbalance", "balanced"))
+    spread = getattr(args, "dp_imbalance", 0.0)
+    if not 0.0 <= spread < 1.0:
+        raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {spread}")
+    if mode == "symmetric":
+        if imb.kind != "balanced" or spread > 0:
+            raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
+        return program
+    from shared.ranks import expand_ranks
+
+    seed = getattr(args, "seed", 0)
+    dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, spread, seed)
+    routing = routing_for(w, imb, seed=seed, dp_tokens=dp,
+                          group_limited=getattr(args, "group_limited", None))
+    return expand_ranks(program, w, gpu, routing)
+
+
 def workload_from(args) -> Workload:
     if args.mode not in ("decode", "prefill"):
         raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
@@ -250,20 +288,60 @@ def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
         "micro_batches": meta.get("micro_batches", []),
         "num_ops": len(ops_of(program)),
     }
-    for key in ("comm_sms", "fallback_reason", "deepep_mode"):
+    for key in ("comm_sms", "fallback_reason", "deepep_mode", "ranks", "imbalance", "dp_tokens"):
         if key in meta:
             out[key] = meta[key]
+    if not program.symmetric:
+        per_rank = trace.per_rank_step_us()
+        out["per_rank"] = [
+            {
+                "rank": r,
+                "step_time_us": per_rank.get(r, 0.0),
+                "link_busy_us": {
+                    lane.split(":", 1)[1]: busy
+                    for lane, busy in trace.busy_us(r).items()
+                    if lane.startswith("link:")
+                },
+            }
+            for r in sorted(per_rank)
+        ]
     report = getattr(schedule_module(name), "report", None)
     if report is not None:
         out["report"] = report(trace, program)
     return out
 
 
-def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig):
+#: Network grouping tolerance for explicit ranks (sim.network: completions within 2 % of the
+#: flows' age are handled together; exact for balanced routing, where all flows end together).
+NET_GROUP_TOL = 0.02
+
+
+def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None):
+    """Build, lower (explicit ranks when asked), validate and simulate one schedule."""
+    from shared.validate import validate
     from sim import simulate
+    from sim.engine import Engine
 
     program = build_schedule(name, w, gpu, cfg)
-    return program, simulate(program, gpu)
+    lowered = lower_ranks(program, w, gpu, args) if args is not None else program
+    if lowered is program:
+        return program, simulate(program, gpu)
+    # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
+    # Program's cycle check is quadratic in ranks) and run the explicit one
+    validate(program, gpu.num_sms)
+    seed = getattr(args, "seed", 0)
+    return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL).run()
+
+
+def add_straggler_cost(res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig) -> None:
+    """Straggler cost of an explicit run: its step time minus the balanced (symmetric) one."""
+    if res.get("ranks") != "explicit":
+        return
+    from sim import simulate
+
+    balanced = simulate(build_schedule(name, w, gpu, cfg), gpu).step_time_us
+    res["balanced_step_time_us"] = balanced
+    res["straggler_cost_us"] = res["step_time_us"] - balanced
 
 
 def _print_summary(res: dict) -> None:
@@ -275,6 +353,11 @@ def _print_summary(res: dict) -> None:
     print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms")
     print(f"  SM utilisation   {res['sm_utilisation'] * 100:10.1f} %")
     print(f"  ops              {res['num_ops']:10d}")
+    if "straggler_cost_us" in res:
+        steps = [r["step_time_us"] for r in res["per_rank"]]
+        print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
+        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms")
+        print(f"  rank step ms     {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
     for mb in res["micro_batches"]:
         cut = ", splits a sequence" if mb.get("split_seq") else ""
         print(
@@ -291,8 +374,9 @@ def _print_summary(res: dict) -> None:
 
 def cmd_sim(args) -> int:
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    program, trace = simulate_one(args.schedule, w, gpu, cfg)
+    program, trace = simulate_one(args.schedule, w, gpu, cfg, args)
     res = result_dict(args.schedule, w, gpu, program, trace)
+    add_straggler_cost(res, args.schedule, w, gpu, cfg)
     if args.out:
         from experiments.figures import moe_window, save_timeline
 
@@ -316,7 +400,7 @@ def cmd_show(args) -> int:
 
     program = build_schedule(args.schedule, w, gpu, cfg)
     validate(program, gpu.num_sms)
-    sys.stdout.write(str(program))
+    sys.stdout.write(str(lower_ranks(program, w, gpu, args)))
     return 0
 
 
@@ -341,13 +425,14 @@ def cmd_compare(args) -> int:
     runs = {}
     todo = names if "serial" in names else ["serial", *names]
     for n in tqdm(todo, desc="simulating", unit="schedule", disable=args.json, file=sys.stderr):
-        runs[n] = simulate_one(n, w, gpu, cfg)
+        runs[n] = simulate_one(n, w, gpu, cfg, args)
     base = runs["serial"][1].step_time_us
     rows = []
     for n in names:
         p, tr = runs[n]
         res = result_dict(n, w, gpu, p, tr)
         res["speedup_vs_serial"] = base / tr.step_time_us
+        add_straggler_cost(res, n, w, gpu, cfg)
         rows.append(res)
     if args.out:
         from experiments.figures import compare_timelines, moe_window
@@ -400,11 +485,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     _workload_options(s)
+    _rank_options(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("show", help="print the Program's text form")
     s.add_argument("--schedule", default="serial")
     _workload_options(s)
+    _rank_options(s)
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("schedules", help="list the schedules and their seeds")
@@ -416,6 +503,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true")
     _workload_options(s)
+    _rank_options(s)
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("run", help="run a schedule with the real executor (GPU, or --device cpu)")

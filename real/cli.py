@@ -263,6 +263,8 @@ def _run_gpu(args) -> int:
             emulated=tr.meta.get("emulated"),
             link=tr.meta.get("link"),
             step_times_us=tr.meta.get("step_times_us"),
+            cuda_graphs=tr.meta.get("cuda_graphs"),
+            sm_budget_mechanisms=tr.meta.get("sm_budget_mechanisms"),
         )
         summaries[name] = s
     if _opt(args, "json"):

@@ -34,3 +34,15 @@ def test_cpu_check_fails_when_tolerance_exceeded(monkeypatch, capsys):
 def test_unknown_schedule_is_a_config_error(capsys):
     assert run_main(SimpleNamespace(device="cpu", check=True, schedule="nope")) == 2
     assert "unknown schedule" in capsys.readouterr().err
+
+
+def test_gpu_validation_without_a_gpu_says_so_and_runs_nothing(capsys, monkeypatch, tmp_path):
+    import torch
+
+    from experiments import gpu_validation as V
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert V.main(["--results", str(tmp_path)]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    assert V.device_preset("NVIDIA H100 80GB HBM3") == "h100"
+    assert V.device_preset("NVIDIA H200") == "h200"

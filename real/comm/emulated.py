@@ -10,6 +10,9 @@ until the modelled arrival time ``t_start + α + bytes/β`` (real.comm.bytes.Lin
 ``%globaltimer``. With a receive hook the send kernel only copies and stamps ``t_arrive``; the
 hook launches a receive kernel on the current stream that spins until ``t_arrive`` (at once if
 compute has already passed it), so nothing is resident in between, as with DeepEP's hook.
+The byte counts reach the kernels as a device tensor ([local, nvlink, rdma, messages], from
+``EPBackend._account``) and the delay is computed in the kernel, so no launch needs a host read;
+``launches`` reads the records back after the run.
 
 Unverified on a GPU yet (see real/README.md): that 32-warp CTAs land one per SM, and the
 resolution of %globaltimer. Fidelity limits: no link contention or incast, one rank's view.
