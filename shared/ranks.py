@@ -122,7 +122,9 @@ class _Lowering:
         key = (op.layer, op.mb, what, mode)
         if key not in self._bytes:
             m, h = self.w.model, self.w.model.hidden
-            per_copy = dispatch_bytes_per_copy(h) if what == "dispatch" else combine_bytes_per_copy(h)
+            per_copy = (
+                dispatch_bytes_per_copy(h) if what == "dispatch" else combine_bytes_per_copy(h)
+            )
             p = self.w.parallel
             exp = expected_bytes(padded, p.ep, p.gpus_per_node, m.top_k, mode, per_copy)
             self._bytes[key] = (

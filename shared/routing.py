@@ -223,7 +223,9 @@ class LayerRouting:
     def __init__(self, cfg: RoutingConfig, dp_tokens: tuple[int, ...], layer: int = 0, sample=None):
         self.cfg, self.dp_tokens, self.layer = cfg, tuple(dp_tokens), layer
         if len(self.dp_tokens) != cfg.ep:
-            raise ConfigError(f"routing: {len(self.dp_tokens)} per-rank token counts for ep {cfg.ep}")
+            raise ConfigError(
+                f"routing: {len(self.dp_tokens)} per-rank token counts for ep {cfg.ep}"
+            )
         self._cache: dict[tuple[int, int], Matrices] = {}
         self.sample = sample
         self.src = self.tix = self.topk = None
@@ -299,9 +301,9 @@ class LayerRouting:
         pairs = np.unique(tok * r + dst.ravel())
         tokens = np.bincount(src[pairs // r] * r + pairs % r, minlength=r * r).reshape(r, r)
         npairs = np.unique(tok * nn + (dst // g).ravel())
-        node_tokens = np.bincount(
-            src[npairs // nn] * nn + npairs % nn, minlength=r * nn
-        ).reshape(r, nn)
+        node_tokens = np.bincount(src[npairs // nn] * nn + npairs % nn, minlength=r * nn).reshape(
+            r, nn
+        )
         load = np.bincount(topk.ravel(), minlength=cfg.num_experts)
         active = (load.reshape(r, cfg.local_experts) > 0).sum(axis=1)
         f = np.float64

@@ -1,0 +1,224 @@
+"""DeepEP's published performance tables, side by side with the model.
+
+    python -m experiments.exp_deepep_tables [--out experiments/results]
+
+Source: DeepEP README, V1 tables (now docs/legacy.md of github.com/deepseek-ai/DeepEP): H800,
+~160 GB/s NVLink, one CX7 400 Gb/s NIC (~50 GB/s) per GPU; hidden 7168, top-8 of 256 experts,
+FP8 dispatch, BF16 combine. Normal kernels: 4096 tokens per rank, top-4 groups (a group per
+node, as tests/test_internode.py routes); low-latency kernels: 128 tokens per rank, plain top-8.
+
+Each row is simulated, not computed: one dispatch (or combine) with every EP rank explicit,
+the routing drawn from uniform random gating (seeded), the bytes per (source, destination, link)
+from DeepEP's kernel family (``shared.deepep``), the kernels' SMs and HBM work from
+``shared.ops``, the links shared max-min fairly (``sim.network``) at the H800 preset's effective
+bandwidths (one global figure per link kind, cited in ``shared.hardware``; nothing per row).
+The figures are reported as DeepEP's tests compute them: normal intranode "bottleneck" bandwidth
+= NVLink bytes received per rank (local copies included) / time; internode = RDMA bytes of every
+(token, node) pair including the own node / time; low-latency = one message per (token, expert)
+/ time, and the time is the kernel's (send + receive of the slowest rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from shared.builder import RankBuilder, program
+from shared.hardware import get_gpu
+from shared.ops import layer_ops, whole_batch
+from shared.ranks import expand_ranks
+from shared.routing import Imbalance, Routing, RoutingConfig
+from shared.workload import Batch, Parallel, Workload, get_model
+from sim.engine import Engine
+
+# DeepEP README (V1, docs/legacy.md), H800 + CX7.
+NORMAL = {  # EP: (dispatch GB/s, combine GB/s, bottleneck link)
+    8: (153, 158, "nvlink"),
+    16: (43, 43, "rdma"),
+    32: (58, 57, "rdma"),
+    64: (51, 50, "rdma"),
+}
+LOW_LATENCY = {  # EP: (dispatch µs, dispatch GB/s, combine µs, combine GB/s)
+    8: (77, 98, 114, 127),
+    16: (118, 63, 195, 74),
+    32: (155, 48, 273, 53),
+    64: (173, 43, 314, 46),
+    128: (192, 39, 369, 39),
+    256: (194, 39, 360, 40),
+}
+FP8_FACTOR = (1 + 4 / 128) / 2  # DeepEP's tests: FP8 bytes relative to BF16
+HIDDEN, TOP_K, EXPERTS = 7168, 8, 256
+NET_GROUP_TOL = 0.02
+
+
+def _workload(ep: int, tokens: int) -> Workload:
+    m = get_model("deepseek-v3")
+    batch = Batch.decode(tokens) if tokens <= 256 else Batch.prefill(1, extend_len=tokens)
+    return Workload(m, batch, Parallel(ep=ep, gpus_per_node=8))
+
+
+def _routing(ep: int, tokens: int, normal: bool, seed: int) -> Routing:
+    nodes = max(1, ep // 8)
+    group = normal and nodes > 1
+    cfg = RoutingConfig(
+        EXPERTS, TOP_K, ep, 8, Imbalance("zipf", 0.0), seed,
+        group_limited=group, n_group=nodes if group else 1, topk_group=min(4, nodes),
+    )  # fmt: skip
+    return Routing(cfg, (tokens,) * ep)
+
+
+def simulate_collective(ep: int, tokens: int, mode: str, what: str, seed: int = 0):
+    """Time (µs, slowest rank, first launch to completion) of one dispatch or combine."""
+    gpu = get_gpu("h800")
+    w = _workload(ep, tokens)
+    mb = whole_batch(w)
+    ops = layer_ops(w, gpu, 3, mb, deepep_mode=mode, step=0)
+    rb = RankBuilder(0, ("main",))
+    t = rb.thread("main")
+    t.launch(ops[f"{what}_a"], "main").launch(ops[f"{what}_b"], "main")
+    prog = program([rb], world=ep, micro_batches=[mb.as_meta()], deepep_mode=mode)
+    routing = _routing(ep, tokens, mode == "normal", seed)
+    explicit = expand_ranks(prog, w, gpu, routing)
+    trace = Engine(explicit, gpu, net_group_tol=NET_GROUP_TOL).run()
+    spans = [s for s in trace.spans if s.lane.startswith("stream:")]
+    per_rank: dict[int, list[float]] = {}
+    for s in spans:
+        lo, hi = per_rank.get(s.rank, [s.start, s.end])
+        per_rank[s.rank] = [min(lo, s.start), max(hi, s.end)]
+    time = max(hi - lo for lo, hi in per_rank.values())
+    return time, routing.layer(0).matrices()
+
+
+def normal_row(ep: int, seed: int = 0) -> dict:
+    tokens = 4096
+    out = {"ep": ep}
+    for what, bytes_per in (("dispatch", HIDDEN * 2 * FP8_FACTOR), ("combine", HIDDEN * 2)):
+        t, m = simulate_collective(ep, tokens, "normal", what, seed)
+        if ep <= 8:  # NVLink: bytes each rank receives (its own copies included)
+            logical = m.tokens.sum(axis=0).max() * bytes_per
+        else:  # RDMA: every (token, node) pair, own node included (num_rdma_token_sent)
+            logical = m.node_tokens.sum(axis=1).max() * bytes_per
+        model = logical / t / 1e3
+        pub = NORMAL[ep][0 if what == "dispatch" else 1]
+        out[what] = {"time_us": t, "model_gbps": model, "published_gbps": pub,
+                     "error": model / pub - 1}  # fmt: skip
+    out["link"] = NORMAL[ep][2]
+    return out
+
+
+def low_latency_row(ep: int, seed: int = 0) -> dict:
+    tokens = 128
+    out = {"ep": ep}
+    pub = LOW_LATENCY[ep]
+    msg = {"dispatch": HIDDEN + HIDDEN / 128 * 4 + 16, "combine": HIDDEN * 2}
+    for i, what in enumerate(("dispatch", "combine")):
+        t, _ = simulate_collective(ep, tokens, "low_latency", what, seed)
+        gbps = tokens * TOP_K * msg[what] / t / 1e3
+        p_us, p_gbps = pub[2 * i], pub[2 * i + 1]
+        out[what] = {"time_us": t, "published_us": p_us, "error": t / p_us - 1,
+                     "model_gbps": gbps, "published_gbps": p_gbps}  # fmt: skip
+    return out
+
+
+def run(seed: int = 0) -> dict:
+    gpu = get_gpu("h800")
+    return {
+        "source": "DeepEP README V1 tables (github.com/deepseek-ai/DeepEP docs/legacy.md)",
+        "gpu": dataclasses.asdict(gpu),
+        "seed": seed,
+        "normal": [normal_row(ep, seed) for ep in NORMAL],
+        "low_latency": [low_latency_row(ep, seed) for ep in LOW_LATENCY],
+    }
+
+
+def to_markdown(res: dict) -> str:
+    lines = [
+        "# DeepEP published tables vs the model (H800, hidden 7168, top-8)",
+        "",
+        f"Source: {res['source']}. Model: explicit ranks, seeded uniform routing "
+        f"(seed {res['seed']}), preset bandwidths NVLink "
+        f"{res['gpu']['nvlink_eff_gbps']:g} GB/s, RDMA {res['gpu']['rdma_eff_gbps']:g} GB/s.",
+        "",
+        "## Normal kernels (4096 tokens per rank), bottleneck bandwidth",
+        "",
+        "| EP | link | dispatch published | dispatch model | error | combine published "
+        "| combine model | error |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["normal"]:
+        d, c = r["dispatch"], r["combine"]
+        lines.append(
+            f"| {r['ep']} | {r['link']} | {d['published_gbps']} GB/s | {d['model_gbps']:.1f} GB/s "
+            f"| {d['error']:+.0%} | {c['published_gbps']} GB/s | {c['model_gbps']:.1f} GB/s "
+            f"| {c['error']:+.0%} |"
+        )
+    lines += [
+        "",
+        "## Low-latency kernels (128 tokens per rank), latency",
+        "",
+        "| EP | dispatch published | dispatch model | error | combine published | combine model "
+        "| error |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["low_latency"]:
+        d, c = r["dispatch"], r["combine"]
+        lines.append(
+            f"| {r['ep']} | {d['published_us']} µs | {d['time_us']:.0f} µs | {d['error']:+.0%} "
+            f"| {c['published_us']} µs | {c['time_us']:.0f} µs | {c['error']:+.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    eps = [r["ep"] for r in res["low_latency"]]
+    for what, mk in (("dispatch", "o"), ("combine", "s")):
+        a.plot(eps, [r[what]["published_us"] for r in res["low_latency"]], mk + "-",
+               label=f"{what} published")  # fmt: skip
+        a.plot(eps, [r[what]["time_us"] for r in res["low_latency"]], mk + "--",
+               label=f"{what} model")  # fmt: skip
+    a.set_xscale("log", base=2)
+    a.set_xlabel("EP")
+    a.set_ylabel("latency (µs)")
+    a.set_title("low-latency kernels, 128 tokens")
+    a.legend(fontsize=8)
+    eps = [r["ep"] for r in res["normal"]]
+    for what, mk in (("dispatch", "o"), ("combine", "s")):
+        b.plot(eps, [r[what]["published_gbps"] for r in res["normal"]], mk + "-",
+               label=f"{what} published")  # fmt: skip
+        b.plot(eps, [r[what]["model_gbps"] for r in res["normal"]], mk + "--",
+               label=f"{what} model")  # fmt: skip
+    b.set_xscale("log", base=2)
+    b.set_xlabel("EP")
+    b.set_ylabel("bottleneck bandwidth (GB/s)")
+    b.set_title("normal kernels, 4096 tokens")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="experiments/results")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    res = run(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "deepep_tables.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    md = to_markdown(res)
+    (out / "deepep_tables.md").write_text(md)
+    plot(res, out / "deepep_tables.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
