@@ -175,16 +175,31 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
 def _rank_options(p: argparse.ArgumentParser) -> None:
     """Explicit ranks, routing imbalance and DP-attention imbalance (sim, show, compare)."""
     g = p.add_argument_group("ranks and imbalance")
-    g.add_argument("--ranks", default="symmetric", choices=("symmetric", "explicit"),
-                   help="simulate one mirrored rank (fast) or every EP rank explicitly")
-    g.add_argument("--imbalance", default="balanced",
-                   help="expert load: balanced, zipf:S or file:PATH (JSON/CSV routing sample, "
-                        "see shared/routing.py); needs --ranks explicit unless balanced")
-    g.add_argument("--dp-imbalance", type=float, default=0.0,
-                   help="DP attention: ranks hold a seeded uniform share in [1-F, 1] of the "
-                        "padded batch of real tokens (0: all full); needs --ranks explicit")
-    g.add_argument("--group-limited", type=_bool, default=None,
-                   help="DeepSeek-V3 group-limited routing (default: the model's own gating)")
+    g.add_argument(
+        "--ranks",
+        default="symmetric",
+        choices=("symmetric", "explicit"),
+        help="simulate one mirrored rank (fast) or every EP rank explicitly",
+    )
+    g.add_argument(
+        "--imbalance",
+        default="balanced",
+        help="expert load: balanced, zipf:S or file:PATH (JSON/CSV routing sample, "
+        "see shared/routing.py); needs --ranks explicit unless balanced",
+    )
+    g.add_argument(
+        "--dp-imbalance",
+        type=float,
+        default=0.0,
+        help="DP attention: ranks hold a seeded uniform share in [1-F, 1] of the "
+        "padded batch of real tokens (0: all full); needs --ranks explicit",
+    )
+    g.add_argument(
+        "--group-limited",
+        type=_bool,
+        default=None,
+        help="DeepSeek-V3 group-limited routing (default: the model's own gating)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of routing and DP imbalance")
 
 
@@ -205,8 +220,9 @@ def lower_ranks(program, w: Workload, gpu: GPU, args):
 
     seed = getattr(args, "seed", 0)
     dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, spread, seed)
-    routing = routing_for(w, imb, seed=seed, dp_tokens=dp,
-                          group_limited=getattr(args, "group_limited", None))
+    routing = routing_for(
+        w, imb, seed=seed, dp_tokens=dp, group_limited=getattr(args, "group_limited", None)
+    )
     return expand_ranks(program, w, gpu, routing)
 
 

@@ -92,7 +92,9 @@ class Engine:
                             dst = rp.rank if f.dst is None else f.dst
                             self._expected[(ins.op.coll.key, dst)] += 1
         self._implicit = 0
-        kinds = {k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS}
+        kinds = {
+            k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS
+        }
         self.net = Network(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
         self._sinks: dict[tuple[str, int], int] = {}
         self._sink_keys: list[tuple[str, int]] = []
@@ -232,8 +234,18 @@ class Engine:
 
         def arrived(_e, rank=r.rp.rank):
             self.spans.append(
-                Span(rank, f"link:{f.link}", op.name, "link", t0, env.now, 0, op.mb, op.layer,
-                     op.step)
+                Span(
+                    rank,
+                    f"link:{f.link}",
+                    op.name,
+                    "link",
+                    t0,
+                    env.now,
+                    0,
+                    op.mb,
+                    op.layer,
+                    op.step,
+                )
             )
             self._expected[key] -= 1
             if self._expected[key] == 0:
