@@ -173,7 +173,7 @@ ATTN = ATTN_0 + ATTN_1
 def _key(ins, L):
     if isinstance(ins, Launch):
         return (ins.stream, ins.op.mb, ins.op.layer - L, ins.op.name)
-    return (type(ins).__name__.lower(), ins.stream, ins.event)
+    return (type(ins).__name__.lower(), getattr(ins, "stream", None), ins.event)
 
 
 def test_prefill_window_streams_and_events():
@@ -181,15 +181,22 @@ def test_prefill_window_streams_and_events():
     L = moe_mid_layer(V3)
     got = [_key(i, L) for i in layer_window(p, L, instrs=True)]
     e = lambda mb, what: f"L{L}.mb{mb}.{what}"  # noqa: E731
+
+    def counts(mb):  # the host waits for DeepEP's received-token counts (shared.lowering)
+        ev = f"s0.L{L}.mb{mb}.dispatch.counts"
+        return [("record", "comm", ev), ("sync", None, ev)]
+
     want = (
         [("main", 0, 0, n) for n in ATTN]  # ATTN 0
         + [("record", "main", e(0, "dispatch_ready")), ("wait", "comm", e(0, "dispatch_ready"))]
+        + counts(0)
         + [("comm", 0, 0, "dispatch_a"), ("comm", 0, 0, "dispatch_b")]  # DISPATCH 0 (24 SMs)
         + [("record", "comm", e(0, "dispatch_done"))]
         + [("wait", "main", f"L{L - 1}.mb1.combine_done")]  # 1's previous COMBINE, then its tail
         + [("main", 1, -1, "output"), ("main", 1, -1, "comm_postprocess_layer")]
         + [("main", 1, 0, n) for n in ATTN]  # ATTN 1 (DISPATCH 0 under it)
         + [("record", "main", e(1, "dispatch_ready")), ("wait", "comm", e(1, "dispatch_ready"))]
+        + counts(1)
         + [("comm", 1, 0, "dispatch_a"), ("comm", 1, 0, "dispatch_b")]
         + [("record", "comm", e(1, "dispatch_done"))]
         + [("wait", "main", e(0, "dispatch_done")), ("main", 0, 0, "experts")]  # MLP 0

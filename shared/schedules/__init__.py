@@ -52,8 +52,10 @@ def module(name: str):
 
 
 def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
-    """Emit the Program of schedule ``name`` for a workload on a GPU."""
-    return module(name).build(workload, gpu, cfg or ScheduleConfig())
+    """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``)."""
+    from shared.lowering import host_wait_for_counts
+
+    return host_wait_for_counts(module(name).build(workload, gpu, cfg or ScheduleConfig()))
 
 
 def describe() -> list[tuple[str, str, str]]:
