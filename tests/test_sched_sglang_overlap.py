@@ -13,8 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-
-from shared.validate import issue_order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +35,7 @@ from shared.schedules.sglang_overlap import (
     plan_iterations,
     walk_future_map,
 )
+from shared.validate import issue_order
 from shared.workload import Batch, Parallel, Workload, get_model
 from sim import simulate
 from tests.invariants import check_all
