@@ -122,9 +122,16 @@ class Kernel:
     t_end: float = float("inf")
     segments: list = field(default_factory=list)  # (start, sms) each time its grant changes
 
+    _demand: tuple = (-1, None)  # (sms, KernelDemand) cache: demand changes only with the SMs
+
     @property
     def ready(self) -> bool:
         return not (self.waiting_data or self.gated)
+
+    def demand(self, gpu: GPU) -> cost.KernelDemand:
+        if self._demand[0] != self.sms:
+            self._demand = (self.sms, cost.demand(self.op, gpu, self.sms))
+        return self._demand[1]
 
 
 class Gpu(Fluid):
@@ -205,8 +212,11 @@ class Gpu(Fluid):
             k.rate = 0.0
         if not running:
             return
-        demands = [cost.demand(k.op, self.gpu, k.sms) for k in running]
-        shares = cost.hbm_shares(demands, self.gpu)
+        demands = [k.demand(self.gpu) for k in running]
+        if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
+            shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
+        else:
+            shares = cost.hbm_shares(demands, self.gpu)
         for k, d, s in zip(running, demands, shares):
             dur = cost.duration_us(d, s)
             k.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
