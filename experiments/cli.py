@@ -27,7 +27,7 @@ from shared.hardware import GPU, GPUS, HostCosts, get_gpu
 from shared.schedules import SCHEDULES, ScheduleConfig
 from shared.schedules import build as build_schedule
 from shared.schedules import module as schedule_module
-from shared.workload import MODELS, Batch, Parallel, Workload, get_model
+from shared.workload import MODELS, Batch, Parallel, Workload, get_model, with_layers
 
 DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 
@@ -153,7 +153,7 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         "--layers",
         type=_positive_int,
         default=None,
-        help="keep only the first N layers of the model (default: all)",
+        help="keep N layers: one dense layer first (if the model has any), the rest MoE (default: all)",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=_positive_int, default=32, help="expert-parallel size")
@@ -230,12 +230,7 @@ def workload_from(args) -> Workload:
     if args.mode not in ("decode", "prefill"):
         raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
     model = get_model(args.model)
-    if args.layers is not None:
-        if args.layers > model.num_layers:
-            raise ConfigError(f"--layers {args.layers} exceeds {model.name}'s {model.num_layers}")
-        model = dataclasses.replace(
-            model, num_layers=args.layers, first_k_dense=min(model.first_k_dense, args.layers)
-        )
+    model = with_layers(model, args.layers)
     n = args.batch
     if args.mode == "decode":
         if args.kv_lens is not None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from shared.errors import ConfigError
+from shared.workload import with_layers
 
 
 @dataclass(frozen=True)
@@ -151,19 +152,6 @@ def from_model_config(mc, num_layers: int | None = None) -> RealModelConfig:
         qk_norm=mc.qk_norm,
     )
     return with_layers(cfg, num_layers)
-
-
-def with_layers(cfg, num_layers: int | None):
-    """The same model cut to ``num_layers`` layers, so a few layers of a full-size model fit on
-    one GPU: one dense layer is kept first when the model has any (and n > 1), the rest are MoE.
-    Works on a RealModelConfig and on a shared.workload ModelConfig alike (apply it to the
-    ModelConfig the schedule sees, so Program and weights agree)."""
-    if num_layers is None or num_layers == cfg.num_layers:
-        return cfg
-    if num_layers < 1:
-        raise ConfigError(f"--layers must be >= 1, got {num_layers}")
-    dense = min(cfg.first_k_dense, 1 if num_layers > 1 else 0)
-    return replace(cfg, num_layers=num_layers, first_k_dense=dense)
 
 
 def get_config(name: str, num_layers: int | None = None) -> RealModelConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.errors import ConfigError
 from shared.schedules.common import MicroBatch
@@ -442,3 +442,18 @@ def whole_batch(w: Workload) -> MicroBatch:
     """The unsplit batch as one micro-batch (index 0, no padding)."""
     n = w.batch.num_tokens
     return MicroBatch(0, 0, w.batch.num_seqs, 0, n, n)
+
+
+def with_layers(cfg, num_layers: int | None):
+    """The same model cut to ``num_layers`` layers, so a few layers of a full-size model still show
+    its MoE schedule (and fit on one GPU): one dense layer is kept first when the model has any
+    (and ``num_layers`` > 1), the rest are MoE. Works on any frozen config with ``num_layers`` and
+    ``first_k_dense`` (ModelConfig, the real executor's model config)."""
+    if num_layers is None or num_layers == cfg.num_layers:
+        return cfg
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise ConfigError(
+            f"--layers must lie in 1..{cfg.num_layers} for {cfg.name}, got {num_layers}"
+        )
+    dense = min(cfg.first_k_dense, 1 if num_layers > 1 else 0)
+    return replace(cfg, num_layers=num_layers, first_k_dense=dense)
