@@ -6,11 +6,17 @@ sampled tokens) are compared with the serial schedule's on the same seeded weigh
 Every step of a multi-step Program is an independent forward of the same batch, compared with
 serial's single step. The result per schedule is the largest relative difference
 max|a - b| / max|b| over workloads, steps and both outputs.
+
+A schedule that needs another parallel layout than the workload's runs on copies of it
+(``workload_variants``): ``pp`` on pp=2 and pp=3 copies (as many stages as the model has layers),
+compared with serial on the pp=1 workload (layer i has the same weights on whichever stage holds
+it); its last stage's outputs are compared, and the ids that reached rank 0 must be those the
+last stage sampled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +39,41 @@ def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
         Batch.prefill(extend_lens=[30, 2], prefix_lens=[3, 0]),  # two-chunk split of seq 0
     ]
     return [Workload(mc, b, par) for b in batches]
+
+
+PP_SIZES = (2, 3)  # pipeline stages the pp schedule is checked with
+
+
+def pp_variants(w) -> list:
+    """Copies of ``w`` with pp = 2, 3 (no more stages than the model has layers)."""
+    if w.parallel.pp > 1:
+        return [w]
+    return [
+        replace(w, parallel=replace(w.parallel, pp=p)) for p in PP_SIZES if p <= w.model.num_layers
+    ]
+
+
+VARIANTS = {"pp": pp_variants}
+
+
+def workload_variants(name: str, w) -> list:
+    """The workloads schedule ``name`` is checked on for ``w`` (``w`` itself for most)."""
+    f = VARIANTS.get(name)
+    return f(w) if f is not None else [w]
+
+
+def check_pp_outputs(outputs: dict) -> None:
+    """The next_token_ids rank 0 received are those the last stage sampled (every iteration runs
+    the same forward, so all must be equal)."""
+    first, last = outputs[min(outputs)], outputs[max(outputs)]
+    sampled = [m["next_ids"] for st in last.values() for m in st.mbs.values() if "next_ids" in m]
+    got = [m["next_ids"] for st in first.values() for m in st.mbs.values() if "next_ids" in m]
+    if not sampled or not got:
+        raise AssertionError(f"pp: {len(sampled)} sampled, {len(got)} ids reached rank 0")
+    rows, ids = sampled[0]
+    for r, i in (*sampled, *got):
+        if not (torch.equal(r, rows) and torch.equal(i, ids)):
+            raise AssertionError("pp: next_token_ids on rank 0 differ from the last stage's")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,18 +166,24 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
         ref_prog = S.build("serial", w, g, cfg)
         ref = execute(ref_prog, w, weights=weights, seed=seed).outputs[0][0]
         for name in names:
-            if name in res.errors:
-                continue
-            try:
-                prog = S.build(name, w, g, cfg)
-            except ConfigError as e:
-                res.skipped.setdefault(name, str(e))
-                continue
-            try:
-                out = execute(prog, w, weights=weights, seed=seed)
-            except (HazardError, KeyError, RuntimeError) as e:
-                res.errors[name] = f"{type(e).__name__}: {e}"
-                continue
-            d = max(compare_steps(states, ref) for states in out.outputs.values())
-            prev = res.max_rel_diff_vs_serial.get(name, 0.0)
-            res.max_rel_diff_vs_serial[name] = max(prev, d)
+            variants = workload_variants(name, w)
+            if not variants:
+                res.skipped.setdefault(name, f"no variant of the workload for {w.model.name}")
+            for wv in variants:
+                if name in res.errors:
+                    break
+                try:
+                    prog = S.build(name, wv, g, cfg)
+                except ConfigError as e:
+                    res.skipped.setdefault(name, str(e))
+                    continue
+                try:
+                    out = execute(prog, wv, weights=weights, seed=seed)
+                    d = max(compare_steps(states, ref) for states in out.outputs.values())
+                    if prog.meta.get("pp_size", 1) > 1:
+                        check_pp_outputs(out.outputs)
+                except (HazardError, KeyError, RuntimeError, AssertionError) as e:
+                    res.errors[name] = f"{type(e).__name__}: {e}"
+                    continue
+                prev = res.max_rel_diff_vs_serial.get(name, 0.0)
+                res.max_rel_diff_vs_serial[name] = max(prev, d)

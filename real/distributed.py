@@ -6,6 +6,10 @@ Each rank runs the same (symmetric) Program on its own batch (inputs seeded by r
 experts [r*E/N, (r+1)*E/N) and exchanges rows with the ``torch`` backend; then it runs the same
 Program alone with every expert and the ``local`` backend, and reports the largest relative
 difference. On GPUs the same function runs under torchrun with NCCL (``run_rank``).
+
+``split_cases`` builds each case's Program first (in the parent): a schedule that refuses the
+workload (ConfigError, e.g. ``pp`` on a pp=1 workload) or whose Program is not symmetric (``pp``:
+its stages run as in-process ranks, real/check.py) is skipped with the reason, never spawned.
 """
 
 from __future__ import annotations
@@ -94,10 +98,44 @@ def _worker(rank: int, world: int, port: int, cases: list, outdir: str, kw: dict
         json.dump(res, f)
 
 
+def split_cases(
+    cases: list[tuple[str, object]], *, gpu: str = "h100", cfg=None
+) -> tuple[list[tuple[str, object]], dict[str, str]]:
+    """(the cases that can run over gloo, {schedule: why it was skipped for some workload})."""
+    from real.check import workload_variants
+    from shared import schedules as S
+    from shared.errors import ConfigError
+    from shared.hardware import get_gpu
+
+    g = get_gpu(gpu)
+    runnable: list[tuple[str, object]] = []
+    skipped: dict[str, str] = {}
+    for name, w0 in cases:
+        for w in workload_variants(name, w0) or [w0]:  # pp: its pp >= 2 copies
+            try:
+                prog = S.build(name, w, g, cfg)
+            except ConfigError as e:
+                skipped.setdefault(name, str(e))
+                continue
+            if prog.symmetric:
+                runnable.append((name, w))
+                continue
+            skipped.setdefault(
+                name,
+                "non-symmetric Program (its ranks run in one process: the CPU check covers it); "
+                "gloo runs symmetric EP Programs only",
+            )
+    return runnable, skipped
+
+
 def run_gloo(cases: list[tuple[str, object]], world: int = 2, **kw) -> list[dict]:
     """Spawn ``world`` gloo processes (once) and run every (schedule, workload) case with EP
-    over them; one result per case and rank: schedule, rank, max_rel_diff, traffic."""
+    over them; one result per case and rank: schedule, rank, max_rel_diff, traffic. Filter the
+    cases with ``split_cases`` first."""
     import torch.multiprocessing as mp
+
+    if not cases:
+        return []
 
     for _, w in cases:
         if w.model.num_experts % world:

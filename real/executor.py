@@ -401,6 +401,7 @@ class RankRunner:
             tracker=self.tracker,
             world=self.world,
             rank=self.rp.rank,
+            steps=self.states,
         )
         fn = K.bind(op.name)
         base, k = K.split_piece(op.name)

@@ -9,7 +9,13 @@ torch = pytest.importorskip("torch")
 
 from real import kernels as K  # noqa: E402
 from real import model as M  # noqa: E402
-from real.check import check_equivalence, compare_steps, default_workloads  # noqa: E402
+from real.check import (  # noqa: E402
+    check_equivalence,
+    check_pp_outputs,
+    compare_steps,
+    default_workloads,
+    workload_variants,
+)
 from real.executor import HazardError, execute  # noqa: E402
 from shared import schedules as S  # noqa: E402
 from shared.builder import RankBuilder, program  # noqa: E402
@@ -46,14 +52,21 @@ def _serial_ref(w, weights):
 
 def test_every_op_name_emitted_by_every_schedule_is_bound(workloads):
     names = set()
+    built = set()
     for name in S.available():
         for w in workloads:
-            try:
-                prog = S.build(name, w, GPU)
-            except Exception:  # a schedule may refuse a workload (ConfigError)
-                continue
-            names |= {op.name for _, op in ops_of(prog)}
+            for wv in workload_variants(name, w):  # pp: pp=2 and pp=3 copies
+                try:
+                    prog = S.build(name, wv, GPU)
+                except Exception:  # a schedule may refuse a workload (ConfigError)
+                    continue
+                built.add(name)
+                names |= {op.name for _, op in ops_of(prog)}
+    assert built == set(S.available())
+    assert {"pp_send_hidden", "pp_recv_hidden", "pp_send_out", "pp_recv_out"} <= names
     assert K.unbound(names) == []
+    tp2 = dataclasses.replace(workloads[0], parallel=Parallel(ep=2, attn_tp=2, pp=2))
+    assert K.unbound({op.name for _, op in ops_of(S.build("pp", tp2, GPU))}) == []
 
 
 def test_every_schedule_matches_serial(workloads):
@@ -150,3 +163,31 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
             w,
             weights=weights,
         )
+
+
+def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, monkeypatch):
+    """pp=3: hidden + residual cross two stage boundaries, the last stage's ids reach rank 0 and
+    are relayed on to rank 1 one iteration later; a wrong hand-over shows up against serial."""
+    w = workloads[2]
+    w3 = dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, pp=3))
+    prog = S.build("pp", w3, GPU)
+    ref = _serial_ref(w, weights)
+    out = execute(prog, w3, weights=weights).outputs
+    assert [sum(bool(s.covered) for s in out[r].values()) for r in (0, 1, 2)] == [0, 0, 12]
+    assert compare_steps(out[2], ref) == 0.0
+    check_pp_outputs(out)
+    relayed = [m for st in out[1].values() for m in st.mbs.values() if "next_ids" in m]
+    assert relayed and all(
+        torch.equal(m["next_ids"][1], relayed[0]["next_ids"][1]) for m in relayed
+    )
+
+    send = K.REGISTRY["pp_send_hidden"]
+
+    def halve_hidden(ctx):
+        send(ctx)
+        key = ctx.op.coll.key
+        ctx.world.box[key][-1][1]["hidden"] = ctx.world.box[key][-1][1]["hidden"] * 0.5
+
+    monkeypatch.setitem(K.REGISTRY, "pp_send_hidden", halve_hidden)
+    bad = execute(prog, w3, weights=weights).outputs
+    assert compare_steps(bad[2], ref) > 1e-2
