@@ -30,6 +30,8 @@ from shared.schedules import module as schedule_module
 from shared.workload import MODELS, Batch, Parallel, Workload, get_model, with_layers
 
 DEFAULT_BATCH = {"decode": 128, "prefill": 4}
+#: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
+GPU_RUN_LAYERS = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -478,6 +480,9 @@ def cmd_run(args) -> int:
     from real.cli import run_main
 
     args.cfg = config_from(args)
+    if args.layers is None and args.device != "cpu":
+        args.layers = GPU_RUN_LAYERS
+    args.workload = workload_from(args)  # the same workload `sim` builds from the same options
     return run_main(args)
 
 

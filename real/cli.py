@@ -1,7 +1,8 @@
 """`overlap-lab run`: the real executor from the command line (wired in experiments/cli.py).
 
 ``run_main(args) -> exit code`` takes the parsed options (any object with attributes; missing
-ones take the defaults below): schedule, model, gpu, mode, batch, kv_len, seq_len, prefix_len,
+ones take the defaults below): schedule, model, gpu, mode, batch, workload (the GPU run's,
+built by experiments/cli.py like `sim`'s), prefix_len,
 ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance.
 
 - GPU: run the schedule, write the measured trace (Chrome JSON) and a timeline figure under
@@ -27,8 +28,7 @@ DEFAULTS = dict(
     gpu="h100",
     mode="decode",
     batch=None,
-    kv_len=None,
-    seq_len=None,
+    workload=None,
     prefix_len=0,
     ep=None,
     layers=None,
@@ -178,24 +178,6 @@ def _run_cpu(args) -> int:
 # -- GPU ---------------------------------------------------------------------------------------
 
 
-def workload_from_args(args):
-    """The Workload the GPU run measures (the layer count cut applies to the Program too)."""
-    from real.model import get_model_config_layers
-    from shared.workload import Batch, Parallel, Workload
-
-    mc = get_model_config_layers(_opt(args, "model"), _opt(args, "layers") or 4)
-    mode = _opt(args, "mode")
-    n = _opt(args, "batch") or (64 if mode == "decode" else 2)
-    if mode == "decode":
-        batch = Batch.decode(n, kv_len=_opt(args, "kv_len") or 2048)
-    else:
-        batch = Batch.prefill(
-            n, extend_len=_opt(args, "seq_len") or 4096, prefix_len=_opt(args, "prefix_len")
-        )
-    ep = _opt(args, "ep") or min(mc.num_experts, 32)
-    return Workload(mc, batch, Parallel(ep=ep))
-
-
 def _backend(args, w, gpu):
     import torch
 
@@ -233,7 +215,11 @@ def _run_gpu(args) -> int:
     from shared.hardware import get_gpu
 
     gpu = get_gpu(_opt(args, "gpu"))
-    w = workload_from_args(args)
+    w = _opt(args, "workload")  # built by experiments/cli.py, as for `sim`
+    if w is None:
+        from shared.errors import ConfigError
+
+        raise ConfigError("a GPU run needs the workload (run it through `overlap-lab run`)")
     names = (
         [n for n in _schedules(args)]
         if _opt(args, "schedule") in (None, "all")
