@@ -357,6 +357,17 @@ def d2h(ctx: KernelCtx) -> None:
     ctx.put("next_ids_host", ids.to("cpu", non_blocking=ids.is_cuda))
 
 
+@register("d2h_next_token_logprobs", "d2h_input_token_logprobs")
+def d2h_logprobs(ctx: KernelCtx) -> None:
+    """``--return-logprob``: the log-probabilities of the sampled ids, copied to the host. The
+    executor computes logits only for the positions it samples, so the input-token variant
+    covers those rows too (SGLang computes them for every prompt token: more rows, same op)."""
+    rows, lg = ctx.get("logits")
+    _, ids = ctx.get("next_ids")
+    lp = torch.log_softmax(lg.float(), -1).gather(-1, ids[:, None])[:, 0]
+    ctx.put(f"{ctx.op.name}_host", (rows, lp.to("cpu", non_blocking=lp.is_cuda)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
@@ -624,26 +635,20 @@ def comm_postprocess_layer(ctx: KernelCtx) -> None:
 # ----------------------------------------------------------------------------------------------
 
 NOOP_OPS = (
-    "noop",
-    "h2d",
+    "noop",  # hand-written Programs and tests
+    # SGLang's overlap scheduler (shared/ops_sched.py): metadata kernels on the schedule stream
+    # and the FutureMap's resolve/store. The executor's inputs and token ids are already on the
+    # device, so these compute nothing here; on a GPU their (small) kernel time is therefore not
+    # measured (real/README.md).
     "h2d_input_ids",
-    "copy_input",
-    "prepare_inputs",
-    "resolve_future",
-    "store_to_map",
-    "seq_lens_update",
-    "req_to_token",
-    "write_req_to_token",
-    "schedule_kernels",
-    "prefill_metadata",
-    # SGLang's overlap scheduler (shared/schedules/sglang_overlap.py): metadata kernels on the
-    # schedule stream; the executor's inputs are already on the device.
     "out_cache_loc_cast",
     "req_to_token_gather",
     "req_to_token_scatter",
+    "resolve_future",
     "seq_lens_add",
     "seq_lens_clone",
     "seq_lens_next",
+    "store_to_map",
     "write_req_to_token_pool_triton",
 )
 
@@ -660,8 +665,8 @@ def noop(ctx: KernelCtx) -> None:
 # run yet raises WouldBlock and the executor retries it after the other ranks progressed.
 # ----------------------------------------------------------------------------------------------
 
-SEND_OPS = ("send", "pp_send", "pp.send", "send_hidden", "send_tokens")
-RECV_OPS = ("recv", "pp_recv", "pp.recv", "recv_hidden", "recv_tokens")
+SEND_OPS = ("send",)  # a generic point-to-point pair (tests and hand-written Programs)
+RECV_OPS = ("recv",)
 PP_HIDDEN = ("hidden", "residual")  # DeepSeek's PPProxyTensors: what a stage hands on
 PP_OUT = ("next_ids",)  # the last stage's sampled ids: back to rank 0, relayed round the ring
 

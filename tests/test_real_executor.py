@@ -147,12 +147,12 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
     key = Coll("s0.mb0.pp", "send")
     r0, r1 = RankBuilder(0, ("main",)), RankBuilder(1, ("main",))
     t0, t1 = r0.thread("main"), r1.thread("main")
-    t1.launch(Op("pp_recv", mb=0, step=0, coll=Coll(key.key, "recv")), "main")  # blocks first
+    t1.launch(Op("recv", mb=0, step=0, coll=Coll(key.key, "recv")), "main")  # blocks first
     for op in ops[cut:]:
         t1.launch(op, "main")
     for op in ops[:cut]:
         t0.launch(op, "main")
-    t0.launch(Op("pp_send", mb=0, step=0, coll=key), "main")
+    t0.launch(Op("send", mb=0, step=0, coll=key), "main")
     prog = program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()])
     out = execute(prog, w, weights=weights).outputs
     assert compare_steps(out[1], _serial_ref(w, weights)) == 0.0
@@ -191,3 +191,14 @@ def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, mon
     monkeypatch.setitem(K.REGISTRY, "pp_send_hidden", halve_hidden)
     bad = execute(prog, w3, weights=weights).outputs
     assert compare_steps(bad[2], ref) > 1e-2
+
+
+def test_sglang_overlap_with_logprobs_runs_and_matches_serial():
+    """--return-logprob adds D2H copies of the sampled ids' log-probabilities."""
+    from real.check import check_equivalence, default_workloads
+    from shared.schedules import ScheduleConfig
+
+    r = check_equivalence(
+        ["sglang-overlap"], default_workloads()[:1], cfg=ScheduleConfig(return_logprob=True)
+    )
+    assert not r.errors and r.ok, r.errors
