@@ -1,7 +1,7 @@
-"""``python -m experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``: run the
+"""``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``: run the
 declared experiments (all, or those named) and rewrite their results under experiments/results/."""
 
-from experiments.runner import main
+from overlap_lab.experiments.runner import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

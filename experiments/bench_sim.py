@@ -1,6 +1,6 @@
 """How fast the simulator is: one JSON line per case (`case`, `wall_ms`, `events_per_s`).
 
-    python -m experiments.bench_sim [--repeats 5] [--out experiments/results/bench_sim.jsonl]
+    python -m overlap_lab.experiments.bench_sim [--repeats 5] [--out experiments/results/bench_sim.jsonl]
 
 Each case builds a Program once and simulates it ``repeats`` times; ``wall_ms`` is the median
 simulation time (building excluded), ``events_per_s`` counts SimPy events processed per second.
@@ -19,13 +19,13 @@ from datetime import date
 
 import simpy
 
-from shared.hardware import get_gpu
-from shared.ranks import expand_ranks
-from shared.routing import routing_for
-from shared.schedules import build
-from shared.validate import validate
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim.engine import Engine
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ranks import expand_ranks
+from overlap_lab.shared.routing import routing_for
+from overlap_lab.shared.schedules import build
+from overlap_lab.shared.validate import validate
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim.engine import Engine
 
 
 def _count_events(env: simpy.Environment) -> list[int]:

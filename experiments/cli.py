@@ -22,12 +22,12 @@ import types
 import typing
 from pathlib import Path
 
-from shared.errors import ConfigError
-from shared.hardware import GPU, GPUS, HostCosts, get_gpu
-from shared.schedules import SCHEDULES, ScheduleConfig
-from shared.schedules import build as build_schedule
-from shared.schedules import module as schedule_module
-from shared.workload import MODELS, Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, get_gpu
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
+from overlap_lab.shared.schedules import build as build_schedule
+from overlap_lab.shared.schedules import module as schedule_module
+from overlap_lab.shared.workload import MODELS, Batch, Parallel, Workload, get_model, with_layers
 
 DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 #: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
@@ -207,7 +207,7 @@ def _rank_options(p: argparse.ArgumentParser) -> None:
 
 def lower_ranks(program, w: Workload, gpu: GPU, args):
     """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
-    from shared.routing import dp_token_counts, parse_imbalance, routing_for
+    from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for
 
     mode = getattr(args, "ranks", "symmetric")
     imb = parse_imbalance(getattr(args, "imbalance", "balanced"))
@@ -218,7 +218,7 @@ def lower_ranks(program, w: Workload, gpu: GPU, args):
         if imb.kind != "balanced" or spread > 0:
             raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
         return program
-    from shared.ranks import expand_ranks
+    from overlap_lab.shared.ranks import expand_ranks
 
     seed = getattr(args, "seed", 0)
     dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, spread, seed)
@@ -282,7 +282,7 @@ def config_from(args) -> ScheduleConfig:
 
 def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
     """The JSON a `sim` run prints: the keys documented in README.md."""
-    from shared.program import ops_of
+    from overlap_lab.shared.program import ops_of
 
     meta = program.meta
     out = {
@@ -331,9 +331,9 @@ NET_GROUP_TOL = 0.02
 
 def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None):
     """Build, lower (explicit ranks when asked), validate and simulate one schedule."""
-    from shared.validate import validate
-    from sim import simulate
-    from sim.engine import Engine
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.sim import simulate
+    from overlap_lab.sim.engine import Engine
 
     program = build_schedule(name, w, gpu, cfg)
     lowered = lower_ranks(program, w, gpu, args) if args is not None else program
@@ -350,7 +350,7 @@ def add_straggler_cost(res: dict, name: str, w: Workload, gpu: GPU, cfg: Schedul
     """Straggler cost of an explicit run: its step time minus the balanced (symmetric) one."""
     if res.get("ranks") != "explicit":
         return
-    from sim import simulate
+    from overlap_lab.sim import simulate
 
     balanced = simulate(build_schedule(name, w, gpu, cfg), gpu).step_time_us
     res["balanced_step_time_us"] = balanced
@@ -391,7 +391,7 @@ def cmd_sim(args) -> int:
     res = result_dict(args.schedule, w, gpu, program, trace)
     add_straggler_cost(res, args.schedule, w, gpu, cfg)
     if args.out:
-        from experiments.figures import moe_window, save_timeline
+        from overlap_lab.experiments.figures import moe_window, save_timeline
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -409,7 +409,7 @@ def cmd_sim(args) -> int:
 
 def cmd_show(args) -> int:
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    from shared.validate import validate
+    from overlap_lab.shared.validate import validate
 
     program = build_schedule(args.schedule, w, gpu, cfg)
     validate(program, gpu.num_sms)
@@ -418,7 +418,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_schedules(args) -> int:
-    from shared.schedules import describe
+    from overlap_lab.shared.schedules import describe
 
     rows = describe()
     width = max(len(n) for n, _, _ in rows)
@@ -448,7 +448,7 @@ def cmd_compare(args) -> int:
         add_straggler_cost(res, n, w, gpu, cfg)
         rows.append(res)
     if args.out:
-        from experiments.figures import compare_timelines, moe_window
+        from overlap_lab.experiments.figures import compare_timelines, moe_window
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -477,7 +477,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from real.cli import run_main
+    from overlap_lab.real.cli import run_main
 
     args.cfg = config_from(args)
     if args.layers is None and args.device != "cpu":

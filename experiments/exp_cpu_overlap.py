@@ -20,7 +20,7 @@ Three sweeps, each simulating the overlap loop and the normal loop over the same
     batch) and the deferral part (the time from its forward's end to its result being processed);
 plus the consecutive-prefill switch (prefill, prefill, decode...) with and without it.
 
-Run: ``python -m experiments.exp_cpu_overlap`` (about 30 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_cpu_overlap`` (about 30 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from experiments.figures import save_figure, timeline
-from experiments.runner import Case, Experiment, kept_traces, main, stamp
-from shared.hardware import HostCosts
-from shared.schedules import ScheduleConfig
-from shared.schedules.sglang_overlap import overlap_report
-from shared.trace import Trace
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.experiments.figures import save_figure, timeline
+from overlap_lab.experiments.runner import Case, Experiment, kept_traces, main, stamp
+from overlap_lab.shared.hardware import HostCosts
+from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.schedules.sglang_overlap import overlap_report
+from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "cpu_overlap"
 GPU = "h100"  # sweeps (a), (c), (d); (b) runs on an H800
@@ -443,4 +443,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

@@ -1,6 +1,6 @@
 """DeepEP's published performance tables, side by side with the model.
 
-    python -m experiments.exp_deepep_tables [--out experiments/results]
+    python -m overlap_lab.experiments.exp_deepep_tables [--out experiments/results]
 
 Source: DeepEP README, V1 tables (now docs/legacy.md of github.com/deepseek-ai/DeepEP): H800,
 ~160 GB/s NVLink, one CX7 400 Gb/s NIC (~50 GB/s) per GPU; hidden 7168, top-8 of 256 experts,
@@ -25,13 +25,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from shared.builder import RankBuilder, program
-from shared.hardware import get_gpu
-from shared.ops import layer_ops, whole_batch
-from shared.ranks import expand_ranks
-from shared.routing import Imbalance, Routing, RoutingConfig
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim.engine import Engine
+from overlap_lab.shared.builder import RankBuilder, program
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import layer_ops, whole_batch
+from overlap_lab.shared.ranks import expand_ranks
+from overlap_lab.shared.routing import Imbalance, Routing, RoutingConfig
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim.engine import Engine
 
 # DeepEP README (V1, docs/legacy.md), H800 + CX7.
 NORMAL = {  # EP: (dispatch GB/s, combine GB/s, bottleneck link)

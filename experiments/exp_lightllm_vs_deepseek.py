@@ -10,7 +10,7 @@ only communication running (``Trace.comm_only_us``) and the exposed communicatio
 layer the comm-only time falls. Serial is the reference. Figure: the curves and one MoE layer of
 each schedule's timeline, stacked (decode at 128 requests, prefill at 16K tokens per GPU).
 
-Run: ``python -m experiments.exp_lightllm_vs_deepseek`` (about 20 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_lightllm_vs_deepseek`` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,10 +19,24 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.figures import clip, layer_window, legend_handles, op_family, save_figure, timeline
-from experiments.runner import Case, Experiment, kept_traces, main, middle_layer, speedup
-from shared.trace import Trace, intersect, length, union
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.experiments.figures import (
+    clip,
+    layer_window,
+    legend_handles,
+    op_family,
+    save_figure,
+    timeline,
+)
+from overlap_lab.experiments.runner import (
+    Case,
+    Experiment,
+    kept_traces,
+    main,
+    middle_layer,
+    speedup,
+)
+from overlap_lab.shared.trace import Trace, intersect, length, union
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "lightllm_vs_deepseek"
 GPU = "h800"
@@ -188,4 +202,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

@@ -10,7 +10,7 @@ Idle fraction of a rank = 1 - (time its GPU runs a compute kernel) / (the rank's
 steady-state rounds (the first and last round, pipeline fill and drain, left out). Communication
 kernels waiting for their data (PP receives, DeepEP hooks) count as idle.
 
-Run: ``python -m experiments.exp_pp_bubbles`` (about 40 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_pp_bubbles`` (about 40 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from experiments.figures import save_figure
-from experiments.runner import Case, Experiment, main, md_table, stamp
-from shared.schedules import ScheduleConfig
-from shared.trace import Trace, length, union
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.experiments.figures import save_figure
+from overlap_lab.experiments.runner import Case, Experiment, main, md_table, stamp
+from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.trace import Trace, length, union
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "pp_bubbles"
 GPU = "h100"
@@ -181,4 +181,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

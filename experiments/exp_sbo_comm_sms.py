@@ -6,7 +6,7 @@ from 1 to 32 for SBO modes 1, 2 and 3 (mode 1 carries the shared-experts placeme
 SGLang pairs with it on each architecture: dispatch hook on Hopper, after the down GEMM on
 Blackwell; see shared/schedules/sbo.py). The gain is ``serial / sbo - 1``.
 
-Run: ``python -m experiments.exp_sbo_comm_sms`` (about 40 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_sbo_comm_sms`` (about 40 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from experiments.figures import save_figure
-from experiments.runner import Case, Experiment, main, md_table, middle_layer, speedup, stamp
-from shared.hardware import get_gpu
-from shared.schedules import ScheduleConfig
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.experiments.figures import save_figure
+from overlap_lab.experiments.runner import (
+    Case,
+    Experiment,
+    main,
+    md_table,
+    middle_layer,
+    speedup,
+    stamp,
+)
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "sbo_comm_sms"
 GPUS = ("h800", "b200")
@@ -194,4 +202,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

@@ -8,7 +8,7 @@ tokens per GPU on DeepSeek-V3 / H800 at EP 32 and EP 72's nearest divisor of 256
 reference), and reports the step time, the change in throughput ``serial / tbo - 1`` and where
 the difference comes from (the exposed communication and the GPU time of the compute kernels).
 
-Run: ``python -m experiments.exp_tbo_decode`` (about 20 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_tbo_decode`` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import math
 import sys
 from pathlib import Path
 
-from experiments.figures import compare_timelines, layer_clip, save_figure
-from experiments.runner import (
+from overlap_lab.experiments.figures import compare_timelines, layer_clip, save_figure
+from overlap_lab.experiments.runner import (
     Case,
     Experiment,
     kept_traces,
@@ -29,8 +29,8 @@ from experiments.runner import (
     stamp,
     standard_metrics,
 )
-from shared.hardware import get_gpu
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_decode"
 GPU = "h800"
@@ -217,4 +217,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

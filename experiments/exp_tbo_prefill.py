@@ -6,7 +6,7 @@ prompts per GPU (balanced split on sequence boundaries) and single long prompts 
 the two-chunk split cuts it in half). Reports serial and TBO step times, the throughput change,
 the exposed communication and the split SGLang's rules choose.
 
-Run: ``python -m experiments.exp_tbo_prefill`` (about 20 s on 2 cores).
+Run: ``python -m overlap_lab.experiments.exp_tbo_prefill`` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from experiments.figures import compare_timelines, layer_clip, save_figure
-from experiments.runner import (
+from overlap_lab.experiments.figures import compare_timelines, layer_clip, save_figure
+from overlap_lab.experiments.runner import (
     Case,
     Experiment,
     kept_traces,
@@ -26,7 +26,7 @@ from experiments.runner import (
     stamp,
     standard_metrics,
 )
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_prefill"
 GPU = "h800"
@@ -201,4 +201,4 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))

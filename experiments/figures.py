@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
-from shared.trace import Span, Trace
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.trace import Span, Trace
 
 # Family -> colour (Okabe-Ito / tab palettes, readable in print).
 FAMILY_COLORS: dict[str, str] = {

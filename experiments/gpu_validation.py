@@ -1,4 +1,4 @@
-"""GPU validation of the real executor, in one call: ``python -m experiments.gpu_validation``.
+"""GPU validation of the real executor, in one call: ``python -m overlap_lab.experiments.gpu_validation``.
 
 What a session with a GPU runs (one device call, within its 10-minute limit):
 1. ``pytest -m gpu tests/`` (the GPU tests: Triton GEMMs within SM budgets, the sync-free
@@ -55,7 +55,7 @@ def device_preset(name: str) -> str:
 def environment() -> dict:
     import torch
 
-    from real.deps import probe
+    from overlap_lab.real.deps import probe
 
     props = torch.cuda.get_device_properties(0)
     deps = probe()
@@ -99,7 +99,7 @@ def run_pytest(timeout: float) -> dict:
 
 def run_one(schedule: str, mode: str, batch: int, opts) -> dict:
     """``overlap-lab run --schedule ... --backend emulated --json``, in-process."""
-    from experiments.cli import parser
+    from overlap_lab.experiments.cli import parser
 
     argv = [
         "run", "--schedule", schedule, "--backend", "emulated", "--device", "cuda",
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"pytest -m gpu: {report['pytest_gpu'].get('status')} {report['pytest_gpu'].get('counts', '')}"
     )
-    from shared import schedules as S
+    from overlap_lab.shared import schedules as S
 
     names = opts.schedules.split(",") if opts.schedules else S.available()
     runs: dict = {}

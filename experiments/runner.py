@@ -19,7 +19,7 @@ whatever the pool does), writes ``results/<name>.json`` (rows, the exact command
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files.
 
-Run them with ``python -m experiments [NAME ...]`` or ``python -m experiments.exp_<name>``.
+Run them with ``python -m overlap_lab.experiments [NAME ...]`` or ``python -m overlap_lab.experiments.exp_<name>``.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.program import Program
-from shared.schedules import ScheduleConfig, build
-from shared.trace import Trace
-from shared.workload import Workload
-from sim import simulate
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.program import Program
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.workload import Workload
+from overlap_lab.sim import simulate
 
 RESULTS = Path(__file__).parent / "results"
 PROCESSES = 2  # this machine's cores; `--processes` / run(processes=) override
@@ -165,7 +165,7 @@ def run(
     doc = {
         "experiment": exp.name,
         "title": exp.title,
-        "command": command or f"python -m experiments {exp.name}",
+        "command": command or f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "presets": presets(cases),
@@ -306,7 +306,7 @@ def declared() -> dict[str, Experiment]:
     found = {}
     for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
         if info.name.startswith("exp_"):
-            exp = getattr(importlib.import_module(f"experiments.{info.name}"), "EXPERIMENT", None)
+            exp = getattr(importlib.import_module(f"overlap_lab.experiments.{info.name}"), "EXPERIMENT", None)
             if isinstance(exp, Experiment):
                 found[exp.name] = exp
     return found
@@ -315,10 +315,10 @@ def declared() -> dict[str, Experiment]:
 def main(
     argv: Sequence[str] | None = None,
     *,
-    prog: str = "python -m experiments",
+    prog: str = "python -m overlap_lab.experiments",
     default: Sequence[str] = (),
 ) -> int:
-    """``python -m experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
+    """``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
     ``default``: the names run when none is given (all when empty)."""
     ap = argparse.ArgumentParser(prog=prog, description="Run declared experiments.")
     ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from real import model as M
-from real.executor import HazardError, execute
+from overlap_lab.real import model as M
+from overlap_lab.real.executor import HazardError, execute
 
 DEFAULT_TOLERANCE = 1e-4  # FP32 on the CPU; splits change GEMM shapes, hence rounding
 
 
 def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
     """Decode, an uneven prefill split, and a prefill TBO cuts in two (two-chunk split)."""
-    from shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.workload import Batch, Parallel, Workload
 
     mc = M.get_model_config(model)
     par = Parallel(ep=ep)
@@ -130,8 +130,8 @@ def check_equivalence(
     A schedule that refuses a workload with ConfigError is skipped for it (reported in
     ``skipped``); a hazard (an unordered read) or a kernel error is an error for that schedule.
     """
-    from shared import schedules as S
-    from shared.hardware import get_gpu
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
 
     names = schedule_names or S.available()
     workloads = workloads or default_workloads()
@@ -154,8 +154,8 @@ class one_thread:
 
 
 def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
-    from shared import schedules as S
-    from shared.errors import ConfigError
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.errors import ConfigError
 
     weights_cache: dict = {}
     for w in workloads:

@@ -61,7 +61,7 @@ def _say(line: str) -> None:
 
 
 def run_main(args) -> int:
-    from shared.errors import ConfigError
+    from overlap_lab.shared.errors import ConfigError
 
     try:
         return _run(args)
@@ -74,7 +74,7 @@ def run_main(args) -> int:
 
 
 def _schedules(args) -> list[str]:
-    from shared import schedules as S
+    from overlap_lab.shared import schedules as S
 
     name = _opt(args, "schedule")
     if name in (None, "all"):
@@ -84,7 +84,7 @@ def _schedules(args) -> list[str]:
 
 
 def _cpu_model(args) -> str:
-    from real.model import TINY_NAMES
+    from overlap_lab.real.model import TINY_NAMES
 
     m = _opt(args, "model")
     return m if m in TINY_NAMES else "tiny-mla"
@@ -106,7 +106,7 @@ def _run(args) -> int:
 
 
 def _run_cpu(args) -> int:
-    from real.check import DEFAULT_TOLERANCE, check_equivalence, default_workloads
+    from overlap_lab.real.check import DEFAULT_TOLERANCE, check_equivalence, default_workloads
 
     model = _cpu_model(args)
     if model != _opt(args, "model"):
@@ -117,7 +117,7 @@ def _run_cpu(args) -> int:
     workloads = default_workloads(model, ep=max(2, ranks))
     out: dict = {"device": "cpu", "model": model, "tolerance": tol}
     if ranks > 1:
-        from real.distributed import run_gloo, split_cases
+        from overlap_lab.real.distributed import run_gloo, split_cases
 
         cases, skipped = split_cases(
             [(n, w) for n in names for w in workloads], gpu=_opt(args, "gpu"), cfg=_opt(args, "cfg")
@@ -181,9 +181,9 @@ def _run_cpu(args) -> int:
 def _backend(args, w, gpu):
     import torch
 
-    from real.comm import make_backend
-    from real.comm.bytes import LinkParams
-    from real.model import from_model_config
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.bytes import LinkParams
+    from overlap_lab.real.model import from_model_config
 
     rc = from_model_config(w.model)
     name = _opt(args, "backend")
@@ -192,7 +192,7 @@ def _backend(args, w, gpu):
         import torch.distributed as dist
 
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        from real.deps import available
+        from overlap_lab.real.deps import available
 
         name = ("deepep" if available("deep_ep") else "torch") if multi else "emulated"
     kw = dict(
@@ -208,16 +208,16 @@ def _backend(args, w, gpu):
 def _run_gpu(args) -> int:
     import torch
 
-    from real.check import workload_variants
-    from real.deps import probe
-    from real.executor import execute
-    from shared import schedules as S
-    from shared.hardware import get_gpu
+    from overlap_lab.real.check import workload_variants
+    from overlap_lab.real.deps import probe
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
 
     gpu = get_gpu(_opt(args, "gpu"))
     w = _opt(args, "workload")  # built by experiments/cli.py, as for `sim`
     if w is None:
-        from shared.errors import ConfigError
+        from overlap_lab.shared.errors import ConfigError
 
         raise ConfigError("a GPU run needs the workload (run it through `overlap-lab run`)")
     names = (
@@ -259,7 +259,7 @@ def _run_gpu(args) -> int:
         tr = res.trace
         tr.to_chrome(out_dir / f"{name}.trace.json")
         try:
-            from experiments.figures import save_timeline
+            from overlap_lab.experiments.figures import save_timeline
 
             save_timeline(tr, out_dir / f"{name}.png")
         except ImportError:

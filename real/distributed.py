@@ -43,13 +43,13 @@ def run_rank(
     """This rank's EP run and its one-process reference; torch.distributed must be initialised."""
     import torch.distributed as dist
 
-    from real import model as M
-    from real.check import compare_steps
-    from real.comm.loopback import LoopbackBackend
-    from real.comm.torch_dist import TorchDistBackend
-    from real.executor import execute
-    from shared import schedules as S
-    from shared.hardware import get_gpu
+    from overlap_lab.real import model as M
+    from overlap_lab.real.check import compare_steps
+    from overlap_lab.real.comm.loopback import LoopbackBackend
+    from overlap_lab.real.comm.torch_dist import TorchDistBackend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
 
     prog = S.build(schedule, workload, get_gpu(gpu), cfg)
     rc = M.from_model_config(workload.model)
@@ -102,10 +102,10 @@ def split_cases(
     cases: list[tuple[str, object]], *, gpu: str = "h100", cfg=None
 ) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """(the cases that can run over gloo, {schedule: why it was skipped for some workload})."""
-    from real.check import workload_variants
-    from shared import schedules as S
-    from shared.errors import ConfigError
-    from shared.hardware import get_gpu
+    from overlap_lab.real.check import workload_variants
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.errors import ConfigError
+    from overlap_lab.shared.hardware import get_gpu
 
     g = get_gpu(gpu)
     runnable: list[tuple[str, object]] = []

@@ -26,10 +26,21 @@ from typing import Any
 
 import torch
 
-from real import kernels as K
-from real import model as M
-from shared.program import Graph, Host, Launch, Op, Program, Record, Sync, Wait, WaitStream, Yield
-from shared.trace import Span, Trace
+from overlap_lab.real import kernels as K
+from overlap_lab.real import model as M
+from overlap_lab.shared.program import (
+    Graph,
+    Host,
+    Launch,
+    Op,
+    Program,
+    Record,
+    Sync,
+    Wait,
+    WaitStream,
+    Yield,
+)
+from overlap_lab.shared.trace import Span, Trace
 
 
 class HazardError(RuntimeError):
@@ -685,7 +696,7 @@ def execute(
         check_hazards = dev.type == "cpu"
     cfg = M.from_model_config(workload.model)
     if backend is None:
-        from real.comm.loopback import LoopbackBackend
+        from overlap_lab.real.comm.loopback import LoopbackBackend
 
         backend = LoopbackBackend(rank=0, world=1, num_experts=cfg.num_experts, hidden=cfg.hidden)
     if weights is None:  # this rank's experts: all of them with the local backend
@@ -749,7 +760,7 @@ def execute(
             for g in r.gpu.graphs.values()
         }
     if dev.type == "cuda":
-        from real.gemm import ComputeBudget
+        from overlap_lab.real.gemm import ComputeBudget
 
         trace.meta["sm_budget_mechanisms"] = dict(ComputeBudget.applied)
     outputs = {r.rp.rank: r.states for r in runners}

@@ -49,7 +49,7 @@ def _kernels():
     in force at the first call (the module is reloaded when the mode changed)."""
     mode = interpreting()
     if mode not in _KERNELS:
-        import real._triton_gemm as mod
+        import overlap_lab.real._triton_gemm as mod
 
         if _KERNELS:  # defined before in the other mode
             mod = importlib.reload(mod)
@@ -155,7 +155,7 @@ def deep_gemm_module():
     mod = sys.modules.get("deep_gemm")
     if mod is not None:
         return mod
-    from real.deps import available
+    from overlap_lab.real.deps import available
 
     return importlib.import_module("deep_gemm") if available("deep_gemm") else None
 
@@ -291,6 +291,6 @@ class ComputeBudget:
 
 
 def _has_triton() -> bool:
-    from real.deps import available
+    from overlap_lab.real.deps import available
 
     return available("triton")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from real import model as M
+from overlap_lab.real import model as M
 
 Kernel = Callable[["KernelCtx"], None]
 ROW_KEYS = ("hidden", "residual")
@@ -763,6 +763,6 @@ def sm_budget(sms: int | None, device=None):
     ``g.grouped_contiguous`` (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or
     persistent Triton GEMMs whose grid is the budget, on a GPU with more SMs than the limit;
     torch otherwise). Mechanisms used are counted in real.gemm.ComputeBudget.applied."""
-    from real.gemm import ComputeBudget
+    from overlap_lab.real.gemm import ComputeBudget
 
     return ComputeBudget(sms, device)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.errors import ConfigError
-from shared.workload import with_layers
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.workload import with_layers
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def tiny_models() -> dict:
     ``tiny-mla`` is DeepSeek-V3 in miniature (MLA with q LoRA, sigmoid group-limited routing,
     a shared expert, one dense layer); ``tiny-gqa`` is Qwen3-MoE in miniature.
     """
-    from shared.workload import ModelConfig
+    from overlap_lab.shared.workload import ModelConfig
 
     return {
         "tiny-mla": ModelConfig(
@@ -164,7 +164,7 @@ def get_model_config(name: str):
     tiny = tiny_models()
     if name in tiny:
         return tiny[name]
-    from shared.workload import get_model
+    from overlap_lab.shared.workload import get_model
 
     return get_model(name)
 

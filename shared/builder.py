@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.program import (
+from overlap_lab.shared.program import (
     Graph,
     Host,
     HostThread,

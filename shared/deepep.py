@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.routing import Matrices, rank_hit_prob
-from shared.topology import Topology
+from overlap_lab.shared.routing import Matrices, rank_hit_prob
+from overlap_lab.shared.topology import Topology
 
 LINKS = ("nvlink", "rdma")
 

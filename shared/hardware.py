@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
+from overlap_lab.shared.errors import ConfigError
 
 ARCHS = ("hopper", "blackwell")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.program import Instr, Launch, Program, Record, Sync, Wait
+from overlap_lab.shared.program import Instr, Launch, Program, Record, Sync, Wait
 
 
 def _needs_count_wait(ins: Instr) -> bool:

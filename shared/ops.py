@@ -27,11 +27,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.program import Coll, Flow, Op
-from shared.schedules.common import MicroBatch
-from shared.workload import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Coll, Flow, Op
+from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.workload import (
     DTYPE_BYTES,
     Batch,
     Workload,
@@ -330,7 +330,7 @@ def traffic(w: Workload, rows: int, per_copy: float, dedup: bool) -> dict[str, f
     rank) inside a node; across nodes one RDMA copy per (token, destination node) to the same-rail
     GPU there, which forwards it over NVLink to the GPUs of its node that need it.
     """
-    from shared.deepep import expected_bytes
+    from overlap_lab.shared.deepep import expected_bytes
 
     p = w.parallel
     mode = "normal" if dedup else "low_latency"

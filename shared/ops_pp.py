@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
-from shared.program import Coll, Flow, Op
-from shared.schedules.common import MicroBatch
-from shared.workload import ModelConfig, Workload
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program import Coll, Flow, Op
+from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.workload import ModelConfig, Workload
 
 ACT = 2  # bf16 activations
 ID_BYTES = 8  # next_token_ids: int64

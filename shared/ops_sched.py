@@ -26,8 +26,8 @@ real GPU. ``seq_lens_cpu + 1`` and the free-slot list pops are host work (``Host
 
 from __future__ import annotations
 
-from shared.program import Op
-from shared.workload import Batch
+from overlap_lab.shared.program import Op
+from overlap_lab.shared.workload import Batch
 
 I64 = 8  # token ids, seq_lens, req_pool_indices, out_cache_loc, FutureMap slots
 I32 = 4  # req_to_token entries

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.deepep import LINKS, byte_matrices, expected_bytes
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import (
+from overlap_lab.shared.deepep import LINKS, byte_matrices, expected_bytes
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import (
     attn_work,
     combine_bytes_per_copy,
     dispatch_bytes_per_copy,
@@ -35,7 +35,7 @@ from shared.ops import (
     mla_core,
     routed_experts,
 )
-from shared.program import (
+from overlap_lab.shared.program import (
     Coll,
     Flow,
     Graph,
@@ -45,9 +45,9 @@ from shared.program import (
     Program,
     RankProgram,
 )
-from shared.routing import Routing
-from shared.topology import Topology
-from shared.workload import Workload
+from overlap_lab.shared.routing import Routing
+from overlap_lab.shared.topology import Topology
+from overlap_lab.shared.workload import Workload
 
 
 def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> Program:

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import ConfigError
-from shared.topology import Topology
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.topology import Topology
 
 
 @dataclass(frozen=True)

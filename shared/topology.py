@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
+from overlap_lab.shared.errors import ConfigError
 
 PATH_KINDS = ("local", "nvlink", "rdma")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
+from overlap_lab.shared.errors import ConfigError
 
 SPAN_KINDS: tuple[str, ...] = ("compute", "comm", "copy", "host", "link", "sync")
 COMM_KINDS = frozenset({"comm", "link"})

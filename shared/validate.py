@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
-from shared.program import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program import (
     LINK_KINDS,
     OP_KINDS,
     ROLES,

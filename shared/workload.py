@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from shared.errors import ConfigError
-from shared.schedules.common import MicroBatch
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.schedules.common import MicroBatch
 
 DTYPES = ("bf16", "fp8")
 DTYPE_BYTES = {"bf16": 2, "fp8": 1}

@@ -1,5 +1,5 @@
 """The SimPy interpreter of Programs (never imports torch)."""
 
-from sim.engine import SimulationStalled, simulate
+from overlap_lab.sim.engine import SimulationStalled, simulate
 
 __all__ = ["SimulationStalled", "simulate"]

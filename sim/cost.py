@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.hardware import GPU
-from shared.program import Op
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Op
 
 # op_class -> (compute efficiency, memory efficiency)
 EFFICIENCY: dict[str, tuple[float, float]] = {

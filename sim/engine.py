@@ -31,8 +31,8 @@ from collections import defaultdict
 
 import simpy
 
-from shared.hardware import GPU
-from shared.program import (
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import (
     Graph,
     Host,
     Launch,
@@ -45,11 +45,11 @@ from shared.program import (
     WaitStream,
     Yield,
 )
-from shared.trace import Span, Trace
-from shared.validate import issue_order, validate
-from sim import cost
-from sim.network import Network
-from sim.resources import Gpu, Kernel, Link
+from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.validate import issue_order, validate
+from overlap_lab.sim import cost
+from overlap_lab.sim.network import Network
+from overlap_lab.sim.resources import Gpu, Kernel, Link
 
 #: Link kinds carried by the network model (per-rank egress and ingress ports); PCIe copies stay
 #: on each rank's own ``Link``.

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from shared.hardware import GPU
-from shared.program import Op
-from sim import cost
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Op
+from overlap_lab.sim import cost
 
 _EPS = 1e-9
 #: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off).

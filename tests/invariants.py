@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shared.program import Graph, Launch, Program, Record, Wait
-from shared.trace import Trace
-from shared.validate import issue_order
+from overlap_lab.shared.program import Graph, Launch, Program, Record, Wait
+from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.validate import issue_order
 
 EPS = 1e-6
 

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from shared.program import (
+from overlap_lab.shared.program import (
     HostThread,
     Launch,
     Program,
@@ -17,7 +17,7 @@ from shared.program import (
     iter_gpu_instrs,
     to_text,
 )
-from sim import simulate
+from overlap_lab.sim import simulate
 from tests.invariants import check_all, kernels_on
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import main
+from overlap_lab.experiments.cli import main
 
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "3", "--ep", "8", "--batch", "16"]
 
@@ -111,7 +111,7 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_show_prints_a_parseable_program(capsys):
-    from shared.program import parse
+    from overlap_lab.shared.program import parse
 
     code, out, _ = run(capsys, "show", *SMALL)
     assert code == 0

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import simpy
 
-from experiments.cli import main
-from shared.builder import RankBuilder, program
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.ops import layer_ops, whole_batch
-from shared.program import Flow, Launch
-from shared.ranks import expand_ranks
-from shared.routing import (
+from overlap_lab.experiments.cli import main
+from overlap_lab.shared.builder import RankBuilder, program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import layer_ops, whole_batch
+from overlap_lab.shared.program import Flow, Launch
+from overlap_lab.shared.ranks import expand_ranks
+from overlap_lab.shared.routing import (
     Imbalance,
     LayerRouting,
     RoutingConfig,
@@ -24,12 +24,12 @@ from shared.routing import (
     read_sample,
     routing_for,
 )
-from shared.schedules import build
-from shared.topology import Topology
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
-from sim.engine import Engine
-from sim.network import Network, max_min_rates
+from overlap_lab.shared.schedules import build
+from overlap_lab.shared.topology import Topology
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
+from overlap_lab.sim.engine import Engine
+from overlap_lab.sim.network import Network, max_min_rates
 
 H800 = get_gpu("h800")
 

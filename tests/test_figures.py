@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.figures import (
+from overlap_lab.experiments.figures import (
     compare_timelines,
     moe_window,
     op_family,
     save_timeline,
     timeline,
 )
-from shared.errors import ConfigError
-from shared.trace import Span, Trace
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.trace import Span, Trace
 
 MOE_OPS = [
     ("comm_prepare_attn", "compute", 2),

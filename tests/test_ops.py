@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import GPUS, get_gpu
-from shared.ops import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPUS, get_gpu
+from overlap_lab.shared.ops import (
     DENSE_OP_NAMES,
     HEAD_OP_NAMES,
     MOE_OP_NAMES,
@@ -22,9 +22,9 @@ from shared.ops import (
     moe_tokens,
     traffic,
 )
-from shared.program import HostThread, Launch, Program, RankProgram, parse, to_text
-from shared.schedules.common import MicroBatch
-from shared.workload import MODELS, Batch, ModelConfig, Parallel, Workload, whole_batch
+from overlap_lab.shared.program import HostThread, Launch, Program, RankProgram, parse, to_text
+from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.workload import MODELS, Batch, ModelConfig, Parallel, Workload, whole_batch
 
 H800 = GPUS["h800"]
 

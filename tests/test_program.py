@@ -2,9 +2,9 @@
 
 import pytest
 
-from shared.builder import RankBuilder, program
-from shared.program import Coll, Flow, Op, parse, to_text
-from shared.validate import ProgramError, issue_order, validate
+from overlap_lab.shared.builder import RankBuilder, program
+from overlap_lab.shared.program import Coll, Flow, Op, parse, to_text
+from overlap_lab.shared.validate import ProgramError, issue_order, validate
 
 
 def sample_program():

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from real.cli import NO_GPU, run_main  # noqa: E402
+from overlap_lab.real.cli import NO_GPU, run_main  # noqa: E402
 
 
 def test_without_gpu_and_without_device_cpu_one_line(monkeypatch, capsys):
@@ -24,7 +24,7 @@ def test_cpu_check_json_reports_each_schedule(capsys):
 
 
 def test_cpu_check_fails_when_tolerance_exceeded(monkeypatch, capsys):
-    import real.check as C
+    import overlap_lab.real.check as C
 
     monkeypatch.setattr(C, "compare_steps", lambda states, ref: 1.0)
     rc = run_main(SimpleNamespace(device="cpu", check=True, schedule="serial"))
@@ -39,7 +39,7 @@ def test_unknown_schedule_is_a_config_error(capsys):
 def test_gpu_validation_without_a_gpu_says_so_and_runs_nothing(capsys, monkeypatch, tmp_path):
     import torch
 
-    from experiments import gpu_validation as V
+    from overlap_lab.experiments import gpu_validation as V
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert V.main(["--results", str(tmp_path)]) == 2

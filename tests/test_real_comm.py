@@ -2,7 +2,7 @@
 
 import pytest
 
-from real.comm.bytes import LinkParams, all_to_all_bytes, message_bytes
+from overlap_lab.real.comm.bytes import LinkParams, all_to_all_bytes, message_bytes
 
 
 def test_message_bytes_follow_deepep():
@@ -35,8 +35,8 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.parametrize("backend", ["local", "emulated"])
 def test_dispatch_combine_match_dense_moe(backend):
-    from real import model as M
-    from real.comm import make_backend
+    from overlap_lab.real import model as M
+    from overlap_lab.real.comm import make_backend
 
     cfg = M.get_config("tiny-mla")
     w = M.init_weights(cfg, seed=1)
@@ -63,8 +63,8 @@ def test_dispatch_combine_match_dense_moe(backend):
 
 
 def test_emulated_mirror_counts_remote_bytes_and_ctas():
-    from real.comm import make_backend
-    from real.comm.emulated import ll_num_ctas
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.emulated import ll_num_ctas
 
     be = make_backend("emulated", rank=0, world=4, num_experts=8, hidden=64, device_sms=132)
     x = torch.randn(3, 64)
@@ -79,7 +79,7 @@ def test_emulated_mirror_counts_remote_bytes_and_ctas():
 
 
 def test_deps_report_and_actionable_errors():
-    from real import deps
+    from overlap_lab.real import deps
 
     info = deps.probe()
     assert info["torch"]["importable"]

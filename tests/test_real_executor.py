@@ -7,23 +7,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from real import kernels as K  # noqa: E402
-from real import model as M  # noqa: E402
-from real.check import (  # noqa: E402
+from overlap_lab.real import kernels as K  # noqa: E402
+from overlap_lab.real import model as M  # noqa: E402
+from overlap_lab.real.check import (  # noqa: E402
     check_equivalence,
     check_pp_outputs,
     compare_steps,
     default_workloads,
     workload_variants,
 )
-from real.executor import HazardError, execute  # noqa: E402
-from shared import schedules as S  # noqa: E402
-from shared.builder import RankBuilder, program  # noqa: E402
-from shared.hardware import get_gpu  # noqa: E402
-from shared.ops import head_ops, layer_ops  # noqa: E402
-from shared.program import Coll, Op, ops_of  # noqa: E402
-from shared.schedules.common import MicroBatch  # noqa: E402
-from shared.workload import Batch, Parallel, Workload  # noqa: E402
+from overlap_lab.real.executor import HazardError, execute  # noqa: E402
+from overlap_lab.shared import schedules as S  # noqa: E402
+from overlap_lab.shared.builder import RankBuilder, program  # noqa: E402
+from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.ops import head_ops, layer_ops  # noqa: E402
+from overlap_lab.shared.program import Coll, Op, ops_of  # noqa: E402
+from overlap_lab.shared.schedules.common import MicroBatch  # noqa: E402
+from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
 
 GPU = get_gpu("h100")
 
@@ -195,8 +195,8 @@ def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, mon
 
 def test_sglang_overlap_with_logprobs_runs_and_matches_serial():
     """--return-logprob adds D2H copies of the sampled ids' log-probabilities."""
-    from real.check import check_equivalence, default_workloads
-    from shared.schedules import ScheduleConfig
+    from overlap_lab.real.check import check_equivalence, default_workloads
+    from overlap_lab.shared.schedules import ScheduleConfig
 
     r = check_equivalence(
         ["sglang-overlap"], default_workloads()[:1], cfg=ScheduleConfig(return_logprob=True)

@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from real import gemm as G  # noqa: E402
-from real import model as M  # noqa: E402
+from overlap_lab.real import gemm as G  # noqa: E402
+from overlap_lab.real import model as M  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = (16, 16, 16)  # tl.dot's smallest tile: keeps the interpreter fast
@@ -173,8 +173,8 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import real._triton_gemm as TG
-    import real.comm._triton_emulated as TE
+    import overlap_lab.real._triton_gemm as TG
+    import overlap_lab.real.comm._triton_emulated as TE
 
     i32 = "i32"
     mm = {k: i32 for k in ("M", "N", "K", "sam", "sak", "sbn", "sbk", "scm", "scn")}

@@ -5,9 +5,9 @@ import pytest
 pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from real.check import default_workloads  # noqa: E402
-from real.distributed import run_gloo  # noqa: E402
-from shared import schedules as S  # noqa: E402
+from overlap_lab.real.check import default_workloads  # noqa: E402
+from overlap_lab.real.distributed import run_gloo  # noqa: E402
+from overlap_lab.shared import schedules as S  # noqa: E402
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
@@ -24,8 +24,8 @@ def test_ep_over_two_gloo_ranks_matches_one_process():
 
 
 def test_schedules_gloo_cannot_run_are_skipped_with_the_reason(monkeypatch):
-    import real.check as C
-    from real.distributed import split_cases
+    import overlap_lab.real.check as C
+    from overlap_lab.real.distributed import split_cases
 
     w = default_workloads()[0]
     runnable, skipped = split_cases([("serial", w), ("pp", w)])
@@ -40,7 +40,7 @@ def test_cli_over_gloo_reports_skipped_schedules_and_exits_0(capsys):
     import json
     from types import SimpleNamespace
 
-    from real.cli import run_main
+    from overlap_lab.real.cli import run_main
 
     args = SimpleNamespace(device="cpu", check=True, json=True, ranks=2, schedule="pp")
     rc = run_main(args)

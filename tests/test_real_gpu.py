@@ -11,8 +11,8 @@ pytestmark = [
 
 
 def _tiny_workload(mode="decode"):
-    from real import model as M
-    from shared.workload import Batch, Parallel, Workload
+    from overlap_lab.real import model as M
+    from overlap_lab.shared.workload import Batch, Parallel, Workload
 
     b = Batch.decode(kv_lens=[64] * 8) if mode == "decode" else Batch.prefill(extend_lens=[96, 40])
     return Workload(M.get_model_config("tiny-mla"), b, Parallel(ep=4))
@@ -21,11 +21,11 @@ def _tiny_workload(mode="decode"):
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_gpu_schedules_match_serial_and_time_every_op(mode):
     pytest.importorskip("triton")
-    from real.check import compare_steps
-    from real.comm import make_backend
-    from real.executor import execute
-    from shared import schedules as S
-    from shared.hardware import get_gpu
+    from overlap_lab.real.check import compare_steps
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
 
     w = _tiny_workload(mode)
     gpu = get_gpu("h100")
@@ -42,8 +42,8 @@ def test_gpu_schedules_match_serial_and_time_every_op(mode):
 
 def test_emulated_link_kernel_holds_until_arrival():
     pytest.importorskip("triton")
-    from real.comm import make_backend
-    from real.comm.bytes import LinkParams
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.bytes import LinkParams
 
     link = LinkParams(nvlink_gbps=1.0, nvlink_lat_us=50.0)  # slow link: arrival dominates
     be = make_backend("emulated", rank=0, world=2, num_experts=8, hidden=1024, link=link, num_sms=4)
@@ -62,7 +62,7 @@ def test_emulated_link_kernel_holds_until_arrival():
 
 def test_triton_sm_limited_gemms_bf16_match_torch():
     pytest.importorskip("triton")
-    from real import gemm as G
+    from overlap_lab.real import gemm as G
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -95,9 +95,9 @@ def test_low_latency_path_runs_without_host_sync_on_gpu():
     """DeepEP LL layout (fixed buffers + device counts) through an SM-limited masked GEMM: no
     synchronizing CUDA call between dispatch and combine (torch's sync debug mode raises)."""
     pytest.importorskip("triton")
-    from real import gemm as G
-    from real import model as M
-    from real.comm import make_backend
+    from overlap_lab.real import gemm as G
+    from overlap_lab.real import model as M
+    from overlap_lab.real.comm import make_backend
 
     cfg = M.get_config("tiny-mla")
     lw = M.init_weights(cfg, seed=1, dtype=torch.bfloat16, device="cuda").layers[1]
@@ -125,11 +125,11 @@ def test_low_latency_path_runs_without_host_sync_on_gpu():
 @pytest.mark.parametrize("name", ["serial", "sbo", "vllm-dbo"])
 def test_cuda_graphs_are_captured_and_replay_the_eager_numbers(name):
     pytest.importorskip("triton")
-    from real.check import compare_steps
-    from real.comm import make_backend
-    from real.executor import execute
-    from shared import schedules as S
-    from shared.hardware import get_gpu
+    from overlap_lab.real.check import compare_steps
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
 
     w = _tiny_workload("decode")
     prog = S.build(name, w, get_gpu("h100"))
@@ -146,7 +146,7 @@ def test_cuda_graphs_are_captured_and_replay_the_eager_numbers(name):
 
 
 def test_deep_gemm_set_num_sms_is_restored_when_installed():
-    from real import gemm as G
+    from overlap_lab.real import gemm as G
 
     dg = G.deep_gemm_module()
     if dg is None:

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from real import model as M  # noqa: E402
+from overlap_lab.real import model as M  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ torch = pytest.importorskip("torch")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from real import kernels as K  # noqa: E402
-from real import model as M  # noqa: E402
-from real.check import default_workloads  # noqa: E402
-from real.comm import make_backend  # noqa: E402
-from real.executor import execute, plan_graph, plan_graphs  # noqa: E402
-from shared import schedules as S  # noqa: E402
-from shared.hardware import get_gpu  # noqa: E402
-from shared.program import Graph, Launch, Op, Record, Wait, WaitStream  # noqa: E402
+from overlap_lab.real import kernels as K  # noqa: E402
+from overlap_lab.real import model as M  # noqa: E402
+from overlap_lab.real.check import default_workloads  # noqa: E402
+from overlap_lab.real.comm import make_backend  # noqa: E402
+from overlap_lab.real.executor import execute, plan_graph, plan_graphs  # noqa: E402
+from overlap_lab.shared import schedules as S  # noqa: E402
+from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.program import Graph, Launch, Op, Record, Wait, WaitStream  # noqa: E402
 
 GPU = get_gpu("h100")
 SYNCING = {
@@ -93,7 +93,7 @@ def test_low_latency_path_has_no_host_reads(backend):
 def test_mirror_layout_keeps_arrival_order_and_bytes():
     """World 4, 8 experts: rank 0 receives, per local expert, the rows of each mirrored source
     rank in order (source rank, token, slot); counts and remote bytes as DeepEP would see."""
-    from real.comm.bytes import message_bytes
+    from overlap_lab.real.comm.bytes import message_bytes
 
     be = make_backend("local", rank=0, world=4, num_experts=8, hidden=4)
     x = torch.arange(3, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t

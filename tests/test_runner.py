@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from experiments.runner import Case, Experiment, declared, kept_traces, md_table, run, speedup
-from shared.errors import ConfigError
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.experiments.runner import (
+    Case,
+    Experiment,
+    declared,
+    kept_traces,
+    md_table,
+    run,
+    speedup,
+)
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 
 def tiny_cases():
@@ -26,7 +34,7 @@ def tiny_derive(rows: list[dict]) -> list[dict]:
 def tiny_figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from experiments.figures import save_figure, timeline
+    from overlap_lab.experiments.figures import save_figure, timeline
 
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax, ax2 = fig.subplots(2, 1)
@@ -64,7 +72,7 @@ def test_run_writes_json_figure_and_notes(tmp_path: Path) -> None:
     assert tbo["speedup"] == pytest.approx(serial["step_time_us"] / tbo["step_time_us"])
     for k in ("step_time_us", "exposed_comm_us", "comm_only_us", "compute_kernel_us"):
         assert tbo[k] >= 0
-    assert doc["command"] == "python -m experiments tiny" and doc["date"] and doc["note"] == "test"
+    assert doc["command"] == "python -m overlap_lab.experiments tiny" and doc["date"] and doc["note"] == "test"
     assert doc["presets"]["models"]["deepseek-v2-lite"]["num_layers"] == 2
     assert doc["presets"]["gpus"]["h100"]["num_sms"] > 0
     assert list(doc["traces"]) == ["serial"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES, attn_work
-from shared.program import Graph, Launch, Record, Wait, iter_gpu_instrs, ops_of
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.deepseek import comm_sms, split_decode, split_prefill
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES, attn_work
+from overlap_lab.shared.program import Graph, Launch, Record, Wait, iter_gpu_instrs, ops_of
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.deepseek import comm_sms, split_decode, split_prefill
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.sched_helpers import (
     check_golden,
     check_simulated,
@@ -340,7 +340,7 @@ def test_simulated_prefill_comm_never_takes_compute_sms():
 @pytest.mark.parametrize("name", ["deepseek", "lightllm"])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_program_text_round_trips(name, mode):
-    from shared.program import parse, to_text
+    from overlap_lab.shared.program import parse, to_text
 
     w = decode_w(6, ep=8, model=LITE) if mode == "decode" else prefill_w(3, ep=8, model=LITE)
     p = build(name, w, H800)
@@ -348,7 +348,7 @@ def test_program_text_round_trips(name, mode):
 
 
 def test_listed_with_seed_and_summary():
-    from shared.schedules import describe
+    from overlap_lab.shared.schedules import describe
 
     rows = {name: (seed, summary) for name, seed, summary in describe()}
     assert rows["deepseek"][0].startswith("002") and rows["lightllm"][0].startswith("002")

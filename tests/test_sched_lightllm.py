@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
-from shared.program import Graph, Launch, Record, Sync, Wait, iter_gpu_instrs, ops_of
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.lightllm import split_decode, split_prefill
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.program import Graph, Launch, Record, Sync, Wait, iter_gpu_instrs, ops_of
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.lightllm import split_decode, split_prefill
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.sched_helpers import (
     check_golden,
     check_simulated,

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.ops_pp import hidden_bytes, pp_layer_split, pp_link
-from shared.program import Graph, Launch
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.pp import micro_batch
-from shared.validate import issue_order
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops_pp import hidden_bytes, pp_layer_split, pp_link
+from overlap_lab.shared.program import Graph, Launch
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.pp import micro_batch
+from overlap_lab.shared.validate import issue_order
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
 from tests.invariants import check_all
 
 GPU = get_gpu("h100")

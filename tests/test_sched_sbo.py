@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.ops import layer_ops, whole_batch
-from shared.program import Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.sbo import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import layer_ops, whole_batch
+from overlap_lab.shared.program import Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.sbo import (
     MAX_STREAM_CHUNKS,
     comm_sms,
     plan,
@@ -26,8 +26,8 @@ from shared.schedules.sbo import (
     split_op,
     stream_chunks,
 )
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
 from tests import invariants
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -16,18 +16,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.errors import ConfigError
-from shared.hardware import HostCosts, get_gpu
-from shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
-from shared.ops_sched import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import HostCosts, get_gpu
+from overlap_lab.shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.ops_sched import (
     D2H_OPS,
     SCHED_OP_NAMES,
     SCHEDULE_DECODE_OPS,
     SCHEDULE_PREFILL_OPS,
 )
-from shared.program import Graph, Host, Launch, Record, Sync, Wait, WaitStream, to_text
-from shared.schedules import ScheduleConfig, build, module
-from shared.schedules.sglang_overlap import (
+from overlap_lab.shared.program import Graph, Host, Launch, Record, Sync, Wait, WaitStream, to_text
+from overlap_lab.shared.schedules import ScheduleConfig, build, module
+from overlap_lab.shared.schedules.sglang_overlap import (
     FutureMapSize,
     FutureRing,
     FutureRingOverwrite,
@@ -35,9 +35,9 @@ from shared.schedules.sglang_overlap import (
     plan_iterations,
     walk_future_map,
 )
-from shared.validate import issue_order
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
+from overlap_lab.shared.validate import issue_order
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
 from tests.invariants import check_all
 
 GPU = get_gpu("h100")

@@ -11,19 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from shared.hardware import get_gpu
-from shared.program import Graph, Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.stages import YIELD, interleave, to_stages
-from shared.schedules.tbo import (
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.program import (
+    Graph,
+    Launch,
+    Record,
+    Wait,
+    WaitStream,
+    iter_gpu_instrs,
+    ops_of,
+)
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.stages import YIELD, interleave, to_stages
+from overlap_lab.shared.schedules.tbo import (
     DEEPSEEK_DECODE,
     DEEPSEEK_PREFILL,
     QWEN3_DECODE,
     QWEN3_PREFILL,
     strategy_for,
 )
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
 from tests import invariants
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import get_gpu
-from shared.program import Graph, Launch, Yield, ops_of
-from shared.schedules import ScheduleConfig, build
-from shared.schedules.vllm_dbo import decide, is_last_ubatch_empty, split
-from shared.validate import issue_order
-from shared.workload import Batch, Parallel, Workload, get_model
-from sim import simulate
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.program import Graph, Launch, Yield, ops_of
+from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules.vllm_dbo import decide, is_last_ubatch_empty, split
+from overlap_lab.shared.validate import issue_order
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.sim import simulate
 from tests.invariants import check_all
 
 GPU = get_gpu("h100")

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.builder import RankBuilder, program
-from shared.hardware import get_gpu
-from shared.program import Coll, Flow, Op
-from sim import cost, simulate
+from overlap_lab.shared.builder import RankBuilder, program
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.program import Coll, Flow, Op
+from overlap_lab.sim import cost, simulate
 from tests.invariants import check_all, kernels_on
 
 GPU = get_gpu("h100", launch_us=0.0, graph_launch_us=0.0)

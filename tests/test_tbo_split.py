@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.tbo_split import (
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.tbo_split import (
     balanced_sum_split,
     children,
     cum_less_than_half_split,
@@ -13,7 +13,7 @@ from shared.schedules.tbo_split import (
     tbo_split,
     two_chunk_enabled,
 )
-from shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 DSV3 = get_model("deepseek-v3")
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.trace import Span, Trace, intersect, length, load_json, save_json, union
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.trace import Span, Trace, intersect, length, load_json, save_json, union
 
 
 def S(lane, op, kind, start, end, **kw):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.hardware import GPUS, HOST_COSTS, HostCosts, get_gpu
-from shared.workload import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPUS, HOST_COSTS, HostCosts, get_gpu
+from overlap_lab.shared.workload import (
     MODELS,
     Batch,
     ModelConfig,

@@ -12,22 +12,22 @@ BACKENDS = ("local", "torch", "emulated", "deepep")
 
 def make_backend(name: str, **kw):
     """Build backend ``name``; kw: rank, world, num_experts, hidden, link, num_sms, ..."""
-    from shared.errors import ConfigError
+    from overlap_lab.shared.errors import ConfigError
 
     if name == "local":
-        from real.comm.loopback import LoopbackBackend
+        from overlap_lab.real.comm.loopback import LoopbackBackend
 
         return LoopbackBackend(**kw)
     if name == "torch":
-        from real.comm.torch_dist import TorchDistBackend
+        from overlap_lab.real.comm.torch_dist import TorchDistBackend
 
         return TorchDistBackend(**kw)
     if name == "emulated":
-        from real.comm.emulated import EmulatedBackend
+        from overlap_lab.real.comm.emulated import EmulatedBackend
 
         return EmulatedBackend(**kw)
     if name == "deepep":
-        from real.comm.deepep import DeepEPBackend
+        from overlap_lab.real.comm.deepep import DeepEPBackend
 
         return DeepEPBackend(**kw)
     raise ConfigError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

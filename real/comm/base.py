@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from real.comm.bytes import ByteCount, LinkParams, message_bytes, rank_classes
+from overlap_lab.real.comm.bytes import ByteCount, LinkParams, message_bytes, rank_classes
 
 CAPABILITIES = ("normal", "ll_hook", "sbo_signal", "sm_limit", "cpu_blocking_dispatch")
 

@@ -13,8 +13,8 @@ import inspect
 
 import torch
 
-from real.comm.base import DispatchResult, EPBackend, EventOverlap, rank_counts
-from real.deps import require
+from overlap_lab.real.comm.base import DispatchResult, EPBackend, EventOverlap, rank_counts
+from overlap_lab.real.deps import require
 
 
 class DeepEPBackend(EPBackend):
@@ -72,7 +72,7 @@ class DeepEPBackend(EPBackend):
 
     def describe(self) -> dict:
         d = super().describe()
-        from real.deps import probe
+        from overlap_lab.real.deps import probe
 
         d.update(numerics="exact", package=probe().get("deep_ep", {}))
         return d

@@ -24,16 +24,16 @@ import math
 
 import torch
 
-from real.comm.base import Pending
-from real.comm.bytes import ByteCount, message_bytes
-from real.comm.loopback import LoopbackBackend
+from overlap_lab.real.comm.base import Pending
+from overlap_lab.real.comm.bytes import ByteCount, message_bytes
+from overlap_lab.real.comm.loopback import LoopbackBackend
 
 _UNSET = -1  # t_arrive before the send kernel stamped it
 
 
 def _kernels():
     """(send_kernel, recv_kernel); triton imported on first use."""
-    from real.comm import _triton_emulated as K
+    from overlap_lab.real.comm import _triton_emulated as K
 
     return K.send_kernel, K.recv_kernel
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from real.comm.base import EPBackend, EventOverlap, Pending, rank_counts
-from real.comm.bytes import message_bytes
+from overlap_lab.real.comm.base import EPBackend, EventOverlap, Pending, rank_counts
+from overlap_lab.real.comm.bytes import message_bytes
 
 
 class LoopbackBackend(EPBackend):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from real.comm.base import EPBackend, Pending
+from overlap_lab.real.comm.base import EPBackend, Pending
 
 
 class TorchDistBackend(EPBackend):

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import importlib
 
-from shared.errors import ConfigError
-from shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 
 __all__ = ["SCHEDULES", "MicroBatch", "ScheduleConfig", "build", "describe", "module"]
 
 SCHEDULES: dict[str, str] = {
-    "serial": "shared.schedules.serial",
-    "sglang-overlap": "shared.schedules.sglang_overlap",
-    "sbo": "shared.schedules.sbo",
-    "tbo": "shared.schedules.tbo",
-    "tbo+sbo": "shared.schedules.tbo_sbo",
-    "lightllm": "shared.schedules.lightllm",
-    "vllm-dbo": "shared.schedules.vllm_dbo",
-    "deepseek": "shared.schedules.deepseek",
-    "pp": "shared.schedules.pp",
+    "serial": "overlap_lab.shared.schedules.serial",
+    "sglang-overlap": "overlap_lab.shared.schedules.sglang_overlap",
+    "sbo": "overlap_lab.shared.schedules.sbo",
+    "tbo": "overlap_lab.shared.schedules.tbo",
+    "tbo+sbo": "overlap_lab.shared.schedules.tbo_sbo",
+    "lightllm": "overlap_lab.shared.schedules.lightllm",
+    "vllm-dbo": "overlap_lab.shared.schedules.vllm_dbo",
+    "deepseek": "overlap_lab.shared.schedules.deepseek",
+    "pp": "overlap_lab.shared.schedules.pp",
 }
 
 
@@ -53,7 +53,7 @@ def module(name: str):
 
 def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
     """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``)."""
-    from shared.lowering import host_wait_for_counts
+    from overlap_lab.shared.lowering import host_wait_for_counts
 
     return host_wait_for_counts(module(name).build(workload, gpu, cfg or ScheduleConfig()))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shared.errors import ConfigError
-from shared.hardware import HOST_COSTS, HostCosts
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import HOST_COSTS, HostCosts
 
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 

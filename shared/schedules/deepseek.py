@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import math
 
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.program import Program
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.two_mb import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Program
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.two_mb import (
     FINISH,
     MAIN,
     Emitter,
@@ -64,7 +64,7 @@ from shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from shared.workload import Batch, Workload
+from overlap_lab.shared.workload import Batch, Workload
 
 SEED = "002 §0x01, §0x11"
 SUMMARY = (

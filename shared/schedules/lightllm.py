@@ -49,11 +49,11 @@ normal kernels leave.
 
 from __future__ import annotations
 
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.program import Program
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.two_mb import (
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Program
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
     MAIN,
@@ -63,7 +63,7 @@ from shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from shared.workload import Workload
+from overlap_lab.shared.workload import Workload
 
 SEED = "002 §0x03-§0x06, §0x11"
 SUMMARY = (

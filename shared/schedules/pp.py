@@ -30,11 +30,11 @@ stream waits for a receive).
 
 from __future__ import annotations
 
-from shared.builder import RankBuilder, ThreadBuilder, program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops, whole_batch
-from shared.ops_pp import (
+from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ops_pp import (
     PP_HOST_COSTS,
     allgather_op,
     hidden_bytes,
@@ -42,10 +42,10 @@ from shared.ops_pp import (
     p2p_pair,
     pp_layer_split,
 )
-from shared.program import Op, Program
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.serial import launch_all
-from shared.workload import Workload
+from overlap_lab.shared.program import Op, Program
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.serial import launch_all
+from overlap_lab.shared.workload import Workload
 
 SEED = "004 (SCHEDULES.md §7)"
 SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"

@@ -44,16 +44,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shared.builder import program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops, whole_batch
-from shared.program import Coll, Flow, GpuInstr, Launch, Op, Program, Record, Wait, WaitStream
-from shared.schedules import serial
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.frame import step_frame
-from shared.schedules.stages import launches
-from shared.workload import Workload
+from overlap_lab.shared.builder import program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.program import (
+    Coll,
+    Flow,
+    GpuInstr,
+    Launch,
+    Op,
+    Program,
+    Record,
+    Wait,
+    WaitStream,
+)
+from overlap_lab.shared.schedules import serial
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.stages import launches
+from overlap_lab.shared.workload import Workload
 
 SEED = "000 §4"
 SUMMARY = (

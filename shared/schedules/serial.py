@@ -6,14 +6,14 @@ the step's result only after the step has finished: nothing overlaps but what on
 
 from __future__ import annotations
 
-from shared.builder import ThreadBuilder, program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops, whole_batch
-from shared.program import Launch, Op, Program
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.frame import step_frame
-from shared.workload import Workload
+from overlap_lab.shared.builder import ThreadBuilder, program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.program import Launch, Op, Program
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.workload import Workload
 
 SEED = "SCHEDULES.md §0"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"

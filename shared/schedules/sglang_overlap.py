@@ -43,21 +43,21 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
-from shared.builder import RankBuilder, ThreadBuilder, program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops_sched import (
+from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops_sched import (
     SCHED_OP_NAMES,
     d2h_ops,
     resolve_future_op,
     schedule_ops,
     store_to_map_op,
 )
-from shared.program import Op, Program
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.serial import forward_sequence, launch_all
-from shared.trace import Trace, union
-from shared.workload import Batch, Workload
+from overlap_lab.shared.program import Op, Program
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
+from overlap_lab.shared.trace import Trace, union
+from overlap_lab.shared.workload import Batch, Workload
 
 SEED = "000 §3, 001"
 SUMMARY = (

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-from shared.builder import ThreadBuilder
-from shared.errors import ConfigError
-from shared.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
+from overlap_lab.shared.builder import ThreadBuilder
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
 
 T = TypeVar("T")
 

@@ -35,17 +35,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from shared.builder import program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops, whole_batch
-from shared.program import GpuInstr, Launch, Op, Program, Record, Wait
-from shared.schedules import serial
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.frame import step_frame
-from shared.schedules.stages import YIELD, interleave, launches, to_stages
-from shared.schedules.tbo_split import TboSplit, tbo_split
-from shared.workload import Workload, dense_layers, moe_layers
+from overlap_lab.shared.builder import program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.program import GpuInstr, Launch, Op, Program, Record, Wait
+from overlap_lab.shared.schedules import serial
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
+from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
+from overlap_lab.shared.workload import Workload, dense_layers, moe_layers
 
 SEED = "000 §5"
 SUMMARY = (

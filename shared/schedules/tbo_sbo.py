@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.program import GpuInstr, Op, Program
-from shared.schedules import sbo, tbo
-from shared.schedules.common import ScheduleConfig
-from shared.schedules.tbo_split import tbo_split
-from shared.workload import Workload
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import GpuInstr, Op, Program
+from overlap_lab.shared.schedules import sbo, tbo
+from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.tbo_split import tbo_split
+from overlap_lab.shared.workload import Workload
 
 SEED = "000 §4-§5"
 SUMMARY = (

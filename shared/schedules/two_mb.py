@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.builder import program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops
-from shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.frame import step_frame
-from shared.workload import Workload
+from overlap_lab.shared.builder import program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops
+from overlap_lab.shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.workload import Workload
 
 MAIN = "main"
 

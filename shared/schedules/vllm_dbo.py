@@ -38,15 +38,15 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
-from shared.builder import RankBuilder, ThreadBuilder, program
-from shared.errors import ConfigError
-from shared.hardware import GPU
-from shared.ops import head_ops, layer_ops
-from shared.program import Graph, Launch, Op, Program, Record, Wait, WaitStream
-from shared.schedules.common import MicroBatch, ScheduleConfig
-from shared.schedules.serial import forward_sequence, launch_all
-from shared.validate import issue_order
-from shared.workload import Workload
+from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import head_ops, layer_ops
+from overlap_lab.shared.program import Graph, Launch, Op, Program, Record, Wait, WaitStream
+from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
+from overlap_lab.shared.validate import issue_order
+from overlap_lab.shared.workload import Workload
 
 SEED = "003 (SCHEDULES.md §5)"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
