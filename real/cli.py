@@ -189,8 +189,14 @@ def _backend(args, w, gpu):
     name = _opt(args, "backend")
     link = LinkParams.from_gpu(gpu)
     if name == "auto":
+        import os
+
         import torch.distributed as dist
 
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            from overlap_lab.real.comm.deepep import ensure_process_group
+
+            ensure_process_group()  # launched by torchrun: one process per GPU
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         from overlap_lab.real.deps import available
 
@@ -202,6 +208,8 @@ def _backend(args, w, gpu):
         kw.update(rank=0, world=w.parallel.ep)
     if name == "emulated":
         kw["device_sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    if name == "deepep":  # the LL buffer is sized for this rank's largest dispatch
+        kw["num_max_dispatch_tokens_per_rank"] = min(1024, w.batch.num_tokens)
     return make_backend(name, **kw)
 
 
@@ -242,7 +250,7 @@ def _run_gpu(args) -> int:
             seed=_opt(args, "seed"),
             warmup=_opt(args, "warmup"),
             repeats=_opt(args, "repeats"),
-            host_spin=True,
+            host_spin=False,  # the real Python launch overhead IS the host time: not twice
             meta=dict(
                 schedule=name,
                 model=w.model.name,

@@ -366,9 +366,12 @@ class RankRunner:
         self.graph_plans = plan_graphs(rp)
         self.cuda_graphs = cuda_graphs and self.gpu is not None
         self.spans: list[Span] = []
+        self.sm_limits: dict[str, dict] = {}  # compute op name -> {"requested", "status"}
+        self.force_eager = False  # the eager pass of a graph-timed run: per-op spans
         self.host_t0 = time.perf_counter()
 
     def reset(self) -> None:
+        self.sm_limits = {}
         for st in self.states.values():
             st.mbs.clear()
             st.rowlog.clear()
@@ -415,6 +418,7 @@ class RankRunner:
             steps=self.states,
         )
         fn = K.bind(op.name)
+        fn = self._limit_checked(op, fn)
         base, k = K.split_piece(op.name)
         if k is not None:
             ctx.piece = (k, self.piece_counts[(base, op.step, op.layer, op.mb)])
@@ -439,6 +443,22 @@ class RankRunner:
             fn(ctx)
             end.record(s)
         self.gpu.timed.append((op, stream, start, end))
+
+    def _limit_checked(self, op: Op, fn):
+        """``fn`` wrapped so this run records how a compute op's SM limit was honoured."""
+        if op.kind != "compute" or not op.sms:
+            return fn
+        from overlap_lab.real import gemm as G
+
+        def run(ctx):
+            before = G.ENTERED
+            fn(ctx)
+            dsms = G.device_sms(self.device) if self.gpu is not None else None
+            name = K.split_piece(op.name)[0]
+            status = limit_status(op.sms, G.ENTERED > before, device_sms=dsms)
+            self.sm_limits.setdefault(name, {"requested": op.sms, "status": status})
+
+        return run
 
     def _span(self, op: Op, stream: str, t0: float, t1: float) -> Span:
         kind = op.kind if op.kind in ("compute", "comm", "copy") else "compute"
@@ -527,6 +547,10 @@ class RankRunner:
         plan = self.graph_plans[id(g)]
         st = self.gpu.graphs.setdefault(id(g), {"runs": 0, "name": g.name, "mode": "eager"})
         st["runs"] += 1
+        if self.force_eager:
+            for ins in g.body:
+                self.run_instr(ins, thread)
+            return
         if not self.cuda_graphs or plan.eager_reason or st.get("failed") or st["runs"] == 1:
             if plan.eager_reason:
                 st["reason"] = plan.eager_reason
@@ -642,8 +666,48 @@ class RankRunner:
             )
 
 
+def limit_status(sms: int, budgeted: bool, *, device_sms: int | None) -> str:
+    """How a compute op's SM limit ``sms`` was honoured in a run: its GEMMs ran inside an SM
+    budget (``budgeted``) or not, on a GPU with ``device_sms`` SMs or on the CPU (None)."""
+    if device_sms is not None and sms >= device_sms:
+        return "no limit: at or above the device's SMs"
+    if not budgeted:
+        return (
+            "not enforced: this op's kernels (attention, norms, elementwise) run on every SM; "
+            "only GEMMs take an SM budget"
+        )
+    if device_sms is None:
+        return "budget scoped (CPU: no SMs to limit)"
+    return "enforced: GEMMs within the budget (see sm_budget_mechanisms)"
+
+
+def timing_meta(graph_traces: list[Trace], eager_traces: list[Trace]) -> tuple[Trace, dict]:
+    """A graph-timed run's two measurements, kept apart: ``graph_traces`` (CUDA graphs
+    replayed: the step time a serving engine sees; a replayed graph is one span) and
+    ``eager_traces`` (the same Program op by op: one CUDA-event span per op, for per-op times
+    and exposed communication). Returns the eager trace of median step time (the spans) and
+    the meta that says which number is which."""
+    g = [t.step_time_us for t in graph_traces]
+    e = [t.step_time_us for t in eager_traces]
+    med = sorted(range(len(e)), key=lambda i: e[i])[len(e) // 2]
+    meta = {
+        "step_time_source": "graph_replay",
+        "graph_replay_step_times_us": g,
+        "graph_replay_step_time_us": statistics.median(g) if g else None,
+        "eager_step_times_us": e,
+        "eager_step_time_us": statistics.median(e),
+        "spans_source": "eager pass: op by op, one CUDA-event span per op (graphs not replayed)",
+    }
+    return eager_traces[med], meta
+
+
 def _run_once(runners: list[RankRunner]) -> None:
+    from overlap_lab.real.gemm import reset_applied
+
+    reset_applied()  # this run's kernels only
     for r in runners:
+        if hasattr(r.backend, "reset_run"):
+            r.backend.reset_run()
         r.reset()
         r.host_t0 = time.perf_counter()
         if r.gpu is not None:
@@ -663,6 +727,25 @@ def _run_once(runners: list[RankRunner]) -> None:
     for r in runners:
         if r.gpu is not None:
             r.collect_gpu_spans()
+
+
+def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
+    """What one timed run used: the GEMM kernels by label (counted for this run only), how each
+    SM limit of the Program was honoured (compute ops here, all-to-alls by the backend)."""
+    from overlap_lab.real.gemm import DEEP_GEMM_ERRORS, ComputeBudget
+
+    limits: dict[str, dict] = {}
+    for r in runners:
+        for name, v in r.sm_limits.items():
+            limits.setdefault(name, v)
+    comm = {k: dict(v) for k, v in getattr(backend, "sm_limits", {}).items()}
+    meta = {
+        "sm_budget_mechanisms": dict(ComputeBudget.applied),
+        "sm_limits": {"compute": limits, "comm": comm},
+    }
+    if DEEP_GEMM_ERRORS:
+        meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
+    return meta
 
 
 def execute(
@@ -732,13 +815,23 @@ def execute(
     if dev.type == "cpu":
         base_meta["timing"] = "none: CPU spans are host wall-clock of ordered execution"
     base_meta.update(meta or {})
-    for i in range(warmup + repeats):
+    graph_timed = dev.type == "cuda" and has_graphs and cuda_graphs
+    per_run: list[dict] = []
+    eager_traces: list[Trace] = []
+    for i in range(warmup + repeats + (max(1, repeats) if graph_timed else 0)):
+        eager_pass = i >= warmup + repeats
+        for r in runners:
+            r.force_eager = eager_pass
         _run_once(runners)
         if i < warmup:
             continue
         tr = Trace([s for r in runners for s in r.spans], dict(base_meta))
+        if eager_pass:
+            eager_traces.append(tr)
+            continue
         traces.append(tr)
         times.append(tr.step_time_us)
+        per_run.append(_run_meta(runners, backend, dev))
     violations = [v for r in runners if r.tracker for v in r.tracker.violations]
     if violations and check_hazards:
         raise HazardError(
@@ -747,21 +840,33 @@ def execute(
         )
     med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
     trace = traces[med]
+    if graph_timed:
+        trace, tmeta = timing_meta(traces, eager_traces)
+        trace.meta.update(tmeta)
+    else:
+        trace.meta.update(
+            step_time_source="eager" if dev.type == "cuda" else "cpu",
+            spans_source="op by op, one CUDA-event span per op"
+            if dev.type == "cuda"
+            else "host wall-clock of ordered execution",
+        )
+    trace.meta.update(per_run[med])
     trace.meta.update(
         step_times_us=times,
         median_step_time_us=statistics.median(times),
         warmup=warmup,
         repeats=repeats,
     )
+    if dev.type == "cuda":
+        trace.meta["clocks"] = (
+            "stream spans: CUDA events; host spans: perf_counter; both zeroed at a device "
+            "synchronize at the start of the run (offset within one launch latency)"
+        )
     if dev.type == "cuda" and has_graphs:
         trace.meta["cuda_graphs"] = {
             g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")
             for r in runners
             for g in r.gpu.graphs.values()
         }
-    if dev.type == "cuda":
-        from overlap_lab.real.gemm import ComputeBudget
-
-        trace.meta["sm_budget_mechanisms"] = dict(ComputeBudget.applied)
     outputs = {r.rp.rank: r.states for r in runners}
     return ExecResult(outputs, trace, violations)

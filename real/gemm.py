@@ -180,23 +180,27 @@ def deep_gemm_num_sms(sms: int | None, module=None):
 # What the kernel registry uses
 # ----------------------------------------------------------------------------------------------
 
-MECHANISMS = ("none", "deep_gemm", "triton_persistent", "torch_unlimited")
+MECHANISMS = ("none", "deep_gemm", "triton_persistent", "torch", "torch_unlimited")
 
 
 def choose_mechanism(
     sms: int | None, *, device_sms: int | None, cuda: bool, deep_gemm: bool, triton: bool
 ) -> str:
-    """How a compute op with limit ``sms`` runs: "none" (no limit, or the CPU: torch),
-    "deep_gemm" (set_num_sms scoped; DeepGEMM's kernels where this build has them, the Triton
-    ones with the same budget otherwise), "triton_persistent", or "torch_unlimited" (a limit
-    that cannot be honoured: recorded so the trace says so)."""
-    if not cuda or not sms or (device_sms is not None and sms >= device_sms):
+    """Which GEMM kernels a compute op runs, with or without a limit ``sms``. On a GPU every op
+    runs the SAME kernel family whatever its limit (only the grid differs: the limit, or every
+    SM), so schedules differ by their SM budgets, not by their kernels: "deep_gemm"
+    (set_num_sms scoped; DeepGEMM's kernels where this build has them, the Triton ones with the
+    same budget otherwise), else "triton_persistent". Without either: "torch" (no limit asked)
+    or "torch_unlimited" (a limit that cannot be honoured: recorded so the trace says so).
+    "none": the CPU (plain torch, no SMs)."""
+    if not cuda:
         return "none"
     if deep_gemm:
         return "deep_gemm"
     if triton:
         return "triton_persistent"
-    return "torch_unlimited"
+    limited = bool(sms) and (device_sms is None or sms < device_sms)
+    return "torch_unlimited" if limited else "torch"
 
 
 _DEVICE_SMS: dict[int, int] = {}
@@ -212,34 +216,49 @@ def device_sms(device: torch.device) -> int:
 class ComputeBudget:
     """``with ComputeBudget(op.sms, device) as g:`` then ``g.linear``, ``g.grouped_masked``,
     ``g.grouped_contiguous`` run the op's GEMMs within its SM budget (``g.mechanism`` says
-    how). ``applied`` counts mechanisms used since the process started (trace meta)."""
+    which family; ``g.sms`` the grid: the limit, or every SM of the device when the op has
+    none). ``applied`` counts the kernels actually run, by label, in the current run: the
+    executor clears it at the start of every run (:func:`reset_applied`), so a trace reports its
+    own run. A DeepGEMM call that fails (JIT compilation, an unsupported shape) falls back to
+    the Triton kernel with the same budget and is counted under its own label, never as
+    ``deep_gemm``."""
 
     applied: dict[str, int] = {}
 
     def __init__(self, sms: int | None, device=None, *, mechanism: str | None = None):
-        self.sms = int(sms) if sms else None
+        self.requested = int(sms) if sms else None
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.device = dev
+        cuda = dev.type == "cuda"
+        dsms = device_sms(dev) if cuda and mechanism is None else None
         if mechanism is None:
-            cuda = dev.type == "cuda"
-            dsms = device_sms(dev) if cuda and self.sms else None
             mechanism = choose_mechanism(
-                self.sms,
+                self.requested,
                 device_sms=dsms,
                 cuda=cuda,
-                deep_gemm=cuda and bool(self.sms) and deep_gemm_module() is not None,
-                triton=cuda and bool(self.sms) and _has_triton(),
+                deep_gemm=cuda and deep_gemm_module() is not None,
+                triton=cuda and _has_triton(),
             )
         self.mechanism = mechanism
+        sms_eff = self.requested
+        if dsms is not None and (sms_eff is None or sms_eff > dsms):
+            sms_eff = dsms
+        self.sms = sms_eff
         self._scope = None
         self._dg = None
 
+    @staticmethod
+    def note(label: str) -> None:
+        ComputeBudget.applied[label] = ComputeBudget.applied.get(label, 0) + 1
+
     def __enter__(self) -> ComputeBudget:
-        if self.mechanism != "none":
-            ComputeBudget.applied[self.mechanism] = ComputeBudget.applied.get(self.mechanism, 0) + 1
+        global ENTERED
+        ENTERED += 1
         if self.mechanism == "deep_gemm":
             self._scope = deep_gemm_num_sms(self.sms)
             self._dg = self._scope.__enter__()
+        elif self.mechanism != "none":
+            self.note(self.mechanism)
         return self
 
     def __exit__(self, *exc):
@@ -250,44 +269,89 @@ class ComputeBudget:
 
     @property
     def limited(self) -> bool:
-        return self.mechanism in ("deep_gemm", "triton_persistent")
+        """True when the GEMMs run through the budget kernels (DeepGEMM or Triton persistent)."""
+        return self.mechanism in ("deep_gemm", "triton_persistent") and bool(self.sms)
 
     @property
     def mm(self):
         """``mm(a, w) = a @ w.T`` within the budget, or None (plain torch) when unlimited."""
         return self.linear if self.limited else None
 
+    def _deep_gemm(self, name: str, *args) -> bool:
+        """Call DeepGEMM's ``name`` when this build has it; False (and the reason counted) when
+        it lacks it or the call fails, so the caller runs the Triton kernel instead."""
+        fn = getattr(self._dg, name, None) if self._dg is not None else None
+        if fn is None:
+            self.note(f"triton_persistent (deep_gemm has no {name})")
+            return False
+        try:
+            fn(*args)
+        except Exception as e:  # JIT compilation or an unsupported shape: reported, not fatal
+            self.note(f"triton_persistent (deep_gemm.{name} failed: {type(e).__name__})")
+            DEEP_GEMM_ERRORS.setdefault(name, f"{type(e).__name__}: {e}"[:300])
+            return False
+        self.note(f"deep_gemm.{name}")
+        return True
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ w.T``."""
         if not self.limited:
             return x @ w.t()
-        dg = self._dg
-        if dg is not None and hasattr(dg, "bf16_gemm_nt") and x.dtype == torch.bfloat16:
+        if self._dg is not None and x.dtype == torch.bfloat16:
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
             out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            dg.bf16_gemm_nt(x2, w, out)
-            return out.reshape(*x.shape[:-1], w.shape[0])
+            if self._deep_gemm("bf16_gemm_nt", x2, w, out):
+                return out.reshape(*x.shape[:-1], w.shape[0])
+        elif self._dg is not None:
+            self.note("triton_persistent (under deep_gemm: not bf16)")
         return matmul(x, w, num_sms=self.sms)
 
-    def grouped_masked(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor):
+    def grouped_masked(
+        self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, expected_m: int | None = None
+    ):
         """Per expert ``x[e] @ w[e].T`` over its ``counts[e]`` valid rows (low-latency layout).
-        Rows past the count: zero on the torch path, unwritten on the limited paths."""
+        Rows past the count: zero on the torch path, unwritten on the limited paths.
+        ``expected_m``: the expected valid rows per expert, DeepGEMM's tile heuristic (a host
+        number from the workload, :func:`expected_rows`, never read from ``counts``); without
+        it the padded row count is passed."""
         if not self.limited:
             y = torch.bmm(x, w.transpose(1, 2))
             valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]
             return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-        dg = self._dg
-        if dg is not None and hasattr(dg, "m_grouped_bf16_gemm_nt_masked"):
+        if self._dg is not None and x.dtype == torch.bfloat16:
             out = torch.empty(*x.shape[:2], w.shape[1], dtype=x.dtype, device=x.device)
-            dg.m_grouped_bf16_gemm_nt_masked(x, w, out, counts.int(), x.shape[1])
-            return out
+            m = expected_m if expected_m else x.shape[1]
+            m = max(1, min(int(m), x.shape[1]))
+            if self._deep_gemm("m_grouped_bf16_gemm_nt_masked", x, w, out, counts.int(), m):
+                return out
+        elif self._dg is not None:
+            self.note("triton_persistent (under deep_gemm: not bf16)")
         return grouped_matmul_masked(x, w, counts, num_sms=self.sms)
 
     def grouped_contiguous(self, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
         """Rows of x sorted by expert (host counts) times their expert's ``w[e].T``."""
         if not self.limited:
             return None  # the caller's torch path (torch._grouped_mm or a loop)
+        if self._dg is not None:
+            self.note("triton_persistent (under deep_gemm: contiguous layout)")
         return grouped_matmul_contiguous(x, w, counts, num_sms=self.sms)
+
+
+ENTERED = 0  # budgets entered since the process started (the executor diffs it per op)
+DEEP_GEMM_ERRORS: dict[str, str] = {}  # first failure per DeepGEMM entry point (trace meta)
+
+
+def reset_applied() -> None:
+    """Start a run's count of kernels used (the executor calls it before each run)."""
+    ComputeBudget.applied = {}
+
+
+def expected_rows(tokens: int, topk: int, num_experts: int, world: int, max_rows: int) -> int:
+    """Mean valid rows per local expert in DeepEP's low-latency layout: ``tokens`` per rank,
+    ``world`` ranks sending, each token to ``topk`` of ``num_experts`` experts (what SGLang
+    passes to DeepGEMM's masked GEMM as ``expected_m``), clamped to [1, max_rows]."""
+    m = -(-tokens * topk * world // max(num_experts, 1))
+    return max(1, min(m, max_rows))
 
 
 def _has_triton() -> bool:

@@ -480,9 +480,10 @@ def dispatch_a(ctx: KernelCtx) -> None:
     with async_finish (role sendrecv). Nothing is received here."""
     x, idx, w = ctx.get("mlp_in"), ctx.get("topk_idx"), ctx.get("topk_w")
     be = ctx.backend
+    ll = ctx.ll_mode("a")
     if ctx.op.sms:
-        be.set_num_sms(ctx.op.sms)
-    if ctx.ll_mode("a"):
+        be.set_num_sms(ctx.op.sms, kind="ll_dispatch" if ll else "normal_dispatch")
+    if ll:
         rx, cnt, handle, _ev, hook = be.low_latency_dispatch(
             x, idx, ctx.max_dispatch_tokens, ctx.cfg.num_experts, return_recv_hook=True
         )
@@ -507,7 +508,10 @@ def experts(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
     with sm_budget(ctx.op.sms, lw["w13"].device) as g:
         if d["ll"]:
-            y = M.grouped_experts_masked(d["recv_x"], d["count"], lw["w13"], lw["w2"], gemm=g)
+            rx = d["recv_x"]
+            y = M.grouped_experts_masked(
+                rx, d["count"], lw["w13"], lw["w2"], gemm=g, expected_m=_expected_m(ctx, rx)
+            )
         else:
             r = d["res"]
             y = M.experts_weighted(
@@ -523,6 +527,15 @@ def experts(ctx: KernelCtx) -> None:
 # issues the combine of all rows (DeepEP sends per signalled block; the data are the same).
 
 
+def _expected_m(ctx: KernelCtx, rx: torch.Tensor) -> int:
+    """DeepGEMM's ``expected_m`` for the low-latency layout: the routing's mean rows per local
+    expert from host numbers (tokens of this micro-batch on every rank), not the padded rows."""
+    from overlap_lab.real.gemm import expected_rows
+
+    be = ctx.backend
+    return expected_rows(ctx.real_rows(), ctx.cfg.top_k, ctx.cfg.num_experts, be.world, rx.shape[1])
+
+
 def _expert_groups(num_local: int, n: int) -> list[range]:
     return [range(k * num_local // n, (k + 1) * num_local // n) for k in range(n)]
 
@@ -532,7 +545,9 @@ def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
     with sm_budget(ctx.op.sms, lw["w13"].device) as gm:
         if d["ll"]:
-            g, u = gm.grouped_masked(d["recv_x"], lw["w13"], d["count"]).chunk(2, dim=-1)
+            rx = d["recv_x"]
+            em = _expected_m(ctx, rx)
+            g, u = gm.grouped_masked(rx, lw["w13"], d["count"], em).chunk(2, dim=-1)
             ctx.put("expert_act", (torch.nn.functional.silu(g) * u).contiguous())
         else:  # the normal layout reduces per token: both GEMMs run per slice below
             ctx.put("expert_act", None)
@@ -546,7 +561,7 @@ def experts_down(ctx: KernelCtx) -> None:
     with sm_budget(ctx.op.sms, lw["w2"].device) as g:
         if d["ll"]:
             sl = slice(grp.start, grp.stop)
-            y = g.grouped_masked(act[sl], lw["w2"][sl], d["count"][sl])
+            y = g.grouped_masked(act[sl], lw["w2"][sl], d["count"][sl], _expected_m(ctx, act))
         else:
             r = d["res"]
             idx = r.recv_topk_idx
@@ -584,7 +599,7 @@ def combine_a(ctx: KernelCtx) -> None:
     y, d = ctx.get("expert_out"), ctx.get("dispatch")
     be = ctx.backend
     if ctx.op.sms:
-        be.set_num_sms(ctx.op.sms)
+        be.set_num_sms(ctx.op.sms, kind="ll_combine" if d["ll"] else "normal_combine")
     if d["ll"]:
         out, _ev, hook = be.low_latency_combine(
             y, ctx.get("topk_idx"), ctx.get("topk_w"), d["handle"], return_recv_hook=True

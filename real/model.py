@@ -484,7 +484,7 @@ def grouped_experts_contiguous(
 
 
 def grouped_experts_masked(
-    x: torch.Tensor, counts: torch.Tensor, w13, w2, gemm=None
+    x: torch.Tensor, counts: torch.Tensor, w13, w2, gemm=None, expected_m: int | None = None
 ) -> torch.Tensor:
     """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows (a device tensor: no
     host read). Rows past the count may hold garbage (DeepEP's buffers are torch.empty); they
@@ -492,9 +492,9 @@ def grouped_experts_masked(
     within an SM budget; rows past the count left unwritten), or None: batched GEMMs over the
     padded rows, rows past the count zeroed."""
     if gemm is not None and gemm.limited:
-        gu = gemm.grouped_masked(x, w13, counts)
+        gu = gemm.grouped_masked(x, w13, counts, expected_m)
         g, u = gu.chunk(2, dim=-1)
-        return gemm.grouped_masked((F.silu(g) * u).contiguous(), w2, counts)
+        return gemm.grouped_masked((F.silu(g) * u).contiguous(), w2, counts, expected_m)
     gu = torch.bmm(x, w13.transpose(1, 2))
     g, u = gu.chunk(2, dim=-1)
     y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))

@@ -21,7 +21,7 @@ def _tiny_workload(mode="decode"):
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_gpu_schedules_match_serial_and_time_every_op(mode):
     pytest.importorskip("triton")
-    from overlap_lab.real.check import compare_steps
+    from overlap_lab.real.check import compare_steps, workload_variants
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
@@ -31,13 +31,15 @@ def test_gpu_schedules_match_serial_and_time_every_op(mode):
     gpu = get_gpu("h100")
     outs = {}
     for name in S.available():
+        wv = workload_variants(name, w)[0]  # pp refuses one stage: it runs on a pp=2 copy
         be = make_backend("emulated", rank=0, world=4, num_experts=8, hidden=64)
-        res = execute(S.build(name, w, gpu), w, backend=be, device="cuda", warmup=1, repeats=3)
+        res = execute(S.build(name, wv, gpu), wv, backend=be, device="cuda", warmup=1, repeats=3)
         assert res.trace.meta["backend"] == "emulated" and res.trace.meta["emulated"]
         assert all(s.end >= s.start for s in res.trace.spans)
-        outs[name] = res.outputs[0]
-    for name, states in outs.items():
-        assert compare_steps(states, outs["serial"][0]) < 2e-2, name  # bf16
+        outs[name] = res.outputs
+    ref = outs["serial"][0][0]
+    for name, per_rank in outs.items():
+        assert max(compare_steps(st, ref) for st in per_rank.values()) < 2e-2, name  # bf16
 
 
 def test_emulated_link_kernel_holds_until_arrival():

@@ -30,6 +30,16 @@ from overlap_lab.real.comm.bytes import ByteCount, LinkParams, message_bytes, ra
 CAPABILITIES = ("normal", "ll_hook", "sbo_signal", "sm_limit", "cpu_blocking_dispatch")
 
 
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host-built constant onto ``device`` without a synchronizing copy: on CUDA through
+    pinned memory and ``non_blocking`` (a pageable host->device copy blocks the host, and torch's
+    sync-debug mode raises on it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def rank_counts(topk_idx: torch.Tensor, num_experts: int, world: int, *, dedup: bool):
     """Messages this rank sends to each rank, on the device ([world] int64, no host sync): one
     per (token, expert) pair, or per (token, rank) when ``dedup`` (normal mode)."""
@@ -158,6 +168,7 @@ class EPBackend:
         self.num_sms = num_sms
         self.traffic = Traffic()
         self.host_waits: dict[str, int] = {}  # named host syncs taken, by reason
+        self.sm_limits: dict[str, dict] = {}  # kind -> {"requested", "status"} (set_num_sms)
         self._stat_mats: dict[tuple, torch.Tensor] = {}
         self.last_stats: torch.Tensor | None = None
 
@@ -171,8 +182,14 @@ class EPBackend:
 
     # -- SM budget, info ------------------------------------------------------------------------
 
-    def set_num_sms(self, k: int) -> None:
+    def set_num_sms(self, k: int, *, kind: str = "normal_dispatch") -> None:
+        """The SMs the Program gives the next ``kind`` all-to-all (``op.sms``). What the backend
+        makes of it is recorded in ``sm_limits[kind]`` (trace meta): enforced, or why not."""
         self.num_sms = int(k)
+        self.sm_limits[kind] = {"requested": int(k), "status": self.sm_limit_status(kind, int(k))}
+
+    def sm_limit_status(self, kind: str, k: int) -> str:
+        return f"not enforced: the {self.name} backend has no SM control"
 
     def describe(self) -> dict:
         """What a Trace records about this backend."""
@@ -199,11 +216,19 @@ class EPBackend:
             mb = message_bytes(kind, self.hidden, num_topk=num_topk)
             cls = rank_classes(self.rank, self.world, self.link.gpus_per_node)
             rows = [[mb * (c == 0), mb * (c == 1), mb * (c == 2), 1] for c in cls]
-            mat = self._stat_mats[key] = torch.tensor(rows, dtype=torch.int64).to(counts.device)
+            mat = self._stat_mats[key] = _to_device(torch.tensor(rows, dtype=torch.int64), counts.device)
         stats = (counts.to(torch.int64)[:, None] * mat).sum(0)
         self.last_stats = stats
         self.traffic.add_tensor(kind, stats)
         return stats
+
+    def reset_run(self) -> None:
+        """Forget what one run recorded (traffic, stats, named host waits); the executor calls
+        this before each run so a trace reports its own run only."""
+        self.traffic = Traffic()
+        self.host_waits = {}
+        self.sm_limits = {}
+        self.last_stats = None
 
     @property
     def last_bytes(self) -> ByteCount:

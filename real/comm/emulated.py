@@ -54,17 +54,40 @@ class EmulatedBackend(LoopbackBackend):
             device_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.device_sms = device_sms or 132
         self._scratch: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
         self._launches: list[dict] = []
 
-    def grid(self, kind: str) -> int:
+    def default_grid(self, kind: str) -> int:
+        """DeepEP's own CTA count: low-latency ``ceil(E / ceil(E / SMs))``, normal ``num_sms``."""
         if kind.startswith("ll"):
             return ll_num_ctas(self.num_experts, self.device_sms)
         return max(1, min(self.num_sms, self.device_sms))
 
+    def grid(self, kind: str) -> int:
+        """CTAs of the next ``kind`` send kernel: the Program's ``op.sms`` when it set one
+        (SBO's combine: 3), DeepEP's own count otherwise."""
+        lim = self.sm_limits.get(kind)
+        if lim is not None:
+            return max(1, min(lim["requested"], self.device_sms))
+        return self.default_grid(kind)
+
+    def sm_limit_status(self, kind: str, k: int) -> str:
+        n = max(1, min(k, self.device_sms))
+        return f"enforced (emulated): the send kernel launches {n} one-per-SM CTAs"
+
     def _buffers(self, words: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for the emulated byte movement. A larger one replaces it when needed, and the
+        old one is kept alive until the run ends (``reset_run``): kernels on other streams may
+        still be reading it, and the caching allocator would hand its memory out again."""
         if self._scratch is None or self._scratch.numel() < 2 * words + 2:
+            if self._scratch is not None:
+                self._retired.append(self._scratch)
             self._scratch = torch.zeros(2 * words + 2, dtype=torch.int32, device=device)
         return self._scratch[:words], self._scratch[words : 2 * words]
+
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._retired = []
 
     @property
     def launches(self) -> list[dict]:
@@ -121,7 +144,8 @@ class EmulatedBackend(LoopbackBackend):
         )
         if not hook_split:
             return []
-        return [lambda: recv_kernel[(rec["ctas"],)](t_arrive, _UNSET, num_warps=32)]
+        recv_ctas = self.default_grid(kind)  # the receive half: DeepEP's own grid
+        return [lambda: recv_kernel[(recv_ctas,)](t_arrive, _UNSET, num_warps=32)]
 
     def describe(self) -> dict:
         d = super().describe()
