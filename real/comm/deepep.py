@@ -88,8 +88,10 @@ class DeepEPBackend(EPBackend):
         deep_ep = deep_ep if deep_ep is not None else require("deep_ep", why="--backend deepep")
         if group is None:
             group = ensure_process_group()
-        kw.setdefault("rank", dist.get_rank(group))
-        kw.setdefault("world", dist.get_world_size(group))
+        if "rank" not in kw:
+            kw["rank"] = dist.get_rank(group)
+        if "world" not in kw:
+            kw["world"] = dist.get_world_size(group)
         super().__init__(**kw)
         if self.world < 2:
             raise ConfigError("--backend deepep needs >= 2 GPUs (torchrun); use emulated on one")
