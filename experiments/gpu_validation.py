@@ -1,39 +1,53 @@
-"""GPU validation of the real executor, in one call: ``python -m overlap_lab.experiments.gpu_validation``.
+"""Predicted vs measured on one device, in one command per mode: ``python -m overlap_lab.experiments.gpu_validation``.
 
-What a session with a GPU runs (one device call, within its 10-minute limit):
-1. ``pytest -m gpu tests/`` (the GPU tests: Triton GEMMs within SM budgets, the sync-free
-   low-latency path, CUDA-graph capture, the emulated link kernels, every schedule vs serial);
-2. ``overlap-lab run --schedule S --backend emulated --device cuda --json`` for every schedule at
-   two decode batch sizes (the same code path, called in-process so one CUDA context serves all
-   runs; each run's failure is recorded, not fatal);
-3. writes ``experiments/results/gpu_<device>.json``: device, SMs, driver, CUDA, torch / triton /
-   deep_ep / deep_gemm versions (and which wheels provide them), date, git commit, the pytest
-   outcome and, per schedule and batch, the measured step times (median and all repeats),
-   exposed communication, the CUDA-graph mode and the SM-budget mechanisms used.
-Commit that file (and nothing from ``--out``, which holds traces and figures).
+For every schedule, at decode batches 32 and 128 and one prefill size, on 4 layers of
+DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
+1. calibration: ``serial`` measured at the token counts the schedules run (the batch and its
+   half, for micro-batched schedules): isolated per-op durations (real.validate);
+2. prediction: the simulator on each schedule's Program, its compute ops calibrated to those
+   durations;
+3. measurement: the schedule on the device (CUDA graphs replayed for the step time, plus an
+   eager pass for per-op spans; the trace meta says which number is which);
+4. comparison: step time, exposed communication, per-op error; a markdown table, a JSON file,
+   the predicted and measured traces (Chrome JSON) and figures, all packed into ONE archive
+   ``<out>/<name>.tar.gz`` (``--out``; on a machine that hands back a folder, that folder).
 
-Without a CUDA GPU it prints one line saying so and exits with status 2, running nothing.
-Options: ``--batches 32,128``, ``--layers 4``, ``--modes decode[,prefill]``, ``--schedules a,b``,
-``--repeats 5``, ``--warmup 2``, ``--budget-s 540`` (runs left when the budget is spent are
-recorded as skipped), ``--skip-pytest``, ``--out DIR``, ``--results DIR``.
+``--device cpu`` is a dry run of exactly the same path on a scaled-down model (tiny-mla, CPU
+tensors, the emulated backend's data path): its times are host wall-clock and meaningless, and
+the table and JSON say so. It runs in CI (tests/test_real_validation.py).
+``--device cuda`` without a GPU prints one line and exits 2. ``pp`` runs both pipeline stages in
+one process on one GPU: it is measured and predicted but left out of the error medians and the
+ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 4096``,
+``--schedules a,b``, ``--layers 4``, ``--ep 32``, ``--kv-len 2048``, ``--repeats 5``,
+``--warmup 2``, ``--budget-s 540`` (cases left when it is spent are recorded as skipped),
+``--pytest`` (run the GPU tests first), ``--name`` (the archive's name).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import io
 import json
 import platform
 import re
+import shutil
+import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_GPU = "gpu_validation: no CUDA GPU found; nothing was run (run it in a session with a GPU)"
+NO_GPU = "gpu_validation: no CUDA GPU found; nothing was run (--device cpu for the dry run)"
+NOT_COMPARABLE = {
+    "pp": "pp runs both pipeline stages in one process on one GPU: not comparable with a "
+    "one-stage-per-GPU prediction; excluded from the error medians and the ranking",
+}
+CPU_DEFAULTS = dict(model="tiny-mla", layers=3, ep=2, batches="4,8", prefill=24, kv_len=64)
+GPU_DEFAULTS = dict(model="deepseek-v3", layers=4, ep=32, batches="32,128", prefill=4096, kv_len=2048)
 
 
 def _cmd(args: list[str], timeout: float = 20) -> str | None:
@@ -52,140 +66,397 @@ def device_preset(name: str) -> str:
     return "h100"
 
 
-def environment() -> dict:
+def environment(device: str) -> dict:
     import torch
 
     from overlap_lab.real.deps import probe
 
-    props = torch.cuda.get_device_properties(0)
     deps = probe()
-    return {
-        "device": props.name,
-        "num_sms": props.multi_processor_count,
-        "memory_gib": round(props.total_memory / 2**30, 1),
-        "driver": _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-        "cuda": torch.version.cuda,
+    env = {
+        "device_type": device,
         "python": platform.python_version(),
+        "torch": torch.__version__,
         "versions": {k: v.get("version") for k, v in deps.items()},
-        "importable": {k: v.get("importable") for k, v in deps.items()},
         "distributions": {k: v.get("distribution") for k, v in deps.items()},
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "commit": _cmd(["git", "rev-parse", "HEAD"]),
         "dirty": bool(_cmd(["git", "status", "--porcelain"])),
     }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            device=props.name,
+            num_sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            driver=_cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+            cuda=torch.version.cuda,
+        )
+    else:
+        env.update(device="cpu", num_sms=None)
+    return env
 
 
 def run_pytest(timeout: float) -> dict:
     t = time.time()
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-        )
+            [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+             "tests/test_real_gpu.py"],
+            capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "seconds": round(time.time() - t, 1)}
     out = r.stdout.strip().splitlines()
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out[-1])}
+    last = out[-1] if out else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
     return {
         "status": "ok" if r.returncode == 0 else f"exit {r.returncode}",
-        "counts": counts if out else {},
+        "counts": counts,
         "seconds": round(time.time() - t, 1),
         "tail": out[-25:],
     }
 
 
-def run_one(schedule: str, mode: str, batch: int, opts) -> dict:
-    """``overlap-lab run --schedule ... --backend emulated --json``, in-process."""
-    from overlap_lab.experiments.cli import parser
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
 
-    argv = [
-        "run", "--schedule", schedule, "--backend", "emulated", "--device", "cuda",
-        "--gpu", opts.gpu, "--mode", mode, "--batch", str(batch), "--layers", str(opts.layers),
-        "--repeats", str(opts.repeats), "--warmup", str(opts.warmup),
-        "--out", str(Path(opts.out) / f"{mode}_b{batch}"), "--json",
-    ]  # fmt: skip
-    args = parser().parse_args(argv)
-    buf, err = io.StringIO(), io.StringIO()
+
+class Context:
+    """What every case shares: device, GPU preset, model, weights, options."""
+
+    def __init__(self, opts):
+        import torch
+
+        from overlap_lab.real import model as M
+        from overlap_lab.shared.hardware import get_gpu
+
+        self.opts = opts
+        self.device = opts.device
+        self.gpu = get_gpu(opts.gpu)
+        self.mc = M.get_model_config_layers(opts.model, opts.layers)
+        self.cfg = M.from_model_config(self.mc)
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.weights = M.init_weights(
+            self.cfg, seed=opts.seed, dtype=dtype, device=self.device, ep_rank=0, ep_size=opts.ep
+        )
+        if self.device == "cuda":
+            self.device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        else:
+            self.device_sms = self.gpu.num_sms
+
+    def workload(self, mode: str, size: int):
+        from overlap_lab.shared.workload import Batch, Parallel, Workload
+
+        if mode == "decode":
+            b = Batch.decode(size, kv_len=self.opts.kv_len)
+        else:  # two sequences of half the tokens each (TBO splits them evenly)
+            b = Batch.prefill(extend_lens=[size - size // 2, size // 2])
+        return Workload(self.mc, b, Parallel(ep=self.opts.ep))
+
+    def backend(self):
+        from overlap_lab.real.comm import make_backend
+        from overlap_lab.real.comm.bytes import LinkParams
+
+        return make_backend(
+            "emulated", rank=0, world=self.opts.ep, num_experts=self.cfg.num_experts,
+            hidden=self.cfg.hidden, link=LinkParams.from_gpu(self.gpu),
+            num_sms=self.gpu.deepep_normal_sms, device_sms=self.device_sms,
+        )  # fmt: skip
+
+    def measure(self, program, w):
+        from overlap_lab.real.executor import execute
+
+        return execute(
+            program, w, weights=self.weights, backend=self.backend(), device=self.device,
+            seed=self.opts.seed, check_hazards=False, warmup=self.opts.warmup,
+            repeats=self.opts.repeats, cuda_graphs=True,
+        ).trace  # fmt: skip
+
+
+def _measured_step(tr) -> tuple[float, str]:
+    g = tr.meta.get("graph_replay_step_time_us")
+    if g:
+        return g, "graph replay"
+    return tr.meta.get("median_step_time_us", tr.step_time_us), "eager"
+
+
+def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, deadline: float):
+    """Calibrate, predict, measure and compare every schedule on one workload."""
+    from overlap_lab.real import validate as V
+    from overlap_lab.real.check import workload_variants
+    from overlap_lab.shared import schedules as S
+
+    w = ctx.workload(mode, size)
+    calib = []
+    sizes = sorted({size, max(1, size // 2)}, reverse=True)
     t = time.time()
+    for s in sizes:  # isolated op durations at the token counts the schedules run
+        ws = ctx.workload(mode, s)
+        p = S.build("serial", ws, ctx.gpu)
+        calib.append((p, ctx.measure(p, ws)))
+    profile = V.profile_from_runs(calib, ctx.device_sms)
+    case = {"workload": {"mode": mode, "tokens": w.batch.num_tokens, "sizes_calibrated": sizes},
+            "calibration_seconds": round(time.time() - t, 1), "runs": {}}  # fmt: skip
+    case_dir = work / f"{mode}_{size}"
+    case_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if time.time() > deadline:
+            case["runs"][name] = {"skipped": "time budget spent"}
+            continue
+        t = time.time()
+        try:
+            wv = workload_variants(name, w)[0]
+            prog = S.build(name, wv, ctx.gpu)
+            meas = ctx.measure(prog, wv)
+            cprog, sources = V.calibrated_program(prog, ctx.gpu, profile)
+            pred = V.predict(cprog, ctx.gpu)
+        except Exception as e:  # recorded; the next schedule goes on
+            case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            continue
+        step_m, source = _measured_step(meas)
+        cmp = V.compare(pred, meas, measured_step_us=step_m)
+        m = meas.meta
+        case["runs"][name] = {
+            "comparison": cmp,
+            "measured_step_source": source,
+            "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
+            "step_times_us": m.get("step_times_us"),
+            "cuda_graphs": m.get("cuda_graphs"),
+            "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
+            "sm_limits": m.get("sm_limits"),
+            "deep_gemm_errors": m.get("deep_gemm_errors"),
+            "duration_sources": sources,
+            "comparable": name not in NOT_COMPARABLE,
+            "note": NOT_COMPARABLE.get(name),
+            "seconds": round(time.time() - t, 1),
+        }
+        pred.to_chrome(case_dir / f"{name}.predicted.trace.json.gz")
+        meas.to_chrome(case_dir / f"{name}.measured.trace.json.gz")
+        _figure(ctx, {f"{name} predicted": pred, f"{name} measured": meas},
+                case_dir / f"{name}.png", case["runs"][name])  # fmt: skip
+    return case
+
+
+def _figure(ctx, traces, path, rec) -> None:
+    if ctx.opts.no_figures:
+        return
     try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            rc = args.func(args)
-    except Exception as e:  # recorded; the next run goes on
-        return {"error": f"{type(e).__name__}: {e}"[:500], "seconds": round(time.time() - t, 1)}
-    res: dict = {"command": "overlap-lab " + " ".join(argv), "rc": rc}
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        from overlap_lab.experiments.figures import compare_timelines
+
+        plt.close(compare_timelines(traces, path))
+    except Exception as e:  # a figure never fails the run; the reason is kept
+        rec["figure_error"] = f"{type(e).__name__}: {e}"[:200]
+
+
+def summarize(cases: dict) -> dict:
+    """Per case: median |step-time error| over comparable schedules, both rankings, and
+    whether they agree."""
+    out = {}
+    for key, case in cases.items():
+        runs = {n: r for n, r in case["runs"].items() if "comparison" in r and r["comparable"]}
+        if not runs:
+            continue
+        pred = {n: r["comparison"]["step_time_us"]["predicted"] for n, r in runs.items()}
+        meas = {n: r["comparison"]["step_time_us"]["measured"] for n, r in runs.items()}
+        errs = [abs(r["comparison"]["step_time_us"]["rel_error"] or 0) for r in runs.values()]
+        from overlap_lab.real.validate import ranking
+
+        out[key] = {
+            "median_abs_step_error": statistics.median(errs),
+            "ranking_predicted": ranking(pred),
+            "ranking_measured": ranking(meas),
+            "same_ranking": ranking(pred) == ranking(meas),
+        }
+    return out
+
+
+def table(report: dict) -> str:
+    """The predicted-vs-measured table (markdown)."""
+    lines = []
+    if not report["timing_meaningful"]:
+        lines.append("**DRY RUN on the CPU: times are host wall-clock of a scaled-down model; "
+                     "they mean nothing about a GPU.**\n")  # fmt: skip
+    env = report["environment"]
+    lines.append(f"device {env.get('device')}, preset {report['preset']}, model {report['model']}"
+                 f" ({report['layers']} layers, EP {report['ep']} emulated), "
+                 f"commit {str(env.get('commit'))[:10]}\n")  # fmt: skip
+    lines.append("| case | schedule | step pred (µs) | step meas (µs) | source | err | "
+                 "exposed comm pred/meas (µs) | per-op median abs err | note |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for key, case in report["cases"].items():
+        for name, r in case["runs"].items():
+            if "comparison" not in r:
+                lines.append(f"| {key} | {name} | | | | | | | {r.get('error') or r.get('skipped')} |")
+                continue
+            c = r["comparison"]
+            st, ex = c["step_time_us"], c["exposed_comm_us"]
+            err = st["rel_error"]
+            po = c["per_op_median_abs_rel_error"]
+            lines.append(
+                f"| {key} | {name} | {st['predicted']:.1f} | {st['measured']:.1f} | "
+                f"{r['measured_step_source']} | {err:+.1%} | {ex['predicted']:.1f} / "
+                f"{ex['measured']:.1f} | {'' if po is None else f'{po:.1%}'} | "
+                f"{'excluded: one GPU' if not r['comparable'] else ''} |"
+            )
+    lines.append("")
+    for key, s in report.get("summary", {}).items():
+        lines.append(f"- {key}: median |step error| {s['median_abs_step_error']:.1%}; ranking "
+                     f"{'the same' if s['same_ranking'] else 'DIFFERS'} (predicted "
+                     f"{', '.join(s['ranking_predicted'])}; measured "
+                     f"{', '.join(s['ranking_measured'])})")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _step_figure(report: dict, path: Path) -> None:
     try:
-        res.update(json.loads(buf.getvalue()))
-    except json.JSONDecodeError:
-        res["stdout"] = buf.getvalue()[-500:]
-    if err.getvalue().strip():
-        res["stderr"] = err.getvalue()[-500:]
-    res["seconds"] = round(time.time() - t, 1)
-    return res
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return
+    cases = [(k, c) for k, c in report["cases"].items() if c["runs"]]
+    if not cases:
+        return
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.6 * len(cases)), squeeze=False)
+    for ax, (key, case) in zip(axes[:, 0], cases, strict=True):
+        names = [n for n, r in case["runs"].items() if "comparison" in r]
+        p = [case["runs"][n]["comparison"]["step_time_us"]["predicted"] for n in names]
+        m = [case["runs"][n]["comparison"]["step_time_us"]["measured"] for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], p, 0.4, label="predicted")
+        ax.bar([x + 0.2 for x in xs], m, 0.4, label="measured")
+        ax.set_xticks(list(xs), names, fontsize=7)
+        ax.set_ylabel("step (µs)")
+        ax.set_title(key + ("" if report["timing_meaningful"] else "  (CPU dry run)"), fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_validation(opts) -> dict:
+    """The whole loop; returns the report (also packed with everything into the archive)."""
+    from overlap_lab.shared import schedules as S
+
+    t0 = time.time()
+    deadline = t0 + opts.budget_s
+    env = environment(opts.device)
+    if opts.gpu is None:
+        opts.gpu = device_preset(env["device"]) if opts.device == "cuda" else "h100"
+    report: dict = {
+        "environment": env,
+        "preset": opts.gpu,
+        "model": opts.model,
+        "layers": opts.layers,
+        "ep": opts.ep,
+        "backend": "emulated (single-GPU emulation of DeepEP; not DeepEP)",
+        "timing_meaningful": opts.device == "cuda",
+        "precision": "bf16 GEMMs and bf16 dispatch on the device; the simulator's Program "
+        "models its own dtypes (see real/README.md)",
+        "commands": opts.argv,
+    }
+    if opts.device == "cpu":
+        report["note"] = "dry run: the same path on the CPU; timings are meaningless"
+    report["pytest_gpu"] = run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+    ctx = Context(opts)
+    names = opts.schedules.split(",") if opts.schedules else S.available()
+    sizes = {"decode": [int(b) for b in str(opts.batches).split(",") if b],
+             "prefill": [int(opts.prefill)]}  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="gpu_validation_"))
+    try:
+        cases: dict = {}
+        for mode in opts.modes.split(","):
+            for size in sizes[mode]:
+                key = f"{mode}_{size}"
+                if time.time() > deadline:
+                    cases[key] = {"skipped": "time budget spent", "runs": {}}
+                    continue
+                cases[key] = run_case(ctx, mode, size, names, work, deadline)
+                print(f"{key}: {len(cases[key]['runs'])} schedules, "
+                      f"{time.time() - t0:.0f} s so far", flush=True)  # fmt: skip
+        report["cases"] = cases
+        report["summary"] = summarize(cases)
+        report["seconds"] = round(time.time() - t0, 1)
+        (work / "results.json").write_text(
+            json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
+        )
+        md = table(report)
+        (work / "table.md").write_text(md)
+        _step_figure(report, work / "step_times.png")
+        out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        archive = out / f"{opts.name}.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(work, arcname=opts.name)
+        report["archive"] = str(archive)
+        report["table"] = md
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def parse(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--modes", default="decode,prefill")
+    p.add_argument("--batches", default=None, help="decode batch sizes (GPU: 32,128)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill tokens (GPU: 4096)")
+    p.add_argument("--schedules", default=None, help="default: every available schedule")
+    p.add_argument("--model", default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--ep", type=int, default=None)
+    p.add_argument("--kv-len", dest="kv_len", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu", default=None, help="shared.hardware preset (default: from the name)")
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--pytest", action="store_true", help="run the GPU tests first")
+    p.add_argument("--pytest-timeout-s", type=float, default=150.0)
+    p.add_argument("--no-figures", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "overlap-lab-out" / "gpu_validation"))
+    p.add_argument("--name", default=None, help="archive name (default gpu_validation_<dev>_<modes>)")
+    opts = p.parse_args(argv)
+    defaults = GPU_DEFAULTS if opts.device == "cuda" else CPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(opts, k) is None:
+            setattr(opts, k, v)
+    if opts.name is None:
+        opts.name = f"gpu_validation_{opts.device}_{opts.modes.replace(',', '-')}"
+    opts.argv = ["python -m overlap_lab.experiments.gpu_validation", *(argv or sys.argv[1:])]
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="32,128")
-    p.add_argument("--modes", default="decode")
-    p.add_argument("--schedules", default=None, help="default: every available schedule")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gpu", default=None, help="shared.hardware preset (default: from the name)")
-    p.add_argument("--budget-s", type=float, default=540.0)
-    p.add_argument("--pytest-timeout-s", type=float, default=240.0)
-    p.add_argument("--skip-pytest", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "overlap-lab-out" / "gpu_validation"))
-    p.add_argument("--results", default=str(ROOT / "experiments" / "results"))
-    opts = p.parse_args(argv)
-    if str(ROOT) not in sys.path:  # run as a script: python experiments/gpu_validation.py
-        sys.path.insert(0, str(ROOT))
+    opts = parse(argv)
     try:
         import torch
     except ImportError:
         print(NO_GPU + " (torch is not installed)")
         return 2
-    if not torch.cuda.is_available():
+    if opts.device == "cuda" and not torch.cuda.is_available():
         print(NO_GPU)
         return 2
-    t0 = time.time()
-    env = environment()
-    opts.gpu = opts.gpu or device_preset(env["device"])
-    print(f"gpu_validation on {env['device']} ({env['num_sms']} SMs), preset {opts.gpu}")
-    report: dict = {"environment": env, "preset": opts.gpu, "backend": "emulated"}
-    report["pytest_gpu"] = (
-        {"status": "skipped"} if opts.skip_pytest else run_pytest(opts.pytest_timeout_s)
-    )
-    print(
-        f"pytest -m gpu: {report['pytest_gpu'].get('status')} {report['pytest_gpu'].get('counts', '')}"
-    )
-    from overlap_lab.shared import schedules as S
-
-    names = opts.schedules.split(",") if opts.schedules else S.available()
-    runs: dict = {}
-    for mode in opts.modes.split(","):
-        for batch in [int(b) for b in opts.batches.split(",")]:
-            for name in names:
-                key = f"{mode}/b{batch}/{name}"
-                if time.time() - t0 > opts.budget_s:
-                    runs[key] = {"skipped": f"time budget of {opts.budget_s:.0f} s spent"}
-                    continue
-                r = runs[key] = run_one(name, mode, batch, opts)
-                step = r.get("step_time_us")
-                print(f"{key:32s} " + (f"step {step:.1f} us" if step else str(r)[:160]))
-    report["runs"] = runs
-    report["seconds"] = round(time.time() - t0, 1)
-    out = Path(opts.results) / f"gpu_{opts.gpu}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
-    ok = report["pytest_gpu"].get("status") in ("ok", "skipped") and all(
-        "error" not in r and r.get("rc", 0) == 0 for r in runs.values()
-    )
-    return 0 if ok else 1
+    report = run_validation(opts)
+    print(report["table"])
+    print(f"wrote {report['archive']}")
+    bad = [
+        f"{k}/{n}"
+        for k, c in report["cases"].items()
+        for n, r in c["runs"].items()
+        if "error" in r
+    ]
+    if bad:
+        print(f"errors in: {', '.join(bad)} (see results.json in the archive)")
+    pyt = report["pytest_gpu"].get("status")
+    return 0 if not bad and pyt in ("ok", "not run") else 1
 
 
 if __name__ == "__main__":

@@ -464,7 +464,9 @@ def dense_mlp(ctx: KernelCtx) -> None:
 
 @register("gate")
 def gate(ctx: KernelCtx) -> None:
-    ctx.put("router_logits", ctx.get("mlp_in") @ ctx.lw["gate"].t())
+    x = ctx.get("mlp_in")
+    with sm_budget(ctx.op.sms, x.device) as g:
+        ctx.put("router_logits", g.linear(x, ctx.lw["gate"]))
 
 
 @register("select_experts")

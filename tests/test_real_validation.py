@@ -1,0 +1,209 @@
+"""The predicted-vs-measured loop (real/validate.py, experiments/gpu_validation.py) on the CPU,
+and the executor's run bookkeeping it relies on: counters reset per run, every SM limit of a
+Program enforced or reported, per-op spans kept apart from graph-replay step times, the same
+experts kernels in every schedule."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("simpy")
+
+from overlap_lab.real import model as M  # noqa: E402
+from overlap_lab.real import validate as V  # noqa: E402
+from overlap_lab.shared import schedules as S  # noqa: E402
+from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.trace import Span, Trace  # noqa: E402
+from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
+
+
+def _w(mode="decode"):
+    mc = M.get_model_config("tiny-mla")
+    b = Batch.decode(kv_lens=[40] * 6) if mode == "decode" else Batch.prefill(extend_lens=[20, 9])
+    return Workload(mc, b, Parallel(ep=2))
+
+
+def test_dry_run_writes_one_archive_with_the_table_and_says_it_is_a_dry_run(tmp_path):
+    from overlap_lab.experiments import gpu_validation as GV
+
+    rc = GV.main(
+        ["--device", "cpu", "--out", str(tmp_path), "--name", "dry", "--batches", "4",
+         "--prefill", "16", "--schedules", "serial,tbo,pp", "--repeats", "1",
+         "--warmup", "0"]
+    )  # fmt: skip
+    assert rc == 0
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == ["dry.tar.gz"]  # ONE archive
+    with tarfile.open(files[0]) as tar:
+        names = tar.getnames()
+        report = json.load(tar.extractfile("dry/results.json"))
+        md = tar.extractfile("dry/table.md").read().decode()
+    assert "dry/step_times.png" in names
+    assert any(n.endswith("tbo.measured.trace.json.gz") for n in names)
+    assert any(n.endswith("tbo.predicted.trace.json.gz") for n in names)
+    assert report["timing_meaningful"] is False and md.startswith("**DRY RUN")
+    assert set(report["cases"]) == {"decode_4", "prefill_16"}
+    for case in report["cases"].values():
+        assert set(case["runs"]) == {"serial", "tbo", "pp"}
+        for name, r in case["runs"].items():
+            assert "comparison" in r, (name, r)
+            assert r["comparison"]["ops_aligned"] > 0
+            assert r["comparable"] == (name != "pp")
+            assert r["duration_sources"]  # per op: profile or roofline
+    assert "pp" not in report["summary"]["decode_4"]["ranking_measured"]
+
+
+def test_no_gpu_is_one_line_and_exit_2(capsys):
+    from overlap_lab.experiments import gpu_validation as GV
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert GV.main(["--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_interpolation_is_exact_on_points_and_monotone_between():
+    pts = [(16, 10.0), (64, 20.0), (256, 80.0)]
+    assert [V.interpolate(pts, t) for t, _ in pts] == [10.0, 20.0, 80.0]
+    ys = [V.interpolate(pts, t) for t in range(16, 257, 8)]
+    assert all(a <= b for a, b in zip(ys, ys[1:], strict=False))
+    assert V.interpolate(pts, 512) >= 80.0 and V.interpolate(pts, 1) <= 10.0
+    assert V.interpolate([(8, 5.0)], 100) == 5.0
+
+
+def test_calibration_round_trip_reproduces_the_profiled_durations():
+    """A profile built from a (simulated) serial trace, applied to the same Program, gives the
+    simulator back those durations."""
+    g = get_gpu("h100")
+    w = _w()
+    p = S.build("serial", w, g)
+    tr = V.predict(p, g)
+    prof = V.profile_from_runs([(p, tr)], g.num_sms)
+    cp, sources = V.calibrated_program(p, g, prof)
+    assert sum(v["profile"] for v in sources.values()) > 0
+    d0, d1 = V.stream_durations(tr), V.stream_durations(V.predict(cp, g))
+    ops = V.launched_ops(p)
+    for k, dur in d0.items():
+        if ops[k].kind == "compute" and dur > 0:
+            assert d1[k] == pytest.approx(dur, rel=0.02), k
+    cmp = V.compare(V.predict(cp, g), tr)
+    assert abs(cmp["step_time_us"]["rel_error"]) < 0.02
+
+
+def _tr(spans, **meta):
+    return Trace([Span(0, "stream:main", n, "compute", a, b) for n, a, b in spans], meta)
+
+
+def test_graph_timed_runs_keep_eager_op_spans_and_graph_step_times_apart():
+    from overlap_lab.real.executor import timing_meta
+
+    graphs = [_tr([("graph:decode", 0, t)]) for t in (50.0, 40.0, 45.0)]
+    eager = [_tr([("attn.core", 0, 30), ("experts", 30, t)]) for t in (70.0, 90.0, 80.0)]
+    tr, meta = timing_meta(graphs, eager)
+    assert [s.op for s in tr.spans] == ["attn.core", "experts"]  # per-op spans, eager
+    assert tr.step_time_us == 80.0  # the eager run of median step time
+    assert meta["graph_replay_step_time_us"] == 45.0 and meta["eager_step_time_us"] == 80.0
+    assert meta["step_time_source"] == "graph_replay" and "eager" in meta["spans_source"]
+
+
+def test_kernel_counters_are_reset_per_run_and_sm_limits_are_all_reported():
+    from overlap_lab.real.executor import execute
+    from overlap_lab.real.gemm import ComputeBudget
+
+    w = _w("prefill")
+    prog = S.build("deepseek", w, get_gpu("h100"))  # limits 108 SMs on 11+ compute op types
+    ComputeBudget.applied = {"stale: an earlier run": 7}
+    tr = execute(prog, w).trace
+    assert "stale: an earlier run" not in tr.meta["sm_budget_mechanisms"]
+    limited = {
+        V.base_name(o.name)
+        for o in V.launched_ops(prog).values()
+        if o.kind == "compute" and o.sms
+    }
+    compute = tr.meta["sm_limits"]["compute"]
+    assert limited and limited <= set(compute)  # every limit has a status
+    assert compute["experts"]["status"].startswith("budget scoped")
+    assert compute["gate"]["status"].startswith("budget scoped")
+    assert compute["attn.core"]["status"].startswith("not enforced")
+    comm = tr.meta["sm_limits"]["comm"]
+    assert comm["normal_dispatch"]["status"].startswith("not enforced")  # the local backend
+
+
+def test_emulated_sbo_combine_launches_the_programs_sms():
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+
+    w = _w()
+    prog = S.build("sbo", w, get_gpu("h100"))
+    be = make_backend("emulated", rank=0, world=2, num_experts=8, hidden=64, device_sms=132)
+    tr = execute(prog, w, backend=be).trace
+    assert tr.meta["sm_limits"]["comm"]["ll_combine"]["requested"] == 3
+    assert {r["ctas"] for r in be.launches if r["kind"] == "ll_combine"} == {3}
+    assert {r["ctas"] for r in be.launches if r["kind"] == "ll_dispatch"} == {8}
+
+
+class _RecordingBudget:
+    """Stands in for real.gemm.ComputeBudget with the GPU's decision (every GEMM through the
+    budget kernels); records which kernel each GEMM took and its grid."""
+
+    calls: list = []
+
+    def __init__(self, sms, device=None):
+        self.sms = sms or 132
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    limited = True
+
+    @property
+    def mm(self):
+        return self.linear
+
+    def linear(self, x, w):
+        self.calls.append(("linear", self.sms))
+        return x @ w.t()
+
+    def grouped_masked(self, x, w, counts, expected_m=None):
+        self.calls.append(("grouped_masked", self.sms, expected_m))
+        y = torch.bmm(x, w.transpose(1, 2))
+        valid = torch.arange(x.shape[1])[None, :] < counts[:, None]
+        return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype))
+
+    def grouped_contiguous(self, x, w, counts):
+        self.calls.append(("grouped_contiguous", self.sms))
+        out, lo = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype), 0
+        for e, n in enumerate(counts):
+            out[lo : lo + n] = x[lo : lo + n] @ w[e].t()
+            lo += n
+        return out
+
+
+def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
+    """Experts cost must not depend on the code path: every schedule's routed experts go
+    through the masked grouped GEMM (only the grid, the SM budget, differs), with DeepGEMM's
+    expected_m from the routing (not the padded rows)."""
+    from overlap_lab.real import kernels as K
+    from overlap_lab.real.check import workload_variants
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+
+    monkeypatch.setattr(K, "sm_budget", lambda sms, device=None: _RecordingBudget(sms, device))
+    w = _w()
+    for name in S.available():
+        wv = workload_variants(name, w)[0]
+        _RecordingBudget.calls = []
+        be = make_backend("emulated", rank=0, world=2, num_experts=8, hidden=64, device_sms=132)
+        execute(S.build(name, wv, get_gpu("h100")), wv, backend=be)
+        kinds = {c[0] for c in _RecordingBudget.calls}
+        assert "grouped_masked" in kinds and "grouped_contiguous" not in kinds, name
+        masked = [c for c in _RecordingBudget.calls if c[0] == "grouped_masked"]
+        # 6 tokens, top-2 of 8 experts, 2 ranks: 3 rows per expert on average; padded rows 12
+        assert all(c[2] is not None and c[2] < 12 for c in masked), (name, masked[:2])
