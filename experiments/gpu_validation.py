@@ -176,7 +176,7 @@ class Context:
 
 def _measured_step(tr) -> tuple[float, str]:
     g = tr.meta.get("graph_replay_step_time_us")
-    if g:
+    if g and tr.meta.get("step_time_source") == "graph_replay":
         return g, "graph replay"
     return tr.meta.get("median_step_time_us", tr.step_time_us), "eager"
 

@@ -334,7 +334,8 @@ def logits(ctx: KernelCtx) -> None:
         ("sampled_rows", lo, ctx.mb["tok_hi"]),
         lambda: torch.tensor(sampled, dtype=torch.long, device=h.device),
     )
-    lg = final[rows].float() @ ctx.weights.lm_head.float().t()
+    # lm_head in the weights' dtype (a bf16 GEMM on a GPU), logits returned in fp32
+    lg = (final[rows] @ ctx.weights.lm_head.t()).float()
     ctx.put("final", final)
     ctx.put("logits", (rows + lo, lg))
     hi = ctx.mb["tok_hi"]
@@ -385,13 +386,27 @@ def _pieces(ctx: KernelCtx):
     return ctx.step.layout.tokens(ctx.mb["tok_lo"], ctx.mb["tok_hi"])
 
 
+def _token_index(ctx: KernelCtx, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of every real token of this micro-batch, as device tensors made
+    once from the host layout (no per-sequence kernels on the hot path)."""
+    pieces = _pieces(ctx)
+
+    def make():
+        seq = [s for s, _, r, _ in pieces for _ in range(r)]
+        pos = [q for _, _, r, p in pieces for q in range(p, p + r)]
+        return torch.tensor([seq, pos], dtype=torch.long).to(device)
+
+    t = ctx.step.const(("token_index", ctx.mb["tok_lo"], ctx.mb["tok_hi"]), make)
+    return t[0], t[1]
+
+
 @register("attn.prepare")
 def attn_prepare(ctx: KernelCtx) -> None:
     """q projections and the new KV rows (written into the cache at their positions)."""
     cfg, lw = ctx.cfg, ctx.lw
     n = ctx.real_rows()
     x = ctx.get("attn_in")[:n]
-    pos = torch.cat([torch.arange(p, p + r, device=x.device) for _, _, r, p in _pieces(ctx)]).long()
+    seq_idx, pos = _token_index(ctx, x.device)
     if cfg.attention == "mla":
         q_nope, q_pe, rows = M.mla_prepare(cfg, lw, x, pos)
         ctx.put("q", (q_nope, q_pe))
@@ -399,9 +414,9 @@ def attn_prepare(ctx: KernelCtx) -> None:
         q, rows = M.gqa_prepare(cfg, lw, x, pos)
         ctx.put("q", (q,))
     cache = ctx.step.kv[ctx.op.layer]
-    for s, r0, r, p in _pieces(ctx):
+    for s, *_ in _pieces(ctx):
         ctx.kv_access(s, write=True)
-        cache[s, p : p + r] = rows[r0 : r0 + r].to(cache.dtype)
+    cache[seq_idx, pos] = rows.to(cache.dtype)  # one scatter for every sequence
 
 
 @register("attn.core")
@@ -419,12 +434,15 @@ def attn_core(ctx: KernelCtx) -> None:
     dev = cache.device
     if cfg.attention == "mla" and ctx.step.layout.mode == "decode":
         s0 = pieces[0][0]
-        q_seq = torch.cat([torch.full((r,), s - s0, device=dev) for s, _, r, _ in pieces]).long()
-        q_pos = torch.cat([torch.arange(p, p + r, device=dev) for _, _, r, p in pieces]).long()
+        seq_idx, q_pos = _token_index(ctx, dev)
         lmax = max(p + r for _, _, r, p in pieces)  # from the host layout: no device read
-        o = M.mla_attend_absorbed(
-            cfg, lw, q[0], q[1], cache[s0 : pieces[-1][0] + 1, :lmax], q_seq, q_pos
-        )
+        kv = cache[s0 : pieces[-1][0] + 1, :lmax]
+        r0 = pieces[0][2]
+        if all(r == r0 for _, _, r, _ in pieces) and len(pieces) == kv.shape[0]:
+            # one query block per sequence: batched SDPA over the latent cache, no gather
+            o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
+        else:
+            o = M.mla_attend_absorbed(cfg, lw, q[0], q[1], kv, seq_idx - s0, q_pos)
     else:
         outs = []
         for s, r0, r, p in pieces:

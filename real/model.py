@@ -392,6 +392,31 @@ def mla_attend_absorbed(cfg, lw, q_nope, q_pe, kv_pad, q_seq, q_pos):
     return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(q_nope.shape[0], -1)
 
 
+def mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, kv_pad, q_pos):
+    """:func:`mla_attend_absorbed` for S sequences of r query tokens each (q_*: [S*r, h, *],
+    q_pos [S, r]), as one batched scaled_dot_product_attention in the latent space (MQA: one
+    KV head of c + r dims, values the first c): no per-token gather or fp32 copy of the cache;
+    the backend (FlashAttention-class where the head size allows, else torch's math kernel)
+    is torch's choice."""
+    w_uk, w_uv = _kv_b_split(cfg, lw)
+    S, r = q_pos.shape
+    h = q_nope.shape[1]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).transpose(1, 2)
+    k = kv_pad[:, None].to(q.dtype)  # [S, 1, L, c + r]
+    v = kv_pad[:, None, :, : cfg.kv_lora_rank].to(q.dtype)
+    valid = torch.arange(kv_pad.shape[1], device=kv_pad.device)[None, None, :] <= q_pos[..., None]
+    o = F.scaled_dot_product_attention(
+        q,
+        k.expand(S, h, *k.shape[2:]),
+        v.expand(S, h, *v.shape[2:]),
+        attn_mask=valid[:, None],
+        scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+    )  # [S, h, r, c]
+    o_lat = o.transpose(1, 2).reshape(S * r, h, -1).to(q_nope.dtype)
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
+
+
 # -- GQA ---------------------------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ def test_gpu_validation_without_a_gpu_says_so_and_runs_nothing(capsys, monkeypat
     from overlap_lab.experiments import gpu_validation as V
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert V.main(["--results", str(tmp_path)]) == 2
+    assert V.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA GPU" in capsys.readouterr().out and not list(tmp_path.iterdir())
     assert V.device_preset("NVIDIA H100 80GB HBM3") == "h100"
     assert V.device_preset("NVIDIA H200") == "h200"

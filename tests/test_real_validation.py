@@ -57,15 +57,6 @@ def test_dry_run_writes_one_archive_with_the_table_and_says_it_is_a_dry_run(tmp_
     assert "pp" not in report["summary"]["decode_4"]["ranking_measured"]
 
 
-def test_no_gpu_is_one_line_and_exit_2(capsys):
-    from overlap_lab.experiments import gpu_validation as GV
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    assert GV.main(["--device", "cuda"]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().out
-
-
 def test_interpolation_is_exact_on_points_and_monotone_between():
     pts = [(16, 10.0), (64, 20.0), (256, 80.0)]
     assert [V.interpolate(pts, t) for t, _ in pts] == [10.0, 20.0, 80.0]

@@ -77,17 +77,14 @@ class EmulatedBackend(LoopbackBackend):
 
     def _buffers(self, words: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the emulated byte movement. A larger one replaces it when needed, and the
-        old one is kept alive until the run ends (``reset_run``): kernels on other streams may
-        still be reading it, and the caching allocator would hand its memory out again."""
+        old one is kept for the backend's life: kernels on other streams may still use it, and a
+        captured CUDA graph keeps its address (the caching allocator would hand it out again)."""
         if self._scratch is None or self._scratch.numel() < 2 * words + 2:
             if self._scratch is not None:
                 self._retired.append(self._scratch)
             self._scratch = torch.zeros(2 * words + 2, dtype=torch.int32, device=device)
         return self._scratch[:words], self._scratch[words : 2 * words]
 
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._retired = []
 
     @property
     def launches(self) -> list[dict]:
