@@ -26,8 +26,8 @@ ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
-import io
 import json
 import platform
 import re
@@ -47,7 +47,9 @@ NOT_COMPARABLE = {
     "one-stage-per-GPU prediction; excluded from the error medians and the ranking",
 }
 CPU_DEFAULTS = dict(model="tiny-mla", layers=3, ep=2, batches="4,8", prefill=24, kv_len=64)
-GPU_DEFAULTS = dict(model="deepseek-v3", layers=4, ep=32, batches="32,128", prefill=4096, kv_len=2048)
+GPU_DEFAULTS = dict(
+    model="deepseek-v3", layers=4, ep=32, batches="32,128", prefill=4096, kv_len=2048
+)
 
 
 def _cmd(args: list[str], timeout: float = 20) -> str | None:
@@ -134,7 +136,19 @@ class Context:
         self.opts = opts
         self.device = opts.device
         self.gpu = get_gpu(opts.gpu)
-        self.mc = M.get_model_config_layers(opts.model, opts.layers)
+        mc = M.get_model_config_layers(opts.model, opts.layers)
+        # Precision, the same on both sides: the executor runs BF16 GEMMs (it has no FP8 GEMM
+        # path yet), so the simulator is told gemm_dtype=bf16; dispatch is counted and timed as
+        # FP8 + scales on both sides (the emulated backend's link model, the simulator's ops).
+        self.precision = {
+            "gemm": "bf16 (model config says " + mc.gemm_dtype + "; the executor has no FP8 "
+            "GEMM path, so the simulator is given gemm_dtype=bf16)",
+            "dispatch": "fp8 bytes on both sides (emulated link timing; data moved in "
+            + ("bf16" if self.device == "cuda" else "fp32 on the CPU")
+            + ")",
+            "attention": mc.attn_dtype,
+        }
+        self.mc = dataclasses.replace(mc, gemm_dtype="bf16")
         self.cfg = M.from_model_config(self.mc)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.weights = M.init_weights(
@@ -158,11 +172,13 @@ class Context:
         from overlap_lab.real.comm import make_backend
         from overlap_lab.real.comm.bytes import LinkParams
 
-        return make_backend(
+        be = make_backend(
             "emulated", rank=0, world=self.opts.ep, num_experts=self.cfg.num_experts,
             hidden=self.cfg.hidden, link=LinkParams.from_gpu(self.gpu),
             num_sms=self.gpu.deepep_normal_sms, device_sms=self.device_sms,
         )  # fmt: skip
+        be.dispatch_fp8 = True  # the simulator models DeepEP's FP8 dispatch
+        return be
 
     def measure(self, program, w):
         from overlap_lab.real.executor import execute
@@ -292,7 +308,9 @@ def table(report: dict) -> str:
     for key, case in report["cases"].items():
         for name, r in case["runs"].items():
             if "comparison" not in r:
-                lines.append(f"| {key} | {name} | | | | | | | {r.get('error') or r.get('skipped')} |")
+                lines.append(
+                    f"| {key} | {name} | | | | | | | {r.get('error') or r.get('skipped')} |"
+                )
                 continue
             c = r["comparison"]
             st, ex = c["step_time_us"], c["exposed_comm_us"]
@@ -358,14 +376,15 @@ def run_validation(opts) -> dict:
         "ep": opts.ep,
         "backend": "emulated (single-GPU emulation of DeepEP; not DeepEP)",
         "timing_meaningful": opts.device == "cuda",
-        "precision": "bf16 GEMMs and bf16 dispatch on the device; the simulator's Program "
-        "models its own dtypes (see real/README.md)",
         "commands": opts.argv,
     }
     if opts.device == "cpu":
         report["note"] = "dry run: the same path on the CPU; timings are meaningless"
-    report["pytest_gpu"] = run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+    report["pytest_gpu"] = (
+        run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+    )
     ctx = Context(opts)
+    report["precision"] = ctx.precision
     names = opts.schedules.split(",") if opts.schedules else S.available()
     sizes = {"decode": [int(b) for b in str(opts.batches).split(",") if b],
              "prefill": [int(opts.prefill)]}  # fmt: skip
@@ -422,7 +441,9 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--pytest-timeout-s", type=float, default=150.0)
     p.add_argument("--no-figures", action="store_true")
     p.add_argument("--out", default=str(ROOT / "overlap-lab-out" / "gpu_validation"))
-    p.add_argument("--name", default=None, help="archive name (default gpu_validation_<dev>_<modes>)")
+    p.add_argument(
+        "--name", default=None, help="archive name (default gpu_validation_<dev>_<modes>)"
+    )
     opts = p.parse_args(argv)
     defaults = GPU_DEFAULTS if opts.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
@@ -448,10 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report["table"])
     print(f"wrote {report['archive']}")
     bad = [
-        f"{k}/{n}"
-        for k, c in report["cases"].items()
-        for n, r in c["runs"].items()
-        if "error" in r
+        f"{k}/{n}" for k, c in report["cases"].items() for n, r in c["runs"].items() if "error" in r
     ]
     if bad:
         print(f"errors in: {', '.join(bad)} (see results.json in the archive)")

@@ -842,9 +842,7 @@ def execute(
     trace = traces[med]
     if graph_timed:
         trace, tmeta = timing_meta(traces, eager_traces)
-        captured = any(
-            g.get("mode") == "captured" for r in runners for g in r.gpu.graphs.values()
-        )
+        captured = any(g.get("mode") == "captured" for r in runners for g in r.gpu.graphs.values())
         if not captured:  # every graph fell back to op by op: both passes were eager
             tmeta["step_time_source"] = "eager (no graph captured: see cuda_graphs)"
         trace.meta.update(tmeta)

@@ -155,7 +155,9 @@ def calibrated_program(program: Program, gpu, profile: Profile) -> tuple[Program
     )
     meta = dict(program.meta)
     meta["calibrated"] = "op durations from a measured profile (real.validate)"
-    return dataclasses.replace(program, ranks=ranks, meta=meta), {k: dict(v) for k, v in counts.items()}
+    return dataclasses.replace(program, ranks=ranks, meta=meta), {
+        k: dict(v) for k, v in counts.items()
+    }
 
 
 def predict(program: Program, gpu) -> Trace:
@@ -188,7 +190,11 @@ def compare(pred: Trace, meas: Trace, *, measured_step_us: float | None = None) 
     }
     all_err = [abs(e) for v in by_op.values() for e in v]
     return {
-        "step_time_us": {"predicted": step_p, "measured": step_m, "rel_error": _rel(step_p, step_m)},
+        "step_time_us": {
+            "predicted": step_p,
+            "measured": step_m,
+            "rel_error": _rel(step_p, step_m),
+        },
         "exposed_comm_us": {"predicted": exp_p, "measured": exp_m, "abs_error_us": exp_p - exp_m},
         "per_op": per_op,
         "per_op_median_abs_rel_error": statistics.median(all_err) if all_err else None,

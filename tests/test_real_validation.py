@@ -111,9 +111,7 @@ def test_kernel_counters_are_reset_per_run_and_sm_limits_are_all_reported():
     tr = execute(prog, w).trace
     assert "stale: an earlier run" not in tr.meta["sm_budget_mechanisms"]
     limited = {
-        V.base_name(o.name)
-        for o in V.launched_ops(prog).values()
-        if o.kind == "compute" and o.sms
+        V.base_name(o.name) for o in V.launched_ops(prog).values() if o.kind == "compute" and o.sms
     }
     compute = tr.meta["sm_limits"]["compute"]
     assert limited and limited <= set(compute)  # every limit has a status

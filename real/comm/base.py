@@ -180,6 +180,13 @@ class EPBackend:
         one of real.comm.bytes.KINDS; ``self.last_bytes`` holds its ByteCount."""
         raise NotImplementedError
 
+    # dispatch bytes counted (and, by the emulated backend, timed) as FP8 + scales, as DeepEP's
+    # FP8 dispatch sends and the simulator models, while the data move in the tensors' dtype
+    dispatch_fp8: bool = False
+
+    def _fp8(self, kind: str) -> bool:
+        return self.dispatch_fp8 and kind.endswith("dispatch")
+
     # -- SM budget, info ------------------------------------------------------------------------
 
     def set_num_sms(self, k: int, *, kind: str = "normal_dispatch") -> None:
@@ -199,6 +206,9 @@ class EPBackend:
             "comm_world": self.world,
             "link": self.link.as_meta(),
             "capabilities": sorted(self.capabilities),
+            "dispatch_bytes": "fp8 + scales (data moved in the tensors' dtype)"
+            if self.dispatch_fp8
+            else "tensors' dtype",
         }
 
     def capture(self) -> EventOverlap:
@@ -213,10 +223,12 @@ class EPBackend:
         key = (kind, num_topk, counts.device)
         mat = self._stat_mats.get(key)
         if mat is None:
-            mb = message_bytes(kind, self.hidden, num_topk=num_topk)
+            mb = message_bytes(kind, self.hidden, num_topk=num_topk, use_fp8=self._fp8(kind))
             cls = rank_classes(self.rank, self.world, self.link.gpus_per_node)
             rows = [[mb * (c == 0), mb * (c == 1), mb * (c == 2), 1] for c in cls]
-            mat = self._stat_mats[key] = _to_device(torch.tensor(rows, dtype=torch.int64), counts.device)
+            mat = self._stat_mats[key] = _to_device(
+                torch.tensor(rows, dtype=torch.int64), counts.device
+            )
         stats = (counts.to(torch.int64)[:, None] * mat).sum(0)
         self.last_stats = stats
         self.traffic.add_tensor(kind, stats)

@@ -130,9 +130,7 @@ class DeepEPBackend(EPBackend):
         params = inspect.signature(Buffer.low_latency_combine).parameters
         self.sbo_args = tuple(
             a
-            for a in (
-                SBO_HOPPER_ARGS if "comp_signal" in params else SBO_BLACKWELL_ARGS
-            )
+            for a in (SBO_HOPPER_ARGS if "comp_signal" in params else SBO_BLACKWELL_ARGS)
             if a in params
         )
         caps = {"normal", "ll_hook", "sm_limit", "cpu_blocking_dispatch"}

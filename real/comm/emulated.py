@@ -85,7 +85,6 @@ class EmulatedBackend(LoopbackBackend):
             self._scratch = torch.zeros(2 * words + 2, dtype=torch.int32, device=device)
         return self._scratch[:words], self._scratch[words : 2 * words]
 
-
     @property
     def launches(self) -> list[dict]:
         """One record per emulated transfer: kind, CTAs, remote bytes and modelled delay (read
@@ -103,7 +102,9 @@ class EmulatedBackend(LoopbackBackend):
         pend = super()._exchange_start(chunks, kind)
         dev = chunks[0][0].device
         rows = sum(int(c[0].shape[0]) for c in chunks)
-        max_bytes = rows * message_bytes(kind, self.hidden, num_topk=self._topk_hint(chunks))
+        max_bytes = rows * message_bytes(
+            kind, self.hidden, num_topk=self._topk_hint(chunks), use_fp8=self._fp8(kind)
+        )
         hook_split = kind.startswith("ll")  # LL send/recv split at the hook; normal: one kernel
         waits = self._link(kind, self.last_stats, max_bytes, dev, hook_split=hook_split)
         pend.waits[:0] = waits

@@ -96,7 +96,7 @@ class LoopbackBackend(EPBackend):
         stats = self._account("ll_dispatch", counts_dev)
         # Send half (DeepEP's send kernel): one message per (token, expert) pair on the wire.
         wire = x.index_select(0, torch.div(ar, k, rounding_mode="floor"))
-        max_bytes = P * message_bytes("ll_dispatch", H, use_fp8=use_fp8)
+        max_bytes = P * message_bytes("ll_dispatch", H, use_fp8=use_fp8 or self.dispatch_fp8)
         waits = self._send_done(dev)
         waits += self._link("ll_dispatch", stats, max_bytes, dev, hook_split=return_recv_hook)
         buf = torch.empty(per * Mx + 1, H, dtype=x.dtype, device=dev)
