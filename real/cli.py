@@ -281,7 +281,17 @@ def _run_gpu(args) -> int:
             step_times_us=tr.meta.get("step_times_us"),
             cuda_graphs=tr.meta.get("cuda_graphs"),
             sm_budget_mechanisms=tr.meta.get("sm_budget_mechanisms"),
+            sm_limits=tr.meta.get("sm_limits"),
+            step_time_source=tr.meta.get("step_time_source"),
+            spans_source=tr.meta.get("spans_source"),
+            graph_replay_step_time_us=tr.meta.get("graph_replay_step_time_us"),
+            eager_step_time_us=tr.meta.get("eager_step_time_us"),
         )
+        if prog.meta.get("pp_size", 1) > 1:  # in-process stages: not a pipeline's timing
+            s["note"] = (
+                "pp: every pipeline stage runs in this one process on one GPU; its times are "
+                "not those of one stage per GPU (do not compare them with other schedules)"
+            )
         summaries[name] = s
     if _opt(args, "json"):
         print(
@@ -291,9 +301,12 @@ def _run_gpu(args) -> int:
         )
     else:
         for name, s in summaries.items():
+            g = s.get("graph_replay_step_time_us")
             print(
-                f"{name:16s} step {s['step_time_us']:.1f} us  exposed comm "
-                f"{s['exposed_comm_us']:.1f} us  backend {s['backend']}  device {s['device']}"
+                f"{name:16s} step {s['step_time_us']:.1f} us (op-by-op spans)"
+                + (f"  graph replay {g:.1f} us" if g else "")
+                + f"  exposed comm {s['exposed_comm_us']:.1f} us  backend {s['backend']}"
+                f"  device {s['device']}" + ("  [pp: stages share one GPU]" if "note" in s else "")
             )
     return 0
 

@@ -814,24 +814,37 @@ def execute(
         base_meta["cuda_graphs"] = "CPU: graph bodies run op by op"
     if dev.type == "cpu":
         base_meta["timing"] = "none: CPU spans are host wall-clock of ordered execution"
+    if program.meta.get("pp_size", 1) > 1:
+        base_meta["pp_in_one_process"] = (
+            "every pipeline stage runs in this one process (one device): not the timing of one "
+            "stage per GPU"
+        )
     base_meta.update(meta or {})
+    # A run with CUDA graphs is measured twice: after the warm-up (which captures), an eager
+    # pass (op by op: per-op spans, and the kernels' bookkeeping, which a replay skips), then
+    # the timed replays, last, so the outputs returned are the replays'.
     graph_timed = dev.type == "cuda" and has_graphs and cuda_graphs
+    phases = ["warmup"] * warmup + ["eager"] * (max(1, repeats) if graph_timed else 0)
+    phases += ["timed"] * repeats
     per_run: list[dict] = []
     eager_traces: list[Trace] = []
-    for i in range(warmup + repeats + (max(1, repeats) if graph_timed else 0)):
-        eager_pass = i >= warmup + repeats
+    eager_meta: list[dict] = []
+    for phase in phases:
         for r in runners:
-            r.force_eager = eager_pass
+            r.force_eager = phase == "eager"
         _run_once(runners)
-        if i < warmup:
+        if phase == "warmup":
             continue
         tr = Trace([s for r in runners for s in r.spans], dict(base_meta))
-        if eager_pass:
+        if phase == "eager":
             eager_traces.append(tr)
+            eager_meta.append(_run_meta(runners, backend, dev))
             continue
         traces.append(tr)
         times.append(tr.step_time_us)
         per_run.append(_run_meta(runners, backend, dev))
+    for r in runners:
+        r.force_eager = False
     violations = [v for r in runners if r.tracker for v in r.tracker.violations]
     if violations and check_hazards:
         raise HazardError(
@@ -840,8 +853,11 @@ def execute(
         )
     med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
     trace = traces[med]
+    run_meta = per_run[med]
     if graph_timed:
         trace, tmeta = timing_meta(traces, eager_traces)
+        # the eager pass's bookkeeping: replays run no Python kernels
+        run_meta = eager_meta[next(i for i, t in enumerate(eager_traces) if t is trace)]
         captured = any(g.get("mode") == "captured" for r in runners for g in r.gpu.graphs.values())
         if not captured:  # every graph fell back to op by op: both passes were eager
             tmeta["step_time_source"] = "eager (no graph captured: see cuda_graphs)"
@@ -853,7 +869,7 @@ def execute(
             if dev.type == "cuda"
             else "host wall-clock of ordered execution",
         )
-    trace.meta.update(per_run[med])
+    trace.meta.update(run_meta)
     trace.meta.update(
         step_times_us=times,
         median_step_time_us=statistics.median(times),

@@ -284,6 +284,9 @@ class ComputeBudget:
         if fn is None:
             self.note(f"triton_persistent (deep_gemm has no {name})")
             return False
+        if name in DEEP_GEMM_ERRORS:  # failed once (JIT): not retried on every call
+            self.note(f"triton_persistent (deep_gemm.{name} failed earlier)")
+            return False
         try:
             fn(*args)
         except Exception as e:  # JIT compilation or an unsupported shape: reported, not fatal

@@ -212,3 +212,34 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
         except (FileNotFoundError, ImportError) as e:  # no bundled ptxas on this platform
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         assert k.asm.get("cubin"), fn.__name__
+
+
+def test_a_failing_deep_gemm_call_falls_back_to_triton_and_is_labelled_so(monkeypatch):
+    """A DeepGEMM entry point that raises (JIT failure) is reported and not retried; the GEMM
+    runs through the Triton kernel with the same budget, never counted as deep_gemm."""
+    calls = []
+
+    def bf16_gemm_nt(a, b, d):
+        calls.append(1)
+        raise RuntimeError("nvcc: JIT compilation failed")
+
+    dg = types.SimpleNamespace(bf16_gemm_nt=bf16_gemm_nt)
+    monkeypatch.setattr(G, "matmul", lambda x, w, num_sms: x @ w.t())
+    monkeypatch.setattr(G, "DEEP_GEMM_ERRORS", {})
+    G.reset_applied()
+    b = G.ComputeBudget(100, mechanism="deep_gemm")
+    b._dg = dg  # what __enter__ sets from deep_gemm_num_sms on a GPU
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(b.linear(x, w), x @ w.t())
+    assert len(calls) == 1 and "bf16_gemm_nt" in G.DEEP_GEMM_ERRORS
+    labels = G.ComputeBudget.applied
+    assert not any(k.startswith("deep_gemm") for k in labels), labels
+    assert sum(labels.values()) == 3
+
+
+def test_expected_m_is_the_routings_mean_not_the_padded_rows():
+    # DeepSeek-V3 decode, batch 128 per rank, EP 32: 8 local experts, 4096 padded rows each
+    assert G.expected_rows(128, 8, 256, 32, 4096) == 128
+    assert G.expected_rows(1, 1, 256, 2, 64) == 1
+    assert G.expected_rows(1000, 8, 8, 4, 64) == 64  # clamped to the padded rows
