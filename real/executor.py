@@ -373,6 +373,7 @@ class RankRunner:
     def reset(self) -> None:
         self.sm_limits = {}
         for st in self.states.values():
+            st.keep.clear()  # the previous run ended with a device synchronize
             st.mbs.clear()
             st.rowlog.clear()
             st.logits.clear()
@@ -416,6 +417,7 @@ class RankRunner:
             world=self.world,
             rank=self.rp.rank,
             steps=self.states,
+            keep_alive=self.gpu is not None,
         )
         fn = K.bind(op.name)
         fn = self._limit_checked(op, fn)

@@ -145,6 +145,7 @@ class StepState:
     rowlog: dict[str, list] = field(default_factory=dict)
     version: int = 0
     consts: dict = field(default_factory=dict)  # index tensors built once from the host layout
+    keep: list = field(default_factory=list)  # every value put in this run (GPU: see put)
 
     def const(self, key, make):
         """A tensor that depends only on the layout, made once (an H2D copy cannot be captured
@@ -190,6 +191,7 @@ class KernelCtx:
     max_dispatch_tokens: int
     tracker: Any = None  # real.executor.HazardTracker or None
     world: Any = None  # the in-process mailbox for send/recv between ranks
+    keep_alive: bool = False  # GPU runs: values live until the run's end (several streams)
     rank: int = 0
     piece: tuple[int, int] = (0, 1)  # (k, n) for the slices "<op>.<k>" of one op
     steps: dict[int, StepState] | None = None  # every step of this rank (PP's relay reads back)
@@ -225,6 +227,12 @@ class KernelCtx:
         if self.tracker is not None:
             self.tracker.write(("mb", self.op.step, self.mb["index"], key), self.op)
         self.state[key] = value
+        if value is not None and self.keep_alive:
+            # Every value stays referenced until the run ends (the executor synchronizes, then
+            # resets): a tensor made on one stream and read on another is never freed while
+            # that stream may still read it, so the caching allocator cannot hand its memory
+            # to the next allocation (what record_stream would otherwise have to say per use).
+            self.step.keep.append(value)
         if key in ROW_KEYS:
             st = self.step
             st.version += 1
