@@ -162,12 +162,17 @@ class Context:
         else:
             self.device_sms = self.gpu.num_sms
 
-    def workload(self, mode: str, size: int):
+    def workload(self, mode: str, size: int, *, half: bool = False):
+        """Decode: ``size`` sequences. Prefill: two sequences of half the tokens each (TBO
+        splits them evenly); ``half``: one of those sequences alone (what a micro-batch of it
+        runs: attention cost depends on the sequence, not only on the token count)."""
         from overlap_lab.shared.workload import Batch, Parallel, Workload
 
         if mode == "decode":
             b = Batch.decode(size, kv_len=self.opts.kv_len)
-        else:  # two sequences of half the tokens each (TBO splits them evenly)
+        elif half:
+            b = Batch.prefill(extend_lens=[size])
+        else:
             b = Batch.prefill(extend_lens=[size - size // 2, size // 2])
         return Workload(self.mc, b, Parallel(ep=self.opts.ep))
 
@@ -211,7 +216,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
     sizes = sorted({size, max(1, size // 2)}, reverse=True)
     t = time.time()
     for s in sizes:  # isolated op durations at the token counts the schedules run
-        ws = ctx.workload(mode, s)
+        ws = ctx.workload(mode, s, half=s != size)
         p = S.build("serial", ws, ctx.gpu)
         calib.append((p, ctx.measure(p, ws)))
     profile = V.profile_from_runs(calib, ctx.device_sms)
