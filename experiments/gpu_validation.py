@@ -105,7 +105,7 @@ def run_pytest(timeout: float) -> dict:
     cwd = Path.cwd() if (Path.cwd() / "tests" / "test_real_gpu.py").is_file() else ROOT
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+            [sys.executable, "-P", "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
              "tests/test_real_gpu.py"],
             capture_output=True, text=True, timeout=timeout, cwd=cwd,
         )  # fmt: skip
