@@ -21,6 +21,10 @@ ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 
 ``--schedules a,b``, ``--layers 4``, ``--ep 32``, ``--kv-len 2048``, ``--repeats 5``,
 ``--warmup 2``, ``--budget-s 540`` (cases left when it is spent are recorded as skipped),
 ``--pytest`` (run the GPU tests first), ``--name`` (the archive's name).
+
+From other code (``overlap-lab validate --device cuda|cpu``): ``run_validation(parse(argv))``
+returns the report (``report["table"]``, ``report["archive"]``, per case and schedule the
+comparison of real.validate.compare); the library steps are in real/validate.py.
 """
 
 from __future__ import annotations
