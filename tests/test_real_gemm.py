@@ -199,7 +199,7 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
             8,
         ),  # fmt: skip
         (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024}, 32),
-        (TE.recv_kernel, {"t_arrive": "*i64", "unset": i32}, {}, 32),
+        (TE.recv_kernel, {"t_arrive": "*i64", "unset": i32, "limit_ns": i32}, {}, 32),
     ]
     for fn, sig, consts, warps in cases:
         sig = {**sig, **{k: "constexpr" for k in consts}}

@@ -44,10 +44,14 @@ def send_kernel(
 
 
 @triton.jit
-def recv_kernel(t_arrive, unset):
-    # the send kernel may run on another stream: wait for its stamp, then for the arrival
+def recv_kernel(t_arrive, unset, limit_ns):
+    # the send kernel may run on another stream: wait for its stamp, then for the arrival.
+    # Never longer than limit_ns for the stamp: a send that cannot run (its SMs all held by
+    # spinning receivers) must not hang the device; a step that long shows in the timings.
+    t0 = _now()
     t = tl.load(t_arrive, volatile=True)
-    while t == unset:
+    while (t == unset) & (_now() - t0 < limit_ns):
         t = tl.load(t_arrive, volatile=True)
-    while _now() < t:
+    end = tl.where(t == unset, t0, t)
+    while _now() < end:
         pass

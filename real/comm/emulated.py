@@ -29,6 +29,7 @@ from overlap_lab.real.comm.bytes import ByteCount, message_bytes
 from overlap_lab.real.comm.loopback import LoopbackBackend
 
 _UNSET = -1  # t_arrive before the send kernel stamped it
+RECV_LIMIT_NS = 100_000_000  # a receive waits at most 100 ms for its send's stamp (no hang)
 
 
 def _kernels():
@@ -143,7 +144,7 @@ class EmulatedBackend(LoopbackBackend):
         if not hook_split:
             return []
         recv_ctas = self.default_grid(kind)  # the receive half: DeepEP's own grid
-        return [lambda: recv_kernel[(recv_ctas,)](t_arrive, _UNSET, num_warps=32)]
+        return [lambda: recv_kernel[(recv_ctas,)](t_arrive, _UNSET, RECV_LIMIT_NS, num_warps=32)]
 
     def describe(self) -> dict:
         d = super().describe()
