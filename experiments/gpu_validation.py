@@ -209,8 +209,10 @@ def _measured_step(tr) -> tuple[float, str]:
     return tr.meta.get("median_step_time_us", tr.step_time_us), "eager"
 
 
-def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, deadline: float):
-    """Calibrate, predict, measure and compare every schedule on one workload."""
+def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, deadline: float,
+             cases: dict, key: str, saved=lambda: None) -> dict:  # fmt: skip
+    """Calibrate, predict, measure and compare every schedule on one workload; the case is
+    ``cases[key]`` from the start, and ``saved()`` runs after every schedule."""
     from overlap_lab.real import validate as V
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
@@ -219,13 +221,21 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
     calib = []
     sizes = sorted({size, max(1, size // 2)}, reverse=True)
     t = time.time()
-    for s in sizes:  # isolated op durations at the token counts the schedules run
-        ws = ctx.workload(mode, s, half=s != size)
-        p = S.build("serial", ws, ctx.gpu)
-        calib.append((p, ctx.measure(p, ws)))
+    case = cases[key] = {
+        "workload": {"mode": mode, "tokens": w.batch.num_tokens, "sizes_calibrated": sizes},
+        "runs": {},
+    }
+    try:
+        for s in sizes:  # isolated op durations at the token counts the schedules run
+            ws = ctx.workload(mode, s, half=s != size)
+            p = S.build("serial", ws, ctx.gpu)
+            calib.append((p, ctx.measure(p, ws)))
+    except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
+        case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
+        saved()
+        return case
     profile = V.profile_from_runs(calib, ctx.device_sms)
-    case = {"workload": {"mode": mode, "tokens": w.batch.num_tokens, "sizes_calibrated": sizes},
-            "calibration_seconds": round(time.time() - t, 1), "runs": {}}  # fmt: skip
+    case["calibration_seconds"] = round(time.time() - t, 1)
     case_dir = work / f"{mode}_{size}"
     case_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -241,6 +251,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             pred = V.predict(cprog, ctx.gpu)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)
+            saved()
             continue
         step_m, source = _measured_step(meas)
         cmp = V.compare(pred, meas, measured_step_us=step_m)
@@ -263,6 +275,10 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
         meas.to_chrome(case_dir / f"{name}.measured.trace.json.gz")
         _figure(ctx, {f"{name} predicted": pred, f"{name} measured": meas},
                 case_dir / f"{name}.png", case["runs"][name])  # fmt: skip
+        st = case["runs"][name]["comparison"]["step_time_us"]
+        print(f"  {key} {name}: predicted {st['predicted']:.1f} us, measured "
+              f"{st['measured']:.1f} us ({source})", flush=True)  # fmt: skip
+        saved()
     return case
 
 
@@ -317,7 +333,13 @@ def table(report: dict) -> str:
     lines.append("| case | schedule | step pred (µs) | step meas (µs) | source | err | "
                  "exposed comm pred/meas (µs) | per-op median abs err | note |")  # fmt: skip
     lines.append("|---|---|---|---|---|---|---|---|---|")
+    if report.get("error"):
+        lines.insert(0, f"**{report['error']}**\n")
+    if not report.get("complete", True):
+        lines.insert(0, "**INCOMPLETE: written while the loop was still running.**\n")
     for key, case in report["cases"].items():
+        if case.get("error") or case.get("skipped"):
+            lines.append(f"| {key} | | | | | | | | {case.get('error') or case.get('skipped')} |")
         for name, r in case["runs"].items():
             if "comparison" not in r:
                 lines.append(
@@ -330,7 +352,8 @@ def table(report: dict) -> str:
             po = c["per_op_median_abs_rel_error"]
             lines.append(
                 f"| {key} | {name} | {st['predicted']:.1f} | {st['measured']:.1f} | "
-                f"{r['measured_step_source']} | {err:+.1%} | {ex['predicted']:.1f} / "
+                f"{r['measured_step_source']} | {'' if err is None else f'{err:+.1%}'} | "
+                f"{ex['predicted']:.1f} / "
                 f"{ex['measured']:.1f} | {'' if po is None else f'{po:.1%}'} | "
                 f"{'excluded: one GPU' if not r['comparable'] else ''} |"
             )
@@ -392,42 +415,58 @@ def run_validation(opts) -> dict:
     }
     if opts.device == "cpu":
         report["note"] = "dry run: the same path on the CPU; timings are meaningless"
-    report["pytest_gpu"] = (
-        run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
-    )
-    ctx = Context(opts)
-    report["precision"] = ctx.precision
-    names = opts.schedules.split(",") if opts.schedules else S.available()
-    sizes = {"decode": [int(b) for b in str(opts.batches).split(",") if b],
-             "prefill": [int(opts.prefill)]}  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="gpu_validation_"))
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    archive = out / f"{opts.name}.tar.gz"
+    cases: dict = {}
+    report["cases"] = cases
+
+    def save(final: bool) -> None:
+        """Write the report and pack the archive: after every schedule (a command killed at its
+        time limit still leaves what it measured) and once at the end."""
+        report["complete"] = final
+        report["summary"] = summarize(cases)
+        report["seconds"] = round(time.time() - t0, 1)
+        (work / "results.json").write_text(
+            json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
+        )
+        (work / "table.md").write_text(table(report))
+        if final:
+            _step_figure(report, work / "step_times.png")
+        tmp = archive.with_name(archive.name + ".part")
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(work, arcname=opts.name)
+        tmp.replace(archive)
+
     try:
-        cases: dict = {}
+        report["pytest_gpu"] = (
+            run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+        )
+        save(False)
+        try:
+            ctx = Context(opts)
+        except Exception as e:  # weights that do not fit, say: reported in the archive
+            report["error"] = f"setup failed: {type(e).__name__}: {e}"[:500]
+            save(True)
+            report.update(archive=str(archive), table=table(report))
+            return report
+        report["precision"] = ctx.precision
+        names = opts.schedules.split(",") if opts.schedules else S.available()
+        sizes = {"decode": [int(b) for b in str(opts.batches).split(",") if b],
+                 "prefill": [int(opts.prefill)]}  # fmt: skip
         for mode in opts.modes.split(","):
             for size in sizes[mode]:
                 key = f"{mode}_{size}"
                 if time.time() > deadline:
                     cases[key] = {"skipped": "time budget spent", "runs": {}}
                     continue
-                cases[key] = run_case(ctx, mode, size, names, work, deadline)
+                run_case(ctx, mode, size, names, work, deadline, cases, key, lambda: save(False))
                 print(f"{key}: {len(cases[key]['runs'])} schedules, "
                       f"{time.time() - t0:.0f} s so far", flush=True)  # fmt: skip
-        report["cases"] = cases
-        report["summary"] = summarize(cases)
-        report["seconds"] = round(time.time() - t0, 1)
-        (work / "results.json").write_text(
-            json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
-        )
-        md = table(report)
-        (work / "table.md").write_text(md)
-        _step_figure(report, work / "step_times.png")
-        out = Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        archive = out / f"{opts.name}.tar.gz"
-        with tarfile.open(archive, "w:gz") as tar:
-            tar.add(work, arcname=opts.name)
+        save(True)
         report["archive"] = str(archive)
-        report["table"] = md
+        report["table"] = table(report)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
