@@ -162,3 +162,28 @@ def test_deep_gemm_set_num_sms_is_restored_when_installed():
     with G.deep_gemm_num_sms(prev - 24):
         assert dg.get_num_sms() == prev - 24
     assert dg.get_num_sms() == prev
+
+
+def test_validation_loop_on_a_tiny_model(tmp_path):
+    """The predicted-vs-measured loop end to end on the GPU, small: one archive, every run
+    compared, decode step times from graph replay."""
+    pytest.importorskip("triton")
+    pytest.importorskip("simpy")
+    import json
+    import tarfile
+
+    from overlap_lab.experiments import gpu_validation as GV
+
+    rc = GV.main(
+        ["--device", "cuda", "--model", "tiny-mla", "--layers", "3", "--ep", "4",
+         "--batches", "8", "--prefill", "32", "--kv-len", "64", "--schedules", "serial,sbo,tbo",
+         "--repeats", "2", "--warmup", "2", "--no-figures", "--out", str(tmp_path),
+         "--name", "tiny"]
+    )  # fmt: skip
+    assert rc == 0
+    with tarfile.open(tmp_path / "tiny.tar.gz") as tar:
+        report = json.load(tar.extractfile("tiny/results.json"))
+    assert report["complete"] and report["timing_meaningful"]
+    runs = report["cases"]["decode_8"]["runs"]
+    assert all("comparison" in r for r in runs.values()), runs
+    assert all(r["measured_step_source"] == "graph replay" for r in runs.values()), runs
