@@ -429,7 +429,8 @@ def cmd_show(args) -> int:
     validate(program, gpu.num_sms)
     lowered = lower_ranks(program, w, gpu, args)
     sys.stdout.write(str(lowered))
-    sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
+    if args.profile != "auto":  # durations only when asked: the default output is the Program
+        sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
     return 0
 
 

@@ -5,9 +5,12 @@ Any torch.profiler (Kineto) Chrome trace goes in (read by ``Trace.from_chrome``,
 reader); so does our own export. Each kernel's name maps to a *kernel class* through an ordered
 list of regular expressions (:data:`BUILTIN_CLASSES`, first match wins), each class with a kind:
 ``comm`` (moves data between GPUs), ``compute`` or ``copy``. A user's mapping file comes first,
-so it can add classes or override built-ins::
+so it can add classes or override built-ins; an entry's optional ``op`` names the Program op
+its kernels belong to (``label_ops``, for ``calibrate --from-trace`` and ``validate`` of a
+foreign trace)::
 
-    [{"pattern": "my_all2all_kernel", "class": "custom_a2a", "kind": "comm"}, ...]
+    [{"pattern": "my_all2all_kernel", "class": "custom_a2a", "kind": "comm"},
+     {"pattern": "grouped_gemm", "class": "deepgemm", "kind": "compute", "op": "experts"}]
 
 A *stream's role* is the kind holding most of its busy time: DeepEP's communication stream also
 runs small cast kernels, and it is the stream, not each kernel, that a schedule overlaps. With C
@@ -42,6 +45,7 @@ class KernelClass:
     pattern: str
     name: str
     kind: str
+    op: str | None = None  # the Program op these kernels belong to (``label_ops``), if any
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -120,7 +124,9 @@ def load_mapping(path: str | Path | None) -> Mapping:
         for k in ("pattern", "class", "kind"):
             if not isinstance(d.get(k), str):
                 raise ConfigError(f"mapping {p.name}: entry {i} lacks a string {k!r}")
-        user.append(KernelClass(d["pattern"], d["class"], d["kind"]))
+        if "op" in d and not isinstance(d["op"], str):
+            raise ConfigError(f"mapping {p.name}: entry {i}: 'op' must be an op name")
+        user.append(KernelClass(d["pattern"], d["class"], d["kind"], d.get("op")))
     return base.with_user(tuple(user))
 
 
@@ -263,3 +269,57 @@ def to_text(a: Analysis) -> str:
             f"{c.total_us / total * 100:>7.1f}%"
         )
     return "\n".join(lines) + "\n"
+
+
+def label_ops(trace: Trace, mapping: Mapping, program) -> Trace:
+    """A foreign trace's kernels labelled with the ops of ``program`` (a symmetric Program: its
+    first rank), so that it can be calibrated from and validated op by op.
+
+    Kernels whose class names an ``op`` are kept; consecutive kernels of one op on one stream
+    are one *occurrence* of it; on each rank, the occurrences of an op in start order take the
+    (layer, micro-batch, step) of that op's launches in the Program's issue order. A count that
+    differs from the Program's is an error: the mapping or the Program is not the trace's.
+    """
+    from overlap_lab.shared.program import Graph, Launch
+
+    rp = program.ranks[0]
+    launches: dict[str, list] = defaultdict(list)
+    for th in rp.threads:
+        for ins in th.instrs:
+            for part in ins.body if isinstance(ins, Graph) else (ins,):
+                if isinstance(part, Launch):
+                    launches[part.op.name].append(part.op)
+    out: list[Span] = []
+    for r in trace.ranks:
+        occ: dict[str, list[list[Span]]] = defaultdict(list)
+        last: dict[str, tuple[str, int]] = {}  # lane -> (op, index of its open occurrence)
+        kernels = sorted(
+            (s for s in trace.spans if s.rank == r and s.lane.startswith("stream:")),
+            key=lambda s: (s.start, s.lane),
+        )
+        for s in kernels:
+            op = mapping.classify(s.op).op
+            if op is None:
+                last.pop(s.lane, None)
+                continue
+            prev = last.get(s.lane)
+            if prev is not None and prev[0] == op:
+                occ[op][prev[1]].append(s)
+            else:
+                occ[op].append([s])
+                last[s.lane] = (op, len(occ[op]) - 1)
+        if not occ:
+            raise ConfigError("no kernel maps to an op: give mapping entries an 'op' field")
+        for op, groups in occ.items():
+            want = launches.get(op, [])
+            if len(groups) != len(want):
+                raise ConfigError(
+                    f"rank {r}: {len(groups)} occurrences of {op!r} in the trace, "
+                    f"{len(want)} launches in the Program"
+                )
+            groups.sort(key=lambda g: g[0].start)
+            for g, o in zip(groups, want):
+                kind = "comm" if o.kind == "comm" else "compute"
+                out += [replace(s, op=op, kind=kind, mb=o.mb, layer=o.layer, step=o.step)
+                        for s in g]  # fmt: skip
+    return Trace(tuple(out), dict(trace.meta))
