@@ -18,7 +18,10 @@ the union of the communication streams' kernels and K that of the compute stream
 with their stream):
 
 - overlap = |C ∩ K|, exposed communication = |C| - |C ∩ K|, hidden fraction = |C ∩ K| / |C|;
-- the per-class table sums kernel durations (kernels of one class on two streams count twice).
+- the per-class table sums kernel durations (kernels of one class on two streams count twice);
+- the same three figures at kernel level (communication kernels against compute kernels, whatever
+  their stream) are reported too: they differ where a stream mixes both, as a serial schedule's
+  single stream does.
 
 This module imports neither matplotlib nor torch; ``overlap-lab analyze`` draws the timeline.
 """
@@ -80,6 +83,13 @@ BUILTIN_CLASSES: tuple[KernelClass, ...] = (
     ),
 )
 OTHER = KernelClass(r".", "other", "compute")
+#: Kernels no class matches keep the kind their trace gives them (our own traces know it; the
+#: Chrome reader guesses it from the name for foreign ones): "other", "other_comm", "other_copy".
+_FALLBACK = {
+    "compute": OTHER,
+    "comm": KernelClass(r".", "other_comm", "comm"),
+    "copy": KernelClass(r".", "other_copy", "copy"),
+}
 
 
 @dataclass(frozen=True)
@@ -93,11 +103,12 @@ class Mapping:
             self, "_compiled", [(re.compile(c.pattern, re.IGNORECASE), c) for c in self.classes]
         )
 
-    def classify(self, kernel: str) -> KernelClass:
+    def classify(self, kernel: str, kind: str = "compute") -> KernelClass:
+        """The first class whose pattern matches; else the fallback of the span's ``kind``."""
         for rx, c in self._compiled:  # type: ignore[attr-defined]
             if rx.search(kernel):
                 return c
-        return OTHER
+        return _FALLBACK.get(kind, OTHER)
 
     def with_user(self, user: tuple[KernelClass, ...]) -> Mapping:
         return Mapping(tuple(user) + self.classes)
@@ -157,6 +168,9 @@ class Analysis:
     comm_us: float  # |C|
     compute_us: float  # |K|
     overlap_us: float  # |C ∩ K|
+    kernel_comm_us: float = 0.0  # the same at kernel level: communication kernels
+    kernel_compute_us: float = 0.0  # compute kernels
+    kernel_overlap_us: float = 0.0  # their intersection
 
     @property
     def exposed_comm_us(self) -> float:
@@ -175,6 +189,12 @@ class Analysis:
             "overlap_us": self.overlap_us,
             "exposed_comm_us": self.exposed_comm_us,
             "hidden_fraction": self.hidden_fraction,
+            "kernel_level": {
+                "comm_us": self.kernel_comm_us,
+                "compute_us": self.kernel_compute_us,
+                "overlap_us": self.kernel_overlap_us,
+                "exposed_comm_us": self.kernel_comm_us - self.kernel_overlap_us,
+            },
             "streams": [s.__dict__ for s in self.streams],
             "classes": [c.__dict__ for c in self.classes],
         }
@@ -187,7 +207,7 @@ def classify_trace(trace: Trace, mapping: Mapping) -> Trace:
     for s in trace.spans:
         if not s.lane.startswith("stream:"):
             continue
-        c = mapping.classify(s.op)
+        c = mapping.classify(s.op, s.kind)
         out.append(replace(s, op=c.name, kind=c.kind))
     return Trace(tuple(out), dict(trace.meta))
 
@@ -208,21 +228,25 @@ def analyze(trace: Trace, mapping: Mapping | None = None, rank: int | None = Non
     by_class: dict[str, list[Span]] = defaultdict(list)
     kinds: dict[str, KernelClass] = {}
     for s in kernels:
-        c = mapping.classify(s.op)
+        c = mapping.classify(s.op, s.kind)
         by_lane[s.lane].append(s)
         by_class[c.name].append(s)
         kinds[c.name] = c
-    streams, comm_iv, comp_iv = [], [], []
+    streams, comm_iv, comp_iv, k_comm, k_comp = [], [], [], [], []
     for lane in sorted(by_lane, key=_lane_key):
         spans = by_lane[lane]
         per_kind: dict[str, float] = defaultdict(float)
         for s in spans:
-            per_kind[mapping.classify(s.op).kind] += s.duration
+            kind = mapping.classify(s.op, s.kind).kind
+            per_kind[kind] += s.duration
+            if kind != "copy":
+                (k_comm if kind == "comm" else k_comp).append((s.start, s.end))
         role = "comm" if per_kind["comm"] >= max(per_kind["compute"], per_kind["copy"], 1e-12) else "compute"
         iv = [(s.start, s.end) for s in spans]
         streams.append(StreamStats(lane, role, length(iv), len(spans)))
         (comm_iv if role == "comm" else comp_iv).extend(iv)
     c_u, k_u = union(comm_iv), union(comp_iv)
+    kc_u, kk_u = union(k_comm), union(k_comp)
     classes = sorted(
         (
             ClassStats(n, kinds[n].kind, len(ss), sum(s.duration for s in ss))
@@ -238,6 +262,9 @@ def analyze(trace: Trace, mapping: Mapping | None = None, rank: int | None = Non
         comm_us=length(c_u),
         compute_us=length(k_u),
         overlap_us=length(intersect(c_u, k_u)),
+        kernel_comm_us=length(kc_u),
+        kernel_compute_us=length(kk_u),
+        kernel_overlap_us=length(intersect(kc_u, kk_u)),
     )
 
 
@@ -259,6 +286,10 @@ def to_text(a: Analysis) -> str:
         f"overlap                      {a.overlap_us / 1e3:10.3f} ms",
         f"exposed communication        {a.exposed_comm_us / 1e3:10.3f} ms",
         f"communication hidden         {a.hidden_fraction * 100:10.1f} %",
+        "",
+        "kernel level (communication kernels vs compute kernels, any stream):",
+        f"  communication {a.kernel_comm_us / 1e3:.3f} ms, overlapped {a.kernel_overlap_us / 1e3:.3f}"
+        f" ms, exposed {(a.kernel_comm_us - a.kernel_overlap_us) / 1e3:.3f} ms",
         "",
         f"{'kernel class':<18}{'kind':<9}{'kernels':>8}{'total ms':>11}{'share':>8}",
     ]

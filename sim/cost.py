@@ -98,6 +98,7 @@ class KernelDemand:
     t_compute: float
     nbytes: float
     cap: float  # B/µs: the lesser of what its SMs can pull and what keeps it compute-bound
+    fixed_us: float = 0.0  # time on top of the roofline, not shared (DeepEP LL receive)
 
 
 def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> KernelDemand:
@@ -113,7 +114,7 @@ def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> Kernel
     if solo <= 0:
         return base
     f = us / solo
-    return KernelDemand(base.t_compute * f, base.nbytes * f, base.cap)
+    return KernelDemand(base.t_compute * f, base.nbytes * f, base.cap, base.fixed_us * f)
 
 
 def scale_sms(us: float, from_sms: int, to_sms: int, gpu: GPU) -> float:
@@ -147,6 +148,18 @@ def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
     return "profile" if profile.lookup(op, sms) is not None else "roofline"
 
 
+def is_deepep_ll_recv(op: Op) -> bool:
+    """DeepEP's low-latency receive hook: a recv half that holds SMs (the normal kernels'
+    completion marker holds none; PP receives are NCCL's)."""
+    return (
+        op.kind == "comm"
+        and op.coll is not None
+        and op.coll.role == "recv"
+        and bool(op.sms)
+        and op.name in ("dispatch_b", "combine_b")
+    )
+
+
 def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
     t_c = compute_time_us(op, gpu, sms)
     if op.flops > 0 or op.hbm_bytes > 0:
@@ -156,7 +169,8 @@ def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
         cap = bandwidth_cap(op, gpu, sms)
         if t_c > 0:
             cap = min(cap, op.hbm_bytes / t_c)
-    return KernelDemand(t_c, op.hbm_bytes, cap)
+    fixed = gpu.deepep_ll_recv_us if is_deepep_ll_recv(op) else 0.0
+    return KernelDemand(t_c, op.hbm_bytes, cap, fixed)
 
 
 def water_fill(caps: list[float], total: float) -> list[float]:
@@ -178,8 +192,8 @@ def hbm_shares(demands: list[KernelDemand], gpu: GPU) -> list[float]:
 def duration_us(d: KernelDemand, share: float) -> float:
     """Duration of a kernel at a fixed HBM share (its rate is 1/duration of the whole kernel)."""
     if d.nbytes <= 0:
-        return d.t_compute  # 0 for a pure wait (a hook or event marker with no work)
-    return max(d.t_compute, d.nbytes / max(share, 1e-9))
+        return d.fixed_us + d.t_compute  # 0 for a pure wait (a hook or event marker, no work)
+    return d.fixed_us + max(d.t_compute, d.nbytes / max(share, 1e-9))
 
 
 def solo_duration_us(
