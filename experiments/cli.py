@@ -336,9 +336,7 @@ def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
 NET_GROUP_TOL = 0.02
 
 
-def simulate_one(
-    name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None, profile=None
-):
+def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None, profile=None):
     """Build, lower (explicit ranks when asked), validate and simulate one schedule (op
     durations from ``profile`` where it has rows)."""
     from overlap_lab.shared.validate import validate

@@ -168,8 +168,10 @@ def cmd_calibrate(args) -> int:
             trace,
             program,
             num_sms=int(meta.get("num_sms") or gpu.num_sms),
-            name=Path(args.out).name,
-            device=str(meta.get("device_name") or meta.get("gpu") or meta.get("device") or gpu.name),
+            name=Path(args.out).stem,
+            device=str(
+                meta.get("device_name") or meta.get("gpu") or meta.get("device") or gpu.name
+            ),
             date=datetime.now(UTC).date().isoformat(),
             software={k: str(v) for k, v in (meta.get("software") or {}).items()},
             source=f"{args.from_trace} (schedule {args.schedule})",

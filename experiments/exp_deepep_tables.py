@@ -143,7 +143,11 @@ def simulate_row(case: Case) -> tuple[dict, None]:
     """One table row, simulated (the runner's ``simulate`` hook: a row, no kept trace)."""
     ep, kind = case.params["ep"], case.params["kernels"]
     r = normal_row(ep, SEED) if kind == "normal" else low_latency_row(ep, SEED)
-    return {"schedule": case.schedule, **case.params, **{k: v for k, v in r.items() if k != "ep"}}, None
+    return {
+        "schedule": case.schedule,
+        **case.params,
+        **{k: v for k, v in r.items() if k != "ep"},
+    }, None
 
 
 def _split(doc: dict) -> tuple[list[dict], list[dict]]:
@@ -185,13 +189,40 @@ low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/hardwar
 
 ## Normal kernels (4096 tokens per rank), bottleneck bandwidth
 
-{md_table(["EP", "link", "dispatch published", "dispatch model", "error", "combine published",
-           "combine model", "error"], n_tab, "---:")}
+{
+        md_table(
+            [
+                "EP",
+                "link",
+                "dispatch published",
+                "dispatch model",
+                "error",
+                "combine published",
+                "combine model",
+                "error",
+            ],
+            n_tab,
+            "---:",
+        )
+    }
 
 ## Low-latency kernels (128 tokens per rank), latency
 
-{md_table(["EP", "dispatch published", "dispatch model", "error", "combine published",
-           "combine model", "error"], l_tab, "---:")}
+{
+        md_table(
+            [
+                "EP",
+                "dispatch published",
+                "dispatch model",
+                "error",
+                "combine published",
+                "combine model",
+                "error",
+            ],
+            l_tab,
+            "---:",
+        )
+    }
 
 Largest |error| {worst:.1%}: {verdict} rows within {TOLERANCE:.0%}.
 """
@@ -214,7 +245,9 @@ def plot(doc: dict, path: Path) -> None:
     a.legend(fontsize=8)
     eps = [r["ep"] for r in normal]
     for what, mk in (("dispatch", "o"), ("combine", "s")):
-        b.plot(eps, [r[what]["published_gbps"] for r in normal], mk + "-", label=f"{what} published")
+        b.plot(
+            eps, [r[what]["published_gbps"] for r in normal], mk + "-", label=f"{what} published"
+        )
         b.plot(eps, [r[what]["model_gbps"] for r in normal], mk + "--", label=f"{what} model")
     b.set_xscale("log", base=2)
     b.set_xlabel("EP")
@@ -237,4 +270,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

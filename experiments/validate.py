@@ -90,6 +90,10 @@ def compare(measured: Trace, predicted: Trace) -> Validation:
     if not measured.spans:
         raise ConfigError("the measured trace has no spans")
     m, p = measured_ops(measured), measured_ops(predicted)
+    if len(measured.ranks) == 1 and len(predicted.ranks) == 1:
+        # one rank each (a symmetric Program; a profiler trace keeps its own rank number)
+        r = predicted.ranks[0]
+        m = {(r, *k[1:]): v for k, v in m.items()}
     ops = tuple(OpError(k, m[k].us, p[k].us) for k in sorted(m, key=_sort_key) if k in p)
     r_m = measured.ranks[0]
     r_p = predicted.ranks[0] if predicted.ranks else 0

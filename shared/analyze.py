@@ -241,7 +241,11 @@ def analyze(trace: Trace, mapping: Mapping | None = None, rank: int | None = Non
             per_kind[kind] += s.duration
             if kind != "copy":
                 (k_comm if kind == "comm" else k_comp).append((s.start, s.end))
-        role = "comm" if per_kind["comm"] >= max(per_kind["compute"], per_kind["copy"], 1e-12) else "compute"
+        role = (
+            "comm"
+            if per_kind["comm"] >= max(per_kind["compute"], per_kind["copy"], 1e-12)
+            else "compute"
+        )
         iv = [(s.start, s.end) for s in spans]
         streams.append(StreamStats(lane, role, length(iv), len(spans)))
         (comm_iv if role == "comm" else comp_iv).extend(iv)

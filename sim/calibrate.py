@@ -164,7 +164,9 @@ def narrow_sms(program: Program, sms: int) -> Program:
     return dataclasses.replace(program, ranks=ranks)
 
 
-def bench_plan(build, sizes: Sequence[int], sm_budgets: Sequence[int], num_sms: int) -> list[BenchCase]:
+def bench_plan(
+    build, sizes: Sequence[int], sm_budgets: Sequence[int], num_sms: int
+) -> list[BenchCase]:
     """The Programs to measure: ``build(tokens)`` (a serial Program of that many tokens) for
     each size, with compute ops narrowed to each SM budget. Bad sizes or budgets: ConfigError."""
     if not sizes or any(int(s) <= 0 for s in sizes):

@@ -28,7 +28,6 @@ of a profiled duration is :func:`scale_sms` (one function, to be replaced by a w
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from overlap_lab.shared.hardware import GPU

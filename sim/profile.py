@@ -70,8 +70,10 @@ _COMM_OPS = frozenset(
     {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
 )  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
 PROFILED_OPS: frozenset[str] = (
-    frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES) | SCHED_OP_NAMES
-) - _COMM_OPS - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
+    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES) | SCHED_OP_NAMES)
+    - _COMM_OPS
+    - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
+)
 #: Names accepted by ``--profile`` besides a path.
 ROOFLINE = "roofline"
 BUILTIN: tuple[str, ...] = ("h800-published",)
@@ -281,7 +283,9 @@ def from_json(doc: Any, name: str = "<profile>") -> Profile:
         raise ConfigError(f"profile {name}: expected a JSON object with {', '.join(HEADER_KEYS)}")
     for k in HEADER_KEYS:
         if k not in doc:
-            raise ConfigError(f"profile {name}: header lacks {k!r} (needs {', '.join(HEADER_KEYS)})")
+            raise ConfigError(
+                f"profile {name}: header lacks {k!r} (needs {', '.join(HEADER_KEYS)})"
+            )
     if doc["format"] != FORMAT:
         raise ConfigError(f"profile {name}: format must be {FORMAT!r}, got {doc['format']!r}")
     for k in ("device", "date", "source"):

@@ -28,14 +28,29 @@ SMALL = ["--model", "deepseek-v3", "--layers", "3", "--ep", "16", "--batch", "32
 
 
 def workload(mode="decode", tokens=32):
-    b = Batch.decode(tokens, kv_len=2048) if mode == "decode" else Batch.prefill(1, extend_len=tokens)
+    b = (
+        Batch.decode(tokens, kv_len=2048)
+        if mode == "decode"
+        else Batch.prefill(1, extend_len=tokens)
+    )
     return Workload(with_layers(get_model("deepseek-v3"), 3), b, Parallel(ep=16))
 
 
 def kineto(events, sms=132):
     """A minimal torch.profiler trace: GPU kernels as (name, stream, ts, dur)."""
-    ev = [{"ph": "X", "cat": "kernel", "name": n, "pid": 0, "tid": s, "ts": t, "dur": d,
-           "args": {"stream": s, "device": 0, "grid": [sms, 1, 1]}} for n, s, t, d in events]
+    ev = [
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": n,
+            "pid": 0,
+            "tid": s,
+            "ts": t,
+            "dur": d,
+            "args": {"stream": s, "device": 0, "grid": [sms, 1, 1]},
+        }
+        for n, s, t, d in events
+    ]
     return {"traceEvents": ev, "deviceProperties": [{"id": 0, "numSms": sms}]}  # fmt: skip
 
 
@@ -99,7 +114,9 @@ def test_analyze_deepseek_train_trace():
 
 def test_analyze_command_writes_table_json_and_figure(tmp_path, capsys):
     path = tmp_path / "k.json"
-    path.write_text(json.dumps(kineto([("deep_ep::dispatch", 3, 0, 10), ("deep_gemm::g", 1, 5, 10)])))
+    path.write_text(
+        json.dumps(kineto([("deep_ep::dispatch", 3, 0, 10), ("deep_gemm::g", 1, 5, 10)]))
+    )
     assert main(["analyze", str(path), "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert "communication hidden" in out and "deepep_normal" in out
@@ -113,7 +130,9 @@ def test_analyze_command_writes_table_json_and_figure(tmp_path, capsys):
 # ---- profiles from traces: the round trip -------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule, mode", [("serial", "decode"), ("tbo", "decode"), ("serial", "prefill")])
+@pytest.mark.parametrize(
+    "schedule, mode", [("serial", "decode"), ("tbo", "decode"), ("serial", "prefill")]
+)
 def test_round_trip_a_profile_from_its_own_trace_reproduces_the_ops(schedule, mode):
     w = workload(mode, 32 if mode == "decode" else 1024)
     prog = build(schedule, w, H800, ScheduleConfig())
@@ -186,7 +205,9 @@ def test_validate_and_calibrate_commands(tmp_path, capsys):
     assert main(["sim", *SMALL, "--out", str(tmp_path / "run")]) == 0
     trace = str(tmp_path / "run" / "trace.json")
     capsys.readouterr()
-    assert main(["calibrate", "--from-trace", trace, *SMALL, "--out", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(["calibrate", "--from-trace", trace, *SMALL, "--out", str(tmp_path / "p.json")]) == 0
+    )
     prof = json.loads((tmp_path / "p.json").read_text())
     assert prof["format"] == "overlap-lab-profile/1" and prof["rows"]
     assert main(["sim", *SMALL, "--profile", str(tmp_path / "p.json"), "--out", ""]) == 0
@@ -242,3 +263,64 @@ def test_device_calibration_needs_a_gpu():
         pass
     with pytest.raises(ConfigError, match="needs"):
         measure_on_gpu([], lambda t: None, H800)
+
+
+# ---- the README's section runs as written -------------------------------------------------------
+
+
+def readme_calibration_commands() -> list[list[str]]:
+    import re
+    import shlex
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("## Calibrate against your GPU", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    return [
+        [
+            shlex.split(ln.split("  #")[0])[1:]
+            for ln in b.splitlines()
+            if ln.startswith("overlap-lab ")
+        ]
+        for b in blocks
+    ]
+
+
+def test_readme_calibration_section_runs_in_order(tmp_path, capsys, monkeypatch):
+    """The CPU block runs line after line in one directory; the GPU block parses."""
+    monkeypatch.chdir(tmp_path)
+    cpu, gpu = readme_calibration_commands()
+    assert [a[0] for a in cpu] == ["sim", "analyze", "calibrate", "sim", "validate"]
+    for argv in cpu:
+        argv = [a.replace("DIR", str(tmp_path / "out")) for a in argv]
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+    assert (tmp_path / "out" / "validate.png").exists()
+    from overlap_lab.experiments.cli import parser
+
+    for argv in gpu:
+        parser().parse_args([a.replace("DIR", str(tmp_path)) for a in argv])
+
+
+# ---- DeepEP's published tables ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ep", [8, 16, 32])
+def test_deepep_low_latency_rows_within_ten_percent(ep):
+    from overlap_lab.experiments import exp_deepep_tables as X
+
+    r = X.low_latency_row(ep)
+    assert abs(r["dispatch"]["error"]) <= X.TOLERANCE and abs(r["combine"]["error"]) <= X.TOLERANCE
+
+
+def test_deepep_normal_nvlink_row_within_ten_percent():
+    from overlap_lab.experiments import exp_deepep_tables as X
+
+    r = X.normal_row(8)
+    assert abs(r["dispatch"]["error"]) <= X.TOLERANCE and abs(r["combine"]["error"]) <= X.TOLERANCE
+
+
+def test_deepep_tables_is_declared_on_the_runner():
+    from overlap_lab.experiments.runner import declared
+
+    exp = declared()["deepep_tables"]
+    cases = list(exp.cases())
+    assert len(cases) == 10 and exp.simulate is not None and exp.summary is not None
