@@ -22,6 +22,13 @@ import types
 import typing
 from pathlib import Path
 
+from overlap_lab.experiments.cli_calibrate import (
+    add_profile_option,
+    add_provenance,
+    cost_comments,
+    profile_from,
+    register_calibration_commands,
+)
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, get_gpu
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
@@ -329,8 +336,9 @@ def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
 NET_GROUP_TOL = 0.02
 
 
-def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None):
-    """Build, lower (explicit ranks when asked), validate and simulate one schedule."""
+def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None, profile=None):
+    """Build, lower (explicit ranks when asked), validate and simulate one schedule (op
+    durations from ``profile`` where it has rows)."""
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate
     from overlap_lab.sim.engine import Engine
@@ -338,21 +346,23 @@ def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=Non
     program = build_schedule(name, w, gpu, cfg)
     lowered = lower_ranks(program, w, gpu, args) if args is not None else program
     if lowered is program:
-        return program, simulate(program, gpu)
+        return program, simulate(program, gpu, profile=profile)
     # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
     # Program's cycle check is quadratic in ranks) and run the explicit one
     validate(program, gpu.num_sms)
     seed = getattr(args, "seed", 0)
-    return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL).run()
+    return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL, profile=profile).run()
 
 
-def add_straggler_cost(res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig) -> None:
+def add_straggler_cost(
+    res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, profile=None
+) -> None:
     """Straggler cost of an explicit run: its step time minus the balanced (symmetric) one."""
     if res.get("ranks") != "explicit":
         return
     from overlap_lab.sim import simulate
 
-    balanced = simulate(build_schedule(name, w, gpu, cfg), gpu).step_time_us
+    balanced = simulate(build_schedule(name, w, gpu, cfg), gpu, profile=profile).step_time_us
     res["balanced_step_time_us"] = balanced
     res["straggler_cost_us"] = res["step_time_us"] - balanced
 
@@ -387,9 +397,11 @@ def _print_summary(res: dict) -> None:
 
 def cmd_sim(args) -> int:
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    program, trace = simulate_one(args.schedule, w, gpu, cfg, args)
+    prof = profile_from(args, gpu)
+    program, trace = simulate_one(args.schedule, w, gpu, cfg, args, prof)
     res = result_dict(args.schedule, w, gpu, program, trace)
-    add_straggler_cost(res, args.schedule, w, gpu, cfg)
+    add_provenance(res, program, gpu, prof)
+    add_straggler_cost(res, args.schedule, w, gpu, cfg, prof)
     if args.out:
         from overlap_lab.experiments.figures import moe_window, save_timeline
 
@@ -413,7 +425,10 @@ def cmd_show(args) -> int:
 
     program = build_schedule(args.schedule, w, gpu, cfg)
     validate(program, gpu.num_sms)
-    sys.stdout.write(str(lower_ranks(program, w, gpu, args)))
+    lowered = lower_ranks(program, w, gpu, args)
+    sys.stdout.write(str(lowered))
+    if args.profile != "auto":  # durations only when asked: the default output is the Program
+        sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
     return 0
 
 
@@ -431,6 +446,7 @@ def cmd_compare(args) -> int:
     from tqdm import tqdm
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    prof = profile_from(args, gpu)
     names = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for n in names:
         if n not in SCHEDULES:
@@ -438,14 +454,15 @@ def cmd_compare(args) -> int:
     runs = {}
     todo = names if "serial" in names else ["serial", *names]
     for n in tqdm(todo, desc="simulating", unit="schedule", disable=args.json, file=sys.stderr):
-        runs[n] = simulate_one(n, w, gpu, cfg, args)
+        runs[n] = simulate_one(n, w, gpu, cfg, args, prof)
     base = runs["serial"][1].step_time_us
     rows = []
     for n in names:
         p, tr = runs[n]
         res = result_dict(n, w, gpu, p, tr)
         res["speedup_vs_serial"] = base / tr.step_time_us
-        add_straggler_cost(res, n, w, gpu, cfg)
+        add_provenance(res, p, gpu, prof)
+        add_straggler_cost(res, n, w, gpu, cfg, prof)
         rows.append(res)
     if args.out:
         from overlap_lab.experiments.figures import compare_timelines, moe_window
@@ -502,12 +519,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     _workload_options(s)
     _rank_options(s)
+    add_profile_option(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("show", help="print the Program's text form")
     s.add_argument("--schedule", default="serial")
     _workload_options(s)
     _rank_options(s)
+    add_profile_option(s)
     s.set_defaults(func=cmd_show)
 
     s = sub.add_parser("schedules", help="list the schedules and their seeds")
@@ -520,6 +539,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _workload_options(s)
     _rank_options(s)
+    add_profile_option(s)
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("run", help="run a schedule with the real executor (GPU, or --device cpu)")
@@ -536,6 +556,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _workload_options(s)
     s.set_defaults(func=cmd_run)
+    register_calibration_commands(sub, _workload_options, _rank_options)
     return p
 
 

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import partial
+from functools import lru_cache, partial
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,11 @@ class Experiment:
     figure: Callable[[dict[str, Any], Path], None] | None = None
     notes: Callable[[dict[str, Any]], str] | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    #: Simulates a case its own way (a module-level function, run in the pool's workers) for
+    #: experiments whose cases are not schedules, e.g. one collective of every EP rank.
+    simulate: Callable[[Case], tuple[dict[str, Any], Trace | None]] | None = None
+    #: Printed on stdout after the run (e.g. each row's error against a published table).
+    summary: Callable[[dict[str, Any]], str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,13 +125,23 @@ def simulate_case(
     case: Case,
     measure: Callable[[Trace, Program, Case], dict[str, Any]] = standard_metrics,
     clip: Callable[[Trace, Case], Trace] = _whole,
+    profile: str = "auto",
 ) -> tuple[dict[str, Any], Trace | None]:
-    """Build, simulate and measure one case: its row, and its kept trace (or None)."""
+    """Build, simulate and measure one case: its row, and its kept trace (or None). ``profile``
+    names the calibration profile (``sim.profile``; auto: the preset's built-in one)."""
     gpu = get_gpu(case.gpu)
     program = build(case.schedule, case.workload, gpu, case.cfg)
-    trace = simulate(program, gpu)
+    trace = simulate(program, gpu, profile=_profile(profile, case.gpu))
     row = {"schedule": case.schedule, **case.params, **measure(trace, program, case)}
     return row, (clip(trace, case) if case.keep else None)
+
+
+@lru_cache(maxsize=8)
+def _profile(spec: str, gpu: str):
+    """A profile per (spec, preset), loaded once per worker process."""
+    from overlap_lab.sim.profile import load_profile, resolve
+
+    return load_profile(resolve(spec, gpu))
 
 
 def run(
@@ -135,6 +150,7 @@ def run(
     *,
     out: Path = RESULTS,
     command: str | None = None,
+    profile: str = "auto",
 ) -> Path:
     """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
     process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
@@ -145,7 +161,13 @@ def run(
     labels = [c.keep for c in cases if c.keep]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{exp.name}: two cases keep a trace under the same label")
-    one = partial(simulate_case, measure=exp.measure, clip=exp.clip)
+    for c in cases:  # a bad profile fails here, in one line, not in a worker
+        _profile(profile, c.gpu)
+    one = (
+        exp.simulate
+        if exp.simulate is not None
+        else partial(simulate_case, measure=exp.measure, clip=exp.clip, profile=profile)
+    )
     n = min(processes or PROCESSES, len(cases)) or 1
     bar = tqdm(total=len(cases), desc=exp.name, file=sys.stderr, leave=False)
     results = []
@@ -169,6 +191,11 @@ def run(
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "presets": presets(cases),
+        **(
+            {"profiles": {g: _profile_name(profile, g) for g in sorted({c.gpu for c in cases})}}
+            if exp.simulate is None
+            else {}
+        ),
         **dict(exp.meta),
         "rows": rows,
         "traces": {c.keep: _stored(t) for c, (_, t) in zip(cases, results, strict=True) if c.keep},
@@ -178,6 +205,11 @@ def run(
     path.write_text(_dumps(_jsonable(doc)))
     draw(exp, path)
     return path
+
+
+def _profile_name(spec: str, gpu: str) -> str:
+    p = _profile(spec, gpu)
+    return "roofline" if p is None else p.name
 
 
 def draw(exp: Experiment, path: Path) -> None:
@@ -326,6 +358,12 @@ def main(
     ap.add_argument("--processes", type=int, default=PROCESSES, help="worker processes")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     ap.add_argument("--draw", action="store_true", help="redraw from the results files only")
+    ap.add_argument(
+        "--profile",
+        default="auto",
+        help="calibration profile: a file, h800-published or roofline; auto: the preset's "
+        "built-in one (h800 -> h800-published), else roofline (default: auto)",
+    )
     args = ap.parse_args(argv)
     exps = declared()
     if args.list:
@@ -342,6 +380,14 @@ def main(
             draw(exps[name], args.out / f"{name}.json")
             path = args.out / f"{name}.json"
         else:
-            path = run(exps[name], args.processes, out=args.out, command=command)
+            try:
+                path = run(
+                    exps[name], args.processes, out=args.out, command=command, profile=args.profile
+                )
+            except ConfigError as e:
+                print(f"{prog}: error: {e}", file=sys.stderr)
+                return 2
+        if exps[name].summary is not None:
+            print(exps[name].summary(json.loads(path.read_text())))
         print(f"{name}: {path}", file=sys.stderr)
     return 0

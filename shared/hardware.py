@@ -42,6 +42,7 @@ class GPU:
     deepep_normal_sms: int  # DeepEP normal kernels (Buffer.num_sms)
     nvlink_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
     rdma_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
+    deepep_ll_recv_us: float = 0.0  # fixed cost of a DeepEP low-latency receive (see _COMMON)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -102,6 +103,11 @@ class GPU:
 #   graph_launch_us 10: one cudaGraphLaunch of a whole decode step, CPU side.
 #   kernel_min_us 2: an empty kernel occupies the GPU ~2 µs (launch latency + drain).
 #   nvlink_lat_us 1, rdma_lat_us 3 (IB one-way ~1-2 µs + NIC/PCIe), pcie_lat_us 2 (small copy).
+#   deepep_ll_recv_us 12: a DeepEP low-latency receive waits for every source's per-expert token
+#     count, then unpacks; this fixed part is what the link time alone misses. One global figure,
+#     from DeepEP's H800 EP 8 low-latency rows (the 2025-06 kernels, NVLink only: the rows with
+#     the least link time), checked against all twelve low-latency rows, EP 8-256, within 10 %
+#     (python -m overlap_lab.experiments deepep_tables).
 _COMMON = dict(
     launch_us=5.0,
     graph_launch_us=10.0,
@@ -109,6 +115,7 @@ _COMMON = dict(
     nvlink_lat_us=1.0,
     rdma_lat_us=3.0,
     pcie_lat_us=2.0,
+    deepep_ll_recv_us=12.0,
     deepep_normal_sms=24,  # DeepEP Buffer.num_sms default 24 (= 12 channels, 2 SMs each)
 )
 
@@ -130,7 +137,7 @@ GPUS: dict[str, GPU] = {
         hbm_gbps=3350.0,  # H100 SXM datasheet: 3.35 TB/s HBM3
         mem_gib=80.0,  # H100 SXM datasheet: 80 GB
         nvlink_gbps=450.0,  # H100 SXM datasheet: NVLink 900 GB/s bidirectional
-        nvlink_eff_gbps=360.0,  # estimate: DeepEP's H800 ratio (160/200 = 0.8) applied
+        nvlink_eff_gbps=302.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
         **_HOPPER,
     ),
     "h200": GPU(
@@ -138,7 +145,7 @@ GPUS: dict[str, GPU] = {
         hbm_gbps=4800.0,  # H200 SXM datasheet: 4.8 TB/s HBM3e
         mem_gib=141.0,  # H200 SXM datasheet: 141 GB
         nvlink_gbps=450.0,  # H200 SXM datasheet: NVLink 900 GB/s bidirectional
-        nvlink_eff_gbps=360.0,  # estimate: DeepEP's H800 ratio (160/200 = 0.8) applied
+        nvlink_eff_gbps=302.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
         **_HOPPER,
     ),
     "h800": GPU(
@@ -146,7 +153,10 @@ GPUS: dict[str, GPU] = {
         hbm_gbps=3350.0,  # H800 SXM: same HBM3 as H100 SXM (3.35 TB/s)
         mem_gib=80.0,
         nvlink_gbps=200.0,  # H800: NVLink 400 GB/s bidirectional (export-limited H100)
-        nvlink_eff_gbps=160.0,  # DeepEP README: ~153-158 GB/s NVLink bottleneck bw on H800
+        # DeepEP README: 153 GB/s intranode "NVLink bottleneck bandwidth" (EP 8 dispatch), which
+        # its test computes from every received byte (recv_x), the rank's own 1/8 included: over
+        # the links that is 153 x 7/8 = 134 GB/s
+        nvlink_eff_gbps=134.0,
         **_HOPPER,  # same SMs and tensor throughput as H100 SXM
     ),
     "b200": GPU(
@@ -158,7 +168,7 @@ GPUS: dict[str, GPU] = {
         hbm_gbps=8000.0,  # B200 datasheet: 8 TB/s HBM3e
         mem_gib=180.0,  # HGX B200 datasheet: 1,440 GB / 8 GPUs
         nvlink_gbps=900.0,  # NVLink 5: 1.8 TB/s bidirectional per GPU
-        nvlink_eff_gbps=720.0,  # estimate: DeepEP's H800 ratio (0.8) applied
+        nvlink_eff_gbps=603.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
         rdma_gbps=50.0,  # DGX/HGX B200: ConnectX-7 400 Gb/s per GPU
         rdma_eff_gbps=46.0,  # estimate: as measured by DeepEP on CX7 (Hopper hosts)
         pcie_gbps=64.0,  # PCIe Gen5 x16 per direction

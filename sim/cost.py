@@ -19,15 +19,22 @@ The efficiencies are assumptions of this model, not measurements: they are the t
 peak reached by well-tuned kernels of each class on Hopper (DeepGEMM reports ~1350-1550 of 1979
 dense FP8 TFLOP/s on H800 for large GEMMs, i.e. ~0.7; FlashMLA ~660 TFLOP/s BF16 of 989 on H800,
 ~0.65, and ~3000 GB/s of 3350 when memory-bound, ~0.9). A calibration table measured on a GPU
-replaces them (DESIGN.md, "Ops and their cost").
+replaces them: ``--profile`` (``sim.profile``). Where a profile row applies,
+:func:`demand` scales the roofline demand so that the kernel alone on its SMs takes exactly the
+profiled duration, and sharing HBM with concurrent kernels still slows it as above; the SM scaling
+of a profiled duration is :func:`scale_sms` (one function, to be replaced by a wave model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Op
+
+if TYPE_CHECKING:
+    from overlap_lab.sim.profile import Profile
 
 # op_class -> (compute efficiency, memory efficiency)
 EFFICIENCY: dict[str, tuple[float, float]] = {
@@ -90,9 +97,69 @@ class KernelDemand:
     t_compute: float
     nbytes: float
     cap: float  # B/µs: the lesser of what its SMs can pull and what keeps it compute-bound
+    fixed_us: float = 0.0  # time on top of the roofline, not shared (DeepEP LL receive)
 
 
-def demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
+def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> KernelDemand:
+    """What ``op`` on ``sms`` SMs asks of the GPU: the roofline's, or (where ``profile`` has a
+    row for it) the roofline's scaled to the profiled solo duration."""
+    base = roofline_demand(op, gpu, sms)
+    if profile is None:
+        return base
+    us = profiled_us(op, gpu, sms, profile)
+    if us is None:
+        return base
+    solo = duration_us(base, hbm_shares([base], gpu)[0])
+    if solo <= 0:
+        return base
+    f = us / solo
+    return KernelDemand(base.t_compute * f, base.nbytes * f, base.cap, base.fixed_us * f)
+
+
+def scale_sms(us: float, from_sms: int, to_sms: int, gpu: GPU) -> float:
+    """A duration measured on ``from_sms`` SMs, carried to ``to_sms`` SMs: linear in 1/SMs
+    (s/N), the assumption until the wave-quantisation model of SM sharing replaces it here."""
+    return us * from_sms / max(to_sms, 1)
+
+
+def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
+    """Duration of ``op`` alone on ``sms`` SMs from the profile (None: no row applies).
+
+    It never beats moving the op's HBM bytes at the usable peak (``HBM_USABLE`` × datasheet), a
+    physical bound that matters where a class row's shape is not the op's: DeepGEMM's grouped
+    rows (1-8 groups, compute-bound) read as a throughput for a decode expert GEMM over many
+    groups with few rows each, which is bound by reading every group's weights."""
+    m = profile.lookup(op, sms)
+    if m is None:
+        return None
+    us = m.us if m.sms == sms else scale_sms(m.us, m.sms, sms, gpu)
+    return max(us, op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE))
+
+
+def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
+    """Where the duration of ``op`` comes from: ``profile``, ``roofline``, or ``link`` (comm
+    kernels and copies, timed by the link model with the roofline for their local work)."""
+    if op.kind != "compute":
+        return "link"
+    if profile is None:
+        return "roofline"
+    sms = op.sms if op.sms else gpu.num_sms
+    return "profile" if profile.lookup(op, sms) is not None else "roofline"
+
+
+def is_deepep_ll_recv(op: Op) -> bool:
+    """DeepEP's low-latency receive hook: a recv half that holds SMs (the normal kernels'
+    completion marker holds none; PP receives are NCCL's)."""
+    return (
+        op.kind == "comm"
+        and op.coll is not None
+        and op.coll.role == "recv"
+        and bool(op.sms)
+        and op.name in ("dispatch_b", "combine_b")
+    )
+
+
+def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
     t_c = compute_time_us(op, gpu, sms)
     if op.flops > 0 or op.hbm_bytes > 0:
         t_c = max(t_c, gpu.kernel_min_us)
@@ -101,7 +168,8 @@ def demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
         cap = bandwidth_cap(op, gpu, sms)
         if t_c > 0:
             cap = min(cap, op.hbm_bytes / t_c)
-    return KernelDemand(t_c, op.hbm_bytes, cap)
+    fixed = gpu.deepep_ll_recv_us if is_deepep_ll_recv(op) else 0.0
+    return KernelDemand(t_c, op.hbm_bytes, cap, fixed)
 
 
 def water_fill(caps: list[float], total: float) -> list[float]:
@@ -123,12 +191,14 @@ def hbm_shares(demands: list[KernelDemand], gpu: GPU) -> list[float]:
 def duration_us(d: KernelDemand, share: float) -> float:
     """Duration of a kernel at a fixed HBM share (its rate is 1/duration of the whole kernel)."""
     if d.nbytes <= 0:
-        return d.t_compute  # 0 for a pure wait (a hook or event marker with no work)
-    return max(d.t_compute, d.nbytes / max(share, 1e-9))
+        return d.fixed_us + d.t_compute  # 0 for a pure wait (a hook or event marker, no work)
+    return d.fixed_us + max(d.t_compute, d.nbytes / max(share, 1e-9))
 
 
-def solo_duration_us(op: Op, gpu: GPU, sms: int | None = None) -> float:
+def solo_duration_us(
+    op: Op, gpu: GPU, sms: int | None = None, profile: Profile | None = None
+) -> float:
     """Duration of ``op`` alone on the GPU with ``sms`` SMs (default: its limit or all)."""
     s = sms if sms is not None else (op.sms if op.sms else gpu.num_sms)
-    d = demand(op, gpu, s)
+    d = demand(op, gpu, s, profile)
     return duration_us(d, hbm_shares([d], gpu)[0])

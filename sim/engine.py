@@ -65,7 +65,7 @@ class _Rank:
     def __init__(self, engine: Engine, rp: RankProgram):
         env, gpu = engine.env, engine.gpu
         self.rp = rp
-        self.gpu = Gpu(env, gpu)
+        self.gpu = Gpu(env, gpu, engine.profile)
         self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
             k: Link(env, cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k))
             for k in ("nvlink", "rdma", "pcie")
@@ -77,8 +77,16 @@ class _Rank:
 
 
 class Engine:
-    def __init__(self, program: Program, gpu: GPU, seed: int = 0, net_group_tol: float = 0.0):
+    def __init__(
+        self,
+        program: Program,
+        gpu: GPU,
+        seed: int = 0,
+        net_group_tol: float = 0.0,
+        profile=None,
+    ):
         self.program, self.gpu, self.seed = program, gpu, seed
+        self.profile = profile  # sim.profile.Profile or None (the roofline alone)
         self.env = simpy.Environment()
         self.spans: list[Span] = []
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
@@ -118,6 +126,8 @@ class Engine:
             backend="sim",
             seed=self.seed,
         )
+        if self.profile is not None:
+            meta["profile"] = self.profile.name
         return Trace(tuple(self.spans), meta)
 
     def _host(self, r: _Rank):
@@ -306,7 +316,8 @@ class Engine:
             raise SimulationStalled("simulation stalled: " + "; ".join(problems))
 
 
-def simulate(program: Program, gpu: GPU, *, seed: int = 0) -> Trace:
-    """Validate ``program`` and simulate it on ``gpu``; deterministic for the same inputs."""
+def simulate(program: Program, gpu: GPU, *, seed: int = 0, profile=None) -> Trace:
+    """Validate ``program`` and simulate it on ``gpu`` (op durations from ``profile``, a
+    ``sim.profile.Profile``, where it has rows); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
-    return Engine(program, gpu, seed).run()
+    return Engine(program, gpu, seed, profile=profile).run()

@@ -128,9 +128,9 @@ class Kernel:
     def ready(self) -> bool:
         return not (self.waiting_data or self.gated)
 
-    def demand(self, gpu: GPU) -> cost.KernelDemand:
+    def demand(self, gpu: GPU, profile=None) -> cost.KernelDemand:
         if self._demand[0] != self.sms:
-            self._demand = (self.sms, cost.demand(self.op, gpu, self.sms))
+            self._demand = (self.sms, cost.demand(self.op, gpu, self.sms, profile))
         return self._demand[1]
 
 
@@ -142,9 +142,10 @@ class Gpu(Fluid):
     arrival order, and SMs the head request cannot use yet go to running compute kernels. A kernel's rate is 1/duration at its current SMs and HBM share (``sim.cost``).
     """
 
-    def __init__(self, env: simpy.Environment, gpu: GPU):
+    def __init__(self, env: simpy.Environment, gpu: GPU, profile=None):
         super().__init__(env)
         self.gpu = gpu
+        self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
         self.free = gpu.num_sms
         self.waiting: deque[tuple[Kernel, simpy.Event]] = deque()
         self.holding: list[Kernel] = []  # granted and not finished (started or about to)
@@ -212,7 +213,7 @@ class Gpu(Fluid):
             k.rate = 0.0
         if not running:
             return
-        demands = [k.demand(self.gpu) for k in running]
+        demands = [k.demand(self.gpu, self.profile) for k in running]
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
         else:

@@ -227,7 +227,7 @@ def test_gpu_presets():
     h800, h100 = GPUS["h800"], GPUS["h100"]
     assert h800.num_sms == 132 and h800.nvlink_gbps == 200.0 and h800.rdma_gbps == 50.0
     assert (h800.bf16_tflops, h800.fp8_tflops) == (h100.bf16_tflops, h100.fp8_tflops)
-    assert h800.nvlink_eff_gbps == 160.0
+    assert h800.nvlink_eff_gbps == 134.0  # 153 x 7/8: DeepEP counts its own 1/8
     assert h100.nvlink_gbps == 450.0 and GPUS["h200"].hbm_gbps == 4800.0
     assert [g.sbo_comm_sms for g in GPUS.values()] == [3, 3, 3, 32]
     assert all(g.deepep_normal_sms == 24 for g in GPUS.values())
@@ -239,7 +239,7 @@ def test_gpu_units():
     assert g.hbm_bytes_per_us == 3.35e6
     assert g.peak_flops_per_us("fp8") == pytest.approx(1978.9e6)
     assert g.link_bytes_per_us("nvlink") == 450e3
-    assert GPUS["h800"].link_bytes_per_us("nvlink", effective=True) == 160e3
+    assert GPUS["h800"].link_bytes_per_us("nvlink", effective=True) == 134e3
     assert g.link_bytes_per_us("pcie", effective=True) == 64e3
     assert g.link_latency_us("rdma") == g.rdma_lat_us
     with pytest.raises(ConfigError):

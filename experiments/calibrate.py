@@ -1,0 +1,140 @@
+"""``overlap-lab calibrate --device cuda``: a profile of this GPU by microbenchmarks of the real
+executor's kernels.
+
+For each token count of ``--sizes`` and each SM budget of ``--sm-budgets`` it runs the serial
+Program of the workload (``sim.calibrate.bench_plan``: compute ops narrowed to the budget) with
+the real executor on the GPU, the communication emulated on one GPU, CUDA graphs off so that every
+op is timed by its own CUDA events; the median of ``--repeats`` runs becomes the trace from which
+``sim.calibrate.profile_from_trace`` takes the rows. The header records the device, the date and
+the versions of torch, CUDA and the kernel libraries found.
+
+torch and ``overlap_lab.real`` are imported inside the functions, so this module imports on a
+machine without a GPU; only :func:`measure_on_gpu` needs one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Program
+from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.sim.calibrate import BenchCase, bench_plan, profile_from_trace
+from overlap_lab.sim.profile import Profile
+
+
+def parse_ints(text: str | None, what: str) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        vals = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ConfigError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+def sized_workload(w: Workload, tokens: int) -> Workload:
+    """``w`` with ``tokens`` tokens per rank: decode keeps its KV length, prefill its layout
+    (one sequence of ``tokens`` new tokens)."""
+    b = w.batch
+    if b.mode == "decode":
+        kv = max(b.kv_lens) if b.kv_lens else 4096
+        batch = Batch.decode(tokens, kv_len=kv)
+    else:
+        batch = Batch.prefill(1, extend_len=tokens)
+    return Workload(w.model, batch, w.parallel)
+
+
+def plan_for(
+    w: Workload, gpu: GPU, sizes: Sequence[int], budgets: Sequence[int], cfg=None
+) -> tuple[list[BenchCase], Callable[[int], Workload]]:
+    """The cases to measure and the workload of each size (serial Programs)."""
+    from overlap_lab.shared.schedules import ScheduleConfig, build
+
+    cfg = cfg or ScheduleConfig()
+
+    def make(tokens: int) -> Program:
+        return build("serial", sized_workload(w, tokens), gpu, cfg)
+
+    return bench_plan(make, sizes, budgets or (gpu.num_sms,), gpu.num_sms), (
+        lambda t: sized_workload(w, t)
+    )
+
+
+def measure_on_gpu(
+    cases: Sequence[BenchCase],
+    workload_of: Callable[[int], Workload],
+    gpu: GPU,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[tuple[Trace, Program]]:
+    """Run each case with the real executor on the CUDA device; (median trace, Program) each."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError(f"calibrate --device cuda needs torch ({e})") from None
+    if not torch.cuda.is_available():
+        raise ConfigError("calibrate --device cuda needs a CUDA GPU; none is visible")
+    from overlap_lab.real.cli import _backend
+    from overlap_lab.real.executor import execute
+
+    out = []
+    for c in cases:
+        w = workload_of(c.tokens)
+        res = execute(
+            c.program,
+            w,
+            backend=_backend(SimpleNamespace(backend="emulated"), w, gpu),
+            device="cuda",
+            seed=seed,
+            warmup=warmup,
+            repeats=repeats,
+            host_spin=True,
+            cuda_graphs=False,
+        )
+        out.append((res.trace, c.program))
+    return out
+
+
+def software_versions() -> dict[str, str]:
+    """torch, CUDA and the kernel libraries the real executor found (lazily imported)."""
+    import torch
+
+    from overlap_lab.real.deps import probe
+
+    found = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    for k, v in probe().items():
+        if v.get("version"):
+            found[k] = str(v["version"])
+    return found
+
+
+def calibrate_on_device(args) -> Profile:
+    """The ``calibrate --device cuda`` command's profile (see the module docstring)."""
+    from overlap_lab.experiments.cli import config_from, gpu_from, workload_from
+
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    sizes = parse_ints(args.sizes, "--sizes")
+    budgets = parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,)
+    cases, workload_of = plan_for(w, gpu, sizes, budgets, cfg)
+    pairs = measure_on_gpu(cases, workload_of, gpu, repeats=args.repeats)
+    import torch
+
+    return profile_from_trace(
+        pairs,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        name="device",
+        device=torch.cuda.get_device_name(0),
+        date=datetime.now(UTC).date().isoformat(),
+        software=software_versions(),
+        source=f"overlap-lab calibrate --device cuda: {w.model.name} {w.batch.mode}, serial "
+        f"Programs at {list(sizes)} tokens on {list(budgets)} SMs, median of {args.repeats}",
+    )

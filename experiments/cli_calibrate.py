@@ -1,0 +1,266 @@
+"""The calibration side of the command line: ``--profile`` and ``analyze``, ``calibrate``,
+``validate``.
+
+    overlap-lab sim --profile h800-published ...       # measured durations where rows apply
+    overlap-lab analyze TRACE.json                       # busy, overlap, per-kernel-class table
+    overlap-lab calibrate --from-trace TRACE.json ...    # a profile from a measured trace
+    overlap-lab validate TRACE.json ...                  # measured vs predicted, op by op
+
+Argument parsing and handlers live here; the work is in library modules (``sim.profile``,
+``shared.analyze``, ``experiments.calibrate``) that the real executor calls too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
+
+
+def add_profile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        default="auto",
+        help=f"measured kernel durations: a profile file, {', '.join(BUILTIN)}, or {ROOFLINE} "
+        "(analytic only); auto: the GPU's built-in profile (h800 -> h800-published), else "
+        f"{ROOFLINE} (default: auto)",
+    )
+
+
+def profile_from(args, gpu: GPU) -> Profile | None:
+    """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
+    return load_profile(resolve(getattr(args, "profile", "auto"), gpu.name))
+
+
+def profile_name(profile: Profile | None) -> str:
+    return ROOFLINE if profile is None else profile.name
+
+
+def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
+    """Per op class, how many launched ops take their duration from the profile, the roofline
+    or the link model (communication kernels and copies)."""
+    from overlap_lab.sim.cost import duration_source
+
+    counts: dict[str, Counter] = {}
+    for _, op in ops_of(program):
+        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += 1
+    return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
+
+
+def add_provenance(res: dict[str, Any], program: Program, gpu: GPU, profile) -> None:
+    """The keys a result row gets from calibration: ``profile`` and ``cost_sources``."""
+    res["profile"] = profile_name(profile)
+    res["cost_sources"] = cost_sources(program, gpu, profile)
+
+
+def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
+    """``show --profile``: each op's solo duration and where it comes from, as ``#`` lines the
+    Program parser skips (first rank only)."""
+    from overlap_lab.sim.cost import duration_source, solo_duration_us
+
+    if profile is None:
+        return ""
+    lines = [f"# durations alone on the GPU, profile {profile.name} (rank {program.ranks[0].rank})"]
+    rank = program.ranks[0].rank
+    for r, op in ops_of(program):
+        if r != rank:
+            continue
+        src = duration_source(op, gpu, profile)
+        us = solo_duration_us(op, gpu, profile=profile if src == "profile" else None)
+        lines.append(f"# {op.name} layer={op.layer} mb={op.mb} {us:.3f} us {src}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def _out_dir(args) -> Path | None:
+    if not args.out:
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _load_trace(path: str, mapping_path: str | None = None, program: Program | None = None):
+    from overlap_lab.shared.analyze import label_ops, load_mapping
+    from overlap_lab.shared.trace import Trace
+
+    trace = Trace.from_chrome(path)
+    if mapping_path is not None and program is not None:
+        trace = label_ops(trace, load_mapping(mapping_path), program)
+    return trace
+
+
+#: Kernel classes as the timeline's colour families read them (``figures.op_family``).
+FIGURE_LABELS = {
+    "deepep_normal": "DeepEP dispatch/combine",
+    "deepep_ll": "DeepEP LL dispatch/combine",
+    "nccl": "NCCL dispatch",
+    "deepgemm": "DeepGEMM experts",
+    "flashmla": "FlashMLA attention",
+    "flashinfer": "FlashInfer attention",
+}
+
+
+def cmd_analyze(args) -> int:
+    from dataclasses import replace
+
+    from overlap_lab.shared.analyze import analyze, classify_trace, load_mapping, to_text
+    from overlap_lab.shared.trace import Trace
+
+    mapping = load_mapping(args.map)
+    trace = _load_trace(args.trace)
+    a = analyze(trace, mapping, args.rank)
+    res = a.to_json()
+    out = _out_dir(args)
+    if out is not None:
+        from overlap_lab.experiments.figures import save_timeline
+
+        fig = out / f"analyze_timeline.{args.figure_format}"
+        shown = classify_trace(trace, mapping)
+        shown = Trace(
+            tuple(replace(s, op=FIGURE_LABELS.get(s.op, s.op)) for s in shown.spans), shown.meta
+        )
+        save_timeline(shown, fig, rank=a.rank, labels=False, title=f"{args.trace}, rank {a.rank}")
+        res["files"] = [str(fig)]
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    sys.stdout.write(to_text(a))
+    for f in res.get("files", []):
+        print(f"wrote {f}")
+    return 0
+
+
+def _program_for(args, schedule: str):
+    from overlap_lab.experiments.cli import config_from, gpu_from, lower_ranks, workload_from
+    from overlap_lab.shared.schedules import build
+
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, args), w, gpu
+
+
+def cmd_calibrate(args) -> int:
+    from datetime import UTC, datetime
+
+    if (args.from_trace is None) == (args.device is None):
+        raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
+    if args.device is not None:
+        from overlap_lab.experiments.calibrate import calibrate_on_device
+
+        profile = calibrate_on_device(args)
+    else:
+        from overlap_lab.sim.calibrate import profile_from_trace
+
+        program, _, gpu = _program_for(args, args.schedule)
+        trace = _load_trace(args.from_trace, args.map, program)
+        meta = trace.meta
+        profile = profile_from_trace(
+            trace,
+            program,
+            num_sms=int(meta.get("num_sms") or gpu.num_sms),
+            name=Path(args.out).stem,
+            device=str(
+                meta.get("device_name") or meta.get("gpu") or meta.get("device") or gpu.name
+            ),
+            date=datetime.now(UTC).date().isoformat(),
+            software={k: str(v) for k, v in (meta.get("software") or {}).items()},
+            source=f"{args.from_trace} (schedule {args.schedule})",
+        )
+    path = profile.save(args.out)
+    print(f"wrote {path}: {len(profile.rows)} rows from {profile.source}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from overlap_lab.experiments import validate as V
+
+    program, _, gpu = _program_for(args, args.schedule)
+    measured = _load_trace(args.trace, args.map, program)
+    profile = None if args.profile == "from-trace" else load_profile(args.profile)
+    v, predicted, profile = V.validate(measured, program, gpu, profile, getattr(args, "seed", 0))
+    res: dict[str, Any] = {"schedule": args.schedule, "profile": profile.name, **v.to_json()}
+    extra = {}
+    if args.predict:
+        other, _, _ = _program_for(args, args.predict)
+        tr = V.predict(other, gpu, profile)
+        extra[f"predicted {args.predict}"] = tr
+        res["what_if"] = {
+            "schedule": args.predict,
+            "predicted_step_time_us": tr.step_time_us,
+            "speedup_vs_measured": measured.step_time_us / tr.step_time_us,
+            "speedup_vs_predicted": predicted.step_time_us / tr.step_time_us,
+        }
+    out = _out_dir(args)
+    if out is not None:
+        fig = V.figure(measured, predicted, out / f"validate.{args.figure_format}", extra)
+        predicted.to_chrome(out / "predicted_trace.json")
+        res["files"] = [str(fig), str(out / "predicted_trace.json")]
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    print(f"validate {args.trace}: schedule {args.schedule}, profile {profile.name}")
+    sys.stdout.write(V.to_text(v))
+    if "what_if" in res:
+        w = res["what_if"]
+        print(
+            f"\nwhat if {w['schedule']}: predicted step {w['predicted_step_time_us']:.1f} µs, "
+            f"speed-up {w['speedup_vs_measured']:.3f} over the measured step"
+        )
+    for f in res.get("files", []):
+        print(f"wrote {f}")
+    return 0
+
+
+def register_calibration_commands(sub, workload_options, rank_options) -> None:
+    """Add ``analyze``, ``calibrate`` and ``validate`` to the ``overlap-lab`` subparsers."""
+    from overlap_lab.shared.schedules import SCHEDULES
+
+    s = sub.add_parser("analyze", help="overlap and kernel classes of a torch.profiler trace")
+    s.add_argument("trace", help="Chrome trace JSON (torch.profiler / Kineto, or ours; .gz ok)")
+    s.add_argument("--map", default=None, help="JSON kernel-class mapping, tried before built-ins")
+    s.add_argument("--rank", type=int, default=None, help="rank to analyze (default: the first)")
+    s.add_argument("--out", default="overlap-lab-out", help="directory for the timeline ('' none)")
+    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_analyze)
+
+    s = sub.add_parser("calibrate", help="build a profile from a measured trace or a GPU")
+    s.add_argument("--from-trace", default=None, help="a measured trace of --schedule's Program")
+    s.add_argument("--map", default=None, help="kernel mapping with 'op' entries (foreign traces)")
+    s.add_argument("--device", default=None, choices=("cuda",), help="microbenchmark this GPU")
+    s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
+    s.add_argument("--sizes", default="16,32,64,128,256,512", help="--device: tokens per rank")
+    s.add_argument("--sm-budgets", default=None, help="--device: SM counts (default: all SMs)")
+    s.add_argument("--repeats", type=int, default=5, help="--device: timed runs per case")
+    s.add_argument("--out", default="overlap-lab-out/profile.json", help="profile file to write")
+    workload_options(s)
+    rank_options(s)
+    s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("validate", help="a measured trace against the simulator's prediction")
+    s.add_argument("trace", help="measured trace (overlap-lab run, or torch.profiler with --map)")
+    s.add_argument("--schedule", default="serial", help="the schedule the trace ran")
+    s.add_argument(
+        "--profile",
+        default="from-trace",
+        help="from-trace (default: the profile the measured trace yields), a profile file, "
+        f"{', '.join(BUILTIN)} or {ROOFLINE}",
+    )
+    s.add_argument("--predict", default=None, help="also predict this schedule from the profile")
+    s.add_argument("--map", default=None, help="kernel mapping with 'op' entries (foreign traces)")
+    s.add_argument("--out", default="overlap-lab-out", help="directory for the figure ('' none)")
+    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    s.add_argument("--json", action="store_true")
+    workload_options(s)
+    rank_options(s)
+    s.set_defaults(func=cmd_validate)

@@ -1,0 +1,194 @@
+"""Profiles from measurements: a measured trace of a known Program becomes profile rows.
+
+``profile_from_trace`` takes a Trace whose kernel spans carry op name, layer and micro-batch (our
+own traces: ``overlap-lab run`` on a GPU, the simulator, or an imported trace labelled with
+``shared.analyze.label_ops``) and the Program that produced it. The spans of each op are summed
+per (rank, op, layer, micro-batch, step) — an op may be several kernels, or one kernel cut where
+its SM grant changed — and joined with the Program's op (tokens, FLOPs, dtype). Ops of one
+(name, dtype, tokens, SMs) pool into one row: mean duration and mean FLOPs, so the simulator reads
+the row as the measured throughput (``sim.profile``), and an op with more FLOPs (a hotter expert
+rank) takes proportionally longer.
+
+``bench_plan`` is the CPU half of ``overlap-lab calibrate --device cuda``: which Programs to run
+(a serial Program per token count, every compute op narrowed to each SM budget); the GPU half
+runs them with the real executor (``experiments.calibrate.measure_on_gpu``) and hands the traces
+back here. Only compute ops become rows: communication is the link model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program import Graph, HostThread, Launch, Op, Program, RankProgram
+from overlap_lab.shared.trace import Trace
+from overlap_lab.sim.profile import FORMAT, PROFILED_CLASSES, PROFILED_OPS, Profile, from_json
+
+OpKey = tuple[int, str, int | None, int | None, int | None]  # rank, op, layer, mb, step
+
+
+def op_key(rank: int, op: Op) -> OpKey:
+    return (rank, op.name, op.layer, op.mb, op.step)
+
+
+def program_ops(program: Program) -> dict[OpKey, Op]:
+    """Every launched op by (rank, name, layer, mb, step); ConfigError if a key repeats."""
+    out: dict[OpKey, Op] = {}
+    for rp in program.ranks:
+        for th in rp.threads:
+            for ins in th.instrs:
+                for part in ins.body if isinstance(ins, Graph) else (ins,):
+                    if isinstance(part, Launch):
+                        k = op_key(rp.rank, part.op)
+                        if k in out:
+                            raise ConfigError(f"op {k} is launched twice; cannot align it")
+                        out[k] = part.op
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One op's measured time: its kernels' durations summed, and the SMs they held (a
+    duration-weighted mean; 0 when the trace does not say)."""
+
+    us: float
+    sms: float
+
+
+def measured_ops(trace: Trace) -> dict[OpKey, Measured]:
+    """Kernel time per (rank, op, layer, mb, step) from the stream spans of ``trace``."""
+    us: dict[OpKey, float] = defaultdict(float)
+    sm_us: dict[OpKey, float] = defaultdict(float)
+    for s in trace.spans:
+        if not s.lane.startswith("stream:") or s.kind == "sync":
+            continue
+        k = (s.rank, s.op, s.layer, s.mb, s.step)
+        us[k] += s.duration
+        sm_us[k] += s.sms * s.duration
+    return {k: Measured(v, sm_us[k] / v if v > 0 else 0.0) for k, v in us.items()}
+
+
+def _profiled(op: Op) -> bool:
+    return op.kind == "compute" and op.name in PROFILED_OPS
+
+
+def profile_from_trace(
+    traces: Trace | Iterable[tuple[Trace, Program]],
+    program: Program | None = None,
+    *,
+    num_sms: int,
+    name: str = "measured",
+    device: str = "unknown",
+    date: str = "unknown",
+    software: dict[str, str] | None = None,
+    source: str = "measured trace",
+) -> Profile:
+    """A profile whose rows are the ops measured in ``traces`` (one trace with ``program``, or
+    pairs of them): see the module docstring. ``num_sms`` stands for ops whose trace gives no
+    SM count."""
+    pairs = [(traces, program)] if isinstance(traces, Trace) else list(traces)
+    groups: dict[tuple[str, str, float, int], list[tuple[float, float]]] = defaultdict(list)
+    for trace, prog in pairs:
+        if prog is None:
+            raise ConfigError("profile_from_trace needs the Program the trace ran")
+        ops = program_ops(prog)
+        found = measured_ops(trace)
+        for k, op in ops.items():
+            m = found.get(_trace_key(k, trace, prog))
+            if m is None or not _profiled(op) or m.us <= 0 or op.tokens <= 0:
+                continue
+            sms = round(m.sms) if m.sms > 0 else (op.sms or num_sms)
+            groups[(op.name, op.dtype, float(op.tokens), int(sms))].append((m.us, op.flops))
+    if not groups:
+        raise ConfigError(
+            "no compute op of the Program was found in the trace (are its spans labelled with "
+            "op names, layers and micro-batches?)"
+        )
+    with_flops = defaultdict(lambda: True)  # per (op, dtype, sms): throughput rows if all FLOPs > 0
+    for (op, dt, _, sms), ms in groups.items():
+        with_flops[(op, dt, sms)] &= all(f > 0 for _, f in ms)
+    rows = []
+    for (op, dt, tokens, sms), ms in sorted(groups.items()):
+        row = {"op": op, "dtype": dt, "size": tokens, "sms": sms,
+               "us": sum(u for u, _ in ms) / len(ms),
+               "source": f"{source}: mean of {len(ms)} measurement(s)"}  # fmt: skip
+        if with_flops[(op, dt, sms)]:
+            row["flops"] = sum(f for _, f in ms) / len(ms)
+        rows.append(row)
+    doc = {"format": FORMAT, "device": device, "date": date, "software": software or {},
+           "source": source, "rows": rows}  # fmt: skip
+    return from_json(doc, name)
+
+
+def _trace_key(k: OpKey, trace: Trace, program: Program) -> OpKey:
+    """A symmetric Program's rank-0 ops are found under the trace's first rank."""
+    if program.symmetric and trace.ranks and k[0] not in trace.ranks:
+        return (trace.ranks[0],) + k[1:]
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# Microbenchmark plan (the CPU half of `calibrate --device cuda`)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One Program to run on the GPU: ``tokens`` per micro-batch, compute ops on ``sms`` SMs."""
+
+    tokens: int
+    sms: int
+    program: Program
+
+
+def narrow_sms(program: Program, sms: int) -> Program:
+    """Every compute op limited to ``sms`` SMs (communication and copies as they are)."""
+
+    def fix(ins):
+        if isinstance(ins, Launch) and ins.op.kind == "compute":
+            return Launch(dataclasses.replace(ins.op, sms=sms), ins.stream)
+        if isinstance(ins, Graph):
+            return Graph(ins.name, tuple(fix(b) for b in ins.body))
+        return ins
+
+    ranks = tuple(
+        RankProgram(
+            rp.rank,
+            rp.streams,
+            tuple(HostThread(th.name, tuple(fix(i) for i in th.instrs)) for th in rp.threads),
+        )
+        for rp in program.ranks
+    )
+    return dataclasses.replace(program, ranks=ranks)
+
+
+def bench_plan(
+    build, sizes: Sequence[int], sm_budgets: Sequence[int], num_sms: int
+) -> list[BenchCase]:
+    """The Programs to measure: ``build(tokens)`` (a serial Program of that many tokens) for
+    each size, with compute ops narrowed to each SM budget. Bad sizes or budgets: ConfigError."""
+    if not sizes or any(int(s) <= 0 for s in sizes):
+        raise ConfigError(f"calibration sizes must be positive token counts, got {list(sizes)}")
+    if not sm_budgets or any(not 0 < int(b) <= num_sms for b in sm_budgets):
+        raise ConfigError(f"SM budgets must lie in 1..{num_sms}, got {list(sm_budgets)}")
+    out = []
+    for t in sorted(set(int(s) for s in sizes)):
+        prog = build(t)
+        for b in sorted(set(int(x) for x in sm_budgets)):
+            out.append(BenchCase(t, b, prog if b == num_sms else narrow_sms(prog, b)))
+    return out
+
+
+__all__ = [
+    "PROFILED_CLASSES",
+    "BenchCase",
+    "Measured",
+    "bench_plan",
+    "measured_ops",
+    "narrow_sms",
+    "op_key",
+    "profile_from_trace",
+    "program_ops",
+]

@@ -1,0 +1,337 @@
+"""Calibration profiles: measured kernel durations that replace the roofline where they apply.
+
+A profile is a JSON file (format ``overlap-lab-profile/1``)::
+
+    {
+      "format": "overlap-lab-profile/1",
+      "device": "H800 SXM (132 SMs)",          # what the rows were measured on
+      "date": "2025-03-25",                     # when (ISO date)
+      "software": {"DeepGEMM": "8002b769"},     # library versions / commits
+      "source": "where the numbers come from",  # a README, a trace file, a benchmark command
+      "rows": [
+        {"op": "experts", "dtype": "fp8", "size": 256, "sms": 132, "us": 87.5,
+         "flops": 1.1e10, "source": "trace.json, rank 0, layers 3-60, mb 0"},
+        ...
+      ]
+    }
+
+Each row is one measured (or published) duration ``us`` of an op, keyed by
+
+- ``op``: an op name the schedules emit (``experts``, ``attn.core``, ``logits``, ...) or an op
+  class (``gemm``, ``grouped_gemm``, ``attention``, ``elementwise``, ``sampling``). A row for the
+  op's name wins over a row for its class. Only compute kernels are profiled: communication
+  kernels and copies are timed by the link model (``sim.network``), whose constants are checked
+  against DeepEP's tables (``experiments/exp_deepep_tables.py``).
+- ``dtype``: ``bf16`` or ``fp8``, the op's GEMM/attention dtype.
+- ``size`` in ``size_unit``: ``tokens`` (default; the micro-batch's padded tokens, i.e. the GEMM
+  rows; at a fixed KV length that fixes attention too) or ``flops`` (the op's FLOPs: for
+  grouped GEMMs, whose rows per group follow routing, and for throughput tables).
+- ``sms``: the SMs the kernel ran on.
+
+and may carry ``flops``, the op's FLOPs at that row. With ``flops`` the row is read as a
+throughput: the op is charged ``op.flops × (us / flops)`` interpolated in size, so an expert
+GEMM of an overloaded rank (more FLOPs at the same tokens, ``--ranks explicit``) takes longer, and
+several rows at one key (a layer's GEMM shapes at one M) pool into one throughput
+(sum of FLOPs / sum of time). Without ``flops`` the row is a plain duration.
+
+Lookup (``Profile.lookup``): the rows of the op's SM count (or of the nearest measured count,
+whose duration ``sim.cost.scale_sms`` then scales) are interpolated log–log in size, which is
+exact on the table points and monotone between them. Below the smallest size the profile does not
+apply (the roofline does); above the largest, rows with ``flops`` keep the largest size's
+throughput (saturated GEMMs), rows without do not apply.
+
+Built-in profiles ship in ``sim/profiles/`` (``h800-published``: DeepSeek's published isolated
+H800 benchmarks); ``roofline`` names no profile at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.ops import DENSE_OP_NAMES, HEAD_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.ops_sched import SCHED_OP_NAMES
+from overlap_lab.shared.program import Op
+
+FORMAT = "overlap-lab-profile/1"
+HEADER_KEYS: tuple[str, ...] = ("format", "device", "date", "software", "source", "rows")
+SIZE_UNITS: tuple[str, ...] = ("tokens", "flops")
+DTYPES: tuple[str, ...] = ("bf16", "fp8")
+#: Op classes a row may name (communication and copies are the link model's).
+PROFILED_CLASSES: tuple[str, ...] = ("gemm", "grouped_gemm", "attention", "elementwise", "sampling")
+_COMM_OPS = frozenset(
+    {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
+)  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
+PROFILED_OPS: frozenset[str] = (
+    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES) | SCHED_OP_NAMES)
+    - _COMM_OPS
+    - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
+)
+#: Names accepted by ``--profile`` besides a path.
+ROOFLINE = "roofline"
+BUILTIN: tuple[str, ...] = ("h800-published",)
+_ROW_KEYS = frozenset({"op", "dtype", "size", "size_unit", "sms", "us", "flops", "source"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured duration: ``us`` µs for ``op`` in ``dtype`` at ``size`` on ``sms`` SMs."""
+
+    op: str
+    dtype: str
+    size: float
+    sms: int
+    us: float
+    size_unit: str = "tokens"
+    flops: float = 0.0
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class _Curve:
+    """Points of one (op, dtype, unit, sms) key, sorted by size, duplicates pooled."""
+
+    sizes: tuple[float, ...]
+    us: tuple[float, ...]
+    flops: tuple[float, ...]  # all > 0 (throughput rows) or all 0 (duration rows)
+
+    @property
+    def per_flop(self) -> bool:
+        return self.flops[0] > 0
+
+
+@dataclass(frozen=True)
+class Match:
+    """What a lookup found: the duration at ``sms`` SMs the rows were measured on."""
+
+    us: float
+    sms: int
+    key: str  # the row key that matched (op name or class)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A parsed, validated profile (see the module docstring for the format)."""
+
+    name: str
+    device: str
+    date: str
+    software: dict[str, str]
+    source: str
+    rows: tuple[Row, ...]
+    notes: str = ""
+    _curves: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        groups: dict[tuple, list[Row]] = defaultdict(list)
+        for r in self.rows:
+            groups[(r.op, r.dtype, r.size_unit, r.sms)].append(r)
+        for key, rows in groups.items():
+            by_size: dict[float, list[Row]] = defaultdict(list)
+            for r in rows:
+                by_size[r.size].append(r)
+            with_flops = {r.flops > 0 for r in rows}
+            if len(with_flops) > 1:
+                raise ConfigError(
+                    f"profile {self.name}: rows of {key[0]} {key[1]} on {key[3]} SMs mix rows "
+                    "with and without flops"
+                )
+            sizes = sorted(by_size)
+            if not with_flops.pop():
+                dup = [s for s in sizes if len(by_size[s]) > 1]
+                if dup:
+                    raise ConfigError(
+                        f"profile {self.name}: two rows for {key[0]} {key[1]} size {dup[0]:g} "
+                        f"on {key[3]} SMs (give flops to pool them as a throughput)"
+                    )
+            self._curves[key] = _Curve(
+                tuple(sizes),
+                tuple(sum(r.us for r in by_size[s]) for s in sizes),
+                tuple(sum(r.flops for r in by_size[s]) for s in sizes),
+            )
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def keys_for(self, op: Op) -> tuple[str, ...]:
+        return (op.name, op.op_class)
+
+    def lookup(self, op: Op, sms: int) -> Match | None:
+        """The op's duration from the rows, at the measured SM count nearest ``sms`` (the caller
+        scales it to ``sms``: ``sim.cost.scale_sms``); None when no row applies."""
+        if op.kind != "compute":
+            return None
+        for key in self.keys_for(op):
+            for unit in SIZE_UNITS:
+                counts = [s for (o, d, u, s) in self._curves if (o, d, u) == (key, op.dtype, unit)]
+                if not counts:
+                    continue
+                near = min(counts, key=lambda s: (abs(math.log(s / max(sms, 1))), -s))
+                us = _evaluate(self._curves[(key, op.dtype, unit, near)], op, unit)
+                if us is not None:
+                    return Match(us, near, key)
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for r in self.rows:
+            d = {"op": r.op, "dtype": r.dtype, "size": r.size, "sms": r.sms, "us": r.us}
+            if r.size_unit != "tokens":
+                d["size_unit"] = r.size_unit
+            if r.flops > 0:
+                d["flops"] = r.flops
+            if r.source:
+                d["source"] = r.source
+            rows.append(d)
+        return {
+            "format": FORMAT,
+            "device": self.device,
+            "date": self.date,
+            "software": dict(self.software),
+            "source": self.source,
+            **({"notes": self.notes} if self.notes else {}),
+            "rows": rows,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return p
+
+
+def op_size(op: Op, unit: str) -> float:
+    """The op's size along a profile's size axis."""
+    return float(op.tokens) if unit == "tokens" else float(op.flops)
+
+
+def interpolate_loglog(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear in (log x, log y) through the points; exact at each xs[i]. ``x`` must
+    lie in [xs[0], xs[-1]]."""
+    i = bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+
+def _evaluate(c: _Curve, op: Op, unit: str) -> float | None:
+    x = op_size(op, unit)
+    if x <= 0 or x < c.sizes[0]:
+        return None
+    if c.per_flop:
+        if op.flops <= 0:
+            return None
+        q = [u / f for u, f in zip(c.us, c.flops)]
+        per = q[-1] if x >= c.sizes[-1] else interpolate_loglog(c.sizes, tuple(q), x)
+        return op.flops * per
+    if x > c.sizes[-1]:
+        return None
+    return interpolate_loglog(c.sizes, c.us, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _row(name: str, i: int, d: Any) -> Row:
+    where = f"profile {name}: row {i}"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
+    extra = set(d) - _ROW_KEYS
+    if extra:
+        raise ConfigError(f"{where}: unknown field {sorted(extra)[0]!r}")
+    for k in ("op", "dtype", "size", "sms", "us"):
+        if k not in d:
+            raise ConfigError(f"{where}: missing {k!r}")
+    op = d["op"]
+    if op not in PROFILED_OPS and op not in PROFILED_CLASSES:
+        raise ConfigError(
+            f"{where}: unknown op {op!r}; expected an op name the schedules emit or one of "
+            f"{', '.join(PROFILED_CLASSES)} (communication is timed by the link model)"
+        )
+    if d["dtype"] not in DTYPES:
+        raise ConfigError(f"{where}: dtype must be one of {DTYPES}, got {d['dtype']!r}")
+    unit = d.get("size_unit", "tokens")
+    if unit not in SIZE_UNITS:
+        raise ConfigError(f"{where}: size_unit must be one of {SIZE_UNITS}, got {unit!r}")
+    for k in ("size", "us", "flops"):
+        v = d.get(k, 0.0 if k == "flops" else None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{where}: {k} must be a number, got {v!r}")
+        if v < 0 or (v == 0 and k != "flops"):
+            raise ConfigError(f"{where}: {k} must be positive, got {v!r}")
+    sms = d["sms"]
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms <= 0:
+        raise ConfigError(f"{where}: sms must be a positive integer, got {sms!r}")
+    return Row(
+        op, d["dtype"], float(d["size"]), sms, float(d["us"]), unit, float(d.get("flops", 0.0)),
+        str(d.get("source", "")),
+    )  # fmt: skip
+
+
+def from_json(doc: Any, name: str = "<profile>") -> Profile:
+    """A Profile from a parsed JSON document; ConfigError (one line) on anything malformed."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"profile {name}: expected a JSON object with {', '.join(HEADER_KEYS)}")
+    for k in HEADER_KEYS:
+        if k not in doc:
+            raise ConfigError(
+                f"profile {name}: header lacks {k!r} (needs {', '.join(HEADER_KEYS)})"
+            )
+    if doc["format"] != FORMAT:
+        raise ConfigError(f"profile {name}: format must be {FORMAT!r}, got {doc['format']!r}")
+    for k in ("device", "date", "source"):
+        if not isinstance(doc[k], str) or not doc[k].strip():
+            raise ConfigError(f"profile {name}: header {k!r} must be a non-empty string")
+    if not isinstance(doc["software"], dict):
+        raise ConfigError(f"profile {name}: header 'software' must map library to version")
+    if "notes" in doc and not isinstance(doc["notes"], str):
+        raise ConfigError(f"profile {name}: header 'notes' must be a string")
+    unknown = set(doc) - set(HEADER_KEYS) - {"notes"}
+    if unknown:
+        raise ConfigError(f"profile {name}: unknown header field {sorted(unknown)[0]!r}")
+    if not isinstance(doc["rows"], list) or not doc["rows"]:
+        raise ConfigError(f"profile {name}: 'rows' must be a non-empty list")
+    rows = tuple(_row(name, i, d) for i, d in enumerate(doc["rows"]))
+    software = {str(k): str(v) for k, v in doc["software"].items()}
+    return Profile(
+        name, doc["device"], doc["date"], software, doc["source"], rows, doc.get("notes", "")
+    )
+
+
+def load_profile(spec: str | Path | None) -> Profile | None:
+    """``roofline``/None: no profile; a built-in name (``h800-published``); else a file path."""
+    if spec is None or str(spec) == ROOFLINE:
+        return None
+    s = str(spec)
+    if s in BUILTIN:
+        text = resources.files("overlap_lab.sim").joinpath("profiles", f"{s}.json").read_text()
+        return from_json(json.loads(text), s)
+    p = Path(s)
+    if not p.is_file():
+        raise ConfigError(
+            f"profile {s!r}: no such file (or use {ROOFLINE} or one of {', '.join(BUILTIN)})"
+        )
+    try:
+        doc = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"profile {s}: not JSON ({e})") from None
+    return from_json(doc, p.name)
+
+
+def default_profile(gpu_name: str) -> str:
+    """The profile ``--profile auto`` picks: the built-in one of the preset, else the roofline."""
+    return {"h800": "h800-published"}.get(gpu_name.lower(), ROOFLINE)
+
+
+def resolve(spec: str | None, gpu_name: str) -> str:
+    """``auto``/None -> the preset's default; anything else as given."""
+    return default_profile(gpu_name) if spec in (None, "auto") else spec
