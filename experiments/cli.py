@@ -2,7 +2,7 @@
 
     overlap-lab sim --schedule serial --model deepseek-v3 --gpu h800 --mode decode --batch 128 --ep 32
     overlap-lab show --schedule tbo ...           # the Program's text form
-    overlap-lab schedules                         # one line per schedule, with its seed
+    overlap-lab schedules                         # each schedule, with the upstream code it follows
     overlap-lab compare --schedules serial,tbo,sbo ...
     overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
 
@@ -413,8 +413,10 @@ def cmd_schedules(args) -> int:
 
     rows = describe()
     width = max(len(n) for n, _, _ in rows)
-    for name, seed, summary in rows:
-        print(f"{name:<{width}}  [{seed}]  {summary}")
+    for name, upstream, summary in rows:
+        print(f"{name:<{width}}  {summary}")
+        print(f"{'':<{width}}  upstream: {upstream}")
+    print(f"\nRules and references of each: docs/schedules.md in the repository.")
     return 0
 
 
@@ -488,7 +490,7 @@ def parser() -> argparse.ArgumentParser:
     _rank_options(s)
     s.set_defaults(func=cmd_show)
 
-    s = sub.add_parser("schedules", help="list the schedules and their seeds")
+    s = sub.add_parser("schedules", help="list the schedules and the upstream code each follows")
     s.set_defaults(func=cmd_schedules)
 
     s = sub.add_parser("compare", help="simulate several schedules on one workload")

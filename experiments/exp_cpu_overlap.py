@@ -1,10 +1,10 @@
 """SGLang's CPU-GPU overlap scheduler: it hides host time up to the GPU time, and a prefill pays
 about one iteration of TTFT for it.
 
-Seed 000 §3 / 001: with overlap the host schedules batch N+1 and processes batch N-1 while the
+SGLang's CPU-GPU overlap scheduler (docs/schedules.md): with overlap the host schedules batch N+1 and processes batch N-1 while the
 GPU runs batch N, so an iteration takes max(GPU, host) instead of GPU + host
 (``--disable-overlap-schedule``); the price is that a batch is scheduled one step ahead and its
-result processed one step late, which the seed counts as one iteration of extra TTFT for a
+result processed one step late, which SGLang's design counts as one iteration of extra TTFT for a
 prefill (and why SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP exists).
 
 Three sweeps, each simulating the overlap loop and the normal loop over the same iterations:
@@ -381,7 +381,7 @@ picks the prompt up to its first token reaching the detokenizer.
 
 - The token always leaves one loop iteration later under overlap (its result is processed in
   iteration {TTFT_STEP + 1}, after batch {TTFT_STEP + 1} has been scheduled and launched; the normal loop
-  processes it in iteration {TTFT_STEP}): the seed's "one iteration".
+  processes it in iteration {TTFT_STEP}): SGLang's "one iteration".
 - In time, at default-ish host costs (x{low[0]["host_scale"]:g}..x1) the cost is
   {min(r["ttft_cost_iterations"] for r in low):.2f}-{max(r["ttft_cost_iterations"] for r in low):.2f}
   of an overlap iteration, and it is almost all *lookahead*, not deferral: the host picks the
@@ -411,15 +411,15 @@ prefill and launching its eager forward, one launch per kernel, longer than this
 forward): {switch_text}. It costs the GPU the idle time of processing the first result before the
 second forward can be launched, and the second prefill's TTFT.
 
-## Where the model disagrees with the seed, and why
-- The seed (001 §7, Q5) says the deferred prefill's first token waits one more iteration of GPU
+## Where the model disagrees with SGLang's description, and why
+- SGLang's design notes say the deferred prefill's first token waits one more iteration of GPU
   forward time. The model agrees on the count (one loop iteration) but in time the cost is the
   lookahead (the forward starting one forward later) when the GPU is the bottleneck, and the
   result's processing delay only when the host is: overlapping does not add a full forward
   between a prefill's end and its processing unless the host lags. Real schedulers also have host
   syncs the model leaves out (e.g. attention-backend planning that reads sequence lengths on the
-  host), which would make the deferral closer to the seed's description.
-- The D2H copy runs on the copy stream after a wait on the forward stream, as the brief and seed
+  host), which would make the deferral closer to that description.
+- The D2H copy runs on the copy stream after a wait on the forward stream, as SGLang's design
   001 §3 describe; upstream's `copy_to_cpu` issues `.to("cpu", non_blocking=True)` on the current
   (forward) stream. The two differ only in whether the next forward queues behind a few-µs copy.
 - Host costs are estimates (HostCosts); the sweep shows the shape, not SGLang's measured overhead.

@@ -1,8 +1,8 @@
 """LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?
 
-Seed 002 §0x05/§0x11: LightLLM moved the MoE block one slot later in decode and runs attention and
+LightLLM (docs/schedules.md) moved the MoE block one slot later in decode and runs attention and
 shared experts of one micro-batch back to back, where DeepSeek's figure pairs one micro-batch's
-computation with the other's communication; the seed's author suspects that "in some cases the GPU
+computation with the other's communication; LightLLM's design notes suspect that "in some cases the GPU
 has only communication and no computation". This sweeps batch sizes on an H800 with DeepSeek-V3 at
 the EP sizes of DeepSeek's published profiles (deepseek-ai/profile-data: prefill EP32 with 4K
 prompts, decode EP128 with 4K contexts) and reports, per schedule, the step time, the GPU time with

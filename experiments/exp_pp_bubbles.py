@@ -1,4 +1,4 @@
-"""PP bubbles against the number of micro-batches (SGLang event_loop_pp, seed 004).
+"""PP bubbles against the number of micro-batches (SGLang event_loop_pp).
 
 DeepSeek-V3 decode (64 tokens per micro-batch per GPU, 4K context) on H100, EP 8 inside each
 stage, pp_size 2, 4 and 8. SGLang keeps exactly pp_size micro-batches in flight; the sweep adds
@@ -160,7 +160,7 @@ Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in t
   depends on hidden states rank r has not sent yet.
 
 ## Where this may disagree with measurements
-- No published SGLang PP bubble figure is in the seeds to compare against. The PP host costs
+- No published SGLang PP bubble figure is published to compare against. The PP host costs
   (gloo metadata, point_to_point_pyobj) are estimates (shared/ops_pp.py), and requests are forwarded
   as host work only: upstream's point_to_point_pyobj is an NCCL send ordered after the forward with
   a ``.item()`` on the receiver, which would delay a rank's scheduling until its predecessor's

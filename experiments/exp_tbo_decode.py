@@ -2,7 +2,7 @@
 
 SGLang's large-scale EP deployment of DeepSeek-V3 (H800-class nodes, DeepEP low-latency kernels,
 DP attention) reports TBO at about -27 % throughput at 32 tokens per GPU, break-even around
-64-128 and about +25 % at 256 (seed 000 §5: "too small a batch can make TBO slower"). This sweeps
+64-128 and about +25 % at 256 (SGLang's TBO notes: "too small a batch can make TBO slower"). This sweeps
 tokens per GPU on DeepSeek-V3 / H800 at EP 32 and EP 72's nearest divisor of 256 experts, EP 64
 (the sizes SGLang ran: 4 and 9 decode nodes), simulates serial and TBO (and TBO+SBO for
 reference), and reports the step time, the change in throughput ``serial / tbo - 1`` and where

@@ -19,7 +19,10 @@ whatever the pool does), writes ``results/<name>.json`` (rows, the exact command
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files.
 
-Run them with ``python -m overlap_lab.experiments [NAME ...]`` or ``python -m overlap_lab.experiments.exp_<name>``.
+Run them with ``python -m overlap_lab.experiments [NAME ...]`` or
+``python -m overlap_lab.experiments.exp_<name>``. Results go to ``--out`` (default
+``./overlap-lab-results/`` in the working directory, never inside the installed package); the
+repository's committed results are written with ``--out experiments/results``.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from typing import Any
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
-from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace
 from overlap_lab.shared.workload import Workload
-from overlap_lab.sim import simulate
 
-RESULTS = Path(__file__).parent / "results"
+#: Where results go unless ``--out`` says otherwise: the working directory, never the install.
+RESULTS = Path("overlap-lab-results")
+#: The results committed with the repository (``--out experiments/results`` from its root).
+REPO_RESULTS = Path(__file__).parent / "results"
 PROCESSES = 2  # this machine's cores; `--processes` / run(processes=) override
 
 
@@ -122,11 +127,11 @@ def simulate_case(
     clip: Callable[[Trace, Case], Trace] = _whole,
 ) -> tuple[dict[str, Any], Trace | None]:
     """Build, simulate and measure one case: its row, and its kept trace (or None)."""
-    gpu = get_gpu(case.gpu)
-    program = build(case.schedule, case.workload, gpu, case.cfg)
-    trace = simulate(program, gpu)
-    row = {"schedule": case.schedule, **case.params, **measure(trace, program, case)}
-    return row, (clip(trace, case) if case.keep else None)
+    from overlap_lab import api
+
+    res = api.simulate(case.schedule, case.workload, case.gpu, case.cfg)
+    row = {"schedule": case.schedule, **case.params, **measure(res.trace, res.program, case)}
+    return row, (clip(res.trace, case) if case.keep else None)
 
 
 def run(
@@ -182,6 +187,11 @@ def run(
 
 def draw(exp: Experiment, path: Path) -> None:
     """The figure and the notes of ``exp`` from its results file (no simulation)."""
+    if not path.is_file():
+        raise ConfigError(
+            f"no results for {exp.name} at {path}: run `python -m overlap_lab.experiments "
+            f"{exp.name} --out {path.parent}` first"
+        )
     doc = json.loads(path.read_text())
     if exp.figure is not None:
         exp.figure(doc, path.with_suffix(""))
@@ -324,7 +334,12 @@ def main(
     ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")
     ap.add_argument("--list", action="store_true", help="list the declared experiments")
     ap.add_argument("--processes", type=int, default=PROCESSES, help="worker processes")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help=f"results folder (default: ./{RESULTS}; the repository's: experiments/results)",
+    )
     ap.add_argument("--draw", action="store_true", help="redraw from the results files only")
     args = ap.parse_args(argv)
     exps = declared()
@@ -338,10 +353,17 @@ def main(
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     for name in names:
-        if args.draw:
-            draw(exps[name], args.out / f"{name}.json")
-            path = args.out / f"{name}.json"
-        else:
-            path = run(exps[name], args.processes, out=args.out, command=command)
+        try:
+            if args.draw:
+                path = args.out / f"{name}.json"
+                draw(exps[name], path)
+            else:
+                path = run(exps[name], args.processes, out=args.out, command=command)
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"{prog}: error: {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"{name}: {path}", file=sys.stderr)
     return 0

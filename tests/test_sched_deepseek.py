@@ -1,4 +1,4 @@
-"""DeepSeek's published schedule against seed 002 §0x01/§0x11 and the profile-data description:
+"""DeepSeek's published schedule against docs/schedules.md and the profile-data description:
 prefill on 108 compute + 24 communication SMs of 132 (scaled to the GPU) with two streams,
 decode as the 5-stage ATTN-0 / ATTN-1 / DISPATCH / MLP / COMBINE pipeline (+SHARED) with DeepEP
 low-latency hooks holding no SMs while data flies.
