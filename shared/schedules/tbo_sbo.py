@@ -1,5 +1,5 @@
-"""TBO and SBO at once [docs/schedules.md, "TBO and SBO together"]: TBO interleaves the two micro-batches stage
-by stage; inside each micro-batch's MoE, SBO lowers the experts and combine operations onto two
+"""TBO and SBO at once [docs/schedules.md, "TBO and SBO together"]: TBO interleaves the two
+micro-batches stage by stage; inside each micro-batch's MoE, SBO lowers the experts and combine operations onto two
 streams with the SM partition of ``sbo.plan``.
 
 Per micro-batch, in the stage TBO's strategy gives each operation:
