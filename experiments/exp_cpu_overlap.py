@@ -29,7 +29,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import save_figure, timeline
+from overlap_lab.experiments.figures import WIDTHS, save_figure, timeline
 from overlap_lab.experiments.runner import Case, Experiment, kept_traces, main, stamp
 from overlap_lab.shared.hardware import HostCosts
 from overlap_lab.shared.schedules import ScheduleConfig
@@ -189,7 +189,7 @@ def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     rows = doc["rows"]
-    fig = Figure(figsize=(13, 9.5), layout="constrained")
+    fig = Figure(figsize=(7.0, 7.6), layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 1.1])
     ax_a, ax_b = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     ax_c, ax_d = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
@@ -206,14 +206,19 @@ def figure(doc: dict, path: Path) -> None:
     ax_a.axvline(dec[0]["gpu_us"] / 1e3, color="grey", lw=0.6, ls=":")
     ax_a.set_xscale("log")
     ax_a.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax_a.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax_a.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax_a.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax_a.set_xlabel("host time per iteration (ms)")
     ax_a.set_ylabel("iteration time (ms)")
     ax_a.set_title(
-        "(a) decode, DeepSeek-V2-Lite EP8, 32 req, H100: host cost x0.25..x32",
-        fontsize=9,
+        "(a) decode, DeepSeek-V2-Lite EP8, 32 req, H100,\nhost cost x0.25..x32",
+        fontsize=7.5,
         loc="left",
     )
-    ax_a.legend(fontsize=7)
+    ax_a.legend()
     ax_a.grid(alpha=0.3, which="both")
 
     v3 = sweep(rows, "v3")
@@ -225,8 +230,8 @@ def figure(doc: dict, path: Path) -> None:
     ax_b.set_xscale("log", base=2)
     ax_b.set_xlabel("decode requests per GPU (4K context)")
     ax_b.set_ylabel("%")
-    ax_b.set_title("(b) DeepSeek-V3 EP32 on H800, default host costs", fontsize=9, loc="left")
-    ax_b.legend(fontsize=7)
+    ax_b.set_title("(b) DeepSeek-V3 EP32 on H800,\ndefault host costs", fontsize=7.5, loc="left")
+    ax_b.legend()
     ax_b.grid(alpha=0.3)
 
     tt = sweep(rows, "ttft")
@@ -249,9 +254,9 @@ def figure(doc: dict, path: Path) -> None:
     ax_c.set_xlabel("host cost scale (x HostCosts)")
     ax_c.set_ylabel("ms")
     ax_c.set_title(
-        "(c) a prefill (8x32 tokens) joining a running decode batch", fontsize=9, loc="left"
+        "(c) a prefill (8x32 tokens) joining\na running decode batch", fontsize=7.5, loc="left"
     )
-    ax_c.legend(fontsize=7)
+    ax_c.legend()
     ax_c.grid(alpha=0.3)
 
     cons = sweep(rows, "consecutive")
@@ -269,17 +274,18 @@ def figure(doc: dict, path: Path) -> None:
             width,
             label=f"{label}: TTFT 1st prefill",
         )
-        ax_d.plot(pos, [v["total_us"] / 1e3 / 5 for v in vals], "k_", ms=14)
+        ax_d.plot(pos, [v["total_us"] / 1e3 / 5 for v in vals], "k_", ms=10)
     ax_d.set_xticks(
         [i + 0.4 - width / 2 for i in range(len(scales))], [f"host x{s}" for s in scales]
     )
-    ax_d.set_ylabel("ms  (bars: TTFT; dashes: total / 5 iterations)")
+    ax_d.set_ylabel("ms (bars: TTFT;\ndashes: total / 5 iterations)")
     ax_d.set_title(
-        "(d) prefill, prefill, decode: SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP",
-        fontsize=9,
+        "(d) prefill, prefill, decode:\nSGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP",
+        fontsize=7.5,
         loc="left",
     )
-    ax_d.legend(fontsize=7)
+    ax_d.set_ylim(top=ax_d.get_ylim()[1] * 1.45)  # room for the legend above the bars
+    ax_d.legend(loc="upper left")
     ax_d.grid(alpha=0.3, axis="y")
 
     (tr,) = kept_traces(doc).values()
@@ -289,10 +295,11 @@ def figure(doc: dict, path: Path) -> None:
         tr,
         ax=ax_t,
         window=(t0 - pad, t1 + pad),
-        title=f"(e) overlap loop at host x{SHOW_SCALE}: the prefill of step {TTFT_STEP} "
+        title=f"(e) overlap loop at host x{SHOW_SCALE}: the prefill of step {TTFT_STEP}\n"
         f"(recv -> forward -> D2H -> processed after step {TTFT_STEP + 1} is launched)",
+        width=WIDTHS["double"],
     )
-    save_figure(fig, path, dpi=130)
+    save_figure(fig, path)
 
 
 def notes(doc: dict) -> str:

@@ -567,7 +567,7 @@ def compare_timelines(
     seen: set = set()
     for i, (ax, (name, tr)) in enumerate(zip(axes, traces.items(), strict=True)):
         a = cuts[name][0]
-        head = heads.get(name, f"{name}: window {fmt_time(tr.step_time_us)}")
+        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
         if i == 0 and title:
             head = f"{title}\n{head}"
         timeline(tr, ax, rank=r, title=head, window=(a, a + span), legend=False, width=st.width, shift=True, seen=seen)
@@ -578,6 +578,31 @@ def compare_timelines(
     if path is not None:
         _save(fig, path)
     return fig
+
+
+#: matplotlib settings for figures printed at :data:`WIDTHS` (7 pt text in a 7-inch figure
+#: reads like a paper's caption text); applied by :func:`paper_style`.
+PAPER_RC: dict[str, Any] = {
+    "font.size": 7,
+    "axes.titlesize": 7.5,
+    "axes.labelsize": 7,
+    "xtick.labelsize": 6.5,
+    "ytick.labelsize": 6.5,
+    "legend.fontsize": 6,
+    "lines.linewidth": 1.2,
+    "lines.markersize": 4,
+    "axes.linewidth": 0.6,
+    "grid.linewidth": 0.4,
+    "svg.fonttype": "none",  # text stays text in SVG
+    "pdf.fonttype": 42,  # TrueType in PDF, as publishers ask
+}
+
+
+def paper_style() -> Any:
+    """A context in which figures are built and saved with :data:`PAPER_RC`."""
+    import matplotlib
+
+    return matplotlib.rc_context(PAPER_RC)
 
 
 def save_figure(fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 200) -> None:
@@ -654,7 +679,8 @@ def _figure(rows: float, st: _Style) -> Any:
 
 def _save(fig: Any, path: Path, dpi: int = 300) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, metadata=_metadata(path))
+    with paper_style():
+        fig.savefig(path, dpi=dpi, metadata=_metadata(path))
 
 
 def _metadata(path: Path) -> dict[str, Any]:

@@ -194,7 +194,10 @@ def draw(exp: Experiment, path: Path) -> None:
         )
     doc = json.loads(path.read_text())
     if exp.figure is not None:
-        exp.figure(doc, path.with_suffix(""))
+        from overlap_lab.experiments.figures import paper_style
+
+        with paper_style():
+            exp.figure(doc, path.with_suffix(""))
     if exp.notes is not None:
         path.with_suffix(".md").write_text(exp.notes(doc))
 
