@@ -27,6 +27,7 @@ from overlap_lab.shared.hardware import GPU, GPUS, HostCosts
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.workload import MODELS, Workload
+
 #: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
 GPU_RUN_LAYERS = 4
 #: The schedules `compare` runs by default: all of them.
@@ -203,8 +204,12 @@ def _figure_options(p: argparse.ArgumentParser) -> None:
         "window for sglang-overlap and pp), step (everything), layers:A-B (MoE layers A..B), "
         "or a time range in ms, e.g. 10-25",
     )
-    g.add_argument("--rank", type=int, default=None, help="draw this rank (default: every rank "
-                   "of a pp run, rank 0 otherwise)")
+    g.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="draw this rank (default: every rank of a pp run, rank 0 otherwise)",
+    )
     g.add_argument(
         "--width",
         default="double",
@@ -401,7 +406,9 @@ def cmd_show(args) -> int:
     _check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
     if args.schedule == "pp" and w.parallel.pp == 1:
-        w = dataclasses.replace(w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES))
+        w = dataclasses.replace(
+            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
+        )
     program = build_schedule(args.schedule, w, gpu, cfg)
     validate(program, gpu.num_sms)
     sys.stdout.write(str(api._lower_ranks(program, w, gpu, _ranks(args))))
@@ -416,7 +423,7 @@ def cmd_schedules(args) -> int:
     for name, upstream, summary in rows:
         print(f"{name:<{width}}  {summary}")
         print(f"{'':<{width}}  upstream: {upstream}")
-    print(f"\nRules and references of each: docs/schedules.md in the repository.")
+    print("\nRules and references of each: docs/schedules.md in the repository.")
     return 0
 
 
@@ -442,7 +449,12 @@ def cmd_compare(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         fig = out / f"compare.{args.figure_format}"
         compare_timelines(
-            table, fig, window=args.window, rank=args.rank, width=args.width, title=_title(table.baseline)
+            table,
+            fig,
+            window=args.window,
+            rank=args.rank,
+            width=args.width,
+            title=_title(table.baseline),
         )
         files.append(fig)
         for n, tr in table.traces().items():

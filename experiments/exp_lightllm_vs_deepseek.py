@@ -144,7 +144,9 @@ def figure(doc: dict, path: Path) -> None:
             pts = [r for r in rows if r["schedule"] == name and r["mode"] == mode]
             xs = [r["requests"] if mode == "decode" else r["tokens"] / 1024 for r in pts]
             ax.plot(
-                xs, [r["comm_only_us"] / 1e3 for r in pts], label=f"{name} comm-only",
+                xs,
+                [r["comm_only_us"] / 1e3 for r in pts],
+                label=f"{name} comm-only",
                 **series_style(k),
             )
         for name in names:
@@ -159,7 +161,9 @@ def figure(doc: dict, path: Path) -> None:
             )
         ep = DECODE_EP if mode == "decode" else PREFILL_EP
         ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {GPU.upper()}", fontsize=7.5, loc="left")
-        ax.set_xlabel("requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU", fontsize=7)
+        ax.set_xlabel(
+            "requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU", fontsize=7
+        )
         ax.set_ylabel("ms per step", fontsize=7)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -201,4 +205,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

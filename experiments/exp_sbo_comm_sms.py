@@ -79,7 +79,11 @@ def derive(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["schedule"] == "sbo"]
 
 
-MODE_COLORS = ("#0072B2", "#D55E00", "#009E73")  # Okabe-Ito: readable in print and by the colour-blind
+MODE_COLORS = (
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+)  # Okabe-Ito: readable in print and by the colour-blind
 
 
 def figure(doc: dict, path: Path) -> None:
@@ -122,7 +126,9 @@ def figure(doc: dict, path: Path) -> None:
             if j == 0:
                 ax.set_ylabel("gain vs serial (%)", fontsize=7)
             ax.tick_params(labelsize=7)
-            ax.set_title(f"DeepSeek-V3 EP{EP} decode, {n} tok/GPU, {g.upper()}", fontsize=7.5, loc="left")
+            ax.set_title(
+                f"DeepSeek-V3 EP{EP} decode, {n} tok/GPU, {g.upper()}", fontsize=7.5, loc="left"
+            )
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6, loc="best", handlelength=2.6)
     save_figure(fig, path)
@@ -215,4 +221,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -161,7 +161,12 @@ def mb_hatch(mb: int | None) -> str:
 def series_style(i: int) -> dict[str, Any]:
     """Keyword arguments for ``ax.plot`` of the i-th series (marker, line style, fill)."""
     marker, ls = SERIES_STYLES[i % len(SERIES_STYLES)]
-    return {"marker": marker, "linestyle": ls, "markersize": 4 + (i % 3), "markerfacecolor": "none" if i % 2 else None}
+    return {
+        "marker": marker,
+        "linestyle": ls,
+        "markersize": 4 + (i % 3),
+        "markerfacecolor": "none" if i % 2 else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,12 +239,21 @@ def moe_layers_of(trace: Trace, rank: int = 0) -> list[int]:
     """MoE layers with spans on ``rank`` (those with a dispatch, combine or expert op)."""
     moe = {"dispatch", "combine", "routed experts", "shared experts"}
     return sorted(
-        {s.layer for s in trace.spans if s.rank == rank and s.layer is not None and op_category(s) in moe}
+        {
+            s.layer
+            for s in trace.spans
+            if s.rank == rank and s.layer is not None and op_category(s) in moe
+        }
     )
 
 
 def moe_window(
-    trace: Trace, layers: int = 2, rank: int = 0, step: int | None = None, pad: float = 0.02, first: int = 0
+    trace: Trace,
+    layers: int = 2,
+    rank: int = 0,
+    step: int | None = None,
+    pad: float = 0.02,
+    first: int = 0,
 ) -> tuple[float, float]:
     """From the first to the last span of MoE layers ``first .. first+layers-1`` of one step.
 
@@ -252,7 +266,13 @@ def moe_window(
         step = steps[0]
     if step is not None:
         spans = [s for s in spans if s.step == step]
-    moe = sorted({s.layer for s in spans if op_category(s) in ("dispatch", "combine", "routed experts", "shared experts")})
+    moe = sorted(
+        {
+            s.layer
+            for s in spans
+            if op_category(s) in ("dispatch", "combine", "routed experts", "shared experts")
+        }
+    )
     chosen = (moe or sorted({s.layer for s in spans}))[first : first + layers]
     picked = [s for s in spans if s.layer in chosen]
     if not picked:
@@ -343,7 +363,9 @@ def _style(width: str | float | None) -> _Style:
             try:
                 w = float(width)
             except ValueError:
-                raise ConfigError(f"--width takes single, double or inches, got {width!r}") from None
+                raise ConfigError(
+                    f"--width takes single, double or inches, got {width!r}"
+                ) from None
     else:
         w = float(width)
     if not 2.0 <= w <= 20.0:
@@ -398,7 +420,9 @@ def timeline(
                 continue
             cat = op_category(s, op_class)
             # at least half a point wide, so that short kernels of a long window stay visible
-            groups.setdefault((cat, s.mb), []).append(((a - x0) / scale, max(b - a, 0.5 * us_per_pt) / scale))
+            groups.setdefault((cat, s.mb), []).append(
+                ((a - x0) / scale, max(b - a, 0.5 * us_per_pt) / scale)
+            )
             text = _label(s.op)
             if labels and len(text) * st.font * 0.55 * us_per_pt < 0.92 * (b - a):
                 hatched = bool(mb_hatch(s.mb))
@@ -416,7 +440,10 @@ def timeline(
                     if hatched
                     else None,
                 )
-        for (cat, mb), bars in sorted(groups.items(), key=lambda kv: (list(CATEGORY_COLORS).index(kv[0][0]), _mb_key(kv[0][1]))):
+        for (cat, mb), bars in sorted(
+            groups.items(),
+            key=lambda kv: (list(CATEGORY_COLORS).index(kv[0][0]), _mb_key(kv[0][1])),
+        ):
             ax.broken_barh(
                 bars,
                 (y - 0.42, 0.84),
@@ -455,12 +482,18 @@ def legend_handles(seen: Iterable[tuple[str, int | None]]) -> list[Any]:
     handles = [Patch(facecolor=CATEGORY_COLORS[c][0], label=c) for c in cats]
     if len(mbs) > 1:
         handles += [
-            Patch(facecolor="white", edgecolor="black", hatch=mb_hatch(mb), label=f"micro-batch {mb}")
+            Patch(
+                facecolor="white", edgecolor="black", hatch=mb_hatch(mb), label=f"micro-batch {mb}"
+            )
             for mb in mbs
         ]
     if any(c == "#overflow" for c, _ in seen):
         handles.append(
-            Patch(facecolor="none", edgecolor="none", label="lane #2, #3: spans overlapping on one lane")
+            Patch(
+                facecolor="none",
+                edgecolor="none",
+                label="lane #2, #3: spans overlapping on one lane",
+            )
         )
     return handles
 
@@ -510,13 +543,25 @@ def save_timeline(
     t0, t1 = min(a for a, _ in spans), max(b for _, b in spans)
     rows = [len(visible_tracks(trace, r, t0, t1)) for r in ranks]
     fig = _figure(sum(rows) + 1.0 * (len(ranks) - 1), st)
-    axes = fig.subplots(len(ranks), 1, sharex=True, squeeze=False, height_ratios=[max(r, 1) for r in rows])[:, 0]
+    axes = fig.subplots(
+        len(ranks), 1, sharex=True, squeeze=False, height_ratios=[max(r, 1) for r in rows]
+    )[:, 0]
     seen: set = set()
     for i, (ax, r) in enumerate(zip(axes, ranks, strict=True)):
         head = title if title is not None else default_title(trace, r)
         if len(ranks) > 1:
             head = (head + "\n" if i == 0 else "") + f"rank {r}"
-        timeline(trace, ax, rank=r, title=head, window=(t0, t1), legend=False, labels=labels, width=st.width, seen=seen)
+        timeline(
+            trace,
+            ax,
+            rank=r,
+            title=head,
+            window=(t0, t1),
+            legend=False,
+            labels=labels,
+            width=st.width,
+            seen=seen,
+        )
         if ax is not axes[-1]:
             ax.set_xlabel("")
             ax.tick_params(labelbottom=False)
@@ -563,14 +608,26 @@ def compare_timelines(
     span = max(b - a for a, b in cuts.values())
     rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}
     fig = _figure(sum(rows.values()) + 1.0 * len(rows), st)
-    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values()))[:, 0]
+    axes = fig.subplots(
+        len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values())
+    )[:, 0]
     seen: set = set()
     for i, (ax, (name, tr)) in enumerate(zip(axes, traces.items(), strict=True)):
         a = cuts[name][0]
         head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
         if i == 0 and title:
             head = f"{title}\n{head}"
-        timeline(tr, ax, rank=r, title=head, window=(a, a + span), legend=False, width=st.width, shift=True, seen=seen)
+        timeline(
+            tr,
+            ax,
+            rank=r,
+            title=head,
+            window=(a, a + span),
+            legend=False,
+            width=st.width,
+            shift=True,
+            seen=seen,
+        )
         if ax is not axes[-1]:
             ax.set_xlabel("")
             ax.tick_params(labelbottom=False)
@@ -605,7 +662,9 @@ def paper_style() -> Any:
     return matplotlib.rc_context(PAPER_RC)
 
 
-def save_figure(fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 200) -> None:
+def save_figure(
+    fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 200
+) -> None:
     """Write ``fig`` to ``path`` with each of ``suffixes`` (png, pdf, svg; no dates inside)."""
     for suffix in suffixes:
         _save(fig, _check_suffix(Path(path).with_suffix(suffix)), dpi)
@@ -615,13 +674,17 @@ def save_figure(fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", "
 # Cutting a trace for a timeline inset
 
 
-def layer_window(trace: Trace, layer: int, *, op: str | None = None, mb: int = 0) -> tuple[float, float]:
+def layer_window(
+    trace: Trace, layer: int, *, op: str | None = None, mb: int = 0
+) -> tuple[float, float]:
     """One layer period: the first span of micro-batch ``mb`` in ``layer`` (of op ``op``, when
     given) to the same in ``layer + 1``."""
 
     def start(L: int) -> float:
         return min(
-            s.start for s in trace.spans if s.layer == L and s.mb == mb and (op is None or s.op == op)
+            s.start
+            for s in trace.spans
+            if s.layer == L and s.mb == mb and (op is None or s.op == op)
         )
 
     return start(layer), start(layer + 1)

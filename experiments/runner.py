@@ -319,7 +319,9 @@ def declared() -> dict[str, Experiment]:
     found = {}
     for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
         if info.name.startswith("exp_"):
-            exp = getattr(importlib.import_module(f"overlap_lab.experiments.{info.name}"), "EXPERIMENT", None)
+            exp = getattr(
+                importlib.import_module(f"overlap_lab.experiments.{info.name}"), "EXPERIMENT", None
+            )
             if isinstance(exp, Experiment):
                 found[exp.name] = exp
     return found

@@ -54,14 +54,26 @@ DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 #: flows' age are handled together; exact for balanced routing, where all flows end together).
 NET_GROUP_TOL = 0.02
 #: The schedules :func:`compare` runs when none are named.
-DEFAULT_COMPARE = ("serial", "sglang-overlap", "sbo", "tbo", "tbo+sbo", "lightllm", "vllm-dbo", "deepseek", "pp")
+DEFAULT_COMPARE = (
+    "serial",
+    "sglang-overlap",
+    "sbo",
+    "tbo",
+    "tbo+sbo",
+    "lightllm",
+    "vllm-dbo",
+    "deepseek",
+    "pp",
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
 
-def model(spec: str | Path | ModelConfig, *, layers: int | None = None, **overrides: Any) -> ModelConfig:
+def model(
+    spec: str | Path | ModelConfig, *, layers: int | None = None, **overrides: Any
+) -> ModelConfig:
     """A model: a preset name, a :class:`ModelConfig`, or a YAML/JSON/HF ``config.json`` path;
     ``overrides`` replace fields; ``layers`` keeps that many (one dense layer first, rest MoE)."""
     m = spec if isinstance(spec, ModelConfig) else load_model(spec)
@@ -69,7 +81,9 @@ def model(spec: str | Path | ModelConfig, *, layers: int | None = None, **overri
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = sorted(set(overrides) - known)
         if bad:
-            raise ConfigError(f"unknown model field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown model field {bad[0]!r}; fields are {', '.join(sorted(known))}"
+            )
         m = replace(m, **overrides)
     return with_layers(m, layers)
 
@@ -129,12 +143,18 @@ def workload(
         if kv_lens is not None:
             b = Batch.decode(batch, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq)
         else:
-            b = Batch.decode(batch or DEFAULT_BATCH["decode"], kv_len=kv_len, tokens_per_seq=tokens_per_seq)
+            b = Batch.decode(
+                batch or DEFAULT_BATCH["decode"], kv_len=kv_len, tokens_per_seq=tokens_per_seq
+            )
     elif extend_lens is not None:
         b = Batch.prefill(batch, extend_lens=extend_lens, prefix_lens=prefix_lens)
     else:
-        b = Batch.prefill(batch or DEFAULT_BATCH["prefill"], extend_len=extend_len, prefix_len=prefix_len)
-    par = Parallel(ep=ep, gpus_per_node=gpus_per_node, dp_attention=dp_attention, attn_tp=attn_tp, pp=pp)
+        b = Batch.prefill(
+            batch or DEFAULT_BATCH["prefill"], extend_len=extend_len, prefix_len=prefix_len
+        )
+    par = Parallel(
+        ep=ep, gpus_per_node=gpus_per_node, dp_attention=dp_attention, attn_tp=attn_tp, pp=pp
+    )
     return Workload(m, b, par)
 
 
@@ -204,7 +224,14 @@ class Result:
             "num_ops": len(ops_of(self.program)),
             "notes": list(self.notes),
         }
-        for key in ("comm_sms", "fallback_reason", "deepep_mode", "ranks", "imbalance", "dp_tokens"):
+        for key in (
+            "comm_sms",
+            "fallback_reason",
+            "deepep_mode",
+            "ranks",
+            "imbalance",
+            "dp_tokens",
+        ):
             if key in meta:
                 out[key] = meta[key]
         if not self.program.symmetric and meta.get("ranks") == "explicit":
@@ -267,7 +294,11 @@ def simulate(
     w = workload if workload is not None else _workload()
     g = _gpu(gpu)
     cfg = _as_config(config)
-    r = ranks if isinstance(ranks, Ranks) else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed)
+    r = (
+        ranks
+        if isinstance(ranks, Ranks)
+        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed)
+    )
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
         w = _with_pp(w, PP_DEFAULT_STAGES)
@@ -383,7 +414,9 @@ class Comparison:
         for row in self.rows:
             res = row.result
             if res is None:
-                lines.append(f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}")
+                lines.append(
+                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}"
+                )
                 continue
             m = res.metrics
             exposed = m.exposed_comm_us / m.iterations / 1e3
@@ -438,7 +471,9 @@ def compare(
     g = _gpu(gpu)
     cfg = _as_config(config)
     run = lambda name, wl: simulate(name, wl, g, cfg, **ranks)  # noqa: E731
-    bar = tqdm(total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
+    )
     base = run("serial", w1)
     bar.update()
     rows = []
@@ -474,11 +509,19 @@ def _pp_baseline(res: Result, base: Result, run) -> tuple[Result, str, str]:
     try:
         ref = run("serial", same)
     except ConfigError as err:
-        return base, "serial", (
-            f"{p} stages x EP {e} = {p * e} GPUs; serial at EP {p * e} does not build ({err}), "
-            f"so against serial's per-GPU throughput at EP {e}"
+        return (
+            base,
+            "serial",
+            (
+                f"{p} stages x EP {e} = {p * e} GPUs; serial at EP {p * e} does not build ({err}), "
+                f"so against serial's per-GPU throughput at EP {e}"
+            ),
         )
-    return ref, f"serial EP{p * e}", (
-        f"{p} stages x EP {e} = {p * e} GPUs, against serial on the same {p * e} GPUs "
-        f"(EP {p * e}: {ref.metrics.iteration_us / 1e3:.3f} ms/iter)"
+    return (
+        ref,
+        f"serial EP{p * e}",
+        (
+            f"{p} stages x EP {e} = {p * e} GPUs, against serial on the same {p * e} GPUs "
+            f"(EP {p * e}: {ref.metrics.iteration_us / 1e3:.3f} ms/iter)"
+        ),
     )

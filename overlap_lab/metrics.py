@@ -90,7 +90,9 @@ def sm_time(trace: Trace, num_sms: int, rank: int = 0) -> tuple[float, float, fl
 
 def comm_us(trace: Trace, rank: int = 0) -> float:
     """Wall time of ``rank`` with any communication kernel or link transfer in flight."""
-    return length(union((s.start, s.end) for s in trace.spans if s.rank == rank and s.kind in COMM_KINDS))
+    return length(
+        union((s.start, s.end) for s in trace.spans if s.rank == rank and s.kind in COMM_KINDS)
+    )
 
 
 def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metrics:

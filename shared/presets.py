@@ -39,7 +39,9 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except (ValueError, ImportError) as e:
-        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+        raise ConfigError(
+            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
+        ) from None
     except Exception as e:  # yaml.YAMLError
         raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -96,7 +98,10 @@ def load_model(spec: str | Path):
     p = Path(spec)
     data = read_mapping(p)
     if "hidden_size" in data or "architectures" in data or "model_type" in data:
-        data = from_hf_config(data, default_name=_hf_name(data, p))
+        try:
+            data = from_hf_config(data, default_name=_hf_name(data, p))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{p}: HF config field missing or malformed: {e}") from None
     data.setdefault("name", p.stem)
     return _fields_of(ModelConfig, data, "model", p)
 
@@ -160,7 +165,7 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
         return out
     head_dim = int(hf.get("head_dim") or out["hidden"] // heads)
     out.update(attention="gqa", head_dim=head_dim)
-    if mt == "mixtral" or "num_local_experts" in hf:
+    if mt == "mixtral" or hf.get("num_local_experts"):
         out.update(
             num_experts=int(hf["num_local_experts"]),
             top_k=int(hf.get("num_experts_per_tok") or 2),
@@ -169,10 +174,12 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
             first_k_dense=0,
         )
         return out
-    if "num_experts" in hf:  # Qwen2-MoE / Qwen3-MoE
+    if hf.get("num_experts"):  # Qwen2-MoE / Qwen3-MoE
         n = out["num_layers"]
         step = int(hf.get("decoder_sparse_step") or 1)
-        dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(n) if (i + 1) % step})
+        dense = sorted(
+            set(hf.get("mlp_only_layers") or []) | {i for i in range(n) if (i + 1) % step}
+        )
         if dense != list(range(len(dense))):
             raise ConfigError(
                 f"HF config of {default_name}: dense layers {dense} are not the leading ones; "

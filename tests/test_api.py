@@ -17,8 +17,20 @@ def small(**kw):
 
 
 def test_public_names_are_importable_from_the_package():
-    for name in ("simulate", "compare", "workload", "gpu", "model", "Workload", "GPU",
-                 "ScheduleConfig", "Trace", "Metrics", "Result", "Comparison"):
+    for name in (
+        "simulate",
+        "compare",
+        "workload",
+        "gpu",
+        "model",
+        "Workload",
+        "GPU",
+        "ScheduleConfig",
+        "Trace",
+        "Metrics",
+        "Result",
+        "Comparison",
+    ):
         assert getattr(ol, name) is not None
 
 
@@ -35,8 +47,27 @@ def test_pp_runs_with_defaults():
     r = ol.simulate("pp", small())
     assert r.workload.parallel.pp == ol.api.PP_DEFAULT_STAGES == 2
     assert any("pipeline stages" in n for n in r.notes)
-    assert main(["sim", "--schedule", "pp", "--model", "deepseek-v2-lite", "--layers", "4",
-                 "--ep", "8", "--batch", "8", "--out", "", "--json"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--schedule",
+                "pp",
+                "--model",
+                "deepseek-v2-lite",
+                "--layers",
+                "4",
+                "--ep",
+                "8",
+                "--batch",
+                "8",
+                "--out",
+                "",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert main(["sim", "--schedule", "pp", "--pp-size", "1", "--out", ""]) == 2
 
 
@@ -76,8 +107,22 @@ def test_compare_notes_refusals_and_fallbacks():
 
 
 def test_compare_cli_defaults_include_every_schedule(capsys):
-    code = main(["compare", "--model", "deepseek-v2-lite", "--layers", "3", "--ep", "8",
-                 "--batch", "16", "--json", "--out", ""])
+    code = main(
+        [
+            "compare",
+            "--model",
+            "deepseek-v2-lite",
+            "--layers",
+            "3",
+            "--ep",
+            "8",
+            "--batch",
+            "16",
+            "--json",
+            "--out",
+            "",
+        ]
+    )
     assert code == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     assert set(rows) == set(ol.SCHEDULES)

@@ -124,7 +124,9 @@ def test_op_categories():
     assert cat["experts"] == "routed experts" and cat["shared_experts"] == "shared experts"
     assert cat["comm_prepare_attn"] == "norm / residual"
     assert op_category(Span(0, "stream:main", "mlp", "compute", 0, 1)) == "dense MLP"
-    assert op_category(Span(0, "link:nvlink", "s0.L3.mb0.dispatch", "link", 0, 1)) == "link transfer"
+    assert (
+        op_category(Span(0, "link:nvlink", "s0.L3.mb0.dispatch", "link", 0, 1)) == "link transfer"
+    )
     assert op_category(Span(0, "host:t", "schedule", "host", 0, 1)) == "host"
 
 
@@ -158,7 +160,9 @@ def test_windows_and_ranks():
     whole = resolve_window(tr, "step")
     assert whole == (min(s.start for s in tr.spans), max(s.end for s in tr.spans))
     assert resolve_window(tr, "auto") == moe_window(tr, layers=2)
-    two = Trace([*tr.spans, Span(1, "stream:main", "attn.core", "compute", 0, 5)], {"schedule": "pp"})
+    two = Trace(
+        [*tr.spans, Span(1, "stream:main", "attn.core", "compute", 0, 5)], {"schedule": "pp"}
+    )
     with pytest.raises(ConfigError):
         save_timeline(two, "/tmp/never.png", rank=7)
 
@@ -166,7 +170,11 @@ def test_windows_and_ranks():
 def test_lane_order_is_fixed_and_unused_lanes_are_left_out():
     lanes = ["link:rdma", "stream:copy", "host:scheduler", "stream:forward", "stream:schedule"]
     assert sorted(lanes, key=lane_key) == [
-        "host:scheduler", "stream:schedule", "stream:forward", "stream:copy", "link:rdma"
+        "host:scheduler",
+        "stream:schedule",
+        "stream:forward",
+        "stream:copy",
+        "link:rdma",
     ]
     tr = Trace(
         [
