@@ -468,9 +468,66 @@ def cmd_compare(args) -> int:
     return 0
 
 
+#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
+#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
+INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
+#: Options the CPU equivalence check cannot honour: it runs its own small workloads (tiny models,
+#: fixed decode and prefill batches: real/check.py), on the local or gloo backend, measures
+#: nothing and writes no files. Each is refused when given, never silently dropped.
+CPU_CHECK_REFUSES = {
+    "mode": "the check runs decode and prefill batches of its own",
+    "batch": "the check's batches are fixed (real/check.py)",
+    "kv_len": "the check's batches are fixed",
+    "kv_lens": "the check's batches are fixed",
+    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
+    "extend_len": "the check's batches are fixed",
+    "extend_lens": "the check's batches are fixed",
+    "prefix_len": "the check's batches are fixed",
+    "prefix_lens": "the check's batches are fixed",
+    "layers": "the check's tiny models have their own layers",
+    "model_file": "the check runs its tiny models",
+    "ep": "the check's EP size is max(2, --ranks)",
+    "gpus_per_node": "the check runs no network",
+    "attn_tp": "the check runs without attention TP",
+    "dp_attention": "the check runs DP attention",
+    "pp_size": "the check runs pp with 2 and 3 stages itself",
+    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
+    "warmup": "the check measures nothing",
+    "repeats": "the check measures nothing",
+    "out": "the check writes no files (use --json > FILE)",
+}
+
+
+def _given(args) -> set[str]:
+    """The options of `run` set to something other than their default."""
+    defaults = vars(parser().parse_args(["run"]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
 def cmd_run(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
+            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
+        )
     from overlap_lab.real.cli import run_main
 
+    if args.device == "cpu":
+        given = _given(args)
+        bad = [k for k in CPU_CHECK_REFUSES if k in given]
+        if bad:
+            why = "; ".join(f"{_flag(k)}: {CPU_CHECK_REFUSES[k]}" for k in bad)
+            raise ConfigError(f"run --device cpu --check does not take {why}")
+        if "model" in given:
+            from overlap_lab.real.model import TINY_NAMES
+
+            if args.model not in TINY_NAMES:
+                raise ConfigError(
+                    f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
+                    f"--model {args.model} runs on a GPU"
+                )
     args.cfg = config_from(args)
     if args.layers is None and args.device != "cpu":
         args.layers = GPU_RUN_LAYERS
