@@ -593,7 +593,7 @@ def compare_timelines(
                 m = row.result.metrics
                 heads[row.schedule] = (
                     f"{row.schedule}: {fmt_time(m.iteration_us)}/iter, "
-                    f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x)"
+                    f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x serial)"
                 )
         traces = traces.traces()
     if not traces:
@@ -604,6 +604,14 @@ def compare_timelines(
     win = parse_window(window)
     if win.kind == "auto":
         win = Window("layers", 0, 1)
+    if win.kind == "layers":
+        what = (
+            f"MoE layers {int(win.lo)}-{int(win.hi)}"
+            if win.hi > win.lo
+            else f"MoE layer {int(win.lo)}"
+        )
+        what += " of each schedule (counted from its first MoE layer), each drawn from 0"
+        title = f"{title}\n{what}" if title else what
     cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
     span = max(b - a for a, b in cuts.values())
     rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}

@@ -18,6 +18,7 @@ YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -425,17 +426,29 @@ class Comparison:
                 f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
                 f"{exposed:>11.3f} ms  {row.note}"
             )
-        lines += [
-            "",
-            "ms/iter: the simulated window divided by its scheduler iterations. One-step schedules "
-            "simulate one iteration: their host waits for each step's result before scheduling "
-            f"the next, so {self.iterations} iterations take {self.iterations}x as long. "
-            f"sglang-overlap simulates {self.iterations} (--iterations), pp iterations x "
-            "micro-batches per stage.",
-            "vs serial: tokens/s per GPU over serial's on the same GPUs (pp: serial with EP "
-            "stages x EP, the same GPUs and sequences in flight). exposed comm: per iteration, "
-            "communication with no compute kernel running (rank 0).",
+        names = {r.schedule for r in self.rows if r.result is not None}
+        notes = [
+            "ms/iter: each schedule's simulated window divided by its scheduler iterations "
+            "(iters). One-step schedules simulate one iteration: their host waits for each "
+            "step's result before scheduling the next, so N iterations take N times as long."
+            + (
+                f" sglang-overlap runs {self.iterations} loop iterations (--iterations)."
+                if "sglang-overlap" in names
+                else ""
+            )
+            + (" pp: iterations x micro-batches on each stage." if "pp" in names else ""),
+            "vs serial: tokens/s per GPU over serial's on the same GPUs"
+            + (
+                " (pp: serial on its stages x EP GPUs, the same sequences in flight)."
+                if "pp" in names
+                else "."
+            ),
+            "exposed comm: per iteration, time with communication in flight and no compute "
+            "kernel running (rank 0).",
         ]
+        lines.append("")
+        for n in notes:
+            lines += textwrap.wrap(n, 100, subsequent_indent="  ")
         return "\n".join(lines)
 
 
