@@ -196,3 +196,36 @@ def test_widths_and_distinct_series(tmp_path):
 
 def test_empty_trace_renders(tmp_path):
     assert save_timeline(Trace(), tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_cli_figure_options(tmp_path):
+    """--window, --rank, --width and vector formats reach the figure; bad values are one line."""
+    from overlap_lab.experiments.cli import main
+
+    base = ["--model", "deepseek-v2-lite", "--layers", "4", "--ep", "8", "--batch", "8"]
+    out = tmp_path / "pp"
+    assert (
+        main(
+            [
+                "sim",
+                "--schedule",
+                "pp",
+                *base,
+                "--out",
+                str(out),
+                "--window",
+                "step",
+                "--rank",
+                "1",
+                "--width",
+                "single",
+                "--figure-format",
+                "svg",
+            ]
+        )
+        == 0
+    )
+    assert (out / "timeline.svg").read_text().lstrip().startswith("<?xml")
+    assert main(["sim", *base, "--out", str(tmp_path / "s"), "--window", "layers:1-2"]) == 0
+    assert main(["sim", *base, "--out", str(tmp_path / "b"), "--window", "sideways"]) == 2
+    assert main(["sim", *base, "--out", str(tmp_path / "w"), "--width", "wide"]) == 2
