@@ -394,7 +394,7 @@ def _title(result) -> str:
     w = result.workload
     lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
     return (
-        f"{w.model.name} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
+        f"{result.schedule}: {w.model.name} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
         f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
     )
 
@@ -454,7 +454,7 @@ def cmd_compare(args) -> int:
             window=args.window,
             rank=args.rank,
             width=args.width,
-            title=_title(table.baseline),
+            title=_title(table.baseline).split(": ", 1)[1],
         )
         files.append(fig)
         for n, tr in table.traces().items():

@@ -352,6 +352,21 @@ class _Style:
     width: float
     font: float
 
+    @property
+    def ncol(self) -> int:
+        """Legend columns that fit the width."""
+        return max(1, int(self.width / (1.05 if self.width < 5 else 1.45)))
+
+    def wrap(self, title: str) -> str:
+        """``title`` broken into lines that fit the width at the title's font size."""
+        import textwrap
+
+        # titles start at the axes' left edge, right of the lane names (about an inch)
+        chars = max(20, int((self.width - 1.05) * 72 / ((self.font + 1) * 0.58)))
+        return "\n".join(
+            ln for part in title.split("\n") for ln in textwrap.wrap(part, chars) or [""]
+        )
+
 
 def _style(width: str | float | None) -> _Style:
     if width is None:
@@ -370,7 +385,7 @@ def _style(width: str | float | None) -> _Style:
         w = float(width)
     if not 2.0 <= w <= 20.0:
         raise ConfigError(f"figure width must lie in 2..20 inches, got {w}")
-    return _Style(w, 6.0 if w < 5 else 7.0)
+    return _Style(w, 5.5 if w < 5 else 7.0)
 
 
 def _label(op: str) -> str:
@@ -402,7 +417,7 @@ def timeline(
         raise ConfigError(f"timeline window must have t0 < t1, got ({t0}, {t1})")
     tracks = visible_tracks(trace, rank, t0, t1)
     if ax is None:
-        fig = _figure(len(tracks), st)
+        fig = _figure(len(tracks), st, legend=len(legend_handles(_seen_in(trace, rank, t0, t1))))
         ax = fig.add_subplot(1, 1, 1)
     span_us = t1 - t0
     unit, scale = time_unit(span_us)
@@ -504,15 +519,15 @@ def add_legend(fig: Any, seen: Iterable[tuple[str, int | None]], st: _Style | No
     handles = legend_handles(seen)
     if not handles:
         return
-    ncol = max(1, min(len(handles), int(st.width / 1.45)))
+    ncol = max(1, min(len(handles), st.ncol))
     fig.legend(
         handles=handles,
         loc="outside lower center",
         ncol=ncol,
         fontsize=st.font,
         frameon=False,
-        handlelength=1.4,
-        columnspacing=1.0,
+        handlelength=1.2 if st.width < 5 else 1.4,
+        columnspacing=0.8 if st.width < 5 else 1.0,
     )
 
 
@@ -542,15 +557,25 @@ def save_timeline(
     spans = [resolve_window(trace, window, r) for r in ranks]
     t0, t1 = min(a for a, _ in spans), max(b for _, b in spans)
     rows = [len(visible_tracks(trace, r, t0, t1)) for r in ranks]
-    fig = _figure(sum(rows) + 1.0 * (len(ranks) - 1), st)
+    heads = []
+    for i, r in enumerate(ranks):
+        head = title if title is not None else default_title(trace, r)
+        if len(ranks) > 1:
+            head = (head + "\n" if i == 0 else "") + f"rank {r}"
+        heads.append(st.wrap(head) if head else "")
+    items = set().union(*(_seen_in(trace, r, t0, t1) for r in ranks))
+    fig = _figure(
+        sum(rows),
+        st,
+        titles=sum(h.count("\n") + 1 for h in heads if h),
+        legend=len(legend_handles(items)),
+        panels=len(ranks),
+    )
     axes = fig.subplots(
         len(ranks), 1, sharex=True, squeeze=False, height_ratios=[max(r, 1) for r in rows]
     )[:, 0]
     seen: set = set()
-    for i, (ax, r) in enumerate(zip(axes, ranks, strict=True)):
-        head = title if title is not None else default_title(trace, r)
-        if len(ranks) > 1:
-            head = (head + "\n" if i == 0 else "") + f"rank {r}"
+    for ax, r, head in zip(axes, ranks, heads, strict=True):
         timeline(
             trace,
             ax,
@@ -610,21 +635,30 @@ def compare_timelines(
             if win.hi > win.lo
             else f"MoE layer {int(win.lo)}"
         )
-        what += " of each schedule (counted from its first MoE layer), each drawn from 0"
+        what += " of each schedule, each drawn from 0"
         title = f"{title}\n{what}" if title else what
     cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
     span = max(b - a for a, b in cuts.values())
     rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}
-    fig = _figure(sum(rows.values()) + 1.0 * len(rows), st)
+    titles = {}
+    for i, (name, tr) in enumerate(traces.items()):
+        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
+        titles[name] = st.wrap(f"{title}\n{head}" if i == 0 and title else head)
+    items = set().union(*(_seen_in(t, r, cuts[n][0], cuts[n][0] + span) for n, t in traces.items()))
+    fig = _figure(
+        sum(rows.values()),
+        st,
+        titles=sum(h.count("\n") + 1 for h in titles.values()),
+        legend=len(legend_handles(items)),
+        panels=len(rows),
+    )
     axes = fig.subplots(
         len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values())
     )[:, 0]
     seen: set = set()
-    for i, (ax, (name, tr)) in enumerate(zip(axes, traces.items(), strict=True)):
+    for ax, (name, tr) in zip(axes, traces.items(), strict=True):
         a = cuts[name][0]
-        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
-        if i == 0 and title:
-            head = f"{title}\n{head}"
+        head = titles[name]
         timeline(
             tr,
             ax,
@@ -741,11 +775,37 @@ def default_title(trace: Trace, rank: int = 0) -> str:
     return " · ".join(parts)
 
 
-def _figure(rows: float, st: _Style) -> Any:
+def _figure(rows: float, st: _Style, *, titles: int = 1, legend: int = 0, panels: int = 1) -> Any:
+    """A figure sized for ``rows`` lane rows, ``titles`` title lines, ``panels`` x axes (one
+    with tick labels) and a legend of ``legend`` entries below."""
+    import math
+
     from matplotlib.figure import Figure
 
-    row_in = 0.17 if st.width < 5 else 0.2
-    return Figure(figsize=(st.width, 0.9 + row_in * max(rows, 1)), layout="constrained")
+    pt = 1 / 72
+    row_in = 0.15 if st.width < 5 else 0.2
+    height = (
+        titles * (st.font + 1) * 1.5 * pt
+        + row_in * max(rows, 1)
+        + 0.12 * panels
+        + 3.2 * st.font * pt  # the x axis's tick labels and label
+        + math.ceil(legend / st.ncol) * st.font * 1.6 * pt
+        + 0.1
+    )
+    return Figure(figsize=(st.width, height), layout="constrained")
+
+
+def _seen_in(trace: Trace, rank: int, t0: float, t1: float) -> set[tuple[str, int | None]]:
+    """The (category, micro-batch) pairs a timeline of that window draws, for sizing its legend."""
+    op_class = trace.meta.get("op_class") if isinstance(trace.meta.get("op_class"), dict) else None
+    out = {
+        (op_category(s, op_class), s.mb)
+        for s in trace.spans
+        if s.rank == rank and s.end >= t0 and s.start <= t1
+    }
+    if any(t.name != t.lane for t in visible_tracks(trace, rank, t0, t1)):
+        out.add(("#overflow", None))
+    return out
 
 
 def _save(fig: Any, path: Path, dpi: int = 300) -> None:
