@@ -557,9 +557,17 @@ def save_timeline(
     spans = [resolve_window(trace, window, r) for r in ranks]
     t0, t1 = min(a for a, _ in spans), max(b for _, b in spans)
     rows = [len(visible_tracks(trace, r, t0, t1)) for r in ranks]
+    win = parse_window(window)
+    shown = ""
+    if win.kind == "layers" or (win.kind == "auto" and not whole_window(trace)):
+        lo, hi = (int(win.lo), int(win.hi)) if win.kind == "layers" else (0, 1)
+        n = len(moe_layers_of(trace, ranks[0]))
+        shown = f"MoE layers {lo}-{hi} of {n}" if hi > lo else f"MoE layer {lo} of {n}"
     heads = []
     for i, r in enumerate(ranks):
         head = title if title is not None else default_title(trace, r)
+        if shown and i == 0:
+            head = f"{head}\n{shown}"
         if len(ranks) > 1:
             head = (head + "\n" if i == 0 else "") + f"rank {r}"
         heads.append(st.wrap(head) if head else "")
