@@ -176,3 +176,32 @@ def test_cli_model_and_gpu_files_carry_their_names(tmp_path, capsys):
     assert res["model"] == "mixtral-8x7b" and res["gpu"] == "lab-gpu"
     assert main([*args, "--hbm-gbps", "1000"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu"] == "lab-gpu+hbm-gbps=1000"
+
+
+def test_hf_deepseek_v2_lite_config_is_the_preset(tmp_path):
+    hf = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 27,
+        "first_k_dense_replace": 1,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+    }
+    assert (
+        load_model(write(tmp_path, "DeepSeek-V2-Lite/config.json", hf))
+        == MODELS["deepseek-v2-lite"]
+    )
