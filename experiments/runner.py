@@ -140,10 +140,11 @@ def run(
     *,
     out: Path = RESULTS,
     command: str | None = None,
+    commit: str | None = None,
 ) -> Path:
     """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
     process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
-    Returns the JSON path."""
+    ``commit`` is the repository state to record (default: now). Returns the JSON path."""
     from tqdm import tqdm
 
     cases = list(exp.cases())
@@ -172,7 +173,7 @@ def run(
         "title": exp.title,
         "command": command or f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": commit or git_commit(),
         "presets": presets(cases),
         **dict(exp.meta),
         "rows": rows,
@@ -357,13 +358,14 @@ def main(
     if unknown:
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    commit = git_commit()  # once: the files this command writes must not make the next "dirty"
     for name in names:
         try:
             if args.draw:
                 path = args.out / f"{name}.json"
                 draw(exps[name], path)
             else:
-                path = run(exps[name], args.processes, out=args.out, command=command)
+                path = run(exps[name], args.processes, out=args.out, command=command, commit=commit)
         except ConfigError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
