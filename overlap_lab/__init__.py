@@ -49,6 +49,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("api", "metrics"):
+        return importlib.import_module(f"overlap_lab.{name}")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
