@@ -2,7 +2,7 @@
 
     overlap-lab sim --schedule serial --model deepseek-v3 --gpu h800 --mode decode --batch 128 --ep 32
     overlap-lab show --schedule tbo ...           # the Program's text form
-    overlap-lab schedules                         # one line per schedule, with its seed
+    overlap-lab schedules                         # each schedule, with the upstream code it follows
     overlap-lab compare --schedules serial,tbo,sbo ...
     overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
 
@@ -24,21 +24,20 @@ from pathlib import Path
 
 from overlap_lab.experiments.cli_calibrate import (
     add_profile_option,
-    add_provenance,
     cost_comments,
     profile_from,
     register_calibration_commands,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, get_gpu
+from overlap_lab.shared.hardware import GPU, GPUS, HostCosts
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
-from overlap_lab.shared.schedules import module as schedule_module
-from overlap_lab.shared.workload import MODELS, Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.workload import MODELS, Workload
 
-DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 #: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
 GPU_RUN_LAYERS = 4
+#: The schedules `compare` runs by default: all of them.
+DEFAULT_COMPARE = tuple(SCHEDULES)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,8 +131,23 @@ def _add_dataclass_options(group, cls, *, skip=(), prefix="") -> None:
 
 def _workload_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--model", default="deepseek-v3", help=f"one of {', '.join(MODELS)}")
-    g.add_argument("--gpu", default="h800", help=f"one of {', '.join(GPUS)}")
+    g.add_argument(
+        "--model", default="deepseek-v3", help=f"one of {', '.join(MODELS)}, or a model file"
+    )
+    g.add_argument(
+        "--model-file",
+        default=None,
+        metavar="PATH",
+        help="YAML/JSON of ModelConfig fields, or a HuggingFace config.json (DeepSeek-V2/V3, "
+        "Qwen2/3-MoE, Mixtral); replaces --model",
+    )
+    g.add_argument("--gpu", default="h800", help=f"one of {', '.join(GPUS)}, or a GPU file")
+    g.add_argument(
+        "--gpu-file",
+        default=None,
+        metavar="PATH",
+        help="YAML/JSON of GPU fields (the built-in presets are such files); replaces --gpu",
+    )
     g.add_argument("--mode", default="decode", help="decode or prefill")
     g.add_argument(
         "--batch",
@@ -169,7 +183,12 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=_positive_int, default=8)
     g.add_argument("--attn-tp", type=_positive_int, default=1, help="attention TP size")
     g.add_argument("--dp-attention", type=_bool, default=True, help="DP attention (true/false)")
-    g.add_argument("--pp-size", type=_positive_int, default=1, help="pipeline-parallel size")
+    g.add_argument(
+        "--pp-size",
+        type=_positive_int,
+        default=None,
+        help="pipeline stages (default: 1; pp: 2)",
+    )
     _add_dataclass_options(p.add_argument_group("schedule knobs"), ScheduleConfig)
     _add_dataclass_options(
         p.add_argument_group("host costs of the scheduler loop (µs)"), HostCosts, prefix="host_"
@@ -178,6 +197,29 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         p.add_argument_group("hardware overrides (fields of the GPU preset)"),
         GPU,
         skip=("name", "arch"),
+    )
+
+
+def _figure_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("figure")
+    g.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    g.add_argument(
+        "--window",
+        default="auto",
+        help="what the timeline shows: auto (two MoE layers of one-step schedules; the whole "
+        "window for sglang-overlap and pp), step (everything), layers:A-B (MoE layers A..B), "
+        "or a time range in ms, e.g. 10-25",
+    )
+    g.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="draw this rank (default: every rank of a pp run, rank 0 otherwise)",
+    )
+    g.add_argument(
+        "--width",
+        default="double",
+        help="figure width: single (3.3 in, one column), double (7 in, two columns) or inches",
     )
 
 
@@ -212,56 +254,44 @@ def _rank_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of routing and DP imbalance")
 
 
-def lower_ranks(program, w: Workload, gpu: GPU, args):
-    """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
-    from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for
+def _ranks(args):
+    """The API's Ranks record from the rank options (symmetric for subcommands without them)."""
+    from overlap_lab.api import Ranks
 
-    mode = getattr(args, "ranks", "symmetric")
-    imb = parse_imbalance(getattr(args, "imbalance", "balanced"))
-    spread = getattr(args, "dp_imbalance", 0.0)
-    if not 0.0 <= spread < 1.0:
-        raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {spread}")
-    if mode == "symmetric":
-        if imb.kind != "balanced" or spread > 0:
-            raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
-        return program
-    from overlap_lab.shared.ranks import expand_ranks
-
-    seed = getattr(args, "seed", 0)
-    dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, spread, seed)
-    routing = routing_for(
-        w, imb, seed=seed, dp_tokens=dp, group_limited=getattr(args, "group_limited", None)
+    return Ranks(
+        getattr(args, "ranks", "symmetric"),
+        getattr(args, "imbalance", "balanced"),
+        getattr(args, "dp_imbalance", 0.0),
+        getattr(args, "group_limited", None),
+        getattr(args, "seed", 0),
     )
-    return expand_ranks(program, w, gpu, routing)
 
 
 def workload_from(args) -> Workload:
-    if args.mode not in ("decode", "prefill"):
-        raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
-    model = get_model(args.model)
-    model = with_layers(model, args.layers)
-    n = args.batch
-    if args.mode == "decode":
-        if args.kv_lens is not None:
-            batch = Batch.decode(n, kv_lens=args.kv_lens, tokens_per_seq=args.tokens_per_seq)
-        else:
-            batch = Batch.decode(
-                n or DEFAULT_BATCH["decode"], kv_len=args.kv_len, tokens_per_seq=args.tokens_per_seq
-            )
-    elif args.extend_lens is not None:
-        batch = Batch.prefill(n, extend_lens=args.extend_lens, prefix_lens=args.prefix_lens)
-    else:
-        batch = Batch.prefill(
-            n or DEFAULT_BATCH["prefill"], extend_len=args.extend_len, prefix_len=args.prefix_len
-        )
-    par = Parallel(
+    """The workload of the workload options (``--model`` or ``--model-file``)."""
+    from overlap_lab import api
+
+    pp = args.pp_size
+    if pp is None:  # pp's own default comes from the API; every other schedule runs one stage
+        pp = 1
+    return api.workload(
+        getattr(args, "model_file", None) or args.model,
+        mode=args.mode,
+        batch=args.batch,
+        kv_len=args.kv_len,
+        kv_lens=args.kv_lens,
+        tokens_per_seq=args.tokens_per_seq,
+        extend_len=args.extend_len,
+        extend_lens=args.extend_lens,
+        prefix_len=args.prefix_len,
+        prefix_lens=args.prefix_lens,
+        layers=args.layers,
         ep=args.ep,
         gpus_per_node=args.gpus_per_node,
-        dp_attention=args.dp_attention,
         attn_tp=args.attn_tp,
-        pp=args.pp_size,
+        dp_attention=args.dp_attention,
+        pp=pp,
     )
-    return Workload(model, batch, par)
 
 
 def _overrides(args, cls, skip=(), prefix="") -> dict:
@@ -273,7 +303,12 @@ def _overrides(args, cls, skip=(), prefix="") -> dict:
 
 
 def gpu_from(args) -> GPU:
-    return get_gpu(args.gpu, **_overrides(args, GPU, skip=("name", "arch")))
+    """The preset or ``--gpu-file``, with the hardware overrides; a changed GPU is renamed
+    (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
+    from overlap_lab import api
+
+    spec = getattr(args, "gpu_file", None) or args.gpu
+    return api.gpu(spec, **_overrides(args, GPU, skip=("name", "arch")))
 
 
 def config_from(args) -> ScheduleConfig:
@@ -284,103 +319,36 @@ def config_from(args) -> ScheduleConfig:
     return ScheduleConfig(**kw)
 
 
+def _check_pp_size(schedule: str, args) -> None:
+    if schedule == "pp" and args.pp_size == 1:
+        raise ConfigError("pp needs --pp-size >= 2 (leave it out for 2 stages)")
+
+
 # ---- commands ------------------------------------------------------------------------------------
-
-
-def result_dict(name: str, w: Workload, gpu: GPU, program, trace) -> dict:
-    """The JSON a `sim` run prints: the keys documented in README.md."""
-    from overlap_lab.shared.program import ops_of
-
-    meta = program.meta
-    out = {
-        "schedule": name,
-        "model": w.model.name,
-        "gpu": gpu.name,
-        "mode": w.batch.mode,
-        "batch": w.batch.num_seqs,
-        "tokens": w.batch.num_tokens,
-        "ep": w.parallel.ep,
-        "step_time_us": trace.step_time_us,
-        "busy_us": trace.busy_us(),
-        "exposed_comm_us": trace.exposed_comm_us(),
-        "comm_only_us": trace.comm_only_us(),
-        "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
-        "micro_batches": meta.get("micro_batches", []),
-        "num_ops": len(ops_of(program)),
-    }
-    for key in ("comm_sms", "fallback_reason", "deepep_mode", "ranks", "imbalance", "dp_tokens"):
-        if key in meta:
-            out[key] = meta[key]
-    if not program.symmetric:
-        per_rank = trace.per_rank_step_us()
-        out["per_rank"] = [
-            {
-                "rank": r,
-                "step_time_us": per_rank.get(r, 0.0),
-                "link_busy_us": {
-                    lane.split(":", 1)[1]: busy
-                    for lane, busy in trace.busy_us(r).items()
-                    if lane.startswith("link:")
-                },
-            }
-            for r in sorted(per_rank)
-        ]
-    report = getattr(schedule_module(name), "report", None)
-    if report is not None:
-        out["report"] = report(trace, program)
-    return out
-
-
-#: Network grouping tolerance for explicit ranks (sim.network: completions within 2 % of the
-#: flows' age are handled together; exact for balanced routing, where all flows end together).
-NET_GROUP_TOL = 0.02
-
-
-def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=None, profile=None):
-    """Build, lower (explicit ranks when asked), validate and simulate one schedule (op
-    durations from ``profile`` where it has rows)."""
-    from overlap_lab.shared.validate import validate
-    from overlap_lab.sim import simulate
-    from overlap_lab.sim.engine import Engine
-
-    program = build_schedule(name, w, gpu, cfg)
-    lowered = lower_ranks(program, w, gpu, args) if args is not None else program
-    if lowered is program:
-        return program, simulate(program, gpu, profile=profile)
-    # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
-    # Program's cycle check is quadratic in ranks) and run the explicit one
-    validate(program, gpu.num_sms)
-    seed = getattr(args, "seed", 0)
-    return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL, profile=profile).run()
-
-
-def add_straggler_cost(
-    res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, profile=None
-) -> None:
-    """Straggler cost of an explicit run: its step time minus the balanced (symmetric) one."""
-    if res.get("ranks") != "explicit":
-        return
-    from overlap_lab.sim import simulate
-
-    balanced = simulate(build_schedule(name, w, gpu, cfg), gpu, profile=profile).step_time_us
-    res["balanced_step_time_us"] = balanced
-    res["straggler_cost_us"] = res["step_time_us"] - balanced
 
 
 def _print_summary(res: dict) -> None:
     print(
         f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
         f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
+        + (f", PP {res['pp']} ({res['gpus']} GPUs)" if res["pp"] > 1 else "")
     )
-    print(f"  step time        {res['step_time_us'] / 1e3:10.3f} ms")
-    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms")
-    print(f"  SM utilisation   {res['sm_utilisation'] * 100:10.1f} %")
+    it = res["iterations"]
+    per = f" per iteration ({it} simulated)" if it > 1 else ""
+    print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
+    print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
+    print(f"  communication    {res['comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(f"  exposed comm     {res['exposed_comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(
+        f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
+        f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
+    )
     print(f"  ops              {res['num_ops']:10d}")
     if "straggler_cost_us" in res:
-        steps = [r["step_time_us"] for r in res["per_rank"]]
+        steps = [r["window_us"] for r in res["per_rank"]]
         print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
         print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms")
-        print(f"  rank step ms     {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
+        print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
     for mb in res["micro_batches"]:
         cut = ", splits a sequence" if mb.get("split_seq") else ""
         print(
@@ -389,27 +357,35 @@ def _print_summary(res: dict) -> None:
         )
     if "comm_sms" in res:
         print(f"  communication SMs {res['comm_sms']}")
-    if res.get("fallback_reason"):
-        print(f"  ran unsplit: {res['fallback_reason']}")
+    for note in res.get("notes", []):
+        print(f"  note: {note}")
     for lane, busy in sorted(res["busy_us"].items()):
         print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
 
 
 def cmd_sim(args) -> int:
+    from overlap_lab import api
+
+    _check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    prof = profile_from(args, gpu)
-    program, trace = simulate_one(args.schedule, w, gpu, cfg, args, prof)
-    res = result_dict(args.schedule, w, gpu, program, trace)
-    add_provenance(res, program, gpu, prof)
-    add_straggler_cost(res, args.schedule, w, gpu, cfg, prof)
+    result = api.simulate(args.schedule, w, gpu, cfg, ranks=_ranks(args), profile=args.profile)
+    res = result.as_dict()
     if args.out:
-        from overlap_lab.experiments.figures import moe_window, save_timeline
+        from overlap_lab.experiments.figures import save_timeline
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        trace.to_chrome(out / "trace.json")
-        save_timeline(trace, out / f"timeline.{args.figure_format}", window=moe_window(trace))
-        res["files"] = [str(out / "trace.json"), str(out / f"timeline.{args.figure_format}")]
+        result.trace.to_chrome(out / "trace.json")
+        fig = out / f"timeline.{args.figure_format}"
+        save_timeline(
+            result.trace,
+            fig,
+            window=args.window,
+            rank=args.rank,
+            width=args.width,
+            title=_title(result),
+        )
+        res["files"] = [str(out / "trace.json"), str(fig)]
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:
@@ -419,13 +395,29 @@ def cmd_sim(args) -> int:
     return 0
 
 
+def _title(result) -> str:
+    """The workload in a figure's title: model, mode, batch, layout, GPU."""
+    w = result.workload
+    lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
+    return (
+        f"{result.schedule}: {w.model.name} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
+        f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
+    )
+
+
 def cmd_show(args) -> int:
-    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    from overlap_lab import api
     from overlap_lab.shared.validate import validate
 
+    _check_pp_size(args.schedule, args)
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    if args.schedule == "pp" and w.parallel.pp == 1:
+        w = dataclasses.replace(
+            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
+        )
     program = build_schedule(args.schedule, w, gpu, cfg)
     validate(program, gpu.num_sms)
-    lowered = lower_ranks(program, w, gpu, args)
+    lowered = api._lower_ranks(program, w, gpu, _ranks(args))
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
         sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
@@ -437,65 +429,115 @@ def cmd_schedules(args) -> int:
 
     rows = describe()
     width = max(len(n) for n, _, _ in rows)
-    for name, seed, summary in rows:
-        print(f"{name:<{width}}  [{seed}]  {summary}")
+    for name, upstream, summary in rows:
+        print(f"{name:<{width}}  {summary}")
+        print(f"{'':<{width}}  upstream: {upstream}")
+    print("\nRules and references of each: docs/schedules.md in the repository.")
     return 0
 
 
 def cmd_compare(args) -> int:
-    from tqdm import tqdm
+    from overlap_lab import api
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    prof = profile_from(args, gpu)
-    names = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    for n in names:
-        if n not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
-    runs = {}
-    todo = names if "serial" in names else ["serial", *names]
-    for n in tqdm(todo, desc="simulating", unit="schedule", disable=args.json, file=sys.stderr):
-        runs[n] = simulate_one(n, w, gpu, cfg, args, prof)
-    base = runs["serial"][1].step_time_us
-    rows = []
-    for n in names:
-        p, tr = runs[n]
-        res = result_dict(n, w, gpu, p, tr)
-        res["speedup_vs_serial"] = base / tr.step_time_us
-        add_provenance(res, p, gpu, prof)
-        add_straggler_cost(res, n, w, gpu, cfg, prof)
-        rows.append(res)
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    table = api.compare(
+        names,
+        w,
+        gpu,
+        cfg,
+        pp_stages=args.pp_size,
+        progress=not args.json,
+        ranks=_ranks(args),
+        profile=args.profile,
+    )
+    files = []
     if args.out:
-        from overlap_lab.experiments.figures import compare_timelines, moe_window
+        from overlap_lab.experiments.figures import compare_timelines
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        traces = {n: runs[n][1] for n in names}
         fig = out / f"compare.{args.figure_format}"
-        compare_timelines(traces, fig, window=moe_window(runs[names[-1]][1]))
-        for n in names:
-            runs[n][1].to_chrome(out / f"trace_{n.replace('+', '_')}.json")
-    if args.json:
-        print(json.dumps({"results": rows}, sort_keys=True))
-        return 0
-    head = (
-        f"{'schedule':<16}{'step ms':>10}{'speed-up':>10}{'exposed comm ms':>17}"
-        f"{'comm-only ms':>14}  note"
-    )
-    print(head)
-    for r in rows:
-        note = r.get("fallback_reason") or ""
-        print(
-            f"{r['schedule']:<16}{r['step_time_us'] / 1e3:>10.3f}{r['speedup_vs_serial']:>10.3f}"
-            f"{r['exposed_comm_us'] / 1e3:>17.3f}{r['comm_only_us'] / 1e3:>14.3f}  {note}"
+        compare_timelines(
+            table,
+            fig,
+            window=args.window,
+            rank=args.rank,
+            width=args.width,
+            title=_title(table.baseline).split(": ", 1)[1],
         )
-    if args.out:
-        print(f"wrote {Path(args.out) / ('compare.' + args.figure_format)}")
+        files.append(fig)
+        for n, tr in table.traces().items():
+            tr.to_chrome(out / f"trace_{n.replace('+', '_')}.json")
+    if args.json:
+        print(json.dumps({"results": table.as_dicts()}, sort_keys=True))
+        return 0
+    print(table.text())
+    for f in files:
+        print(f"wrote {f}")
     return 0
 
 
+#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
+#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
+INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
+#: Options the CPU equivalence check cannot honour: it runs its own small workloads (tiny models,
+#: fixed decode and prefill batches: real/check.py), on the local or gloo backend, measures
+#: nothing and writes no files. Each is refused when given, never silently dropped.
+CPU_CHECK_REFUSES = {
+    "mode": "the check runs decode and prefill batches of its own",
+    "batch": "the check's batches are fixed (real/check.py)",
+    "kv_len": "the check's batches are fixed",
+    "kv_lens": "the check's batches are fixed",
+    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
+    "extend_len": "the check's batches are fixed",
+    "extend_lens": "the check's batches are fixed",
+    "prefix_len": "the check's batches are fixed",
+    "prefix_lens": "the check's batches are fixed",
+    "layers": "the check's tiny models have their own layers",
+    "model_file": "the check runs its tiny models",
+    "ep": "the check's EP size is max(2, --ranks)",
+    "gpus_per_node": "the check runs no network",
+    "attn_tp": "the check runs without attention TP",
+    "dp_attention": "the check runs DP attention",
+    "pp_size": "the check runs pp with 2 and 3 stages itself",
+    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
+    "warmup": "the check measures nothing",
+    "repeats": "the check measures nothing",
+    "out": "the check writes no files (use --json > FILE)",
+}
+
+
+def _given(args) -> set[str]:
+    """The options of `run` set to something other than their default."""
+    defaults = vars(parser().parse_args(["run"]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
 def cmd_run(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
+            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
+        )
     from overlap_lab.real.cli import run_main
 
+    if args.device == "cpu":
+        given = _given(args)
+        bad = [k for k in CPU_CHECK_REFUSES if k in given]
+        if bad:
+            why = "; ".join(f"{_flag(k)}: {CPU_CHECK_REFUSES[k]}" for k in bad)
+            raise ConfigError(f"run --device cpu --check does not take {why}")
+        if "model" in given:
+            from overlap_lab.real.model import TINY_NAMES
+
+            if args.model not in TINY_NAMES:
+                raise ConfigError(
+                    f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
+                    f"--model {args.model} runs on a GPU"
+                )
     args.cfg = config_from(args)
     if args.layers is None and args.device != "cpu":
         args.layers = GPU_RUN_LAYERS
@@ -515,8 +557,8 @@ def parser() -> argparse.ArgumentParser:
         default="overlap-lab-out",
         help="directory for trace.json and the timeline figure ('' to write nothing)",
     )
-    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _figure_options(s)
     _workload_options(s)
     _rank_options(s)
     add_profile_option(s)
@@ -529,14 +571,16 @@ def parser() -> argparse.ArgumentParser:
     add_profile_option(s)
     s.set_defaults(func=cmd_show)
 
-    s = sub.add_parser("schedules", help="list the schedules and their seeds")
+    s = sub.add_parser("schedules", help="list the schedules and the upstream code each follows")
     s.set_defaults(func=cmd_schedules)
 
     s = sub.add_parser("compare", help="simulate several schedules on one workload")
-    s.add_argument("--schedules", default="serial,sbo,tbo,tbo+sbo,lightllm,vllm-dbo,deepseek")
-    s.add_argument("--out", default="overlap-lab-out", help="directory for the stacked figure")
-    s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    s.add_argument("--schedules", default=",".join(DEFAULT_COMPARE))
+    s.add_argument(
+        "--out", default="overlap-lab-out", help="directory for the stacked figure and traces"
+    )
     s.add_argument("--json", action="store_true")
+    _figure_options(s)
     _workload_options(s)
     _rank_options(s)
     add_profile_option(s)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.sim.calibrate import add_provenance, cost_sources, profile_name  # noqa: F401
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
 
 
@@ -38,27 +38,6 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
 def profile_from(args, gpu: GPU) -> Profile | None:
     """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
     return load_profile(resolve(getattr(args, "profile", "auto"), gpu.name))
-
-
-def profile_name(profile: Profile | None) -> str:
-    return ROOFLINE if profile is None else profile.name
-
-
-def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
-    """Per op class, how many launched ops take their duration from the profile, the roofline
-    or the link model (communication kernels and copies)."""
-    from overlap_lab.sim.cost import duration_source
-
-    counts: dict[str, Counter] = {}
-    for _, op in ops_of(program):
-        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += 1
-    return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
-
-
-def add_provenance(res: dict[str, Any], program: Program, gpu: GPU, profile) -> None:
-    """The keys a result row gets from calibration: ``profile`` and ``cost_sources``."""
-    res["profile"] = profile_name(profile)
-    res["cost_sources"] = cost_sources(program, gpu, profile)
 
 
 def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
@@ -142,11 +121,12 @@ def cmd_analyze(args) -> int:
 
 
 def _program_for(args, schedule: str):
-    from overlap_lab.experiments.cli import config_from, gpu_from, lower_ranks, workload_from
+    from overlap_lab.api import _lower_ranks
+    from overlap_lab.experiments.cli import _ranks, config_from, gpu_from, workload_from
     from overlap_lab.shared.schedules import build
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, args), w, gpu
+    return _lower_ranks(build(schedule, w, gpu, cfg), w, gpu, _ranks(args)), w, gpu
 
 
 def cmd_calibrate(args) -> int:

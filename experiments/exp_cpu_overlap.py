@@ -1,10 +1,10 @@
 """SGLang's CPU-GPU overlap scheduler: it hides host time up to the GPU time, and a prefill pays
 about one iteration of TTFT for it.
 
-Seed 000 §3 / 001: with overlap the host schedules batch N+1 and processes batch N-1 while the
+SGLang's CPU-GPU overlap scheduler (docs/schedules.md): with overlap the host schedules batch N+1 and processes batch N-1 while the
 GPU runs batch N, so an iteration takes max(GPU, host) instead of GPU + host
 (``--disable-overlap-schedule``); the price is that a batch is scheduled one step ahead and its
-result processed one step late, which the seed counts as one iteration of extra TTFT for a
+result processed one step late, which SGLang's design counts as one iteration of extra TTFT for a
 prefill (and why SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP exists).
 
 Three sweeps, each simulating the overlap loop and the normal loop over the same iterations:
@@ -29,7 +29,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import save_figure, timeline
+from overlap_lab.experiments.figures import WIDTHS, save_figure, timeline
 from overlap_lab.experiments.runner import Case, Experiment, kept_traces, main, stamp
 from overlap_lab.shared.hardware import HostCosts
 from overlap_lab.shared.schedules import ScheduleConfig
@@ -189,7 +189,7 @@ def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     rows = doc["rows"]
-    fig = Figure(figsize=(13, 9.5), layout="constrained")
+    fig = Figure(figsize=(7.0, 7.6), layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 1.1])
     ax_a, ax_b = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     ax_c, ax_d = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
@@ -206,14 +206,19 @@ def figure(doc: dict, path: Path) -> None:
     ax_a.axvline(dec[0]["gpu_us"] / 1e3, color="grey", lw=0.6, ls=":")
     ax_a.set_xscale("log")
     ax_a.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax_a.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax_a.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax_a.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax_a.set_xlabel("host time per iteration (ms)")
     ax_a.set_ylabel("iteration time (ms)")
     ax_a.set_title(
-        "(a) decode, DeepSeek-V2-Lite EP8, 32 req, H100: host cost x0.25..x32",
-        fontsize=9,
+        "(a) decode, DeepSeek-V2-Lite EP8, 32 req, H100,\nhost cost x0.25..x32",
+        fontsize=7.5,
         loc="left",
     )
-    ax_a.legend(fontsize=7)
+    ax_a.legend()
     ax_a.grid(alpha=0.3, which="both")
 
     v3 = sweep(rows, "v3")
@@ -225,8 +230,8 @@ def figure(doc: dict, path: Path) -> None:
     ax_b.set_xscale("log", base=2)
     ax_b.set_xlabel("decode requests per GPU (4K context)")
     ax_b.set_ylabel("%")
-    ax_b.set_title("(b) DeepSeek-V3 EP32 on H800, default host costs", fontsize=9, loc="left")
-    ax_b.legend(fontsize=7)
+    ax_b.set_title("(b) DeepSeek-V3 EP32 on H800,\ndefault host costs", fontsize=7.5, loc="left")
+    ax_b.legend()
     ax_b.grid(alpha=0.3)
 
     tt = sweep(rows, "ttft")
@@ -249,9 +254,9 @@ def figure(doc: dict, path: Path) -> None:
     ax_c.set_xlabel("host cost scale (x HostCosts)")
     ax_c.set_ylabel("ms")
     ax_c.set_title(
-        "(c) a prefill (8x32 tokens) joining a running decode batch", fontsize=9, loc="left"
+        "(c) a prefill (8x32 tokens) joining\na running decode batch", fontsize=7.5, loc="left"
     )
-    ax_c.legend(fontsize=7)
+    ax_c.legend()
     ax_c.grid(alpha=0.3)
 
     cons = sweep(rows, "consecutive")
@@ -269,17 +274,18 @@ def figure(doc: dict, path: Path) -> None:
             width,
             label=f"{label}: TTFT 1st prefill",
         )
-        ax_d.plot(pos, [v["total_us"] / 1e3 / 5 for v in vals], "k_", ms=14)
+        ax_d.plot(pos, [v["total_us"] / 1e3 / 5 for v in vals], "k_", ms=10)
     ax_d.set_xticks(
         [i + 0.4 - width / 2 for i in range(len(scales))], [f"host x{s}" for s in scales]
     )
-    ax_d.set_ylabel("ms  (bars: TTFT; dashes: total / 5 iterations)")
+    ax_d.set_ylabel("ms (bars: TTFT;\ndashes: total / 5 iterations)")
     ax_d.set_title(
-        "(d) prefill, prefill, decode: SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP",
-        fontsize=9,
+        "(d) prefill, prefill, decode:\nSGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP",
+        fontsize=7.5,
         loc="left",
     )
-    ax_d.legend(fontsize=7)
+    ax_d.set_ylim(top=ax_d.get_ylim()[1] * 1.45)  # room for the legend above the bars
+    ax_d.legend(loc="upper left")
     ax_d.grid(alpha=0.3, axis="y")
 
     (tr,) = kept_traces(doc).values()
@@ -289,10 +295,11 @@ def figure(doc: dict, path: Path) -> None:
         tr,
         ax=ax_t,
         window=(t0 - pad, t1 + pad),
-        title=f"(e) overlap loop at host x{SHOW_SCALE}: the prefill of step {TTFT_STEP} "
+        title=f"(e) overlap loop at host x{SHOW_SCALE}: the prefill of step {TTFT_STEP}\n"
         f"(recv -> forward -> D2H -> processed after step {TTFT_STEP + 1} is launched)",
+        width=WIDTHS["double"],
     )
-    save_figure(fig, path, dpi=130)
+    save_figure(fig, path)
 
 
 def notes(doc: dict) -> str:
@@ -381,7 +388,7 @@ picks the prompt up to its first token reaching the detokenizer.
 
 - The token always leaves one loop iteration later under overlap (its result is processed in
   iteration {TTFT_STEP + 1}, after batch {TTFT_STEP + 1} has been scheduled and launched; the normal loop
-  processes it in iteration {TTFT_STEP}): the seed's "one iteration".
+  processes it in iteration {TTFT_STEP}): SGLang's "one iteration".
 - In time, at default-ish host costs (x{low[0]["host_scale"]:g}..x1) the cost is
   {min(r["ttft_cost_iterations"] for r in low):.2f}-{max(r["ttft_cost_iterations"] for r in low):.2f}
   of an overlap iteration, and it is almost all *lookahead*, not deferral: the host picks the
@@ -411,15 +418,15 @@ prefill and launching its eager forward, one launch per kernel, longer than this
 forward): {switch_text}. It costs the GPU the idle time of processing the first result before the
 second forward can be launched, and the second prefill's TTFT.
 
-## Where the model disagrees with the seed, and why
-- The seed (001 §7, Q5) says the deferred prefill's first token waits one more iteration of GPU
+## Where the model disagrees with SGLang's description, and why
+- SGLang's design notes say the deferred prefill's first token waits one more iteration of GPU
   forward time. The model agrees on the count (one loop iteration) but in time the cost is the
   lookahead (the forward starting one forward later) when the GPU is the bottleneck, and the
   result's processing delay only when the host is: overlapping does not add a full forward
   between a prefill's end and its processing unless the host lags. Real schedulers also have host
   syncs the model leaves out (e.g. attention-backend planning that reads sequence lengths on the
-  host), which would make the deferral closer to the seed's description.
-- The D2H copy runs on the copy stream after a wait on the forward stream, as the brief and seed
+  host), which would make the deferral closer to that description.
+- The D2H copy runs on the copy stream after a wait on the forward stream, as SGLang's design
   001 §3 describe; upstream's `copy_to_cpu` issues `.to("cpu", non_blocking=True)` on the current
   (forward) stream. The two differ only in whether the next forward queues behind a few-µs copy.
 - Host costs are estimates (HostCosts); the sweep shows the shape, not SGLang's measured overhead.
@@ -443,4 +450,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -1,8 +1,8 @@
 """LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?
 
-Seed 002 §0x05/§0x11: LightLLM moved the MoE block one slot later in decode and runs attention and
+LightLLM (docs/schedules.md) moved the MoE block one slot later in decode and runs attention and
 shared experts of one micro-batch back to back, where DeepSeek's figure pairs one micro-batch's
-computation with the other's communication; the seed's author suspects that "in some cases the GPU
+computation with the other's communication; LightLLM's design notes suspect that "in some cases the GPU
 has only communication and no computation". This sweeps batch sizes on an H800 with DeepSeek-V3 at
 the EP sizes of DeepSeek's published profiles (deepseek-ai/profile-data: prefill EP32 with 4K
 prompts, decode EP128 with 4K contexts) and reports, per schedule, the step time, the GPU time with
@@ -20,11 +20,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from overlap_lab.experiments.figures import (
+    WIDTHS,
+    add_legend,
     clip,
+    fmt_time,
     layer_window,
-    legend_handles,
-    op_family,
     save_figure,
+    series_style,
     timeline,
 )
 from overlap_lab.experiments.runner import (
@@ -131,15 +133,22 @@ def figure(doc: dict, path: Path) -> None:
     names = [n for n in SCHEDULES if n != "serial"]
     tl = [(m, n) for m in ("decode", "prefill") for n in names if (m, n) in shown]
     tracks = [max(len(shown[k].tracks(0)), 1) for k in tl]
-    fig = Figure(figsize=(13, 3.2 + 0.36 * sum(tracks) + 0.5 * len(tl)), layout="constrained")
-    gs = fig.add_gridspec(1 + len(tl), 2, height_ratios=[7] + tracks)
+    fig = Figure(
+        figsize=(WIDTHS["double"], 2.6 + 0.22 * sum(tracks) + 0.45 * len(tl)), layout="constrained"
+    )
+    gs = fig.add_gridspec(1 + len(tl), 2, height_ratios=[9] + tracks)
     rows = doc["rows"]
     for col, mode in enumerate(("decode", "prefill")):
         ax = fig.add_subplot(gs[0, col])
-        for name, style in (("serial", ":"), ("lightllm", "-o"), ("deepseek", "-s")):
+        for k, name in enumerate(("serial", "lightllm", "deepseek")):
             pts = [r for r in rows if r["schedule"] == name and r["mode"] == mode]
             xs = [r["requests"] if mode == "decode" else r["tokens"] / 1024 for r in pts]
-            ax.plot(xs, [r["comm_only_us"] / 1e3 for r in pts], style, label=f"{name} comm-only")
+            ax.plot(
+                xs,
+                [r["comm_only_us"] / 1e3 for r in pts],
+                label=f"{name} comm-only",
+                **series_style(k),
+            )
         for name in names:
             pts = [r for r in rows if r["schedule"] == name and r["mode"] == mode]
             xs = [r["requests"] if mode == "decode" else r["tokens"] / 1024 for r in pts]
@@ -151,13 +160,16 @@ def figure(doc: dict, path: Path) -> None:
                 label=f"{name} step time",
             )
         ep = DECODE_EP if mode == "decode" else PREFILL_EP
-        ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {GPU}", fontsize=9, loc="left")
-        ax.set_xlabel("requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU")
-        ax.set_ylabel("ms per step")
+        ax.set_title(f"{mode}, DeepSeek-V3 EP{ep} on {GPU.upper()}", fontsize=7.5, loc="left")
+        ax.set_xlabel(
+            "requests per GPU (4K context)" if mode == "decode" else "K tokens per GPU", fontsize=7
+        )
+        ax.set_ylabel("ms per step", fontsize=7)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     width = {m: max(shown[(m, n)].step_time_us for n in names if (m, n) in shown) for m, _ in tl}
-    seen = set()
+    seen: set = set()
     for i, key in enumerate(tl):
         ax = fig.add_subplot(gs[1 + i, :])
         tr = shown[key]
@@ -167,20 +179,11 @@ def figure(doc: dict, path: Path) -> None:
         only, _ = comm_only_in(tr, 0.0, tr.step_time_us)
         title = (
             f"{name} {mode} ({size} {unit}/GPU), layer {rows[0]['layer']}: "
-            f"{tr.step_time_us:.0f} µs, comm-only {only:.0f} µs"
+            f"{fmt_time(tr.step_time_us)}, comm-only {fmt_time(only)}"
         )
-        timeline(tr, ax, title=title, window=(0.0, width[mode]), legend=False)
-        seen |= {(op_family(s), s.mb) for s in tr.spans}
-    handles = legend_handles(seen)
-    if handles and tl:
-        fig.axes[2].legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.005, 1.0),
-            fontsize=7,
-            frameon=False,
-        )
-    save_figure(fig, path, dpi=130)
+        timeline(tr, ax, title=title, window=(0.0, width[mode]), legend=False, seen=seen)
+    add_legend(fig, seen)
+    save_figure(fig, path)
 
 
 EXPERIMENT = Experiment(
@@ -202,4 +205,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -1,4 +1,4 @@
-"""PP bubbles against the number of micro-batches (SGLang event_loop_pp, seed 004).
+"""PP bubbles against the number of micro-batches (SGLang event_loop_pp).
 
 DeepSeek-V3 decode (64 tokens per micro-batch per GPU, 4K context) on H100, EP 8 inside each
 stage, pp_size 2, 4 and 8. SGLang keeps exactly pp_size micro-batches in flight; the sweep adds
@@ -75,7 +75,7 @@ def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     rows = doc["rows"]
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(7.0, 2.8), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for pp in sorted({r["pp_size"] for r in rows}):
         pts = [r for r in rows if r["pp_size"] == pp]
@@ -92,17 +92,18 @@ def figure(doc: dict, path: Path) -> None:
         )
         ax2.plot(xs, [r["tokens_per_s_per_gpu"] for r in pts], "-o", label=f"pp {pp}")
     ax.axvline(1.0, color="k", lw=0.8, ls="--")
-    ax.text(1.02, ax.get_ylim()[1] * 0.9, "SGLang: micro-batches = pp_size", fontsize=7)
+    lo, hi = ax.get_ylim()
+    ax.text(1.03, lo + 0.04 * (hi - lo), "SGLang: micro-batches = pp_size", fontsize=6)
     ax.set_xlabel("micro-batches / pp_size")
     ax.set_ylabel("GPU idle fraction, steady state (%)")
-    ax.set_title(f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {GPU}", fontsize=9, loc="left")
+    ax.set_title(f"PP bubbles, DeepSeek-V3 decode {TOKENS} tok/mb, {GPU}", fontsize=7.5, loc="left")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend()
     ax2.set_xlabel("micro-batches / pp_size")
     ax2.set_ylabel("decode tokens/s per GPU (whole window)")
-    ax2.set_title("throughput", fontsize=9, loc="left")
+    ax2.set_title("throughput", fontsize=7.5, loc="left")
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=7)
+    ax2.legend()
     save_figure(fig, path)
 
 
@@ -160,7 +161,7 @@ Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in t
   depends on hidden states rank r has not sent yet.
 
 ## Where this may disagree with measurements
-- No published SGLang PP bubble figure is in the seeds to compare against. The PP host costs
+- No published SGLang PP bubble figure is published to compare against. The PP host costs
   (gloo metadata, point_to_point_pyobj) are estimates (shared/ops_pp.py), and requests are forwarded
   as host work only: upstream's point_to_point_pyobj is an NCCL send ordered after the forward with
   a ``.item()`` on the receiver, which would delay a rank's scheduling until its predecessor's
@@ -181,4 +182,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

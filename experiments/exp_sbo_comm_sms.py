@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import save_figure
+from overlap_lab.experiments.figures import WIDTHS, save_figure, series_style
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -79,39 +79,58 @@ def derive(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["schedule"] == "sbo"]
 
 
+MODE_COLORS = (
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+)  # Okabe-Ito: readable in print and by the colour-blind
+
+
 def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
     rows = doc["rows"]
     gpus = sorted({r["gpu"] for r in rows}, key=GPUS.index)
     tokens = sorted({r["tokens_per_gpu"] for r in rows})
-    fig = Figure(figsize=(11, 3.6 * len(tokens)), layout="constrained")
+    fig = Figure(figsize=(WIDTHS["double"], 2.3 * len(tokens) + 0.5), layout="constrained")
     axes = fig.subplots(len(tokens), len(gpus), squeeze=False)
     for i, n in enumerate(tokens):
         for j, g in enumerate(gpus):
             ax = axes[i][j]
-            for mode, style in zip(MODES, ("-o", "-s", "-^"), strict=True):
+            for k, mode in enumerate(MODES):
                 pts = [
                     r
                     for r in rows
                     if r["gpu"] == g and r["tokens_per_gpu"] == n and r["mode"] == mode
                 ]
-                up = " (not run by SGLang here)" if pts and not pts[0]["upstream"] else ""
+                up = " (what-if)" if pts and not pts[0]["upstream"] else ""
+                # modes 2 and 3 coincide where the RDMA transfer bounds both: distinct line
+                # styles, hollow markers of different sizes and a drawing order that keeps both
                 ax.plot(
                     [r["comm_sms"] for r in pts],
                     [100 * r["gain"] for r in pts],
-                    style,
                     label=f"mode {mode}{up}",
+                    color=MODE_COLORS[k],
+                    zorder=3 + len(MODES) - k,
+                    **series_style(k),
                 )
             preset = pts[0]["preset_comm_sms"]
-            ax.axvline(preset, color="grey", ls=":", label=f"preset {preset} SMs")
-            ax.axhline(0, color="k", lw=0.8)
+            ax.axvline(preset, color="grey", ls=":", lw=0.8, label=f"preset ({preset} SMs)")
+            ax.axhline(0, color="k", lw=0.6)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("combine communication SMs (--comm-sms)")
-            ax.set_ylabel("step-time gain vs serial (%)")
-            ax.set_title(f"SBO, DeepSeek-V3 EP{EP} decode {n} tok/GPU, {g}", fontsize=9, loc="left")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.set_xticks([1, 2, 4, 8, 16, 32])
+            if i == len(tokens) - 1:
+                ax.set_xlabel("combine communication SMs (--comm-sms)", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("gain vs serial (%)", fontsize=7)
+            ax.tick_params(labelsize=7)
+            ax.set_title(
+                f"DeepSeek-V3 EP{EP} decode, {n} tok/GPU, {g.upper()}", fontsize=7.5, loc="left"
+            )
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6, loc="best", handlelength=2.6)
     save_figure(fig, path)
 
 
@@ -202,4 +221,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -2,7 +2,7 @@
 
 SGLang's large-scale EP deployment of DeepSeek-V3 (H800-class nodes, DeepEP low-latency kernels,
 DP attention) reports TBO at about -27 % throughput at 32 tokens per GPU, break-even around
-64-128 and about +25 % at 256 (seed 000 §5: "too small a batch can make TBO slower"). This sweeps
+64-128 and about +25 % at 256 (SGLang's TBO notes: "too small a batch can make TBO slower"). This sweeps
 tokens per GPU on DeepSeek-V3 / H800 at EP 32 and EP 72's nearest divisor of 256 experts, EP 64
 (the sizes SGLang ran: 4 and 9 decode nodes), simulates serial and TBO (and TBO+SBO for
 reference), and reports the step time, the change in throughput ``serial / tbo - 1`` and where
@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import compare_timelines, layer_clip, save_figure
+from overlap_lab.experiments.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -98,7 +98,7 @@ def figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     rows = doc["rows"]
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(WIDTHS["double"], 3.0), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for ep in sorted({r["ep"] for r in rows}):
         for name, style in (("tbo", "-o"), ("tbo+sbo", "--^")):
@@ -109,15 +109,15 @@ def figure(doc: dict, path: Path) -> None:
                 style,
                 label=f"{name}, EP{ep}",
             )
-    ax.plot([32, 256], [-27, 25], "k*", ms=12, label="SGLang reported (-27 %, +25 %)")
+    ax.plot([32, 256], [-27, 25], "k*", ms=9, label="SGLang reported (-27 %, +25 %)")
     ax.axvspan(64, 128, color="grey", alpha=0.15, label="SGLang break-even 64-128")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode tokens per GPU (4K context)")
     ax.set_ylabel("throughput change vs serial (%)")
-    ax.set_title(f"TBO decode, DeepSeek-V3 on {GPU}", fontsize=9, loc="left")
+    ax.set_title(f"TBO decode, DeepSeek-V3 on {GPU}", fontsize=7.5, loc="left")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend()
     ep = min(r["ep"] for r in rows)
     for name, style in (("serial", ":s"), ("tbo", "-o")):
         pts = [r for r in rows if r["ep"] == ep and r["schedule"] == name]
@@ -133,11 +133,16 @@ def figure(doc: dict, path: Path) -> None:
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("decode tokens per GPU")
     ax2.set_ylabel("ms per step")
-    ax2.set_title(f"EP{ep}: step time and exposed communication", fontsize=9, loc="left")
+    ax2.set_title(f"EP{ep}: step time and exposed communication", fontsize=7.5, loc="left")
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=7)
+    ax2.legend()
     save_figure(fig, path)
-    compare_timelines(kept_traces(doc), path.with_name(f"{NAME}_timeline.png"))
+    compare_timelines(
+        kept_traces(doc),
+        path.with_name(f"{NAME}_timeline.png"),
+        window="step",
+        title=f"One MoE layer (the middle one) of DeepSeek-V3 decode on {GPU.upper()}, EP{min(r['ep'] for r in rows)}, 4K context",
+    )
 
 
 def notes(doc: dict) -> str:
@@ -217,4 +222,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import compare_timelines, layer_clip, save_figure
+from overlap_lab.experiments.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -79,7 +79,7 @@ def figure(doc: dict, path: Path) -> None:
 
     rows = [r for r in doc["rows"] if r["schedule"] == "tbo"]
     serial = {str(r["extend_lens"]): r for r in doc["rows"] if r["schedule"] == "serial"}
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(WIDTHS["double"], 3.0), layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for kind, style in (("4K prompts", "-o"), ("one prompt", "-s"), ("mixed", "D")):
         pts = [r for r in rows if r["kind"] == kind]
@@ -92,9 +92,9 @@ def figure(doc: dict, path: Path) -> None:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("prefill K tokens per GPU")
     ax.set_ylabel("throughput change vs serial (%)")
-    ax.set_title(f"TBO prefill, DeepSeek-V3 EP{EP} on {GPU}", fontsize=9, loc="left")
+    ax.set_title(f"TBO prefill, DeepSeek-V3 EP{EP} on {GPU}", fontsize=7.5, loc="left")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend()
     pts = [r for r in rows if r["kind"] == "4K prompts"]
     xs = [r["tokens_per_gpu"] / 1024 for r in pts]
     ax2.plot(
@@ -117,9 +117,14 @@ def figure(doc: dict, path: Path) -> None:
     ax2.set_xlabel("prefill K tokens per GPU (4K prompts)")
     ax2.set_ylabel("ms per step")
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=7)
+    ax2.legend()
     save_figure(fig, path)
-    compare_timelines(kept_traces(doc), path.with_name(f"{NAME}_timeline.png"))
+    compare_timelines(
+        kept_traces(doc),
+        path.with_name(f"{NAME}_timeline.png"),
+        window="step",
+        title=f"One MoE layer (the middle one) of DeepSeek-V3 prefill on {GPU.upper()}, EP{EP}",
+    )
 
 
 def notes(doc: dict) -> str:
@@ -201,4 +206,6 @@ EXPERIMENT = Experiment(
 )
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME]))
+    raise SystemExit(
+        main(sys.argv[1:], prog=f"python -m overlap_lab.experiments.exp_{NAME}", default=[NAME])
+    )

@@ -1,8 +1,25 @@
-"""Figures from Traces: timelines with one row per host thread, stream and link.
+"""Figures from Traces, ready for a paper: timelines with one row per host thread, stream and link.
 
-The rows are the Perfetto tracks of :meth:`shared.trace.Trace.tracks` (overlapping spans of one
-lane go to sub-rows), so a figure and the exported JSON show the same layout. Colours are op
-families (attention, gate/select, dispatch, combine, experts...), hatches are micro-batches.
+What a reader of a paper needs, and how this module gives it:
+
+- **Colour = what the op is.** :func:`op_category` reads the span's kind (compute, comm, copy,
+  host, sync, link) and the op's exact base name (``experts.down.2`` -> ``experts.down``) in
+  :data:`OP_CATEGORY`, the table of every op the schedules emit; an op it does not know falls back
+  to its op class (``trace.meta["op_class"]``: ``grouped_gemm`` -> routed experts) or its kind.
+  No substring matching: ``experts.gate_up`` is a routed-expert GEMM, never the router.
+- **Hatches = micro-batches**; labels are written only where they fit inside their bar, on a
+  white box where the bar is hatched or dark, so they never overlap or drown in the hatching.
+- **Time units by scale** (µs, ms, s) on the axis and in titles.
+- **Lanes in one fixed order** (:func:`lane_key`: host threads, then streams in the order the
+  schedules name them, then links), the same in every panel; only lanes with spans in the window
+  are drawn; a lane's overflow rows (``stream:main #2``: spans that overlap in time on one lane,
+  e.g. concurrent flows on one link) are explained in the legend.
+- **Windows**: :func:`parse_window` reads ``auto``, ``step`` (the whole window), ``layers:A-B``
+  (MoE layers A..B of the first step) and ``T0-T1`` (ms); ``rank`` picks the rank.
+- **Widths** of one and two paper columns (:data:`WIDTHS`: 3.3 and 7 inches); PDF and SVG are
+  vector, with no dates inside (same trace, same bytes).
+- **Series that coincide stay visible**: :data:`SERIES_STYLES` gives markers and line styles
+  that differ even where lines lie on top of each other.
 
 matplotlib is imported inside the functions and only through ``matplotlib.figure.Figure``: no
 pyplot, no global backend state, no ``plt.show()``; figures render off-screen (Agg for PNG).
@@ -10,61 +27,130 @@ pyplot, no global backend state, no ``plt.show()``; figures render off-screen (A
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.trace import Span, Trace, Track
 
-# Family -> colour (Okabe-Ito / tab palettes, readable in print).
-FAMILY_COLORS: dict[str, str] = {
-    "attention": "#0072B2",
-    "gate/select": "#56B4E9",
-    "dispatch": "#D55E00",
-    "combine": "#E69F00",
-    "experts": "#009E73",
-    "shared": "#8FD694",
-    "dense mlp": "#117733",
-    "norms": "#CC79A7",
-    "head": "#882255",
-    "host": "#999999",
-    "sync": "#DDDDDD",
-    "copy": "#F0E442",
-    "link": "#444444",
-    "other": "#BBBBBB",
+# ---------------------------------------------------------------------------------------------
+# Categories and colours
+
+#: Category -> (face colour, text colour on it). Okabe-Ito and Tol colours, readable in print.
+CATEGORY_COLORS: dict[str, tuple[str, str]] = {
+    "attention": ("#0072B2", "white"),
+    "router": ("#56B4E9", "black"),
+    "routed experts": ("#009E73", "white"),
+    "shared experts": ("#8FD694", "black"),
+    "dense MLP": ("#117733", "white"),
+    "norm / residual": ("#CC79A7", "black"),
+    "LM head": ("#882255", "white"),
+    "scheduler ops": ("#AA4499", "white"),
+    "dispatch": ("#D55E00", "white"),
+    "combine": ("#E69F00", "black"),
+    "PP send/recv": ("#994F00", "white"),
+    "other comm": ("#661100", "white"),
+    "copy": ("#F0E442", "black"),
+    "link transfer": ("#444444", "white"),
+    "host": ("#999999", "black"),
+    "host wait": ("#DDDDDD", "black"),
+    "other": ("#BBBBBB", "black"),
+}
+#: Backwards-compatible name: category -> face colour.
+FAMILY_COLORS: dict[str, str] = {k: v[0] for k, v in CATEGORY_COLORS.items()}
+
+#: Every op the schedules emit (shared/ops.py, ops_sched.py, ops_pp.py), by exact base name.
+OP_CATEGORY: dict[str, str] = {
+    "attn.prepare": "attention",
+    "attn.core": "attention",
+    "gate": "router",
+    "select_experts": "router",
+    "experts": "routed experts",
+    "experts.gate_up": "routed experts",
+    "experts.down": "routed experts",
+    "shared_experts": "shared experts",
+    "mlp": "dense MLP",
+    "comm_prepare_attn": "norm / residual",
+    "comm_prepare_mlp": "norm / residual",
+    "comm_postprocess_layer": "norm / residual",
+    "output": "norm / residual",
+    "embed": "LM head",
+    "logits": "LM head",
+    "sample": "LM head",
+    "dispatch_a": "dispatch",
+    "dispatch_b": "dispatch",
+    "combine_a": "combine",
+    "combine_b": "combine",
+    "pp_send_hidden": "PP send/recv",
+    "pp_recv_hidden": "PP send/recv",
+    "pp_send_out": "PP send/recv",
+    "pp_recv_out": "PP send/recv",
+    "pp_allgather_hidden": "PP send/recv",
+    "pp_allgather_out": "PP send/recv",
+    "req_to_token_gather": "scheduler ops",
+    "req_to_token_scatter": "scheduler ops",
+    "write_req_to_token_pool_triton": "scheduler ops",
+    "seq_lens_add": "scheduler ops",
+    "seq_lens_clone": "scheduler ops",
+    "seq_lens_next": "scheduler ops",
+    "out_cache_loc_cast": "scheduler ops",
+    "resolve_future": "scheduler ops",
+    "store_to_map": "scheduler ops",
+}
+#: Op class (shared.program.Op.op_class) -> category, for ops outside :data:`OP_CATEGORY`.
+CLASS_CATEGORY: dict[str, str] = {
+    "grouped_gemm": "routed experts",
+    "attention": "attention",
+    "sampling": "LM head",
+    "comm": "other comm",
+    "copy": "copy",
+}
+KIND_CATEGORY: dict[str, str] = {
+    "host": "host",
+    "sync": "host wait",
+    "copy": "copy",
+    "link": "link transfer",
+    "comm": "other comm",
 }
 MB_HATCHES: tuple[str, ...] = ("", "////", "\\\\\\\\", "xxx", "...", "ooo")
 SUFFIXES = (".png", ".pdf", ".svg")
+#: Figure widths in inches: one column and two columns of a two-column paper.
+WIDTHS: dict[str, float] = {"single": 3.3, "double": 7.0}
+#: (marker, linestyle) per series, so that series lying on top of each other stay distinct.
+SERIES_STYLES: tuple[tuple[str, str], ...] = (
+    ("o", "-"),
+    ("s", "--"),
+    ("^", ":"),
+    ("D", "-."),
+    ("v", (0, (5, 1, 1, 1))),
+    ("x", (0, (1, 1))),
+)
+_CHUNK = re.compile(r"(\.\d+)+$")  # "experts.down.2" -> "experts.down"
 
 
-def op_family(span: Span) -> str:
-    """The colour family of a span, from its kind and op name (shared.ops naming)."""
-    if span.kind in ("host", "sync", "copy", "link"):
-        return span.kind
-    name = span.op.lower()
-    if name.startswith(("comm_prepare", "comm_postprocess", "output")) or "norm" in name:
-        return "norms"
-    if "dispatch" in name:
-        return "dispatch"
-    if "combine" in name:
-        return "combine"
-    if "attn" in name or "attention" in name:
-        return "attention"
-    if "gate" in name or "select" in name or "router" in name or "topk" in name:
-        return "gate/select"
-    if "shared" in name:
-        return "shared"
-    if "expert" in name:
-        return "experts"
-    if "mlp" in name:
-        return "dense mlp"
-    if name in ("embed", "logits", "sample") or "lm_head" in name:
-        return "head"
-    if span.kind == "comm":
-        return "dispatch"
-    return "other"
+def base_name(op: str) -> str:
+    """The op's name without its chunk suffix (SBO's streamed pieces ``combine_a.3``)."""
+    return _CHUNK.sub("", op)
+
+
+def op_category(span: Span, op_class: Mapping[str, str] | None = None) -> str:
+    """The category (legend entry and colour) of a span; see the module docstring."""
+    if span.kind in ("host", "sync", "link"):
+        return KIND_CATEGORY[span.kind]
+    name = base_name(span.op)
+    if name in OP_CATEGORY:
+        return OP_CATEGORY[name]
+    cls = (op_class or {}).get(span.op) or (op_class or {}).get(name)
+    if cls in CLASS_CATEGORY:
+        return CLASS_CATEGORY[cls]
+    return KIND_CATEGORY.get(span.kind, "other")
+
+
+#: Backwards-compatible name.
+op_family = op_category
 
 
 def mb_hatch(mb: int | None) -> str:
@@ -72,16 +158,108 @@ def mb_hatch(mb: int | None) -> str:
     return "" if mb is None else MB_HATCHES[mb % len(MB_HATCHES)]
 
 
-def moe_window(
-    trace: Trace, layers: int = 2, rank: int = 0, step: int | None = None, pad: float = 0.02
-) -> tuple[float, float]:
-    """A readable zoom: from the first to the last span of the first ``layers`` MoE layers.
+def series_style(i: int) -> dict[str, Any]:
+    """Keyword arguments for ``ax.plot`` of the i-th series (marker, line style, fill)."""
+    marker, ls = SERIES_STYLES[i % len(SERIES_STYLES)]
+    return {
+        "marker": marker,
+        "linestyle": ls,
+        "markersize": 4 + (i % 3),
+        "markerfacecolor": "none" if i % 2 else None,
+    }
 
-    MoE layers are those with a dispatch, combine or experts span; without any (dense model,
-    imported profile) the first ``layers`` layers with spans; without layer numbers, the whole
-    step. ``step`` defaults to the first step present. The window is padded by ``pad`` of its
-    width on each side.
-    """
+
+# ---------------------------------------------------------------------------------------------
+# Time units and windows
+
+
+def time_unit(span_us: float) -> tuple[str, float]:
+    """(unit, µs per unit) that keeps numbers short for a range of ``span_us`` µs."""
+    if span_us >= 2e6:
+        return "s", 1e6
+    if span_us >= 2e3:
+        return "ms", 1e3
+    return "µs", 1.0
+
+
+def fmt_time(us: float) -> str:
+    """A duration with a unit chosen by its size: ``850 µs``, ``55.3 ms``, ``2.68 s``."""
+    unit, scale = time_unit(us)
+    v = us / scale
+    return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a timeline shows: ``kind`` is auto, step, layers (``lo``..``hi`` MoE layers, counted
+    from 0 among MoE layers) or time (``lo``..``hi`` in µs)."""
+
+    kind: str = "auto"
+    lo: float = 0.0
+    hi: float = 0.0
+
+
+def parse_window(text: str | Window | tuple[float, float] | None) -> Window:
+    """``auto``, ``step`` (or ``whole``), ``layers:A-B`` / ``layers:N`` (the first N MoE
+    layers), or ``T0-T1`` in ms."""
+    if isinstance(text, Window):
+        return text
+    if text is None:
+        return Window()
+    if isinstance(text, tuple):
+        return Window("time", float(text[0]), float(text[1]))
+    s = str(text).strip().lower()
+    if s in ("auto", ""):
+        return Window()
+    if s in ("step", "whole", "whole step", "all"):
+        return Window("step")
+    try:
+        if s.startswith("layers:"):
+            spec = s.split(":", 1)[1]
+            if "-" in spec:
+                a, b = spec.split("-", 1)
+                lo, hi = int(a), int(b)
+            else:
+                lo, hi = 0, int(spec) - 1
+            if lo < 0 or hi < lo:
+                raise ValueError
+            return Window("layers", lo, hi)
+        a, b = s.split("-", 1)
+        lo, hi = float(a) * 1e3, float(b) * 1e3
+        if not 0 <= lo < hi:
+            raise ValueError
+        return Window("time", lo, hi)
+    except ValueError:
+        raise ConfigError(
+            f"--window takes auto, step, layers:A-B, layers:N or T0-T1 (ms), got {text!r}"
+        ) from None
+
+
+def moe_layers_of(trace: Trace, rank: int = 0) -> list[int]:
+    """MoE layers with spans on ``rank`` (those with a dispatch, combine or expert op)."""
+    moe = {"dispatch", "combine", "routed experts", "shared experts"}
+    return sorted(
+        {
+            s.layer
+            for s in trace.spans
+            if s.rank == rank and s.layer is not None and op_category(s) in moe
+        }
+    )
+
+
+def moe_window(
+    trace: Trace,
+    layers: int = 2,
+    rank: int = 0,
+    step: int | None = None,
+    pad: float = 0.02,
+    first: int = 0,
+) -> tuple[float, float]:
+    """From the first to the last span of MoE layers ``first .. first+layers-1`` of one step.
+
+    MoE layers are those with a dispatch, combine or expert span; without any (dense model,
+    imported profile) the layers with spans; without layer numbers, the whole trace. ``step``
+    defaults to the first step present. Padded by ``pad`` of its width on each side."""
     spans = [s for s in trace.spans if s.rank == rank and s.layer is not None]
     steps = sorted({s.step for s in spans if s.step is not None})
     if step is None and steps:
@@ -89,18 +267,129 @@ def moe_window(
     if step is not None:
         spans = [s for s in spans if s.step == step]
     moe = sorted(
-        {s.layer for s in spans if op_family(s) in ("dispatch", "combine", "experts", "shared")}
+        {
+            s.layer
+            for s in spans
+            if op_category(s) in ("dispatch", "combine", "routed experts", "shared experts")
+        }
     )
-    chosen = (moe or sorted({s.layer for s in spans}))[:layers]
+    chosen = (moe or sorted({s.layer for s in spans}))[first : first + layers]
     picked = [s for s in spans if s.layer in chosen]
     if not picked:
-        all_spans = [s for s in trace.spans if s.rank == rank] or list(trace.spans)
-        if not all_spans:
+        picked = [s for s in trace.spans if s.rank == rank] or list(trace.spans)
+        if not picked:
             return (0.0, 1.0)
-        picked = all_spans
     t0, t1 = min(s.start for s in picked), max(s.end for s in picked)
     margin = pad * max(t1 - t0, 1e-9)
     return (t0 - margin, t1 + margin)
+
+
+def whole_window(trace: Trace) -> bool:
+    """Whether ``auto`` shows the whole window: schedules whose point lies across iterations
+    (sglang-overlap: the host one iteration ahead) or ranks (pp: bubbles)."""
+    return trace.meta.get("schedule") in ("sglang-overlap", "pp")
+
+
+def resolve_window(trace: Trace, window: Any, rank: int = 0) -> tuple[float, float]:
+    """The (t0, t1) in µs that ``window`` (see :func:`parse_window`) selects on ``trace``."""
+    w = parse_window(window)
+    if w.kind == "time":
+        return (w.lo, w.hi)
+    if w.kind == "step" or (w.kind == "auto" and whole_window(trace)):
+        return _extent(trace)
+    if w.kind == "layers":
+        return moe_window(trace, layers=int(w.hi - w.lo) + 1, rank=rank, first=int(w.lo))
+    return moe_window(trace, layers=2, rank=rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lanes
+
+#: Streams in the order schedules name them; others follow alphabetically.
+STREAM_ORDER = (
+    "schedule",
+    "main",
+    "forward",
+    "ubatch0",
+    "ubatch1",
+    "alt",
+    "comm",
+    "comm0",
+    "comm1",
+    "pp_recv",
+    "pp_send",
+    "copy",
+)
+LINK_ORDER = ("nvlink", "rdma", "pcie")
+
+
+def lane_key(lane: str) -> tuple:
+    """The one fixed order of lanes in every panel: host threads, streams, links, the rest;
+    inside each, known names first in :data:`STREAM_ORDER`/:data:`LINK_ORDER`, then by name."""
+    prefix, _, name = lane.partition(":")
+    group = {"host": 0, "stream": 1, "link": 2}.get(prefix, 3)
+    order = STREAM_ORDER if prefix == "stream" else LINK_ORDER if prefix == "link" else ()
+    known = order.index(name) if name in order else len(order)
+    return (group, known, name)
+
+
+def visible_tracks(trace: Trace, rank: int, t0: float, t1: float) -> list[Track]:
+    """The tracks of ``rank`` with a span inside [t0, t1], in :func:`lane_key` order; overflow
+    rows are computed on the window, so a lane gets a second row only if spans overlap there."""
+    inside = Trace(
+        [s for s in trace.spans if s.rank == rank and s.end > t0 and s.start < t1], trace.meta
+    )
+    tracks = list(inside.tracks(rank))
+    return sorted(tracks, key=lambda t: (lane_key(t.lane), t.name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing
+
+
+@dataclass(frozen=True)
+class _Style:
+    width: float
+    font: float
+
+    @property
+    def ncol(self) -> int:
+        """Legend columns that fit the width."""
+        return max(1, int(self.width / (1.05 if self.width < 5 else 1.45)))
+
+    def wrap(self, title: str) -> str:
+        """``title`` broken into lines that fit the width at the title's font size."""
+        import textwrap
+
+        # titles start at the axes' left edge, right of the lane names (about an inch)
+        chars = max(20, int((self.width - 1.05) * 72 / ((self.font + 1) * 0.58)))
+        return "\n".join(
+            ln for part in title.split("\n") for ln in textwrap.wrap(part, chars) or [""]
+        )
+
+
+def _style(width: str | float | None) -> _Style:
+    if width is None:
+        width = "double"
+    if isinstance(width, str):
+        if width in WIDTHS:
+            w = WIDTHS[width]
+        else:
+            try:
+                w = float(width)
+            except ValueError:
+                raise ConfigError(
+                    f"--width takes single, double or inches, got {width!r}"
+                ) from None
+    else:
+        w = float(width)
+    if not 2.0 <= w <= 20.0:
+        raise ConfigError(f"figure width must lie in 2..20 inches, got {w}")
+    return _Style(w, 5.5 if w < 5 else 7.0)
+
+
+def _label(op: str) -> str:
+    return op.removeprefix("sync ")
 
 
 def timeline(
@@ -108,148 +397,325 @@ def timeline(
     ax: Any = None,
     rank: int = 0,
     title: str | None = None,
-    window: tuple[float, float] | None = None,
+    window: Any = None,
     legend: bool = True,
     labels: bool = True,
+    *,
+    width: str | float | None = None,
+    shift: bool = False,
+    seen: set[tuple[str, int | None]] | None = None,
 ) -> Any:
     """Draw the timeline of ``rank`` on ``ax`` (a new figure's axis when None); return the axis.
 
-    One row per track (host threads, streams, links; sub-rows for overlapping spans), bars
-    coloured by :func:`op_family`, micro-batches hatched (:func:`mb_hatch`), x in µs. ``window``
-    (t0, t1) zooms in (see :func:`moe_window`); ``labels`` writes op names on bars wide enough.
-    """
-    if ax is None:
-        fig = _figure(len(trace.tracks(rank)))
-        ax = fig.add_subplot(1, 1, 1)
-    tracks = trace.tracks(rank)
-    t0, t1 = window if window is not None else _extent(trace)
+    One row per visible track, bars coloured by :func:`op_category`, micro-batches hatched.
+    ``window`` is anything :func:`parse_window` reads or (t0, t1) in µs; ``shift`` puts t0 at 0
+    (panels of different schedules side by side). ``seen`` collects (category, mb) drawn, for a
+    shared legend."""
+    st = _style(width)
+    t0, t1 = resolve_window(trace, window, rank)
     if t1 <= t0:
         raise ConfigError(f"timeline window must have t0 < t1, got ({t0}, {t1})")
-    width = t1 - t0
-    seen: set[tuple[str, int | None]] = set()
+    tracks = visible_tracks(trace, rank, t0, t1)
+    if ax is None:
+        fig = _figure(len(tracks), st, legend=len(legend_handles(_seen_in(trace, rank, t0, t1))))
+        ax = fig.add_subplot(1, 1, 1)
+    span_us = t1 - t0
+    unit, scale = time_unit(span_us)
+    x0 = t0 if shift else 0.0
+    op_class = trace.meta.get("op_class") if isinstance(trace.meta.get("op_class"), dict) else None
+    drawn = seen if seen is not None else set()
+    # data units per point, to decide where a label fits: the axis spans about 80 % of the width
+    us_per_pt = span_us / (0.8 * st.width * 72)
     for row, track in enumerate(tracks):
         y = len(tracks) - 1 - row
         groups: dict[tuple[str, int | None], list[tuple[float, float]]] = {}
         for s in track.spans:
-            if s.end < t0 or s.start > t1:
+            a, b = max(s.start, t0), min(s.end, t1)
+            if b <= a and not (s.start == s.end and t0 <= s.start <= t1):
                 continue
-            fam = op_family(s)
-            groups.setdefault((fam, s.mb), []).append((s.start, max(s.duration, width * 1e-4)))
-            if labels and s.duration >= 0.06 * width:
+            cat = op_category(s, op_class)
+            # at least half a point wide, so that short kernels of a long window stay visible
+            groups.setdefault((cat, s.mb), []).append(
+                ((a - x0) / scale, max(b - a, 0.5 * us_per_pt) / scale)
+            )
+            text = _label(s.op)
+            if labels and len(text) * st.font * 0.55 * us_per_pt < 0.92 * (b - a):
+                hatched = bool(mb_hatch(s.mb))
+                face, ink = CATEGORY_COLORS[cat]
                 ax.text(
-                    max(s.start, t0) + 0.5 * (min(s.end, t1) - max(s.start, t0)),
+                    ((a + b) / 2 - x0) / scale,
                     y,
-                    s.op,
+                    text,
                     ha="center",
                     va="center",
-                    fontsize=6,
+                    fontsize=st.font - 1,
+                    color="black" if hatched else ink,
                     clip_on=True,
+                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85)
+                    if hatched
+                    else None,
                 )
-        for (fam, mb), bars in sorted(groups.items(), key=lambda kv: (kv[0][0], _mb_key(kv[0][1]))):
+        for (cat, mb), bars in sorted(
+            groups.items(),
+            key=lambda kv: (list(CATEGORY_COLORS).index(kv[0][0]), _mb_key(kv[0][1])),
+        ):
             ax.broken_barh(
                 bars,
-                (y - 0.4, 0.8),
-                facecolors=FAMILY_COLORS[fam],
-                edgecolors="white",
-                linewidth=0.3,
+                (y - 0.42, 0.84),
+                facecolors=CATEGORY_COLORS[cat][0],
+                edgecolors="white",  # the hatch colour; no outline (it would whiten thin bars)
+                linewidth=0,
                 hatch=mb_hatch(mb) or None,
-                alpha=0.55 if fam == "sync" else 1.0,
             )
-            seen.add((fam, mb))
+            drawn.add((cat, mb))
     ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([t.name for t in reversed(tracks)], fontsize=7)
+    ax.set_yticklabels([t.name for t in reversed(tracks)], fontsize=st.font)
     ax.set_ylim(-0.6, len(tracks) - 0.4)
-    ax.set_xlim(t0, t1)
-    ax.set_xlabel("time (µs)")
+    ax.set_xlim((t0 - x0) / scale, (t1 - x0) / scale)
+    ax.set_xlabel(f"time ({unit})", fontsize=st.font)
+    ax.tick_params(axis="x", labelsize=st.font)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    if any(t.name != t.lane for t in tracks):
+        drawn.add(("#overflow", None))
     if title is None:
-        title = _default_title(trace, rank)
+        title = default_title(trace, rank)
     if title:
-        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_title(title, fontsize=st.font + 1, loc="left")
     if legend:
-        handles = legend_handles(seen)
-        if handles:
-            ax.legend(
-                handles=handles,
-                loc="upper left",
-                bbox_to_anchor=(1.005, 1.0),
-                fontsize=7,
-                frameon=False,
-            )
+        add_legend(ax.figure, drawn, st)
     return ax
 
 
-def legend_handles(seen: set[tuple[str, int | None]]) -> list[Any]:
-    """Legend patches: one per family drawn, then one hatch per micro-batch drawn."""
+def legend_handles(seen: Iterable[tuple[str, int | None]]) -> list[Any]:
+    """Legend patches: one per category drawn (in :data:`CATEGORY_COLORS` order), one hatch per
+    micro-batch when there are several, and a note on overflow rows when any was drawn."""
     from matplotlib.patches import Patch
 
-    fams = [f for f in FAMILY_COLORS if any(f == s[0] for s in seen)]
-    mbs = sorted({mb for _, mb in seen if mb is not None})
-    handles = [Patch(facecolor=FAMILY_COLORS[f], label=f) for f in fams]
+    seen = set(seen)
+    cats = [c for c in CATEGORY_COLORS if any(c == s[0] for s in seen)]
+    mbs = sorted({mb for cat, mb in seen if mb is not None and cat != "#overflow"})
+    handles = [Patch(facecolor=CATEGORY_COLORS[c][0], label=c) for c in cats]
     if len(mbs) > 1:
         handles += [
-            Patch(facecolor="white", edgecolor="black", hatch=mb_hatch(mb), label=f"mb {mb}")
+            Patch(
+                facecolor="white", edgecolor="black", hatch=mb_hatch(mb), label=f"micro-batch {mb}"
+            )
             for mb in mbs
         ]
+    if any(c == "#overflow" for c, _ in seen):
+        handles.append(
+            Patch(
+                facecolor="none",
+                edgecolor="none",
+                label="lane #2, #3: spans overlapping on one lane",
+            )
+        )
     return handles
 
 
-def save_timeline(trace: Trace, path: str | Path, **kw: Any) -> Path:
-    """Write :func:`timeline` of ``trace`` to ``path``; format from the suffix (png, pdf, svg)."""
+def add_legend(fig: Any, seen: Iterable[tuple[str, int | None]], st: _Style | None = None) -> None:
+    """One legend for the figure, below the plots, in as many columns as the width allows."""
+    st = st or _style(None)
+    handles = legend_handles(seen)
+    if not handles:
+        return
+    ncol = max(1, min(len(handles), st.ncol))
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=ncol,
+        fontsize=st.font,
+        frameon=False,
+        handlelength=1.2 if st.width < 5 else 1.4,
+        columnspacing=0.8 if st.width < 5 else 1.0,
+    )
+
+
+def save_timeline(
+    trace: Trace,
+    path: str | Path,
+    *,
+    window: Any = None,
+    rank: int | None = None,
+    width: str | float | None = None,
+    title: str | None = None,
+    labels: bool = True,
+) -> Path:
+    """Write the timeline of ``trace`` to ``path`` (png, pdf or svg from the suffix).
+
+    ``rank`` None draws rank 0, or one panel per rank for a pp trace (bubbles are across
+    ranks)."""
     path = _check_suffix(path)
-    fig = _figure(len(trace.tracks(kw.get("rank", 0))))
-    timeline(trace, fig.add_subplot(1, 1, 1), **kw)
+    st = _style(width)
+    ranks = trace.ranks or (0,)
+    if rank is not None:
+        if rank not in ranks and trace.spans:
+            raise ConfigError(f"--rank {rank}: the trace has ranks {', '.join(map(str, ranks))}")
+        ranks = (rank,)
+    elif trace.meta.get("schedule") != "pp":
+        ranks = ranks[:1]
+    spans = [resolve_window(trace, window, r) for r in ranks]
+    t0, t1 = min(a for a, _ in spans), max(b for _, b in spans)
+    rows = [len(visible_tracks(trace, r, t0, t1)) for r in ranks]
+    win = parse_window(window)
+    shown = ""
+    if win.kind == "layers" or (win.kind == "auto" and not whole_window(trace)):
+        lo, hi = (int(win.lo), int(win.hi)) if win.kind == "layers" else (0, 1)
+        n = len(moe_layers_of(trace, ranks[0]))
+        shown = f"MoE layers {lo}-{hi} of {n}" if hi > lo else f"MoE layer {lo} of {n}"
+    heads = []
+    for i, r in enumerate(ranks):
+        head = title if title is not None else default_title(trace, r)
+        if shown and i == 0:
+            head = f"{head}\n{shown}"
+        if len(ranks) > 1:
+            head = (head + "\n" if i == 0 else "") + f"rank {r}"
+        heads.append(st.wrap(head) if head else "")
+    items = set().union(*(_seen_in(trace, r, t0, t1) for r in ranks))
+    fig = _figure(
+        sum(rows),
+        st,
+        titles=sum(h.count("\n") + 1 for h in heads if h),
+        legend=len(legend_handles(items)),
+        panels=len(ranks),
+    )
+    axes = fig.subplots(
+        len(ranks), 1, sharex=True, squeeze=False, height_ratios=[max(r, 1) for r in rows]
+    )[:, 0]
+    seen: set = set()
+    for ax, r, head in zip(axes, ranks, heads, strict=True):
+        timeline(
+            trace,
+            ax,
+            rank=r,
+            title=head,
+            window=(t0, t1),
+            legend=False,
+            labels=labels,
+            width=st.width,
+            seen=seen,
+        )
+        if ax is not axes[-1]:
+            ax.set_xlabel("")
+            ax.tick_params(labelbottom=False)
+    add_legend(fig, seen, st)
     _save(fig, path)
     return path
 
 
 def compare_timelines(
-    traces: Mapping[str, Trace],
+    traces: Any,
     path: str | Path | None,
-    window: tuple[float, float] | None = None,
-    rank: int = 0,
+    window: Any = None,
+    rank: int | None = None,
+    *,
+    width: str | float | None = None,
+    title: str | None = None,
 ) -> Any:
-    """Stacked timelines, one subplot per schedule, on one shared x axis; one legend.
+    """Stacked timelines, one panel per schedule, on one x scale, with one legend.
 
-    Written to ``path`` (png/pdf/svg) when given; the Figure is returned either way. ``window``
-    defaults to the longest trace's extent so step times compare at a glance.
-    """
+    ``traces`` is a mapping name -> Trace or an :class:`overlap_lab.api.Comparison` (panel titles
+    then carry ms per iteration and throughput). Each panel shows the same window of its own
+    trace (``auto``: the first two MoE layers) moved to start at 0, so the panels line up layer
+    against layer. Written to ``path`` (png/pdf/svg) when given; the Figure is returned."""
+    st = _style(width)
+    heads: dict[str, str] = {}
+    if hasattr(traces, "rows") and hasattr(traces, "traces"):
+        for row in traces.rows:
+            if row.result is not None:
+                m = row.result.metrics
+                heads[row.schedule] = (
+                    f"{row.schedule}: {fmt_time(m.iteration_us)}/iter, "
+                    f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x serial)"
+                )
+        traces = traces.traces()
     if not traces:
         raise ConfigError("compare_timelines needs at least one trace")
     if path is not None:
         path = _check_suffix(path)
-    rows = [max(len(t.tracks(rank)), 1) for t in traces.values()]
-    fig = _figure(sum(rows) + 1.2 * len(rows))
-    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False, height_ratios=rows)[:, 0]
-    if window is None:
-        extents = [_extent(t) for t in traces.values()]
-        window = (min(e[0] for e in extents), max(e[1] for e in extents))
-    seen: set[tuple[str, int | None]] = set()
+    r = 0 if rank is None else rank
+    win = parse_window(window)
+    if win.kind == "auto":
+        win = Window("layers", 0, 1)
+    if win.kind == "layers":
+        what = (
+            f"MoE layers {int(win.lo)}-{int(win.hi)}"
+            if win.hi > win.lo
+            else f"MoE layer {int(win.lo)}"
+        )
+        what += " of each schedule, each drawn from 0"
+        title = f"{title}\n{what}" if title else what
+    cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
+    span = max(b - a for a, b in cuts.values())
+    rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}
+    titles = {}
+    for i, (name, tr) in enumerate(traces.items()):
+        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
+        titles[name] = st.wrap(f"{title}\n{head}" if i == 0 and title else head)
+    items = set().union(*(_seen_in(t, r, cuts[n][0], cuts[n][0] + span) for n, t in traces.items()))
+    fig = _figure(
+        sum(rows.values()),
+        st,
+        titles=sum(h.count("\n") + 1 for h in titles.values()),
+        legend=len(legend_handles(items)),
+        panels=len(rows),
+    )
+    axes = fig.subplots(
+        len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values())
+    )[:, 0]
+    seen: set = set()
     for ax, (name, tr) in zip(axes, traces.items(), strict=True):
-        title = f"{name}  (step {tr.step_time_us:.1f} µs)"
-        timeline(tr, ax, rank=rank, title=title, window=window, legend=False)
-        seen |= {(op_family(s), s.mb) for s in tr.spans if s.rank == rank}
+        a = cuts[name][0]
+        head = titles[name]
+        timeline(
+            tr,
+            ax,
+            rank=r,
+            title=head,
+            window=(a, a + span),
+            legend=False,
+            width=st.width,
+            shift=True,
+            seen=seen,
+        )
         if ax is not axes[-1]:
             ax.set_xlabel("")
-    handles = legend_handles(seen)
-    if handles:
-        axes[0].legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.005, 1.0),
-            fontsize=7,
-            frameon=False,
-        )
+            ax.tick_params(labelbottom=False)
+    add_legend(fig, seen, st)
     if path is not None:
         _save(fig, path)
     return fig
 
 
+#: matplotlib settings for figures printed at :data:`WIDTHS` (7 pt text in a 7-inch figure
+#: reads like a paper's caption text); applied by :func:`paper_style`.
+PAPER_RC: dict[str, Any] = {
+    "font.size": 7,
+    "axes.titlesize": 7.5,
+    "axes.labelsize": 7,
+    "xtick.labelsize": 6.5,
+    "ytick.labelsize": 6.5,
+    "legend.fontsize": 6,
+    "lines.linewidth": 1.2,
+    "lines.markersize": 4,
+    "axes.linewidth": 0.6,
+    "grid.linewidth": 0.4,
+    "svg.fonttype": "none",  # text stays text in SVG
+    "pdf.fonttype": 42,  # TrueType in PDF, as publishers ask
+}
+
+
+def paper_style() -> Any:
+    """A context in which figures are built and saved with :data:`PAPER_RC`."""
+    import matplotlib
+
+    return matplotlib.rc_context(PAPER_RC)
+
+
 def save_figure(
-    fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 150
+    fig: Any, path: str | Path, suffixes: Iterable[str] = (".png", ".svg"), dpi: int = 200
 ) -> None:
-    """Write ``fig`` to ``path`` with each of ``suffixes`` (png, pdf, svg; no dates in the
-    files)."""
+    """Write ``fig`` to ``path`` with each of ``suffixes`` (png, pdf, svg; no dates inside)."""
     for suffix in suffixes:
         _save(fig, _check_suffix(Path(path).with_suffix(suffix)), dpi)
 
@@ -294,15 +760,66 @@ def layer_clip(trace: Trace, layer: int, *, op: str | None = None) -> Trace:
 # ---------------------------------------------------------------------------------------------
 
 
-def _figure(rows: float) -> Any:
+def default_title(trace: Trace, rank: int = 0) -> str:
+    """The workload from the trace's meta: schedule, model, mode, batch, layout, GPU."""
+    m = trace.meta
+    parts = [str(m["schedule"])] if "schedule" in m else []
+    if "model" in m:
+        what = f"{m['model']} {m.get('mode', '')}".strip()
+        if "batch" in m:
+            what += f", {m['batch']} seqs/GPU"
+        parts.append(what)
+    lay = []
+    if m.get("ep"):
+        lay.append(f"EP{m['ep']}")
+    if (m.get("pp") or 1) > 1:
+        lay.append(f"PP{m['pp']}")
+    if lay:
+        parts.append(" ".join(lay))
+    if "gpu" in m:
+        parts.append(str(m["gpu"]))
+    if len(trace.ranks) > 1:
+        parts.append(f"rank {rank}")
+    return " · ".join(parts)
+
+
+def _figure(rows: float, st: _Style, *, titles: int = 1, legend: int = 0, panels: int = 1) -> Any:
+    """A figure sized for ``rows`` lane rows, ``titles`` title lines, ``panels`` x axes (one
+    with tick labels) and a legend of ``legend`` entries below."""
+    import math
+
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(12, 1.2 + 0.32 * max(rows, 1)), layout="constrained")
+    pt = 1 / 72
+    row_in = 0.15 if st.width < 5 else 0.2
+    height = (
+        titles * (st.font + 1) * 1.5 * pt
+        + row_in * max(rows, 1)
+        + 0.12 * panels
+        + 3.2 * st.font * pt  # the x axis's tick labels and label
+        + math.ceil(legend / st.ncol) * st.font * 1.6 * pt
+        + 0.1
+    )
+    return Figure(figsize=(st.width, height), layout="constrained")
 
 
-def _save(fig: Any, path: Path, dpi: int = 150) -> None:
+def _seen_in(trace: Trace, rank: int, t0: float, t1: float) -> set[tuple[str, int | None]]:
+    """The (category, micro-batch) pairs a timeline of that window draws, for sizing its legend."""
+    op_class = trace.meta.get("op_class") if isinstance(trace.meta.get("op_class"), dict) else None
+    out = {
+        (op_category(s, op_class), s.mb)
+        for s in trace.spans
+        if s.rank == rank and s.end >= t0 and s.start <= t1
+    }
+    if any(t.name != t.lane for t in visible_tracks(trace, rank, t0, t1)):
+        out.add(("#overflow", None))
+    return out
+
+
+def _save(fig: Any, path: Path, dpi: int = 300) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, metadata=_metadata(path))
+    with paper_style():
+        fig.savefig(path, dpi=dpi, metadata=_metadata(path))
 
 
 def _metadata(path: Path) -> dict[str, Any]:
@@ -331,11 +848,3 @@ def _extent(trace: Trace) -> tuple[float, float]:
 
 def _mb_key(mb: int | None) -> int:
     return -1 if mb is None else mb
-
-
-def _default_title(trace: Trace, rank: int) -> str:
-    parts = [str(trace.meta[k]) for k in ("schedule", "model", "gpu", "mode") if k in trace.meta]
-    if len(trace.ranks) > 1:
-        parts.append(f"rank {rank}")
-    parts.append(f"step {trace.step_time_us:.1f} µs")
-    return " · ".join(parts)

@@ -19,7 +19,10 @@ whatever the pool does), writes ``results/<name>.json`` (rows, the exact command
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files.
 
-Run them with ``python -m overlap_lab.experiments [NAME ...]`` or ``python -m overlap_lab.experiments.exp_<name>``.
+Run them with ``python -m overlap_lab.experiments [NAME ...]`` or
+``python -m overlap_lab.experiments.exp_<name>``. Results go to ``--out`` (default
+``./overlap-lab-results/`` in the working directory, never inside the installed package); the
+repository's committed results are written with ``--out experiments/results``.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from typing import Any
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
-from overlap_lab.shared.schedules import ScheduleConfig, build
+from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace
 from overlap_lab.shared.workload import Workload
-from overlap_lab.sim import simulate
 
-RESULTS = Path(__file__).parent / "results"
+#: Where results go unless ``--out`` says otherwise: the working directory, never the install.
+RESULTS = Path("overlap-lab-results")
+#: The results committed with the repository (``--out experiments/results`` from its root).
+REPO_RESULTS = Path(__file__).parent / "results"
 PROCESSES = 2  # this machine's cores; `--processes` / run(processes=) override
 
 
@@ -129,11 +134,11 @@ def simulate_case(
 ) -> tuple[dict[str, Any], Trace | None]:
     """Build, simulate and measure one case: its row, and its kept trace (or None). ``profile``
     names the calibration profile (``sim.profile``; auto: the preset's built-in one)."""
-    gpu = get_gpu(case.gpu)
-    program = build(case.schedule, case.workload, gpu, case.cfg)
-    trace = simulate(program, gpu, profile=_profile(profile, case.gpu))
-    row = {"schedule": case.schedule, **case.params, **measure(trace, program, case)}
-    return row, (clip(trace, case) if case.keep else None)
+    from overlap_lab import api
+
+    res = api.simulate(case.schedule, case.workload, case.gpu, case.cfg, profile=profile)
+    row = {"schedule": case.schedule, **case.params, **measure(res.trace, res.program, case)}
+    return row, (clip(res.trace, case) if case.keep else None)
 
 
 @lru_cache(maxsize=8)
@@ -151,10 +156,11 @@ def run(
     out: Path = RESULTS,
     command: str | None = None,
     profile: str = "auto",
+    commit: str | None = None,
 ) -> Path:
     """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
     process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
-    Returns the JSON path."""
+    ``commit`` is the repository state to record (default: now). Returns the JSON path."""
     from tqdm import tqdm
 
     cases = list(exp.cases())
@@ -189,7 +195,7 @@ def run(
         "title": exp.title,
         "command": command or f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": commit or git_commit(),
         "presets": presets(cases),
         **(
             {"profiles": {g: _profile_name(profile, g) for g in sorted({c.gpu for c in cases})}}
@@ -214,9 +220,17 @@ def _profile_name(spec: str, gpu: str) -> str:
 
 def draw(exp: Experiment, path: Path) -> None:
     """The figure and the notes of ``exp`` from its results file (no simulation)."""
+    if not path.is_file():
+        raise ConfigError(
+            f"no results for {exp.name} at {path}: run `python -m overlap_lab.experiments "
+            f"{exp.name} --out {path.parent}` first"
+        )
     doc = json.loads(path.read_text())
     if exp.figure is not None:
-        exp.figure(doc, path.with_suffix(""))
+        from overlap_lab.experiments.figures import paper_style
+
+        with paper_style():
+            exp.figure(doc, path.with_suffix(""))
     if exp.notes is not None:
         path.with_suffix(".md").write_text(exp.notes(doc))
 
@@ -338,7 +352,9 @@ def declared() -> dict[str, Experiment]:
     found = {}
     for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
         if info.name.startswith("exp_"):
-            exp = getattr(importlib.import_module(f"overlap_lab.experiments.{info.name}"), "EXPERIMENT", None)
+            exp = getattr(
+                importlib.import_module(f"overlap_lab.experiments.{info.name}"), "EXPERIMENT", None
+            )
             if isinstance(exp, Experiment):
                 found[exp.name] = exp
     return found
@@ -356,7 +372,12 @@ def main(
     ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")
     ap.add_argument("--list", action="store_true", help="list the declared experiments")
     ap.add_argument("--processes", type=int, default=PROCESSES, help="worker processes")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help=f"results folder (default: ./{RESULTS}; the repository's: experiments/results)",
+    )
     ap.add_argument("--draw", action="store_true", help="redraw from the results files only")
     ap.add_argument(
         "--profile",
@@ -375,18 +396,27 @@ def main(
     if unknown:
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    commit = git_commit()  # once: the files this command writes must not make the next "dirty"
     for name in names:
-        if args.draw:
-            draw(exps[name], args.out / f"{name}.json")
-            path = args.out / f"{name}.json"
-        else:
-            try:
+        try:
+            if args.draw:
+                path = args.out / f"{name}.json"
+                draw(exps[name], path)
+            else:
                 path = run(
-                    exps[name], args.processes, out=args.out, command=command, profile=args.profile
+                    exps[name],
+                    args.processes,
+                    out=args.out,
+                    command=command,
+                    commit=commit,
+                    profile=args.profile,
                 )
-            except ConfigError as e:
-                print(f"{prog}: error: {e}", file=sys.stderr)
-                return 2
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"{prog}: error: {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
         if exps[name].summary is not None:
             print(exps[name].summary(json.loads(path.read_text())))
         print(f"{name}: {path}", file=sys.stderr)

@@ -42,7 +42,7 @@ class GPU:
     deepep_normal_sms: int  # DeepEP normal kernels (Buffer.num_sms)
     nvlink_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
     rdma_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
-    deepep_ll_recv_us: float = 0.0  # fixed cost of a DeepEP low-latency receive (see _COMMON)
+    deepep_ll_recv_us: float = 0.0  # fixed cost of a DeepEP low-latency receive (preset files)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -98,84 +98,18 @@ class GPU:
         return lat[link]
 
 
-# Host-side and latency constants shared by all presets (estimates, to be calibrated):
-#   launch_us 5: cudaLaunchKernel costs ~2-4 µs of CPU, PyTorch's op dispatch adds a few more.
-#   graph_launch_us 10: one cudaGraphLaunch of a whole decode step, CPU side.
-#   kernel_min_us 2: an empty kernel occupies the GPU ~2 µs (launch latency + drain).
-#   nvlink_lat_us 1, rdma_lat_us 3 (IB one-way ~1-2 µs + NIC/PCIe), pcie_lat_us 2 (small copy).
-#   deepep_ll_recv_us 12: a DeepEP low-latency receive waits for every source's per-expert token
-#     count, then unpacks; this fixed part is what the link time alone misses. One global figure,
-#     from DeepEP's H800 EP 8 low-latency rows (the 2025-06 kernels, NVLink only: the rows with
-#     the least link time), checked against all twelve low-latency rows, EP 8-256, within 10 %
-#     (python -m overlap_lab.experiments deepep_tables).
-_COMMON = dict(
-    launch_us=5.0,
-    graph_launch_us=10.0,
-    kernel_min_us=2.0,
-    nvlink_lat_us=1.0,
-    rdma_lat_us=3.0,
-    pcie_lat_us=2.0,
-    deepep_ll_recv_us=12.0,
-    deepep_normal_sms=24,  # DeepEP Buffer.num_sms default 24 (= 12 channels, 2 SMs each)
-)
+def _builtin_gpus() -> dict[str, GPU]:
+    """The built-in presets: one YAML file per GPU in ``shared/presets/gpus/``, every value with
+    its source in a comment (a file of the same form is what ``--gpu-file`` reads)."""
+    from overlap_lab.shared.presets import builtin
 
-_HOPPER = dict(
-    _COMMON,
-    arch="hopper",
-    num_sms=132,  # H100/H200/H800 SXM5: 132 SMs (NVIDIA Hopper architecture whitepaper)
-    bf16_tflops=989.4,  # H100 SXM datasheet: 1,979 TFLOPS BF16 with sparsity -> 989.4 dense
-    fp8_tflops=1978.9,  # H100 SXM datasheet: 3,958 TFLOPS FP8 with sparsity -> 1,979 dense
-    pcie_gbps=64.0,  # PCIe Gen5 x16: 128 GB/s bidirectional (datasheet) -> 64 per direction
-    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s, one NIC per GPU (DGX H100 / DeepSeek's H800 cluster)
-    rdma_eff_gbps=46.0,  # DeepEP README: ~43-58 GB/s RDMA bottleneck bandwidth measured on CX7
-    sbo_comm_sms=3,  # SGLang SBO: 3 communication SMs on Hopper (`32 if is_blackwell() else 3`)
-)
+    order = ("h100", "h200", "h800", "b200")
+    found = builtin("gpus")
+    names = [n for n in order if n in found] + sorted(set(found) - set(order))
+    return {n: GPU(**found[n]) for n in names}
 
-GPUS: dict[str, GPU] = {
-    "h100": GPU(
-        name="h100",
-        hbm_gbps=3350.0,  # H100 SXM datasheet: 3.35 TB/s HBM3
-        mem_gib=80.0,  # H100 SXM datasheet: 80 GB
-        nvlink_gbps=450.0,  # H100 SXM datasheet: NVLink 900 GB/s bidirectional
-        nvlink_eff_gbps=302.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
-        **_HOPPER,
-    ),
-    "h200": GPU(
-        name="h200",
-        hbm_gbps=4800.0,  # H200 SXM datasheet: 4.8 TB/s HBM3e
-        mem_gib=141.0,  # H200 SXM datasheet: 141 GB
-        nvlink_gbps=450.0,  # H200 SXM datasheet: NVLink 900 GB/s bidirectional
-        nvlink_eff_gbps=302.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
-        **_HOPPER,
-    ),
-    "h800": GPU(
-        name="h800",
-        hbm_gbps=3350.0,  # H800 SXM: same HBM3 as H100 SXM (3.35 TB/s)
-        mem_gib=80.0,
-        nvlink_gbps=200.0,  # H800: NVLink 400 GB/s bidirectional (export-limited H100)
-        # DeepEP README: 153 GB/s intranode "NVLink bottleneck bandwidth" (EP 8 dispatch), which
-        # its test computes from every received byte (recv_x), the rank's own 1/8 included: over
-        # the links that is 153 x 7/8 = 134 GB/s
-        nvlink_eff_gbps=134.0,
-        **_HOPPER,  # same SMs and tensor throughput as H100 SXM
-    ),
-    "b200": GPU(
-        name="b200",
-        arch="blackwell",
-        num_sms=148,  # B200: 148 SMs (2 dies x 74), as reported by the CUDA device query
-        bf16_tflops=2250.0,  # HGX B200 datasheet: 36 PFLOPS BF16 sparse / 8 GPUs -> 2.25 dense
-        fp8_tflops=4500.0,  # HGX B200 datasheet: 72 PFLOPS FP8 sparse / 8 GPUs -> 4.5 dense
-        hbm_gbps=8000.0,  # B200 datasheet: 8 TB/s HBM3e
-        mem_gib=180.0,  # HGX B200 datasheet: 1,440 GB / 8 GPUs
-        nvlink_gbps=900.0,  # NVLink 5: 1.8 TB/s bidirectional per GPU
-        nvlink_eff_gbps=603.0,  # estimate: DeepEP's H800 ratio (134/200 = 0.67) applied
-        rdma_gbps=50.0,  # DGX/HGX B200: ConnectX-7 400 Gb/s per GPU
-        rdma_eff_gbps=46.0,  # estimate: as measured by DeepEP on CX7 (Hopper hosts)
-        pcie_gbps=64.0,  # PCIe Gen5 x16 per direction
-        sbo_comm_sms=32,  # SGLang SBO: 32 communication SMs on Blackwell
-        **_COMMON,
-    ),
-}
+
+GPUS: dict[str, GPU] = _builtin_gpus()
 
 
 def get_gpu(name: str, **overrides) -> GPU:

@@ -1,7 +1,7 @@
 """The ops of one layer (and of the model's head) with their work, computed from the workload.
 
 Each op carries FLOPs, HBM bytes, dtype, op_class and SM demand; dispatch/combine carry the bytes
-this rank pushes over NVLink (peers in its node) and RDMA (other nodes). Op names follow the seeds
+this rank pushes over NVLink (peers in its node) and RDMA (other nodes). Op names follow upstream
 (SGLang's DeepSeek operations): see MOE_OP_NAMES. Schedules take ops from here and never invent
 work (they may only narrow ``sms`` with ``dataclasses.replace``).
 

@@ -1,6 +1,6 @@
 """The work of SGLang's pipeline parallelism that shared/ops.py does not hold: the layer split,
 the PP send/recv of hidden states and of the sampled ids, and the host costs of the loop's
-CPU-side messages (seed 004).
+CPU-side messages (docs/schedules.md, pp).
 
 - Layers: ``get_pp_indices`` (python/sglang/srt/distributed/utils.py): ``num_layers // pp`` each,
   the last ``num_layers % pp`` stages one more; contiguous, so DeepSeek's first dense layers sit

@@ -1,14 +1,14 @@
 """The scheduler's own GPU work in SGLang's event loop, computed from the batch (bytes per request).
 
 These are the small kernels and copies SGLang's scheduler issues around the model forward
-(seed 001 §4, §5; seed 000 §3.4-3.5), not the model's ops (those come from ``shared.ops``):
+(docs/schedules.md, sglang-overlap), not the model's ops (those come from ``shared.ops``):
 
 - schedule stream, decode (``prepare_for_decode`` -> ``alloc_for_decode``, in this order):
   ``req_to_token_gather`` (``last_loc = req_to_token[req_pool_indices, seq_lens - 1]``),
   ``seq_lens_next`` (``seq_lens + token_per_req``), ``seq_lens_clone`` (``locs = seq_lens.clone()``),
   ``out_cache_loc_cast`` (``out_cache_loc.to(int32)``), ``req_to_token_scatter``
   (``req_to_token[req_pool_indices, locs] = out_cache_loc``) and ``seq_lens_add``
-  (``seq_lens = seq_lens + 1``, a new tensor: never in place under overlap, seed 001 §6.1);
+  (``seq_lens = seq_lens + 1``, a new tensor: never in place under overlap);
 - schedule stream, prefill (``prepare_for_extend``): ``h2d_input_ids`` (the new requests' token
   ids, CPU -> GPU) and ``write_req_to_token_pool_triton`` (SGLang's Triton kernel that fills the
   req_to_token rows, prefix and extend slots; it is the scatter of the prefill path);

@@ -1,6 +1,6 @@
 """The Program: the stream-level IR that every schedule emits and both interpreters run.
 
-Instructions carry CUDA's meaning (see DESIGN.md, "The Program"):
+Instructions carry CUDA's meaning (docs/architecture.md, "The Program"):
 
 - ``Launch(op, stream)``: the issuing host thread pays the launch cost; the op runs once every
   earlier op of the stream has finished, every event the stream waits on has fired and its SMs

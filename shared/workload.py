@@ -112,103 +112,19 @@ class ModelConfig:
         return self.n_group > 1
 
 
-MODELS: dict[str, ModelConfig] = {
-    # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: num_hidden_layers 61,
-    # first_k_dense_replace 3, hidden_size 7168, intermediate_size 18432, moe_intermediate_size
-    # 2048, n_routed_experts 256, n_shared_experts 1, num_experts_per_tok 8, n_group 8,
-    # topk_group 4, q_lora_rank 1536, kv_lora_rank 512, num_attention_heads 128,
-    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, vocab_size 129280;
-    # quantization_config fp8 e4m3 with 128x128 blocks (attention runs in bf16).
-    "deepseek-v3": ModelConfig(
-        name="deepseek-v3",
-        num_layers=61,
-        first_k_dense=3,
-        hidden=7168,
-        vocab=129280,
-        attention="mla",
-        num_heads=128,
-        num_kv_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=128,
-        num_experts=256,
-        top_k=8,
-        expert_inter=2048,
-        num_shared_experts=1,
-        dense_inter=18432,
-        n_group=8,
-        topk_group=4,
-        gemm_dtype="fp8",
-        attn_dtype="bf16",
-    ),
-    # huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json: num_hidden_layers 27,
-    # first_k_dense_replace 1, hidden_size 2048, intermediate_size 10944, moe_intermediate_size
-    # 1408, n_routed_experts 64, n_shared_experts 2, num_experts_per_tok 6, n_group 1,
-    # topk_group 1, q_lora_rank null, kv_lora_rank 512, num_attention_heads 16,
-    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, vocab_size 102400; bf16.
-    "deepseek-v2-lite": ModelConfig(
-        name="deepseek-v2-lite",
-        num_layers=27,
-        first_k_dense=1,
-        hidden=2048,
-        vocab=102400,
-        attention="mla",
-        num_heads=16,
-        num_kv_heads=16,
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=128,
-        num_experts=64,
-        top_k=6,
-        expert_inter=1408,
-        num_shared_experts=2,
-        dense_inter=10944,
-    ),
-    # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: num_hidden_layers 48,
-    # hidden_size 2048, num_attention_heads 32, num_key_value_heads 4, head_dim 128,
-    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, intermediate_size 6144
-    # (unused: decoder_sparse_step 1, mlp_only_layers []), no shared expert, vocab_size 151936.
-    "qwen3-30b-a3b": ModelConfig(
-        name="qwen3-30b-a3b",
-        num_layers=48,
-        first_k_dense=0,
-        hidden=2048,
-        vocab=151936,
-        attention="gqa",
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        num_experts=128,
-        top_k=8,
-        expert_inter=768,
-        dense_inter=6144,
-        qk_norm=True,
-    ),
-    # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json: num_hidden_layers 94,
-    # hidden_size 4096, num_attention_heads 64, num_key_value_heads 4, head_dim 128,
-    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 1536, intermediate_size
-    # 12288 (unused), no shared expert, vocab_size 151936.
-    "qwen3-235b-a22b": ModelConfig(
-        name="qwen3-235b-a22b",
-        num_layers=94,
-        first_k_dense=0,
-        hidden=4096,
-        vocab=151936,
-        attention="gqa",
-        num_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_experts=128,
-        top_k=8,
-        expert_inter=1536,
-        dense_inter=12288,
-        qk_norm=True,
-    ),
-}
+def _builtin_models() -> dict[str, ModelConfig]:
+    """The built-in presets: one YAML file per model in ``shared/presets/models/``, each citing
+    the HuggingFace config it restates (a file of the same form is what ``--model-file`` reads;
+    a HuggingFace ``config.json`` is read directly too: ``shared.presets``)."""
+    from overlap_lab.shared.presets import builtin
+
+    order = ("deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b", "qwen3-235b-a22b")
+    found = builtin("models")
+    names = [n for n in order if n in found] + sorted(set(found) - set(order))
+    return {n: ModelConfig(**found[n]) for n in names}
+
+
+MODELS: dict[str, ModelConfig] = _builtin_models()
 
 
 def get_model(name: str, **overrides) -> ModelConfig:

@@ -18,14 +18,23 @@ back here. Only compute ops become rows: communication is the link model's.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.program import Graph, HostThread, Launch, Op, Program, RankProgram
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.program import Graph, HostThread, Launch, Op, Program, RankProgram, ops_of
 from overlap_lab.shared.trace import Trace
-from overlap_lab.sim.profile import FORMAT, PROFILED_CLASSES, PROFILED_OPS, Profile, from_json
+from overlap_lab.sim.profile import (
+    FORMAT,
+    PROFILED_CLASSES,
+    PROFILED_OPS,
+    ROOFLINE,
+    Profile,
+    from_json,
+)
 
 OpKey = tuple[int, str, int | None, int | None, int | None]  # rank, op, layer, mb, step
 
@@ -192,3 +201,24 @@ __all__ = [
     "profile_from_trace",
     "program_ops",
 ]
+
+
+def profile_name(profile: Profile | None) -> str:
+    return ROOFLINE if profile is None else profile.name
+
+
+def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
+    """Per op class, how many launched ops take their duration from the profile, the roofline
+    or the link model (communication kernels and copies)."""
+    from overlap_lab.sim.cost import duration_source
+
+    counts: dict[str, Counter] = {}
+    for _, op in ops_of(program):
+        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += 1
+    return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
+
+
+def add_provenance(res: dict[str, Any], program: Program, gpu: GPU, profile) -> None:
+    """The keys a result row gets from calibration: ``profile`` and ``cost_sources``."""
+    res["profile"] = profile_name(profile)
+    res["cost_sources"] = cost_sources(program, gpu, profile)

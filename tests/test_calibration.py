@@ -97,7 +97,7 @@ def test_a_mapping_file_comes_before_the_builtins(tmp_path):
         load_mapping(m)
 
 
-@pytest.mark.skipif(not DEEPSEEK_TRAIN.exists(), reason="needs ../shared/data (DeepSeek trace)")
+@pytest.mark.skipif(not DEEPSEEK_TRAIN.exists(), reason="needs DeepSeek's public V3 training trace (deepseek-ai/profile-data; OVERLAP_LAB_SHARED)")
 def test_analyze_deepseek_train_trace():
     """DeepSeek-V3 training, EP64, DualPipe forward+backward chunks (deepseek-ai/profile-data)."""
     a = analyze(Trace.from_chrome(DEEPSEEK_TRAIN))

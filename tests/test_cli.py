@@ -119,11 +119,17 @@ def test_show_prints_a_parseable_program(capsys):
     assert str(p) == out
 
 
-def test_schedules_lists_each_with_its_seed(capsys):
+def test_schedules_lists_each_with_its_upstream_code(capsys):
+    """Issue 11, item 3: the listing pointed at documents outside the repository."""
     _, out, _ = run(capsys, "schedules")
     rows = out.strip().splitlines()
     assert rows[0].startswith("serial")
-    assert all(re.search(r"\[.+\]", r) for r in rows)
+    from overlap_lab.shared.schedules import SCHEDULES
+
+    assert sum(r.lstrip().startswith("upstream: ") for r in rows) == len(SCHEDULES)
+    assert "docs/schedules.md" in out
+    for word in ("SCHEDULES.md", "DESIGN.md", "seed", "../shared"):
+        assert word not in out
 
 
 def test_compare_table_and_figure(capsys, tmp_path):

@@ -72,7 +72,11 @@ def test_run_writes_json_figure_and_notes(tmp_path: Path) -> None:
     assert tbo["speedup"] == pytest.approx(serial["step_time_us"] / tbo["step_time_us"])
     for k in ("step_time_us", "exposed_comm_us", "comm_only_us", "compute_kernel_us"):
         assert tbo[k] >= 0
-    assert doc["command"] == "python -m overlap_lab.experiments tiny" and doc["date"] and doc["note"] == "test"
+    assert (
+        doc["command"] == "python -m overlap_lab.experiments tiny"
+        and doc["date"]
+        and doc["note"] == "test"
+    )
     assert doc["presets"]["models"]["deepseek-v2-lite"]["num_layers"] == 2
     assert doc["presets"]["gpus"]["h100"]["num_sms"] > 0
     assert list(doc["traces"]) == ["serial"]
@@ -109,3 +113,24 @@ def test_declared_experiments() -> None:
     for name in ("tbo_decode", "tbo_prefill", "sbo_comm_sms", "pp_bubbles", "cpu_overlap"):
         assert name in exps and exps[name].figure is not None
     assert "lightllm_vs_deepseek" in exps
+
+
+def test_results_go_where_the_user_says_never_inside_the_install(tmp_path, monkeypatch, capsys):
+    """Issue 11, item 2: results were written into site-packages and --draw died with a
+    FileNotFoundError traceback."""
+    import overlap_lab
+    from overlap_lab.experiments import runner
+
+    assert not runner.RESULTS.is_absolute()  # ./overlap-lab-results, in the working directory
+    assert runner.RESULTS == Path("overlap-lab-results")
+    monkeypatch.chdir(tmp_path)
+    assert runner.main(["--draw", "pp_bubbles"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out overlap-lab-results" in err[0]
+    # a run writes into --out, and nothing under the package
+    pkg = Path(overlap_lab.__file__).resolve().parent
+    before = {p for p in pkg.parent.rglob("*.json")}
+    exp = Experiment("tiny_out", "t", tiny_cases, derive=tiny_derive)
+    path = run(exp, processes=1, out=tmp_path / "mine")
+    assert path == tmp_path / "mine" / "tiny_out.json" and path.exists()
+    assert {p for p in pkg.parent.rglob("*.json")} == before

@@ -1,4 +1,4 @@
-"""DeepSeek's published schedule against seed 002 §0x01/§0x11 and the profile-data description:
+"""DeepSeek's published schedule against docs/schedules.md and the profile-data description:
 prefill on 108 compute + 24 communication SMs of 132 (scaled to the GPU) with two streams,
 decode as the 5-stage ATTN-0 / ATTN-1 / DISPATCH / MLP / COMBINE pipeline (+SHARED) with DeepEP
 low-latency hooks holding no SMs while data flies.
@@ -347,9 +347,9 @@ def test_program_text_round_trips(name, mode):
     assert parse(to_text(p)) == p
 
 
-def test_listed_with_seed_and_summary():
+def test_listed_with_upstream_and_summary():
     from overlap_lab.shared.schedules import describe
 
-    rows = {name: (seed, summary) for name, seed, summary in describe()}
-    assert rows["deepseek"][0].startswith("002") and rows["lightllm"][0].startswith("002")
+    rows = {name: (upstream, summary) for name, upstream, summary in describe()}
+    assert "profile-data" in rows["deepseek"][0] and "lightllm/" in rows["lightllm"][0]
     assert "108" in rows["deepseek"][1] and "LL" in rows["lightllm"][1]

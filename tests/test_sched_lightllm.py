@@ -1,5 +1,5 @@
-"""LightLLM's two-micro-batch overlap against seed 002 (§0x03 splits, §0x05 orders, §0x06 groups,
-§0x09 hooks) and upstream ``Deepseek2TransformerLayerInfer.overlap_tpsp_*_forward``.
+"""LightLLM's two-micro-batch overlap against docs/schedules.md (splits, orders, groups,
+hooks) and upstream ``Deepseek2TransformerLayerInfer.overlap_tpsp_*_forward``.
 
 Golden files hold the text of one MoE layer's window (``tests/golden/lightllm_<case>.txt``) with the
 work numbers stripped (those belong to ops.py's tests). Regenerate after an intended change with
@@ -39,7 +39,7 @@ def prefill_w(n=4, ep=32, model=V3, extend_len=4096, **kw):
 
 
 # ----------------------------------------------------------------------------------------------
-# Splits and padding (§0x03)
+# Splits and padding
 # ----------------------------------------------------------------------------------------------
 
 
@@ -88,7 +88,7 @@ def test_prefill_split_by_requests_padding_only_when_empty(lens, want):
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode order (§0x05.1)
+# Decode order
 # ----------------------------------------------------------------------------------------------
 
 # (mb, layer offset from L, op) in issue order: upstream overlap_tpsp_token_forward
@@ -205,7 +205,7 @@ def test_one_communication_group_per_micro_batch():
 
 
 # ----------------------------------------------------------------------------------------------
-# Prefill order (§0x05.2): normal kernels, Buffer.capture events, a comm stream per micro-batch
+# Prefill order: normal kernels, Buffer.capture events, a comm stream per micro-batch
 # ----------------------------------------------------------------------------------------------
 
 PREFILL_WINDOW = [

@@ -1,4 +1,4 @@
-"""pp against seed 004 (SGLang v0.4.9 event_loop_pp, send/recv_tensor_dict, get_pp_indices).
+"""pp against its rules in docs/schedules.md (SGLang v0.4.9 event_loop_pp, send/recv_tensor_dict, get_pp_indices).
 
 Golden files: tests/golden/pp_*.txt; regenerate with ``UPDATE_GOLDEN=1 pytest tests/test_sched_pp.py``.
 """

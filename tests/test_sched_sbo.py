@@ -1,4 +1,4 @@
-"""SBO against seed 000 §4 (single_batch_overlap.py, DeepseekV2MoE.forward_deepep).
+"""SBO against docs/schedules.md (single_batch_overlap.py, DeepseekV2MoE.forward_deepep).
 
 Golden Programs: tests/golden/sbo_*.txt; regenerate with
 ``UPDATE_GOLDEN=1 pytest tests/test_sched_sbo.py``.

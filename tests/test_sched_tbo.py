@@ -1,4 +1,4 @@
-"""TBO and TBO+SBO against seed 000 §5 (and upstream operations_strategy.py).
+"""TBO and TBO+SBO against docs/schedules.md (and upstream operations_strategy.py).
 
 Golden Programs: tests/golden/tbo_*.txt and tbo_sbo_*.txt; regenerate with
 ``UPDATE_GOLDEN=1 pytest tests/test_sched_tbo.py``.

@@ -1,4 +1,4 @@
-"""vllm-dbo against seed 003 and upstream vLLM (ubatching.py, dp_utils.py, modular_kernel.py).
+"""vllm-dbo against docs/schedules.md and upstream vLLM (ubatching.py, dp_utils.py, modular_kernel.py).
 
 Golden files: tests/golden/vllm_dbo_*.txt; regenerate with ``UPDATE_GOLDEN=1 pytest tests/test_sched_vllm_dbo.py``.
 """
@@ -24,7 +24,7 @@ GPU = get_gpu("h100")
 GOLDEN = Path(__file__).parent / "golden"
 LITE = get_model("deepseek-v2-lite")
 
-# The published order (seed 003) with its labels; subscript p is vLLM's ubatch 1 - p.
+# The published order (docs/schedules.md) with its labels; subscript p is vLLM's ubatch 1 - p.
 PUBLISHED = [
     "D1 send", "A0_0", "A1_0", "D1 recv", "D0 send", "MLP1", "D0 recv", "C1 send", "S1",
     "MLP0", "C1 recv", "C0 send", "S0", "A0_1", "A1_1", "C0 recv",

@@ -1,4 +1,5 @@
-"""The schedules, one module per system; each exposes SEED, SUMMARY and build(workload, gpu, cfg).
+"""The schedules, one module per system; each exposes UPSTREAM (the upstream code it follows),
+SUMMARY and build(workload, gpu, cfg); docs/schedules.md states every schedule's rules.
 
 A schedule is a pure function from a frozen configuration to a Program: it reads no environment,
 probes no device and imports no torch.
@@ -59,9 +60,9 @@ def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(name, seed, one-line summary) for every implemented schedule."""
+    """(name, upstream reference, one-line summary) for every implemented schedule."""
     out = []
     for name in available():
         m = module(name)
-        out.append((name, m.SEED, m.SUMMARY))
+        out.append((name, m.UPSTREAM, m.SUMMARY))
     return out

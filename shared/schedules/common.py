@@ -14,7 +14,7 @@ DEEPEP_MODES = ("auto", "normal", "low_latency")
 class ScheduleConfig:
     """Knobs of the schedules; each schedule reads the ones that concern it.
 
-    None means "the system's own default" (taken from the seed or the hardware preset).
+    None means "the system's own default" (taken from upstream or the hardware preset).
     """
 
     comm_sms: int | None = None  # SBO / DeepSeek communication SMs (default: GPU preset)
@@ -30,7 +30,7 @@ class ScheduleConfig:
     host: HostCosts = HOST_COSTS  # host (CPU) costs of the scheduler loop
     dp_ranks_disagree: bool = False  # TBO: some DP rank cannot split (or runs another mode)
     dp_peer_tokens: tuple[int, ...] = ()  # vllm-dbo: other DP ranks' tokens (empty: as this)
-    # sglang-overlap (SGLang's CPU-GPU overlap scheduler, seeds 000 §3 and 001):
+    # sglang-overlap (SGLang's CPU-GPU overlap scheduler, docs/schedules.md):
     disable_overlap_schedule: bool = False  # --disable-overlap-schedule (event_loop_normal)
     disable_consecutive_prefill_overlap: bool = False  # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
     spec_v2: bool = False  # the batches are spec-v2 (overlapped speculative decoding)

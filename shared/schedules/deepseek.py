@@ -1,4 +1,4 @@
-"""DeepSeek's published two-micro-batch schedule [seed 002 §0x01, §0x11; DeepSeek-V3/R1 inference
+"""DeepSeek's published two-micro-batch schedule [docs/schedules.md; DeepSeek-V3/R1 inference
 system overview (day 6 blog); deepseek-ai/profile-data README].
 
 Prefill (profile: EP32, 4K prompts, 16K tokens per GPU). Two micro-batches whose attention load
@@ -66,7 +66,7 @@ from overlap_lab.shared.schedules.two_mb import (
 )
 from overlap_lab.shared.workload import Batch, Workload
 
-SEED = "002 §0x01, §0x11"
+UPSTREAM = "DeepSeek-V3/R1 inference system overview; github.com/deepseek-ai/profile-data"
 SUMMARY = (
     "DeepSeek's published overlap: prefill 2 micro-batches on 108 compute + 24 comm SMs (scaled), "
     "decode 5-stage ATTN-0/ATTN-1/SHARED/MLP pipeline with SM-free DeepEP LL hooks"

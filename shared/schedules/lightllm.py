@@ -1,4 +1,5 @@
-"""LightLLM's two-micro-batch overlap for DeepSeek-V2/V3 [seed 002 §0x03-§0x06, §0x09, §0x11].
+"""LightLLM's two-micro-batch overlap for DeepSeek-V2/V3 [docs/schedules.md; upstream
+lightllm/models/deepseek2/layer_infer/transformer_layer_infer.py].
 
 Upstream: ModelTC/lightllm, ``Deepseek2TransformerLayerInfer.overlap_tpsp_token_forward`` (decode)
 and ``overlap_tpsp_context_forward`` (prefill), driven layer by layer by the model's
@@ -6,7 +7,7 @@ and ``overlap_tpsp_context_forward`` (prefill), driven layer by layer by the mod
 op of both micro-batches in a fixed hand-written order on one compute stream; DeepEP's hooks carry
 the overlap.
 
-Splitting (§0x03): the first ``cdiv(n, 2)`` requests form micro-batch 0, the rest micro-batch 1.
+Splitting: the first ``cdiv(n, 2)`` requests form micro-batch 0, the rest micro-batch 1.
 - decode: both micro-batches are padded with fake requests to the same ``cdiv(max_decode_num, 2)``
   requests (``microbatch_overlap_decode`` asserts equal batch sizes; one CUDA graph per size).
   ``max_decode_num`` is the DP-wide maximum (``--dp-peer-tokens``; symmetric ranks: this n).
@@ -40,10 +41,10 @@ comm_prepare_mlp (``_ffn_norm``); gate = ``moe_gate.mm``; select_experts (inside
 ``masked_group_gemm`` / ``prefilled_group_gemm``; finish = output (``*= routed_scaling_factor``,
 ``+= shared``) and comm_postprocess_layer (``input_embdings.add_``).
 
-Communication groups (§0x06): ``dist_group_manager`` creates one group per micro-batch, so each
+Communication groups: ``dist_group_manager`` creates one group per micro-batch, so each
 micro-batch's dispatch/combine are separate collectives (keys ``...mb<i>.dispatch``); in prefill
 each group's DeepEP buffer has its own comm stream (``comm0``, ``comm1``), which is why LightLLM
-cannot hold DeepSeek's fixed 108 + 24 SM split (§0x11): compute kernels take whatever SMs the
+cannot hold DeepSeek's fixed 108 + 24 SM split: compute kernels take whatever SMs the
 normal kernels leave.
 """
 
@@ -65,7 +66,7 @@ from overlap_lab.shared.schedules.two_mb import (
 )
 from overlap_lab.shared.workload import Workload
 
-SEED = "002 §0x03-§0x06, §0x11"
+UPSTREAM = "LightLLM lightllm/models/deepseek2/layer_infer/transformer_layer_infer.py (overlap_tpsp_token_forward, overlap_tpsp_context_forward)"
 SUMMARY = (
     "LightLLM two-micro-batch overlap: hand-ordered ops on one stream, DeepEP LL hooks in decode, "
     "normal kernels on a comm stream per micro-batch in prefill, last combine deferred a layer"
@@ -75,7 +76,7 @@ COMM_STREAMS = ("comm0", "comm1")
 
 
 # ----------------------------------------------------------------------------------------------
-# Splitting and padding (§0x03)
+# Splitting and padding
 # ----------------------------------------------------------------------------------------------
 
 

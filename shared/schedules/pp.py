@@ -1,4 +1,5 @@
-"""SGLang pipeline parallelism: ``Scheduler.event_loop_pp`` on every PP rank (seed 004, v0.4.9).
+"""SGLang pipeline parallelism: ``Scheduler.event_loop_pp`` on every PP rank (SGLang v0.4.9;
+docs/schedules.md).
 
 Each PP rank holds a contiguous slice of the layers (``get_pp_indices``, shared/ops_pp.py) and runs
 its own scheduler loop over ``pp_size`` micro-batches (``mbs``, ``last_mbs``, ``bids``), walked
@@ -47,7 +48,7 @@ from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.serial import launch_all
 from overlap_lab.shared.workload import Workload
 
-SEED = "004 (SCHEDULES.md §7)"
+UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
 SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"
 STREAMS = ("main", "pp_recv", "pp_send")
 

@@ -1,4 +1,5 @@
-"""SGLang Single Batch Overlap (SBO) [seed 000 §4; single_batch_overlap.py, deepseek_v2.py].
+"""SGLang Single Batch Overlap (SBO) [docs/schedules.md; single_batch_overlap.py,
+deepseek_v2.py].
 
 Inside each MoE layer of one (unsplit) batch, with DeepEP's low-latency kernels:
 
@@ -65,7 +66,7 @@ from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
 from overlap_lab.shared.workload import Workload
 
-SEED = "000 §4"
+UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
 SUMMARY = (
     "SGLang SBO: inside each MoE layer, combine on an alt stream with few SMs against the down "
     "GEMM (1, block signals) or shared experts (2); shared experts in the dispatch hook (3)"

@@ -15,14 +15,14 @@ from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.workload import Workload
 
-SEED = "SCHEDULES.md §0"
+UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
 
 
 def layer_sequence(
     w: Workload, gpu: GPU, mb: MicroBatch, layers: range, *, deepep_mode: str, step: int | None
 ) -> list[Op]:
-    """Every op of ``layers`` for one micro-batch, in the seeds' order."""
+    """Every op of ``layers`` for one micro-batch, in the order the upstream models run them."""
     ops: list[Op] = []
     for layer in layers:
         ops += layer_ops(w, gpu, layer, mb, deepep_mode=deepep_mode, step=step).values()

@@ -1,11 +1,11 @@
 """SGLang's CPU-GPU overlap scheduler (L1): the host schedules batch N+1 and processes N-1's
-result while the GPU runs batch N (seed 000 §3, seed 001; ``event_loop_overlap``).
+result while the GPU runs batch N (docs/schedules.md; SGLang ``Scheduler.event_loop_overlap``).
 
-Streams (seed 001 §3): ``schedule`` (the event loop runs inside its stream context, so the GPU
+Streams: ``schedule`` (the event loop runs inside its stream context, so the GPU
 ops issued while scheduling land here), ``forward`` (the model forward, FutureMap resolve/store)
 and ``copy`` (the non-blocking D2H of next_token_ids / logprobs). One host thread, the scheduler.
 
-One loop iteration, as the seed draws it (seed 001 §5.1)::
+One loop iteration, as SGLang runs it::
 
     ① recv_requests + process_input_requests                     host
     ③ get_next_batch_to_run (schedule N)                         host, + GPU ops on `schedule`
@@ -19,9 +19,9 @@ One loop iteration, as the seed draws it (seed 001 §5.1)::
     ⑧ launch_batch_sample_if_needed(N)                           grammar: sample N on `forward`
 
 The sync in ⑦ waits for batch N-1 while batch N is already queued, so the host is never more
-than one step ahead (seed 001 §6.4). FutureMap hands batch N+1 negative placeholder ids for the
+than one step ahead. FutureMap hands batch N+1 negative placeholder ids for the
 tokens batch N has not sampled yet; ``resolve_future`` replaces them on the forward stream, where
-stream order guarantees that batch N's ``store_to_map`` has run (seed 001 §6.2).
+stream order guarantees that batch N's ``store_to_map`` has run.
 
 With ``cfg.disable_overlap_schedule`` the module emits SGLang's ``event_loop_normal`` instead
 (``--disable-overlap-schedule``): everything on the schedule stream, the result processed right
@@ -59,7 +59,7 @@ from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.trace import Trace, union
 from overlap_lab.shared.workload import Batch, Workload
 
-SEED = "000 §3, 001"
+UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
 SUMMARY = (
     "CPU-GPU overlap scheduler: schedule/forward/copy streams, FutureMap, one host sync "
     "(copy_done) per iteration, host one step ahead; --disable-overlap-schedule for the serial loop"

@@ -1,4 +1,5 @@
-"""SGLang Two Batch Overlap (TBO) [seed 000 §5; two_batch_overlap.py, operations*.py].
+"""SGLang Two Batch Overlap (TBO) [docs/schedules.md; two_batch_overlap.py,
+operations*.py].
 
 The batch is split in two micro-batches (``tbo_split``); the dense first layers run on the whole
 batch as usual, then the sparse MoE layers run as one operations list per micro-batch, chunked
@@ -47,7 +48,7 @@ from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_
 from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
 from overlap_lab.shared.workload import Workload, dense_layers, moe_layers
 
-SEED = "000 §5"
+UPSTREAM = "SGLang python/sglang/srt/two_batch_overlap.py, operations.py, operations_strategy.py"
 SUMMARY = (
     "SGLang TBO: two micro-batches, sparse layers cut into stages at YIELDs and interleaved on "
     "one stream (DeepSeek decode 6 stages/delta 2, prefill 3/delta 0; Qwen3-MoE)"

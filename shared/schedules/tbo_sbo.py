@@ -1,5 +1,5 @@
-"""TBO and SBO at once [seed 000 §4-§5, "组合使用"]: TBO interleaves the two micro-batches stage
-by stage; inside each micro-batch's MoE, SBO lowers the experts and combine operations onto two
+"""TBO and SBO at once [docs/schedules.md, "TBO and SBO together"]: TBO interleaves the two
+micro-batches stage by stage; inside each micro-batch's MoE, SBO lowers the experts and combine operations onto two
 streams with the SM partition of ``sbo.plan``.
 
 Per micro-batch, in the stage TBO's strategy gives each operation:
@@ -18,7 +18,7 @@ the unsplit fallback is the SBO program with TBO's ``fallback_reason``.
 
 Note on upstream: SGLang registers SBO's hooks in ``DeepseekV2MoE.forward_deepep``; its TBO
 ``op_*`` path (op_experts / op_combine_a) does not pass overlap args in the versions read for this
-module, whereas the seed describes the two as composed. This module follows the seed.
+module, whereas SGLang's design describes the two as composed. This module follows the design.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.tbo_split import tbo_split
 from overlap_lab.shared.workload import Workload
 
-SEED = "000 §4-§5"
+UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
 SUMMARY = (
     "SGLang TBO + SBO: micro-batches interleaved by TBO, each one's MoE combine overlapped by SBO"
 )

@@ -13,7 +13,7 @@ fused_moe/modular_kernel.py, prepare_finalize/deepep_ll.py and deepep_ht.py):
 - ``UBatchWrapper`` starts one thread per micro-batch; both run the whole model on their half.
   Both threads issue to the SAME two CUDA streams: the runner's compute stream and one comm
   stream (``make_ubatch_contexts(compute_stream=..., comm_stream=...)``, the "two CUDA streams" of
-  the seed). Thread 0 runs first; ``dbo_yield`` wakes the other thread and sleeps, so exactly one
+  vLLM's design notes). Thread 0 runs first; ``dbo_yield`` wakes the other thread and sleeps, so exactly one
   thread issues at a time (the IR's ``Yield``).
 - Every yield lives in ``FusedMoEModularKernel``. DeepEP low-latency (decode):
   ``_prepare``: run the hook the other thread registered, dispatch send, register this dispatch's
@@ -27,9 +27,10 @@ fused_moe/modular_kernel.py, prepare_finalize/deepep_ll.py and deepep_ht.py):
 - With full CUDA graphs (decode) the two threads run once, under capture; every later step
   replays the graph from one host thread: one launch, the captured body keeping the issue order.
 
-The published order (seed 003) is the steady state of this ping-pong. Its subscripts name the
-micro-batch whose attention comes first in the window as 0; in the code's terms that is ubatch 1
-(ubatch 0 starts the step and is half a layer ahead): published X₀ is ubatch 1, X₁ ubatch 0.
+The published order (vLLM's DBO design notes; docs/schedules.md) is the steady state of this
+ping-pong. Its subscripts name the micro-batch whose attention comes first in the window as 0;
+in the code's terms that is ubatch 1 (ubatch 0 starts the step and is half a layer ahead):
+published X₀ is ubatch 1, X₁ ubatch 0.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.validate import issue_order
 from overlap_lab.shared.workload import Workload
 
-SEED = "003 (SCHEDULES.md §5)"
+UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, vllm/v1/worker/dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
 
 VLLM_DBO_COMM_SMS = 20  # vllm/envs.py: VLLM_DBO_COMM_SMS default "20"

@@ -1,0 +1,566 @@
+"""The public Python API: build a workload, simulate one schedule, compare several.
+
+The command line (``overlap-lab``), the experiment runner and the tests all go through these
+functions, so a notebook gets exactly what the CLI prints::
+
+    import overlap_lab as ol
+
+    w = ol.workload("deepseek-v3", mode="decode", batch=128, ep=32)
+    r = ol.simulate("tbo", w, gpu="h800")
+    r.metrics.iteration_us, r.metrics.tokens_per_s_gpu
+    table = ol.compare(["serial", "tbo", "sbo", "pp"], w, gpu="h800")
+    print(table.text())
+
+A model or GPU is a preset name, a record (:class:`ModelConfig`, :class:`GPU`) or the path of a
+YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab.shared.presets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from overlap_lab.metrics import Metrics, measure
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.presets import load_gpu, load_model
+from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
+from overlap_lab.shared.schedules import build as build_schedule
+from overlap_lab.shared.schedules import module as schedule_module
+from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
+
+__all__ = [
+    "CompareRow",
+    "Comparison",
+    "PP_DEFAULT_STAGES",
+    "Result",
+    "compare",
+    "gpu",
+    "model",
+    "simulate",
+    "workload",
+]
+
+#: Pipeline stages ``pp`` runs with when the workload asks for none (``pp=1``).
+PP_DEFAULT_STAGES = 2
+#: Sequences per GPU when none are given.
+DEFAULT_BATCH = {"decode": 128, "prefill": 4}
+#: Network grouping tolerance for explicit ranks (sim.network: completions within 2 % of the
+#: flows' age are handled together; exact for balanced routing, where all flows end together).
+NET_GROUP_TOL = 0.02
+#: The schedules :func:`compare` runs when none are named.
+DEFAULT_COMPARE = (
+    "serial",
+    "sglang-overlap",
+    "sbo",
+    "tbo",
+    "tbo+sbo",
+    "lightllm",
+    "vllm-dbo",
+    "deepseek",
+    "pp",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def model(
+    spec: str | Path | ModelConfig, *, layers: int | None = None, **overrides: Any
+) -> ModelConfig:
+    """A model: a preset name, a :class:`ModelConfig`, or a YAML/JSON/HF ``config.json`` path;
+    ``overrides`` replace fields; ``layers`` keeps that many (one dense layer first, rest MoE)."""
+    m = spec if isinstance(spec, ModelConfig) else load_model(spec)
+    if overrides:
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise ConfigError(
+                f"unknown model field {bad[0]!r}; fields are {', '.join(sorted(known))}"
+            )
+        m = replace(m, **overrides)
+    return with_layers(m, layers)
+
+
+def gpu(spec: str | Path | GPU = "h800", **overrides: Any) -> GPU:
+    """A GPU: a preset name, a :class:`GPU`, or a YAML/JSON file; ``overrides`` replace fields.
+
+    Overridden hardware carries its own name, e.g. ``h800+hbm-gbps=2000``, so that no output
+    labels a changed GPU with the preset's name."""
+    g = spec if isinstance(spec, GPU) else load_gpu(spec)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return g
+    known = {f.name for f in dataclasses.fields(GPU)} - {"name"}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ConfigError(f"unknown gpu field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+    changed = {k: v for k, v in overrides.items() if getattr(g, k) != v}
+    if not changed:
+        return g
+    tag = ",".join(f"{k.replace('_', '-')}={_fmt(v)}" for k, v in sorted(changed.items()))
+    return replace(g, name=f"{g.name}+{tag}", **changed)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def workload(
+    model_spec: str | Path | ModelConfig = "deepseek-v3",
+    *,
+    mode: str = "decode",
+    batch: int | None = None,
+    kv_len: int = 4096,
+    kv_lens: Sequence[int] | None = None,
+    tokens_per_seq: int = 1,
+    extend_len: int = 4096,
+    extend_lens: Sequence[int] | None = None,
+    prefix_len: int = 0,
+    prefix_lens: Sequence[int] | None = None,
+    layers: int | None = None,
+    ep: int = 32,
+    gpus_per_node: int = 8,
+    attn_tp: int = 1,
+    dp_attention: bool = True,
+    pp: int = 1,
+) -> Workload:
+    """One rank's workload: the model, its batch (``batch`` sequences per GPU) and the layout.
+
+    Decode: ``batch`` sequences of ``kv_len`` cached tokens (or explicit ``kv_lens``), each
+    computing ``tokens_per_seq`` tokens. Prefill: ``batch`` sequences of ``extend_len`` new
+    tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``)."""
+    if mode not in ("decode", "prefill"):
+        raise ConfigError(f"--mode must be decode or prefill, got {mode!r}")
+    m = model(model_spec, layers=layers)
+    if mode == "decode":
+        if kv_lens is not None:
+            b = Batch.decode(batch, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq)
+        else:
+            b = Batch.decode(
+                batch or DEFAULT_BATCH["decode"], kv_len=kv_len, tokens_per_seq=tokens_per_seq
+            )
+    elif extend_lens is not None:
+        b = Batch.prefill(batch, extend_lens=extend_lens, prefix_lens=prefix_lens)
+    else:
+        b = Batch.prefill(
+            batch or DEFAULT_BATCH["prefill"], extend_len=extend_len, prefix_len=prefix_len
+        )
+    par = Parallel(
+        ep=ep, gpus_per_node=gpus_per_node, dp_attention=dp_attention, attn_tp=attn_tp, pp=pp
+    )
+    return Workload(m, b, par)
+
+
+_workload, _gpu = workload, gpu  # for the functions whose parameters shadow these names
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How ranks are simulated: one mirrored rank (``symmetric``, fast) or every EP rank
+    (``explicit``) with seeded expert-load (``imbalance``: balanced, zipf:S, file:PATH) and DP
+    attention (``dp_imbalance`` in [0, 1)) imbalance."""
+
+    mode: str = "symmetric"
+    imbalance: str = "balanced"
+    dp_imbalance: float = 0.0
+    group_limited: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("symmetric", "explicit"):
+            raise ConfigError(f"ranks must be symmetric or explicit, got {self.mode!r}")
+        if not 0.0 <= self.dp_imbalance < 1.0:
+            raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {self.dp_imbalance}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+@dataclass(frozen=True)
+class Result:
+    """One simulated schedule: its inputs as run, the Program, the Trace and the Metrics.
+
+    ``notes`` say what the run changed or fell back to (pp's default stage count, an unsplit
+    fallback), in words a table can print."""
+
+    schedule: str
+    workload: Workload
+    gpu: GPU
+    config: ScheduleConfig
+    program: Program
+    trace: Trace
+    metrics: Metrics
+    notes: tuple[str, ...] = ()
+    balanced_window_us: float | None = None  # explicit ranks: the same run with balanced routing
+    profile: Any = None  # the calibration profile op durations came from (None: roofline alone)
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self.program.meta.get("fallback_reason")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
+        w, meta, m = self.workload, self.program.meta, self.metrics
+        out: dict[str, Any] = {
+            "schedule": self.schedule,
+            "model": w.model.name,
+            "gpu": self.gpu.name,
+            "mode": w.batch.mode,
+            "batch": w.batch.num_seqs,
+            "tokens": w.batch.num_tokens,
+            "ep": w.parallel.ep,
+            "pp": w.parallel.pp,
+            **m.as_dict(),
+            "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
+            "busy_us": self.trace.busy_us(),
+            "micro_batches": meta.get("micro_batches", []),
+            "num_ops": len(ops_of(self.program)),
+            "notes": list(self.notes),
+        }
+        for key in (
+            "comm_sms",
+            "fallback_reason",
+            "deepep_mode",
+            "ranks",
+            "imbalance",
+            "dp_tokens",
+        ):
+            if key in meta:
+                out[key] = meta[key]
+        if not self.program.symmetric and meta.get("ranks") == "explicit":
+            per_rank = self.trace.per_rank_step_us()
+            out["per_rank"] = [
+                {
+                    "rank": r,
+                    "window_us": per_rank.get(r, 0.0),
+                    "link_busy_us": {
+                        lane.split(":", 1)[1]: busy
+                        for lane, busy in self.trace.busy_us(r).items()
+                        if lane.startswith("link:")
+                    },
+                }
+                for r in sorted(per_rank)
+            ]
+        if self.balanced_window_us is not None:
+            out["balanced_window_us"] = self.balanced_window_us
+            out["straggler_cost_us"] = m.window_us - self.balanced_window_us
+        report = getattr(schedule_module(self.schedule), "report", None)
+        if report is not None:
+            out["report"] = report(self.trace, self.program)
+        from overlap_lab.sim.calibrate import add_provenance
+
+        add_provenance(out, self.program, self.gpu, self.profile)
+        return out
+
+
+def _as_config(config: ScheduleConfig | Mapping[str, Any] | None) -> ScheduleConfig:
+    if config is None:
+        return ScheduleConfig()
+    if isinstance(config, ScheduleConfig):
+        return config
+    return ScheduleConfig(**dict(config))
+
+
+def _with_pp(w: Workload, pp: int) -> Workload:
+    return replace(w, parallel=replace(w.parallel, pp=pp))
+
+
+def simulate(
+    schedule: str = "serial",
+    workload: Workload | None = None,
+    gpu: str | Path | GPU = "h800",
+    config: ScheduleConfig | Mapping[str, Any] | None = None,
+    *,
+    ranks: Ranks | str = "symmetric",
+    imbalance: str = "balanced",
+    dp_imbalance: float = 0.0,
+    group_limited: bool | None = None,
+    seed: int = 0,
+    profile: Any = "auto",
+) -> Result:
+    """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
+
+    ``pp`` on a workload without pipeline stages runs :data:`PP_DEFAULT_STAGES` stages of the
+    workload's EP size (said in ``notes``). ``ranks="explicit"`` simulates every EP rank, with
+    the given routing and DP imbalance; its Result also carries the balanced run's window, so the
+    straggler cost is ``window_us - balanced_window_us``. ``profile`` gives op durations measured
+    on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
+    ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline)."""
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.sim import simulate as sim_run
+    from overlap_lab.sim.engine import Engine
+
+    w = workload if workload is not None else _workload()
+    g = _gpu(gpu)
+    cfg = _as_config(config)
+    r = (
+        ranks
+        if isinstance(ranks, Ranks)
+        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed)
+    )
+    prof = _profile(profile, g.name)
+    notes: list[str] = []
+    if schedule == "pp" and w.parallel.pp == 1:
+        w = _with_pp(w, PP_DEFAULT_STAGES)
+        notes.append(f"{PP_DEFAULT_STAGES} pipeline stages (default)")
+    program = build_schedule(schedule, w, g, cfg)
+    lowered = _lower_ranks(program, w, g, r)
+    balanced = None
+    if lowered is program:
+        trace = sim_run(program, g, profile=prof)
+    else:
+        # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
+        # Program's cycle check is quadratic in ranks) and run the explicit one
+        validate(program, g.num_sms)
+        trace = Engine(lowered, g, r.seed, net_group_tol=NET_GROUP_TOL, profile=prof).run()
+        balanced = sim_run(program, g, profile=prof).step_time_us
+    # the workload in the trace, for figure titles and exported traces; op classes for colours
+    trace.meta.update(
+        schedule=schedule,
+        model=w.model.name,
+        mode=w.batch.mode,
+        batch=w.batch.num_seqs,
+        tokens=w.batch.num_tokens,
+        ep=w.parallel.ep,
+        pp=w.parallel.pp,
+        gpu=g.name,
+        op_class={op.name: op.op_class for _, op in ops_of(lowered)},
+    )
+    if lowered.meta.get("fallback_reason"):
+        notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
+    metrics = measure(trace, lowered, w, g.num_sms)
+    return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
+
+
+def _profile(spec: Any, gpu_name: str):
+    """The calibration profile ``spec`` names for the GPU ``gpu_name`` (None: roofline alone)."""
+    from overlap_lab.sim.profile import Profile
+
+    if spec is None or isinstance(spec, Profile):
+        return spec
+    return _load_profile(str(spec), gpu_name)
+
+
+@lru_cache(maxsize=16)
+def _load_profile(spec: str, gpu_name: str):
+    from overlap_lab.sim.profile import load_profile, resolve
+
+    return load_profile(resolve(spec, gpu_name))
+
+
+def _lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
+    """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
+    from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for
+
+    imb = parse_imbalance(r.imbalance)
+    if r.mode == "symmetric":
+        if imb.kind != "balanced" or r.dp_imbalance > 0:
+            raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
+        return program
+    from overlap_lab.shared.ranks import expand_ranks
+
+    dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, r.dp_imbalance, r.seed)
+    routing = routing_for(w, imb, seed=r.seed, dp_tokens=dp, group_limited=r.group_limited)
+    return expand_ranks(program, w, g, routing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One schedule of a comparison. ``result`` is None when the schedule refused the workload
+    (``note`` holds its reason). ``speedup`` is throughput per GPU over ``baseline``'s."""
+
+    schedule: str
+    result: Result | None
+    speedup: float | None
+    baseline: str
+    note: str
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schedule": self.schedule,
+            "speedup_vs_serial": self.speedup,  # tokens/s per GPU over the baseline's
+            "baseline": self.baseline,
+            "note": self.note,
+        }
+        if self.result is not None:
+            out.update(self.result.as_dict())
+            out["schedule"] = self.schedule
+        return out
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every schedule of one workload, on equal terms: per-iteration time and throughput per GPU
+    (and per node) over the same GPUs; see :func:`compare`."""
+
+    rows: tuple[CompareRow, ...]
+    baseline: Result
+    iterations: int
+
+    def __getitem__(self, schedule: str) -> CompareRow:
+        for row in self.rows:
+            if row.schedule == schedule:
+                return row
+        raise KeyError(schedule)
+
+    def traces(self) -> dict[str, Trace]:
+        return {r.schedule: r.result.trace for r in self.rows if r.result is not None}
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [r.as_dict() for r in self.rows]
+
+    def text(self) -> str:
+        """The table ``overlap-lab compare`` prints, with the footnotes that say how."""
+        b = self.baseline
+        w = b.workload
+        head = (
+            f"{'schedule':<15}{'GPUs':>6}{'iters':>6}{'ms/iter':>10}{'tok/s/GPU':>11}"
+            f"{'tok/s/node':>12}{'vs serial':>10}{'exposed comm':>14}  note"
+        )
+        lines = [
+            f"{w.model.name} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
+            f"({w.batch.num_tokens} tokens) per GPU, EP {w.parallel.ep}, "
+            f"{w.parallel.gpus_per_node} GPUs per node",
+            head,
+        ]
+        for row in self.rows:
+            res = row.result
+            if res is None:
+                lines.append(
+                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}"
+                )
+                continue
+            m = res.metrics
+            exposed = m.exposed_comm_us / m.iterations / 1e3
+            lines.append(
+                f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
+                f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
+                f"{exposed:>11.3f} ms  {row.note}"
+            )
+        names = {r.schedule for r in self.rows if r.result is not None}
+        notes = [
+            "ms/iter: each schedule's simulated window divided by its scheduler iterations "
+            "(iters). One-step schedules simulate one iteration: their host waits for each "
+            "step's result before scheduling the next, so N iterations take N times as long."
+            + (
+                f" sglang-overlap runs {self.iterations} loop iterations (--iterations)."
+                if "sglang-overlap" in names
+                else ""
+            )
+            + (" pp: iterations x micro-batches on each stage." if "pp" in names else ""),
+            "vs serial: tokens/s per GPU over serial's on the same GPUs"
+            + (
+                " (pp: serial on its stages x EP GPUs, the same sequences in flight)."
+                if "pp" in names
+                else "."
+            ),
+            "exposed comm: per iteration, time with communication in flight and no compute "
+            "kernel running (rank 0).",
+        ]
+        lines.append("")
+        for n in notes:
+            lines += textwrap.wrap(n, 100, subsequent_indent="  ")
+        return "\n".join(lines)
+
+
+def compare(
+    schedules: Iterable[str] = DEFAULT_COMPARE,
+    workload: Workload | None = None,
+    gpu: str | Path | GPU = "h800",
+    config: ScheduleConfig | Mapping[str, Any] | None = None,
+    *,
+    pp_stages: int | None = None,
+    progress: bool = False,
+    profile: Any = "auto",
+    **ranks: Any,
+) -> Comparison:
+    """Simulate ``schedules`` on one workload and GPU and rank them like for like.
+
+    Every schedule is compared by throughput per GPU against serial on the same GPUs, so
+    windows of different lengths (one iteration, ``sglang-overlap``'s ``iterations``, pp's
+    micro-batch iterations) compare fairly; ``ms/iter`` is the window over its iterations.
+    ``pp`` runs ``pp_stages`` stages (default: the workload's ``pp`` if above 1, else
+    :data:`PP_DEFAULT_STAGES`) of the workload's EP size; its baseline is serial on the same
+    ``stages × ep`` GPUs (EP ``stages × ep``, the same sequences per GPU), falling back to serial's
+    per-GPU throughput at EP ``ep`` when that does not build. Every other schedule runs one
+    pipeline stage. A schedule that refuses the workload gets a row with its reason."""
+    from tqdm import tqdm
+
+    names = list(dict.fromkeys(s.strip() for s in schedules if s.strip()))
+    for n in names:
+        if n not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
+    w0 = workload if workload is not None else _workload()
+    stages = pp_stages or (w0.parallel.pp if w0.parallel.pp > 1 else PP_DEFAULT_STAGES)
+    w1 = _with_pp(w0, 1)
+    g = _gpu(gpu)
+    cfg = _as_config(config)
+    run = lambda name, wl: simulate(name, wl, g, cfg, profile=profile, **ranks)  # noqa: E731
+    bar = tqdm(
+        total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
+    )
+    base = run("serial", w1)
+    bar.update()
+    rows = []
+    for n in names:
+        if n == "serial":
+            res, note = base, ""
+        else:
+            wl = _with_pp(w0, stages) if n == "pp" else w1
+            try:
+                res = run(n, wl)
+                note = "; ".join(res.notes)
+            except ConfigError as e:
+                res, note = None, f"refused: {e}"
+        bar.update()
+        if res is None:
+            rows.append(CompareRow(n, None, None, "serial", note))
+            continue
+        ref, label = base, "serial"
+        if n == "pp":
+            ref, label, extra = _pp_baseline(res, base, run)
+            note = "; ".join(x for x in (note, extra) if x)
+        speedup = res.metrics.tokens_per_s_gpu / ref.metrics.tokens_per_s_gpu
+        rows.append(CompareRow(n, res, speedup, label, note))
+    bar.close()
+    return Comparison(tuple(rows), base, cfg.iterations)
+
+
+def _pp_baseline(res: Result, base: Result, run) -> tuple[Result, str, str]:
+    """Serial over pp's GPUs: EP = stages × EP, same sequences per GPU."""
+    w = res.workload
+    p, e = w.parallel.pp, w.parallel.ep
+    same = replace(w, parallel=replace(w.parallel, pp=1, ep=p * e))
+    try:
+        ref = run("serial", same)
+    except ConfigError as err:
+        return (
+            base,
+            "serial",
+            (
+                f"{p} stages x EP {e} = {p * e} GPUs; serial at EP {p * e} does not build ({err}), "
+                f"so against serial's per-GPU throughput at EP {e}"
+            ),
+        )
+    return (
+        ref,
+        f"serial EP{p * e}",
+        (
+            f"{p} stages x EP {e} = {p * e} GPUs, against serial on the same {p * e} GPUs "
+            f"(EP {p * e}: {ref.metrics.iteration_us / 1e3:.3f} ms/iter)"
+        ),
+    )
