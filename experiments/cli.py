@@ -339,9 +339,7 @@ def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=Non
     lowered = lower_ranks(program, w, gpu, args) if args is not None else program
     if lowered is program:
         return program, simulate(program, gpu)
-    # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
-    # Program's cycle check is quadratic in ranks) and run the explicit one
-    validate(program, gpu.num_sms)
+    validate(lowered, gpu.num_sms)  # what is simulated: the explicit Program
     seed = getattr(args, "seed", 0)
     return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL).run()
 
@@ -411,9 +409,9 @@ def cmd_show(args) -> int:
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
     from overlap_lab.shared.validate import validate
 
-    program = build_schedule(args.schedule, w, gpu, cfg)
+    program = lower_ranks(build_schedule(args.schedule, w, gpu, cfg), w, gpu, args)
     validate(program, gpu.num_sms)
-    sys.stdout.write(str(lower_ranks(program, w, gpu, args)))
+    sys.stdout.write(str(program))
     return 0
 
 
