@@ -22,6 +22,7 @@ import types
 import typing
 from pathlib import Path
 
+from overlap_lab.shared import inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, get_gpu
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
@@ -172,6 +173,7 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         GPU,
         skip=("name", "arch"),
     )
+    inputs.add_guard_options(p)
 
 
 def _rank_options(p: argparse.ArgumentParser) -> None:
@@ -337,11 +339,12 @@ def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=Non
 
     program = build_schedule(name, w, gpu, cfg)
     lowered = lower_ranks(program, w, gpu, args) if args is not None else program
+    max_events = getattr(args, "max_events", None)
     if lowered is program:
-        return program, simulate(program, gpu)
+        return program, simulate(program, gpu, max_events=max_events)
     validate(lowered, gpu.num_sms)  # what is simulated: the explicit Program
     seed = getattr(args, "seed", 0)
-    return lowered, Engine(lowered, gpu, seed, net_group_tol=NET_GROUP_TOL).run()
+    return lowered, Engine(lowered, gpu, seed, NET_GROUP_TOL, max_events).run()
 
 
 def add_straggler_cost(res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig) -> None:
@@ -397,7 +400,7 @@ def cmd_sim(args) -> int:
         save_timeline(trace, out / f"timeline.{args.figure_format}", window=moe_window(trace))
         res["files"] = [str(out / "trace.json"), str(out / f"timeline.{args.figure_format}")]
     if args.json:
-        print(json.dumps(res, sort_keys=True))
+        print(inputs.to_json(res))
     else:
         _print_summary(res)
         for f in res.get("files", []):
@@ -456,7 +459,7 @@ def cmd_compare(args) -> int:
         for n in names:
             runs[n][1].to_chrome(out / f"trace_{n.replace('+', '_')}.json")
     if args.json:
-        print(json.dumps({"results": rows}, sort_keys=True))
+        print(inputs.to_json({"results": rows}))
         return 0
     head = (
         f"{'schedule':<16}{'step ms':>10}{'speed-up':>10}{'exposed comm ms':>17}"
@@ -534,16 +537,24 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _workload_options(s)
     s.set_defaults(func=cmd_run)
-    return p
+    return inputs.apply_limits(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        inputs.check_args(args)  # every option, alone and together, before anything runs
+        if args.command in ("sim", "compare", "run"):
+            inputs.check_workload(workload_from(args), gpu_from(args), args)
         return args.func(args)
     except ConfigError as e:
         msg = str(e).strip()
         print(f"overlap-lab: error: {msg}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return inputs.closed_stdout()
+    except OSError as e:  # writing the outputs failed after the checks (disk full, say)
+        print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
         return 2
 
 

@@ -301,8 +301,12 @@ def _figure(rows: float) -> Any:
 
 
 def _save(fig: Any, path: Path, dpi: int = 150) -> None:
+    import matplotlib
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, metadata=_metadata(path))
+    # a fixed salt: SVG element ids are hashes, random per run without one
+    with matplotlib.rc_context({"svg.hashsalt": "overlap-lab"}):
+        fig.savefig(path, dpi=dpi, metadata=_metadata(path))
 
 
 def _metadata(path: Path) -> dict[str, Any]:

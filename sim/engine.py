@@ -48,6 +48,7 @@ from overlap_lab.shared.program import (
 from overlap_lab.shared.trace import Span, Trace
 from overlap_lab.shared.validate import issue_order, validate
 from overlap_lab.sim import cost
+from overlap_lab.sim.budget import default_max_events, run_budgeted
 from overlap_lab.sim.network import Network
 from overlap_lab.sim.resources import Gpu, Kernel, Link
 
@@ -77,8 +78,11 @@ class _Rank:
 
 
 class Engine:
-    def __init__(self, program: Program, gpu: GPU, seed: int = 0, net_group_tol: float = 0.0):
+    def __init__(
+        self, program: Program, gpu: GPU, seed: int = 0, net_group_tol: float = 0.0, max_events=None
+    ):
         self.program, self.gpu, self.seed = program, gpu, seed
+        self.max_events = max_events or default_max_events(program)  # sim.budget
         self.env = simpy.Environment()
         self.spans: list[Span] = []
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
@@ -107,7 +111,7 @@ class Engine:
             self.env.process(self._host(r))
             for s, q in r.queues.items():
                 self.env.process(self._stream(r, s, q))
-        self.env.run()
+        run_budgeted(self.env, self.max_events)
         self._check_finished()
         meta = dict(self.program.meta)
         meta.update(
@@ -306,7 +310,7 @@ class Engine:
             raise SimulationStalled("simulation stalled: " + "; ".join(problems))
 
 
-def simulate(program: Program, gpu: GPU, *, seed: int = 0) -> Trace:
+def simulate(program: Program, gpu: GPU, *, seed: int = 0, max_events: int | None = None) -> Trace:
     """Validate ``program`` and simulate it on ``gpu``; deterministic for the same inputs."""
     validate(program, gpu.num_sms)
-    return Engine(program, gpu, seed).run()
+    return Engine(program, gpu, seed, max_events=max_events).run()
