@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -93,6 +94,7 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+@functools.cache  # reading the source is most of building the parser
 def _field_comments(cls) -> dict[str, str]:
     """The trailing ``# comment`` of each field in the class source: the option's help."""
     import inspect
@@ -545,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inputs.check_args(args)  # every option, alone and together, before anything runs
         if args.command in ("sim", "compare", "run"):
-            inputs.check_workload(workload_from(args), gpu_from(args), args)
+            w, gpu = workload_from(args), gpu_from(args)
+            inputs.check_workload(w, gpu, args)
+        if args.command == "compare":  # each schedule's refusal before the progress bar starts
+            for n in args.schedules.split(","):
+                build_schedule(n, w, gpu, config_from(args))
         return args.func(args)
     except ConfigError as e:
         msg = str(e).strip()
