@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,6 +373,16 @@ def _check_run(args) -> None:
         raise ConfigError(f"run: --batch must be at most {RUN_LIMITS['batch']}, got {args.batch}")
     if args.ranks > RUN_LIMITS["ranks"]:
         raise ConfigError(f"run: --ranks must be at most {RUN_LIMITS['ranks']}, got {args.ranks}")
+    if args.device != "cpu":  # a GPU run needs a GPU: say so on stderr, before anything else
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError("run: the real executor needs torch (pip install torch)") from None
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check "
+                "for the CPU equivalence check"
+            )
 
 
 def _check_ranks(args) -> None:
@@ -418,8 +429,7 @@ def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
         raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
     if "\x00" in text:
         raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
-    low = text.lower()
-    if any(w in low for w in ("nan", "inf")):
+    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
         raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
     sample = read_sample(path, num_experts, top_k)
     counts = getattr(sample, "counts", None)
