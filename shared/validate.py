@@ -285,6 +285,7 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
         info.append(where)
         return len(succ) - 1
 
+    launches: dict[int, list[Op]] = defaultdict(list)
     recvs: list[tuple[int, int, str, int, Op]] = []  # (start, end, key, rank, op)
     flow_srcs: dict[tuple[str, int], list[tuple[int, Op]]] = defaultdict(list)
     for rp in program.ranks:
@@ -317,6 +318,7 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
                 elif isinstance(ins, Wait):
                     pending.append((g, ins.event))
                 elif isinstance(ins, Launch):
+                    launches[rp.rank].append(ins.op)
                     end = node((it, rp, k))
                     succ[g].append(end)
                     c = ins.op.coll
@@ -360,18 +362,22 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             )
         )
     if num_sms is not None:
-        _check_starvation(recvs, flow_srcs, succ, info, num_sms)
+        _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches)
 
 
-def _check_starvation(recvs, flow_srcs, succ, info, num_sms) -> None:
-    """A receiving op holds its SMs until its data is there: a same-rank op sending it that data
-    must either start before it (an ancestor in the dependency graph) or find SMs beside it."""
+def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
+    """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
+    Such an op is *at risk* when a same-rank op sending it data is not ordered before it. Per
+    rank, the SMs all at-risk receivers may hold together, plus the most any launch needs to
+    start (requests are granted in order, so one large request can hold up the sender behind
+    it), must fit in the GPU."""
     pred: list[list[int]] | None = None
+    at_risk: dict[int, list[tuple[int, Op]]] = defaultdict(list)  # rank -> (start node, op)
     for start, _end, key, rank, op in recvs:
-        for src, sop in flow_srcs.get((key, rank), ()):
+        if _hold(op, num_sms) == 0:
+            continue
+        for src, _sop in flow_srcs.get((key, rank), ()):
             if src == start or info[src][1].rank != rank:
-                continue
-            if _hold(op, num_sms) + _need(sop, num_sms) <= num_sms:
                 continue
             if pred is None:
                 pred = [[] for _ in succ]
@@ -379,17 +385,25 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms) -> None:
                     for b in out:
                         pred[b].append(a)
             if not _reaches(src, start, pred):
-                it, rp, k = info[start]
-                raise ProgramError(
-                    _where(
-                        it,
-                        rp,
-                        f"{op.name} may hold {_hold(op, num_sms)} of the {num_sms} SMs while it "
-                        f"waits for data from {sop.name}, which needs {_need(sop, num_sms)} SMs "
-                        "to start and is not ordered before it",
-                        k,
-                    )
+                at_risk[rank].append((start, op))
+                break
+    for rank, risky in at_risk.items():
+        held = sum(_hold(op, num_sms) for _, op in risky)
+        need, needer = max((_need(op, num_sms), op.name) for op in launches[rank])
+        if held + need > num_sms:
+            start, op = risky[-1]
+            it, rp, k = info[start]
+            names = ", ".join(o.name for _, o in risky)
+            raise ProgramError(
+                _where(
+                    it,
+                    rp,
+                    f"SM starvation: {names} may hold {held} of the {num_sms} SMs while waiting "
+                    f"for data from a same-rank op not ordered before them, and {needer} needs "
+                    f"{need} SMs to start; order the sender first or leave it SMs",
+                    k,
                 )
+            )
 
 
 def _reaches(a: int, b: int, pred) -> bool:

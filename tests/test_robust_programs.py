@@ -224,3 +224,25 @@ def test_zero_work_and_zero_bytes_simulate_to_finite_times():
 
 def test_parse_error_is_a_config_error():
     assert issubclass(ParseError, ConfigError) and issubclass(ProgramError, ConfigError)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # two receivers together hold more than the GPU leaves the sender
+        "    launch x a kind=comm sms=100 coll=k:recv\n    launch y b kind=comm sms=100 coll=k:recv\n",
+        # one receiver, and a large request granted in order ahead of the sender
+        "    launch x a kind=comm sms=100 coll=k:recv\n    launch y b kind=comm sms=100 flops=1e6\n",
+    ],
+)
+def test_sm_starvation_through_several_kernels(body):
+    text = (
+        "program world=1 symmetric=true\nrank 0 streams=x,y,z\n  thread main\n" + body
+        + "    launch z s kind=comm sms=10 coll=k:send flow=nvlink:sym:1000.0\n"
+    )
+    _check(text, "SM starvation")
+    # the same with the sender issued first and everything on one stream runs
+    lines = text.replace("launch y", "launch x").splitlines()
+    send = lines.pop().replace("launch z", "launch x")
+    lines.insert(3, send)
+    assert simulate(parse("\n".join(lines) + "\n"), H800).step_time_us > 0
