@@ -183,6 +183,8 @@ def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         )
         a.type = limited(lim, is_list=is_list)
         a.help = f"{a.help or ''} [{'each ' if is_list else ''}{lim.text()}]".strip()
+        if a.dest in ("nvlink_gbps", "rdma_gbps"):
+            a.help += f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
         if a.dest in MODE_DEFAULTS:  # None in the parser, so that check_args sees it given
             a.default = None
             a.help += f" (default: {MODE_DEFAULTS[a.dest]})"
