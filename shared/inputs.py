@@ -364,6 +364,19 @@ def _check_hardware(args) -> None:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
+#: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
+TINY_MODELS = ("tiny-mla", "tiny-gqa")
+
+
+def tiny_cpu_model(args) -> bool:
+    """`run --device cpu` with one of the CPU check's tiny models (no simulator workload)."""
+    return (
+        getattr(args, "command", None) == "run"
+        and args.device == "cpu"
+        and str(args.model).lower() in TINY_MODELS
+    )
+
+
 def _check_run(args) -> None:
     backends = ("auto", "emulated", "torch", "deepep")
     if args.backend not in backends:

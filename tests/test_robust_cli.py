@@ -376,3 +376,11 @@ def test_svg_figures_identical_across_runs(tmp_path):
         )  # fmt: skip
         outs.append((out / "timeline.svg").read_bytes())
     assert outs[0] == outs[1] and b"<svg" in outs[0]
+
+
+def test_run_cpu_check_reaches_tiny_gqa(capsys):
+    pytest.importorskip("torch")
+    code, out, err = call(capsys, "run", "--device", "cpu", "--check", "--model", "tiny-gqa",
+                          "--schedule", "tbo")  # fmt: skip
+    assert code == 0, err
+    assert "tbo" in out and "ok" in out
