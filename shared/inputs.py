@@ -144,7 +144,9 @@ def limited(limit: Limit, *, is_list: bool = False):
     def one(s: str):
         v = _number(limit.kind, s)
         if not limit.check(v):
-            raise argparse.ArgumentTypeError(f"expected a value in {limit.text()}, got {s.strip()!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a value in {limit.text()}, got {s.strip()!r}"
+            )
         return v
 
     def many(s: str):
@@ -184,7 +186,9 @@ def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         a.type = limited(lim, is_list=is_list)
         a.help = f"{a.help or ''} [{'each ' if is_list else ''}{lim.text()}]".strip()
         if a.dest in ("nvlink_gbps", "rdma_gbps"):
-            a.help += f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
+            a.help += (
+                f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
+            )
         if a.dest in MODE_DEFAULTS:  # None in the parser, so that check_args sees it given
             a.default = None
             a.help += f" (default: {MODE_DEFAULTS[a.dest]})"
@@ -414,7 +418,9 @@ def _check_ranks(args) -> None:
     if imb.kind == "file":
         check_routing_file(imb.path, model.num_experts, model.top_k)
     if args.ranks == "explicit" and _schedules(args, args.command) == ["pp"]:
-        raise ConfigError("--ranks explicit does not apply to --schedule pp (its ranks are explicit)")
+        raise ConfigError(
+            "--ranks explicit does not apply to --schedule pp (its ranks are explicit)"
+        )
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -492,8 +498,11 @@ def gpu_memory_bytes(w) -> tuple[float, float]:
     layers = math.ceil(m.num_layers / par.pp)
     wb = _bytes_per(m.gemm_dtype)
     if m.attention == "mla":
-        q = (m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
-             if m.q_lora_rank else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim))
+        q = (
+            m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+            if m.q_lora_rank
+            else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+        )
         kv = m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
         kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
         attn = q + kv + m.num_heads * m.v_head_dim * m.hidden

@@ -411,7 +411,9 @@ class _Parser:
 
     def close_thread(self) -> None:
         if self.graph is not None:
-            raise ValueError(f"graph {self.graph['name']!r} opened on line {self.graph['line']} is not closed")
+            raise ValueError(
+                f"graph {self.graph['name']!r} opened on line {self.graph['line']} is not closed"
+            )
         if self.thread is not None:
             th = HostThread(self.thread["name"], tuple(self.thread["instrs"]))
             self.rank["threads"].append(th)
@@ -471,7 +473,9 @@ class _Parser:
             if self.thread is None:
                 raise ValueError("instruction outside a thread")
             if self.graph is not None and verb not in _GPU_VERBS:
-                raise ValueError(f"{verb} cannot be captured in a graph ({', '.join(_GPU_VERBS)} only)")
+                raise ValueError(
+                    f"{verb} cannot be captured in a graph ({', '.join(_GPU_VERBS)} only)"
+                )
             ins = _parse_instr(toks)
             (self.graph["body"] if self.graph is not None else self.thread["instrs"]).append(ins)
 

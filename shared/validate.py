@@ -176,8 +176,13 @@ def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
                 if not isinstance(ins, (Launch, Record, Wait, WaitStream)):
                     what = type(ins).__name__.lower()
                     raise ProgramError(
-                        _where(it, rp, f"{what} cannot be captured in a graph (launch, record, "
-                               "wait and wait_stream only)", k)
+                        _where(
+                            it,
+                            rp,
+                            f"{what} cannot be captured in a graph (launch, record, "
+                            "wait and wait_stream only)",
+                            k,
+                        )
                     )
         for k, ins in _parts(it):
             if isinstance(ins, Record):
@@ -199,7 +204,9 @@ def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
             us = it.instr.us
             if not (isinstance(us, (int, float)) and 0 <= us <= MAX_HOST_US):
                 raise ProgramError(
-                    _where(it, rp, f"host time must be a number in 0..{MAX_HOST_US:g} µs, got {us!r}")
+                    _where(
+                        it, rp, f"host time must be a number in 0..{MAX_HOST_US:g} µs, got {us!r}"
+                    )
                 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from hypothesis import given
@@ -39,7 +39,7 @@ _PROGRAM_LEVEL = re.compile(
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def sources() -> tuple[str, ...]:
     """Golden Programs plus one small complete Program per schedule and mode."""
     texts = [p.read_text() for p in sorted(GOLDEN.glob("*.txt"))]
@@ -55,7 +55,20 @@ def sources() -> tuple[str, ...]:
     return tuple(texts)
 
 
-CORRUPT = ["nan", "inf", "-inf", "-1", "0", "1e308", "1e-300", "-0.0", "x", "", "1.5", "99999999999"]
+CORRUPT = [
+    "nan",
+    "inf",
+    "-inf",
+    "-1",
+    "0",
+    "1e308",
+    "1e-300",
+    "-0.0",
+    "x",
+    "",
+    "1.5",
+    "99999999999",
+]
 NAMES = ["main", "alt", "comm", "zz", "ev", "s0.L1.mb0.dispatch", "0", "sym", "{", "}", "=", '"']
 
 
@@ -71,7 +84,9 @@ def mutated(draw) -> str:
             break
         i = draw(st.integers(0, len(lines) - 1))
         op = draw(
-            st.sampled_from(["delete", "duplicate", "swap", "rename", "number", "truncate", "field"])
+            st.sampled_from(
+                ["delete", "duplicate", "swap", "rename", "number", "truncate", "field"]
+            )
         )
         if op == "delete":
             del lines[i]
@@ -90,9 +105,28 @@ def mutated(draw) -> str:
             elif op == "number":
                 toks[k] = re.sub(r"-?\d[\d.e+-]*", draw(st.sampled_from(CORRUPT)), toks[k], count=1)
             else:
-                key = draw(st.sampled_from(["sms", "flops", "hbm_bytes", "dtype", "kind", "coll",
-                                            "flow", "op_class", "layer", "tokens", "world", "symmetric"]))
-                toks.insert(k + 1, f"{key}={draw(st.sampled_from(CORRUPT + NAMES + ['send', 'nvlink:0:1.0', 'k:recv']))}")
+                key = draw(
+                    st.sampled_from(
+                        [
+                            "sms",
+                            "flops",
+                            "hbm_bytes",
+                            "dtype",
+                            "kind",
+                            "coll",
+                            "flow",
+                            "op_class",
+                            "layer",
+                            "tokens",
+                            "world",
+                            "symmetric",
+                        ]
+                    )
+                )
+                toks.insert(
+                    k + 1,
+                    f"{key}={draw(st.sampled_from(CORRUPT + NAMES + ['send', 'nvlink:0:1.0', 'k:recv']))}",
+                )
             lines[i] = " ".join(toks)
     return "\n".join(lines) + "\n"
 
@@ -105,8 +139,10 @@ EVENTS = ["e0", "e1", "e2"]
 def random_program(draw) -> str:
     """A small Program from the grammar, with random references and numbers."""
     num = st.sampled_from(["0", "1", "1e6", "1e9", "2.5", "1e12", "nan", "inf", "-1"])
-    lines = [f"program world={draw(st.sampled_from(['1', '2', '3']))} "
-             f"symmetric={draw(st.sampled_from(['true', 'false']))}"]
+    lines = [
+        f"program world={draw(st.sampled_from(['1', '2', '3']))} "
+        f"symmetric={draw(st.sampled_from(['true', 'false']))}"
+    ]
     for r in range(draw(st.integers(1, 2))):
         lines.append(f"rank {r} streams={','.join(STREAMS[: draw(st.integers(1, 3))])}")
         for t in range(draw(st.integers(1, 2))):
@@ -114,9 +150,21 @@ def random_program(draw) -> str:
             in_graph = False
             for _ in range(draw(st.integers(0, 8))):
                 s, e = draw(st.sampled_from(STREAMS)), draw(st.sampled_from(EVENTS))
-                verb = draw(st.sampled_from(
-                    ["launch", "launch", "record", "wait", "wait_stream", "host", "sync", "yield", "graph"]
-                ))
+                verb = draw(
+                    st.sampled_from(
+                        [
+                            "launch",
+                            "launch",
+                            "record",
+                            "wait",
+                            "wait_stream",
+                            "host",
+                            "sync",
+                            "yield",
+                            "graph",
+                        ]
+                    )
+                )
                 if verb == "launch":
                     op = f"launch {s} op{draw(st.integers(0, 9))} flops={draw(num)} hbm_bytes={draw(num)}"
                     if draw(st.booleans()):

@@ -97,15 +97,28 @@ def test_sim_reproducers(capsys, argv, fragment):
 
 def test_explicit_deepseek_prefill_ep32_zipf_refused_with_memory(capsys):
     err = refused(
-        capsys, "sim", "--out", "", "--mode", "prefill", "--ep", "32", "--ranks", "explicit",
-        "--imbalance", "zipf:1.2", fragment="the simulation would need about",
+        capsys,
+        "sim",
+        "--out",
+        "",
+        "--mode",
+        "prefill",
+        "--ep",
+        "32",
+        "--ranks",
+        "explicit",
+        "--imbalance",
+        "zipf:1.2",
+        fragment="the simulation would need about",
     )
     assert "GiB" in err
 
 
 @pytest.mark.parametrize("schedules", ["", ",", " , "])
 def test_compare_needs_schedules(capsys, schedules):
-    refused(capsys, "compare", "--out", "", *SMALL, "--schedules", schedules, fragment="at least one")
+    refused(
+        capsys, "compare", "--out", "", *SMALL, "--schedules", schedules, fragment="at least one"
+    )
 
 
 def test_schedule_names_are_case_insensitive_like_model_and_gpu(capsys):
@@ -276,7 +289,9 @@ def test_experiments_out_checked_before_work(capsys, tmp_path, monkeypatch):
 def test_experiments_draw_bad_results(capsys, tmp_path, content):
     if content is not None:
         (tmp_path / "pp_bubbles.json").write_text(content, errors="surrogateescape")
-    refused(capsys, "pp_bubbles", "--draw", "--out", str(tmp_path), fragment="--draw", fn=runner.main)
+    refused(
+        capsys, "pp_bubbles", "--draw", "--out", str(tmp_path), fragment="--draw", fn=runner.main
+    )
 
 
 # ---- fuzz over every option ------------------------------------------------------------------------
@@ -349,7 +364,10 @@ def test_option_combinations_end_cleanly(capsys, data):
         opt = data.draw(st.sampled_from(opts))
         if opt in ("--out", "--max-events", "--layers", "--batch", "--ep"):
             continue
-        argv += [opt, data.draw(st.sampled_from(ALWAYS_BAD + MAYBE + ["true", "explicit", "zipf:1"]))]
+        argv += [
+            opt,
+            data.draw(st.sampled_from(ALWAYS_BAD + MAYBE + ["true", "explicit", "zipf:1"])),
+        ]
     OUTCOMES[_ends_cleanly(capsys, [cmd, *argv])] += 1
 
 

@@ -53,7 +53,9 @@ def test_every_emitted_program_validates_round_trips_and_simulates(capsys, sched
 
 def test_issue14_explicit_prefill_show_output_validates(capsys):
     """The reproducer: explicit-rank Programs whose collectives both send and receive."""
-    code, text, _ = _show(capsys, "--mode", "prefill", "--layers", "2", "--ep", "8", "--ranks", "explicit")
+    code, text, _ = _show(
+        capsys, "--mode", "prefill", "--layers", "2", "--ep", "8", "--ranks", "explicit"
+    )
     assert code == 0
     validate(parse(text))
     validate(parse(text), H800.num_sms)
@@ -87,7 +89,11 @@ HEAD = "program world=1 symmetric=true\nrank 0 streams=main,alt\n  thread main\n
         ("program world=1\nrank x streams=main\n", 2, "rank must be an integer"),
         ("program world=1\nrank 0\n", 2, "rank takes"),
         ("program world=1\n  thread t\n", 2, "thread outside a rank"),
-        (HEAD + "    graph g {\n    launch main x\n", 6, "graph 'g' opened on line 4 is not closed"),
+        (
+            HEAD + "    graph g {\n    launch main x\n",
+            6,
+            "graph 'g' opened on line 4 is not closed",
+        ),
         (HEAD + "    graph g {\n    launch main x\n  thread b\n", 6, "not closed"),
         (HEAD + "    graph g\n", 4, "graph takes NAME {"),
         (HEAD + "    graph g {\n    host h 1.0\n    }\n", 5, "cannot be captured in a graph"),
@@ -124,8 +130,14 @@ OK_OP = "    launch main x flops=1e9\n"
     "text, fragment",
     [
         ("program world=-3\nrank 0 streams=main\n  thread t\n" + OK_OP, "world must be"),
-        ("program world=1\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 5 streams=main\n", "rank 5 outside 0..0"),
-        ("program world=2\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 0 streams=main\n", "rank 0 appears twice"),
+        (
+            "program world=1\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 5 streams=main\n",
+            "rank 5 outside 0..0",
+        ),
+        (
+            "program world=2\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 0 streams=main\n",
+            "rank 0 appears twice",
+        ),
         (HEAD + OK_OP + "  thread main\n" + OK_OP, "thread 'main' is declared twice"),
         ("program world=1\nrank 0 streams=main,main\n  thread t\n" + OK_OP, "declared twice"),
     ],
@@ -237,7 +249,8 @@ def test_parse_error_is_a_config_error():
 )
 def test_sm_starvation_through_several_kernels(body):
     text = (
-        "program world=1 symmetric=true\nrank 0 streams=x,y,z\n  thread main\n" + body
+        "program world=1 symmetric=true\nrank 0 streams=x,y,z\n  thread main\n"
+        + body
         + "    launch z s kind=comm sms=10 coll=k:send flow=nvlink:sym:1000.0\n"
     )
     _check(text, "SM starvation")
