@@ -8,6 +8,8 @@ each parser and validator rule (docs/program.md, "Validation rules") with its re
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from overlap_lab.experiments.cli import main
 from overlap_lab.shared.errors import ConfigError
@@ -17,6 +19,7 @@ from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.validate import ProgramError, validate
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
+from tests.fuzz_helpers import fuzz_settings
 
 H800 = get_gpu("h800")
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "2", "--ep", "8", "--batch", "4"]
@@ -259,3 +262,32 @@ def test_sm_starvation_through_several_kernels(body):
     send = lines.pop().replace("launch z", "launch x")
     lines.insert(3, send)
     assert simulate(parse("\n".join(lines) + "\n"), H800).step_time_us > 0
+
+
+def _two_rank_flow(host_us: str, nbytes: str) -> str:
+    return (
+        "program world=2 symmetric=false\nrank 0 streams=x\n  thread main\n"
+        f"    host h {host_us}\n"
+        f"    launch x a kind=comm sms=4 coll=k:send flow=nvlink:1:{nbytes} flow=rdma:1:{nbytes}\n"
+        "rank 1 streams=x\n  thread main\n    launch x b kind=comm sms=0 coll=k:recv\n"
+    )
+
+
+@pytest.mark.parametrize("host_us, nbytes", [("1e16", "1e6"), ("1.0", "inf"), ("1.0", "nan")])
+def test_hang_classes_of_issue_14_are_refused(host_us, nbytes):
+    """A host time of 1e16 before an explicit flow, a flow of inf or NaN bytes: refused."""
+    with pytest.raises(ProgramError, match="host time must be|bytes must be a finite"):
+        validate(parse(_two_rank_flow(host_us, nbytes)), H800.num_sms)
+
+
+@fuzz_settings(60)
+@given(
+    host_exp=st.floats(-3, 9),
+    bytes_exp=st.one_of(st.floats(-9, 18), st.just(None)),
+)
+def test_accepted_extremes_finish_within_the_budget(host_exp, bytes_exp):
+    """Every host time and flow size the validator accepts finishes (no float progress hang)."""
+    nbytes = "0.0" if bytes_exp is None else repr(10.0**bytes_exp)
+    text = _two_rank_flow(repr(10.0**host_exp), nbytes)
+    trace = simulate(parse(text), H800, max_events=100_000)
+    assert trace.step_time_us >= 10.0**host_exp
