@@ -336,16 +336,19 @@ def simulate_one(name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig, args=Non
     """Build, lower (explicit ranks when asked), validate and simulate one schedule."""
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate
-    from overlap_lab.sim.engine import Engine
+    from overlap_lab.sim.engine import Engine, SimulationStalled
 
     program = build_schedule(name, w, gpu, cfg)
     lowered = lower_ranks(program, w, gpu, args) if args is not None else program
     max_events = getattr(args, "max_events", None)
-    if lowered is program:
-        return program, simulate(program, gpu, max_events=max_events)
-    validate(lowered, gpu.num_sms)  # what is simulated: the explicit Program
-    seed = getattr(args, "seed", 0)
-    return lowered, Engine(lowered, gpu, seed, NET_GROUP_TOL, max_events).run()
+    try:
+        if lowered is program:
+            return program, simulate(program, gpu, max_events=max_events)
+        validate(lowered, gpu.num_sms)  # what is simulated: the explicit Program
+        seed = getattr(args, "seed", 0)
+        return lowered, Engine(lowered, gpu, seed, NET_GROUP_TOL, max_events).run()
+    except SimulationStalled as e:  # validation should have refused it: one line all the same
+        raise ConfigError(f"{e} (please report this command)") from None
 
 
 def add_straggler_cost(res: dict, name: str, w: Workload, gpu: GPU, cfg: ScheduleConfig) -> None:

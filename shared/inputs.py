@@ -207,8 +207,8 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
         "--max-events",
         type=int,
         default=None,
-        help="simulation budget in SimPy events (default: 50 per instruction and flow of the "
-        "Program, at least 100000)",
+        help="simulation budget in SimPy events (default: 100000 + 25 per instruction + 2 per "
+        "flow of the Program, about 7 times what a run needs)",
     )
 
 

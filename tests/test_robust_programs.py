@@ -291,3 +291,17 @@ def test_accepted_extremes_finish_within_the_budget(host_exp, bytes_exp):
     text = _two_rank_flow(repr(10.0**host_exp), nbytes)
     trace = simulate(parse(text), H800, max_events=100_000)
     assert trace.step_time_us >= 10.0**host_exp
+
+
+@pytest.mark.parametrize("ranks", ["symmetric", "explicit"])
+@pytest.mark.parametrize("schedule", ["tbo", "sglang-overlap", "deepseek"])
+def test_default_event_budget_has_a_margin_of_five(capsys, schedule, ranks):
+    """Each run fits in a fifth of its default budget (the default is about 7x the need)."""
+    from overlap_lab.sim.budget import SimulationBudgetExceeded, default_max_events
+
+    code, text, err = _show(capsys, "--schedule", schedule, "--ranks", ranks, *SMALL)
+    assert code == 0, err
+    program = parse(text)
+    Engine(program, H800, max_events=default_max_events(program) // 5).run()
+    with pytest.raises(SimulationBudgetExceeded, match="raise --max-events"):
+        Engine(program, H800, max_events=50).run()
