@@ -174,6 +174,8 @@ def _actions(parser: argparse.ArgumentParser):
 def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Give every limited option its checking type and state the range in its help."""
     for a in _actions(parser):
+        if a.choices is not None and a.type is None and a.option_strings:
+            a.type = str.lower  # names are case-insensitive, like --model and --gpu
         lim = LIMITS.get(a.dest)
         if lim is None or not a.option_strings or a.nargs == 0:
             continue
@@ -279,6 +281,8 @@ def _check_names(args, cmd: str) -> None:
     if mode not in ("decode", "prefill"):
         raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
     args.mode = mode
+    if getattr(args, "deepep_mode", None) is not None:
+        args.deepep_mode = args.deepep_mode.lower()
     choices = ", ".join(SCHEDULES)
     if cmd == "compare":
         names = [s.strip().lower() for s in args.schedules.split(",")]
@@ -382,6 +386,7 @@ def tiny_cpu_model(args) -> bool:
 
 
 def _check_run(args) -> None:
+    args.backend, args.device = str(args.backend).lower(), str(args.device).lower()
     backends = ("auto", "emulated", "torch", "deepep")
     if args.backend not in backends:
         raise ConfigError(f"--backend must be one of {', '.join(backends)}, got {args.backend!r}")

@@ -402,3 +402,10 @@ def test_run_cpu_check_reaches_tiny_gqa(capsys):
                           "--schedule", "tbo")  # fmt: skip
     assert code == 0, err
     assert "tbo" in out and "ok" in out
+
+
+def test_every_name_is_case_insensitive(capsys):
+    code, out, err = call(capsys, "show", *SMALL, "--ranks", "EXPLICIT", "--mode", "Decode",
+                          "--schedule", "SGLang-Overlap", "--deepep-mode", "LOW_LATENCY")  # fmt: skip
+    assert code == 0, err
+    assert "symmetric=false" in out.splitlines()[0]
