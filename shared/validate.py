@@ -293,7 +293,7 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
         return len(succ) - 1
 
     launches: dict[int, list[Op]] = defaultdict(list)
-    recvs: list[tuple[int, int, str, int, Op]] = []  # (start, end, key, rank, op)
+    recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
     flow_srcs: dict[tuple[str, int], list[tuple[int, Op]]] = defaultdict(list)
     for rp in program.ranks:
         record_node: dict[str, int] = {}
@@ -335,12 +335,12 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
                                 dst = rp.rank if f.dst is None else f.dst
                                 flow_srcs[(c.key, dst)].append((g, ins.op))
                         if c.role != "send":
-                            recvs.append((g, end, c.key, rp.rank, ins.op))
+                            recvs.append((g, end, c.key, rp.rank, ins.op, stream))
                 last_on[stream] = end
         for n, ev in pending:
             if ev in record_node:
                 succ[record_node[ev]].append(n)
-    for start, end, key, rank, _op in recvs:
+    for start, end, key, rank, _op, _s in recvs:
         for src, _sop in flow_srcs.get((key, rank), ()):
             if src != start:
                 succ[src].append(end)
@@ -375,12 +375,13 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
 def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
     """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
     Such an op is *at risk* when a same-rank op sending it data is not ordered before it. Per
-    rank, the SMs all at-risk receivers may hold together, plus the most any launch needs to
-    start (requests are granted in order, so one large request can hold up the sender behind
-    it), must fit in the GPU."""
+    rank, the SMs at-risk receivers may hold at once (the largest hold of each stream: a stream
+    runs one op at a time), plus the most any launch needs to start (requests are granted in
+    order, so one large request can hold up the sender behind it), must fit in the GPU."""
     pred: list[list[int]] | None = None
-    at_risk: dict[int, list[tuple[int, Op]]] = defaultdict(list)  # rank -> (start node, op)
-    for start, _end, key, rank, op in recvs:
+    # rank -> stream -> (hold, start node, op): the largest at-risk hold of each stream
+    at_risk: dict[int, dict[str, tuple[int, int, Op]]] = defaultdict(dict)
+    for start, _end, key, rank, op, stream in recvs:
         if _hold(op, num_sms) == 0:
             continue
         for src, _sop in flow_srcs.get((key, rank), ()):
@@ -392,15 +393,18 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
                     for b in out:
                         pred[b].append(a)
             if not _reaches(src, start, pred):
-                at_risk[rank].append((start, op))
+                hold = _hold(op, num_sms)
+                if hold > at_risk[rank].get(stream, (-1,))[0]:
+                    at_risk[rank][stream] = (hold, start, op)
                 break
-    for rank, risky in at_risk.items():
-        held = sum(_hold(op, num_sms) for _, op in risky)
+    for rank, per_stream in at_risk.items():
+        risky = sorted(per_stream.values(), key=lambda x: x[1])
+        held = sum(h for h, _, _ in risky)
         need, needer = max((_need(op, num_sms), op.name) for op in launches[rank])
         if held + need > num_sms:
-            start, op = risky[-1]
+            _, start, op = risky[-1]
             it, rp, k = info[start]
-            names = ", ".join(o.name for _, o in risky)
+            names = ", ".join(o.name for _, _, o in risky)
             raise ProgramError(
                 _where(
                     it,

@@ -305,3 +305,25 @@ def test_default_event_budget_has_a_margin_of_five(capsys, schedule, ranks):
     Engine(program, H800, max_events=default_max_events(program) // 5).run()
     with pytest.raises(SimulationBudgetExceeded, match="raise --max-events"):
         Engine(program, H800, max_events=50).run()
+
+
+@pytest.mark.parametrize("gpu", ["h800", "b200"])
+@pytest.mark.parametrize(
+    "schedule, knobs",
+    [
+        ("sbo", ["--sbo-mode", "2"]),
+        ("sbo", ["--sbo-mode", "3"]),
+        ("tbo+sbo", ["--sbo-mode", "2"]),
+        ("tbo+sbo", ["--sbo-mode", "3"]),
+        ("sglang-overlap", ["--spec-v2", "true", "--grammar", "true"]),
+        ("pp", ["--pp-size", "2", "--micro-batches", "4", "--return-logprob", "true"]),
+        ("vllm-dbo", ["--cuda-graph", "false"]),
+        ("deepseek", ["--comm-sms", "20"]),
+    ],
+)
+def test_knob_variants_validate_on_every_gpu(capsys, schedule, knobs, gpu):
+    code, text, err = _show(capsys, "--schedule", schedule, "--gpu", gpu, *SMALL, *knobs)
+    assert code == 0, err
+    program = parse(text)
+    validate(program, get_gpu(gpu).num_sms)
+    assert simulate(program, get_gpu(gpu)).step_time_us > 0
