@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import re
 import sys
 import types
@@ -28,6 +28,7 @@ from overlap_lab.experiments.cli_calibrate import (
     profile_from,
     register_calibration_commands,
 )
+from overlap_lab.shared import inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU, GPUS, HostCosts
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
@@ -98,6 +99,7 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+@functools.cache  # reading the source is most of building the parser
 def _field_comments(cls) -> dict[str, str]:
     """The trailing ``# comment`` of each field in the class source: the option's help."""
     import inspect
@@ -198,6 +200,7 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
         GPU,
         skip=("name", "arch"),
     )
+    inputs.add_guard_options(p)
 
 
 def _figure_options(p: argparse.ArgumentParser) -> None:
@@ -368,7 +371,15 @@ def cmd_sim(args) -> int:
 
     _check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    result = api.simulate(args.schedule, w, gpu, cfg, ranks=_ranks(args), profile=args.profile)
+    result = api.simulate(
+        args.schedule,
+        w,
+        gpu,
+        cfg,
+        ranks=_ranks(args),
+        profile=args.profile,
+        max_events=args.max_events,
+    )
     res = result.as_dict()
     if args.out:
         from overlap_lab.experiments.figures import save_timeline
@@ -387,7 +398,7 @@ def cmd_sim(args) -> int:
         )
         res["files"] = [str(out / "trace.json"), str(fig)]
     if args.json:
-        print(json.dumps(res, sort_keys=True))
+        print(inputs.to_json(res))
     else:
         _print_summary(res)
         for f in res.get("files", []):
@@ -416,8 +427,8 @@ def cmd_show(args) -> int:
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
     program = build_schedule(args.schedule, w, gpu, cfg)
-    validate(program, gpu.num_sms)
     lowered = api._lower_ranks(program, w, gpu, _ranks(args))
+    validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
         sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
@@ -450,6 +461,7 @@ def cmd_compare(args) -> int:
         progress=not args.json,
         ranks=_ranks(args),
         profile=args.profile,
+        max_events=args.max_events,
     )
     files = []
     if args.out:
@@ -470,7 +482,7 @@ def cmd_compare(args) -> int:
         for n, tr in table.traces().items():
             tr.to_chrome(out / f"trace_{n.replace('+', '_')}.json")
     if args.json:
-        print(json.dumps({"results": table.as_dicts()}, sort_keys=True))
+        print(inputs.to_json({"results": table.as_dicts()}))
         return 0
     print(table.text())
     for f in files:
@@ -486,6 +498,8 @@ INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
 #: nothing and writes no files. Each is refused when given, never silently dropped.
 CPU_CHECK_REFUSES = {
     "mode": "the check runs decode and prefill batches of its own",
+    "max_events": "the check simulates nothing",
+    "allow_oversubscribe": "the check's tiny models fit in any memory",
     "batch": "the check's batches are fixed (real/check.py)",
     "kv_len": "the check's batches are fixed",
     "kv_lens": "the check's batches are fixed",
@@ -510,7 +524,10 @@ CPU_CHECK_REFUSES = {
 
 def _given(args) -> set[str]:
     """The options of `run` set to something other than their default."""
-    defaults = vars(parser().parse_args(["run"]))
+    d = parser().parse_args(["run", "--device", "cpu", "--check"])
+    default_mode, d.mode = d.mode, args.mode
+    inputs.check_args(d)  # the mode's defaults filled in, as they were for ``args``
+    defaults = {**vars(d), "mode": default_mode}
     return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
 
 
@@ -541,7 +558,8 @@ def cmd_run(args) -> int:
     args.cfg = config_from(args)
     if args.layers is None and args.device != "cpu":
         args.layers = GPU_RUN_LAYERS
-    args.workload = workload_from(args)  # the same workload `sim` builds from the same options
+    # the same workload `sim` builds from the same options (the CPU check's tiny models have none)
+    args.workload = None if inputs.tiny_cpu_model(args) else workload_from(args)
     return run_main(args)
 
 
@@ -601,16 +619,25 @@ def parser() -> argparse.ArgumentParser:
     _workload_options(s)
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub, _workload_options, _rank_options)
-    return p
+    return inputs.apply_limits(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        inputs.check_args(args)  # every option, alone and together, before anything runs
+        if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
+            w, gpu = workload_from(args), gpu_from(args)
+            inputs.check_workload(w, gpu, args)
         return args.func(args)
     except ConfigError as e:
         msg = str(e).strip()
         print(f"overlap-lab: error: {msg}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return inputs.closed_stdout()
+    except OSError as e:  # writing the outputs failed after the checks (disk full, say)
+        print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
         return 2
 
 

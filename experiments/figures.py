@@ -817,8 +817,11 @@ def _seen_in(trace: Trace, rank: int, t0: float, t1: float) -> set[tuple[str, in
 
 
 def _save(fig: Any, path: Path, dpi: int = 300) -> None:
+    import matplotlib
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with paper_style():
+    # a fixed salt: SVG element ids are hashes, random per run without one
+    with paper_style(), matplotlib.rc_context({"svg.hashsalt": "overlap-lab"}):
         fig.savefig(path, dpi=dpi, metadata=_metadata(path))
 
 

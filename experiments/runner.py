@@ -27,7 +27,6 @@ repository's committed results are written with ``--out experiments/results``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import json
@@ -43,6 +42,7 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.shared import inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
@@ -222,17 +222,29 @@ def draw(exp: Experiment, path: Path) -> None:
     """The figure and the notes of ``exp`` from its results file (no simulation)."""
     if not path.is_file():
         raise ConfigError(
-            f"no results for {exp.name} at {path}: run `python -m overlap_lab.experiments "
+            f"--draw: no results for {exp.name} at {path}: run `python -m overlap_lab.experiments "
             f"{exp.name} --out {path.parent}` first"
         )
-    doc = json.loads(path.read_text())
-    if exp.figure is not None:
-        from overlap_lab.experiments.figures import paper_style
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--draw: results file {path} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--draw: results file {path} holds no results object")
+    try:
+        if exp.figure is not None:
+            from overlap_lab.experiments.figures import paper_style
 
-        with paper_style():
-            exp.figure(doc, path.with_suffix(""))
-    if exp.notes is not None:
-        path.with_suffix(".md").write_text(exp.notes(doc))
+            with paper_style():
+                exp.figure(doc, path.with_suffix(""))
+        if exp.notes is not None:
+            path.with_suffix(".md").write_text(exp.notes(doc))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(
+            f"--draw: results file {path} lacks what {exp.name} draws from ({type(e).__name__}: {e})"
+        ) from None
 
 
 def kept_traces(doc: Mapping[str, Any]) -> dict[str, Trace]:
@@ -368,10 +380,15 @@ def main(
 ) -> int:
     """``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
     ``default``: the names run when none is given (all when empty)."""
-    ap = argparse.ArgumentParser(prog=prog, description="Run declared experiments.")
+    ap = inputs.OneLineParser(prog=prog, description="Run declared experiments.")
     ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")
     ap.add_argument("--list", action="store_true", help="list the declared experiments")
-    ap.add_argument("--processes", type=int, default=PROCESSES, help="worker processes")
+    ap.add_argument(
+        "--processes",
+        type=inputs.limited(inputs.Limit(int, 1, 256)),
+        default=PROCESSES,
+        help="worker processes [1..256]",
+    )
     ap.add_argument(
         "--out",
         type=Path,
@@ -386,6 +403,16 @@ def main(
         "built-in one (h800 -> h800-published), else roofline (default: auto)",
     )
     args = ap.parse_args(argv)
+    try:
+        return _main(ap, args, argv, prog, default)
+    except ConfigError as e:
+        print(f"{prog}: error: {str(e).strip()}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return inputs.closed_stdout()
+
+
+def _main(ap, args, argv, prog, default) -> int:
     exps = declared()
     if args.list:
         for name, exp in exps.items():
@@ -397,6 +424,7 @@ def main(
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     commit = git_commit()  # once: the files this command writes must not make the next "dirty"
+    inputs.check_out_dir(args.out)  # before any experiment runs
     for name in names:
         try:
             if args.draw:

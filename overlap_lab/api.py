@@ -287,6 +287,7 @@ def simulate(
     group_limited: bool | None = None,
     seed: int = 0,
     profile: Any = "auto",
+    max_events: int | None = None,
 ) -> Result:
     """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
 
@@ -295,10 +296,11 @@ def simulate(
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
     straggler cost is ``window_us - balanced_window_us``. ``profile`` gives op durations measured
     on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
-    ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline)."""
+    ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline).
+    ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size)."""
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
-    from overlap_lab.sim.engine import Engine
+    from overlap_lab.sim.engine import Engine, SimulationStalled
 
     w = workload if workload is not None else _workload()
     g = _gpu(gpu)
@@ -316,14 +318,22 @@ def simulate(
     program = build_schedule(schedule, w, g, cfg)
     lowered = _lower_ranks(program, w, g, r)
     balanced = None
-    if lowered is program:
-        trace = sim_run(program, g, profile=prof)
-    else:
-        # expand_ranks keeps the validated symmetric structure; validate that one (the explicit
-        # Program's cycle check is quadratic in ranks) and run the explicit one
-        validate(program, g.num_sms)
-        trace = Engine(lowered, g, r.seed, net_group_tol=NET_GROUP_TOL, profile=prof).run()
-        balanced = sim_run(program, g, profile=prof).step_time_us
+    try:
+        if lowered is program:
+            trace = sim_run(program, g, profile=prof, max_events=max_events)
+        else:
+            validate(lowered, g.num_sms)  # what is simulated: the explicit Program
+            trace = Engine(
+                lowered,
+                g,
+                r.seed,
+                net_group_tol=NET_GROUP_TOL,
+                profile=prof,
+                max_events=max_events,
+            ).run()
+            balanced = sim_run(program, g, profile=prof).step_time_us
+    except SimulationStalled as e:  # validation should have refused it: one line all the same
+        raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
     trace.meta.update(
         schedule=schedule,
@@ -486,6 +496,7 @@ def compare(
     pp_stages: int | None = None,
     progress: bool = False,
     profile: Any = "auto",
+    max_events: int | None = None,
     **ranks: Any,
 ) -> Comparison:
     """Simulate ``schedules`` on one workload and GPU and rank them like for like.
@@ -509,7 +520,7 @@ def compare(
     w1 = _with_pp(w0, 1)
     g = _gpu(gpu)
     cfg = _as_config(config)
-    run = lambda name, wl: simulate(name, wl, g, cfg, profile=profile, **ranks)  # noqa: E731
+    run = lambda name, wl: simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)  # noqa: E731
     bar = tqdm(
         total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
     )

@@ -29,12 +29,32 @@ import shlex
 from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
+from overlap_lab.shared.errors import ConfigError
+
 OpKind = Literal["compute", "comm", "copy"]
 Role = Literal["send", "recv", "sendrecv"]
 LinkKind = Literal["nvlink", "rdma", "pcie"]
 OP_KINDS: tuple[str, ...] = ("compute", "comm", "copy")
 ROLES: tuple[str, ...] = ("send", "recv", "sendrecv")
 LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma", "pcie")
+#: Link kinds a flow with an explicit destination may cross (the network's ports; PCIe is local).
+NET_LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma")
+DTYPES: tuple[str, ...] = ("bf16", "fp8")
+#: Op classes the cost model knows (``sim.cost.EFFICIENCY``).
+OP_CLASSES: tuple[str, ...] = (
+    "gemm",
+    "grouped_gemm",
+    "attention",
+    "elementwise",
+    "sampling",
+    "comm",
+    "copy",
+)
+#: Bounds the validator puts on a Program (docs/program.md): FLOPs or bytes of one op or flow,
+#: host time of one ``Host`` (µs, about 17 minutes) and ranks in ``world``.
+MAX_WORK = 1e18
+MAX_HOST_US = 1e9
+MAX_RANKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -265,138 +285,229 @@ def to_text(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-class ParseError(ValueError):
-    pass
+class ParseError(ConfigError):
+    """Text that is not a Program; the message names the line."""
 
 
-def _num(s: str):
+_GPU_VERBS = ("launch", "record", "wait", "wait_stream")
+_INT_FIELDS = ("layer", "mb", "step", "sms", "tokens")
+_FLOAT_FIELDS = ("flops", "hbm_bytes")
+_HEADER_KEYS = ("world", "symmetric")
+
+
+def _int(s: str, what: str) -> int:
     try:
         return int(s)
     except ValueError:
+        raise ValueError(f"{what} must be an integer, got {s!r}") from None
+
+
+def _float(s: str, what: str) -> float:
+    try:
         return float(s)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, got {s!r}") from None
 
 
 def _parse_value(name: str, raw: str):
     default = _OP_DEFAULTS[name]
     if raw.startswith('"'):
-        return json.loads(raw)
-    if name in ("flops", "hbm_bytes"):
-        return float(raw)
-    if name in ("layer", "mb", "step", "sms", "tokens"):
-        return int(raw)
-    if isinstance(default, str):
-        return raw
-    return _num(raw)
+        v = json.loads(raw)
+        if not isinstance(v, str) or not isinstance(default, str):
+            raise ValueError(f"{name} takes a {type(default).__name__}, got {raw}")
+        return v
+    if name in _FLOAT_FIELDS:
+        return _float(raw, name)
+    if name in _INT_FIELDS:
+        return _int(raw, name)
+    return raw
 
 
-def _parse_op(tokens: list[str], lineno: int) -> Op:
+def _parse_op(tokens: list[str]) -> Op:
+    if not tokens:
+        raise ValueError("launch needs a stream and an op name")
     kw: dict = {"name": tokens[0]}
     coll_key = coll_role = None
     flows: list[Flow] = []
     for tok in tokens[1:]:
         if "=" not in tok:
-            raise ParseError(f"line {lineno}: expected key=value, got {tok!r}")
+            raise ValueError(f"expected key=value, got {tok!r}")
         k, v = tok.split("=", 1)
         if k == "coll":
+            if coll_key is not None:
+                raise ValueError("coll= given twice")
+            if ":" not in v:
+                raise ValueError(f"coll= takes KEY:ROLE, got {v!r}")
             coll_key, coll_role = v.rsplit(":", 1)
         elif k == "flow":
-            link, dst, nbytes = v.split(":")
-            flows.append(Flow(link, float(nbytes), None if dst == "sym" else int(dst)))
-        elif k in _OP_DEFAULTS:
+            parts = v.split(":")
+            if len(parts) != 3:
+                raise ValueError(f"flow= takes LINK:DST:BYTES (DST a rank or sym), got {v!r}")
+            link, dst, nbytes = parts
+            dst_rank = None if dst == "sym" else _int(dst, "a flow's destination")
+            flows.append(Flow(link, _float(nbytes, "a flow's bytes"), dst_rank))
+        elif k in _OP_DEFAULTS and k != "name":
+            if k in kw:
+                raise ValueError(f"op field {k!r} given twice")
             kw[k] = _parse_value(k, v)
         else:
-            raise ParseError(f"line {lineno}: unknown op field {k!r}")
+            raise ValueError(f"unknown op field {k!r}")
     if coll_key is not None:
         kw["coll"] = Coll(coll_key, coll_role, tuple(flows))
     elif flows:
-        raise ParseError(f"line {lineno}: flow= without coll=")
+        raise ValueError("flow= without coll=")
     return Op(**kw)
 
 
-def _parse_instr(toks: list[str], lineno: int) -> Instr:
+def _arity(verb: str, args: list[str], n: int, form: str) -> None:
+    if len(args) != n:
+        raise ValueError(f"{verb} takes {form}")
+
+
+def _parse_instr(toks: list[str]) -> Instr:
     verb, args = toks[0], toks[1:]
-    try:
-        if verb == "launch":
-            return Launch(_parse_op(args[1:], lineno), args[0])
-        if verb == "record":
-            return Record(args[0], args[1])
-        if verb == "wait":
-            return Wait(args[0], args[1])
-        if verb == "wait_stream":
-            return WaitStream(args[0], args[1])
-        if verb == "host":
-            kw = {k: int(v) for k, v in (a.split("=", 1) for a in args[2:])}
-            return Host(args[0], float(args[1]), **kw)
-        if verb == "sync":
-            return Sync(args[0])
-        if verb == "yield":
-            return Yield()
-    except (IndexError, ValueError, TypeError) as e:
-        raise ParseError(f"line {lineno}: malformed {verb!r} instruction ({e})") from None
-    raise ParseError(f"line {lineno}: unknown instruction {verb!r}")
+    if verb == "launch":
+        if len(args) < 2:
+            raise ValueError("launch takes STREAM OP [key=value ...]")
+        return Launch(_parse_op(args[1:]), args[0])
+    if verb == "record":
+        _arity(verb, args, 2, "EVENT STREAM")
+        return Record(args[0], args[1])
+    if verb == "wait":
+        _arity(verb, args, 2, "STREAM EVENT")
+        return Wait(args[0], args[1])
+    if verb == "wait_stream":
+        _arity(verb, args, 2, "STREAM OTHER")
+        return WaitStream(args[0], args[1])
+    if verb == "host":
+        if len(args) < 2:
+            raise ValueError("host takes NAME US [mb=N] [layer=N] [step=N]")
+        kw = {}
+        for a in args[2:]:
+            k, sep, v = a.partition("=")
+            if not sep or k not in ("mb", "layer", "step") or k in kw:
+                raise ValueError(f"host takes mb=, layer= and step= once each, got {a!r}")
+            kw[k] = _int(v, k)
+        return Host(args[0], _float(args[1], "host time"), **kw)
+    if verb == "sync":
+        _arity(verb, args, 1, "EVENT")
+        return Sync(args[0])
+    if verb == "yield":
+        _arity(verb, args, 0, "no arguments")
+        return Yield()
+    raise ValueError(f"unknown instruction {verb!r}")
 
 
-def parse(text: str) -> Program:
-    """Parse the text form written by ``to_text``."""
-    world, symmetric, meta = 1, True, {}
-    ranks: list[RankProgram] = []
-    cur_rank: dict | None = None
-    cur_thread: dict | None = None
-    graph: dict | None = None
+class _Parser:
+    """The text form, line by line; every error becomes one ParseError naming its line."""
 
-    def close_thread():
-        nonlocal cur_thread
-        if cur_thread is not None:
-            cur_rank["threads"].append(HostThread(cur_thread["name"], tuple(cur_thread["instrs"])))
-            cur_thread = None
+    def __init__(self) -> None:
+        self.world, self.symmetric, self.meta = 1, True, {}
+        self.header = self.meta_seen = False
+        self.ranks: list[RankProgram] = []
+        self.rank: dict | None = None
+        self.thread: dict | None = None
+        self.graph: dict | None = None
 
-    def close_rank():
-        nonlocal cur_rank
-        close_thread()
-        if cur_rank is not None:
-            ranks.append(
-                RankProgram(cur_rank["rank"], cur_rank["streams"], tuple(cur_rank["threads"]))
+    def close_thread(self) -> None:
+        if self.graph is not None:
+            raise ValueError(
+                f"graph {self.graph['name']!r} opened on line {self.graph['line']} is not closed"
             )
-            cur_rank = None
+        if self.thread is not None:
+            th = HostThread(self.thread["name"], tuple(self.thread["instrs"]))
+            self.rank["threads"].append(th)
+            self.thread = None
 
-    for lineno, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not s or s.startswith("#"):
-            continue
-        if s.startswith("meta "):
-            meta = json.loads(s[5:])
-            continue
+    def close_rank(self) -> None:
+        self.close_thread()
+        if self.rank is not None:
+            r = self.rank
+            self.ranks.append(RankProgram(r["rank"], r["streams"], tuple(r["threads"])))
+            self.rank = None
+
+    def line(self, lineno: int, s: str) -> None:
+        if s.startswith("meta ") or s == "meta":
+            if self.meta_seen or self.rank is not None:
+                raise ValueError("meta must come once, before the first rank")
+            try:
+                meta = json.loads(s[5:])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"meta is not JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(meta, dict):
+                raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
+            self.meta, self.meta_seen = meta, True
+            return
         toks = shlex.split(s)
         verb = toks[0]
         if verb == "program":
-            for t in toks[1:]:
-                k, v = t.split("=", 1)
-                if k == "world":
-                    world = int(v)
-                elif k == "symmetric":
-                    symmetric = v == "true"
+            self.program(toks[1:])
         elif verb == "rank":
-            close_rank()
+            self.close_rank()
+            if len(toks) != 3 or not toks[2].startswith("streams="):
+                raise ValueError("rank takes N streams=A,B,...")
             streams = tuple(x for x in toks[2].split("=", 1)[1].split(",") if x)
-            cur_rank = {"rank": int(toks[1]), "streams": streams, "threads": []}
+            self.rank = {"rank": _int(toks[1], "rank"), "streams": streams, "threads": []}
         elif verb == "thread":
-            if cur_rank is None:
-                raise ParseError(f"line {lineno}: thread outside a rank")
-            close_thread()
-            cur_thread = {"name": toks[1], "instrs": []}
+            if self.rank is None:
+                raise ValueError("thread outside a rank")
+            _arity(verb, toks[1:], 1, "NAME")
+            self.close_thread()
+            self.thread = {"name": toks[1], "instrs": []}
         elif verb == "graph":
-            if graph is not None:
-                raise ParseError(f"line {lineno}: nested graph")
-            graph = {"name": toks[1], "body": []}
+            if self.thread is None:
+                raise ValueError("graph outside a thread")
+            if self.graph is not None:
+                raise ValueError("nested graph")
+            if len(toks) != 3 or toks[2] != "{":
+                raise ValueError("graph takes NAME {")
+            self.graph = {"name": toks[1], "body": [], "line": lineno}
         elif verb == "}":
-            if graph is None:
-                raise ParseError(f"line {lineno}: '}}' without graph")
-            cur_thread["instrs"].append(Graph(graph["name"], tuple(graph["body"])))
-            graph = None
+            if self.graph is None:
+                raise ValueError("'}' without graph")
+            _arity("'}'", toks[1:], 0, "nothing after it")
+            g = self.graph
+            self.thread["instrs"].append(Graph(g["name"], tuple(g["body"])))
+            self.graph = None
         else:
-            if cur_thread is None:
-                raise ParseError(f"line {lineno}: instruction outside a thread")
-            ins = _parse_instr(toks, lineno)
-            (graph["body"] if graph is not None else cur_thread["instrs"]).append(ins)
-    close_rank()
-    return Program(tuple(ranks), world=world, symmetric=symmetric, meta=meta)
+            if self.thread is None:
+                raise ValueError("instruction outside a thread")
+            if self.graph is not None and verb not in _GPU_VERBS:
+                raise ValueError(
+                    f"{verb} cannot be captured in a graph ({', '.join(_GPU_VERBS)} only)"
+                )
+            ins = _parse_instr(toks)
+            (self.graph["body"] if self.graph is not None else self.thread["instrs"]).append(ins)
+
+    def program(self, args: list[str]) -> None:
+        if self.header or self.rank is not None or self.meta_seen:
+            raise ValueError("the program line must come once, first")
+        self.header = True
+        seen = set()
+        for t in args:
+            k, sep, v = t.partition("=")
+            if not sep or k not in _HEADER_KEYS or k in seen:
+                raise ValueError(f"program takes world=N and symmetric=true|false, got {t!r}")
+            seen.add(k)
+            if k == "world":
+                self.world = _int(v, "world")
+            elif v in ("true", "false"):
+                self.symmetric = v == "true"
+            else:
+                raise ValueError(f"symmetric must be true or false, got {v!r}")
+
+
+def parse(text: str) -> Program:
+    """Parse the text form written by ``to_text``; ParseError names the first bad line."""
+    p = _Parser()
+    lineno = 0
+    try:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            s = line.strip()
+            if s and not s.startswith("#"):
+                p.line(lineno, s)
+        lineno += 1
+        p.close_rank()
+    except (ValueError, TypeError, IndexError) as e:  # json and shlex errors are ValueErrors
+        raise ParseError(f"line {lineno}: {e}") from None
+    return Program(tuple(p.ranks), world=p.world, symmetric=p.symmetric, meta=p.meta)

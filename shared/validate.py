@@ -1,14 +1,14 @@
 """Validation of a Program before any interpreter runs it.
 
-Rules (each error names the rank, host thread and instruction, marked ``<-- ERROR HERE``):
-unknown-stream, unknown-kind, bad-sms (SM demand above the GPU or negative), duplicate-record,
-never-recorded (an event waited on or synced on but never recorded), orphan-completion (a
-collective's completion half without its issue half), bad-flow, and cycle (a wait, sync or
-collective that can never be satisfied because what it waits for comes after it).
+Every rule is listed, with its reason, in ``docs/program.md`` ("Validation rules"). Each error
+names the rank, host thread and instruction (and, inside a graph, the body position), and shows
+the instruction marked ``<-- ERROR HERE``.
 
-The cycle rule makes every valid Program finish: the dependency graph below is acyclic, so both
-interpreters can always make progress (the simulator still reports a stall, should resource
-contention ever stop it, instead of hanging).
+The rules make every valid Program finish: the dependency graph of issue and completion halves
+is acyclic (a collective's send half starts at the op's start, its completion half waits for the
+data at the op's end), no op waiting for data can hold the SMs a same-rank send needs to start,
+and all work is finite and bounded, so both interpreters can always make progress. The simulator
+still reports a stall (and a run past its event budget) as a clear error rather than hanging.
 """
 
 from __future__ import annotations
@@ -18,13 +18,20 @@ from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import (
+    DTYPES,
     LINK_KINDS,
+    MAX_HOST_US,
+    MAX_RANKS,
+    MAX_WORK,
+    NET_LINK_KINDS,
+    OP_CLASSES,
     OP_KINDS,
     ROLES,
     Graph,
     Host,
     Instr,
     Launch,
+    Op,
     Program,
     RankProgram,
     Record,
@@ -80,8 +87,21 @@ def issue_order(rp: RankProgram) -> list[Issued]:
     return out
 
 
-def _where(it: Issued, rp: RankProgram, why: str) -> str:
+def _where(it: Issued, rp: RankProgram, why: str, part: int | None = None) -> str:
+    """The error text: where, why, and the instruction (or graph body entry) marked."""
     th = next(t for t in rp.threads if t.name == it.thread)
+    if part is not None and isinstance(it.instr, Graph):
+        body = it.instr.body
+        head = (
+            f"rank {it.rank}, thread {it.thread}, instruction {it.index} "
+            f"(graph {it.instr.name}, body instruction {part}): {why}"
+        )
+        lo = max(0, part - 2)
+        lines = [f"    graph {it.instr.name} {{"]
+        for k in range(lo, min(len(body), part + 2)):
+            text = _instr_text(body[k], "      ")[0]
+            lines.append(text + ("   <-- ERROR HERE" if k == part else ""))
+        return head + "\n" + "\n".join(lines)
     lo = max(0, it.index - 2)
     lines = []
     for k in range(lo, min(len(th.instrs), it.index + 2)):
@@ -95,42 +115,99 @@ def _gpu_parts(ins: Instr):
     return ins.body if isinstance(ins, Graph) else (ins,)
 
 
+def _parts(it: Issued):
+    """(body position or None, instruction) for the GPU parts of one issued instruction."""
+    if isinstance(it.instr, Graph):
+        return list(enumerate(it.instr.body))
+    return [(None, it.instr)]
+
+
 def validate(program: Program, num_sms: int | None = None) -> None:
-    """Raise ProgramError naming the first faulty instruction; return None if the Program is sound."""
-    if not program.ranks:
-        raise ProgramError("the program has no ranks")
+    """Raise ProgramError naming the first faulty instruction; return None if the Program is sound.
+
+    ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
+    receiving op starving a same-rank send of SMs.
+    """
+    _check_program(program)
+    orders = {rp.rank: issue_order(rp) for rp in program.ranks}
     sends: dict[str, list[int]] = defaultdict(list)  # key -> ranks issuing it
     for rp in program.ranks:
-        for it in issue_order(rp):
+        for it in orders[rp.rank]:
             for ins in _gpu_parts(it.instr):
                 if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
                     sends[ins.op.coll.key].append(rp.rank)
+    rank_ids = frozenset(rp.rank for rp in program.ranks)
     for rp in program.ranks:
-        _check_rank(program, rp, num_sms, sends)
-    _check_cycles(program)
+        _check_rank(rp, orders[rp.rank], num_sms, sends, rank_ids)
+    _check_cycles(program, orders, num_sms)
 
 
-def _check_rank(program: Program, rp: RankProgram, num_sms, sends) -> None:
+def _check_program(program: Program) -> None:
+    if not isinstance(program.meta, dict):
+        raise ProgramError(f"meta must be a mapping, got {type(program.meta).__name__}")
+    if not program.ranks:
+        raise ProgramError("the program has no ranks")
+    w = program.world
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_RANKS:
+        raise ProgramError(f"world must be an integer in 1..{MAX_RANKS}, got {w!r}")
+    if not isinstance(program.symmetric, bool):
+        raise ProgramError(f"symmetric must be true or false, got {program.symmetric!r}")
+    seen: set[int] = set()
+    for rp in program.ranks:
+        if isinstance(rp.rank, bool) or not isinstance(rp.rank, int) or not 0 <= rp.rank < w:
+            raise ProgramError(f"rank {rp.rank!r} outside 0..{w - 1} (world={w})")
+        if rp.rank in seen:
+            raise ProgramError(f"rank {rp.rank} appears twice")
+        seen.add(rp.rank)
+        if len(set(rp.streams)) != len(rp.streams):
+            raise ProgramError(f"rank {rp.rank}: a stream is declared twice in {rp.streams}")
+        names = [th.name for th in rp.threads]
+        for n in names:
+            if names.count(n) > 1:
+                raise ProgramError(f"rank {rp.rank}: thread {n!r} is declared twice")
+
+
+def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
     streams = set(rp.streams)
-    order = issue_order(rp)
     recorded: dict[str, Issued] = {}
     for it in order:
-        for ins in _gpu_parts(it.instr):
+        if isinstance(it.instr, Graph):
+            for k, ins in enumerate(it.instr.body):
+                if not isinstance(ins, (Launch, Record, Wait, WaitStream)):
+                    what = type(ins).__name__.lower()
+                    raise ProgramError(
+                        _where(
+                            it,
+                            rp,
+                            f"{what} cannot be captured in a graph (launch, record, "
+                            "wait and wait_stream only)",
+                            k,
+                        )
+                    )
+        for k, ins in _parts(it):
             if isinstance(ins, Record):
                 if ins.event in recorded:
-                    raise ProgramError(_where(it, rp, f"event {ins.event!r} recorded twice"))
+                    raise ProgramError(_where(it, rp, f"event {ins.event!r} recorded twice", k))
                 recorded[ins.event] = it
     for it in order:
-        for ins in _gpu_parts(it.instr):
+        for k, ins in _parts(it):
             for s in _streams_of(ins):
                 if s not in streams:
-                    raise ProgramError(_where(it, rp, f"unknown stream {s!r}"))
+                    raise ProgramError(_where(it, rp, f"unknown stream {s!r}", k))
             if isinstance(ins, (Wait, Sync)) and ins.event not in recorded:
-                raise ProgramError(_where(it, rp, f"event {ins.event!r} is never recorded"))
+                raise ProgramError(_where(it, rp, f"event {ins.event!r} is never recorded", k))
             if isinstance(ins, Launch):
-                _check_op(it, rp, ins, num_sms, sends, program)
-        if isinstance(it.instr, Host) and it.instr.us < 0:
-            raise ProgramError(_where(it, rp, "negative host time"))
+                why = _op_fault(ins.op, num_sms, sends, rank_ids)
+                if why:
+                    raise ProgramError(_where(it, rp, why, k))
+        if isinstance(it.instr, Host):
+            us = it.instr.us
+            if not (isinstance(us, (int, float)) and 0 <= us <= MAX_HOST_US):
+                raise ProgramError(
+                    _where(
+                        it, rp, f"host time must be a number in 0..{MAX_HOST_US:g} µs, got {us!r}"
+                    )
+                )
 
 
 def _streams_of(ins: Instr) -> tuple[str, ...]:
@@ -141,109 +218,214 @@ def _streams_of(ins: Instr) -> tuple[str, ...]:
     return ()
 
 
-def _check_op(it: Issued, rp: RankProgram, ins: Launch, num_sms, sends, program) -> None:
-    op = ins.op
+def _finite_work(v) -> bool:
+    return type(v) in (float, int) and 0 <= v <= MAX_WORK  # NaN fails both comparisons
+
+
+def _op_fault(op: Op, num_sms, sends, rank_ids) -> str | None:
+    """Why the op cannot run, or None."""
     if op.kind not in OP_KINDS:
-        raise ProgramError(_where(it, rp, f"unknown op kind {op.kind!r}"))
+        return f"unknown op kind {op.kind!r}; expected one of {', '.join(OP_KINDS)}"
+    if op.dtype not in DTYPES:
+        return f"unknown dtype {op.dtype!r}; expected one of {', '.join(DTYPES)}"
+    if op.op_class not in OP_CLASSES:
+        return f"unknown op class {op.op_class!r}; expected one of {', '.join(OP_CLASSES)}"
     if op.sms is not None and op.sms < 0:
-        raise ProgramError(_where(it, rp, f"negative SM demand {op.sms}"))
+        return f"negative SM demand {op.sms}"
     if num_sms is not None and op.sms is not None and op.sms > num_sms:
-        raise ProgramError(
-            _where(it, rp, f"{op.name} asks for {op.sms} SMs but the GPU has {num_sms}")
-        )
-    if op.flops < 0 or op.hbm_bytes < 0:
-        raise ProgramError(_where(it, rp, "negative work"))
+        return f"{op.name} asks for {op.sms} SMs but the GPU has {num_sms}"
+    if op.tokens < 0:
+        return f"negative token count {op.tokens}"
+    if not (_finite_work(op.flops) and _finite_work(op.hbm_bytes)):
+        return f"work (flops, hbm_bytes) must be finite numbers in 0..{MAX_WORK:g}"
     c = op.coll
     if c is None:
-        return
+        return None
+    if op.kind == "copy":
+        return "a copy op cannot take part in a collective (copies move bytes over PCIe only)"
     if c.role not in ROLES:
-        raise ProgramError(_where(it, rp, f"unknown collective role {c.role!r}"))
+        return f"unknown collective role {c.role!r}; expected one of {', '.join(ROLES)}"
+    if c.role == "recv" and c.flows:
+        return "a recv op carries no flows (its senders do)"
+    explicit = any(f.dst is not None for f in c.flows)
     for f in c.flows:
-        if f.link not in LINK_KINDS or f.nbytes < 0:
-            raise ProgramError(_where(it, rp, f"bad flow {f}"))
-        if f.dst is not None and f.dst not in {r.rank for r in program.ranks}:
-            raise ProgramError(_where(it, rp, f"flow to unknown rank {f.dst}"))
+        if f.link not in LINK_KINDS:
+            return f"bad flow {f}: unknown link kind {f.link!r}"
+        if not _finite_work(f.nbytes):
+            return f"bad flow {f}: bytes must be a finite number in 0..{MAX_WORK:g}"
+        if f.dst is not None and f.dst not in rank_ids:
+            return f"flow to unknown rank {f.dst}"
+        if explicit and f.link not in NET_LINK_KINDS:
+            return (
+                f"bad flow {f}: an op with explicit-destination flows may use only "
+                f"{' and '.join(NET_LINK_KINDS)} links"
+            )
     if c.role == "recv" and c.key not in sends:
-        raise ProgramError(
-            _where(it, rp, f"completion of collective {c.key!r} without its issue half")
-        )
+        return f"completion of collective {c.key!r} without its issue half"
+    return None
 
 
-def _check_cycles(program: Program) -> None:
-    """Kahn's algorithm over the dependency graph of issue and completion nodes."""
-    succ: dict[tuple, list[tuple]] = defaultdict(list)
-    indeg: dict[tuple, int] = defaultdict(int)
-    info: dict[tuple, tuple[Issued, RankProgram]] = {}
+def _hold(op: Op, num_sms: int) -> int:
+    """SMs an op may hold while it waits for data (compute kernels grow up to their limit)."""
+    return num_sms if op.sms is None else op.sms
 
-    def edge(a, b):
-        succ[a].append(b)
-        indeg[b] += 1
-        indeg.setdefault(a, 0)
 
-    completions_of_key: dict[str, list[tuple]] = defaultdict(list)
-    recvs: list[tuple[tuple, str, int]] = []
-    flow_srcs: dict[tuple[str, int], list[tuple]] = defaultdict(list)
+def _need(op: Op, num_sms: int) -> int:
+    """SMs an op needs free before it can start (comm kernels: all of theirs)."""
+    limit = num_sms if op.sms is None else op.sms
+    return limit if op.kind == "comm" else min(1, limit)
+
+
+def _check_cycles(program: Program, orders, num_sms) -> None:
+    """Kahn's algorithm over the dependency graph of issue and completion nodes.
+
+    Every launch is two nodes: its start (it holds its SMs; a send half injects its flows) and
+    its end (a completion half has all its data). The next item of a stream follows the end of
+    the previous one; a receiving op's end follows the start of every op sending it data.
+    Nodes are integers; ``info[n]`` says which instruction node ``n`` belongs to.
+    """
+    succ: list[list[int]] = []
+    info: list[tuple[Issued, RankProgram, int | None]] = []
+
+    def node(where) -> int:
+        succ.append([])
+        info.append(where)
+        return len(succ) - 1
+
+    launches: dict[int, list[Op]] = defaultdict(list)
+    recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
+    flow_srcs: dict[tuple[str, int], list[tuple[int, Op]]] = defaultdict(list)
     for rp in program.ranks:
-        record_node: dict[str, tuple] = {}
-        last_on: dict[str, tuple] = {}
+        record_node: dict[str, int] = {}
+        last_on: dict[str, int] = {}
         prev_host = None
-        pending: list[tuple[tuple, str]] = []  # (node, event) waits resolved after the pass
-        for n, it in enumerate(issue_order(rp)):
-            h = ("h", rp.rank, n)
-            info[h] = (it, rp)
-            indeg.setdefault(h, 0)
+        pending: list[tuple[int, str]] = []  # (node, event) waits resolved after the pass
+        for it in orders[rp.rank]:
+            h = node((it, rp, None))
             if prev_host is not None:
-                edge(prev_host, h)
+                succ[prev_host].append(h)
             prev_host = h
-            if isinstance(it.instr, Sync):
-                pending.append((h, it.instr.event))
-            for k, ins in enumerate(_gpu_parts(it.instr)):
-                g = ("g", rp.rank, n, k)
-                info[g] = (it, rp)
-                edge(h, g)
+            ins = it.instr
+            if isinstance(ins, Sync):
+                pending.append((h, ins.event))
+            for k, ins in _parts(it):
+                if not isinstance(ins, (Launch, Record, Wait, WaitStream)):
+                    continue
+                g = node((it, rp, k))
+                succ[h].append(g)
                 if isinstance(ins, WaitStream):
                     if ins.other in last_on:
-                        edge(last_on[ins.other], g)
-                    stream = ins.stream
-                else:
-                    stream = getattr(ins, "stream", None)
-                if stream is None:
-                    continue
+                        succ[last_on[ins.other]].append(g)
+                stream = ins.stream
                 if stream in last_on:
-                    edge(last_on[stream], g)
-                last_on[stream] = g
+                    succ[last_on[stream]].append(g)
+                end = g
                 if isinstance(ins, Record):
                     record_node[ins.event] = g
                 elif isinstance(ins, Wait):
                     pending.append((g, ins.event))
-                elif isinstance(ins, Launch) and ins.op.coll is not None:
+                elif isinstance(ins, Launch):
+                    launches[rp.rank].append(ins.op)
+                    end = node((it, rp, k))
+                    succ[g].append(end)
                     c = ins.op.coll
-                    if c.role != "recv":
-                        completions_of_key[c.key].append(g)
-                        for f in c.flows:
-                            dst = rp.rank if f.dst is None else f.dst
-                            flow_srcs[(c.key, dst)].append(g)
-                    if c.role != "send":
-                        recvs.append((g, c.key, rp.rank))
-        for node, ev in pending:
+                    if c is not None:
+                        if c.role != "recv":
+                            for f in c.flows:
+                                dst = rp.rank if f.dst is None else f.dst
+                                flow_srcs[(c.key, dst)].append((g, ins.op))
+                        if c.role != "send":
+                            recvs.append((g, end, c.key, rp.rank, ins.op, stream))
+                last_on[stream] = end
+        for n, ev in pending:
             if ev in record_node:
-                edge(record_node[ev], node)
-    for g, key, rank in recvs:
-        for src in flow_srcs.get((key, rank), []):
-            if src != g:
-                edge(src, g)
-    queue = [n for n, d in indeg.items() if d == 0]
+                succ[record_node[ev]].append(n)
+    for start, end, key, rank, _op, _s in recvs:
+        for src, _sop in flow_srcs.get((key, rank), ()):
+            if src != start:
+                succ[src].append(end)
+    indeg = [0] * len(succ)
+    for out in succ:
+        for m in out:
+            indeg[m] += 1
+    queue = [n for n, d in enumerate(indeg) if d == 0]
     seen = 0
     while queue:
         n = queue.pop()
         seen += 1
-        for m in succ.get(n, ()):
+        for m in succ[n]:
             indeg[m] -= 1
             if indeg[m] == 0:
                 queue.append(m)
-    if seen < len(indeg):
-        stuck = sorted((n for n, d in indeg.items() if d > 0), key=lambda n: (n[1], n[2]))
-        it, rp = info[stuck[0]]
+    if seen < len(succ):
+        first = next(n for n, d in enumerate(indeg) if d > 0)  # nodes are made in issue order
+        it, rp, k = info[first]
         raise ProgramError(
-            _where(it, rp, "wait cycle: this instruction waits on work that can only come after it")
+            _where(
+                it,
+                rp,
+                "wait cycle: this instruction waits on work that can only come after it",
+                k,
+            )
         )
+    if num_sms is not None:
+        _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches)
+
+
+def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
+    """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
+    Such an op is *at risk* when a same-rank op sending it data is not ordered before it. Per
+    rank, the SMs at-risk receivers may hold at once (the largest hold of each stream: a stream
+    runs one op at a time), plus the most any launch needs to start (requests are granted in
+    order, so one large request can hold up the sender behind it), must fit in the GPU."""
+    pred: list[list[int]] | None = None
+    # rank -> stream -> (hold, start node, op): the largest at-risk hold of each stream
+    at_risk: dict[int, dict[str, tuple[int, int, Op]]] = defaultdict(dict)
+    for start, _end, key, rank, op, stream in recvs:
+        if _hold(op, num_sms) == 0:
+            continue
+        for src, _sop in flow_srcs.get((key, rank), ()):
+            if src == start or info[src][1].rank != rank:
+                continue
+            if pred is None:
+                pred = [[] for _ in succ]
+                for a, out in enumerate(succ):
+                    for b in out:
+                        pred[b].append(a)
+            if not _reaches(src, start, pred):
+                hold = _hold(op, num_sms)
+                if hold > at_risk[rank].get(stream, (-1,))[0]:
+                    at_risk[rank][stream] = (hold, start, op)
+                break
+    for rank, per_stream in at_risk.items():
+        risky = sorted(per_stream.values(), key=lambda x: x[1])
+        held = sum(h for h, _, _ in risky)
+        need, needer = max((_need(op, num_sms), op.name) for op in launches[rank])
+        if held + need > num_sms:
+            _, start, op = risky[-1]
+            it, rp, k = info[start]
+            names = ", ".join(o.name for _, _, o in risky)
+            raise ProgramError(
+                _where(
+                    it,
+                    rp,
+                    f"SM starvation: {names} may hold {held} of the {num_sms} SMs while waiting "
+                    f"for data from a same-rank op not ordered before them, and {needer} needs "
+                    f"{need} SMs to start; order the sender first or leave it SMs",
+                    k,
+                )
+            )
+
+
+def _reaches(a: int, b: int, pred) -> bool:
+    """Whether node ``a`` is an ancestor of node ``b``."""
+    stack, seen = [b], {b}
+    while stack:
+        n = stack.pop()
+        if n == a:
+            return True
+        for p in pred[n]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return False

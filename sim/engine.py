@@ -48,6 +48,7 @@ from overlap_lab.shared.program import (
 from overlap_lab.shared.trace import Span, Trace
 from overlap_lab.shared.validate import issue_order, validate
 from overlap_lab.sim import cost
+from overlap_lab.sim.budget import default_max_events, run_budgeted
 from overlap_lab.sim.network import Network
 from overlap_lab.sim.resources import Gpu, Kernel, Link
 
@@ -84,9 +85,11 @@ class Engine:
         seed: int = 0,
         net_group_tol: float = 0.0,
         profile=None,
+        max_events: int | None = None,
     ):
         self.program, self.gpu, self.seed = program, gpu, seed
         self.profile = profile  # sim.profile.Profile or None (the roofline alone)
+        self.max_events = max_events or default_max_events(program)  # sim.budget
         self.env = simpy.Environment()
         self.spans: list[Span] = []
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
@@ -115,7 +118,7 @@ class Engine:
             self.env.process(self._host(r))
             for s, q in r.queues.items():
                 self.env.process(self._stream(r, s, q))
-        self.env.run()
+        run_budgeted(self.env, self.max_events)
         self._check_finished()
         meta = dict(self.program.meta)
         meta.update(
@@ -316,8 +319,10 @@ class Engine:
             raise SimulationStalled("simulation stalled: " + "; ".join(problems))
 
 
-def simulate(program: Program, gpu: GPU, *, seed: int = 0, profile=None) -> Trace:
+def simulate(
+    program: Program, gpu: GPU, *, seed: int = 0, profile=None, max_events: int | None = None
+) -> Trace:
     """Validate ``program`` and simulate it on ``gpu`` (op durations from ``profile``, a
     ``sim.profile.Profile``, where it has rows); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
-    return Engine(program, gpu, seed, profile=profile).run()
+    return Engine(program, gpu, seed, profile=profile, max_events=max_events).run()

@@ -1,0 +1,636 @@
+"""The input-checking layer of the command line: every option checked before anything runs.
+
+``apply_limits(parser)`` gives every option of the ``overlap-lab`` parser whose destination is in
+``LIMITS`` a checking argparse type (finite, in range) and states the range in its ``-h`` text;
+``check_args(args)`` then checks what one option alone cannot: options meaningful only for one
+mode or schedule, names (case-insensitive, like ``--model`` and ``--gpu``), routing files, the
+memory of the run (model weights plus KV cache against the GPU's ``mem_gib``; the simulator's own
+footprint against this machine's memory), and the output folder (``check_out_dir``), so that bad
+input fails in one line before any simulation starts. Every failure is a ConfigError whose
+message says what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlap_lab.shared.errors import ConfigError
+
+# ---- per-option limits ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A numeric option's type and closed range ``lo..hi`` (``open_hi``: ``hi`` excluded)."""
+
+    kind: type  # int or float
+    lo: float
+    hi: float
+    open_hi: bool = False
+    zero_ok: bool = False  # floats: 0 allowed besides lo..hi (0 = "off" / "same as nominal")
+
+    def text(self) -> str:
+        def num(v):
+            return str(int(v)) if self.kind is int else f"{v:g}"
+
+        hi = num(self.hi) + (" (excluded)" if self.open_hi else "")
+        return f"{'0 or ' if self.zero_ok else ''}{num(self.lo)}..{hi}"
+
+    def check(self, v: float) -> bool:
+        if self.zero_ok and v == 0:
+            return True
+        return self.lo <= v and (v < self.hi if self.open_hi else v <= self.hi)
+
+
+MAX_TOKENS = 1 << 20  # tokens of one sequence (KV, extend or prefix)
+MAX_SEQS = 1 << 16  # sequences per GPU
+_I, _F = int, float
+
+#: Option destination -> its limit. Hardware ranges bracket every real device with a wide margin
+#: and keep simulated times far from floating-point trouble.
+LIMITS: dict[str, Limit] = {
+    # workload and parallelism
+    "batch": Limit(_I, 1, MAX_SEQS),
+    "kv_len": Limit(_I, 1, MAX_TOKENS),
+    "kv_lens": Limit(_I, 1, MAX_TOKENS),
+    "tokens_per_seq": Limit(_I, 1, 64),
+    "extend_len": Limit(_I, 1, MAX_TOKENS),
+    "extend_lens": Limit(_I, 1, MAX_TOKENS),
+    "prefix_len": Limit(_I, 0, MAX_TOKENS),
+    "prefix_lens": Limit(_I, 0, MAX_TOKENS),
+    "layers": Limit(_I, 1, 1000),
+    "ep": Limit(_I, 1, 1024),
+    "gpus_per_node": Limit(_I, 1, 72),
+    "attn_tp": Limit(_I, 1, 1024),
+    "pp_size": Limit(_I, 1, 16),
+    "seed": Limit(_I, 0, 2**32 - 1),
+    "dp_imbalance": Limit(_F, 0, 1, open_hi=True),
+    "max_events": Limit(_I, 1, 10**10),
+    # schedule knobs
+    "comm_sms": Limit(_I, 0, 1023),
+    "sbo_mode": Limit(_I, 1, 3),
+    "tbo_threshold": Limit(_F, 0.01, 0.5),
+    "delta_stages": Limit(_I, 0, 16),
+    "iterations": Limit(_I, 1, 64),
+    "micro_batches": Limit(_I, 1, 64),
+    "dbo_decode_token_threshold": Limit(_I, 0, MAX_TOKENS),
+    "dbo_prefill_token_threshold": Limit(_I, 0, MAX_TOKENS),
+    "dp_peer_tokens": Limit(_I, 0, MAX_TOKENS),
+    "max_running_requests": Limit(_I, 1, MAX_SEQS),
+    "chunked_prefill_size": Limit(_I, 1, MAX_TOKENS),
+    "context_len": Limit(_I, 1, 1 << 24),
+    # hardware overrides
+    "num_sms": Limit(_I, 1, 1024),
+    "bf16_tflops": Limit(_F, 1, 1e5),
+    "fp8_tflops": Limit(_F, 1, 1e5),
+    "hbm_gbps": Limit(_F, 10, 1e6),
+    "mem_gib": Limit(_F, 1, 1e5),
+    "launch_us": Limit(_F, 0, 1e4),
+    "graph_launch_us": Limit(_F, 0, 1e4),
+    "kernel_min_us": Limit(_F, 0, 1e4),
+    "nvlink_gbps": Limit(_F, 1, 1e5),
+    "nvlink_lat_us": Limit(_F, 0, 1e4),
+    "rdma_gbps": Limit(_F, 1, 1e5),
+    "rdma_lat_us": Limit(_F, 0, 1e4),
+    "pcie_gbps": Limit(_F, 1, 1e5),
+    "pcie_lat_us": Limit(_F, 0, 1e4),
+    "sbo_comm_sms": Limit(_I, 1, 1023),
+    "deepep_normal_sms": Limit(_I, 1, 1023),
+    "nvlink_eff_gbps": Limit(_F, 1, 1e5, zero_ok=True),
+    "rdma_eff_gbps": Limit(_F, 1, 1e5, zero_ok=True),
+    # `run`
+    "warmup": Limit(_I, 0, 1000),
+    "repeats": Limit(_I, 1, 10000),
+    "tolerance": Limit(_F, 1e-12, 1),
+}
+for _f in (
+    "recv_requests_us",
+    "schedule_base_us",
+    "schedule_per_req_us",
+    "process_result_base_us",
+    "process_result_per_req_us",
+    "detokenizer_send_us",
+):
+    LIMITS["host_" + _f] = Limit(_F, 0, 1e6)
+#: `run` (CPU equivalence check and GPU) sizes: the real executor allocates them.
+RUN_LIMITS = {"batch": 4096, "ranks": 16}
+
+
+def _number(kind: type, s: str):
+    s = s.strip()
+    if kind is int:
+        try:
+            return int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
+def limited(limit: Limit, *, is_list: bool = False):
+    """An argparse type: one number (or a comma-separated list of them) within ``limit``."""
+
+    def one(s: str):
+        v = _number(limit.kind, s)
+        if not limit.check(v):
+            raise argparse.ArgumentTypeError(
+                f"expected a value in {limit.text()}, got {s.strip()!r}"
+            )
+        return v
+
+    def many(s: str):
+        parts = s.split(",")
+        if any(not p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated values in {limit.text()} with none empty, got {s!r}"
+            )
+        if len(parts) > MAX_SEQS:
+            raise argparse.ArgumentTypeError(f"expected at most {MAX_SEQS} values")
+        return tuple(one(p) for p in parts)
+
+    return many if is_list else one
+
+
+def _actions(parser: argparse.ArgumentParser):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in dict.fromkeys(a.choices.values()):
+                yield from _actions(sub)
+        else:
+            yield a
+
+
+def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give every limited option its checking type and state the range in its help."""
+    for a in _actions(parser):
+        if a.choices is not None and a.type is None and a.option_strings:
+            a.type = str.lower  # names are case-insensitive, like --model and --gpu
+        lim = LIMITS.get(a.dest)
+        if lim is None or not a.option_strings or a.nargs == 0:
+            continue
+        is_list = a.dest.endswith("s") and a.dest in (
+            "kv_lens",
+            "extend_lens",
+            "prefix_lens",
+            "dp_peer_tokens",
+        )
+        a.type = limited(lim, is_list=is_list)
+        a.help = f"{a.help or ''} [{'each ' if is_list else ''}{lim.text()}]".strip()
+        if a.dest in ("nvlink_gbps", "rdma_gbps"):
+            a.help += (
+                f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
+            )
+        if a.dest in MODE_DEFAULTS:  # None in the parser, so that check_args sees it given
+            a.default = None
+            a.help += f" (default: {MODE_DEFAULTS[a.dest]})"
+    return parser
+
+
+def add_guard_options(p: argparse.ArgumentParser) -> None:
+    """The options of this layer itself (sim, show, compare, run)."""
+    g = p.add_argument_group("limits")
+    g.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="go on when model weights plus KV cache exceed the GPU memory (--mem-gib)",
+    )
+    g.add_argument(
+        "--max-events",
+        type=int,
+        default=None,
+        help="simulation budget in SimPy events (default: 100000 + 25 per instruction + 2 per "
+        "flow of the Program, about 7 times what a run needs)",
+    )
+
+
+# ---- cross-option checks -------------------------------------------------------------------------
+
+DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq")
+PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
+#: Schedule knobs read by only some schedules: giving one to none of them is refused.
+KNOB_SCHEDULES = {
+    "sbo_mode": ("sbo", "tbo+sbo"),
+    "tbo_threshold": ("tbo", "tbo+sbo"),
+    "delta_stages": ("tbo", "tbo+sbo"),
+    "dp_ranks_disagree": ("tbo", "tbo+sbo"),
+    "iterations": ("sglang-overlap", "pp"),
+    "micro_batches": ("pp", "tbo", "tbo+sbo"),
+    "dbo_decode_token_threshold": ("vllm-dbo",),
+    "dbo_prefill_token_threshold": ("vllm-dbo",),
+    "dp_peer_tokens": ("lightllm", "vllm-dbo"),
+    "return_logprob": ("sglang-overlap", "pp"),
+    **{
+        k: ("sglang-overlap",)
+        for k in (
+            "disable_overlap_schedule",
+            "disable_consecutive_prefill_overlap",
+            "spec_v2",
+            "grammar",
+            "iteration_modes",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "context_len",
+        )
+    },
+}
+#: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
+MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args, dest: str) -> bool:
+    return getattr(args, dest, None) is not None
+
+
+def check_args(args) -> None:
+    """Check a parsed ``overlap-lab`` command line as a whole; fill the mode defaults."""
+    cmd = getattr(args, "command", None)
+    if cmd not in ("sim", "show", "compare", "run"):
+        if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
+            args.mode = args.mode.lower()
+            if args.mode not in ("decode", "prefill"):
+                raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
+            _check_mode_options(args)
+        return
+    _check_names(args, cmd)
+    _check_mode_options(args)
+    if cmd != "run":
+        _check_knobs(args, _schedules(args, cmd))
+    _check_hardware(args)
+    if cmd == "run":
+        _check_run(args)
+        return
+    _check_ranks(args)
+    if getattr(args, "out", None):
+        check_out_dir(args.out)
+
+
+def _check_names(args, cmd: str) -> None:
+    from overlap_lab.shared.schedules import SCHEDULES
+
+    mode = str(args.mode).lower()
+    if mode not in ("decode", "prefill"):
+        raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
+    args.mode = mode
+    if getattr(args, "deepep_mode", None) is not None:
+        args.deepep_mode = args.deepep_mode.lower()
+    choices = ", ".join(SCHEDULES)
+    if cmd == "compare":
+        names = [s.strip().lower() for s in args.schedules.split(",")]
+        names = [n for n in names if n]
+        if not names:
+            raise ConfigError(f"--schedules needs at least one schedule, from {choices}")
+        for n in names:
+            if n not in SCHEDULES:
+                raise ConfigError(f"unknown schedule {n!r}; choose from {choices}")
+        args.schedules = ",".join(dict.fromkeys(names))
+    elif args.schedule is not None:
+        name = args.schedule.strip().lower()
+        if name not in SCHEDULES and not (cmd == "run" and name == "all"):
+            raise ConfigError(f"unknown schedule {args.schedule!r}; choose from {choices}")
+        args.schedule = name
+
+
+def _schedules(args, cmd: str) -> list[str]:
+    return args.schedules.split(",") if cmd == "compare" else [args.schedule]
+
+
+def _check_mode_options(args) -> None:
+    wrong = PREFILL_ONLY if args.mode == "decode" else DECODE_ONLY
+    for dest in wrong:
+        if _given(args, dest):
+            other = "prefill" if args.mode == "decode" else "decode"
+            raise ConfigError(f"{_flag(dest)} applies to --mode {other} only, not {args.mode}")
+    for dest, v in MODE_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, v)
+    if args.mode == "decode" and args.kv_lens is not None and _given(args, "batch"):
+        if args.batch != len(args.kv_lens):
+            raise ConfigError(f"--batch {args.batch} but {len(args.kv_lens)} --kv-lens")
+    if args.mode == "prefill" and args.extend_lens is not None:
+        n = len(args.extend_lens)
+        if _given(args, "batch") and args.batch != n:
+            raise ConfigError(f"--batch {args.batch} but {n} --extend-lens")
+        if args.prefix_lens is not None and len(args.prefix_lens) != n:
+            raise ConfigError(f"{len(args.prefix_lens)} --prefix-lens for {n} --extend-lens")
+    elif args.mode == "prefill" and args.prefix_lens is not None:
+        raise ConfigError("--prefix-lens needs --extend-lens (one prefix per sequence)")
+
+
+def _check_knobs(args, names: list[str]) -> None:
+    for dest, owners in KNOB_SCHEDULES.items():
+        v = getattr(args, dest, None)
+        if v is None or v == () or v is False:
+            continue
+        if not set(names) & set(owners):
+            raise ConfigError(
+                f"{_flag(dest)} applies to --schedule {' or '.join(owners)} only, "
+                f"not {', '.join(names)}"
+            )
+    if getattr(args, "context_len", None) is not None:
+        longest = _longest_seq(args)
+        if args.context_len < longest:
+            raise ConfigError(
+                f"--context-len {args.context_len} is below the longest sequence simulated "
+                f"({longest} tokens); give at least {longest}"
+            )
+
+
+def _longest_seq(args) -> int:
+    if args.mode == "decode":
+        kv = max(args.kv_lens) if args.kv_lens else args.kv_len
+        return kv + args.tokens_per_seq
+    ext = max(args.extend_lens) if args.extend_lens else args.extend_len
+    pre = max(args.prefix_lens) if args.prefix_lens else args.prefix_len
+    return ext + pre
+
+
+def _check_hardware(args) -> None:
+    """Nominal link bandwidth overrides carry over to DeepEP's achievable one (same ratio)."""
+    from overlap_lab.shared.hardware import get_gpu
+
+    gpu = get_gpu(args.gpu)
+    for link in ("nvlink", "rdma"):
+        nominal, eff = getattr(args, f"{link}_gbps", None), f"{link}_eff_gbps"
+        if nominal is not None and getattr(args, eff, None) is None:
+            preset_eff = getattr(gpu, eff)
+            if preset_eff > 0:
+                setattr(args, eff, preset_eff * nominal / getattr(gpu, f"{link}_gbps"))
+    num_sms = getattr(args, "num_sms", None) or gpu.num_sms
+    for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
+        v = getattr(args, dest, None)
+        if v is not None and v >= num_sms:
+            raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
+
+
+#: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
+TINY_MODELS = ("tiny-mla", "tiny-gqa")
+
+
+def tiny_cpu_model(args) -> bool:
+    """`run --device cpu` with one of the CPU check's tiny models (no simulator workload)."""
+    return (
+        getattr(args, "command", None) == "run"
+        and args.device == "cpu"
+        and str(args.model).lower() in TINY_MODELS
+    )
+
+
+def _check_run(args) -> None:
+    args.backend, args.device = str(args.backend).lower(), str(args.device).lower()
+    backends = ("auto", "emulated", "torch", "deepep")
+    if args.backend not in backends:
+        raise ConfigError(f"--backend must be one of {', '.join(backends)}, got {args.backend!r}")
+    devices = ("auto", "cuda", "cpu")
+    if args.device not in devices:
+        raise ConfigError(f"--device must be one of {', '.join(devices)}, got {args.device!r}")
+    if _given(args, "batch") and args.batch > RUN_LIMITS["batch"]:
+        raise ConfigError(f"run: --batch must be at most {RUN_LIMITS['batch']}, got {args.batch}")
+    if args.ranks > RUN_LIMITS["ranks"]:
+        raise ConfigError(f"run: --ranks must be at most {RUN_LIMITS['ranks']}, got {args.ranks}")
+    if args.device != "cpu":  # a GPU run needs a GPU: say so on stderr, before anything else
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError("run: the real executor needs torch (pip install torch)") from None
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check "
+                "for the CPU equivalence check"
+            )
+
+
+def _check_ranks(args) -> None:
+    from overlap_lab.shared.routing import parse_imbalance
+    from overlap_lab.shared.workload import get_model
+
+    model = get_model(args.model)
+    if args.group_limited and model.n_group <= 1:
+        raise ConfigError(
+            f"--group-limited true needs a model with expert groups; {model.name} has none "
+            "(n_group 1)"
+        )
+    imb = parse_imbalance(args.imbalance)
+    if imb.kind == "file":
+        check_routing_file(imb.path, model.num_experts, model.top_k)
+    if args.ranks == "explicit" and _schedules(args, args.command) == ["pp"]:
+        raise ConfigError(
+            "--ranks explicit does not apply to --schedule pp (its ranks are explicit)"
+        )
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+#: Routing files larger than this are refused (a routing sample is a few MB).
+MAX_ROUTING_FILE_BYTES = 256 << 20
+MAX_EXPERT_COUNT = 1e15
+
+
+def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
+    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
+    from overlap_lab.shared.routing import read_sample
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"routing file {path}: is a directory")
+    if not p.is_file():
+        raise ConfigError(f"routing file {path}: no such file")
+    if p.stat().st_size > MAX_ROUTING_FILE_BYTES:
+        raise ConfigError(f"routing file {path}: larger than {MAX_ROUTING_FILE_BYTES >> 20} MiB")
+    try:
+        raw = p.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"routing file {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
+    if "\x00" in text:
+        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
+    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
+        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
+    sample = read_sample(path, num_experts, top_k)
+    counts = getattr(sample, "counts", None)
+    if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):
+        raise ConfigError(
+            f"routing file {path}: expert counts must be finite numbers in 0..{MAX_EXPERT_COUNT:g}"
+        )
+
+
+def check_out_dir(out: str | os.PathLike) -> None:
+    """An output folder that exists as a writable folder or can be made under one."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"--out {out}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: folder {probe} is not writable")
+    try:  # make it and write into it now: what os.access cannot tell (/proc, read-only mounts)
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def _bytes_per(dtype: str) -> int:
+    return 1 if dtype == "fp8" else 2
+
+
+def gpu_memory_bytes(w) -> tuple[float, float]:
+    """(weights, KV cache) bytes one GPU holds: its pipeline stage's layers, its share of the
+    experts and attention heads, the embedding and LM head; the KV cache of its sequences."""
+    m, par, b = w.model, w.parallel, w.batch
+    layers = math.ceil(m.num_layers / par.pp)
+    wb = _bytes_per(m.gemm_dtype)
+    if m.attention == "mla":
+        q = (
+            m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+            if m.q_lora_rank
+            else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+        )
+        kv = m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+        kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
+        attn = q + kv + m.num_heads * m.v_head_dim * m.hidden
+        kv_per_token = (m.kv_lora_rank + m.qk_rope_dim) * _bytes_per(m.attn_dtype)
+    else:
+        attn = m.hidden * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        attn += m.num_heads * m.head_dim * m.hidden
+        kv_heads = max(1, m.num_kv_heads // par.attn_tp)
+        kv_per_token = 2 * kv_heads * m.head_dim * _bytes_per(m.attn_dtype)
+    attn //= par.attn_tp
+    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    frac = layers / m.num_layers
+    n_moe, n_dense = sum(moe) * frac, (len(moe) - sum(moe)) * frac
+    expert = 3 * m.hidden * m.expert_inter
+    moe_layer = expert * (m.num_experts // par.ep + m.num_shared_experts) + m.hidden * m.num_experts
+    dense_layer = 3 * m.hidden * m.dense_inter
+    weights = wb * (layers * attn + n_moe * moe_layer + n_dense * dense_layer)
+    weights += 2 * 2 * m.vocab * m.hidden  # embedding and LM head, bf16
+    cached = sum(b.seq_cached(i) + b.seq_tokens(i) for i in range(b.num_seqs))
+    return float(weights), float(cached * kv_per_token * layers)
+
+
+def check_memory(w, gpu, allow: bool) -> None:
+    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``)."""
+    weights, kv = gpu_memory_bytes(w)
+    have = gpu.mem_gib * GIB
+    if weights + kv > have and not allow:
+        raise ConfigError(
+            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache "
+            f"{kv / GIB:.1f} GiB > {gpu.mem_gib:g} GiB ({gpu.name}, --mem-gib); use fewer or "
+            "shorter sequences, more --ep/--pp-size, or --allow-oversubscribe"
+        )
+
+
+def host_memory_bytes() -> float:
+    """This machine's physical memory."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return float("inf")
+
+
+def sim_memory_bytes(w, args) -> float:
+    """A rough upper estimate of the simulator's own memory for an explicit-rank run: the
+    routing draw of every MoE layer when sampled (tokens of all ranks × experts: the int64
+    ``argpartition`` result ``shared.routing`` keeps per layer, and one float32 score array at a
+    time) plus the explicit Program (about 1 KB per op, 32 ops
+    per layer and rank, and 128 B per flow of its four all-to-alls per layer; a DeepSeek-V3
+    decode step at EP 32 measures under 100 MB)."""
+    if getattr(args, "ranks", "symmetric") != "explicit":
+        return 0.0
+    m, par = w.model, w.parallel
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    tokens = w.batch.num_tokens * par.ep
+    sampled = str(getattr(args, "imbalance", "balanced")) != "balanced"
+    routing = (moe_layers * 8 + 4) * tokens * m.num_experts if sampled else 0
+    program = par.ep * m.num_layers * (32 * 1024 + 4 * par.ep * 128)
+    return float(routing + program)
+
+
+def check_sim_memory(w, args) -> None:
+    """Refuse an explicit-rank run whose estimated footprint exceeds 80 % of this machine."""
+    need, have = sim_memory_bytes(w, args), 0.8 * host_memory_bytes()
+    if need > have:
+        raise ConfigError(
+            f"the simulation would need about {need / GIB:.1f} GiB of memory, more than the "
+            f"{have / GIB:.1f} GiB it may use here (80 % of this machine); use fewer --layers, "
+            "tokens or --ep, or --ranks symmetric"
+        )
+
+
+def check_workload(w, gpu, args) -> None:
+    """The memory checks of a built workload (sim, compare, run)."""
+    check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
+    if getattr(args, "command", None) in ("sim", "compare"):
+        check_sim_memory(w, args)
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+
+def to_json(obj) -> str:
+    """RFC 8259 JSON (no NaN or Infinity): a non-finite result is refused with its key."""
+    import json
+
+    try:
+        return json.dumps(obj, sort_keys=True, allow_nan=False)
+    except ValueError:
+        raise ConfigError(
+            f"the result holds a non-finite number ({', '.join(_non_finite(obj)) or '?'}); "
+            "check the hardware options"
+        ) from None
+
+
+def _non_finite(obj, path: str = "") -> list[str]:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return [path or "value"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _non_finite(v, f"{path}.{k}".lstrip("."))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in _non_finite(v, f"{path}[{i}]")]
+    return []
+
+
+def closed_stdout() -> int:
+    """The reader of stdout went away (``| head``): no traceback, exit 1 (Python's advice)."""
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (tests capture it)
+        pass
+    return 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line on stderr and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")

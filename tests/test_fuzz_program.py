@@ -1,0 +1,250 @@
+"""Fuzz: random and mutated Program texts through parse → validate → simulate.
+
+Every case must end in exactly one of: simulated, a ParseError naming the line, or a
+ProgramError naming the instruction (or, for the Program as a whole, what is wrong with it).
+Never a crash, a stall or a hang (each simulation runs under a small event budget).
+Sources: every schedule's golden Program in tests/golden and a small complete Program of every
+schedule and mode; mutations: delete, duplicate, swap, rename, corrupt numbers, truncate.
+Counts: OVERLAP_LAB_FUZZ_EXAMPLES (see tests/fuzz_helpers.py); outcomes are tallied in
+``OUTCOMES`` and printed with ``-s``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from functools import cache
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.program import ParseError, parse
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build
+from overlap_lab.shared.validate import ProgramError, validate
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.sim.budget import SimulationBudgetExceeded
+from overlap_lab.sim.engine import Engine
+from tests.fuzz_helpers import fuzz_settings
+
+GPU = get_gpu("h800")
+GOLDEN = Path(__file__).parent / "golden"
+BUDGET = 200_000  # events per case: far above what these small Programs need
+OUTCOMES: Counter = Counter()
+
+_PROGRAM_LEVEL = re.compile(
+    r"^(meta must|the program has no ranks|world must|symmetric must|rank -?\d+[: ]|rank .* outside)"
+)
+
+
+@cache
+def sources() -> tuple[str, ...]:
+    """Golden Programs plus one small complete Program per schedule and mode."""
+    texts = [p.read_text() for p in sorted(GOLDEN.glob("*.txt"))]
+    model = with_layers(get_model("deepseek-v2-lite"), 2)
+    for mode in ("decode", "prefill"):
+        batch = Batch.decode(4, kv_len=64) if mode == "decode" else Batch.prefill(2, extend_len=64)
+        for name in SCHEDULES:
+            par = Parallel(ep=8, pp=2 if name == "pp" else 1)
+            try:
+                texts.append(str(build(name, Workload(model, batch, par), GPU, ScheduleConfig())))
+            except ConfigError:
+                pass
+    return tuple(texts)
+
+
+CORRUPT = [
+    "nan",
+    "inf",
+    "-inf",
+    "-1",
+    "0",
+    "1e308",
+    "1e-300",
+    "-0.0",
+    "x",
+    "",
+    "1.5",
+    "99999999999",
+]
+NAMES = ["main", "alt", "comm", "zz", "ev", "s0.L1.mb0.dispatch", "0", "sym", "{", "}", "=", '"']
+
+
+def _tokens(line: str) -> list[str]:
+    return line.split(" ")
+
+
+@st.composite
+def mutated(draw) -> str:
+    lines = draw(st.sampled_from(sources())).splitlines()
+    for _ in range(draw(st.integers(1, 3))):
+        if not lines:
+            break
+        i = draw(st.integers(0, len(lines) - 1))
+        op = draw(
+            st.sampled_from(
+                ["delete", "duplicate", "swap", "rename", "number", "truncate", "field"]
+            )
+        )
+        if op == "delete":
+            del lines[i]
+        elif op == "duplicate":
+            lines.insert(draw(st.integers(0, len(lines))), lines[i])
+        elif op == "swap":
+            j = draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+        elif op == "truncate":
+            lines[i] = lines[i][: draw(st.integers(0, len(lines[i])))]
+        else:
+            toks = _tokens(lines[i])
+            k = draw(st.integers(0, len(toks) - 1))
+            if op == "rename":
+                toks[k] = draw(st.sampled_from(NAMES + sum((_tokens(x) for x in lines[:3]), [])))
+            elif op == "number":
+                toks[k] = re.sub(r"-?\d[\d.e+-]*", draw(st.sampled_from(CORRUPT)), toks[k], count=1)
+            else:
+                key = draw(
+                    st.sampled_from(
+                        [
+                            "sms",
+                            "flops",
+                            "hbm_bytes",
+                            "dtype",
+                            "kind",
+                            "coll",
+                            "flow",
+                            "op_class",
+                            "layer",
+                            "tokens",
+                            "world",
+                            "symmetric",
+                        ]
+                    )
+                )
+                toks.insert(
+                    k + 1,
+                    f"{key}={draw(st.sampled_from(CORRUPT + NAMES + ['send', 'nvlink:0:1.0', 'k:recv']))}",
+                )
+            lines[i] = " ".join(toks)
+    return "\n".join(lines) + "\n"
+
+
+STREAMS = ["main", "alt", "comm"]
+EVENTS = ["e0", "e1", "e2"]
+
+
+@st.composite
+def random_program(draw) -> str:
+    """A small Program from the grammar, with random references and numbers."""
+    num = st.sampled_from(["0", "1", "1e6", "1e9", "2.5", "1e12", "nan", "inf", "-1"])
+    lines = [
+        f"program world={draw(st.sampled_from(['1', '2', '3']))} "
+        f"symmetric={draw(st.sampled_from(['true', 'false']))}"
+    ]
+    for r in range(draw(st.integers(1, 2))):
+        lines.append(f"rank {r} streams={','.join(STREAMS[: draw(st.integers(1, 3))])}")
+        for t in range(draw(st.integers(1, 2))):
+            lines.append(f"  thread t{t}")
+            in_graph = False
+            for _ in range(draw(st.integers(0, 8))):
+                s, e = draw(st.sampled_from(STREAMS)), draw(st.sampled_from(EVENTS))
+                verb = draw(
+                    st.sampled_from(
+                        [
+                            "launch",
+                            "launch",
+                            "record",
+                            "wait",
+                            "wait_stream",
+                            "host",
+                            "sync",
+                            "yield",
+                            "graph",
+                        ]
+                    )
+                )
+                if verb == "launch":
+                    op = f"launch {s} op{draw(st.integers(0, 9))} flops={draw(num)} hbm_bytes={draw(num)}"
+                    if draw(st.booleans()):
+                        op += f" kind=comm sms={draw(st.sampled_from(['0', '4', '24', '132']))}"
+                    if draw(st.booleans()):
+                        role = draw(st.sampled_from(["send", "recv", "sendrecv"]))
+                        op += f" coll=k{draw(st.integers(0, 1))}:{role}"
+                        if role != "recv" and draw(st.booleans()):
+                            dst = draw(st.sampled_from(["sym", "0", "1"]))
+                            link = draw(st.sampled_from(["nvlink", "rdma", "pcie"]))
+                            op += f" flow={link}:{dst}:{draw(num)}"
+                    lines.append("    " + op)
+                elif verb == "record":
+                    lines.append(f"    record {e} {s}")
+                elif verb == "wait":
+                    lines.append(f"    wait {s} {e}")
+                elif verb == "wait_stream":
+                    lines.append(f"    wait_stream {s} {draw(st.sampled_from(STREAMS))}")
+                elif verb == "host":
+                    lines.append(f"    host h {draw(num)}")
+                elif verb == "sync":
+                    lines.append(f"    sync {e}")
+                elif verb == "yield":
+                    lines.append("    yield")
+                elif not in_graph:
+                    lines.append(f"    graph g{draw(st.integers(0, 2))} {{")
+                    in_graph = True
+                else:
+                    lines.append("    }")
+                    in_graph = False
+            if in_graph:
+                lines.append("    }")
+    return "\n".join(lines) + "\n"
+
+
+def outcome(text: str) -> str:
+    """Run one text through parse → validate → simulate; the outcome, or an AssertionError."""
+    try:
+        program = parse(text)
+    except ParseError as e:
+        assert re.match(r"line \d+: \S", str(e)) and "\n" not in str(e), str(e)
+        return "parse error"
+    try:
+        validate(program, GPU.num_sms)
+    except ProgramError as e:
+        msg = str(e)
+        assert re.match(r"rank -?\d+, thread \S+, instruction \d+", msg) or _PROGRAM_LEVEL.match(
+            msg
+        ), msg
+        return "validation error"
+    try:
+        trace = Engine(program, GPU, max_events=BUDGET).run()
+    except SimulationBudgetExceeded as e:  # a hang: the validator must have rejected it
+        raise AssertionError(f"accepted Program hangs: {e}\n{text}") from None
+    except Exception as e:  # a crash or a stall of a validated Program
+        raise AssertionError(f"accepted Program fails: {type(e).__name__}: {e}\n{text}") from None
+    for s in trace.spans:
+        assert s.start <= s.end < float("inf"), (s, text)
+    return "simulated"
+
+
+@fuzz_settings(1000)
+@given(mutated())
+def test_mutated_programs_end_cleanly(text):
+    OUTCOMES["mutated " + outcome(text)] += 1
+
+
+@fuzz_settings(300)
+@given(random_program())
+def test_random_programs_end_cleanly(text):
+    OUTCOMES["random " + outcome(text)] += 1
+
+
+def test_sources_are_valid_programs():
+    """The unmutated small Programs simulate (the goldens are layer windows: they may not)."""
+    golden = len(list(GOLDEN.glob("*.txt")))
+    for text in sources()[golden:]:
+        assert outcome(text) == "simulated"
+
+
+def teardown_module(module):
+    if OUTCOMES:
+        print("\nProgram fuzz outcomes:", dict(sorted(OUTCOMES.items())))
