@@ -26,7 +26,7 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 }
 
 INSTALL_HINTS: dict[str, str] = {
-    "torch": "pip install 'overlap-lab[real]'  (CPU: pip install torch==2.13.0)",
+    "torch": 'pip install "torch==2.13.0" -e ".[real]"  (the CPU wheel; on a GPU, a CUDA build of torch)',
     "triton": "pip install triton  (ships with CUDA torch wheels)",
     "deep_ep": (
         "pip install --no-deps tokenspeed-deepep==1.2.1.post20251110  (DeepEP V1 API, CUDA 13, "
