@@ -10,7 +10,6 @@ commit.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ranks import expand_ranks
 from overlap_lab.shared.routing import routing_for
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
 
@@ -32,7 +31,7 @@ H800 = get_gpu("h800")
 
 
 def _model(layers: int):
-    return dataclasses.replace(get_model("deepseek-v3"), num_layers=layers)
+    return with_layers(get_model("deepseek-v3"), layers)  # one dense layer, the rest MoE
 
 
 def _topk_file(tmp: Path, tokens: int, experts: int = 256, k: int = 8) -> str:
