@@ -536,6 +536,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _workload_options(s)
     s.set_defaults(func=cmd_run)
+
+    from overlap_lab.experiments.cli_sweep import add_parser as add_sweep
+
+    add_sweep(sub)
     return p
 
 
