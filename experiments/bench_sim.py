@@ -1,11 +1,19 @@
-"""How fast the simulator is: one JSON line per case (`case`, `wall_ms`, `events_per_s`).
+"""How fast the simulator is: one JSON line per case, every row of the speed issue's table.
 
-    python -m overlap_lab.experiments.bench_sim [--repeats 5] [--out experiments/results/bench_sim.jsonl]
+    python -m overlap_lab.experiments.bench_sim [--repeats 5] [--cases NAME,...]
+        [--out experiments/results/bench_sim.jsonl]
 
-Each case builds a Program once and simulates it ``repeats`` times; ``wall_ms`` is the median
-simulation time (building excluded), ``events_per_s`` counts SimPy events processed per second.
-Targets (issue 2): a whole 61-layer DeepSeek-V3 decode step under 50 ms on a 2-core machine;
-(issue 4) the same TBO step with all 32 EP ranks explicit under 2 s.
+Each case runs in its own subprocess (so its peak memory, ``ru_maxrss``, is its own): it builds the
+Program and lowers it to explicit ranks where asked (``build_*``), then simulates it ``repeats``
+times (``sim_*``: the SimPy event loop) and post-processes the trace as ``overlap-lab sim --json``
+does (``post_*``: ``result_dict`` and the Chrome export). Times are medians, in CPU time
+(``time.process_time``, robust to a shared machine) and wall time; ``total_cpu_ms`` is
+build + sim + post. ``events`` counts the SimPy events one simulation processes and
+``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
+``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
+``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
+comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.experiments.sweep`` on 2
+worker processes; its CPU time is this process's plus its workers'.
 """
 
 from __future__ import annotations
@@ -13,19 +21,33 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from datetime import date
 
 import simpy
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import routing_for
-from overlap_lab.shared.schedules import build
-from overlap_lab.shared.validate import validate
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
-from overlap_lab.sim.engine import Engine
+#: name -> (schedule, mode, sequences per rank, ep, ranks, imbalance, repeats)
+CASES: dict[str, tuple] = {
+    "decode_tbo_b128_ep32_symmetric": ("tbo", "decode", 128, 32, "symmetric", "balanced", 5),
+    "decode_tbo_b128_ep32_explicit_balanced": (
+        "tbo", "decode", 128, 32, "explicit", "balanced", 3,
+    ),  # fmt: skip
+    "decode_tbo_b128_ep32_explicit_zipf1.2": ("tbo", "decode", 128, 32, "explicit", "zipf:1.2", 1),
+    # prefill: 4 x 4096 = 16K tokens per rank, 16 x 4096 = 64K
+    "prefill_serial_16k_ep32_explicit_zipf1.2": (
+        "serial", "prefill", 4, 32, "explicit", "zipf:1.2", 1,
+    ),  # fmt: skip
+    "prefill_serial_64k_ep32_explicit_zipf1.2": (
+        "serial", "prefill", 16, 32, "explicit", "zipf:1.2", 1,
+    ),  # fmt: skip
+}
+SPECIAL = ("raw_simpy", "sweep_1000")
+#: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
+NET_GROUP_TOL = 0.02
 
 
 def _count_events(env: simpy.Environment) -> list[int]:
@@ -41,57 +63,165 @@ def _count_events(env: simpy.Environment) -> list[int]:
     return count
 
 
-def cases():
-    v3 = get_model("deepseek-v3")
-    yield (
-        "deepseek-v3 decode serial b128 ep32 h800",
-        "serial",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
-    yield (
-        "deepseek-v3 prefill serial 4x4096 ep32 h800",
-        "serial",
-        Workload(v3, Batch.prefill(4, extend_len=4096), Parallel(ep=32)),
-    )
-    yield (
-        "deepseek-v3 decode tbo b128 ep32 h800",
-        "tbo",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
-    # issue 4: every EP rank explicit (balanced routing: flows of an all-to-all end together)
-    yield (
-        "deepseek-v3 decode tbo b128 ep32 h800 explicit-ranks",
-        "tbo",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
+def _clock() -> tuple[float, float]:
+    return time.process_time(), time.perf_counter()
 
 
-def run_case(name: str, schedule: str, w: Workload, repeats: int) -> dict:
+def _since(t: tuple[float, float]) -> tuple[float, float]:
+    c, w = _clock()
+    return c - t[0], w - t[1]
+
+
+def run_case(name: str, repeats: int | None = None) -> dict:
+    """One row of the table: build, simulate and post-process the case ``name``."""
+    from overlap_lab.experiments.cli import lower_ranks, result_dict
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.program import Graph, Launch
+    from overlap_lab.shared.schedules import build
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+    from overlap_lab.sim.engine import Engine
+
+    schedule, mode, n, ep, ranks, imbalance, reps = CASES[name]
+    reps = repeats or reps
     gpu = get_gpu("h800")
+    batch = Batch.decode(n, kv_len=4096) if mode == "decode" else Batch.prefill(n, extend_len=4096)
+    w = Workload(get_model("deepseek-v3"), batch, Parallel(ep=ep))
+    args = argparse.Namespace(ranks=ranks, imbalance=imbalance, dp_imbalance=0.0, seed=0)
+    t = _clock()
     program = build(schedule, w, gpu)
     validate(program, gpu.num_sms)
-    if name.endswith("explicit-ranks"):  # lowering excluded from the timing, as building is
-        program = expand_ranks(program, w, gpu, routing_for(w, "balanced"))
-    walls, events = [], 0
-    for _ in range(repeats):
-        eng = Engine(program, gpu, net_group_tol=0.02)
+    lowered = lower_ranks(program, w, gpu, args)
+    build_t = _since(t)
+    ops = sum(
+        len(i.body) if isinstance(i, Graph) else 1
+        for rp in lowered.ranks
+        for th in rp.threads
+        for i in th.instrs
+        if isinstance(i, (Launch, Graph))
+    )
+    sims, posts, events = [], [], 0
+    for _ in range(reps):
+        eng = Engine(lowered, gpu, 0, net_group_tol=0.0 if ranks == "symmetric" else NET_GROUP_TOL)
         counter = _count_events(eng.env)
-        t0 = time.perf_counter()
-        eng.run()
-        walls.append(time.perf_counter() - t0)
+        t = _clock()
+        trace = eng.run()
+        sims.append(_since(t))
         events = counter[0]
-    wall = statistics.median(walls)
-    return {"case": name, "wall_ms": round(wall * 1e3, 2), "events_per_s": round(events / wall)}
+        t = _clock()
+        result_dict(schedule, w, gpu, lowered, trace)
+        trace.to_chrome()
+        posts.append(_since(t))
+    sim_cpu = statistics.median(c for c, _ in sims)
+    post_cpu = statistics.median(c for c, _ in posts)
+    return {
+        "case": name,
+        "tokens_per_rank": w.batch.num_tokens,
+        "total_cpu_ms": round((build_t[0] + sim_cpu + post_cpu) * 1e3, 1),
+        "total_wall_ms": round(
+            (build_t[1] + statistics.median(w for _, w in sims) + statistics.median(w for _, w in posts))
+            * 1e3,
+            1,
+        ),
+        "build_cpu_ms": round(build_t[0] * 1e3, 1),
+        "sim_cpu_ms": round(sim_cpu * 1e3, 1),
+        "post_cpu_ms": round(post_cpu * 1e3, 1),
+        "events": events,
+        "ops": ops,
+        "events_per_op": round(events / ops, 2),
+        "events_per_cpu_s": round(events / sim_cpu) if sim_cpu > 0 else None,
+        "repeats": reps,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def raw_simpy(n: int = 300_000) -> dict:
+    """A bare SimPy loop: one process yielding ``n`` timeouts (2 events each: timeout, resume)."""
+    env = simpy.Environment()
+    counter = _count_events(env)
+
+    def proc(env):
+        for _ in range(n):
+            yield env.timeout(1)
+
+    env.process(proc(env))
+    t = _clock()
+    env.run()
+    cpu, wall = _since(t)
+    return {
+        "case": "raw_simpy",
+        "events": counter[0],
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "events_per_cpu_s": round(counter[0] / cpu),
+    }
+
+
+def sweep_1000() -> dict:
+    """The 1,000-case sweep through the sweep module, 2 local workers, to a fresh CSV."""
+    import tempfile
+    from pathlib import Path
+
+    from overlap_lab.experiments.sweep import load_spec, run_sweep
+
+    spec = load_spec(
+        {
+            "base": {"model": "deepseek-v3", "gpu": "h800", "mode": "decode", "kv_len": 4096},
+            "grid": {
+                "schedule": ["serial", "sbo", "tbo", "tbo+sbo", "deepseek"],
+                "batch": [16, 32, 64, 128, 256],
+                "ep": [8, 16, 32, 64],
+                "sbo_comm_sms": [4, 8, 12, 16, 20, 24, 28, 32, 36, 40],
+            },
+        }
+    )
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "sweep.csv"
+        t = _clock()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        stats = run_sweep(spec, out, processes=2, progress=False)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu, wall = _since(t)
+    cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {
+        "case": "sweep_1000",
+        "cases": stats["cases"],
+        "simulated": stats["simulated"],
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def _one(name: str, repeats: int | None) -> dict:
+    if name == "raw_simpy":
+        return raw_simpy()
+    if name == "sweep_1000":
+        return sweep_1000()
+    return run_case(name, repeats)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="override each case's repeats")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--out", default=None, help="also append the lines to this file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one case, print it
     args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_one(args.child, args.repeats)))
+        return
+    names = args.cases.split(",") if args.cases else [*SPECIAL[:1], *CASES, *SPECIAL[1:]]
     lines = []
-    for name, schedule, w in cases():
-        res = run_case(name, schedule, w, args.repeats)
+    for name in names:
+        cmd = [sys.executable, "-m", "overlap_lab.experiments.bench_sim", "--child", name]
+        if args.repeats:
+            cmd += ["--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            res = {"case": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        else:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
         res.update(
             machine=f"{platform.machine()} {platform.python_version()}",
             date=date.today().isoformat(),
