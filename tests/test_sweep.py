@@ -193,3 +193,13 @@ def test_cli_sweep(tmp_path, capsys):
     assert main(["sweep", str(spec), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown knob" in err[0]
+
+
+def test_readme_spec_is_valid():
+    import yaml
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"## Sweeps.*?```yaml\n(.*?)```", text, re.S).group(1)
+    spec = load_spec(yaml.safe_load(block))
+    assert len(spec.cases) == 5 * 3 * 2 * 3 + 1
+    assert spec.cases[-1]["imbalance"] == "zipf:1.2"
