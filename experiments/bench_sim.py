@@ -45,7 +45,7 @@ CASES: dict[str, tuple] = {
         "serial", "prefill", 16, 32, "explicit", "zipf:1.2", 1,
     ),  # fmt: skip
 }
-SPECIAL = ("raw_simpy", "sweep_1000")
+SPECIAL = ("raw_simpy", "sweep_1000", "sweep_1000_no_dedupe")
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
 NET_GROUP_TOL = 0.02
 
@@ -157,7 +157,7 @@ def raw_simpy(n: int = 300_000) -> dict:
     }
 
 
-def sweep_1000() -> dict:
+def sweep_1000(dedupe: bool = True) -> dict:
     """The 1,000-case sweep through the sweep module, 2 local workers, to a fresh CSV."""
     import tempfile
     from pathlib import Path
@@ -179,12 +179,12 @@ def sweep_1000() -> dict:
         out = Path(d) / "sweep.csv"
         t = _clock()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        stats = run_sweep(spec, out, processes=2, progress=False)
+        stats = run_sweep(spec, out, processes=2, progress=False, dedupe=dedupe)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu, wall = _since(t)
     cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {
-        "case": "sweep_1000",
+        "case": "sweep_1000" if dedupe else "sweep_1000_no_dedupe",
         "cases": stats["cases"],
         "simulated": stats["simulated"],
         "total_cpu_ms": round(cpu * 1e3, 1),
@@ -196,8 +196,8 @@ def sweep_1000() -> dict:
 def _one(name: str, repeats: int | None) -> dict:
     if name == "raw_simpy":
         return raw_simpy()
-    if name == "sweep_1000":
-        return sweep_1000()
+    if name.startswith("sweep_1000"):
+        return sweep_1000(dedupe=name == "sweep_1000")
     return run_case(name, repeats)
 
 

@@ -282,11 +282,11 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
 
 
 class _LocalClaims:
-    def __init__(self, initial: Mapping[str, int]):
-        self.owners = dict(initial)
+    def __init__(self, initial: Mapping[str, int] | None):
+        self.owners = None if initial is None else dict(initial)
 
     def __call__(self, key: str, index: int) -> int:
-        return self.owners.setdefault(key, index)
+        return index if self.owners is None else self.owners.setdefault(key, index)
 
 
 _worker_claims = None
@@ -298,6 +298,8 @@ def _init_worker(owners) -> None:
 
 
 def _claim_shared(key: str, index: int) -> int:
+    if _worker_claims is None:  # no deduplication
+        return index
     return _worker_claims.setdefault(key, index)  # one call in the manager: atomic
 
 
@@ -305,7 +307,7 @@ def _pool_case(item: tuple[int, dict]) -> dict:
     return run_case(item[0], item[1], _claim_shared)
 
 
-def _local(todo: list[tuple[int, dict]], owners: dict[str, int], processes: int):
+def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processes: int):
     if processes <= 1:
         claims = _LocalClaims(owners)
         for index, knobs in todo:
@@ -314,12 +316,12 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int], processes: int)
     from multiprocessing import Manager, Pool
 
     with Manager() as manager:
-        shared = manager.dict(owners)
+        shared = None if owners is None else manager.dict(owners)
         with Pool(processes, initializer=_init_worker, initargs=(shared,)) as pool:
             yield from pool.imap_unordered(_pool_case, todo, chunksize=1)
 
 
-def _ray(todo: list[tuple[int, dict]], owners: dict[str, int], address: str | None):
+def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: str | None):
     try:
         import ray
     except ImportError as e:
@@ -337,9 +339,11 @@ def _ray(todo: list[tuple[int, dict]], owners: dict[str, int], address: str | No
 
     @ray.remote
     def one(index, knobs, claims):
+        if claims is None:
+            return run_case(index, knobs, lambda k, i: i)
         return run_case(index, knobs, lambda k, i: ray.get(claims.claim.remote(k, i)))
 
-    claims = Claims.remote(owners)
+    claims = None if owners is None else Claims.remote(owners)
     pending = [one.remote(i, k, claims) for i, k in todo]
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -407,12 +411,14 @@ def run_sweep(
     address: str | None = None,
     progress: bool = True,
     limit: int | None = None,
+    dedupe: bool = True,
 ) -> dict[str, int]:
     """Run the cases of ``spec`` not yet in ``out`` and append their rows as they finish.
 
     ``backend``: ``local`` (``processes`` worker processes; 1 runs here) or ``ray`` (a Ray
     cluster: ``address``, else ``RAY_ADDRESS``, else a local Ray). ``limit`` stops after that
-    many new rows (as an interruption would). Returns counts: cases, done before, simulated,
+    many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
+    what deduplication saves). Returns counts: cases, done before, simulated,
     duplicates, errors."""
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
@@ -452,9 +458,9 @@ def run_sweep(
         total=len(todo), desc="sweep", unit="case", disable=not progress, file=sys.stderr
     )
     if backend == "local":
-        stream: Iterable[dict] = _local(todo, owners, processes)
+        stream: Iterable[dict] = _local(todo, owners if dedupe else None, processes)
     elif backend == "ray":
-        stream = _ray(todo, owners, address)
+        stream = _ray(todo, owners if dedupe else None, address)
     else:
         raise ConfigError(f"sweep: backend must be local or ray, got {backend!r}")
     try:
