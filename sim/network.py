@@ -128,7 +128,10 @@ def max_min_rates_compiled(src_port, dst_port, cap, level_tol: float = 0.0):
         except ImportError:
             _compiled = False
         else:
-            _compiled = numba.njit(cache=True, nogil=True)(_max_min_loop)
+            try:  # cached next to this module when it is writable (or under NUMBA_CACHE_DIR)
+                _compiled = numba.njit(cache=True, nogil=True)(_max_min_loop)
+            except RuntimeError:  # no writable cache location: compile in each process
+                _compiled = numba.njit(nogil=True)(_max_min_loop)
     if _compiled is False:
         return max_min_rates(src_port, dst_port, cap, level_tol)
     return _compiled(
