@@ -34,16 +34,34 @@ import simpy
 CASES: dict[str, tuple] = {
     "decode_tbo_b128_ep32_symmetric": ("tbo", "decode", 128, 32, "symmetric", "balanced", 5),
     "decode_tbo_b128_ep32_explicit_balanced": (
-        "tbo", "decode", 128, 32, "explicit", "balanced", 3,
-    ),  # fmt: skip
+        "tbo",
+        "decode",
+        128,
+        32,
+        "explicit",
+        "balanced",
+        3,
+    ),
     "decode_tbo_b128_ep32_explicit_zipf1.2": ("tbo", "decode", 128, 32, "explicit", "zipf:1.2", 1),
     # prefill: 4 x 4096 = 16K tokens per rank, 16 x 4096 = 64K
     "prefill_serial_16k_ep32_explicit_zipf1.2": (
-        "serial", "prefill", 4, 32, "explicit", "zipf:1.2", 1,
-    ),  # fmt: skip
+        "serial",
+        "prefill",
+        4,
+        32,
+        "explicit",
+        "zipf:1.2",
+        1,
+    ),
     "prefill_serial_64k_ep32_explicit_zipf1.2": (
-        "serial", "prefill", 16, 32, "explicit", "zipf:1.2", 1,
-    ),  # fmt: skip
+        "serial",
+        "prefill",
+        16,
+        32,
+        "explicit",
+        "zipf:1.2",
+        1,
+    ),
 }
 SPECIAL = ("raw_simpy", "sweep_1000", "sweep_1000_no_dedupe")
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
@@ -119,7 +137,11 @@ def run_case(name: str, repeats: int | None = None) -> dict:
         "tokens_per_rank": w.batch.num_tokens,
         "total_cpu_ms": round((build_t[0] + sim_cpu + post_cpu) * 1e3, 1),
         "total_wall_ms": round(
-            (build_t[1] + statistics.median(w for _, w in sims) + statistics.median(w for _, w in posts))
+            (
+                build_t[1]
+                + statistics.median(w for _, w in sims)
+                + statistics.median(w for _, w in posts)
+            )
             * 1e3,
             1,
         ),

@@ -130,7 +130,9 @@ def _normalise(knobs: Mapping[str, Any], actions: Mapping[str, argparse.Action],
     for k, v in knobs.items():
         name = str(k).replace("-", "_")
         if name not in actions:
-            raise ConfigError(f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)")
+            raise ConfigError(
+                f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)"
+            )
         out[name] = v
     return out
 
@@ -454,9 +456,7 @@ def run_sweep(
 
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=len(todo), desc="sweep", unit="case", disable=not progress, file=sys.stderr
-    )
+    bar = tqdm(total=len(todo), desc="sweep", unit="case", disable=not progress, file=sys.stderr)
     if backend == "local":
         stream: Iterable[dict] = _local(todo, owners if dedupe else None, processes)
     elif backend == "ray":

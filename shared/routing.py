@@ -276,9 +276,9 @@ class LayerRouting:
         if self._topk is None:
             self._topk = self._draw()
             if self._load is None:
-                self._load = np.bincount(
-                    self._topk.ravel(), minlength=self.cfg.num_experts
-                ).astype(float)
+                self._load = np.bincount(self._topk.ravel(), minlength=self.cfg.num_experts).astype(
+                    float
+                )
             if self._keep is not None:
                 self._keep(self)
         return self._topk

@@ -62,18 +62,36 @@ CASES = {
     "tbo_decode_explicit_balanced": ("tbo", "decode", 4, 16, 32, "explicit", "balanced", 0.0),
     "tbo_decode_explicit_zipf_tol": ("tbo", "decode", 4, 16, 32, "explicit", "zipf:1.2", 0.02),
     "serial_decode_explicit_zipf_exact": (
-        "serial", "decode", 3, 16, 32, "explicit", "zipf:0.8", 0.0,
-    ),  # fmt: skip
+        "serial",
+        "decode",
+        3,
+        16,
+        32,
+        "explicit",
+        "zipf:0.8",
+        0.0,
+    ),
     "tbo_prefill_explicit_file_tol": ("tbo", "prefill", 3, 16, 1, "explicit", "file", 0.02),
     "serial_decode_explicit_file_exact": (
-        "serial", "decode", 3, 16, 24, "explicit", "file", 0.0,
-    ),  # fmt: skip
+        "serial",
+        "decode",
+        3,
+        16,
+        24,
+        "explicit",
+        "file",
+        0.0,
+    ),
 }
 
 
 def run_case(name: str, tmp: Path) -> dict:
     schedule, mode, layers, ep, batch, ranks, imb, tol = CASES[name]
-    b = Batch.decode(batch, kv_len=2048) if mode == "decode" else Batch.prefill(batch, extend_len=1024)
+    b = (
+        Batch.decode(batch, kv_len=2048)
+        if mode == "decode"
+        else Batch.prefill(batch, extend_len=1024)
+    )
     w = Workload(_model(layers), b, Parallel(ep=ep))
     p = build(schedule, w, H800)
     if ranks == "symmetric":

@@ -98,7 +98,9 @@ def test_compiled_path_gives_the_same_arrivals(monkeypatch):
         rng = np.random.default_rng(5)
         for src in range(8):
             dsts = [d for d in range(8) if d != src]
-            net.send(src, dsts, [0] * 7, rng.uniform(10, 1000, 7).tolist(), [src * 8 + d for d in dsts])
+            net.send(
+                src, dsts, [0] * 7, rng.uniform(10, 1000, 7).tolist(), [src * 8 + d for d in dsts]
+            )
         env.run()
         return done
 

@@ -60,7 +60,10 @@ def test_sweep_rows_and_duplicates(tmp_path):
     assert sorted(rows) == list(range(11)) and stats["errors"] == 0
     # serial does not read the SBO comm-SM knob, and balanced routing ignores the seed
     assert stats["simulated"] == 2 + 4 + 2 and stats["duplicates"] == 3
-    assert rows[0]["sim_key"] == rows[1]["sim_key"] and rows[0]["step_time_us"] == rows[1]["step_time_us"]
+    assert (
+        rows[0]["sim_key"] == rows[1]["sim_key"]
+        and rows[0]["step_time_us"] == rows[1]["step_time_us"]
+    )
     assert rows[4]["sim_key"] != rows[5]["sim_key"]  # SBO reads it
     assert rows[9]["sim_key"] == rows[10]["sim_key"] != rows[8]["sim_key"]
     assert all(float(r["step_time_us"]) > 0 for r in rows.values())
@@ -134,7 +137,9 @@ def test_duplicate_detection_never_merges_different_programs():
     k = next(n for n, ins in enumerate(th.instrs) if isinstance(ins, Graph))
     graph = th.instrs[k]
     op = graph.body[0].op
-    first = dataclasses.replace(graph.body[0], op=dataclasses.replace(op, hbm_bytes=op.hbm_bytes * (1 + 2**-52)))
+    first = dataclasses.replace(
+        graph.body[0], op=dataclasses.replace(op, hbm_bytes=op.hbm_bytes * (1 + 2**-52))
+    )
     nudged = dataclasses.replace(graph, body=(first, *graph.body[1:]))
     th2 = dataclasses.replace(th, instrs=th.instrs[:k] + (nudged,) + th.instrs[k + 1 :])
     p2 = dataclasses.replace(p, ranks=(dataclasses.replace(rp, threads=(th2, *rp.threads[1:])),))
