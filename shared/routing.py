@@ -310,8 +310,10 @@ class LayerRouting:
             keys = rng.standard_exponential((hi - lo, e), dtype=np.float32)
             keys *= inv_p
             if cfg.group_limited and cfg.n_group > 1:
-                _mask_groups(keys, cfg.n_group, cfg.topk_group)
-            topk[lo:hi] = np.argpartition(keys, k - 1, axis=1)[:, :k]  # copied into topk
+                keys, experts = _kept_groups(keys, cfg.n_group, cfg.topk_group)
+                topk[lo:hi] = np.take_along_axis(experts, _k_smallest(keys, k), axis=1)
+            else:
+                topk[lo:hi] = _k_smallest(keys, k)
         return topk
 
     def _popularity(self, rng: np.random.Generator) -> np.ndarray:
@@ -391,16 +393,32 @@ class LayerRouting:
         return self._load
 
 
-def _mask_groups(keys: np.ndarray, n_group: int, topk_group: int) -> None:
-    """DeepSeek-V3 group-limited gating on race keys (smaller is better), in place: keep the
-    topk_group groups whose two smallest keys have the smallest product (the best top-2 score
-    sums); the other groups' keys become +inf."""
+def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
+    """DeepSeek-V3 group-limited gating on race keys (smaller is better): the topk_group groups
+    whose two smallest keys have the smallest product (the best top-2 score sums). Returns their
+    keys (tokens x topk_group * group size) and the expert id of each column."""
     n, e = keys.shape
-    grouped = keys.reshape(n, n_group, e // n_group)
+    size = e // n_group
+    grouped = keys.reshape(n, n_group, size)
     two = np.partition(grouped, 1, axis=2)[:, :, :2]
     score = two[:, :, 0] * two[:, :, 1]
-    drop = np.argpartition(score, topk_group - 1, axis=1)[:, topk_group:]
-    grouped[np.arange(n)[:, None], drop] = np.inf
+    keep = np.sort(np.argpartition(score, topk_group - 1, axis=1)[:, :topk_group], axis=1)
+    kept = np.take_along_axis(grouped, keep[:, :, None], axis=1).reshape(n, topk_group * size)
+    experts = (keep[:, :, None] * size + np.arange(size)).reshape(n, topk_group * size)
+    return kept, experts
+
+
+def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
+    """Column indices of the k smallest keys of each row (first index on ties), by k passes of
+    argmin: several times faster than argpartition on rows of a few hundred. Overwrites the
+    chosen keys with +inf."""
+    rows = np.arange(len(keys))
+    out = np.empty((len(keys), k), dtype=np.int64)
+    for j in range(k):
+        col = keys.argmin(axis=1)
+        out[:, j] = col
+        keys[rows, col] = np.inf
+    return out
 
 
 def rank_hit_prob(ranks: int, top_k: int) -> float:
