@@ -310,8 +310,9 @@ class LayerRouting:
             keys = rng.standard_exponential((hi - lo, e), dtype=np.float32)
             keys *= inv_p
             if cfg.group_limited and cfg.n_group > 1:
-                keys, experts = _kept_groups(keys, cfg.n_group, cfg.topk_group)
-                topk[lo:hi] = np.take_along_axis(experts, _k_smallest(keys, k), axis=1)
+                keys, keep = _kept_groups(keys, cfg.n_group, cfg.topk_group)
+                col, size = _k_smallest(keys, k), e // cfg.n_group
+                topk[lo:hi] = np.take_along_axis(keep, col // size, axis=1) * size + col % size
             else:
                 topk[lo:hi] = _k_smallest(keys, k)
         return topk
@@ -396,7 +397,7 @@ class LayerRouting:
 def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
     """DeepSeek-V3 group-limited gating on race keys (smaller is better): the topk_group groups
     whose two smallest keys have the smallest product (the best top-2 score sums). Returns their
-    keys (tokens x topk_group * group size) and the expert id of each column."""
+    keys (tokens x topk_group * group size, group after group) and the kept group ids."""
     n, e = keys.shape
     size = e // n_group
     grouped = keys.reshape(n, n_group, size)
@@ -404,8 +405,7 @@ def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
     score = two[:, :, 0] * two[:, :, 1]
     keep = np.sort(np.argpartition(score, topk_group - 1, axis=1)[:, :topk_group], axis=1)
     kept = np.take_along_axis(grouped, keep[:, :, None], axis=1).reshape(n, topk_group * size)
-    experts = (keep[:, :, None] * size + np.arange(size)).reshape(n, topk_group * size)
-    return kept, experts
+    return kept, keep
 
 
 def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
