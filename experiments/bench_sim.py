@@ -11,6 +11,9 @@ does (``post_*``: ``result_dict`` and the Chrome export). Times are medians, in 
 build + sim + post. ``events`` counts the SimPy events one simulation processes and
 ``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
 ``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
+``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
+(what the optional numba extra buys); ``sweep_1000_no_dedupe`` the sweep with every case simulated
+(what deduplication buys).
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
 comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.experiments.sweep`` on 2
 worker processes; its CPU time is this process's plus its workers'.
@@ -63,6 +66,10 @@ CASES: dict[str, tuple] = {
         1,
     ),
 }
+# the same zipf step with the network's compiled re-rate off (numpy progressive filling only)
+CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
+    "decode_tbo_b128_ep32_explicit_zipf1.2"
+]
 SPECIAL = ("raw_simpy", "sweep_1000", "sweep_1000_no_dedupe")
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
 NET_GROUP_TOL = 0.02
@@ -101,6 +108,10 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     from overlap_lab.sim.engine import Engine
 
     schedule, mode, n, ep, ranks, imbalance, reps = CASES[name]
+    if name.endswith("_numpy_rerate"):
+        from overlap_lab.sim import network
+
+        network._COMPILED_AFTER = 10**18
     reps = repeats or reps
     gpu = get_gpu("h800")
     batch = Batch.decode(n, kv_len=4096) if mode == "decode" else Batch.prefill(n, extend_len=4096)
