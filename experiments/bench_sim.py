@@ -70,7 +70,7 @@ CASES: dict[str, tuple] = {
 CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
     "decode_tbo_b128_ep32_explicit_zipf1.2"
 ]
-SPECIAL = ("raw_simpy", "sweep_1000", "sweep_1000_no_dedupe")
+SPECIAL = ("raw_simpy", "routing_layer_64k", "sweep_1000", "sweep_1000_no_dedupe")
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
 NET_GROUP_TOL = 0.02
 
@@ -226,7 +226,38 @@ def sweep_1000(dedupe: bool = True) -> dict:
     }
 
 
+def routing_layer(tokens_per_rank: int = 65536) -> dict:
+    """One MoE layer's sampled routing (zipf:1.2) at EP32: draw and per-rank counts of two
+    micro-batch ranges, CPU time and peak traced memory (the prefill rows' memory bound)."""
+    import tracemalloc
+
+    from overlap_lab.shared.routing import routing_for
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+
+    w = Workload(
+        get_model("deepseek-v3"), Batch.prefill(1, extend_len=tokens_per_rank), Parallel(ep=32)
+    )
+    r = routing_for(w, "zipf:1.2")
+    tracemalloc.start()
+    t = _clock()
+    r.layer(3).matrices(0, tokens_per_rank // 2)
+    r.layer(3).matrices(tokens_per_rank // 2, tokens_per_rank)
+    cpu, wall = _since(t)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2",
+        "tokens_per_rank": tokens_per_rank,
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "peak_traced_mb": round(peak / 2**20, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
 def _one(name: str, repeats: int | None) -> dict:
+    if name == "routing_layer_64k":
+        return routing_layer()
     if name == "raw_simpy":
         return raw_simpy()
     if name.startswith("sweep_1000"):
@@ -244,7 +275,7 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(_one(args.child, args.repeats)))
         return
-    names = args.cases.split(",") if args.cases else [*SPECIAL[:1], *CASES, *SPECIAL[1:]]
+    names = args.cases.split(",") if args.cases else [*SPECIAL[:2], *CASES, *SPECIAL[2:]]
     lines = []
     for name in names:
         cmd = [sys.executable, "-m", "overlap_lab.experiments.bench_sim", "--child", name]
