@@ -124,3 +124,17 @@ def test_an_infinite_flow_stalls_instead_of_hanging():
     net.send(0, [1, 1], [0, 0], [float("inf"), 5.0], [0, 1])
     env.run()
     assert done == [1] and net.live == 1
+
+
+@pytest.mark.parametrize(
+    "option", [("--hbm-gbps", "1e-3"), ("--bf16-tflops", "1e-12"), ("--nvlink-lat-us", "1e16")]
+)
+def test_issue_reproducers_finish(option, capsys):
+    """These explicit-rank runs used to re-arm network timers forever (issue 14)."""
+    import json
+
+    from overlap_lab.experiments.cli import main
+
+    argv = ["sim", "--layers", "2", "--ep", "8", "--ranks", "explicit", "--out", "", "--json"]
+    assert main([*argv, *option]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_us"] > 0
