@@ -1,11 +1,22 @@
-"""How fast the simulator is: one JSON line per case (`case`, `wall_ms`, `events_per_s`).
+"""How fast the simulator is: one JSON line per case, every row of the speed issue's table.
 
-    python -m overlap_lab.experiments.bench_sim [--repeats 5] [--out experiments/results/bench_sim.jsonl]
+    python -m overlap_lab.experiments.bench_sim [--repeats 5] [--cases NAME,...]
+        [--out experiments/results/bench_sim.jsonl]
 
-Each case builds a Program once and simulates it ``repeats`` times; ``wall_ms`` is the median
-simulation time (building excluded), ``events_per_s`` counts SimPy events processed per second.
-Targets (issue 2): a whole 61-layer DeepSeek-V3 decode step under 50 ms on a 2-core machine;
-(issue 4) the same TBO step with all 32 EP ranks explicit under 2 s.
+Each case runs in its own subprocess (so its peak memory, ``ru_maxrss``, is its own): it builds the
+Program and lowers it to explicit ranks where asked (``build_*``), then simulates it ``repeats``
+times (``sim_*``: the SimPy event loop) and post-processes the trace as ``overlap-lab sim --json``
+does (``post_*``: the ``sim --json`` result (``Result.as_dict``) and the Chrome export). Times are medians, in CPU time
+(``time.process_time``, robust to a shared machine) and wall time; ``total_cpu_ms`` is
+build + sim + post. ``events`` counts the SimPy events one simulation processes and
+``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
+``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
+``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
+(what the optional numba extra buys); ``sweep_1000_no_dedupe`` the sweep with every case simulated
+(what deduplication buys).
+``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
+comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.experiments.sweep`` on 2
+worker processes; its CPU time is this process's plus its workers'.
 """
 
 from __future__ import annotations
@@ -13,19 +24,55 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from datetime import date
 
 import simpy
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import routing_for
-from overlap_lab.shared.schedules import build
-from overlap_lab.shared.validate import validate
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
-from overlap_lab.sim.engine import Engine
+#: name -> (schedule, mode, sequences per rank, ep, ranks, imbalance, repeats)
+CASES: dict[str, tuple] = {
+    "decode_tbo_b128_ep32_symmetric": ("tbo", "decode", 128, 32, "symmetric", "balanced", 5),
+    "decode_tbo_b128_ep32_explicit_balanced": (
+        "tbo",
+        "decode",
+        128,
+        32,
+        "explicit",
+        "balanced",
+        3,
+    ),
+    "decode_tbo_b128_ep32_explicit_zipf1.2": ("tbo", "decode", 128, 32, "explicit", "zipf:1.2", 1),
+    # prefill: 4 x 4096 = 16K tokens per rank, 16 x 4096 = 64K
+    "prefill_serial_16k_ep32_explicit_zipf1.2": (
+        "serial",
+        "prefill",
+        4,
+        32,
+        "explicit",
+        "zipf:1.2",
+        1,
+    ),
+    "prefill_serial_64k_ep32_explicit_zipf1.2": (
+        "serial",
+        "prefill",
+        16,
+        32,
+        "explicit",
+        "zipf:1.2",
+        1,
+    ),
+}
+# the same zipf step with the network's compiled re-rate off (numpy progressive filling only)
+CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
+    "decode_tbo_b128_ep32_explicit_zipf1.2"
+]
+SPECIAL = ("raw_simpy", "routing_layer_64k", "sweep_1000", "sweep_1000_no_dedupe")
+#: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
+NET_GROUP_TOL = 0.02
 
 
 def _count_events(env: simpy.Environment) -> list[int]:
@@ -41,57 +88,205 @@ def _count_events(env: simpy.Environment) -> list[int]:
     return count
 
 
-def cases():
-    v3 = get_model("deepseek-v3")
-    yield (
-        "deepseek-v3 decode serial b128 ep32 h800",
-        "serial",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
-    yield (
-        "deepseek-v3 prefill serial 4x4096 ep32 h800",
-        "serial",
-        Workload(v3, Batch.prefill(4, extend_len=4096), Parallel(ep=32)),
-    )
-    yield (
-        "deepseek-v3 decode tbo b128 ep32 h800",
-        "tbo",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
-    # issue 4: every EP rank explicit (balanced routing: flows of an all-to-all end together)
-    yield (
-        "deepseek-v3 decode tbo b128 ep32 h800 explicit-ranks",
-        "tbo",
-        Workload(v3, Batch.decode(128, kv_len=4096), Parallel(ep=32)),
-    )
+def _clock() -> tuple[float, float]:
+    return time.process_time(), time.perf_counter()
 
 
-def run_case(name: str, schedule: str, w: Workload, repeats: int) -> dict:
+def _since(t: tuple[float, float]) -> tuple[float, float]:
+    c, w = _clock()
+    return c - t[0], w - t[1]
+
+
+def run_case(name: str, repeats: int | None = None) -> dict:
+    """One row of the table: build, simulate and post-process the case ``name``."""
+    from overlap_lab.api import Ranks, Result, _lower_ranks
+    from overlap_lab.metrics import measure
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.program import Graph, Launch
+    from overlap_lab.shared.schedules import ScheduleConfig, build
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+    from overlap_lab.sim.engine import Engine
+
+    schedule, mode, n, ep, ranks, imbalance, reps = CASES[name]
+    if name.endswith("_numpy_rerate"):
+        from overlap_lab.sim import network
+
+        network._COMPILED_AFTER = 10**18
+    reps = repeats or reps
     gpu = get_gpu("h800")
+    batch = Batch.decode(n, kv_len=4096) if mode == "decode" else Batch.prefill(n, extend_len=4096)
+    w = Workload(get_model("deepseek-v3"), batch, Parallel(ep=ep))
+    t = _clock()
     program = build(schedule, w, gpu)
     validate(program, gpu.num_sms)
-    if name.endswith("explicit-ranks"):  # lowering excluded from the timing, as building is
-        program = expand_ranks(program, w, gpu, routing_for(w, "balanced"))
-    walls, events = [], 0
-    for _ in range(repeats):
-        eng = Engine(program, gpu, net_group_tol=0.02)
+    lowered = _lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
+    build_t = _since(t)
+    ops = sum(
+        len(i.body) if isinstance(i, Graph) else 1
+        for rp in lowered.ranks
+        for th in rp.threads
+        for i in th.instrs
+        if isinstance(i, (Launch, Graph))
+    )
+    sims, posts, events = [], [], 0
+    for _ in range(reps):
+        eng = Engine(lowered, gpu, 0, net_group_tol=0.0 if ranks == "symmetric" else NET_GROUP_TOL)
         counter = _count_events(eng.env)
-        t0 = time.perf_counter()
-        eng.run()
-        walls.append(time.perf_counter() - t0)
+        t = _clock()
+        trace = eng.run()
+        sims.append(_since(t))
         events = counter[0]
-    wall = statistics.median(walls)
-    return {"case": name, "wall_ms": round(wall * 1e3, 2), "events_per_s": round(events / wall)}
+        t = _clock()
+        metrics = measure(trace, lowered, w, gpu.num_sms)
+        Result(schedule, w, gpu, ScheduleConfig(), lowered, trace, metrics).as_dict()
+        trace.to_chrome()
+        posts.append(_since(t))
+    sim_cpu = statistics.median(c for c, _ in sims)
+    post_cpu = statistics.median(c for c, _ in posts)
+    return {
+        "case": name,
+        "tokens_per_rank": w.batch.num_tokens,
+        "total_cpu_ms": round((build_t[0] + sim_cpu + post_cpu) * 1e3, 1),
+        "total_wall_ms": round(
+            (
+                build_t[1]
+                + statistics.median(w for _, w in sims)
+                + statistics.median(w for _, w in posts)
+            )
+            * 1e3,
+            1,
+        ),
+        "build_cpu_ms": round(build_t[0] * 1e3, 1),
+        "sim_cpu_ms": round(sim_cpu * 1e3, 1),
+        "post_cpu_ms": round(post_cpu * 1e3, 1),
+        "events": events,
+        "ops": ops,
+        "events_per_op": round(events / ops, 2),
+        "events_per_cpu_s": round(events / sim_cpu) if sim_cpu > 0 else None,
+        "repeats": reps,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def raw_simpy(n: int = 300_000) -> dict:
+    """A bare SimPy loop: one process yielding ``n`` timeouts (2 events each: timeout, resume)."""
+    env = simpy.Environment()
+    counter = _count_events(env)
+
+    def proc(env):
+        for _ in range(n):
+            yield env.timeout(1)
+
+    env.process(proc(env))
+    t = _clock()
+    env.run()
+    cpu, wall = _since(t)
+    return {
+        "case": "raw_simpy",
+        "events": counter[0],
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "events_per_cpu_s": round(counter[0] / cpu),
+    }
+
+
+def sweep_1000(dedupe: bool = True) -> dict:
+    """The 1,000-case sweep through the sweep module, 2 local workers, to a fresh CSV."""
+    import tempfile
+    from pathlib import Path
+
+    from overlap_lab.experiments.sweep import load_spec, run_sweep
+
+    spec = load_spec(
+        {
+            "base": {"model": "deepseek-v3", "gpu": "h800", "mode": "decode", "kv_len": 4096},
+            "grid": {
+                "schedule": ["serial", "sbo", "tbo", "tbo+sbo", "deepseek"],
+                "batch": [16, 32, 64, 128, 256],
+                "ep": [8, 16, 32, 64],
+                "sbo_comm_sms": [4, 8, 12, 16, 20, 24, 28, 32, 36, 40],
+            },
+        }
+    )
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "sweep.csv"
+        t = _clock()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        stats = run_sweep(spec, out, processes=2, progress=False, dedupe=dedupe)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu, wall = _since(t)
+    cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {
+        "case": "sweep_1000" if dedupe else "sweep_1000_no_dedupe",
+        "cases": stats["cases"],
+        "simulated": stats["simulated"],
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def routing_layer(tokens_per_rank: int = 65536) -> dict:
+    """One MoE layer's sampled routing (zipf:1.2) at EP32: draw and per-rank counts of two
+    micro-batch ranges, CPU time and peak traced memory (the prefill rows' memory bound)."""
+    import tracemalloc
+
+    from overlap_lab.shared.routing import routing_for
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+
+    w = Workload(
+        get_model("deepseek-v3"), Batch.prefill(1, extend_len=tokens_per_rank), Parallel(ep=32)
+    )
+    r = routing_for(w, "zipf:1.2")
+    tracemalloc.start()
+    t = _clock()
+    r.layer(3).matrices(0, tokens_per_rank // 2)
+    r.layer(3).matrices(tokens_per_rank // 2, tokens_per_rank)
+    cpu, wall = _since(t)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2",
+        "tokens_per_rank": tokens_per_rank,
+        "total_cpu_ms": round(cpu * 1e3, 1),
+        "total_wall_ms": round(wall * 1e3, 1),
+        "peak_traced_mb": round(peak / 2**20, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def _one(name: str, repeats: int | None) -> dict:
+    if name == "routing_layer_64k":
+        return routing_layer()
+    if name == "raw_simpy":
+        return raw_simpy()
+    if name.startswith("sweep_1000"):
+        return sweep_1000(dedupe=name == "sweep_1000")
+    return run_case(name, repeats)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="override each case's repeats")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--out", default=None, help="also append the lines to this file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one case, print it
     args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_one(args.child, args.repeats)))
+        return
+    names = args.cases.split(",") if args.cases else [*SPECIAL[:2], *CASES, *SPECIAL[2:]]
     lines = []
-    for name, schedule, w in cases():
-        res = run_case(name, schedule, w, args.repeats)
+    for name in names:
+        cmd = [sys.executable, "-m", "overlap_lab.experiments.bench_sim", "--child", name]
+        if args.repeats:
+            cmd += ["--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            res = {"case": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        else:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
         res.update(
             machine=f"{platform.machine()} {platform.python_version()}",
             date=date.today().isoformat(),

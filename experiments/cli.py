@@ -619,6 +619,10 @@ def parser() -> argparse.ArgumentParser:
     _workload_options(s)
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub, _workload_options, _rank_options)
+
+    from overlap_lab.experiments.cli_sweep import add_parser as add_sweep
+
+    add_sweep(sub)
     return inputs.apply_limits(p)
 
 

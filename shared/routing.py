@@ -35,7 +35,6 @@ import csv
 import json
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -217,10 +216,23 @@ class RoutingConfig:
         return self.num_experts // self.ep
 
 
-class LayerRouting:
-    """The routing of one layer's tokens: per-token top-k ids (sampled) or expectations."""
+#: Tokens drawn (and counted) per chunk: a chunk's keys are CHUNK x num_experts float32 (8 MB at
+#: 256 experts), so no dense tokens x experts array of a whole batch is ever alive.
+CHUNK = 8192
 
-    def __init__(self, cfg: RoutingConfig, dp_tokens: tuple[int, ...], layer: int = 0, sample=None):
+
+class LayerRouting:
+    """The routing of one layer's tokens: per-token top-k ids (sampled) or expectations.
+
+    Sampled routing draws its top-k ids lazily, in chunks of :data:`CHUNK` tokens, and keeps
+    them (``uint8``/``int16`` ids) only while they may still be needed: the per-range matrices
+    and the expert load are what stays. A :class:`Routing` keeps the ids of its two most recently
+    used layers (``keep`` below); drawing again gives the same ids (seeded per layer).
+    """
+
+    def __init__(
+        self, cfg: RoutingConfig, dp_tokens: tuple[int, ...], layer: int = 0, sample=None, keep=None
+    ):
         self.cfg, self.dp_tokens, self.layer = cfg, tuple(dp_tokens), layer
         if len(self.dp_tokens) != cfg.ep:
             raise ConfigError(
@@ -228,31 +240,82 @@ class LayerRouting:
             )
         self._cache: dict[tuple[int, int], Matrices] = {}
         self.sample = sample
-        self.src = self.tix = self.topk = None
-        if cfg.imbalance.kind != "balanced":
-            self._draw()
+        self._keep = keep  # callback(self) when the ids are drawn: the owner may release others
+        self._topk: np.ndarray | None = None
+        self._load: np.ndarray | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.cfg.imbalance.kind != "balanced"
 
     # -- drawing ------------------------------------------------------------------------------
 
     def _rng(self) -> np.random.Generator:
         return np.random.default_rng([self.cfg.seed, self.layer, 0x5EED])
 
-    def _draw(self) -> None:
-        cfg, rng = self.cfg, self._rng()
-        src = np.repeat(np.arange(cfg.ep), self.dp_tokens)
-        tix = np.concatenate([np.arange(n) for n in self.dp_tokens]) if len(src) else src
-        n = len(src)
+    @property
+    def src(self) -> np.ndarray | None:
+        """Source rank of every token (EP-rank-major order), None for expected routing."""
+        if not self.sampled:
+            return None
+        return np.repeat(np.arange(self.cfg.ep), self.dp_tokens)
+
+    @property
+    def tix(self) -> np.ndarray | None:
+        """Per-rank index of every token, None for expected routing."""
+        if not self.sampled:
+            return None
+        n = sum(self.dp_tokens)
+        return np.concatenate([np.arange(t) for t in self.dp_tokens]) if n else np.zeros(0, int)
+
+    @property
+    def topk(self) -> np.ndarray | None:
+        """The top-k expert ids of every token (drawn now if released), None for expected."""
+        if not self.sampled:
+            return None
+        if self._topk is None:
+            self._topk = self._draw()
+            if self._load is None:
+                self._load = np.bincount(self._topk.ravel(), minlength=self.cfg.num_experts).astype(
+                    float
+                )
+            if self._keep is not None:
+                self._keep(self)
+        return self._topk
+
+    def release(self) -> None:
+        """Drop the per-token ids (the matrices already computed stay; ids are redrawn if a new
+        range is asked for)."""
+        self._topk = None
+
+    def _draw(self) -> np.ndarray:
+        """Top-k ids of every token, drawn chunk by chunk with one seeded generator.
+
+        Gumbel top-k as exponential races: the top-k of log p_e + Gumbel_e are the k smallest
+        keys E_e / p_e with E_e ~ Exp(1) (exp(-Gumbel) is Exp(1)), so one float32 exponential per
+        (token, expert) and no logarithm; the distribution is that of sampling k distinct experts
+        with probability proportional to p. Group-limited gating ranks groups by the product of
+        their two smallest keys (the sum of their two best scores)."""
+        cfg = self.cfg
+        n, k, e = sum(self.dp_tokens), cfg.top_k, cfg.num_experts
+        ids = np.uint8 if e <= 256 else np.int16 if e <= 32768 else np.int32
         if cfg.imbalance.kind == "file" and self.sample is not None and self.sample.topk_ids:
-            ids = np.asarray(self.sample.topk_ids, dtype=np.int64)
-            topk = ids[np.arange(n) % len(ids)]
-        else:
-            logp = np.log(self._popularity(rng))
-            g = rng.gumbel(size=(n, cfg.num_experts)).astype(np.float32)
-            scores = logp[None, :].astype(np.float32) + g
+            table = np.asarray(self.sample.topk_ids, dtype=ids)
+            return table[np.arange(n) % len(table)]
+        rng = self._rng()
+        inv_p = (1.0 / self._popularity(rng)).astype(np.float32)
+        topk = np.empty((n, k), dtype=ids)
+        for lo in range(0, n, CHUNK):
+            hi = min(n, lo + CHUNK)
+            keys = rng.standard_exponential((hi - lo, e), dtype=np.float32)
+            keys *= inv_p
             if cfg.group_limited and cfg.n_group > 1:
-                scores = _mask_groups(scores, cfg.n_group, cfg.topk_group)
-            topk = np.argpartition(-scores, cfg.top_k - 1, axis=1)[:, : cfg.top_k]
-        self.src, self.tix, self.topk = src, tix, topk
+                keys, keep = _kept_groups(keys, cfg.n_group, cfg.topk_group)
+                col, size = _k_smallest(keys, k), e // cfg.n_group
+                topk[lo:hi] = np.take_along_axis(keep, col // size, axis=1) * size + col % size
+            else:
+                topk[lo:hi] = _k_smallest(keys, k)
+        return topk
 
     def _popularity(self, rng: np.random.Generator) -> np.ndarray:
         cfg, e = self.cfg, self.cfg.num_experts
@@ -271,9 +334,7 @@ class LayerRouting:
         hi = max(self.dp_tokens) if hi is None else hi
         key = (lo, hi)
         if key not in self._cache:
-            self._cache[key] = (
-                self._expected(lo, hi) if self.topk is None else self._counted(lo, hi)
-            )
+            self._cache[key] = self._counted(lo, hi) if self.sampled else self._expected(lo, hi)
         return self._cache[key]
 
     def _expected(self, lo: int, hi: int) -> Matrices:
@@ -289,44 +350,75 @@ class LayerRouting:
         return Matrices(copies, tokens, node_tokens, active)
 
     def _counted(self, lo: int, hi: int) -> Matrices:
+        """Counts over the tokens of [lo, hi) on every rank, a chunk of tokens at a time: a
+        token's distinct ranks (nodes) are the changes along its sorted row of ranks (nodes)."""
         cfg, topo = self.cfg, self.cfg.topology
         r, nn, g = cfg.ep, topo.num_nodes, topo.gpus_per_node
-        sel = (self.tix >= lo) & (self.tix < hi)
-        src, topk = self.src[sel], self.topk[sel]
-        n = len(src)
-        dst = topk // cfg.local_experts
-        srck = np.repeat(src, cfg.top_k)
-        copies = np.bincount(srck * r + dst.ravel(), minlength=r * r).reshape(r, r)
-        tok = np.repeat(np.arange(n), cfg.top_k)
-        pairs = np.unique(tok * r + dst.ravel())
-        tokens = np.bincount(src[pairs // r] * r + pairs % r, minlength=r * r).reshape(r, r)
-        npairs = np.unique(tok * nn + (dst // g).ravel())
-        node_tokens = np.bincount(src[npairs // nn] * nn + npairs % nn, minlength=r * nn).reshape(
-            r, nn
-        )
-        load = np.bincount(topk.ravel(), minlength=cfg.num_experts)
+        topk_all = self.topk
+        copies = np.zeros(r * r, dtype=np.int64)
+        tokens = np.zeros(r * r, dtype=np.int64)
+        node_tokens = np.zeros(r * nn, dtype=np.int64)
+        load = np.zeros(cfg.num_experts, dtype=np.int64)
+        start = 0
+        for s, n_s in enumerate(self.dp_tokens):  # rank s's tokens are rows start..start+n_s
+            a, b = start + min(lo, n_s), start + min(max(hi, lo), n_s)
+            start += n_s
+            for c0 in range(a, b, CHUNK):
+                topk = topk_all[c0 : min(b, c0 + CHUNK)].astype(np.int64)
+                load += np.bincount(topk.ravel(), minlength=cfg.num_experts)
+                dst = np.sort(topk // cfg.local_experts, axis=1)
+                copies[s * r : (s + 1) * r] += np.bincount(dst.ravel(), minlength=r)
+                first = np.ones(dst.shape, dtype=bool)
+                first[:, 1:] = dst[:, 1:] != dst[:, :-1]
+                tokens[s * r : (s + 1) * r] += np.bincount(dst[first], minlength=r)
+                node = dst // g  # sorted ranks give sorted nodes
+                first[:, 1:] = node[:, 1:] != node[:, :-1]
+                node_tokens[s * nn : (s + 1) * nn] += np.bincount(node[first], minlength=nn)
         active = (load.reshape(r, cfg.local_experts) > 0).sum(axis=1)
         f = np.float64
-        return Matrices(copies.astype(f), tokens.astype(f), node_tokens.astype(f), active.astype(f))
+        return Matrices(
+            copies.reshape(r, r).astype(f),
+            tokens.reshape(r, r).astype(f),
+            node_tokens.reshape(r, nn).astype(f),
+            active.astype(f),
+        )
 
-    @cached_property
+    @property
     def expert_load(self) -> np.ndarray:
         """Token copies per expert over the whole batch."""
-        if self.topk is None:
+        if not self.sampled:
             total = sum(self.dp_tokens) * self.cfg.top_k / self.cfg.num_experts
             return np.full(self.cfg.num_experts, total)
-        return np.bincount(self.topk.ravel(), minlength=self.cfg.num_experts).astype(float)
+        if self._load is None:
+            self.topk  # noqa: B018 - drawing sets the load
+        return self._load
 
 
-def _mask_groups(scores: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
-    """DeepSeek-V3 group-limited gating: keep the topk_group groups with the best top-2 sums."""
-    n, e = scores.shape
-    grouped = scores.reshape(n, n_group, e // n_group)
-    top2 = np.partition(grouped, -2, axis=2)[:, :, -2:].sum(axis=2)
-    keep = np.argpartition(-top2, topk_group - 1, axis=1)[:, :topk_group]
-    mask = np.zeros((n, n_group), dtype=bool)
-    mask[np.arange(n)[:, None], keep] = True
-    return np.where(np.repeat(mask, e // n_group, axis=1), scores, -np.inf).astype(np.float32)
+def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
+    """DeepSeek-V3 group-limited gating on race keys (smaller is better): the topk_group groups
+    whose two smallest keys have the smallest product (the best top-2 score sums). Returns their
+    keys (tokens x topk_group * group size, group after group) and the kept group ids."""
+    n, e = keys.shape
+    size = e // n_group
+    grouped = keys.reshape(n, n_group, size)
+    two = np.partition(grouped, 1, axis=2)[:, :, :2]
+    score = two[:, :, 0] * two[:, :, 1]
+    keep = np.sort(np.argpartition(score, topk_group - 1, axis=1)[:, :topk_group], axis=1)
+    kept = np.take_along_axis(grouped, keep[:, :, None], axis=1).reshape(n, topk_group * size)
+    return kept, keep
+
+
+def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
+    """Column indices of the k smallest keys of each row (first index on ties), by k passes of
+    argmin: several times faster than argpartition on rows of a few hundred. Overwrites the
+    chosen keys with +inf."""
+    rows = np.arange(len(keys))
+    out = np.empty((len(keys), k), dtype=np.int64)
+    for j in range(k):
+        col = keys.argmin(axis=1)
+        out[:, j] = col
+        keys[rows, col] = np.inf
+    return out
 
 
 def rank_hit_prob(ranks: int, top_k: int) -> float:
@@ -344,13 +436,26 @@ class Routing:
         if cfg.imbalance.kind == "file":
             self.sample = read_sample(cfg.imbalance.path, cfg.num_experts, cfg.top_k)
         self._layers: dict[int, LayerRouting] = {}
+        self._drawn: list[LayerRouting] = []  # layers holding per-token ids, oldest first
+
+    #: layers whose per-token ids stay drawn (a lowering visits a layer's micro-batches in turn)
+    KEEP = 2
+
+    def _kept(self, lr: LayerRouting) -> None:
+        if lr in self._drawn:
+            self._drawn.remove(lr)
+        self._drawn.append(lr)
+        while len(self._drawn) > self.KEEP:
+            self._drawn.pop(0).release()
 
     def layer(self, layer: int) -> LayerRouting:
         if layer not in self._layers:
             # balanced routing is the same expectation on every layer: share one
             key = 0 if self.cfg.imbalance.kind == "balanced" else layer
             if key not in self._layers:
-                self._layers[key] = LayerRouting(self.cfg, self.dp_tokens, key, self.sample)
+                self._layers[key] = LayerRouting(
+                    self.cfg, self.dp_tokens, key, self.sample, keep=self._kept
+                )
             self._layers[layer] = self._layers[key]
         return self._layers[layer]
 

@@ -23,6 +23,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -174,16 +175,28 @@ class Trace:
 
     # -- selection --------------------------------------------------------------------------
 
+    @cached_property
+    def _index(self) -> dict[int, dict[str, list[Span]]]:
+        """Spans grouped by rank, then lane, each group in canonical order (built once: every
+        per-rank and per-lane query reads it instead of rescanning all spans)."""
+        index: dict[int, dict[str, list[Span]]] = {}
+        for s in self.spans:
+            index.setdefault(s.rank, {}).setdefault(s.lane, []).append(s)
+        return index
+
+    def _rank_spans(self, rank: int) -> list[Span]:
+        """The spans of ``rank`` (in canonical order within each lane)."""
+        return [s for spans in self._index.get(rank, {}).values() for s in spans]
+
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({s.rank for s in self.spans}))
+        return tuple(sorted(self._index))
 
     def lanes(self, rank: int = 0) -> tuple[str, ...]:
         """Lanes of ``rank`` in track order (host, streams, links), then by first start, name."""
-        first: dict[str, float] = {}
-        for s in self.spans:
-            if s.rank == rank:
-                first[s.lane] = min(first.get(s.lane, s.start), s.start)
+        by_lane = self._index.get(rank, {})
+        # canonical order starts with the start time: a lane's first span has its earliest start
+        first = {ln: spans[0].start for ln, spans in by_lane.items()}
         return tuple(sorted(first, key=lambda ln: (lane_order(ln), first[ln], ln)))
 
     def select(
@@ -205,14 +218,12 @@ class Trace:
         Greedy interval partitioning in start order: each span takes the first sub-track whose
         last span has ended, so a lane with no overlap keeps a single track named as the lane.
         """
-        by_lane: dict[str, list[Span]] = {}
-        for s in self.spans:
-            if s.rank == rank:
-                by_lane.setdefault(s.lane, []).append(s)
+        by_lane = self._index.get(rank, {})
         out: list[Track] = []
         for ln in self.lanes(rank):
             rows: list[list[Span]] = []
-            for s in sorted(by_lane[ln], key=_span_key):
+            # within one (rank, lane), canonical order is _span_key order
+            for s in by_lane[ln]:
                 for row in rows:
                     if row[-1].end <= s.start:
                         row.append(s)
@@ -253,19 +264,16 @@ class Trace:
         prefixed = rank is None and len(ranks) > 1
         out: dict[str, float] = {}
         for r in ranks:
+            by_lane = self._index.get(r, {})
             for ln in self.lanes(r):
-                iv = [
-                    (s.start, s.end)
-                    for s in self.spans
-                    if s.rank == r and s.lane == ln and s.kind != "sync"
-                ]
+                iv = [(s.start, s.end) for s in by_lane[ln] if s.kind != "sync"]
                 if iv:
                     out[f"r{r}/{ln}" if prefixed else ln] = length(iv)
         return out
 
     def _union_of(self, rank: int, kinds: Iterable[str]) -> list[Interval]:
         ks = frozenset(kinds)
-        return union((s.start, s.end) for s in self.spans if s.rank == rank and s.kind in ks)
+        return union((s.start, s.end) for s in self._rank_spans(rank) if s.kind in ks)
 
     def exposed_comm_us(self, rank: int = 0) -> float:
         """Communication not covered by computation on ``rank``.
@@ -301,7 +309,7 @@ class Trace:
         step = self.step_time_us
         if step <= 0:
             return 0.0
-        held = sum(
+        held = sum(  # in canonical order: the float sum is the same whatever the indexing
             s.sms * s.duration
             for s in self.spans
             if s.rank == rank and s.lane.startswith("stream:")

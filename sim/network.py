@@ -33,10 +33,15 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from overlap_lab.shared.errors import ConfigError
+
 _EPS = 1e-9
 #: Bytes below which a flow counts as delivered (float round-off of rate * time).
 _BYTE_EPS = 1e-3
 _TIME_EPS = 1e-7
+#: Re-rates of one Network after which the compiled progressive filling (numba, when installed)
+#: takes over: below it, importing and loading the compiled function costs more than it saves.
+_COMPILED_AFTER = 500
 
 
 def max_min_rates(
@@ -48,7 +53,10 @@ def max_min_rates(
     the flows of the ports that filled. ``level_tol`` > 0 also freezes, in the same round, ports
     whose fill level is within that fraction of the smallest (their flows get the smaller level:
     at most that fraction below the exact allocation), bounding the rounds when every port fills
-    at a slightly different level."""
+    at a slightly different level.
+
+    :func:`max_min_rates_compiled` is the same algorithm, operation for operation, as a compiled
+    loop (numba): the two return bit-identical rates."""
     n, p = len(src_port), len(cap)
     rate = np.zeros(n)
     idx, sp, dp = np.arange(n), src_port, dst_port
@@ -69,6 +77,70 @@ def max_min_rates(
         keep = ~fr
         idx, sp, dp = idx[keep], sp[keep], dp[keep]
     return rate
+
+
+def _max_min_loop(src, dst, cap, level_tol, eps):  # pragma: no cover - compiled by numba
+    """:func:`max_min_rates` as scalar loops, the same float operations in the same order."""
+    n, p = len(src), len(cap)
+    rate = np.zeros(n)
+    live = np.ones(n, dtype=np.bool_)
+    rem = cap.astype(np.float64).copy()
+    cnt = np.zeros(p, dtype=np.int64)
+    share = np.empty(p)
+    full = np.zeros(p, dtype=np.bool_)
+    for i in range(n):
+        cnt[src[i]] += 1
+        cnt[dst[i]] += 1
+    left, level = n, 0.0
+    while left > 0:
+        inc = np.inf
+        for j in range(p):
+            share[j] = rem[j] / cnt[j] if cnt[j] > 0 else np.inf
+            if share[j] < inc:
+                inc = share[j]
+        level += inc
+        bound = inc * (1.0 + level_tol)
+        for j in range(p):
+            rem[j] -= inc * cnt[j]
+            full[j] = (cnt[j] > 0) and (rem[j] <= eps * cap[j])
+            if level_tol > 0 and share[j] <= bound:
+                full[j] = True
+        for i in range(n):
+            if live[i] and (full[src[i]] or full[dst[i]]):
+                live[i] = False
+                rate[i] = level
+                cnt[src[i]] -= 1
+                cnt[dst[i]] -= 1
+                left -= 1
+    return rate
+
+
+_compiled = None  # None: not tried yet; False: numba missing
+
+
+def max_min_rates_compiled(src_port, dst_port, cap, level_tol: float = 0.0):
+    """:func:`max_min_rates` compiled with numba (bit-identical rates, ~20x faster on the ~1000
+    flows of an EP-32 all-to-all); the numpy version when numba is not installed."""
+    global _compiled
+    if _compiled is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled = False
+        else:
+            try:  # cached next to this module when it is writable (or under NUMBA_CACHE_DIR)
+                _compiled = numba.njit(cache=True, nogil=True)(_max_min_loop)
+            except RuntimeError:  # no writable cache location: compile in each process
+                _compiled = numba.njit(nogil=True)(_max_min_loop)
+    if _compiled is False:
+        return max_min_rates(src_port, dst_port, cap, level_tol)
+    return _compiled(
+        np.ascontiguousarray(src_port, dtype=np.int64),
+        np.ascontiguousarray(dst_port, dtype=np.int64),
+        np.ascontiguousarray(cap, dtype=np.float64),
+        float(level_tol),
+        _EPS,
+    )
 
 
 class Network:
@@ -110,7 +182,10 @@ class Network:
         return len(self.left)
 
     def send(self, src: int, dsts, kinds, nbytes, tags) -> None:
-        """Start flows from rank ``src`` to ranks ``dsts`` over kind indices ``kinds``."""
+        """Start flows from rank ``src`` to ranks ``dsts`` over kind indices ``kinds``; ``nbytes``
+        must be >= 0 (an infinite flow never arrives: the simulation reports a stall)."""
+        if not (np.asarray(nbytes, dtype=np.float64) >= 0).all():
+            raise ConfigError(f"rank {src}: flow sizes must be numbers >= 0, got {list(nbytes)}")
         self._pending.append((src, dsts, kinds, nbytes, tags))
         if not self._flush_set:
             self._flush_set = True
@@ -148,36 +223,59 @@ class Network:
             self.left = np.maximum(self.left - self.rate * dt, 0.0)
         self._t = now
 
-    def _timer(self, _e, gen: int) -> None:
+    def _timer(self, _e, gen: int, due: np.ndarray) -> None:
         if gen == self._gen:
             self._advance()
-            self._changed()
+            self._changed(due)
 
-    def _changed(self) -> None:
-        """Finish what is done, re-rate the rest, set the timer for the next completion."""
+    def _changed(self, due: np.ndarray | None = None) -> None:
+        """Finish what is done, re-rate the rest, set the timer for the next completion.
+
+        Progress is guaranteed: the timer is armed for the flows ``due`` at it (the earliest
+        completion, or with ``group_tol`` every completion grouped with it), and when it fires
+        with no change in between those flows finish, whatever bytes float round-off leaves them.
+        Their residue is round-off, not work: the timer fires at ``t + d`` with ``d`` their time
+        left, so each has moved ``rate * ((t + d) - t)`` bytes of its ``rate * d``, which differ
+        by at most rate * ulp(t + d) / 2 plus the rounding of ``left - rate * dt``. That is
+        below ``_BYTE_EPS`` for ordinary sizes, but not when the clock is large (``t`` = 1e16 µs
+        after a huge host or kernel time: ``t + d`` may round to ``t`` itself, ``dt`` = 0 and no
+        byte moves) or the flow is (1e12 bytes: ulp of 1e-4 bytes, rate * time adds more). Without
+        this rule such a flow re-armed the same timer forever. With it, every timer that fires
+        finishes at least one flow, so a Network handles at most as many timers as flows and
+        always terminates; flows not due still finish early only by the ``_BYTE_EPS`` and
+        ``_TIME_EPS`` round-off rules.
+        """
         if len(self.left):
             with np.errstate(divide="ignore", invalid="ignore"):
                 t_left = np.where(self.rate > 0, self.left / self.rate, np.inf)
             done = (self.left <= _BYTE_EPS) | (t_left <= _TIME_EPS)
+            if due is not None:
+                done |= due
             if done.any():
                 self._finish(done)
         self.rerates += 1
-        self.rate = max_min_rates(self.src, self.dst, self.cap, self.group_tol)
+        rates = max_min_rates_compiled if self.rerates > _COMPILED_AFTER else max_min_rates
+        self.rate = rates(self.src, self.dst, self.cap, self.group_tol)
         self._gen += 1
         if not len(self.left):
             return
-        t_left = self.left / self.rate
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t_left = np.where(self.rate > 0, self.left / self.rate, np.inf)
         nxt = float(t_left.min())
+        if not nxt < np.inf:  # no flow can finish (infinite bytes, no bandwidth): a stall
+            return
         if self.group_tol > 0:
             # completions within group_tol of the flows' age are handled together, at the last of
             # them: each flow still ends at its own time (its port then idles until the timer),
             # and arrivals are reported at the timer, up to group_tol * age late
             age = self.env.now + nxt - float(self.t0.min())
-            near = t_left <= nxt + self.group_tol * age
-            nxt = float(t_left[near].max())
+            due = t_left <= nxt + self.group_tol * age
+            nxt = float(t_left[due].max())
+        else:
+            due = t_left <= nxt
         gen = self._gen
         t = self.env.timeout(max(nxt, 0.0))
-        t.callbacks.append(lambda e, g=gen: self._timer(e, g))
+        t.callbacks.append(lambda e, g=gen, d=due: self._timer(e, g, d))
 
     def _finish(self, done: np.ndarray) -> None:
         tags, kinds = self.tag[done], self.kind[done]

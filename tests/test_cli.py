@@ -163,3 +163,17 @@ def test_readme_examples_run(capsys, tmp_path, monkeypatch, command):
         argv += ["--layers", "4"]
     code, _, err = run(capsys, *argv)
     assert code == 0, err
+
+
+def test_sim_json_without_figure_does_not_import_matplotlib():
+    """`sim --json --out ''` writes no figure and pays no matplotlib import (0.4-0.55 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from overlap_lab.experiments.cli import main; "
+        "main(['sim', '--layers', '2', '--ep', '8', '--out', '', '--json']); "
+        "print('matplotlib' in sys.modules, file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr.strip().splitlines()[-1] == "False"

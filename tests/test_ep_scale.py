@@ -242,3 +242,32 @@ def test_cli_explicit_json(capsys):
     assert res["ranks"] == "explicit" and len(res["per_rank"]) == 16
     assert res["straggler_cost_us"] >= 0
     assert set(res["per_rank"][0]["link_busy_us"]) <= {"nvlink", "rdma"}
+
+
+def test_chunked_draw_does_not_depend_on_the_chunk(monkeypatch):
+    from overlap_lab.shared import routing as routing_mod
+
+    cfg = _cfg(seed=4, num_experts=16, top_k=4, n_group=4, topk_group=2, group_limited=True)
+    whole = LayerRouting(cfg, (7, 5, 6, 4)).topk.copy()
+    monkeypatch.setattr(routing_mod, "CHUNK", 3)
+    chunked = LayerRouting(cfg, (7, 5, 6, 4))
+    assert (chunked.topk == whole).all()
+    m = chunked.matrices(1, 5)
+    assert m.copies.sum() == 4 * (4 + 4 + 4 + 3)
+
+
+def test_routing_keeps_per_token_ids_of_two_layers_only():
+    w = Workload(get_model("deepseek-v3"), Batch.decode(64), Parallel(ep=16))
+    r = routing_for(w, "zipf:1", seed=0)
+    before = [r.layer(i).matrices().recv_copies.copy() for i in range(3, 9)]
+    assert sum(r.layer(i)._topk is not None for i in range(3, 9)) == 2
+    assert all((r.layer(i).matrices(0, 32).copies.sum() > 0) for i in range(3, 9))  # redrawn
+    assert all((r.layer(i).matrices().recv_copies == b).all() for i, b in zip(range(3, 9), before))
+
+
+def test_sampled_routing_follows_popularity():
+    cfg = _cfg(seed=1, num_experts=8, top_k=1, imbalance=Imbalance("zipf", 1.0))
+    lr = LayerRouting(cfg, (20000,) * 4)
+    p = lr._popularity(lr._rng())
+    freq = lr.expert_load / lr.expert_load.sum()
+    assert freq == pytest.approx(p, abs=0.01)

@@ -1,0 +1,530 @@
+"""Sweeps: thousands of simulations from one spec file, deduplicated, streamed, resumable.
+
+A spec (YAML or JSON) names fixed knobs and the grid to sweep; a knob is any option of
+``overlap-lab sim`` (workload, hardware overrides, schedule knobs, host costs, ranks and routing),
+by its option name with ``-`` or ``_``::
+
+    base:                      # the same in every case
+      model: deepseek-v3
+      gpu: h800
+      mode: decode
+    grid:                      # the cartesian product, first key slowest
+      schedule: [serial, sbo, tbo]
+      batch: [32, 64, 128]
+      sbo_comm_sms: [8, 16, 24]
+    cases:                     # optional: more cases, each merged over base (no grid)
+      - {schedule: tbo, ranks: explicit, imbalance: "zipf:1.2", ep: 16}
+
+Each case is built and lowered as ``overlap-lab sim`` does it (explicit ranks when asked) and
+simulated on one of ``processes`` local workers or on a Ray cluster (:func:`run_sweep`,
+``backend="ray"``). Cases that cannot differ are simulated once: two cases share a result only
+when their lowered Programs (every rank, op and flow; meta excluded, as no metric reads it), GPU
+presets (every field, overrides included) and network grouping tolerance are equal, compared by
+a SHA-256 of their exact ``repr`` (floats print exactly). The first case of a key to reach a
+worker claims it and simulates; the others wait for its metrics.
+
+Rows stream to a CSV file as cases finish (one row per case: ``case`` index, every knob of the
+spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
+the rows are the same whatever the backend or the order cases finished in), flushed row by row,
+so an interrupted
+sweep run again on the same file skips the cases it has (a torn last line is dropped) and reuses
+their results for duplicates. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
+and become a Parquet file (pyarrow) when the sweep completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from overlap_lab.shared.errors import ConfigError
+
+#: the metric columns, in order (``max/min_rank_step_us``: the slowest and fastest rank)
+METRICS = (
+    "step_time_us",
+    "exposed_comm_us",
+    "comm_only_us",
+    "compute_kernel_us",
+    "sm_utilisation",
+    "max_rank_step_us",
+    "min_rank_step_us",
+    "num_ops",
+    "num_spans",
+)
+TAIL = ("sim_key", "error")
+#: `sim` options that are not knobs of a simulation
+NOT_KNOBS = frozenset(
+    {"command", "func", "out", "figure_format", "json", "window", "rank", "width"}
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The expanded sweep: ``knobs`` (column names, spec order) and one dict per case."""
+
+    knobs: tuple[str, ...]
+    cases: tuple[dict[str, Any], ...]
+
+
+@functools.cache
+def _sim_parser() -> argparse.ArgumentParser:
+    from overlap_lab.experiments.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["sim"]
+
+
+@functools.cache
+def _knob_actions() -> dict[str, argparse.Action]:
+    return {
+        a.dest: a
+        for a in _sim_parser()._actions
+        if a.dest not in NOT_KNOBS and a.dest != "help" and a.option_strings
+    }
+
+
+def defaults() -> dict[str, Any]:
+    """Every knob of ``overlap-lab sim`` with its default."""
+    return dict(_defaults())
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    ns = _sim_parser().parse_args(["--out", ""])
+    return {k: v for k, v in vars(ns).items() if k not in NOT_KNOBS}
+
+
+def _convert(action: argparse.Action, value: Any) -> Any:
+    """A spec value as the option's parser reads it (lists for tuple options, YAML booleans)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        text = ",".join(str(v) for v in value)
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    else:
+        text = str(value)
+    try:
+        out = action.type(text) if action.type is not None else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        raise ConfigError(f"sweep: {action.dest}={value!r}: {e}") from None
+    if action.choices is not None and out not in action.choices:
+        raise ConfigError(f"sweep: {action.dest} must be one of {', '.join(action.choices)}")
+    return out
+
+
+def _normalise(knobs: Mapping[str, Any], actions: Mapping[str, argparse.Action], where: str):
+    out = {}
+    for k, v in knobs.items():
+        name = str(k).replace("-", "_")
+        if name not in actions:
+            raise ConfigError(
+                f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)"
+            )
+        out[name] = v
+    return out
+
+
+def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
+    """Read and expand a spec (a YAML/JSON file, or the mapping itself); every value is checked
+    by its option's own parser before any simulation starts."""
+    if not isinstance(src, Mapping):
+        path = Path(src)
+        if not path.is_file():
+            raise ConfigError(f"sweep: no such spec file {path}")
+        text = path.read_text()
+        if path.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml
+
+            try:
+                doc = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"sweep: {path}: invalid YAML ({e})") from None
+        src = doc or {}
+    if not isinstance(src, Mapping):
+        raise ConfigError("sweep: the spec must be a mapping with base, grid and/or cases")
+    extra = set(src) - {"base", "grid", "cases"}
+    if extra:
+        raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
+    actions = _knob_actions()
+    base = _normalise(src.get("base") or {}, actions, "base")
+    grid = _normalise(src.get("grid") or {}, actions, "grid")
+    for k, v in grid.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"sweep: grid {k} needs a non-empty list of values")
+    listed = [_normalise(c, actions, "cases") for c in (src.get("cases") or [])]
+    knobs = list(base)
+    for k in [*grid, *(k for c in listed for k in c)]:
+        if k not in knobs:
+            knobs.append(k)
+    if "schedule" not in knobs:
+        knobs.insert(0, "schedule")
+    cases = []
+    if grid or not listed:
+        for values in itertools.product(*grid.values()):
+            cases.append({**base, **dict(zip(grid, values))})
+    cases += [{**base, **c} for c in listed]
+    checked = []
+    for c in cases:
+        for k, v in c.items():
+            _convert(actions[k], v)
+        checked.append({k: c.get(k) for k in knobs})
+    return Spec(tuple(knobs), tuple(checked))
+
+
+# ---------------------------------------------------------------------------------------------
+# One case
+
+
+#: GPU preset fields that are schedule defaults, read when a schedule builds its Program (so
+#: already in it) and never by the simulator (tests/test_sweep.py checks that sim/ does not name
+#: them): left out of the key, so that e.g. serial cases differing only in ``sbo_comm_sms`` merge.
+SCHEDULE_ONLY_GPU_FIELDS = ("sbo_comm_sms", "deepep_normal_sms")
+
+
+def sim_key(program, gpu, net_group_tol: float, profile=None) -> str:
+    """What a simulation's metrics depend on, hashed: the Program's ranks, world and symmetry (its
+    meta is reporting only), every field of the GPU preset the simulator may read and the
+    network tolerance, and the calibration profile's rows (None: the roofline). Dataclass reprs
+    print every field and floats exactly, so different Programs give different keys."""
+    hw = {f.name: getattr(gpu, f.name) for f in dataclasses.fields(gpu)}
+    for name in (*SCHEDULE_ONLY_GPU_FIELDS, "name"):  # the name only labels the trace
+        hw.pop(name, None)
+    h = hashlib.sha256()
+    h.update(repr((program.world, program.symmetric, net_group_tol)).encode())
+    h.update(repr(sorted(hw.items())).encode())
+    h.update(repr(program.ranks).encode())
+    h.update(repr(None if profile is None else (profile.name, profile.rows)).encode())
+    return h.hexdigest()[:24]
+
+
+def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
+    """Build and lower one case as ``overlap-lab sim`` would, with the same input checks:
+    (schedule, lowered Program, GPU, network tolerance, profile, args)."""
+    from overlap_lab import api
+    from overlap_lab.experiments.cli import (
+        _ranks,
+        build_schedule,
+        config_from,
+        gpu_from,
+        workload_from,
+    )
+    from overlap_lab.shared import inputs
+    from overlap_lab.shared.validate import validate
+
+    actions = _knob_actions()
+    vals = dict(base if base is not None else defaults())
+    for k, v in knobs.items():
+        if v is not None:
+            vals[k] = _convert(actions[k], v)
+    # a grid crosses schedules with knobs of one schedule (serial x --comm-sms): where a knob
+    # does not apply to the case's schedule it keeps its default, and such cases merge below
+    schedule = str(vals.get("schedule", "serial")).strip().lower()
+    plain = defaults()
+    for dest, owners in inputs.KNOB_SCHEDULES.items():
+        if dest in vals and schedule not in owners:
+            vals[dest] = plain.get(dest)
+    args = argparse.Namespace(**{**vals, "command": "sim", "out": ""})
+    inputs.check_args(args)  # fills the mode's defaults; a bad case is an error row
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    inputs.check_workload(w, gpu, args)
+    if args.schedule == "pp" and w.parallel.pp == 1:  # as api.simulate: pp's default stages
+        w = dataclasses.replace(
+            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
+        )
+    program = build_schedule(args.schedule, w, gpu, cfg)
+    lowered = api._lower_ranks(program, w, gpu, _ranks(args))
+    validate(lowered, gpu.num_sms)  # what is simulated
+    tol = 0.0 if lowered is program else api.NET_GROUP_TOL
+    profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
+    return args.schedule, lowered, gpu, tol, profile, args
+
+
+def metrics(trace, program, gpu) -> dict[str, Any]:
+    """The metric columns of one simulated trace."""
+    from overlap_lab.experiments.runner import compute_kernel_us
+    from overlap_lab.shared.program import ops_of
+
+    per_rank = trace.per_rank_step_us()
+    return {
+        "step_time_us": trace.step_time_us,
+        "exposed_comm_us": trace.exposed_comm_us(),
+        "comm_only_us": trace.comm_only_us(),
+        "compute_kernel_us": compute_kernel_us(trace),
+        "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
+        "max_rank_step_us": max(per_rank.values(), default=0.0),
+        "min_rank_step_us": min(per_rank.values(), default=0.0),
+        "num_ops": len(ops_of(program)),
+        "num_spans": len(trace.spans),
+    }
+
+
+def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], int]) -> dict:
+    """Lower case ``index``, claim its key, simulate it if the claim is ours.
+
+    ``claim(key, index)`` returns the index of the case that owns ``key`` (this one when it is
+    new). Returns ``{"case", "sim_key", "same_as"}`` plus the metrics (or ``error``) when this case
+    simulated; a duplicate returns no metrics: its owner's are copied in by the caller."""
+    from overlap_lab.sim.engine import Engine
+
+    out: dict[str, Any] = {"case": index, "sim_key": "", "same_as": "", "error": ""}
+    try:
+        _, program, gpu, tol, profile, args = lower_case(knobs)
+        key = out["sim_key"] = sim_key(program, gpu, tol, profile)
+        owner = claim(key, index)
+        if owner != index:
+            out["same_as"] = owner
+            return out
+        trace = Engine(
+            program,
+            gpu,
+            getattr(args, "seed", 0),
+            net_group_tol=tol,
+            profile=profile,
+            max_events=getattr(args, "max_events", None),
+        ).run()
+        out.update(metrics(trace, program, gpu))
+    except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: each yields result dicts of run_case as cases finish
+
+
+class _LocalClaims:
+    def __init__(self, initial: Mapping[str, int] | None):
+        self.owners = None if initial is None else dict(initial)
+
+    def __call__(self, key: str, index: int) -> int:
+        return index if self.owners is None else self.owners.setdefault(key, index)
+
+
+_worker_claims = None
+
+
+def _init_worker(owners) -> None:
+    global _worker_claims
+    _worker_claims = owners
+
+
+def _claim_shared(key: str, index: int) -> int:
+    if _worker_claims is None:  # no deduplication
+        return index
+    return _worker_claims.setdefault(key, index)  # one call in the manager: atomic
+
+
+def _pool_case(item: tuple[int, dict]) -> dict:
+    return run_case(item[0], item[1], _claim_shared)
+
+
+def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processes: int):
+    if processes <= 1:
+        claims = _LocalClaims(owners)
+        for index, knobs in todo:
+            yield run_case(index, knobs, claims)
+        return
+    from multiprocessing import Manager, Pool
+
+    with Manager() as manager:
+        shared = None if owners is None else manager.dict(owners)
+        with Pool(processes, initializer=_init_worker, initargs=(shared,)) as pool:
+            yield from pool.imap_unordered(_pool_case, todo, chunksize=1)
+
+
+def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: str | None):
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError("--backend ray needs Ray: pip install 'overlap-lab[ray]'") from e
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+
+    @ray.remote
+    class Claims:
+        def __init__(self, initial):
+            self.owners = dict(initial)
+
+        def claim(self, key, index):
+            return self.owners.setdefault(key, index)
+
+    @ray.remote
+    def one(index, knobs, claims):
+        if claims is None:
+            return run_case(index, knobs, lambda k, i: i)
+        return run_case(index, knobs, lambda k, i: ray.get(claims.claim.remote(k, i)))
+
+    claims = None if owners is None else Claims.remote(owners)
+    pending = [one.remote(i, k, claims) for i, k in todo]
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        yield ray.get(done[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The results file
+
+
+def _columns(spec: Spec) -> list[str]:
+    return ["case", *spec.knobs, *METRICS, *TAIL]
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return repr(v)  # exact round trip
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """The complete rows of a sweep CSV (a torn last line of an interrupted run is left out)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    rows = list(csv.DictReader(text.splitlines()))
+    return [r for r in rows if None not in r and None not in r.values()]
+
+
+def _open_csv(path: Path, columns: list[str]) -> tuple[Any, list[dict[str, str]]]:
+    """Open the CSV for appending, keeping its complete rows; check it is this sweep's file."""
+    done: list[dict[str, str]] = []
+    if path.exists() and path.stat().st_size > 0:
+        raw = path.read_bytes()
+        head = raw.split(b"\n", 1)[0].decode().rstrip("\r")
+        if next(csv.reader([head])) != columns:
+            raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
+        cut = raw.rfind(b"\n") + 1
+        if cut < len(raw):  # torn last line: drop it before appending
+            with open(path, "rb+") as f:
+                f.truncate(cut)
+        done = read_rows(path)
+        f = open(path, "a", newline="")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w", newline="")
+        csv.writer(f, lineterminator="\n").writerow(columns)
+        f.flush()
+    return f, done
+
+
+def run_sweep(
+    spec: Spec | str | Path | Mapping[str, Any],
+    out: str | Path,
+    *,
+    processes: int = 2,
+    backend: str = "local",
+    address: str | None = None,
+    progress: bool = True,
+    limit: int | None = None,
+    dedupe: bool = True,
+) -> dict[str, int]:
+    """Run the cases of ``spec`` not yet in ``out`` and append their rows as they finish.
+
+    ``backend``: ``local`` (``processes`` worker processes; 1 runs here) or ``ray`` (a Ray
+    cluster: ``address``, else ``RAY_ADDRESS``, else a local Ray). ``limit`` stops after that
+    many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
+    what deduplication saves). Returns counts: cases, done before, simulated,
+    duplicates, errors."""
+    if not isinstance(spec, Spec):
+        spec = load_spec(spec)
+    out = Path(out)
+    parquet = out.suffix == ".parquet"
+    csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    columns = _columns(spec)
+    f, done_rows = _open_csv(csv_path, columns)
+    done = {int(r["case"]) for r in done_rows}
+    owners: dict[str, int] = {}
+    results: dict[int, dict[str, str]] = {}  # owner index -> its metrics
+    for r in done_rows:
+        if r["sim_key"] and not r["error"]:
+            owners.setdefault(r["sim_key"], int(r["case"]))
+            results[int(r["case"])] = r
+    todo = [(i, c) for i, c in enumerate(spec.cases) if i not in done]
+    if limit is not None:
+        todo = todo[:limit]
+    stats = {"cases": len(spec.cases), "done_before": len(done), "simulated": 0, "duplicates": 0}
+    stats["errors"] = 0
+    writer = csv.writer(f, lineterminator="\n")
+    waiting: dict[int, list[dict]] = {}  # owner index -> duplicates waiting for its metrics
+
+    def write(res: dict, owner: Mapping[str, Any] | None = None) -> None:
+        row = {"case": res["case"], **spec.cases[res["case"]]}
+        src = owner if owner is not None else res
+        row.update({m: src.get(m, "") for m in METRICS})
+        row.update(sim_key=res["sim_key"], error=res["error"] or "")
+        if owner is not None and owner.get("error"):
+            row["error"] = owner["error"]
+        writer.writerow([_cell(row.get(c)) for c in columns])
+        f.flush()
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), desc="sweep", unit="case", disable=not progress, file=sys.stderr)
+    if backend == "local":
+        stream: Iterable[dict] = _local(todo, owners if dedupe else None, processes)
+    elif backend == "ray":
+        stream = _ray(todo, owners if dedupe else None, address)
+    else:
+        raise ConfigError(f"sweep: backend must be local or ray, got {backend!r}")
+    try:
+        for res in stream:
+            i = res["case"]
+            if res["same_as"] != "":
+                stats["duplicates"] += 1
+                owner = int(res["same_as"])
+                if owner in results:
+                    write(res, results[owner])
+                else:
+                    waiting.setdefault(owner, []).append(res)
+                    continue
+            else:
+                stats["simulated" if not res["error"] else "errors"] += 1
+                results[i] = res
+                write(res)
+                for dup in waiting.pop(i, []):
+                    write(dup, res)
+                    bar.update()
+            bar.update()
+    finally:
+        bar.close()
+        f.close()
+    if parquet and len(read_rows(csv_path)) == len(spec.cases):
+        to_parquet(csv_path, out)
+        csv_path.unlink()
+    return stats
+
+
+def to_parquet(csv_path: str | Path, out: str | Path) -> Path:
+    """A finished sweep CSV as a Parquet file, rows in case order (needs pyarrow)."""
+    try:
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError("a .parquet sweep output needs pyarrow: pip install pyarrow") from e
+    table = pacsv.read_csv(str(csv_path))
+    table = table.sort_by("case")
+    pq.write_table(table, str(out))
+    return Path(out)
