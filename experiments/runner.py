@@ -65,6 +65,9 @@ class Case:
     gpu: str
     cfg: ScheduleConfig = field(default_factory=ScheduleConfig)
     keep: str | None = None
+    #: a Program -> Program pass applied before simulating (a what-if on the schedule's kernels);
+    #: module-level, so the pool can pickle it
+    transform: Callable[[Program], Program] | None = None
 
 
 def compute_kernel_us(trace: Trace, rank: int = 0) -> float:
@@ -124,6 +127,8 @@ def simulate_case(
     """Build, simulate and measure one case: its row, and its kept trace (or None)."""
     gpu = get_gpu(case.gpu)
     program = build(case.schedule, case.workload, gpu, case.cfg)
+    if case.transform is not None:
+        program = case.transform(program)
     trace = simulate(program, gpu)
     row = {"schedule": case.schedule, **case.params, **measure(trace, program, case)}
     return row, (clip(trace, case) if case.keep else None)

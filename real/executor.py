@@ -449,6 +449,10 @@ class RankRunner:
 
     def run_instr(self, ins, thread: str) -> None:
         if isinstance(ins, Launch):
+            # a kernel that polls signals while it runs (Op.waits, SBO's combine) is launched
+            # after its last signal here: the executor cannot poll inside a kernel it times
+            for ev in ins.op.waits:
+                self.run_instr(Wait(ins.stream, ev), thread)
             self.launch(ins.op, ins.stream)
         elif isinstance(ins, Record):
             if self.tracker is not None:

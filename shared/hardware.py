@@ -109,7 +109,10 @@ _COMMON = dict(
     nvlink_lat_us=1.0,
     rdma_lat_us=3.0,
     pcie_lat_us=2.0,
-    deepep_normal_sms=24,  # DeepEP Buffer.num_sms default 24 (= 12 channels, 2 SMs each)
+    # DeepEP's Buffer.num_sms default (deep_ep/buffer.py: ``num_sms: int = 20``, 10 channels of
+    # 2 SMs), what SGLang, LightLLM and vLLM run unless configured; DeepSeek's own profile uses 24
+    # (shared.schedules.deepseek.H800_COMM_SMS)
+    deepep_normal_sms=20,
 )
 
 _HOPPER = dict(

@@ -35,6 +35,8 @@ LinkKind = Literal["nvlink", "rdma", "pcie"]
 OP_KINDS: tuple[str, ...] = ("compute", "comm", "copy")
 ROLES: tuple[str, ...] = ("send", "recv", "sendrecv")
 LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma", "pcie")
+#: How a kernel's thread blocks hold SMs (see ``sim.cost``, "How kernels share the SMs").
+GRIDS: tuple[str, ...] = ("persistent", "waved", "coresident")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,14 @@ class Op:
     ``sms`` is an upper limit for compute kernels (None: the whole GPU) and the exact number held
     by communication kernels (0 for a hook that polls nothing); copies use a copy engine and no
     SMs. For ``copy`` ops ``hbm_bytes`` are the bytes moved over PCIe.
+
+    ``grid`` (``persistent``, ``waved`` or ``coresident``), ``ctas`` and ``ctas_per_sm`` describe
+    the kernel as a grid of thread blocks (how it shares SMs with concurrent kernels); None means
+    derived from the op's kind, class and work by the cost model (``sim.cost.grid``).
+
+    ``waits`` are events the kernel consumes while it runs, as DeepEP's SBO combine polls the
+    down GEMM's per-block signals: its work is cut into ``len(waits)`` equal parts and part ``i``
+    cannot finish before ``waits[i]`` has fired; it holds its SMs meanwhile (one resident kernel).
     """
 
     name: str
@@ -76,6 +86,10 @@ class Op:
     sms: int | None = None
     tokens: int = 0
     coll: Coll | None = None
+    grid: str | None = None
+    ctas: int | None = None
+    ctas_per_sm: int | None = None
+    waits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,11 +153,31 @@ class HostThread:
     instrs: tuple[Instr, ...]
 
 
+#: CUDA stream priorities: a lower number is a higher priority (cudaStreamCreateWithPriority);
+#: 0 is the default stream priority, -1 what ``torch.cuda.Stream(priority=-1)`` and PyTorch's
+#: high-priority pool (``at::cuda::getStreamFromPool(true)``) give.
+DEFAULT_PRIORITY = 0
+HIGH_PRIORITY = -1
+
+
 @dataclass(frozen=True)
 class RankProgram:
+    """One rank: its streams, their CUDA priorities and its host threads.
+
+    ``priorities`` lists ``(stream, priority)`` for streams created with a non-default priority;
+    the block scheduler hands free SMs to pending thread blocks of higher-priority streams first.
+    """
+
     rank: int
     streams: tuple[str, ...]
     threads: tuple[HostThread, ...]
+    priorities: tuple[tuple[str, int], ...] = ()
+
+    def priority(self, stream: str) -> int:
+        for s, p in self.priorities:
+            if s == stream:
+                return p
+        return DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -257,7 +291,9 @@ def to_text(program: Program) -> str:
     if program.meta:
         lines.append("meta " + json.dumps(program.meta, sort_keys=True))
     for rp in program.ranks:
-        lines.append(f"rank {rp.rank} streams={','.join(rp.streams)}")
+        prio = dict(rp.priorities)
+        decl = ",".join(f"{s}@{prio[s]}" if prio.get(s, 0) != 0 else s for s in rp.streams)
+        lines.append(f"rank {rp.rank} streams={decl}")
         for th in rp.threads:
             lines.append(f"  thread {th.name}")
             for ins in th.instrs:
@@ -282,8 +318,12 @@ def _parse_value(name: str, raw: str):
         return json.loads(raw)
     if name in ("flops", "hbm_bytes"):
         return float(raw)
-    if name in ("layer", "mb", "step", "sms", "tokens"):
+    if name in ("layer", "mb", "step", "sms", "tokens", "ctas", "ctas_per_sm"):
         return int(raw)
+    if name == "grid":
+        return raw
+    if name == "waits":
+        return tuple(json.loads(raw))
     if isinstance(default, str):
         return raw
     return _num(raw)
@@ -355,7 +395,12 @@ def parse(text: str) -> Program:
         close_thread()
         if cur_rank is not None:
             ranks.append(
-                RankProgram(cur_rank["rank"], cur_rank["streams"], tuple(cur_rank["threads"]))
+                RankProgram(
+                    cur_rank["rank"],
+                    cur_rank["streams"],
+                    tuple(cur_rank["threads"]),
+                    cur_rank["priorities"],
+                )
             )
             cur_rank = None
 
@@ -377,8 +422,18 @@ def parse(text: str) -> Program:
                     symmetric = v == "true"
         elif verb == "rank":
             close_rank()
-            streams = tuple(x for x in toks[2].split("=", 1)[1].split(",") if x)
-            cur_rank = {"rank": int(toks[1]), "streams": streams, "threads": []}
+            decls = [x for x in toks[2].split("=", 1)[1].split(",") if x]
+            streams = tuple(d.split("@", 1)[0] for d in decls)
+            try:
+                prios = tuple((n, int(p)) for n, p in (d.split("@", 1) for d in decls if "@" in d))
+            except ValueError:
+                raise ParseError(f"line {lineno}: bad stream priority in {toks[2]!r}") from None
+            cur_rank = {
+                "rank": int(toks[1]),
+                "streams": streams,
+                "threads": [],
+                "priorities": prios,
+            }
         elif verb == "thread":
             if cur_rank is None:
                 raise ParseError(f"line {lineno}: thread outside a rank")

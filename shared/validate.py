@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import (
+    GRIDS,
     LINK_KINDS,
     OP_KINDS,
     ROLES,
@@ -112,6 +113,9 @@ def validate(program: Program, num_sms: int | None = None) -> None:
 
 def _check_rank(program: Program, rp: RankProgram, num_sms, sends) -> None:
     streams = set(rp.streams)
+    for s, _ in rp.priorities:
+        if s not in streams:
+            raise ProgramError(f"rank {rp.rank}: priority given for unknown stream {s!r}")
     order = issue_order(rp)
     recorded: dict[str, Issued] = {}
     for it in order:
@@ -127,6 +131,10 @@ def _check_rank(program: Program, rp: RankProgram, num_sms, sends) -> None:
                     raise ProgramError(_where(it, rp, f"unknown stream {s!r}"))
             if isinstance(ins, (Wait, Sync)) and ins.event not in recorded:
                 raise ProgramError(_where(it, rp, f"event {ins.event!r} is never recorded"))
+            if isinstance(ins, Launch):
+                for ev in ins.op.waits:
+                    if ev not in recorded:
+                        raise ProgramError(_where(it, rp, f"signal {ev!r} is never recorded"))
             if isinstance(ins, Launch):
                 _check_op(it, rp, ins, num_sms, sends, program)
         if isinstance(it.instr, Host) and it.instr.us < 0:
@@ -153,6 +161,11 @@ def _check_op(it: Issued, rp: RankProgram, ins: Launch, num_sms, sends, program)
         )
     if op.flops < 0 or op.hbm_bytes < 0:
         raise ProgramError(_where(it, rp, "negative work"))
+    if op.grid is not None and op.grid not in GRIDS:
+        raise ProgramError(_where(it, rp, f"unknown grid {op.grid!r}; expected one of {GRIDS}"))
+    for f in ("ctas", "ctas_per_sm"):
+        if getattr(op, f) is not None and getattr(op, f) < 1:
+            raise ProgramError(_where(it, rp, f"{f} must be at least 1, got {getattr(op, f)}"))
     c = op.coll
     if c is None:
         return
@@ -216,7 +229,9 @@ def _check_cycles(program: Program) -> None:
                     record_node[ins.event] = g
                 elif isinstance(ins, Wait):
                     pending.append((g, ins.event))
-                elif isinstance(ins, Launch) and ins.op.coll is not None:
+                if isinstance(ins, Launch):
+                    pending += [(g, ev) for ev in ins.op.waits]
+                if isinstance(ins, Launch) and ins.op.coll is not None:
                     c = ins.op.coll
                     if c.role != "recv":
                         completions_of_key[c.key].append(g)

@@ -20,10 +20,40 @@ peak reached by well-tuned kernels of each class on Hopper (DeepGEMM reports ~13
 dense FP8 TFLOP/s on H800 for large GEMMs, i.e. ~0.7; FlashMLA ~660 TFLOP/s BF16 of 989 on H800,
 ~0.65, and ~3000 GB/s of 3350 when memory-bound, ~0.9). A calibration table measured on a GPU
 replaces them (DESIGN.md, "Ops and their cost").
+
+How kernels share the SMs (``sim.resources.Gpu``; docs/sm-sharing.md has the full account)
+-----------------------------------------------------------------------------------------
+A kernel is a grid of thread blocks (CTAs); ``grid`` below gives each op its CTA count, CTAs per
+SM and kind:
+
+- *persistent* (DeepGEMM, FlashAttention-3 / FlashMLA, which size the grid to the SMs they may use
+  and loop over tiles inside each CTA): ``ctas = SMs allowed x ctas_per_sm``; each CTA does an
+  equal share of the work and keeps its SM until it is done.
+- *waved* (cuBLAS/Triton-style GEMMs, elementwise and reduction kernels): many CTAs, each a tile
+  of the output; a CTA releases its SM when it finishes, so the kernel runs in waves of
+  ``SMs x ctas_per_sm`` CTAs and its duration on ``s`` SMs is ``ceil(ctas / (s x ctas_per_sm))``
+  waves, not a smooth ``1/s``.
+- *coresident* (DeepEP's kernels: sender and receiver CTAs spin on each other): it starts only
+  when all its CTAs fit; until then the SMs freed are kept for the first such kernel in
+  precedence order (head-of-line), not handed to kernels behind it.
+
+The block scheduler hands free SMs to pending CTAs of higher-priority streams first, then in
+launch (issue) order (CUDA programming guide, "Stream Priorities": pending work in a
+higher-priority stream is scheduled before pending work in lower-priority streams; it does not
+preempt running blocks). A CTA runs to completion, so a waved kernel gives SMs to a kernel that
+precedes it only at its wave boundaries; a persistent kernel holds its SMs to its end. What
+dispatch order the hardware uses within one priority level is not documented: taking launch order
+(an earlier kernel's remaining CTAs before a later kernel's) is this model's assumption, and the
+usual observation that a concurrent kernel fills in only behind the earlier kernel's last wave.
+
+Which kernels are persistent, their CTAs per SM and the work of one waved CTA are assumptions
+named below (``PERSISTENT_CLASSES``, ``CTAS_PER_SM``, ``WAVED_CTA_FLOPS``, ``WAVED_CTA_BYTES``);
+an op may state its own (``Op.grid``, ``Op.ctas``, ``Op.ctas_per_sm``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from overlap_lab.shared.hardware import GPU
@@ -128,7 +158,95 @@ def duration_us(d: KernelDemand, share: float) -> float:
 
 
 def solo_duration_us(op: Op, gpu: GPU, sms: int | None = None) -> float:
-    """Duration of ``op`` alone on the GPU with ``sms`` SMs (default: its limit or all)."""
+    """Duration of ``op`` alone on the GPU with ``sms`` SMs (default: its limit or all): whole
+    waves of ``sms x ctas_per_sm`` CTAs, then a last partial wave on the SMs its CTAs need
+    (what ``sim.resources.Gpu`` does for a kernel alone)."""
     s = sms if sms is not None else (op.sms if op.sms else gpu.num_sms)
-    d = demand(op, gpu, s)
-    return duration_us(d, hbm_shares([d], gpu)[0])
+    g = grid(op, s)
+
+    def whole(n: int) -> float:
+        d = demand(op, gpu, n)
+        return duration_us(d, hbm_shares([d], gpu)[0])
+
+    if g.ctas == 0:
+        return whole(s)
+    slots = s * g.per_sm
+    waves, rest = divmod(g.ctas, slots)
+    t = waves * slots / g.ctas * whole(s) if waves else 0.0
+    if rest:
+        t += rest / g.ctas * whole(math.ceil(rest / g.per_sm))
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels as grids of thread blocks
+# ----------------------------------------------------------------------------------------------
+
+#: (op_class, dtype) pairs whose kernels are persistent; dtype None matches any. DeepGEMM's FP8
+#: GEMMs (normal and grouped) launch ``num_sms`` persistent CTAs with a tile scheduler
+#: (deep_gemm ``set_num_sms``); FlashAttention-3 and FlashMLA on Hopper size their grid to the SMs
+#: the same way. BF16 GEMMs (the router GEMM through torch/cuBLAS) are waved.
+PERSISTENT_CLASSES: frozenset[tuple[str, str | None]] = frozenset(
+    {("gemm", "fp8"), ("grouped_gemm", "fp8"), ("attention", None)}
+)
+#: CTAs resident per SM by op class (assumption: tensor-core GEMM and attention tiles use most of
+#: an SM's shared memory, one CTA each; elementwise kernels run 256-thread blocks, 8 per SM for
+#: 2048 threads per SM on Hopper/Blackwell).
+CTAS_PER_SM: dict[str, int] = {"elementwise": 8, "sampling": 8}
+#: Work of one CTA of a waved matrix kernel: a 128 x 128 output tile over K = 7168 (DeepSeek-V3's
+#: hidden size), 2 * 128 * 128 * 7168 FLOPs. An assumption standing in for the op's real shape.
+WAVED_CTA_FLOPS: float = 2.0 * 128 * 128 * 7168
+#: Least work per CTA a waved matrix kernel is cut to when its output tiles alone would not fill
+#: the SMs it may use: cuBLAS and Triton pick smaller tiles or split K for skinny GEMMs (the
+#: router GEMM: 2 output tiles of 128 x 128 at 128 tokens). A 64 x 64 tile over K = 512, or,
+#: for a memory-bound GEMM, a 64 x 512 BF16 slice of the weights per CTA; assumptions.
+WAVED_MIN_CTA_FLOPS: float = 2.0 * 64 * 64 * 512
+WAVED_MIN_CTA_BYTES: float = 64.0 * 512 * 2
+#: HBM bytes one CTA of a waved memory-bound kernel moves (assumption: 256 threads x 16 B).
+WAVED_CTA_BYTES: float = 4096.0
+_MATRIX_CLASSES = ("gemm", "grouped_gemm", "attention")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A kernel's grid: ``kind`` (persistent, waved or coresident), CTAs and CTAs per SM."""
+
+    kind: str
+    ctas: int
+    per_sm: int
+
+    @property
+    def sms_needed(self) -> int:
+        """SMs that hold every CTA at once."""
+        return math.ceil(self.ctas / self.per_sm) if self.ctas else 0
+
+
+def grid_kind(op: Op) -> str:
+    """The op's own ``grid``, else: DeepEP communication kernels coresident, the persistent
+    classes persistent, everything else waved."""
+    if op.grid is not None:
+        return op.grid
+    if op.kind == "comm":
+        return "coresident"
+    if (op.op_class, op.dtype) in PERSISTENT_CLASSES or (op.op_class, None) in PERSISTENT_CLASSES:
+        return "persistent"
+    return "waved"
+
+
+def grid(op: Op, limit: int) -> Grid:
+    """The grid of ``op`` when it may use at most ``limit`` SMs (its ``Op.sms`` or the GPU)."""
+    kind = grid_kind(op)
+    per_sm = op.ctas_per_sm or (1 if kind == "coresident" else CTAS_PER_SM.get(op.op_class, 1))
+    if limit <= 0:
+        return Grid(kind, 0, per_sm)  # a hook: polls on the host side of the stream, no SMs
+    if op.ctas is not None:
+        ctas = op.ctas
+    elif kind != "waved":
+        ctas = limit * per_sm
+    elif op.op_class in _MATRIX_CLASSES:
+        tiles = math.ceil(op.flops / WAVED_CTA_FLOPS)
+        fill = max(op.flops / WAVED_MIN_CTA_FLOPS, op.hbm_bytes / WAVED_MIN_CTA_BYTES)
+        ctas = max(tiles, min(limit, math.ceil(fill)))
+    else:
+        ctas = math.ceil(op.hbm_bytes / WAVED_CTA_BYTES)
+    return Grid(kind, max(1, ctas), per_sm)
