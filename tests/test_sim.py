@@ -230,11 +230,14 @@ def programs(draw):
 
 
 def critical_bound(p):
-    """No schedule beats its longest stream's op sum at full resources, nor its host time."""
+    """No schedule beats its longest stream's op sum at full resources, nor its host time. Full
+    resources without wave quantisation (a persistent grid on every SM): how a waved kernel's
+    waves fall depends on the SMs it gets, and a packing other than N-SM waves can beat them."""
     per_stream, host = {}, 0.0
     for ins in p.ranks[0].threads[0].instrs:
         if hasattr(ins, "op"):
-            per_stream[ins.stream] = per_stream.get(ins.stream, 0.0) + solo(ins.op, N)
+            op = ins.op if ins.op.kind == "comm" else dataclasses.replace(ins.op, grid="persistent")
+            per_stream[ins.stream] = per_stream.get(ins.stream, 0.0) + solo(op, N)
         elif hasattr(ins, "us"):
             host += ins.us
     return max([host, *per_stream.values()])
