@@ -304,8 +304,9 @@ def notes(doc: dict) -> str:
         "SMs at every wave boundary; DeepEP's stream has the higher priority, so its CTAs take "
         "24 SMs at the next boundary and the GEMM continues on the rest. "
         + (
-            "This comes close to the split without reserving SMs"
-            if wav["step_time_us"] <= 1.05 * pub["step_time_us"]
+            "This beats the split: the GEMMs use every SM while DeepEP is idle and give way "
+            "within one wave when it needs its SMs"
+            if wav["step_time_us"] < pub["step_time_us"]
             else "The communication still waits up to one wave each time"
         )
         + f" (compute holds {wav['layer_compute_sms_avg']:.0f} SMs on average vs "
@@ -321,8 +322,11 @@ def notes(doc: dict) -> str:
             "keeps its SMs wave after wave and DeepEP fills in only behind its last wave."
         ),
         "",
-        "So the reservation is what makes the overlap independent of the GEMM library: with "
-        "persistent kernels (DeepGEMM) only a cap on their grid leaves SMs for DeepEP.",
+        "So the reservation is what persistent GEMMs need: DeepGEMM's static grid never gives an "
+        "SM back, and only a cap on it leaves SMs for DeepEP. Waved GEMMs beside a "
+        "high-priority comm stream would not need one. How long DeepEP then waits depends on "
+        "the wave length, which follows from the assumed CTA size (`WAVED_CTA_FLOPS`), and real "
+        "cuBLAS GEMMs reach lower efficiency than DeepGEMM, which this variant does not charge.",
         "",
         "## 2. LightLLM's order against DeepSeek's (same prefill)",
         "",
@@ -401,6 +405,11 @@ def notes(doc: dict) -> str:
         "not document the order; `sim/cost.py`). Row 4 of part 1 drops the priority.",
         "- Which kernels are persistent and how much work one waved CTA holds "
         "(`sim.cost.PERSISTENT_CLASSES`, `WAVED_CTA_FLOPS`, `WAVED_CTA_BYTES`).",
+        "- Static against dynamic tile scheduling. DeepGEMM's tile scheduler is static, so CTAs "
+        "that start late run their full share, and so is FlashMLA's decode split. Both are read "
+        "from upstream. FlashAttention-3's prefill scheduler is dynamic (an atomic tile counter), "
+        "so its late CTAs share the work that is left. Parts 1 and 2 turn on the static "
+        "DeepGEMM grid; part 3 turns on the static decode-attention split.",
         "- A coresident (DeepEP) kernel starts only when all its CTAs fit; freed SMs are kept for "
         "the first such kernel in precedence order.",
         "- DeepEP normal kernels: DeepSeek's profile uses 24 SMs; SGLang and LightLLM are taken "

@@ -36,7 +36,7 @@ OP_KINDS: tuple[str, ...] = ("compute", "comm", "copy")
 ROLES: tuple[str, ...] = ("send", "recv", "sendrecv")
 LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma", "pcie")
 #: How a kernel's thread blocks hold SMs (see ``sim.cost``, "How kernels share the SMs").
-GRIDS: tuple[str, ...] = ("persistent", "waved", "coresident")
+GRIDS: tuple[str, ...] = ("persistent", "dynamic", "waved", "coresident")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Op:
     by communication kernels (0 for a hook that polls nothing); copies use a copy engine and no
     SMs. For ``copy`` ops ``hbm_bytes`` are the bytes moved over PCIe.
 
-    ``grid`` (``persistent``, ``waved`` or ``coresident``), ``ctas`` and ``ctas_per_sm`` describe
+    ``grid`` (``persistent``, ``dynamic``, ``waved`` or ``coresident``), ``ctas`` and ``ctas_per_sm`` describe
     the kernel as a grid of thread blocks (how it shares SMs with concurrent kernels); None means
     derived from the op's kind, class and work by the cost model (``sim.cost.grid``).
 

@@ -29,6 +29,9 @@ SM and kind:
 - *persistent* (DeepGEMM, FlashAttention-3 / FlashMLA, which size the grid to the SMs they may use
   and loop over tiles inside each CTA): ``ctas = SMs allowed x ctas_per_sm``; each CTA does an
   equal share of the work and keeps its SM until it is done.
+- *dynamic* (a persistent grid whose CTAs take tiles from a shared counter, FlashAttention-3's
+  DynamicPersistentTileScheduler): CTAs that start late share what work is left, so the kernel
+  ends when its resident CTAs run out of tiles together, and it holds its SMs to its end.
 - *waved* (cuBLAS/Triton-style GEMMs, elementwise and reduction kernels): many CTAs, each a tile
   of the output; a CTA releases its SM when it finishes, so the kernel runs in waves of
   ``SMs x ctas_per_sm`` CTAs and its duration on ``s`` SMs is ``ceil(ctas / (s x ctas_per_sm))``
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Op
@@ -207,9 +211,9 @@ WAVED_CTA_BYTES: float = 4096.0
 _MATRIX_CLASSES = ("gemm", "grouped_gemm", "attention")
 
 
-@dataclass(frozen=True)
-class Grid:
-    """A kernel's grid: ``kind`` (persistent, waved or coresident), CTAs and CTAs per SM."""
+class Grid(NamedTuple):
+    """A kernel's grid: ``kind`` (persistent, waved or coresident), CTAs and CTAs per SM (a
+    NamedTuple: one is made per launched kernel, and it must be cheap)."""
 
     kind: str
     ctas: int
@@ -241,7 +245,7 @@ def grid(op: Op, limit: int) -> Grid:
         return Grid(kind, 0, per_sm)  # a hook: polls on the host side of the stream, no SMs
     if op.ctas is not None:
         ctas = op.ctas
-    elif kind != "waved":
+    elif kind != "waved":  # persistent, dynamic, coresident: one CTA set sized to the SMs
         ctas = limit * per_sm
     elif op.op_class in _MATRIX_CLASSES:
         tiles = math.ceil(op.flops / WAVED_CTA_FLOPS)

@@ -60,6 +60,20 @@ NET_KINDS = ("nvlink", "rdma")
 _SINK_BITS = 24
 
 
+def _span_key(s: Span) -> tuple:
+    return (
+        s.rank,
+        s.lane,
+        s.start,
+        s.end,
+        s.op,
+        s.sms,
+        -1 if s.mb is None else s.mb,
+        -1 if s.layer is None else s.layer,
+        -1 if s.step is None else s.step,
+    )
+
+
 class TieShuffledEnvironment(simpy.Environment):
     """A SimPy environment that processes events of the same time and SimPy priority in a seeded
     random order (and runs each event's callbacks in a seeded random order). The simulator's
@@ -151,22 +165,10 @@ class Engine:
             backend="sim",
             seed=self.seed,
         )
-        # spans in a canonical order: the order events were processed in is no part of the result
-        spans = sorted(
-            self.spans,
-            key=lambda s: (
-                s.rank,
-                s.lane,
-                s.start,
-                s.end,
-                s.op,
-                s.kind,
-                s.sms,
-                str(s.mb),
-                str(s.layer),
-                str(s.step),
-            ),
-        )
+        # spans in a canonical order: the order events were processed in is no part of the
+        # result. Within a stream or host lane spans are appended in program order already; the
+        # key breaks the remaining ties (links, spans of one instant) without comparing None.
+        spans = sorted(self.spans, key=_span_key)
         return Trace(tuple(spans), meta)
 
     def _host(self, r: _Rank):
@@ -245,7 +247,20 @@ class Engine:
             return
         limit = self.gpu.num_sms if op.sms is None else op.sms
         k = Kernel(op, limit, env.event(), r.rp.priority(stream), seq)
-        yield r.gpu.acquire(k)
+        k.on_grant = lambda: self._begin(r, k)
+        r.gpu.acquire(k)
+        yield k.done
+        segs = k.segments + [(env.now, 0)]
+        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
+            if t1 > t0 or len(segs) == 2:
+                self.spans.append(
+                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
+                )
+
+    def _begin(self, r: _Rank, k: Kernel) -> None:
+        """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its
+        signals are watched, and it runs (called by the block scheduler's pass)."""
+        op, rank = k.op, r.rp.rank
         c = op.coll
         parts = max(1, len(op.waits))
         if c is not None and c.role != "recv" and c.flows:
@@ -284,13 +299,6 @@ class Engine:
             else:
                 e.callbacks.append(lambda _e: r.gpu.signal(k))
         r.gpu.start(k)
-        yield k.done
-        segs = k.segments + [(env.now, 0)]
-        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
-            if t1 > t0 or len(segs) == 2:
-                self.spans.append(
-                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
-                )
 
     def _arrival(self, key: str, rank: int) -> simpy.Event:
         ev = self._arrived[(key, rank)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import simpy
 
@@ -71,7 +72,7 @@ class Fluid:
         job.done.succeed()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Flow:
     nbytes: float
     done: simpy.Event
@@ -111,13 +112,16 @@ class Link(Fluid):
             job.done.succeed()
 
 
+#: Precedence among pending CTAs: stream priority (lower first), then launch order.
+_precedence = attrgetter("prio", "seq")
+
 #: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
 #: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
 #: rule (stream priority, then launch order), never by the order SimPy processes their events.
 GRANT_PRIORITY = 2
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Kernel:
     """One launched kernel: its grid, its precedence and the CTAs not dispatched yet."""
 
@@ -135,7 +139,7 @@ class Kernel:
     cohorts: int = 0  # cohorts running or staged
     started: bool = False  # the engine has started it (collective flags set)
     staged: list = field(default_factory=list)  # cohorts dispatched before ``start``
-    granted: simpy.Event | None = None
+    on_grant: object = None  # callable: the engine starts the kernel when it holds its first SMs
     fired: int = 0  # how many of ``op.waits`` have fired
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
     _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
@@ -156,7 +160,7 @@ class Kernel:
         return d
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Cohort:
     """CTAs of one kernel dispatched together onto ``sms`` SMs: ``waves`` uniform waves of
     ``per_wave`` CTAs (one wave for a persistent or coresident kernel). Progress is counted in
@@ -170,16 +174,16 @@ class Cohort:
     left: float = 1.0
     rate: float = 0.0
     t_end: float = float("inf")
+    floor: float = 0.0  # work it may not go below yet: parts whose signals have not fired
 
     @property
     def ready(self) -> bool:
-        return self.kernel.ready
+        k = self.kernel
+        return not (k.waiting_data or k.gated)
 
-    @property
-    def floor(self) -> float:
-        """Work it may not go below yet: the parts whose signals have not fired (op.waits)."""
+    def set_floor(self) -> None:
         n = len(self.kernel.op.waits)
-        return self.total * (n - self.kernel.fired) / n if n else 0.0
+        self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
 
 
 class Gpu(Fluid):
@@ -205,37 +209,50 @@ class Gpu(Fluid):
         self.pending: list[Kernel] = []
         self._grant_due = False
         self._touched: set = set()  # kernels whose SMs changed this instant (for segments)
+        self._jobs_changed = False  # a grant pass changed running cohorts: re-rate
         self._unstarted: set = set()  # kernels granted but not yet started by the engine
+        self._granted: list = []  # kernels given their first SMs in this pass
+        self._granting_now = False
 
     # -- the engine's interface ------------------------------------------------------------------
 
-    def acquire(self, k: Kernel) -> simpy.Event:
-        """An event that fires once ``k`` holds its first SMs (it then runs from that moment)."""
+    def acquire(self, k: Kernel) -> None:
+        """Queue ``k``'s CTAs; ``k.on_grant()`` is called once it holds its first SMs (it runs
+        from that moment)."""
         k.grid = cost.grid(k.op, k.limit)
-        k.granted = self.env.event()
-        if k.grid.ctas == 0:  # a hook: holds no SMs, needs none
+        if k.grid.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
             k.segments.append((self.env.now, 0))
-            k.granted.succeed()
-            return k.granted
+            k.on_grant()
+            return
         k.pending = k.grid.ctas
         self.pending.append(k)
         self._request_grant()
-        return k.granted
 
     def start(self, k: Kernel) -> None:
-        self._advance()
+        """Run the cohorts dispatched to ``k`` before the engine started it."""
+        if not self._granting_now:
+            self._advance()
         k.started = True
         self._unstarted.discard(k)
+        if k.op.waits:
+            for c in k.staged:
+                c.set_floor()
         self.jobs.extend(k.staged)
         k.staged = []
-        self.changed()
+        if self._granting_now:
+            self._jobs_changed = True  # re-rated once at the end of the pass
+        else:
+            self.changed()
 
     def signal(self, k: Kernel) -> None:
         """One of the events ``k`` consumes while running has fired."""
         self._advance()
         k.fired += 1
+        for c in self.jobs:
+            if c.kernel is k:
+                c.set_floor()
         self.changed()
 
     def data_arrived(self, k: Kernel) -> None:
@@ -256,13 +273,16 @@ class Gpu(Fluid):
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
+        if not (self.pending or self._touched or any(c.waves > 1 for c in self.jobs)):
+            return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
+        self._jobs_changed = False
         while True:
             self._dispatch()
             if not self._cut():
                 break
         now = self.env.now
-        for k in sorted(self._touched, key=lambda k: k.key):
+        for k in self._touched:  # each kernel's segments are its own: any order
             if not (k.cohorts or k.segments):
                 continue  # never ran yet (a coresident kernel gathering its SMs)
             segs = k.segments
@@ -271,7 +291,16 @@ class Gpu(Fluid):
             if not segs or segs[-1][1] != k.held:
                 segs.append((now, k.held))
         self._touched.clear()
-        self.changed()
+        if self._granted:  # start them in precedence order, re-rating once
+            granted, self._granted = sorted(self._granted, key=_precedence), []
+            self._granting_now = True
+            try:
+                for k in granted:
+                    k.on_grant()
+            finally:
+                self._granting_now = False
+        if self._jobs_changed:
+            self.changed()
 
     def _dispatch(self) -> None:
         # reservations are re-made every pass, so they always belong to the first coresident
@@ -279,7 +308,9 @@ class Gpu(Fluid):
         for k in self.pending:
             self.free += k.reserved
             k.reserved = 0
-        for k in sorted(self.pending, key=lambda k: k.key):
+        if len(self.pending) > 1:
+            self.pending.sort(key=_precedence)
+        for k in list(self.pending):
             if self.free == 0:
                 break
             g = k.grid
@@ -296,14 +327,39 @@ class Gpu(Fluid):
             take = min(k.limit - k.held, math.ceil(k.pending / g.per_sm), self.free)
             if take <= 0:
                 continue
+            if g.kind == "dynamic" and k.started and self._grow(k, take):
+                continue
             slots = take * g.per_sm
             if k.pending >= slots:
                 self._cohort(k, take, slots, k.pending // slots)
             else:
                 self._cohort(k, take, k.pending, 1)
 
+    def _grow(self, k: Kernel, sms: int) -> bool:
+        """A dynamic persistent kernel's late CTAs join its running cohort and share the work
+        left (it then ends when all of them run out of tiles); False if it has none running."""
+        c = next((c for c in self.jobs if c.kernel is k), None)
+        if c is None:
+            return False
+        n = min(k.pending, sms * k.grid.per_sm)
+        old = c.per_wave
+        # the cohort's work left plus the joining CTAs' share, spread over all of them
+        c.left = (c.left * old + n) / (old + n)
+        c.per_wave = old + n
+        c.sms += sms
+        k.pending -= n
+        k.held += sms
+        self.free -= sms
+        if k.pending == 0:
+            self.pending.remove(k)
+        self._touched.add(k)
+        self._jobs_changed = True
+        return True
+
     def _cohort(self, k: Kernel, sms: int, per_wave: int, waves: int) -> None:
         c = Cohort(k, sms, per_wave, waves, float(waves), float(waves))
+        if k.op.waits:
+            c.set_floor()
         k.pending -= per_wave * waves
         k.held += sms
         k.cohorts += 1
@@ -313,24 +369,28 @@ class Gpu(Fluid):
         self._touched.add(k)
         if k.started:
             self.jobs.append(c)
+            self._jobs_changed = True
         else:
             k.staged.append(c)
-            self._unstarted.add(k)
-            if not k.granted.triggered:
-                k.granted.succeed()
+            if k not in self._unstarted:
+                self._unstarted.add(k)
+                self._granted.append(k)
 
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
         next wave boundary; True if any was cut (their CTAs are pending again)."""
+        if self.free == 0 and not self.pending:
+            return False
+        multi = [c for c in self.jobs if c.waves > 1]
+        multi += [c for k in self._unstarted for c in k.staged if c.waves > 1]
+        if not multi:
+            return False
         first = min(
             (k.key for k in self.pending if k.grid.kind == "coresident" or k.held < k.limit),
             default=None,
         )
         cut = False
-        staged = [c for k in sorted(self._unstarted, key=lambda k: k.key) for c in k.staged]
-        for c in [*self.jobs, *staged]:
-            if not isinstance(c, Cohort):
-                continue
+        for c in sorted(multi, key=lambda c: c.kernel.key):
             k = c.kernel
             done = c.waves - c.left
             boundary = max(1, math.ceil(done - 1e-9))
@@ -342,10 +402,11 @@ class Gpu(Fluid):
             back = (c.waves - boundary) * c.per_wave
             c.waves, c.total = boundary, float(boundary)
             c.left = max(0.0, boundary - done)
+            c.set_floor()
             k.pending += back
             if k not in self.pending:
                 self.pending.append(k)
-            cut = True
+            cut = self._jobs_changed = True
         return cut
 
     def _finish(self, c: Cohort) -> None:
@@ -357,7 +418,9 @@ class Gpu(Fluid):
             k.done.succeed()
         else:
             self._touched.add(k)
-        if c.sms:
+        # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
+        # asks for its own pass) and to running cohorts that could grow
+        if c.sms and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs)):
             self._request_grant()
 
     def _rates(self) -> None:

@@ -278,3 +278,19 @@ def test_tbo_refuses_without_expert_parallelism():
     w = Workload(get_model("deepseek-v2-lite"), Batch.decode(32), Parallel(ep=1))
     with pytest.raises(ConfigError, match="expert parallelism"):
         build("tbo", w, get_gpu("h800"))
+
+
+def test_a_dynamic_persistent_kernel_shares_its_late_work_among_all_its_ctas():
+    dyn = dataclasses.replace(WAVED, grid="dynamic")
+    hold = dataclasses.replace(COMM, sms=32, hbm_bytes=2e8)
+    _, tr = run(lambda t: t.launch(hold, "b").host("h", 1.0).launch(dyn, "a"))
+    _, h1 = one(tr, "stream:b")
+    d0, d1 = one(tr, "stream:a")
+    # on 100 SMs until the comm kernel ends, then on 132: the work, not the CTAs, is conserved
+    t100, t132 = (cost.solo_duration_us(dyn, GPU, s) for s in (100, N))
+    assert d1 == pytest.approx(h1 + (1 - (h1 - d0) / t100) * t132, rel=1e-6)
+    assert [s.sms for s in tr.spans if s.lane == "stream:a"] == [100, N]
+    # a static persistent grid instead runs its 32 late CTAs to the end, one CTA-length later
+    stat = dataclasses.replace(WAVED, grid="persistent")
+    _, tr2 = run(lambda t: t.launch(hold, "b").host("h", 1.0).launch(stat, "a"))
+    assert one(tr2, "stream:a")[1] == pytest.approx(h1 + t132, rel=1e-6)
