@@ -10,7 +10,9 @@ number of SimPy events at about one per job start and end.
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -112,6 +114,8 @@ class Link(Fluid):
             job.done.succeed()
 
 
+_GPU_ORDER = itertools.count()
+
 #: Precedence among pending CTAs: stream priority (lower first), then launch order.
 _precedence = attrgetter("prio", "seq")
 
@@ -141,6 +145,7 @@ class Kernel:
     staged: list = field(default_factory=list)  # cohorts dispatched before ``start``
     on_grant: object = None  # callable: the engine starts the kernel when it holds its first SMs
     fired: int = 0  # how many of ``op.waits`` have fired
+    t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
     _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
 
@@ -186,6 +191,17 @@ class Cohort:
         self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
 
 
+#: GPUs waiting for their block scheduler's pass at the end of the current instant, per SimPy
+#: environment (weakly held: an environment's entry goes with it).
+_PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _run_passes(env: simpy.Environment) -> None:
+    due = _PASSES.pop(env)
+    for gpu in sorted(due, key=attrgetter("order")):
+        gpu._grant()
+
+
 class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
@@ -208,6 +224,7 @@ class Gpu(Fluid):
         self.free = gpu.num_sms
         self.pending: list[Kernel] = []
         self._grant_due = False
+        self.order = next(_GPU_ORDER)  # creation order: the order of passes within an instant
         self._touched: set = set()  # kernels whose SMs changed this instant (for segments)
         self._jobs_changed = False  # a grant pass changed running cohorts: re-rate
         self._unstarted: set = set()  # kernels granted but not yet started by the engine
@@ -224,6 +241,7 @@ class Gpu(Fluid):
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
             k.segments.append((self.env.now, 0))
+            k.t0 = self.env.now
             k.on_grant()
             return
         k.pending = k.grid.ctas
@@ -263,13 +281,19 @@ class Gpu(Fluid):
     # -- the block scheduler ---------------------------------------------------------------------
 
     def _request_grant(self) -> None:
+        """Ask for a pass at the end of this instant. One SimPy event serves every GPU of the
+        simulation that asks in the same instant (ranks acting in lockstep), in creation order."""
         if self._grant_due:
             return
         self._grant_due = True
-        ev = self.env.event()
-        ev._ok, ev._value = True, None  # a triggered event, scheduled after the instant's others
-        ev.callbacks.append(self._grant)
-        self.env.schedule(ev, GRANT_PRIORITY)
+        due = _PASSES.get(self.env)
+        if due is None:
+            due = _PASSES[self.env] = []
+            ev = self.env.event()
+            ev._ok, ev._value = True, None  # triggered; processed after the instant's others
+            ev.callbacks.append(lambda _e, env=self.env: _run_passes(env))
+            self.env.schedule(ev, GRANT_PRIORITY)
+        due.append(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
@@ -375,6 +399,7 @@ class Gpu(Fluid):
             if k not in self._unstarted:
                 self._unstarted.add(k)
                 self._granted.append(k)
+                k.t0 = self.env.now
 
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
@@ -415,7 +440,18 @@ class Gpu(Fluid):
         k.held -= c.sms
         k.cohorts -= 1
         if k.pending == 0 and k.cohorts == 0:
-            k.done.succeed()
+            # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
+            rest = (
+                k.t0 + self.gpu.kernel_min_us - self.env.now if k.op.flops or k.op.hbm_bytes else 0
+            )
+            if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
+                segs, now = k.segments, self.env.now
+                if segs and segs[-1][0] == now:
+                    segs.pop()
+                segs.append((now, 0))
+                self.env.timeout(rest).callbacks.append(lambda _e, d=k.done: d.succeed())
+            else:
+                k.done.succeed()
         else:
             self._touched.add(k)
         # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
