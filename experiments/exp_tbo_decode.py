@@ -191,11 +191,17 @@ Break-even (throughput change crosses 0): {", ".join(f"EP{e}: {v:.0f} tokens/GPU
   (exposed comm {big["serial"]["exposed_comm_us"] / 1e3:.1f} -> {big["tbo"]["exposed_comm_us"] / 1e3:.1f} ms at 256),
   while the compute kernels are large enough that halving them costs little
   ({big["serial"]["compute_kernel_us"] / 1e3:.1f} -> {big["tbo"]["compute_kernel_us"] / 1e3:.1f} ms).
-- TBO+SBO is below TBO here: SBO's combine on {get_gpu(GPU).sbo_comm_sms} SMs is slower than the 128-SM low-latency combine,
-  and under TBO the other micro-batch's full-GPU kernels keep the comm SMs from being granted
-  (the simulator does not let a 3-SM kernel in between the blocks of a running kernel), so the
-  combine's tail is exposed instead of hidden. On real GPUs blocks of a running kernel retire and
-  free SMs, so this penalty is an upper bound.
+- TBO+SBO is below TBO here. SBO's combine is one kernel resident on {get_gpu(GPU).sbo_comm_sms}
+  SMs from the down GEMM's start event on (docs/sm-sharing.md). While it holds them, the other
+  micro-batch's decode attention is launched. That attention is a FlashMLA-style persistent grid
+  with a static split over every SM, so the CTAs it cannot place start only when the combine ends,
+  and the attention ends late. The combine hidden behind the down GEMM gains less than that
+  costs. This depends on the static split of decode attention (`sim.cost.PERSISTENT_CLASSES`);
+  `sm_sharing.md`, part 3, shows the per-layer attention time.
+- What changed (issue 8): TBO+SBO's deficit shrank (e.g. +3 % -> +9 % at 128 tokens/GPU, EP32).
+  SBO's combine used to be four chunk kernels, each asking for SMs again. It is now one resident
+  kernel that polls the down GEMM's 64-row-block signals, and ties go by stream priority and
+  launch order rather than by event order.
 
 ## Where it disagrees with the published numbers, and why
 - The magnitudes depend on the cost model's per-kernel floor and launch costs and on the

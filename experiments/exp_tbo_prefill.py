@@ -1,7 +1,8 @@
 """TBO's prefill gain over prefill sizes (DeepSeek prefill strategy: 3 stages, delta 0).
 
 DeepSeek-V3 on H800 at EP 32 (DeepSeek's published prefill deployment), DeepEP normal kernels on
-their own stream with 24 SMs, DeepGEMM limited to the other 108 in the sparse layers. Sizes: 4K
+their own stream with DeepEP's default 20 SMs, DeepGEMM limited to the other 112 in the sparse
+layers. Sizes: 4K
 prompts per GPU (balanced split on sequence boundaries) and single long prompts (one sequence:
 the two-chunk split cuts it in half). Reports serial and TBO step times, the throughput change,
 the exposed communication and the split SGLang's rules choose.
@@ -26,6 +27,7 @@ from overlap_lab.experiments.runner import (
     stamp,
     standard_metrics,
 )
+from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_prefill"
@@ -163,7 +165,7 @@ def notes(doc: dict) -> str:
     return f"""# TBO prefill gain
 
 {stamp(doc)}  ·  DeepSeek-V3 on {GPU}, EP{EP},
-DeepEP normal kernels (24 SMs, own stream), DeepGEMM limited to {rows[1]["deep_gemm_sms"]} SMs in the
+DeepEP normal kernels ({get_gpu(GPU).deepep_normal_sms} SMs, DeepEP's default `Buffer.num_sms`, own high-priority stream), DeepGEMM limited to {rows[1]["deep_gemm_sms"]} SMs in the
 sparse layers under TBO, no CUDA graph.
 
 {md_table(header, tab)}
@@ -173,8 +175,17 @@ sparse layers under TBO, no CUDA graph.
   dispatch/combine of one micro-batch (RDMA-bound at EP{EP}, exposed in serial) runs on DeepEP's
   stream while the other micro-batch's attention and experts compute; the 3-stage, delta-0
   strategy pairs A's communication with B's computation stage by stage.
-- The cost: DeepGEMM's GEMMs run on 108 of 132 SMs in the sparse layers (the 24 DeepEP SMs are
-  reserved even when no communication is running), and each kernel works on half the tokens.
+- The cost: DeepGEMM's GEMMs run on {rows[1]["deep_gemm_sms"]} of {get_gpu(GPU).num_sms} SMs in the sparse layers (DeepEP's
+  {get_gpu(GPU).deepep_normal_sms} SMs are reserved even when no communication is running), and each kernel works on half
+  the tokens. Kernels SGLang does not cap (attention, the router GEMM, elementwise kernels) share
+  the SMs with DeepEP's kernels by the block scheduler's rules (docs/sm-sharing.md).
+- What changed (issue 8): DeepEP's SMs are now its default `Buffer.num_sms` (20, not DeepSeek's
+  24), and SMs are shared by rule rather than by event order, at the granularity of thread
+  blocks. The previous gains were 49-52 % for batches of 4K prompts and 49 % for one 4K prompt.
+  Balanced batches now gain slightly more: more SMs are left for DeepGEMM (112), and the uncapped
+  prefill attention (FlashAttention-3's dynamic tile scheduler) spreads onto SMs as DeepEP frees
+  them. Single prompts cut by the two-chunk split gain less; that case has not been analysed
+  further.
 - A single long prompt is still split (two-chunk: SGLang cuts the sequence at half the tokens), so
   TBO helps it nearly as much as a batch of prompts (the second half attends over the first, so
   the two halves' attention is unequal); the mixed batch's balanced split would leave 12000 of

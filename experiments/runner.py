@@ -70,6 +70,9 @@ class Case:
     gpu: str
     cfg: ScheduleConfig = field(default_factory=ScheduleConfig)
     keep: str | None = None
+    #: a Program -> Program pass applied before simulating (a what-if on the schedule's kernels);
+    #: module-level, so the pool can pickle it
+    transform: Callable[[Program], Program] | None = None
 
 
 def compute_kernel_us(trace: Trace, rank: int = 0) -> float:
@@ -136,7 +139,14 @@ def simulate_case(
     names the calibration profile (``sim.profile``; auto: the preset's built-in one)."""
     from overlap_lab import api
 
-    res = api.simulate(case.schedule, case.workload, case.gpu, case.cfg, profile=profile)
+    res = api.simulate(
+        case.schedule,
+        case.workload,
+        case.gpu,
+        case.cfg,
+        profile=profile,
+        transform=case.transform,
+    )
     row = {"schedule": case.schedule, **case.params, **measure(res.trace, res.program, case)}
     return row, (clip(res.trace, case) if case.keep else None)
 

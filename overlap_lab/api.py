@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -288,6 +288,7 @@ def simulate(
     seed: int = 0,
     profile: Any = "auto",
     max_events: int | None = None,
+    transform: Callable[[Program], Program] | None = None,
 ) -> Result:
     """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
 
@@ -297,7 +298,9 @@ def simulate(
     straggler cost is ``window_us - balanced_window_us``. ``profile`` gives op durations measured
     on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
     ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline).
-    ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size)."""
+    ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
+    ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
+    e.g. an SM cap on some kernels); the Result carries the rewritten Program."""
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import Engine, SimulationStalled
@@ -316,6 +319,8 @@ def simulate(
         w = _with_pp(w, PP_DEFAULT_STAGES)
         notes.append(f"{PP_DEFAULT_STAGES} pipeline stages (default)")
     program = build_schedule(schedule, w, g, cfg)
+    if transform is not None:
+        program = transform(program)
     lowered = _lower_ranks(program, w, g, r)
     balanced = None
     try:

@@ -286,8 +286,9 @@ def plan_graphs(rp) -> dict[int, GraphPlan]:
 class _Gpu:
     """CUDA streams, events and timing of one rank (created only on a GPU run)."""
 
-    def __init__(self, streams: tuple[str, ...]):
-        self.streams = {s: torch.cuda.Stream() for s in streams}
+    def __init__(self, streams: tuple[str, ...], priorities: tuple[tuple[str, int], ...] = ()):
+        prio = dict(priorities)  # the Program's CUDA stream priorities (lower is higher)
+        self.streams = {s: torch.cuda.Stream(priority=prio.get(s, 0)) for s in streams}
         self.events: dict[str, torch.cuda.Event] = {}
         self.timed: list[tuple[Op, str, Any, Any]] = []
         self.t0 = torch.cuda.Event(enable_timing=True)
@@ -362,7 +363,7 @@ class RankRunner:
                         self.piece_counts[key] = max(self.piece_counts.get(key, 0), k + 1)
         self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
         self.tracker = HazardTracker() if check_hazards else None
-        self.gpu = _Gpu(rp.streams) if self.device.type == "cuda" else None
+        self.gpu = _Gpu(rp.streams, rp.priorities) if self.device.type == "cuda" else None
         self.graph_plans = plan_graphs(rp)
         self.cuda_graphs = cuda_graphs and self.gpu is not None
         self.spans: list[Span] = []
@@ -471,6 +472,10 @@ class RankRunner:
 
     def run_instr(self, ins, thread: str) -> None:
         if isinstance(ins, Launch):
+            # a kernel that polls signals while it runs (Op.waits, SBO's combine) is launched
+            # after its last signal here: the executor cannot poll inside a kernel it times
+            for ev in ins.op.waits:
+                self.run_instr(Wait(ins.stream, ev), thread)
             self.launch(ins.op, ins.stream)
         elif isinstance(ins, Record):
             if self.tracker is not None:

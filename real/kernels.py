@@ -568,6 +568,16 @@ def _expert_groups(num_local: int, n: int) -> list[range]:
     return [range(k * num_local // n, (k + 1) * num_local // n) for k in range(n)]
 
 
+# LightLLM's grouped_fused_moe_ep kernels (shared/schedules/lightllm.py, expert_kernels): the
+# executor's gate-up and down kernels above already permute, activate and reduce, so the Triton
+# scatter / activation+quant / gather ops compute nothing of their own here.
+@register("experts.scatter")
+@register("experts.act_quant")
+@register("experts.gather")
+def experts_data_movement(ctx: KernelCtx) -> None:
+    return None
+
+
 @register("experts.gate_up")
 def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
@@ -603,6 +613,8 @@ def experts_down(ctx: KernelCtx) -> None:
                 gemm=g,
             )
     ctx.put(f"expert_out.{k}", (grp, y))
+    if n == 1 and not ctx.op.waits:  # LightLLM's one down GEMM (no SBO signals)
+        ctx.put("expert_out", _assemble_expert_out(ctx, 1))
 
 
 def _assemble_expert_out(ctx: KernelCtx, n: int) -> torch.Tensor:
@@ -624,6 +636,8 @@ def combine_a_piece(ctx: KernelCtx) -> None:
 
 @register("combine_a")
 def combine_a(ctx: KernelCtx) -> None:
+    if ctx.op.waits:  # SBO mode 1: one combine over the signalled slices of the down GEMM
+        ctx.put("expert_out", _assemble_expert_out(ctx, len(ctx.op.waits)))
     y, d = ctx.get("expert_out"), ctx.get("dispatch")
     be = ctx.backend
     if ctx.op.sms:

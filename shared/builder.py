@@ -79,6 +79,7 @@ class RankBuilder:
     rank: int
     streams: tuple[str, ...]
     threads: list[ThreadBuilder] = field(default_factory=list)
+    priorities: tuple[tuple[str, int], ...] = ()
 
     def thread(self, name: str) -> ThreadBuilder:
         tb = ThreadBuilder(name)
@@ -86,7 +87,9 @@ class RankBuilder:
         return tb
 
     def build(self) -> RankProgram:
-        return RankProgram(self.rank, self.streams, tuple(t.build() for t in self.threads))
+        return RankProgram(
+            self.rank, self.streams, tuple(t.build() for t in self.threads), self.priorities
+        )
 
 
 def program(ranks: list[RankBuilder], world: int, symmetric: bool = True, **meta) -> Program:

@@ -396,7 +396,16 @@ def _attention_ops(w: Workload, mb: MicroBatch, mk: _Maker) -> dict[str, Op]:
     return {
         "comm_prepare_attn": mk("comm_prepare_attn", rmsnorm(rows, m.hidden, residual=True)),
         "attn.prepare": mk("attn.prepare", prep, dtype=m.gemm_dtype, op_class="gemm"),
-        "attn.core": mk("attn.core", core, dtype=m.attn_dtype, op_class="attention"),
+        # prefill attention (FlashAttention-3, varlen causal) hands tiles to its persistent CTAs
+        # from an atomic counter (DynamicPersistentTileScheduler): CTAs that start late take what
+        # is left. Decode attention (FlashMLA) splits the work statically per SM part.
+        "attn.core": mk(
+            "attn.core",
+            core,
+            dtype=m.attn_dtype,
+            op_class="attention",
+            grid="dynamic" if w.batch.mode == "prefill" else None,
+        ),
     }
 
 

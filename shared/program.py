@@ -55,6 +55,8 @@ OP_CLASSES: tuple[str, ...] = (
 MAX_WORK = 1e18
 MAX_HOST_US = 1e9
 MAX_RANKS = 1 << 16
+#: How a kernel's thread blocks hold SMs (see ``sim.cost``, "How kernels share the SMs").
+GRIDS: tuple[str, ...] = ("persistent", "dynamic", "waved", "coresident")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,14 @@ class Op:
     ``sms`` is an upper limit for compute kernels (None: the whole GPU) and the exact number held
     by communication kernels (0 for a hook that polls nothing); copies use a copy engine and no
     SMs. For ``copy`` ops ``hbm_bytes`` are the bytes moved over PCIe.
+
+    ``grid`` (``persistent``, ``dynamic``, ``waved`` or ``coresident``), ``ctas`` and ``ctas_per_sm`` describe
+    the kernel as a grid of thread blocks (how it shares SMs with concurrent kernels); None means
+    derived from the op's kind, class and work by the cost model (``sim.cost.grid``).
+
+    ``waits`` are events the kernel consumes while it runs, as DeepEP's SBO combine polls the
+    down GEMM's per-block signals: its work is cut into ``len(waits)`` equal parts and part ``i``
+    cannot finish before ``waits[i]`` has fired; it holds its SMs meanwhile (one resident kernel).
     """
 
     name: str
@@ -96,6 +106,10 @@ class Op:
     sms: int | None = None
     tokens: int = 0
     coll: Coll | None = None
+    grid: str | None = None
+    ctas: int | None = None
+    ctas_per_sm: int | None = None
+    waits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,11 +173,31 @@ class HostThread:
     instrs: tuple[Instr, ...]
 
 
+#: CUDA stream priorities: a lower number is a higher priority (cudaStreamCreateWithPriority);
+#: 0 is the default stream priority, -1 what ``torch.cuda.Stream(priority=-1)`` and PyTorch's
+#: high-priority pool (``at::cuda::getStreamFromPool(true)``) give.
+DEFAULT_PRIORITY = 0
+HIGH_PRIORITY = -1
+
+
 @dataclass(frozen=True)
 class RankProgram:
+    """One rank: its streams, their CUDA priorities and its host threads.
+
+    ``priorities`` lists ``(stream, priority)`` for streams created with a non-default priority;
+    the block scheduler hands free SMs to pending thread blocks of higher-priority streams first.
+    """
+
     rank: int
     streams: tuple[str, ...]
     threads: tuple[HostThread, ...]
+    priorities: tuple[tuple[str, int], ...] = ()
+
+    def priority(self, stream: str) -> int:
+        for s, p in self.priorities:
+            if s == stream:
+                return p
+        return DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -277,7 +311,9 @@ def to_text(program: Program) -> str:
     if program.meta:
         lines.append("meta " + json.dumps(program.meta, sort_keys=True))
     for rp in program.ranks:
-        lines.append(f"rank {rp.rank} streams={','.join(rp.streams)}")
+        prio = dict(rp.priorities)
+        decl = ",".join(f"{s}@{prio[s]}" if prio.get(s, 0) != 0 else s for s in rp.streams)
+        lines.append(f"rank {rp.rank} streams={decl}")
         for th in rp.threads:
             lines.append(f"  thread {th.name}")
             for ins in th.instrs:
@@ -290,7 +326,7 @@ class ParseError(ConfigError):
 
 
 _GPU_VERBS = ("launch", "record", "wait", "wait_stream")
-_INT_FIELDS = ("layer", "mb", "step", "sms", "tokens")
+_INT_FIELDS = ("layer", "mb", "step", "sms", "tokens", "ctas", "ctas_per_sm")
 _FLOAT_FIELDS = ("flops", "hbm_bytes")
 _HEADER_KEYS = ("world", "symmetric")
 
@@ -316,6 +352,18 @@ def _parse_value(name: str, raw: str):
         if not isinstance(v, str) or not isinstance(default, str):
             raise ValueError(f"{name} takes a {type(default).__name__}, got {raw}")
         return v
+    if name == "waits":
+        try:
+            v = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"waits takes a JSON list of event names, got {raw}") from None
+        if not isinstance(v, list) or not all(isinstance(e, str) for e in v):
+            raise ValueError(f"waits takes a JSON list of event names, got {raw}")
+        return tuple(v)
+    if name == "grid":
+        if raw not in GRIDS:
+            raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {raw!r}")
+        return raw
     if name in _FLOAT_FIELDS:
         return _float(raw, name)
     if name in _INT_FIELDS:
@@ -423,7 +471,9 @@ class _Parser:
         self.close_thread()
         if self.rank is not None:
             r = self.rank
-            self.ranks.append(RankProgram(r["rank"], r["streams"], tuple(r["threads"])))
+            self.ranks.append(
+                RankProgram(r["rank"], r["streams"], tuple(r["threads"]), r["priorities"])
+            )
             self.rank = None
 
     def line(self, lineno: int, s: str) -> None:
@@ -445,9 +495,19 @@ class _Parser:
         elif verb == "rank":
             self.close_rank()
             if len(toks) != 3 or not toks[2].startswith("streams="):
-                raise ValueError("rank takes N streams=A,B,...")
-            streams = tuple(x for x in toks[2].split("=", 1)[1].split(",") if x)
-            self.rank = {"rank": _int(toks[1], "rank"), "streams": streams, "threads": []}
+                raise ValueError("rank takes N streams=A,B@PRIO,...")
+            decls = [x for x in toks[2].split("=", 1)[1].split(",") if x]
+            streams = tuple(d.split("@", 1)[0] for d in decls)
+            try:
+                prios = tuple((n, int(p)) for n, p in (d.split("@", 1) for d in decls if "@" in d))
+            except ValueError:
+                raise ValueError(f"bad stream priority in {toks[2]!r}") from None
+            self.rank = {
+                "rank": _int(toks[1], "rank"),
+                "streams": streams,
+                "threads": [],
+                "priorities": prios,
+            }
         elif verb == "thread":
             if self.rank is None:
                 raise ValueError("thread outside a rank")

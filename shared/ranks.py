@@ -176,4 +176,4 @@ class _Lowering:
             HostThread(th.name, tuple(self._instr(i, r) for i in th.instrs))
             for th in self.rp.threads
         )
-        return RankProgram(r, self.rp.streams, threads)
+        return RankProgram(r, self.rp.streams, threads, self.rp.priorities)

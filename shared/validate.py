@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import (
     DTYPES,
+    GRIDS,
     LINK_KINDS,
     MAX_HOST_US,
     MAX_RANKS,
@@ -169,6 +170,9 @@ def _check_program(program: Program) -> None:
 
 def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
     streams = set(rp.streams)
+    for s, _ in rp.priorities:
+        if s not in streams:
+            raise ProgramError(f"rank {rp.rank}: priority given for unknown stream {s!r}")
     recorded: dict[str, Issued] = {}
     for it in order:
         if isinstance(it.instr, Graph):
@@ -200,6 +204,9 @@ def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
                 why = _op_fault(ins.op, num_sms, sends, rank_ids)
                 if why:
                     raise ProgramError(_where(it, rp, why, k))
+                for ev in ins.op.waits:
+                    if ev not in recorded:
+                        raise ProgramError(_where(it, rp, f"signal {ev!r} is never recorded", k))
         if isinstance(it.instr, Host):
             us = it.instr.us
             if not (isinstance(us, (int, float)) and 0 <= us <= MAX_HOST_US):
@@ -238,6 +245,12 @@ def _op_fault(op: Op, num_sms, sends, rank_ids) -> str | None:
         return f"negative token count {op.tokens}"
     if not (_finite_work(op.flops) and _finite_work(op.hbm_bytes)):
         return f"work (flops, hbm_bytes) must be finite numbers in 0..{MAX_WORK:g}"
+    if op.grid is not None and op.grid not in GRIDS:
+        return f"unknown grid {op.grid!r}; expected one of {', '.join(GRIDS)}"
+    for f in ("ctas", "ctas_per_sm"):
+        v = getattr(op, f)
+        if v is not None and v < 1:
+            return f"{f} must be at least 1, got {v}"
     c = op.coll
     if c is None:
         return None
@@ -292,9 +305,10 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
         info.append(where)
         return len(succ) - 1
 
-    launches: dict[int, list[Op]] = defaultdict(list)
+    # rank -> (precedence, op): precedence is (stream priority, node), the block scheduler's order
+    launches: dict[int, list[tuple[tuple[int, int], Op]]] = defaultdict(list)
     recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
-    flow_srcs: dict[tuple[str, int], list[tuple[int, Op]]] = defaultdict(list)
+    flow_srcs: dict[tuple[str, int], list[tuple[int, Op, int]]] = defaultdict(list)
     for rp in program.ranks:
         record_node: dict[str, int] = {}
         last_on: dict[str, int] = {}
@@ -325,15 +339,20 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
                 elif isinstance(ins, Wait):
                     pending.append((g, ins.event))
                 elif isinstance(ins, Launch):
-                    launches[rp.rank].append(ins.op)
+                    launches[rp.rank].append(((rp.priority(stream), g), ins.op))
                     end = node((it, rp, k))
                     succ[g].append(end)
+                    # a kernel that consumes signals while it runs cannot end before they fire
+                    pending += [(end, ev) for ev in ins.op.waits]
                     c = ins.op.coll
                     if c is not None:
                         if c.role != "recv":
+                            # data leaves as the kernel runs; one that consumes signals sends
+                            # its last part only after the last of them: its end is the source
+                            src = end if ins.op.waits else g
                             for f in c.flows:
                                 dst = rp.rank if f.dst is None else f.dst
-                                flow_srcs[(c.key, dst)].append((g, ins.op))
+                                flow_srcs[(c.key, dst)].append((src, ins.op, g))
                         if c.role != "send":
                             recvs.append((g, end, c.key, rp.rank, ins.op, stream))
                 last_on[stream] = end
@@ -341,7 +360,7 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             if ev in record_node:
                 succ[record_node[ev]].append(n)
     for start, end, key, rank, _op, _s in recvs:
-        for src, _sop in flow_srcs.get((key, rank), ()):
+        for src, _sop, _g in flow_srcs.get((key, rank), ()):
             if src != start:
                 succ[src].append(end)
     indeg = [0] * len(succ)
@@ -374,17 +393,22 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
 
 def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
     """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
-    Such an op is *at risk* when a same-rank op sending it data is not ordered before it. Per
-    rank, the SMs at-risk receivers may hold at once (the largest hold of each stream: a stream
-    runs one op at a time), plus the most any launch needs to start (requests are granted in
-    order, so one large request can hold up the sender behind it), must fit in the GPU."""
+    Such an op is *at risk* when a same-rank op sending it data is not ordered before it, unless
+    that sender precedes it in the block scheduler's order and everything the sender's start waits
+    on is ordered before the receiver's start (the sender is then pending, and served, first). For
+    each at-risk receiver, the SMs it holds, plus the largest at-risk hold of each other stream of
+    its rank (a stream runs one op at a time), plus the most that a competing launch needs to
+    start must fit in the GPU. A launch competes with the sender when the block scheduler serves
+    it first (SMs go to pending kernels by stream priority, then issue order, and a kernel whose
+    CTAs must be co-resident keeps free SMs from those behind it) and it is not ordered before the
+    receiver (those started before the hold began)."""
     pred: list[list[int]] | None = None
-    # rank -> stream -> (hold, start node, op): the largest at-risk hold of each stream
-    at_risk: dict[int, dict[str, tuple[int, int, Op]]] = defaultdict(dict)
+    risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
     for start, _end, key, rank, op, stream in recvs:
-        if _hold(op, num_sms) == 0:
+        hold = _hold(op, num_sms)
+        if hold == 0:
             continue
-        for src, _sop in flow_srcs.get((key, rank), ()):
+        for src, _sop, sstart in flow_srcs.get((key, rank), ()):
             if src == start or info[src][1].rank != rank:
                 continue
             if pred is None:
@@ -392,29 +416,81 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
                 for a, out in enumerate(succ):
                     for b in out:
                         pred[b].append(a)
-            if not _reaches(src, start, pred):
-                hold = _hold(op, num_sms)
-                if hold > at_risk[rank].get(stream, (-1,))[0]:
-                    at_risk[rank][stream] = (hold, start, op)
-                break
-    for rank, per_stream in at_risk.items():
-        risky = sorted(per_stream.values(), key=lambda x: x[1])
-        held = sum(h for h, _, _ in risky)
-        need, needer = max((_need(op, num_sms), op.name) for op in launches[rank])
+            if _reaches(src, start, pred):
+                continue
+            sender = _precedence(info, sstart)
+            if sender < _precedence(info, start):
+                anc = _ancestors(start, pred, info, rank)
+                if _ready_by(sstart, anc, pred, info):
+                    # whenever the receiver can start, the sender is already pending ahead of it
+                    # in the block scheduler's order, and is served first: not at risk
+                    continue
+            risks.append((rank, stream, hold, start, op, sender))
+            break
+    widest: dict[tuple[int, str], int] = {}
+    for rank, stream, hold, *_ in risks:
+        widest[(rank, stream)] = max(widest.get((rank, stream), 0), hold)
+    for rank, stream, hold, start, op, sender in risks:
+        others = sum(h for (r, s), h in widest.items() if r == rank and s != stream)
+        started = _ancestors(start, pred, info, rank)
+        need, needer = max(
+            (
+                (_need(o, num_sms), o.name)
+                for p, o in launches[rank]
+                if p <= sender and p[1] not in started and p[1] != start
+            ),
+            default=(0, ""),
+        )
+        held = hold + others
         if held + need > num_sms:
-            _, start, op = risky[-1]
             it, rp, k = info[start]
-            names = ", ".join(o.name for _, _, o in risky)
             raise ProgramError(
                 _where(
                     it,
                     rp,
-                    f"SM starvation: {names} may hold {held} of the {num_sms} SMs while waiting "
-                    f"for data from a same-rank op not ordered before them, and {needer} needs "
-                    f"{need} SMs to start; order the sender first or leave it SMs",
+                    f"SM starvation: {op.name} and the other streams' receivers may hold {held} "
+                    f"of the {num_sms} SMs while waiting for data from a same-rank op not ordered "
+                    f"before them, and {needer} needs {need} SMs to start; order the sender "
+                    "first or leave it SMs",
                     k,
                 )
             )
+
+
+def _ready_by(node: int, anc: set[int], pred, info) -> bool:
+    """Whether launch ``node`` can start once the nodes ``anc`` are done: everything it waits on
+    is in ``anc``, looking through waits, records and wait_streams (they take no time)."""
+    stack, seen = list(pred[node]), set()
+    while stack:
+        q = stack.pop()
+        if q in anc or q in seen:
+            continue
+        seen.add(q)
+        it, _rp, k = info[q]
+        ins = it.instr if k is None else it.instr.body[k]
+        if not isinstance(ins, (Wait, Record, WaitStream)):
+            return False  # a kernel, or host work, not ordered before: may come later
+        stack.extend(pred[q])
+    return True
+
+
+def _precedence(info, node: int) -> tuple[int, int]:
+    """The block scheduler's order of a launch node: its stream's priority, then issue order."""
+    it, rp, k = info[node]
+    ins = it.instr if k is None else it.instr.body[k]
+    return (rp.priority(ins.stream), node)
+
+
+def _ancestors(b: int, pred, info, rank: int) -> set[int]:
+    """Every node of ``rank`` ordered before node ``b`` through that rank's own nodes."""
+    stack, seen = [b], {b}
+    while stack:
+        for p in pred[stack.pop()]:
+            if p not in seen and info[p][1].rank == rank:
+                seen.add(p)
+                stack.append(p)
+    seen.discard(b)
+    return seen
 
 
 def _reaches(a: int, b: int, pred) -> bool:

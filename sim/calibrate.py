@@ -60,8 +60,10 @@ def program_ops(program: Program) -> dict[OpKey, Op]:
 
 @dataclass(frozen=True)
 class Measured:
-    """One op's measured time: its kernels' durations summed, and the SMs they held (a
-    duration-weighted mean; 0 when the trace does not say)."""
+    """One op's measured time: its kernels' durations summed, and the most SMs they held at once
+    (0 when the trace does not say). The most, not a mean: a waved kernel's measured time already
+    contains its partial last wave on fewer SMs, and the wave model (``sim.cost``) replays that
+    tail from the SMs the kernel could use."""
 
     us: float
     sms: float
@@ -70,14 +72,14 @@ class Measured:
 def measured_ops(trace: Trace) -> dict[OpKey, Measured]:
     """Kernel time per (rank, op, layer, mb, step) from the stream spans of ``trace``."""
     us: dict[OpKey, float] = defaultdict(float)
-    sm_us: dict[OpKey, float] = defaultdict(float)
+    most: dict[OpKey, float] = defaultdict(float)
     for s in trace.spans:
         if not s.lane.startswith("stream:") or s.kind == "sync":
             continue
         k = (s.rank, s.op, s.layer, s.mb, s.step)
         us[k] += s.duration
-        sm_us[k] += s.sms * s.duration
-    return {k: Measured(v, sm_us[k] / v if v > 0 else 0.0) for k, v in us.items()}
+        most[k] = max(most[k], s.sms)
+    return {k: Measured(v, most[k]) for k, v in us.items()}
 
 
 def _profiled(op: Op) -> bool:

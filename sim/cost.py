@@ -21,14 +21,47 @@ dense FP8 TFLOP/s on H800 for large GEMMs, i.e. ~0.7; FlashMLA ~660 TFLOP/s BF16
 ~0.65, and ~3000 GB/s of 3350 when memory-bound, ~0.9). A calibration table measured on a GPU
 replaces them: ``--profile`` (``sim.profile``; docs/architecture.md, "Costs"). Where a profile row applies,
 :func:`demand` scales the roofline demand so that the kernel alone on its SMs takes exactly the
-profiled duration, and sharing HBM with concurrent kernels still slows it as above; the SM scaling
-of a profiled duration is :func:`scale_sms` (one function, to be replaced by a wave model).
+profiled duration, and sharing HBM with concurrent kernels still slows it as above; on other SM
+counts a profiled duration follows the wave model below (:func:`profile_factor`).
+
+How kernels share the SMs (``sim.resources.Gpu``; docs/sm-sharing.md has the full account)
+-----------------------------------------------------------------------------------------
+A kernel is a grid of thread blocks (CTAs); ``grid`` below gives each op its CTA count, CTAs per
+SM and kind:
+
+- *persistent* (DeepGEMM, FlashAttention-3 / FlashMLA, which size the grid to the SMs they may use
+  and loop over tiles inside each CTA): ``ctas = SMs allowed x ctas_per_sm``; each CTA does an
+  equal share of the work and keeps its SM until it is done.
+- *dynamic* (a persistent grid whose CTAs take tiles from a shared counter, FlashAttention-3's
+  DynamicPersistentTileScheduler): CTAs that start late share what work is left, so the kernel
+  ends when its resident CTAs run out of tiles together, and it holds its SMs to its end.
+- *waved* (cuBLAS/Triton-style GEMMs, elementwise and reduction kernels): many CTAs, each a tile
+  of the output; a CTA releases its SM when it finishes, so the kernel runs in waves of
+  ``SMs x ctas_per_sm`` CTAs and its duration on ``s`` SMs is ``ceil(ctas / (s x ctas_per_sm))``
+  waves, not a smooth ``1/s``.
+- *coresident* (DeepEP's kernels: sender and receiver CTAs spin on each other): it starts only
+  when all its CTAs fit; until then the SMs freed are kept for the first such kernel in
+  precedence order (head-of-line), not handed to kernels behind it.
+
+The block scheduler hands free SMs to pending CTAs of higher-priority streams first, then in
+launch (issue) order (CUDA programming guide, "Stream Priorities": pending work in a
+higher-priority stream is scheduled before pending work in lower-priority streams; it does not
+preempt running blocks). A CTA runs to completion, so a waved kernel gives SMs to a kernel that
+precedes it only at its wave boundaries; a persistent kernel holds its SMs to its end. What
+dispatch order the hardware uses within one priority level is not documented: taking launch order
+(an earlier kernel's remaining CTAs before a later kernel's) is this model's assumption, and the
+usual observation that a concurrent kernel fills in only behind the earlier kernel's last wave.
+
+Which kernels are persistent, their CTAs per SM and the work of one waved CTA are assumptions
+named below (``PERSISTENT_CLASSES``, ``CTAS_PER_SM``, ``WAVED_CTA_FLOPS``, ``WAVED_CTA_BYTES``);
+an op may state its own (``Op.grid``, ``Op.ctas``, ``Op.ctas_per_sm``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Op
@@ -102,38 +135,44 @@ class KernelDemand:
 
 def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> KernelDemand:
     """What ``op`` on ``sms`` SMs asks of the GPU: the roofline's, or (where ``profile`` has a
-    row for it) the roofline's scaled to the profiled solo duration."""
+    row for it) the roofline's scaled by :func:`profile_factor`."""
     base = roofline_demand(op, gpu, sms)
-    if profile is None:
+    f = profile_factor(op, gpu, sms, profile) if profile is not None else None
+    if f is None:
         return base
-    us = profiled_us(op, gpu, sms, profile)
-    if us is None:
-        return base
-    solo = duration_us(base, hbm_shares([base], gpu)[0])
-    if solo <= 0:
-        return base
-    f = us / solo
     return KernelDemand(base.t_compute * f, base.nbytes * f, base.cap, base.fixed_us * f)
 
 
-def scale_sms(us: float, from_sms: int, to_sms: int, gpu: GPU) -> float:
-    """A duration measured on ``from_sms`` SMs, carried to ``to_sms`` SMs: linear in 1/SMs
-    (s/N), the assumption until the wave-quantisation model of SM sharing replaces it here."""
-    return us * from_sms / max(to_sms, 1)
+def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
+    """Measured over modelled: the profile row's duration (on the SMs it was measured on) over
+    the roofline's duration of the op alone on those SMs, waves included (:func:`solo_duration_us`).
 
-
-def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
-    """Duration of ``op`` alone on ``sms`` SMs from the profile (None: no row applies).
-
-    It never beats moving the op's HBM bytes at the usable peak (``HBM_USABLE`` × datasheet), a
-    physical bound that matters where a class row's shape is not the op's: DeepGEMM's grouped
-    rows (1-8 groups, compute-bound) read as a throughput for a decode expert GEMM over many
-    groups with few rows each, which is bound by reading every group's weights."""
+    Scaling the roofline's demand by this factor makes the op alone on the measured SMs take
+    exactly the measured time, and carries it to other SM counts by the wave model (whole waves
+    of the kernel's CTAs, ``sim.resources.Gpu``), not by a smooth s/N. The measured time never
+    beats moving the op's HBM bytes at the usable peak (``HBM_USABLE`` × datasheet), a physical
+    bound that matters where a class row's shape is not the op's: DeepGEMM's grouped rows (1-8
+    groups, compute-bound) read as a throughput for a decode expert GEMM over many groups with
+    few rows each, which is bound by reading every group's weights. None: no row applies."""
     m = profile.lookup(op, sms)
     if m is None:
         return None
-    us = m.us if m.sms == sms else scale_sms(m.us, m.sms, sms, gpu)
-    return max(us, op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE))
+    ref = solo_duration_us(op, gpu, m.sms)
+    if ref <= 0:
+        return None
+    return max(m.us, op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)) / ref
+
+
+def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
+    """Duration of ``op`` alone on ``sms`` SMs from the profile (None: no row applies): the
+    measured time on the measured SMs, carried to others by the wave model."""
+    m = profile.lookup(op, sms)
+    if m is None:
+        return None
+    floor = op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)
+    if m.sms == sms:
+        return max(m.us, floor)
+    return profile_factor(op, gpu, sms, profile) * solo_duration_us(op, gpu, sms)
 
 
 def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
@@ -198,7 +237,95 @@ def duration_us(d: KernelDemand, share: float) -> float:
 def solo_duration_us(
     op: Op, gpu: GPU, sms: int | None = None, profile: Profile | None = None
 ) -> float:
-    """Duration of ``op`` alone on the GPU with ``sms`` SMs (default: its limit or all)."""
+    """Duration of ``op`` alone on the GPU with ``sms`` SMs (default: its limit or all): whole
+    waves of ``sms x ctas_per_sm`` CTAs, then a last partial wave on the SMs its CTAs need
+    (what ``sim.resources.Gpu`` does for a kernel alone)."""
     s = sms if sms is not None else (op.sms if op.sms else gpu.num_sms)
-    d = demand(op, gpu, s, profile)
-    return duration_us(d, hbm_shares([d], gpu)[0])
+    g = grid(op, s)
+
+    def whole(n: int) -> float:
+        d = demand(op, gpu, n, profile)
+        return duration_us(d, hbm_shares([d], gpu)[0])
+
+    if g.ctas == 0:
+        return whole(s)
+    slots = s * g.per_sm
+    waves, rest = divmod(g.ctas, slots)
+    t = waves * slots / g.ctas * whole(s) if waves else 0.0
+    if rest:
+        t += rest / g.ctas * whole(math.ceil(rest / g.per_sm))
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels as grids of thread blocks
+# ----------------------------------------------------------------------------------------------
+
+#: (op_class, dtype) pairs whose kernels are persistent; dtype None matches any. DeepGEMM's FP8
+#: GEMMs (normal and grouped) launch ``num_sms`` persistent CTAs with a tile scheduler
+#: (deep_gemm ``set_num_sms``); FlashAttention-3 and FlashMLA on Hopper size their grid to the SMs
+#: the same way. BF16 GEMMs (the router GEMM through torch/cuBLAS) are waved.
+PERSISTENT_CLASSES: frozenset[tuple[str, str | None]] = frozenset(
+    {("gemm", "fp8"), ("grouped_gemm", "fp8"), ("attention", None)}
+)
+#: CTAs resident per SM by op class (assumption: tensor-core GEMM and attention tiles use most of
+#: an SM's shared memory, one CTA each; elementwise kernels run 256-thread blocks, 8 per SM for
+#: 2048 threads per SM on Hopper/Blackwell).
+CTAS_PER_SM: dict[str, int] = {"elementwise": 8, "sampling": 8}
+#: Work of one CTA of a waved matrix kernel: a 128 x 128 output tile over K = 7168 (DeepSeek-V3's
+#: hidden size), 2 * 128 * 128 * 7168 FLOPs. An assumption standing in for the op's real shape.
+WAVED_CTA_FLOPS: float = 2.0 * 128 * 128 * 7168
+#: Least work per CTA a waved matrix kernel is cut to when its output tiles alone would not fill
+#: the SMs it may use: cuBLAS and Triton pick smaller tiles or split K for skinny GEMMs (the
+#: router GEMM: 2 output tiles of 128 x 128 at 128 tokens). A 64 x 64 tile over K = 512, or,
+#: for a memory-bound GEMM, a 64 x 512 BF16 slice of the weights per CTA; assumptions.
+WAVED_MIN_CTA_FLOPS: float = 2.0 * 64 * 64 * 512
+WAVED_MIN_CTA_BYTES: float = 64.0 * 512 * 2
+#: HBM bytes one CTA of a waved memory-bound kernel moves (assumption: 256 threads x 16 B).
+WAVED_CTA_BYTES: float = 4096.0
+_MATRIX_CLASSES = ("gemm", "grouped_gemm", "attention")
+
+
+class Grid(NamedTuple):
+    """A kernel's grid: ``kind`` (persistent, waved or coresident), CTAs and CTAs per SM (a
+    NamedTuple: one is made per launched kernel, and it must be cheap)."""
+
+    kind: str
+    ctas: int
+    per_sm: int
+
+    @property
+    def sms_needed(self) -> int:
+        """SMs that hold every CTA at once."""
+        return math.ceil(self.ctas / self.per_sm) if self.ctas else 0
+
+
+def grid_kind(op: Op) -> str:
+    """The op's own ``grid``, else: DeepEP communication kernels coresident, the persistent
+    classes persistent, everything else waved."""
+    if op.grid is not None:
+        return op.grid
+    if op.kind == "comm":
+        return "coresident"
+    if (op.op_class, op.dtype) in PERSISTENT_CLASSES or (op.op_class, None) in PERSISTENT_CLASSES:
+        return "persistent"
+    return "waved"
+
+
+def grid(op: Op, limit: int) -> Grid:
+    """The grid of ``op`` when it may use at most ``limit`` SMs (its ``Op.sms`` or the GPU)."""
+    kind = grid_kind(op)
+    per_sm = op.ctas_per_sm or (1 if kind == "coresident" else CTAS_PER_SM.get(op.op_class, 1))
+    if limit <= 0:
+        return Grid(kind, 0, per_sm)  # a hook: polls on the host side of the stream, no SMs
+    if op.ctas is not None:
+        ctas = op.ctas
+    elif kind != "waved":  # persistent, dynamic, coresident: one CTA set sized to the SMs
+        ctas = limit * per_sm
+    elif op.op_class in _MATRIX_CLASSES:
+        tiles = math.ceil(op.flops / WAVED_CTA_FLOPS)
+        fill = max(op.flops / WAVED_MIN_CTA_FLOPS, op.hbm_bytes / WAVED_MIN_CTA_BYTES)
+        ctas = max(tiles, min(limit, math.ceil(fill)))
+    else:
+        ctas = math.ceil(op.hbm_bytes / WAVED_CTA_BYTES)
+    return Grid(kind, max(1, ctas), per_sm)

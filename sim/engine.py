@@ -27,6 +27,9 @@ imbalance are drawn, seeded, when the Program is built: ``shared.routing``, ``sh
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import random
 from collections import defaultdict
 
 import simpy
@@ -58,6 +61,41 @@ NET_KINDS = ("nvlink", "rdma")
 _SINK_BITS = 24
 
 
+def _span_key(s: Span) -> tuple:
+    return (
+        s.rank,
+        s.lane,
+        s.start,
+        s.end,
+        s.op,
+        s.sms,
+        -1 if s.mb is None else s.mb,
+        -1 if s.layer is None else s.layer,
+        -1 if s.step is None else s.step,
+    )
+
+
+class TieShuffledEnvironment(simpy.Environment):
+    """A SimPy environment that processes events of the same time and SimPy priority in a seeded
+    random order (and runs each event's callbacks in a seeded random order). The simulator's
+    result must not depend on that order; tests run Programs under it to prove so."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self._rng = random.Random(seed)
+
+    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
+        key = (self._rng.random(), next(self._eid))
+        heapq.heappush(self._queue, (self._now + delay, priority, key, event))
+
+    def step(self) -> None:
+        if self._queue:
+            event = self._queue[0][3]
+            if event.callbacks and len(event.callbacks) > 1:
+                self._rng.shuffle(event.callbacks)
+        super().step()
+
+
 class SimulationStalled(RuntimeError):
     """Resource contention stopped every process before the Program finished."""
 
@@ -75,6 +113,7 @@ class _Rank:
         self.queues = {s: simpy.Store(env) for s in rp.streams}
         self.busy: dict[str, str] = {}  # stream -> what it is doing now (for stall reports)
         self.host_at = "not started"
+        self.issued = 0  # launch sequence numbers: pending CTAs of equal priority go in this order
 
 
 class Engine:
@@ -86,11 +125,12 @@ class Engine:
         net_group_tol: float = 0.0,
         profile=None,
         max_events: int | None = None,
+        tie_seed: int | None = None,
     ):
         self.program, self.gpu, self.seed = program, gpu, seed
         self.profile = profile  # sim.profile.Profile or None (the roofline alone)
         self.max_events = max_events or default_max_events(program)  # sim.budget
-        self.env = simpy.Environment()
+        self.env = simpy.Environment() if tie_seed is None else TieShuffledEnvironment(tie_seed)
         self.spans: list[Span] = []
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
@@ -101,7 +141,8 @@ class Engine:
                     if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
                         for f in ins.op.coll.flows:
                             dst = rp.rank if f.dst is None else f.dst
-                            self._expected[(ins.op.coll.key, dst)] += 1
+                            # a kernel polling signals sends one part per signal
+                            self._expected[(ins.op.coll.key, dst)] += max(1, len(ins.op.waits))
         self._implicit = 0
         kinds = {
             k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS
@@ -131,7 +172,11 @@ class Engine:
         )
         if self.profile is not None:
             meta["profile"] = self.profile.name
-        return Trace(tuple(self.spans), meta)
+        # spans in a canonical order: the order events were processed in is no part of the
+        # result. Within a stream or host lane spans are appended in program order already; the
+        # key breaks the remaining ties (links, spans of one instant) without comparing None.
+        spans = sorted(self.spans, key=_span_key)
+        return Trace(tuple(spans), meta)
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank
@@ -171,17 +216,19 @@ class Engine:
         r.host_at = "done"
 
     def _enqueue(self, r: _Rank, ins) -> None:
+        """Hand ``ins`` to its stream with its launch (issue) sequence number on the rank."""
+        r.issued += 1
         if isinstance(ins, WaitStream):
             self._implicit += 1
             ev = f"__wait_stream_{self._implicit}"
-            r.queues[ins.other].put(Record(ev, ins.other))
-            r.queues[ins.stream].put(Wait(ins.stream, ev))
+            r.queues[ins.other].put((r.issued, Record(ev, ins.other)))
+            r.queues[ins.stream].put((r.issued, Wait(ins.stream, ev)))
         else:
-            r.queues[ins.stream].put(ins)
+            r.queues[ins.stream].put((r.issued, ins))
 
     def _stream(self, r: _Rank, name: str, q: simpy.Store):
         while True:
-            ins = yield q.get()
+            seq, ins = yield q.get()
             if isinstance(ins, Record):
                 r.events[ins.event].succeed()
             elif isinstance(ins, Wait):
@@ -191,12 +238,12 @@ class Engine:
                     yield ev
             else:
                 r.busy[name] = f"running {ins.op.name} (layer {ins.op.layer}, mb {ins.op.mb})"
-                yield from self._run_op(r, name, ins.op)
+                yield from self._run_op(r, name, ins.op, seq)
             r.busy.pop(name, None)
 
     # -- one op --------------------------------------------------------------------------------
 
-    def _run_op(self, r: _Rank, stream: str, op: Op):
+    def _run_op(self, r: _Rank, stream: str, op: Op, seq: int):
         env, rank, lane = self.env, r.rp.rank, f"stream:{stream}"
         if op.kind == "copy":
             t0 = env.now
@@ -206,15 +253,44 @@ class Engine:
             )
             return
         limit = self.gpu.num_sms if op.sms is None else op.sms
-        k = Kernel(op, limit, op.kind == "comm", env.event())
-        yield r.gpu.acquire(k)
+        k = Kernel(op, limit, env.event(), r.rp.priority(stream), seq)
+        k.on_grant = lambda: self._begin(r, k)
+        r.gpu.acquire(k)
+        yield k.done
+        segs = k.segments + [(env.now, 0)]
+        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
+            if t1 > t0 or len(segs) == 2:
+                self.spans.append(
+                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
+                )
+
+    def _begin(self, r: _Rank, k: Kernel) -> None:
+        """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its
+        signals are watched, and it runs (called by the block scheduler's pass)."""
+        op, rank = k.op, r.rp.rank
         c = op.coll
+        parts = max(1, len(op.waits))
         if c is not None and c.role != "recv" and c.flows:
-            if any(f.dst is not None for f in c.flows):
-                self._start_flows(r, op)
+            flows = c.flows
+            if parts > 1:  # part i of the traffic leaves once signal i has fired
+                flows = tuple(dataclasses.replace(f, nbytes=f.nbytes / parts) for f in flows)
+
+            def send(_e=None, r=r, op=op, flows=flows):
+                if any(f.dst is not None for f in flows):
+                    self._start_flows(r, op, flows)
+                else:
+                    for f in flows:
+                        self._start_flow(r, op, f)
+
+            if parts == 1:
+                send()
             else:
-                for f in c.flows:
-                    self._start_flow(r, op, f)
+                for ev in op.waits:
+                    e = r.events[ev]
+                    if e.processed:
+                        send()
+                    else:
+                        e.callbacks.append(send)
         if c is not None and c.role != "send":
             arrived = self._arrival(c.key, rank)
             if not arrived.processed:
@@ -223,14 +299,13 @@ class Engine:
                 else:
                     k.gated = True
                 arrived.callbacks.append(lambda _e: r.gpu.data_arrived(k))
+        for ev in op.waits:  # signals the kernel polls while it runs
+            e = r.events[ev]
+            if e.processed:
+                k.fired += 1
+            else:
+                e.callbacks.append(lambda _e: r.gpu.signal(k))
         r.gpu.start(k)
-        yield k.done
-        segs = k.segments + [(env.now, 0)]
-        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
-            if t1 > t0 or len(segs) == 2:
-                self.spans.append(
-                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
-                )
 
     def _arrival(self, key: str, rank: int) -> simpy.Event:
         ev = self._arrived[(key, rank)]
@@ -266,12 +341,12 @@ class Engine:
 
         done.callbacks.append(arrived)
 
-    def _start_flows(self, r: _Rank, op: Op) -> None:
+    def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
         src, key = r.rp.rank, op.coll.key
         dsts, kinds, nbytes, tags, left = [], [], [], [], {}
         b = len(self._bundles)
-        for f in op.coll.flows:
+        for f in flows:
             dst = src if f.dst is None else f.dst
             sk = (key, dst)
             sink = self._sinks.get(sk)

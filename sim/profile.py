@@ -35,7 +35,7 @@ several rows at one key (a layer's GEMM shapes at one M) pool into one throughpu
 (sum of FLOPs / sum of time). Without ``flops`` the row is a plain duration.
 
 Lookup (``Profile.lookup``): the rows of the op's SM count (or of the nearest measured count,
-whose duration ``sim.cost.scale_sms`` then scales) are interpolated log–log in size, which is
+whose duration the wave model then carries to other SM counts: ``sim.cost.profile_factor``) are interpolated log–log in size, which is
 exact on the table points and monotone between them. Below the smallest size the profile does not
 apply (the roofline does); above the largest, rows with ``flops`` keep the largest size's
 throughput (saturated GEMMs), rows without do not apply.
@@ -164,7 +164,7 @@ class Profile:
 
     def lookup(self, op: Op, sms: int) -> Match | None:
         """The op's duration from the rows, at the measured SM count nearest ``sms`` (the caller
-        scales it to ``sms``: ``sim.cost.scale_sms``); None when no row applies."""
+        carries it to ``sms`` by the wave model: ``sim.cost.profile_factor``); None when no row applies."""
         if op.kind != "compute":
             return None
         for key in self.keys_for(op):

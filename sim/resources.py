@@ -1,5 +1,6 @@
-"""The two shared resources stock SimPy cannot express: an SM pool whose kernels run at rates
-re-set whenever concurrency changes, and links whose bandwidth is split among live flows.
+"""The two shared resources stock SimPy cannot express: the SMs of a GPU, handed to kernels'
+thread blocks as the hardware block scheduler does (``Gpu``; rules and sources in ``sim.cost``
+and docs/sm-sharing.md), and links whose bandwidth is split among live flows.
 
 Both are fluid models: a job holds a remaining amount of work and a rate; whenever a job starts or
 ends, every job's progress is brought up to date, rates are recomputed, and one timer is set for
@@ -9,8 +10,11 @@ number of SimPy events at about one per job start and end.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+import math
+import weakref
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import simpy
 
@@ -40,7 +44,8 @@ class Fluid:
         dt = now - self._t
         for j in self.jobs:
             if j.rate > 0:
-                j.left = 0.0 if now >= j.t_end - _TIME_EPS else max(0.0, j.left - j.rate * dt)
+                floor = j.floor
+                j.left = floor if now >= j.t_end - _TIME_EPS else max(floor, j.left - j.rate * dt)
         self._t = now
 
     def changed(self) -> None:
@@ -57,7 +62,8 @@ class Fluid:
         self._gen += 1
         now = self.env.now
         for j in self.jobs:
-            j.t_end = now + j.left / j.rate if j.rate > 0 else float("inf")  # rate inf: now
+            # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
+            j.t_end = now + (j.left - j.floor) / j.rate if j.rate > 0 else float("inf")
         nxt = min((j.t_end - now for j in self.jobs if j.rate > 0), default=None)
         if nxt is not None:
             gen = self._gen
@@ -68,7 +74,7 @@ class Fluid:
         job.done.succeed()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Flow:
     nbytes: float
     done: simpy.Event
@@ -77,6 +83,7 @@ class Flow:
     rate: float = 0.0
     t_end: float = float("inf")
     ready: bool = True
+    floor: float = 0.0
 
 
 class Link(Fluid):
@@ -107,39 +114,108 @@ class Link(Fluid):
             job.done.succeed()
 
 
-@dataclass(eq=False)
+_GPU_ORDER = itertools.count()
+
+#: Precedence among pending CTAs: stream priority (lower first), then launch order.
+_precedence = attrgetter("prio", "seq")
+
+#: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
+#: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
+#: rule (stream priority, then launch order), never by the order SimPy processes their events.
+GRANT_PRIORITY = 2
+
+
+@dataclass(eq=False, slots=True)
 class Kernel:
+    """One launched kernel: its grid, its precedence and the CTAs not dispatched yet."""
+
     op: Op
-    limit: int  # most SMs it may hold
-    fixed: bool  # communication kernels hold exactly ``limit``
+    limit: int  # most SMs it may hold (Op.sms, or the GPU)
     done: simpy.Event
+    prio: int = 0  # CUDA stream priority (lower is higher)
+    seq: int = 0  # launch (issue) order on its rank
     waiting_data: bool = False  # a receive makes no progress until its data has arrived
     gated: bool = False  # a sendrecv works from its start but cannot finish before arrival
-    sms: int = 0
-    total: float = 1.0
-    left: float = 1.0
-    rate: float = 0.0
-    t_end: float = float("inf")
-    segments: list = field(default_factory=list)  # (start, sms) each time its grant changes
-
-    _demand: tuple = (-1, None)  # (sms, KernelDemand) cache: demand changes only with the SMs
+    grid: cost.Grid | None = None
+    pending: int = 0  # CTAs not dispatched yet
+    held: int = 0  # SMs held by its running cohorts
+    reserved: int = 0  # SMs held idle by CTAs of a coresident kernel not yet all resident
+    cohorts: int = 0  # cohorts running or staged
+    started: bool = False  # the engine has started it (collective flags set)
+    staged: list = field(default_factory=list)  # cohorts dispatched before ``start``
+    on_grant: object = None  # callable: the engine starts the kernel when it holds its first SMs
+    fired: int = 0  # how many of ``op.waits`` have fired
+    t0: float = 0.0  # when it got its first SMs
+    segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
+    _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
 
     @property
     def ready(self) -> bool:
         return not (self.waiting_data or self.gated)
 
-    def demand(self, gpu: GPU, profile=None) -> cost.KernelDemand:
-        if self._demand[0] != self.sms:
-            self._demand = (self.sms, cost.demand(self.op, gpu, self.sms, profile))
-        return self._demand[1]
+    @property
+    def key(self) -> tuple[int, int]:
+        """Precedence among pending CTAs: stream priority, then launch order."""
+        return (self.prio, self.seq)
+
+    def demand(self, gpu: GPU, sms: int, profile=None) -> cost.KernelDemand:
+        d = self._demand.get(sms)
+        if d is None:
+            d = self._demand[sms] = cost.demand(self.op, gpu, sms, profile)
+        return d
+
+
+@dataclass(eq=False, slots=True)
+class Cohort:
+    """CTAs of one kernel dispatched together onto ``sms`` SMs: ``waves`` uniform waves of
+    ``per_wave`` CTAs (one wave for a persistent or coresident kernel). Progress is counted in
+    waves, so a run of uniform waves costs one event, not one per wave."""
+
+    kernel: Kernel
+    sms: int
+    per_wave: int
+    waves: int
+    total: float = 1.0
+    left: float = 1.0
+    rate: float = 0.0
+    t_end: float = float("inf")
+    floor: float = 0.0  # work it may not go below yet: parts whose signals have not fired
+
+    @property
+    def ready(self) -> bool:
+        k = self.kernel
+        return not (k.waiting_data or k.gated)
+
+    def set_floor(self) -> None:
+        n = len(self.kernel.op.waits)
+        self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
+
+
+#: GPUs waiting for their block scheduler's pass at the end of the current instant, per SimPy
+#: environment (weakly held: an environment's entry goes with it).
+_PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _run_passes(env: simpy.Environment) -> None:
+    due = _PASSES.pop(env)
+    for gpu in sorted(due, key=attrgetter("order")):
+        gpu._grant()
 
 
 class Gpu(Fluid):
-    """The SMs and HBM of one GPU.
+    """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
-    Compute kernels take what is free up to their limit (at least one SM) and grow as SMs are
-    released; communication kernels wait until their fixed count is free; requests are served in
-    arrival order, and SMs the head request cannot use yet go to running compute kernels. A kernel's rate is 1/duration at its current SMs and HBM share (``sim.cost``).
+    Kernels are grids of CTAs (``sim.cost.grid``). At the end of every instant at which SMs were
+    freed or kernels launched, free SMs go to pending CTAs by (stream priority, launch order):
+    a waved or persistent kernel takes what is free up to its limit; a coresident kernel starts
+    once all its CTAs fit, and until then keeps the free SMs from kernels behind it (the
+    reservation is re-made at every pass, so it always belongs to the first coresident kernel in
+    precedence order and two such kernels never wait on each other). Dispatched CTAs form a
+    cohort that runs whole waves; a cohort of several waves is cut back to its current wave when
+    a kernel that precedes it is pending, or when SMs are free that its own later waves could use,
+    so SMs change hands exactly at wave boundaries. A cohort's rate is set by ``sim.cost`` at its
+    SMs and HBM share: one wave of ``n`` of the kernel's ``C`` CTAs takes ``n / C`` of the whole
+    kernel's duration on those SMs, which makes duration follow ``ceil(C / slots)``.
     """
 
     def __init__(self, env: simpy.Environment, gpu: GPU, profile=None):
@@ -147,20 +223,55 @@ class Gpu(Fluid):
         self.gpu = gpu
         self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
         self.free = gpu.num_sms
-        self.waiting: deque[tuple[Kernel, simpy.Event]] = deque()
-        self.holding: list[Kernel] = []  # granted and not finished (started or about to)
-        self.on_segment = None  # callback(kernel, start, end, sms) set by the engine
+        self.pending: list[Kernel] = []
+        self._grant_due = False
+        self.order = next(_GPU_ORDER)  # creation order: the order of passes within an instant
+        self._touched: set = set()  # kernels whose SMs changed this instant (for segments)
+        self._jobs_changed = False  # a grant pass changed running cohorts: re-rate
+        self._unstarted: set = set()  # kernels granted but not yet started by the engine
+        self._granted: list = []  # kernels given their first SMs in this pass
+        self._granting_now = False
 
-    def acquire(self, k: Kernel) -> simpy.Event:
-        """An event that fires once ``k`` holds its SMs (it then runs from that moment)."""
-        granted = self.env.event()
-        self.waiting.append((k, granted))
-        self._grant()
-        return granted
+    # -- the engine's interface ------------------------------------------------------------------
+
+    def acquire(self, k: Kernel) -> None:
+        """Queue ``k``'s CTAs; ``k.on_grant()`` is called once it holds its first SMs (it runs
+        from that moment)."""
+        k.grid = cost.grid(k.op, k.limit)
+        if k.grid.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
+            k.cohorts = 1
+            k.staged.append(Cohort(k, 0, 0, 1))
+            k.segments.append((self.env.now, 0))
+            k.t0 = self.env.now
+            k.on_grant()
+            return
+        k.pending = k.grid.ctas
+        self.pending.append(k)
+        self._request_grant()
 
     def start(self, k: Kernel) -> None:
+        """Run the cohorts dispatched to ``k`` before the engine started it."""
+        if not self._granting_now:
+            self._advance()
+        k.started = True
+        self._unstarted.discard(k)
+        if k.op.waits:
+            for c in k.staged:
+                c.set_floor()
+        self.jobs.extend(k.staged)
+        k.staged = []
+        if self._granting_now:
+            self._jobs_changed = True  # re-rated once at the end of the pass
+        else:
+            self.changed()
+
+    def signal(self, k: Kernel) -> None:
+        """One of the events ``k`` consumes while running has fired."""
         self._advance()
-        self.jobs.append(k)
+        k.fired += 1
+        for c in self.jobs:
+            if c.kernel is k:
+                c.set_floor()
         self.changed()
 
     def data_arrived(self, k: Kernel) -> None:
@@ -168,56 +279,202 @@ class Gpu(Fluid):
         k.waiting_data = k.gated = False
         self.changed()
 
-    def _grant(self) -> None:
-        grew = False
-        while self.waiting:
-            k, ev = self.waiting[0]
-            need = k.limit if k.fixed else min(1, k.limit)
-            if self.free < need:
+    # -- the block scheduler ---------------------------------------------------------------------
+
+    def _request_grant(self) -> None:
+        """Ask for a pass at the end of this instant. One SimPy event serves every GPU of the
+        simulation that asks in the same instant (ranks acting in lockstep), in creation order."""
+        if self._grant_due:
+            return
+        self._grant_due = True
+        due = _PASSES.get(self.env)
+        if due is None:
+            due = _PASSES[self.env] = []
+            ev = self.env.event()
+            ev._ok, ev._value = True, None  # triggered; processed after the instant's others
+            ev.callbacks.append(lambda _e, env=self.env: _run_passes(env))
+            self.env.schedule(ev, GRANT_PRIORITY)
+        due.append(self)
+
+    def _grant(self, _ev=None) -> None:
+        self._grant_due = False
+        if not (self.pending or self._touched or any(c.waves > 1 for c in self.jobs)):
+            return  # SMs were freed and no CTAs wait for them: nothing changes hands
+        self._advance()
+        self._jobs_changed = False
+        while True:
+            self._dispatch()
+            if not self._cut():
                 break
-            self.waiting.popleft()
-            k.sms = k.limit if k.fixed else min(k.limit, self.free)
-            self.free -= k.sms
-            k.segments.append((self.env.now, k.sms))
-            self.holding.append(k)
-            ev.succeed()
-        # SMs that no waiting request can use yet go to running kernels below their limit (a
-        # kernel's remaining CTAs spread onto freed SMs), so no SM idles while work could use it
-        if self.free > 0:
-            for k in self.holding:
-                if not k.fixed and k.sms < k.limit and self.free > 0:
-                    self._advance()
-                    extra = min(k.limit - k.sms, self.free)
-                    k.sms += extra
-                    self.free -= extra
-                    k.segments.append((self.env.now, k.sms))
-                    grew = True
-        if grew:
+        now = self.env.now
+        for k in self._touched:  # each kernel's segments are its own: any order
+            if not (k.cohorts or k.segments):
+                continue  # never ran yet (a coresident kernel gathering its SMs)
+            segs = k.segments
+            if segs and segs[-1][0] == now:  # changed again within this instant
+                segs.pop()
+            if not segs or segs[-1][1] != k.held:
+                segs.append((now, k.held))
+        self._touched.clear()
+        if self._granted:  # start them in precedence order, re-rating once
+            granted, self._granted = sorted(self._granted, key=_precedence), []
+            self._granting_now = True
+            try:
+                for k in granted:
+                    k.on_grant()
+            finally:
+                self._granting_now = False
+        if self._jobs_changed:
             self.changed()
 
-    def _finish(self, k: Kernel) -> None:
-        self.free += k.sms
-        self.holding.remove(k)
-        k.done.succeed()
-        self._grant_after = True
+    def _dispatch(self) -> None:
+        # reservations are re-made every pass, so they always belong to the first coresident
+        # kernel in precedence order (two half-resident kernels never wait on each other)
+        for k in self.pending:
+            self.free += k.reserved
+            k.reserved = 0
+        if len(self.pending) > 1:
+            self.pending.sort(key=_precedence)
+        for k in list(self.pending):
+            if self.free == 0:
+                break
+            g = k.grid
+            if g.kind == "coresident":
+                need = g.sms_needed
+                take = min(need - k.reserved, self.free)
+                k.reserved += take
+                self.free -= take
+                if k.reserved == need:
+                    self.free += k.reserved  # the reservation becomes the cohort's SMs
+                    k.reserved = 0
+                    self._cohort(k, need, k.pending, 1)
+                continue
+            take = min(k.limit - k.held, math.ceil(k.pending / g.per_sm), self.free)
+            if take <= 0:
+                continue
+            if g.kind == "dynamic" and k.started and self._grow(k, take):
+                continue
+            slots = take * g.per_sm
+            if k.pending >= slots:
+                self._cohort(k, take, slots, k.pending // slots)
+            else:
+                self._cohort(k, take, k.pending, 1)
 
-    def changed(self) -> None:
-        self._grant_after = False
-        super().changed()
-        if self._grant_after:
-            self._grant()
+    def _grow(self, k: Kernel, sms: int) -> bool:
+        """A dynamic persistent kernel's late CTAs join its running cohort and share the work
+        left (it then ends when all of them run out of tiles); False if it has none running."""
+        c = next((c for c in self.jobs if c.kernel is k), None)
+        if c is None:
+            return False
+        n = min(k.pending, sms * k.grid.per_sm)
+        old = c.per_wave
+        # the cohort's work left plus the joining CTAs' share, spread over all of them
+        c.left = (c.left * old + n) / (old + n)
+        c.per_wave = old + n
+        c.sms += sms
+        k.pending -= n
+        k.held += sms
+        self.free -= sms
+        if k.pending == 0:
+            self.pending.remove(k)
+        self._touched.add(k)
+        self._jobs_changed = True
+        return True
+
+    def _cohort(self, k: Kernel, sms: int, per_wave: int, waves: int) -> None:
+        c = Cohort(k, sms, per_wave, waves, float(waves), float(waves))
+        if k.op.waits:
+            c.set_floor()
+        k.pending -= per_wave * waves
+        k.held += sms
+        k.cohorts += 1
+        self.free -= sms
+        if k.pending == 0:
+            self.pending.remove(k)
+        self._touched.add(k)
+        if k.started:
+            self.jobs.append(c)
+            self._jobs_changed = True
+        else:
+            k.staged.append(c)
+            if k not in self._unstarted:
+                self._unstarted.add(k)
+                self._granted.append(k)
+                k.t0 = self.env.now
+
+    def _cut(self) -> bool:
+        """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
+        next wave boundary; True if any was cut (their CTAs are pending again)."""
+        if self.free == 0 and not self.pending:
+            return False
+        multi = [c for c in self.jobs if c.waves > 1]
+        multi += [c for k in self._unstarted for c in k.staged if c.waves > 1]
+        if not multi:
+            return False
+        first = min(
+            (k.key for k in self.pending if k.grid.kind == "coresident" or k.held < k.limit),
+            default=None,
+        )
+        cut = False
+        for c in sorted(multi, key=lambda c: c.kernel.key):
+            k = c.kernel
+            done = c.waves - c.left
+            boundary = max(1, math.ceil(done - 1e-9))
+            if boundary >= c.waves:
+                continue
+            wants_more = self.free > 0 and k.held < k.limit
+            if not (wants_more or (first is not None and first < k.key)):
+                continue
+            back = (c.waves - boundary) * c.per_wave
+            c.waves, c.total = boundary, float(boundary)
+            c.left = max(0.0, boundary - done)
+            c.set_floor()
+            k.pending += back
+            if k not in self.pending:
+                self.pending.append(k)
+            cut = self._jobs_changed = True
+        return cut
+
+    def _finish(self, c: Cohort) -> None:
+        k = c.kernel
+        self.free += c.sms
+        k.held -= c.sms
+        k.cohorts -= 1
+        if k.pending == 0 and k.cohorts == 0:
+            # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
+            rest = (
+                k.t0 + self.gpu.kernel_min_us - self.env.now if k.op.flops or k.op.hbm_bytes else 0
+            )
+            if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
+                segs, now = k.segments, self.env.now
+                if segs and segs[-1][0] == now:
+                    segs.pop()
+                segs.append((now, 0))
+                self.env.timeout(rest).callbacks.append(lambda _e, d=k.done: d.succeed())
+            else:
+                k.done.succeed()
+        else:
+            self._touched.add(k)
+        # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
+        # asks for its own pass) and to running cohorts that could grow
+        if c.sms and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs)):
+            self._request_grant()
 
     def _rates(self) -> None:
-        running = [k for k in self.jobs if not k.waiting_data and k.left > _EPS]
-        for k in self.jobs:
-            k.rate = 0.0
+        running = [
+            c for c in self.jobs if not c.kernel.waiting_data and c.left > c.floor + _EPS * c.total
+        ]
+        for c in self.jobs:
+            c.rate = 0.0
         if not running:
             return
-        demands = [k.demand(self.gpu, self.profile) for k in running]
+        demands = [c.kernel.demand(self.gpu, max(c.sms, 1), self.profile) for c in running]
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
         else:
             shares = cost.hbm_shares(demands, self.gpu)
-        for k, d, s in zip(running, demands, shares):
-            dur = cost.duration_us(d, s)
-            k.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
+        for c, d, s in zip(running, demands, shares):
+            g = c.kernel.grid
+            wave = c.per_wave / g.ctas if g.ctas else 1.0
+            dur = cost.duration_us(d, s) * wave
+            c.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once

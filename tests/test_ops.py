@@ -226,7 +226,7 @@ def test_normal_dispatch_and_combine_ops():
     da, db = ops["dispatch_a"], ops["dispatch_b"]
     p = 1 - (7 / 8) ** 8
     assert _flow_bytes(da) == pytest.approx({"nvlink": 1024 * p * 7 * 7392})  # one node: no rdma
-    assert (da.coll.role, da.sms) == ("sendrecv", 24)
+    assert (da.coll.role, da.sms) == ("sendrecv", 20)  # DeepEP Buffer.num_sms default
     assert (db.coll.role, db.sms, db.flops, db.hbm_bytes) == ("recv", 0, 0.0, 0.0)
     assert da.coll.key == "sNone.L3.mb0.dispatch"
     custom = layer_ops(w, get_gpu("h800", deepep_normal_sms=20), 3, whole_batch(w))

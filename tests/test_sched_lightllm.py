@@ -113,10 +113,14 @@ DECODE_WINDOW = [
     (1, 0, "shared_experts"),
     (1, 0, "select_experts"),
     (1, 0, "dispatch_a"),
-    (0, 0, "experts"),  # masked grouped GEMM
+    (0, 0, "experts.gate_up"),  # masked grouped GEMM: grouped_fused_moe_ep's kernels
+    (0, 0, "experts.act_quant"),
+    (0, 0, "experts.down.0"),
     (1, 0, "dispatch_b"),  # 1 hook
     (0, 0, "combine_a"),
-    (1, 0, "experts"),
+    (1, 0, "experts.gate_up"),
+    (1, 0, "experts.act_quant"),
+    (1, 0, "experts.down.0"),
     (0, 0, "combine_b"),  # 0 hook + finish
     (0, 0, "output"),
     (0, 0, "comm_postprocess_layer"),
@@ -234,7 +238,11 @@ PREFILL_WINDOW = [
     ("record main", "L{L}.mb1.dispatch_ready"),  # _1_overlap_event
     ("launch main", 0, 0, "shared_experts"),
     ("launch main", 1, 0, "shared_experts"),
-    ("launch main", 0, 0, "experts"),  # prefilled_group_gemm
+    ("launch main", 0, 0, "experts.scatter"),  # prefilled_group_gemm's kernels
+    ("launch main", 0, 0, "experts.gate_up"),
+    ("launch main", 0, 0, "experts.act_quant"),
+    ("launch main", 0, 0, "experts.down.0"),
+    ("launch main", 0, 0, "experts.gather"),
     ("sync", "L{L}.mb1.dispatch_ready"),
     ("wait comm1", "L{L}.mb1.dispatch_ready"),
     ("launch comm1", 1, 0, "dispatch_a"),
@@ -246,7 +254,11 @@ PREFILL_WINDOW = [
     ("launch comm0", 0, 0, "combine_a"),
     ("launch comm0", 0, 0, "combine_b"),
     ("record comm0", "L{L}.mb0.combine_done"),
-    ("launch main", 1, 0, "experts"),
+    ("launch main", 1, 0, "experts.scatter"),
+    ("launch main", 1, 0, "experts.gate_up"),
+    ("launch main", 1, 0, "experts.act_quant"),
+    ("launch main", 1, 0, "experts.down.0"),
+    ("launch main", 1, 0, "experts.gather"),
     ("wait main", "L{L}.mb0.combine_done"),  # wait 0 combine
     ("record main", "L{L}.mb1.combine_ready"),  # _1_combine_event, before 0's finish
     ("launch main", 0, 0, "output"),
@@ -334,7 +346,9 @@ def test_every_op_of_every_layer_once_per_micro_batch(w):
     for mb in (0, 1):
         for L in range(w.model.num_layers):
             names = MOE_OP_NAMES if w.model.is_moe_layer(L) else DENSE_OP_NAMES
-            assert {n for (m, layer, n) in counts if m == mb and layer == L} == set(names)
+            got = {n for (m, layer, n) in counts if m == mb and layer == L}
+            kernels = {n for n in got if n.startswith("experts.")}  # grouped_fused_moe_ep's
+            assert (got - kernels) | ({"experts"} if kernels else set()) == set(names)
         assert {n for (m, layer, n) in counts if m == mb and layer is None} >= {
             "embed",
             "logits",
@@ -385,3 +399,23 @@ def test_golden_one_layer(case):
 )
 def test_simulated_trace_invariants(w):
     check_simulated(build("lightllm", w, H800), H800)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_expert_kernels_conserve_the_experts_work(mode):
+    from overlap_lab.shared.ops import layer_ops
+    from overlap_lab.shared.schedules.lightllm import expert_kernels, split_decode, split_prefill
+    from overlap_lab.sim import cost
+
+    w = decode_w() if mode == "decode" else prefill_w(2)
+    mb = (split_decode(w) if mode == "decode" else split_prefill(w))[0]
+    L = moe_mid_layer(V3)
+    experts = layer_ops(w, H800, L, mb)["experts"]
+    ks = expert_kernels(w, experts, contiguous=mode == "prefill")
+    assert sum(k.flops for k in ks) == pytest.approx(experts.flops)
+    assert sum(k.hbm_bytes for k in ks) == pytest.approx(experts.hbm_bytes)
+    assert all(k.hbm_bytes >= 0 for k in ks)
+    # DeepGEMM's grouped GEMMs hold their SMs; the Triton kernels between them release them
+    kinds = {k.name: cost.grid_kind(k) for k in ks}
+    assert kinds["experts.gate_up"] == kinds["experts.down.0"] == "persistent"
+    assert kinds["experts.act_quant"] == "waved"

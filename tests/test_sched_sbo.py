@@ -18,7 +18,6 @@ from overlap_lab.shared.ops import layer_ops, whole_batch
 from overlap_lab.shared.program import Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.sbo import (
-    MAX_STREAM_CHUNKS,
     comm_sms,
     plan,
     signal_count,
@@ -86,11 +85,9 @@ def test_signal_count_hopper_and_blackwell():
     assert signal_count(w, B200, 128) == w.local_experts  # one uint32 per local expert
 
 
-def test_stream_chunks_group_signals_evenly():
-    assert stream_chunks(16) == [0.25] * 4
-    assert stream_chunks(2) == [0.5, 0.5]
-    assert stream_chunks(6) == [2 / 6, 2 / 6, 1 / 6, 1 / 6]
-    assert len(stream_chunks(1000)) == MAX_STREAM_CHUNKS
+def test_stream_chunks_one_slice_per_signal():
+    assert stream_chunks(16) == [1 / 16] * 16
+    assert stream_chunks(1) == [1.0]
 
 
 def test_splitting_conserves_work_and_traffic():
@@ -116,24 +113,24 @@ def test_mode1_hopper_layer():
     assert main == [
         "comm_prepare_attn", "attn.prepare", "attn.core", "comm_prepare_mlp", "gate",
         "select_experts", "dispatch_a", "shared_experts", "dispatch_b",  # mode 3 companion
-        "experts.gate_up", "experts.down.0", "experts.down.1", "experts.down.2",
-        "experts.down.3", "combine_b", "output", "comm_postprocess_layer",
+        "experts.gate_up", *(f"experts.down.{k}" for k in range(16)),
+        "combine_b", "output", "comm_postprocess_layer",
     ]  # fmt: skip
-    assert _names(ins, "alt") == ["combine_a.0", "combine_a.1", "combine_a.2", "combine_a.3"]
+    assert _names(ins, "alt") == ["combine_a"]  # one resident kernel polling 16 signals
     launches = [i for i in ins if isinstance(i, Launch)]
     assert all(i.op.sms == 129 for i in launches if i.op.name.startswith("experts.down"))
     assert all(i.op.sms == 3 for i in launches if i.stream == "alt")
     assert next(i for i in launches if i.op.name == "experts.gate_up").op.sms is None
 
 
-def test_mode1_each_combine_piece_waits_for_its_signal():
+def test_mode1_the_combine_polls_every_signal_in_order():
     ins = _layer(build("sbo", _w(), H800))
-    for k in range(4):
+    combine = next(i.op for i in ins if isinstance(i, Launch) and i.op.name == "combine_a")
+    assert combine.waits == tuple(f"s0.L{L}.mb0.sbo.sig{k}" for k in range(16))
+    for k in range(16):
         sig = f"s0.L{L}.mb0.sbo.sig{k}"
         rec = next(j for j, i in enumerate(ins) if isinstance(i, Record) and i.event == sig)
         assert _names([ins[rec - 1]]) == [f"experts.down.{k}"]
-        wait = next(j for j, i in enumerate(ins) if isinstance(i, Wait) and i.event == sig)
-        assert ins[wait].stream == "alt" and _names([ins[wait + 1]]) == [f"combine_a.{k}"]
     start = next(i for i in ins if isinstance(i, Wait) and i.event.endswith("sbo.start"))
     assert start.stream == "alt"
 
@@ -141,20 +138,18 @@ def test_mode1_each_combine_piece_waits_for_its_signal():
 def test_mode1_blackwell_puts_shared_after_down_on_compute_sms():
     ins = _layer(build("sbo", _w(), B200))
     main = _names(ins, "main")
-    assert main.index("shared_experts") > main.index("experts.down.3")
     assert main.index("shared_experts") > main.index("dispatch_b")
     shared = next(i.op for i in ins if isinstance(i, Launch) and i.op.name == "shared_experts")
     assert shared.sms == 148 - 32
-    assert signal_count(_w(), B200, 128) == 8 and _names(ins, "alt")[-1] == "combine_a.3"
+    assert main.index("shared_experts") > main.index("experts.down.7")
+    assert signal_count(_w(), B200, 128) == 8 and _names(ins, "alt") == ["combine_a"]
 
 
 def test_combine_b_sync_rule():
     p = build("sbo", _w(), H800)
     flat = list(iter_gpu_instrs(p.ranks[0].threads[0].instrs))
     k = next(k for k, i in enumerate(flat) if isinstance(i, Launch) and i.op.name == "combine_b")
-    assert flat[k - 2] == WaitStream("alt", "main") and flat[k + 1] == WaitStream("main", "alt")
-    # mode 1: the hook waits for the last send piece (chunked-model deadlock guard, see sbo.py)
-    assert flat[k - 1] == Wait("main", f"s0.L{DSV3.first_k_dense}.mb0.sbo.sent")
+    assert flat[k - 1] == WaitStream("alt", "main") and flat[k + 1] == WaitStream("main", "alt")
     p2 = build("sbo", _w(), B200, ScheduleConfig(sbo_mode=2))
     flat = list(iter_gpu_instrs(p2.ranks[0].threads[0].instrs))
     k = next(k for k, i in enumerate(flat) if isinstance(i, Launch) and i.op.name == "combine_b")
@@ -209,7 +204,7 @@ def test_dense_layers_untouched_and_op_counts_match():
     assert sum(o.name == "shared_experts" for o in ops) == moe
     assert sum(o.name == "mlp" for o in ops) == DSV3.first_k_dense
     assert all(o.name != "experts" for o in ops)
-    assert sum(o.name.startswith("combine_a.") for o in ops) == 4 * moe
+    assert sum(o.name == "combine_a" and len(o.waits) == 16 for o in ops) == moe
 
 
 def test_prefill_normal_kernels_fall_back():
@@ -238,8 +233,9 @@ def test_mode1_combine_overlaps_the_down_gemm_in_the_trace():
     tr = simulate(build("sbo", _w(), H800), H800)
     spans = [s for s in tr.spans if s.layer == L and s.lane.startswith("stream:")]
     down = [s for s in spans if s.op.startswith("experts.down")]
-    comb = [s for s in spans if s.op.startswith("combine_a.")]
-    assert min(c.start for c in comb) < max(d.end for d in down)  # streaming, not after
+    (comb,) = [s for s in spans if s.op == "combine_a"]
+    assert comb.start < min(d.end for d in down)  # resident from the start event on
+    assert comb.end > max(d.end for d in down)  # its last part waits for the last signal
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3])

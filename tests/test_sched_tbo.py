@@ -214,7 +214,7 @@ def test_delta_stages_override():
 def test_prefill_limits_deep_gemm_in_sparse_layers_only():
     p = build("tbo", _w(Batch.prefill(2, extend_len=1024)), H800)
     limit = H800.num_sms - H800.deepep_normal_sms
-    assert p.meta["deep_gemm_sms"] == limit == 108
+    assert p.meta["deep_gemm_sms"] == limit == 112  # DeepEP default Buffer.num_sms = 20
     for _, op in ops_of(p):
         deep_gemm = op.dtype == "fp8" and op.op_class in ("gemm", "grouped_gemm")
         if op.layer is not None and op.layer >= DSV3.first_k_dense and deep_gemm:
@@ -293,7 +293,7 @@ def test_tbo_sbo_streams_the_combine_of_each_micro_batch():
     ins = _instrs(p)
     alt = [i.op for i in ins if isinstance(i, Launch) and i.stream == "alt" and i.op.layer == 10]
     assert {o.mb for o in alt} == {0, 1}
-    assert all(o.name.startswith("combine_a.") and o.sms == 3 for o in alt)
+    assert all(o.name == "combine_a" and o.sms == 3 and o.waits for o in alt)
     down = [i.op for i in ins if isinstance(i, Launch) and i.op.name.startswith("experts.down.")]
     assert down and all(o.sms == H800.num_sms - 3 for o in down)
     assert p.meta["sbo_overlaps"] == ["combine<->down_gemm"] and p.meta["comm_sms"] == 3
@@ -317,8 +317,7 @@ def test_tbo_sbo_keeps_tbo_stage_order():
 def test_tbo_sbo_combine_b_sync_rule():
     ins = _instrs(build("tbo+sbo", _w(Batch.decode(128)), H800))
     k = next(k for k, i in enumerate(ins) if isinstance(i, Launch) and i.op.name == "combine_b")
-    assert ins[k - 2] == WaitStream("alt", "main") and ins[k + 1] == WaitStream("main", "alt")
-    assert isinstance(ins[k - 1], Wait) and ins[k - 1].event.endswith("sbo.sent")
+    assert ins[k - 1] == WaitStream("alt", "main") and ins[k + 1] == WaitStream("main", "alt")
 
 
 def test_tbo_sbo_prefill_is_plain_tbo_with_a_reason():

@@ -230,7 +230,7 @@ def test_gpu_presets():
     assert h800.nvlink_eff_gbps == 134.0  # 153 x 7/8: DeepEP counts its own 1/8
     assert h100.nvlink_gbps == 450.0 and GPUS["h200"].hbm_gbps == 4800.0
     assert [g.sbo_comm_sms for g in GPUS.values()] == [3, 3, 3, 32]
-    assert all(g.deepep_normal_sms == 24 for g in GPUS.values())
+    assert all(g.deepep_normal_sms == 20 for g in GPUS.values())
     assert GPUS["b200"].arch == "blackwell" and GPUS["b200"].num_sms == 148
 
 

@@ -54,7 +54,7 @@ import math
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Program
+from overlap_lab.shared.program import HIGH_PRIORITY, Program
 from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
@@ -72,6 +72,8 @@ SUMMARY = (
     "decode 5-stage ATTN-0/ATTN-1/SHARED/MLP pipeline with SM-free DeepEP LL hooks"
 )
 
+#: DeepSeek's prefill profile: 24 of the H800's 132 SMs for DeepEP (DeepSeek's
+#: profile-data); DeepEP's own Buffer.num_sms default is 20 (``GPU.deepep_normal_sms``).
 H800_SMS, H800_COMM_SMS = 132, 24
 COMM = "comm"
 
@@ -322,6 +324,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         cfg,
         e.body,
         streams=streams,
+        # DeepEP's kernels run on its Buffer's comm_stream, a high-priority stream
+        # (csrc/deep_ep.cpp: at::cuda::getStreamFromPool(true))
+        priorities=((COMM, HIGH_PRIORITY),) if COMM in streams else (),
         schedule="deepseek",
         deepep_mode=deepep,
         micro_batches=[mb.as_meta() for mb in mbs],

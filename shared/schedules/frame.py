@@ -27,11 +27,12 @@ def step_frame(
     streams: tuple[str, ...],
     step: int = 0,
     stream: str = "main",
+    priorities: tuple[tuple[str, int], ...] = (),
 ) -> RankBuilder:
     """A rank whose host thread "main" runs one step around ``body`` (launches, records, waits;
     host syncs only outside a CUDA graph). The D2H copy and the step's end sit on ``stream``."""
     mb = whole_batch(w)
-    rank = RankBuilder(0, streams)
+    rank = RankBuilder(0, streams, priorities=priorities)
     t = rank.thread("main")
     t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
     graph = cfg.use_cuda_graph(w.batch.mode)

@@ -43,16 +43,23 @@ comm_prepare_mlp (``_ffn_norm``); gate = ``moe_gate.mm``; select_experts (inside
 
 Communication groups: ``dist_group_manager`` creates one group per micro-batch, so each
 micro-batch's dispatch/combine are separate collectives (keys ``...mb<i>.dispatch``); in prefill
-each group's DeepEP buffer has its own comm stream (``comm0``, ``comm1``), which is why LightLLM
-cannot hold DeepSeek's fixed 108 + 24 SM split: compute kernels take whatever SMs the
-normal kernels leave.
+each group's DeepEP buffer has its own comm stream (``comm0``, ``comm1``), a high-priority one
+(DeepEP's ``comm_stream``). LightLLM's kernels carry no SM cap here: whether LightLLM can run
+DeepSeek's fixed 108 + 24 split is an open question, not modelled as a fact;
+the compute kernels share the SMs with the normal kernels by the block scheduler's rules
+(docs/sm-sharing.md).
+
+Experts are launched as ``grouped_fused_moe_ep``'s kernels (``expert_kernels``).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Program
+from overlap_lab.shared.program import HIGH_PRIORITY, Op, Program
 from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
@@ -124,6 +131,53 @@ def dp_max_decode_num(w: Workload, cfg: ScheduleConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def expert_kernels(w: Workload, experts: Op, contiguous: bool) -> list[Op]:
+    """The routed-experts op as the kernels of LightLLM's ``grouped_fused_moe_ep``.
+
+    Prefill (contiguous layout): ``ep_scatter`` (Triton), the DeepGEMM grouped gate-up GEMM,
+    ``silu_and_mul_masked_post_quant_fwd`` (Triton activation + FP8 quant), the DeepGEMM grouped
+    down GEMM, ``ep_gather`` (Triton). Decode (masked layout, DeepEP LL): the masked gate-up GEMM,
+    the activation + quant, the masked down GEMM. The kernel boundaries matter for SM sharing: the
+    Triton kernels are waved, the DeepGEMM ones persistent. Work is the op's own, partitioned:
+    FLOPs 2/3 gate-up and 1/3 down (``sbo.split_experts``); weights likewise; the activation
+    bytes of ``ops.experts_work`` (per copy: hidden fp8 in, 2·inter bf16 gate-up out, inter bf16
+    + inter fp8 through the activation, hidden bf16 out) go to the kernel that moves them.
+    """
+    m = w.model
+    copies = math.ceil(experts.tokens / w.parallel.attn_tp) * m.top_k
+    x_in, up_out = copies * m.hidden, copies * 2 * m.expert_inter * 2
+    act, y_out = copies * 3 * m.expert_inter, copies * m.hidden * 2
+    weights = max(0.0, experts.hbm_bytes - (x_in + up_out + act + y_out))
+
+    def k(name: str, flops: float, nbytes: float, **kw) -> Op:
+        return replace(experts, name=f"experts.{name}", flops=float(flops), hbm_bytes=float(nbytes), **kw)
+
+    f = experts.flops
+    elementwise = dict(op_class="elementwise", dtype="bf16")
+    if not contiguous:
+        return [
+            k("gate_up", f * 2 / 3, weights * 2 / 3 + x_in + up_out),
+            k("act_quant", 0.0, act, **elementwise),
+            k("down.0", f / 3, weights / 3 + y_out),
+        ]
+    return [
+        k("scatter", 0.0, x_in, **elementwise),
+        k("gate_up", f * 2 / 3, weights * 2 / 3 + up_out),
+        k("act_quant", 0.0, act, **elementwise),
+        k("down.0", f / 3, weights / 3),
+        k("gather", 0.0, y_out, **elementwise),
+    ]
+
+
+def run_experts(e: Emitter, i: int, L: int) -> None:
+    """Micro-batch ``i``'s routed experts at upstream kernel granularity (``expert_kernels``)."""
+    if not e.has(i):
+        return
+    ops = e.ops(i, L)
+    for op in expert_kernels(e.w, ops["experts"], contiguous=e.w.batch.mode == "prefill"):
+        e.launch(op)
+
+
 def decode_moe_layer(e: Emitter, L: int) -> None:
     """``overlap_tpsp_token_forward`` (is_moe): DeepEP low-latency, everything on ``main``."""
     o0, o1 = e.ops(0, L), e.ops(1, L)
@@ -146,14 +200,14 @@ def decode_moe_layer(e: Emitter, L: int) -> None:
     e.run(1, L, ("select_experts", "dispatch_a"))
     e.set_hook(1, Hook(ops=(o1["dispatch_b"],)))
     # moe calc: 0's masked grouped GEMM
-    e.run(0, L, ("experts",))
+    run_experts(e, 0, L)
     # 1 hook: micro-batch 1's dispatch recv
     e.call_hook(1)
     # 0 combine (LL send); its recv is the hook
     e.run(0, L, ("combine_a",))
     e.set_hook(0, Hook(ops=(o0["combine_b"],) + tuple(o0[n] for n in FINISH)))
     # 1's masked grouped GEMM
-    e.run(1, L, ("experts",))
+    run_experts(e, 1, L)
     # 0 hook: combine recv, then *= routed_scaling_factor, += shared, residual add
     e.call_hook(0)
     # 1 combine (LL send); _1_hook_post (recv + finish) is left to the next layer
@@ -188,7 +242,7 @@ def prefill_moe_layer(e: Emitter, L: int) -> None:
     e.run(0, L, ("shared_experts",))
     e.run(1, L, ("shared_experts",))
     # 0 moe calc (prefilled_group_gemm)
-    e.run(0, L, ("experts",))
+    run_experts(e, 0, L)
     # 1 dispatch execute (previous_event=_1_overlap_event)
     done = e.normal_comm(1, L, "dispatch", f"L{L}.mb1.dispatch_ready", comm1, host_sync=True)
     e.set_hook(1, Hook(event=done))
@@ -199,7 +253,7 @@ def prefill_moe_layer(e: Emitter, L: int) -> None:
     done = e.normal_comm(0, L, "combine", f"L{L}.mb0.combine_ready", comm0, host_sync=False)
     e.set_hook(0, Hook(event=done))
     # 1 moe calc
-    e.run(1, L, ("experts",))
+    run_experts(e, 1, L)
     # wait 0 combine
     e.call_hook(0)
     # _1_combine_event = Buffer.capture() (before 0's finish, so 1's combine does not wait for it)
@@ -274,6 +328,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         cfg,
         e.body,
         streams=streams,
+        # each micro-batch's DeepEP Buffer runs its normal kernels on its own comm_stream, a
+        # high-priority stream (DeepEP csrc/deep_ep.cpp: at::cuda::getStreamFromPool(true))
+        priorities=tuple((s, HIGH_PRIORITY) for s in streams if s in COMM_STREAMS),
         schedule="lightllm",
         deepep_mode=deepep,
         micro_batches=[mb.as_meta() for mb in mbs],

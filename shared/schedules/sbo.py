@@ -8,10 +8,11 @@ Inside each MoE layer of one (unsplit) batch, with DeepEP's low-latency kernels:
 
     mode 1, combine <-> down GEMM (two streams, signal tensor):
       main: dispatch_a | dispatch_b | gate_up GEMM | rec start | down[0] rec sig0 | down[1] ...
-      alt:                                      wait start | wait sig0 combine[0] | wait sig1 ...
+      alt:                                      wait start | combine (polls sig0, sig1, ...)
       The down GEMM runs on the compute SMs and raises a signal per finished block (Hopper:
       num_local_experts x ceil(rows/64) int32, block_m 64; Blackwell: one uint32 per local
-      expert); the combine kernel on the comm SMs sends each block as soon as it is signalled.
+      expert); the combine is one kernel, resident on the comm SMs from the start event on, that
+      sends each block as soon as it is signalled (``Op.waits``).
     mode 2, combine <-> shared experts (two streams):
       main: experts | rec down | shared experts (compute SMs)
       alt:                wait down | combine (comm SMs)
@@ -28,11 +29,11 @@ mode 3; Blackwell: after the down GEMM on the compute SMs, mode 2's pre-combine 
 ``2`` its Blackwell+DeepGEMM one and ``3`` Hopper without a signalling down GEMM; modes 2 on
 Hopper and 3 on Blackwell are what-ifs SGLang itself does not run (meta ``sbo_upstream``).
 
-Modelling choice, stated once: the signals are grouped into at most ``MAX_STREAM_CHUNKS``
-chunks, each a slice of the down GEMM recorded as an event and a slice of the combine waiting on
-it (same collective key, so the receive hook still waits for all of it). The granularity sets
-how much of the combine is left exposed after the GEMM (one chunk's worth); it is fixed here and
-never tuned per experiment. Rows per local expert are the expected token copies it receives
+Modelling choice, stated once: the down GEMM is one slice per signal (its blocks, each recorded
+as the signal's event once done), and the combine one resident kernel that waits on those
+signals in order (``Op.waits``: part i of its work and traffic cannot go before signal i), at
+upstream's granularity and with no tuning constant. Rows per local expert are the expected token
+copies it receives
 (``moe_tokens * top_k / local_experts``, = the batch's tokens for DeepSeek-V3 at EP 32); the
 static signal tensor is larger (the LL buffer's capacity) but only blocks holding tokens signal.
 
@@ -73,7 +74,6 @@ SUMMARY = (
 )
 
 SIGNAL_BLOCK_M = 64  # Hopper: DeepGEMM's MIN_BLOCK_M, one int32 signal per 64-row block
-MAX_STREAM_CHUNKS = 4  # mode 1: signals grouped into at most this many chunks (see docstring)
 MAIN, ALT = "main", "alt"
 
 
@@ -160,11 +160,9 @@ def signal_count(w: Workload, gpu: GPU, padded_tokens: int) -> int:
 
 
 def stream_chunks(signals: int) -> list[float]:
-    """Fractions of the down GEMM / combine in each chunk: signals spread over at most
-    MAX_STREAM_CHUNKS chunks as evenly as whole signals allow."""
-    k = min(signals, MAX_STREAM_CHUNKS)
-    sizes = [signals // k + (1 if i < signals % k else 0) for i in range(k)]
-    return [s / signals for s in sizes]
+    """Fractions of the down GEMM in each signalled slice: one per signal, equal (the blocks of
+    one micro-batch hold the same expected rows)."""
+    return [1.0 / signals] * signals
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,8 +233,7 @@ def lower_experts(p: SboPlan, experts: Op, signals: int) -> list[GpuInstr]:
 
 def lower_combine_a(p: SboPlan, combine_a: Op, experts: Op, signals: int) -> list[GpuInstr]:
     """combine_a: on alt with the comm SMs after ``alt.wait_event(wait_event)``; in mode 1 one
-    piece per signal chunk, each waiting for its signal, then a record once the last piece is
-    sent (see lower_combine_b). Mode 3 alone: on main, unchanged."""
+    resident kernel polling every signal of the down GEMM. Mode 3 alone: on main, unchanged."""
     if not p.combine_on_alt:
         return [Launch(combine_a, MAIN)]
     if not p.stream_down_gemm:
@@ -244,28 +241,18 @@ def lower_combine_a(p: SboPlan, combine_a: Op, experts: Op, signals: int) -> lis
             Wait(ALT, _ev(experts, "down_done")),
             Launch(replace(combine_a, sms=p.comm_sms), ALT),
         ]
-    out: list[GpuInstr] = [Wait(ALT, _ev(experts, "start"))]
-    for k, piece in enumerate(split_op(combine_a, stream_chunks(signals), sms=p.comm_sms)):
-        out += [Wait(ALT, _ev(experts, f"sig{k}")), Launch(piece, ALT)]
-    return out + [Record(_ev(experts, "sent"), ALT)]
+    waits = tuple(_ev(experts, f"sig{k}") for k in range(signals))
+    return [
+        Wait(ALT, _ev(experts, "start")),
+        Launch(replace(combine_a, sms=p.comm_sms, waits=waits), ALT),
+    ]
 
 
 def lower_combine_b(p: SboPlan, combine_b: Op, experts: Op) -> list[GpuInstr]:
-    """combine_b: alt.wait_stream(main); hook() on main waits for the traffic; main waits alt.
-
-    Mode 1 adds one wait before the hook: main waits until the last send piece has run. The real
-    send is one kernel, resident on its comm SMs from the start event on; our pieces ask for SMs
-    one after another, so a receive hook issued first could take the SMs a later piece needs and
-    spin forever on data that piece has yet to send. With the wait the hook starts once everything
-    is sent, when it would otherwise only have been spinning (main has nothing else queued), so
-    the timing is the same and the chunked model cannot deadlock.
-    """
+    """combine_b: alt.wait_stream(main); hook() on main waits for the traffic; main waits alt."""
     if not p.combine_on_alt:
         return [Launch(combine_b, MAIN)]
-    hook = [Launch(combine_b, MAIN)]
-    if p.stream_down_gemm:
-        hook.insert(0, Wait(MAIN, _ev(experts, "sent")))
-    return [WaitStream(ALT, MAIN), *hook, WaitStream(MAIN, ALT)]
+    return [WaitStream(ALT, MAIN), Launch(combine_b, MAIN), WaitStream(MAIN, ALT)]
 
 
 def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
@@ -330,8 +317,5 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         deepep_mode=mode,
         micro_batches=[mb.as_meta()],
         sbo_signals=signal_count(w, gpu, mb.padded_tokens),
-        sbo_chunks=len(stream_chunks(signal_count(w, gpu, mb.padded_tokens)))
-        if p.stream_down_gemm
-        else 0,
         **p.meta(),
     )

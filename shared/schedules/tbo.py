@@ -40,7 +40,7 @@ from overlap_lab.shared.builder import program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
-from overlap_lab.shared.program import GpuInstr, Launch, Op, Program, Record, Wait
+from overlap_lab.shared.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
@@ -241,13 +241,24 @@ def build(
 ) -> Program:
     if w.parallel.pp > 1:
         raise ConfigError("tbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    if w.parallel.ep <= 1:
+        # SGLang's server args refuse --enable-two-batch-overlap without an expert-parallel
+        # all-to-all backend (--moe-a2a-backend deepep): there is no dispatch/combine to overlap
+        raise ConfigError(
+            "tbo needs expert parallelism (SGLang requires --moe-a2a-backend deepep): --ep must "
+            "be > 1"
+        )
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     split = tbo_split(w, cfg, mode)
     if split.micro_batches is None:
         return unsplit(w, gpu, cfg, schedule, split)
     body, strategy, delta = tbo_body(w, gpu, cfg, split, mode=mode, step=0, lower=lower)
     streams = (MAIN,) + ((COMM,) if mode == "normal" else ()) + extra_streams
-    rank = step_frame(w, gpu, cfg, body, streams=streams)
+    # DeepEP normal kernels run on the Buffer's high-priority comm_stream (csrc/deep_ep.cpp:
+    # at::cuda::getStreamFromPool(true)); SGLang's alt stream (SBO) is a default-priority
+    # torch.cuda.Stream()
+    prio = ((COMM, HIGH_PRIORITY),) if COMM in streams else ()
+    rank = step_frame(w, gpu, cfg, body, streams=streams, priorities=prio)
     meta = dict(
         schedule=schedule,
         deepep_mode=mode,

@@ -80,8 +80,6 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
     extra["sbo_overlaps"] = {1: ["combine<->down_gemm"], 2: ["combine on alt after down"], 3: []}[
         p.mode
     ]
-    if p.stream_down_gemm:
-        extra["sbo_chunks"] = [len(sbo.stream_chunks(s)) for s in signals]
     return tbo.build(
         w,
         gpu,

@@ -182,11 +182,14 @@ def step_program(
     *,
     streams: tuple[str, ...],
     step: int = 0,
+    priorities: tuple[tuple[str, int], ...] = (),
     **meta,
 ) -> Program:
     """One scheduler step around a forward body, framed as serial frames it: host scheduling, the
     launches (one CUDA graph for a graph-captured decode, both micro-batches inside), the D2H of
     the sampled ids, the one host sync and result processing."""
-    rank = step_frame(w, gpu, cfg, body, streams=streams, step=step, stream=MAIN)
+    rank = step_frame(
+        w, gpu, cfg, body, streams=streams, step=step, stream=MAIN, priorities=priorities
+    )
     graph = cfg.use_cuda_graph(w.batch.mode)
     return program([rank], world=w.parallel.ep, cuda_graph=graph, **meta)

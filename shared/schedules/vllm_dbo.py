@@ -386,7 +386,7 @@ def _as_graph_replay(rank: RankBuilder, w, gpu, cfg, padded: int, step: int) -> 
             if isinstance(ins, Launch) and ins.op.mb is None:
                 break  # compute_logits onwards is the main thread's, outside the graph
             body.append(ins)
-    out = RankBuilder(0, rp.streams)
+    out = RankBuilder(0, rp.streams, priorities=rp.priorities)
     t = out.thread("main")
     t.host("schedule", cfg.host.schedule_us(w.batch.num_seqs), step=step)
     t.instrs.append(Graph("dbo_forward", tuple(body)))
