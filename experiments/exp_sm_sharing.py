@@ -214,18 +214,23 @@ def figure(doc: dict, path: Path) -> None:
         ax.set_yticks(ys, [lab.replace(", comm stream", ",\ncomm stream") for lab in labels])
         ax.tick_params(axis="y", labelsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("ms per step")
+        ax.set_xlabel(
+            f"ms per step ({DECODE_BATCH} req/GPU, {DECODE_LAYERS} layers)"
+            if part == "sbo"
+            else "ms per step"
+        )
         ax.set_title(
             {
                 "split": "DeepSeek prefill, H800 EP32, 16K tok/GPU",
                 "systems": "LightLLM vs DeepSeek, same prefill",
-                "sbo": f"TBO vs TBO+SBO decode ({DECODE_BATCH} req, {DECODE_LAYERS} layers)",
+                "sbo": "TBO vs TBO+SBO decode",
             }[part],
             fontsize=9,
             loc="left",
         )
         ax.grid(axis="x", alpha=0.3)
-        ax.legend(fontsize=7)
+        if col == 0:  # one legend for the three bar charts, outside them: it hides no bar
+            fig.legend(fontsize=7, loc="outside upper center", ncols=2, frameon=False)
     split = _rows(doc, "split")
     width = max(traces[k].step_time_us for k in shown) if shown else 0.0
     for i, key in enumerate(shown):
