@@ -31,7 +31,7 @@ from overlap_lab.experiments.runner import (
     middle_layer,
     stamp,
 )
-from overlap_lab.shared.program import Graph, HostThread, Launch, Program
+from overlap_lab.shared.program import Program, map_ops
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace, intersect, length, union
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
@@ -46,29 +46,9 @@ GEMM_CLASSES = ("gemm", "grouped_gemm")
 # ---- what-if passes on a Program (module level: the pool pickles them) --------------------------
 
 
-def _map_ops(program: Program, fn) -> Program:
-    def instr(ins):
-        if isinstance(ins, Launch):
-            return dataclasses.replace(ins, op=fn(ins.op))
-        if isinstance(ins, Graph):
-            return dataclasses.replace(ins, body=tuple(instr(b) for b in ins.body))
-        return ins
-
-    ranks = tuple(
-        dataclasses.replace(
-            rp,
-            threads=tuple(
-                HostThread(t.name, tuple(instr(i) for i in t.instrs)) for t in rp.threads
-            ),
-        )
-        for rp in program.ranks
-    )
-    return dataclasses.replace(program, ranks=ranks)
-
-
 def uncapped(program: Program) -> Program:
     """Every compute kernel may use the whole GPU (no SM cap); DeepEP keeps its SMs."""
-    return _map_ops(
+    return map_ops(
         program, lambda op: op if op.kind == "comm" else dataclasses.replace(op, sms=None)
     )
 
@@ -82,7 +62,7 @@ def uncapped_waved(program: Program) -> Program:
         grid = "waved" if op.op_class in GEMM_CLASSES else op.grid
         return dataclasses.replace(op, sms=None, grid=grid)
 
-    return _map_ops(program, fn)
+    return map_ops(program, fn)
 
 
 def uncapped_waved_flat(program: Program) -> Program:
@@ -94,7 +74,7 @@ def uncapped_waved_flat(program: Program) -> Program:
 
 def capped(program: Program, sms: int) -> Program:
     """Every compute kernel limited to ``sms`` SMs (a DeepSeek-style split as a what-if)."""
-    return _map_ops(
+    return map_ops(
         program, lambda op: op if op.kind == "comm" else dataclasses.replace(op, sms=sms)
     )
 

@@ -27,7 +27,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from overlap_lab.shared.program import Graph, HostThread, Launch, Op, Program, RankProgram
+from overlap_lab.shared.program import Graph, Launch, Op, Program, map_ops
 from overlap_lab.shared.trace import Trace
 
 Profile = dict[str, list[tuple[int, float]]]  # op name -> sorted (tokens, µs)
@@ -138,26 +138,10 @@ def calibrated_program(program: Program, gpu, profile: Profile) -> tuple[Program
             out = dataclasses.replace(out, flops=out.flops * f, hbm_bytes=out.hbm_bytes * f)
         return out
 
-    def instr(ins):
-        if isinstance(ins, Launch):
-            return dataclasses.replace(ins, op=fix(ins.op))
-        if isinstance(ins, Graph):
-            return dataclasses.replace(ins, body=tuple(instr(i) for i in ins.body))
-        return ins
-
-    ranks = tuple(
-        RankProgram(
-            rp.rank,
-            rp.streams,
-            tuple(HostThread(th.name, tuple(instr(i) for i in th.instrs)) for th in rp.threads),
-        )
-        for rp in program.ranks
-    )
+    program = map_ops(program, fix)
     meta = dict(program.meta)
     meta["calibrated"] = "op durations from a measured profile (real.validate)"
-    return dataclasses.replace(program, ranks=ranks, meta=meta), {
-        k: dict(v) for k, v in counts.items()
-    }
+    return dataclasses.replace(program, meta=meta), {k: dict(v) for k, v in counts.items()}
 
 
 def predict(program: Program, gpu) -> Trace:

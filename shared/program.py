@@ -24,8 +24,10 @@ Events are single-assignment: each is recorded once per rank, and a wait waits f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
@@ -243,6 +245,30 @@ def ops_of(program: Program) -> list[tuple[int, Op]]:
                 if isinstance(ins, Launch):
                     out.append((rp.rank, ins.op))
     return out
+
+
+def map_ops(program: Program, fn: Callable[[Op], Op]) -> Program:
+    """``program`` with every launched op (graph bodies included) replaced by ``fn(op)``; ranks,
+    streams, their priorities, threads and meta are kept as they are."""
+
+    def instr(ins: Instr) -> Instr:
+        if isinstance(ins, Launch):
+            return dataclasses.replace(ins, op=fn(ins.op))
+        if isinstance(ins, Graph):
+            return dataclasses.replace(ins, body=tuple(instr(b) for b in ins.body))
+        return ins
+
+    ranks = tuple(
+        dataclasses.replace(
+            rp,
+            threads=tuple(
+                dataclasses.replace(th, instrs=tuple(instr(i) for i in th.instrs))
+                for th in rp.threads
+            ),
+        )
+        for rp in program.ranks
+    )
+    return dataclasses.replace(program, ranks=ranks)
 
 
 # ----------------------------------------------------------------------------------------------

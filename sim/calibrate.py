@@ -25,7 +25,14 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Graph, HostThread, Launch, Op, Program, RankProgram, ops_of
+from overlap_lab.shared.program import (
+    Graph,
+    Launch,
+    Op,
+    Program,
+    map_ops,
+    ops_of,
+)
 from overlap_lab.shared.trace import Trace
 from overlap_lab.sim.profile import (
     FORMAT,
@@ -156,23 +163,9 @@ class BenchCase:
 
 def narrow_sms(program: Program, sms: int) -> Program:
     """Every compute op limited to ``sms`` SMs (communication and copies as they are)."""
-
-    def fix(ins):
-        if isinstance(ins, Launch) and ins.op.kind == "compute":
-            return Launch(dataclasses.replace(ins.op, sms=sms), ins.stream)
-        if isinstance(ins, Graph):
-            return Graph(ins.name, tuple(fix(b) for b in ins.body))
-        return ins
-
-    ranks = tuple(
-        RankProgram(
-            rp.rank,
-            rp.streams,
-            tuple(HostThread(th.name, tuple(fix(i) for i in th.instrs)) for th in rp.threads),
-        )
-        for rp in program.ranks
+    return map_ops(
+        program, lambda op: dataclasses.replace(op, sms=sms) if op.kind == "compute" else op
     )
-    return dataclasses.replace(program, ranks=ranks)
 
 
 def bench_plan(

@@ -120,3 +120,31 @@ def test_recv_before_send_on_one_stream_is_a_cycle():
     t.launch(Op("d_a", kind="comm", sms=4, coll=Coll("k", "send", (Flow("rdma", 10.0),))), "main")
     with pytest.raises(ProgramError, match="wait cycle"):
         validate(program([r], world=2))
+
+
+def test_op_rewrites_keep_stream_priorities_and_reach_graph_bodies():
+    """map_ops, and the passes built on it (calibrate's SM narrowing, the GPU loop's calibrated
+    Program), rewrite ops only: a rank's stream priorities survive."""
+    import dataclasses
+
+    from overlap_lab.real.validate import calibrated_program
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.program import map_ops, ops_of
+    from overlap_lab.shared.schedules import build
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
+    from overlap_lab.sim.calibrate import narrow_sms
+
+    gpu = get_gpu("h800")
+    w = Workload(
+        with_layers(get_model("deepseek-v3"), 2), Batch.prefill(1, extend_len=512), Parallel(ep=8)
+    )
+    p = build("deepseek", w, gpu)
+    assert any(rp.priorities for rp in p.ranks)  # DeepEP's comm streams are high priority
+    for q in (
+        map_ops(p, lambda op: dataclasses.replace(op, layer=op.layer)),
+        narrow_sms(p, 66),
+        calibrated_program(p, gpu, {})[0],
+    ):
+        assert [rp.priorities for rp in q.ranks] == [rp.priorities for rp in p.ranks]
+        assert len(ops_of(q)) == len(ops_of(p))
+    assert {op.sms for _, op in ops_of(narrow_sms(p, 66)) if op.kind == "compute"} == {66}
