@@ -347,6 +347,16 @@ def _print_summary(res: dict) -> None:
         f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
     )
     print(f"  ops              {res['num_ops']:10d}")
+    if "cost_sources" in res:  # where the durations come from: a measurement or the roofline
+        n = {
+            s: sum(c.get(s, 0) for c in res["cost_sources"].values())
+            for s in ("profile", "roofline", "link")
+        }
+        measured = f"{n['profile']} from profile {res['profile']}, " if n["profile"] else ""
+        print(
+            f"  op durations     {measured}{n['roofline']} from the roofline (no measurement), "
+            f"{n['link']} from the link model"
+        )
     if "straggler_cost_us" in res:
         steps = [r["window_us"] for r in res["per_rank"]]
         print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
