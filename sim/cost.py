@@ -19,7 +19,7 @@ The efficiencies are assumptions of this model, not measurements: they are the t
 peak reached by well-tuned kernels of each class on Hopper (DeepGEMM reports ~1350-1550 of 1979
 dense FP8 TFLOP/s on H800 for large GEMMs, i.e. ~0.7; FlashMLA ~660 TFLOP/s BF16 of 989 on H800,
 ~0.65, and ~3000 GB/s of 3350 when memory-bound, ~0.9). A calibration table measured on a GPU
-replaces them: ``--profile`` (``sim.profile``; docs/architecture.md, "Costs"). Where a profile row applies,
+replaces them: ``--profile`` (``sim.profile``; docs/architecture.md, "Ops and their costs"). Where a profile row applies,
 :func:`demand` scales the roofline demand so that the kernel alone on its SMs takes exactly the
 profiled duration, and sharing HBM with concurrent kernels still slows it as above; on other SM
 counts a profiled duration follows the wave model below (:func:`profile_factor`).
