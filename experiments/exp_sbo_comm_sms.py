@@ -4,7 +4,11 @@ DeepSeek-V3 decode (DeepEP low-latency kernels, EP 32, 4K context) at 32 and 128
 H800 (preset: 3 comm SMs) and B200 (preset: 32), sweeping SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS
 from 1 to 32 for SBO modes 1, 2 and 3 (mode 1 carries the shared-experts placement
 SGLang pairs with it on each architecture: dispatch hook on Hopper, after the down GEMM on
-Blackwell; see shared/schedules/sbo.py). The gain is ``serial / sbo - 1``.
+Blackwell; see shared/schedules/sbo.py).
+
+Two baselines per GPU and batch: ``sbo-off``, SGLang's own DeepEP path with SBO off (shared
+experts on the alt stream beside the routed path; shared/schedules/sbo_off.py), and ``serial``
+(one stream). The gain is ``sbo-off / sbo - 1``; ``gain_vs_serial`` is ``serial / sbo - 1``.
 
 Run: ``python -m overlap_lab.experiments.exp_sbo_comm_sms`` (about 40 s on 2 cores).
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import WIDTHS, save_figure, series_style
+from overlap_lab.experiments.figures import WIDTHS, layer_window, save_figure, series_style
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -26,6 +30,7 @@ from overlap_lab.experiments.runner import (
 )
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.trace import intersect, length, union
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "sbo_comm_sms"
@@ -34,6 +39,7 @@ TOKENS = (32, 128)
 COMM_SMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MODES = (1, 2, 3)
 EP = 32
+BASELINE = "sbo-off"  # SGLang with SBO off: what SBO is compared with
 
 
 def cases():
@@ -42,7 +48,8 @@ def cases():
         for n in TOKENS:
             w = Workload(model, Batch.decode(n), Parallel(ep=EP))
             at = {"gpu": g, "tokens_per_gpu": n}
-            yield Case({**at, "mode": None, "comm_sms": None}, "serial", w, g)
+            for base in ("serial", BASELINE):
+                yield Case({**at, "mode": None, "comm_sms": None}, base, w, g)
             for mode in MODES:
                 for c in COMM_SMS:
                     cfg = ScheduleConfig(sbo_mode=mode, comm_sms=c)
@@ -50,32 +57,43 @@ def cases():
 
 
 def measure(trace, program, case) -> dict:
+    """Step time, exposed communication, and in one steady-state layer: its period, the combine
+    send kernel's time on the alt stream (SBO), and how long the shared experts ran beside
+    another kernel of the layer (the overlap the alt stream buys without SBO)."""
     layer = middle_layer(case)
-    comb = [
-        s
-        for s in trace.spans
-        if s.layer == layer and s.lane == "stream:alt" and s.op.startswith("combine_a")
-    ]
+    t0, t1 = layer_window(trace, layer, op="comm_prepare_attn")
+    spans = [s for s in trace.spans if s.layer == layer and s.lane.startswith("stream:")]
+    comb = [s for s in spans if s.lane == "stream:alt" and s.op.startswith("combine_a")]
+    shared = union((s.start, s.end) for s in spans if s.op == "shared_experts")
+    others = union((s.start, s.end) for s in spans if s.op != "shared_experts")
     return {
         "preset_comm_sms": get_gpu(case.gpu).sbo_comm_sms,
         "upstream": program.meta.get("sbo_upstream"),
         "overlaps": program.meta.get("sbo_overlaps"),
         "step_time_us": trace.step_time_us,
         "exposed_comm_us": trace.exposed_comm_us(),
+        "layer_us": t1 - t0,
         "combine_send_us_layer": sum(s.end - s.start for s in comb),
+        "shared_experts_us_layer": length(shared),
+        "shared_beside_other_us_layer": length(intersect(shared, others)),
     }
 
 
 def derive(rows: list[dict]) -> list[dict]:
-    """The gain ``serial / sbo - 1`` of each SBO row; the serial rows themselves are dropped."""
-    speedup(
-        rows,
-        over={"schedule": "serial"},
-        by=("gpu", "tokens_per_gpu"),
-        column="gain",
-        change=True,
-        base_column="serial_step_us",
-    )
+    """The gains of each SBO row over SGLang without SBO (``gain``) and over serial
+    (``gain_vs_serial``); the baselines' own figures go into every row, their rows are dropped."""
+    by = ("gpu", "tokens_per_gpu")
+    speedup(rows, over={"schedule": "serial"}, by=by, column="gain_vs_serial", change=True)
+    speedup(rows, over={"schedule": BASELINE}, by=by, column="gain", change=True)
+    base = {(r["gpu"], r["tokens_per_gpu"], r["schedule"]): r for r in rows if r["mode"] is None}
+    for r in rows:
+        for name, col in (("serial", "serial"), (BASELINE, "baseline")):
+            b = base[(r["gpu"], r["tokens_per_gpu"], name)]
+            r[f"{col}_step_us"] = b["step_time_us"]
+            r[f"{col}_layer_us"] = b["layer_us"]
+        off = base[(r["gpu"], r["tokens_per_gpu"], BASELINE)]
+        r["baseline_shared_us_layer"] = off["shared_experts_us_layer"]
+        r["baseline_shared_beside_us_layer"] = off["shared_beside_other_us_layer"]
     return [r for r in rows if r["schedule"] == "sbo"]
 
 
@@ -124,7 +142,7 @@ def figure(doc: dict, path: Path) -> None:
             if i == len(tokens) - 1:
                 ax.set_xlabel("combine communication SMs (--comm-sms)", fontsize=7)
             if j == 0:
-                ax.set_ylabel("gain vs serial (%)", fontsize=7)
+                ax.set_ylabel("gain vs SGLang without SBO (%)", fontsize=7)
             ax.tick_params(labelsize=7)
             ax.set_title(
                 f"DeepSeek-V3 EP{EP} decode, {n} tok/GPU, {g.upper()}", fontsize=7.5, loc="left"
@@ -134,69 +152,138 @@ def figure(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def _baseline_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Per GPU and batch: serial and SGLang without SBO, and what the alt stream overlapped."""
+    header = [
+        "GPU",
+        "tokens/GPU",
+        "serial step (ms)",
+        "sbo-off step (ms)",
+        "sbo-off vs serial",
+        "shared experts (µs/layer)",
+        "of which beside another kernel (µs)",
+    ]
+    seen, out = set(), []
+    for r in rows:
+        key = (r["gpu"], r["tokens_per_gpu"])
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(
+            [
+                *key,
+                f"{r['serial_step_us'] / 1e3:.2f}",
+                f"{r['baseline_step_us'] / 1e3:.2f}",
+                _pct(r["serial_step_us"] / r["baseline_step_us"] - 1),
+                f"{r['baseline_shared_us_layer']:.1f}",
+                f"{r['baseline_shared_beside_us_layer']:.1f}",
+            ]
+        )
+    return header, out
+
+
+def _plateau_sms(pts: list[dict]) -> int:
+    """The fewest comm SMs whose gain is within 0.1 point of the best."""
+    best = max(r["gain"] for r in pts)
+    return min(r["comm_sms"] for r in pts if r["gain"] >= best - 1e-3)
+
+
 def notes(doc: dict) -> str:
     rows = doc["rows"]
+    gpus = sorted({r["gpu"] for r in rows}, key=GPUS.index)
+    tokens = sorted({r["tokens_per_gpu"] for r in rows})
 
-    def get(g, n, mode, c):
-        return next(
-            r
-            for r in rows
-            if (r["gpu"], r["tokens_per_gpu"], r["mode"], r["comm_sms"]) == (g, n, mode, c)
-        )
+    def pts(g, n, mode):
+        return [r for r in rows if (r["gpu"], r["tokens_per_gpu"], r["mode"]) == (g, n, mode)]
+
+    def at(g, n, mode, c):
+        return next(r for r in pts(g, n, mode) if r["comm_sms"] == c)
 
     header = [
         "GPU",
         "tokens/GPU",
         "mode",
         "gain at preset SMs",
+        "vs serial",
         "best gain (SMs)",
         "gain at 1 SM",
         "gain at 32 SMs",
     ]
     lines = []
-    for g in sorted({r["gpu"] for r in rows}, key=GPUS.index):
+    for g in gpus:
         preset = next(r["preset_comm_sms"] for r in rows if r["gpu"] == g)
-        for n in sorted({r["tokens_per_gpu"] for r in rows}):
+        for n in tokens:
             for mode in MODES:
-                pts = [
-                    r for r in rows if (r["gpu"], r["tokens_per_gpu"], r["mode"]) == (g, n, mode)
-                ]
-                best = max(pts, key=lambda r: r["gain"])
-                at = {r["comm_sms"]: r["gain"] for r in pts}
-                flag = "" if pts[0]["upstream"] else " (what-if)"
+                ps = pts(g, n, mode)
+                best = max(ps, key=lambda r: r["gain"])
+                by = {r["comm_sms"]: r for r in ps}
+                flag = "" if ps[0]["upstream"] else " (what-if)"
                 lines.append(
                     [
                         g,
                         n,
                         f"{mode}{flag}",
-                        f"{100 * at[preset]:+.1f} %",
-                        f"{100 * best['gain']:+.1f} % ({best['comm_sms']})",
-                        f"{100 * at[min(at)]:+.1f} %",
-                        f"{100 * at[max(at)]:+.1f} %",
+                        _pct(by[preset]["gain"]),
+                        _pct(by[preset]["gain_vs_serial"]),
+                        f"{_pct(best['gain'])} ({best['comm_sms']})",
+                        _pct(by[min(by)]["gain"]),
+                        _pct(by[max(by)]["gain"]),
                     ]
                 )
-    h1 = get("h800", 128, 1, 3) if any(r["gpu"] == "h800" for r in rows) else None
-    h1s1 = get("h800", 128, 1, 1) if any(r["gpu"] == "h800" for r in rows) else None
+    at_preset = [r for r in rows if r["comm_sms"] == r["preset_comm_sms"] and r["upstream"]]
+    lo, hi = min(r["gain"] for r in at_preset), max(r["gain"] for r in at_preset)
+    g0, n0 = gpus[0], tokens[-1]  # H800 at 128 tokens/GPU in the full sweep
+    p0 = next(r["preset_comm_sms"] for r in rows if r["gpu"] == g0)
+    m1, m3, m1s1 = at(g0, n0, 1, p0), at(g0, n0, 3, p0), at(g0, n0, 1, min(COMM_SMS))
+    base_layer = m1["baseline_layer_us"]
+    plateau = " and ".join(
+        f"{k} SM{'s' if k > 1 else ''} on {g.upper()}"
+        for g in gpus
+        for k in [_plateau_sms(pts(g, tokens[-1], 1))]
+    )
+    bh, bl = _baseline_table(rows)
     return f"""# SBO: gain per mode and its dependence on the communication SMs
 
 {stamp(doc)}  ·  DeepSeek-V3 decode, EP{EP}, 4K context,
-DeepEP low-latency kernels, CUDA graph. Gain = serial step / SBO step - 1.
+DeepEP low-latency kernels, CUDA graph. Gain = SGLang-without-SBO step / SBO step - 1: the baseline
+is `sbo-off`, SGLang's own DeepEP path with SBO off (the shared experts on the alt stream beside
+dispatch, routed experts and combine on the compute stream; shared/schedules/sbo_off.py).
+"vs serial" is the gain over `serial` (everything on one stream).
 
 {md_table(header, lines)}
 
+The baselines:
+
+{md_table(bh, bl)}
+
 ## What the model shows
-- SBO's gains are a few percent to ~13 %: mode 3 hides the shared experts under the dispatch
-  transfer; mode 1 additionally starts the combine's transfer while the down GEMM is still running
-  (its first block leaves once the GEMM signals it instead of after all of it, plus the send
-  kernel's own time), which matters most at small batches where the per-layer chain is short.
-  Mode 2 on its own only hides the shared experts under the combine.
+- SGLang without SBO runs no faster than serial here: the alt stream overlaps the shared experts
+  with another kernel of the layer only for the time in the last column. In the trace, the shared
+  experts are forked to the alt stream after the router GEMM and issued before top-k, so at equal
+  stream priority the block scheduler starts them first; they are a persistent (DeepGEMM) grid sized
+  to every SM, so top-k waits until they end, and the routed path then runs exactly as in serial.
+  Later in the layer there is nothing to overlap them with anyway: the low-latency receive hooks
+  spin on most of the SMs while the dispatch and combine transfers are in flight.
+- SBO's gains at the preset SMs over that baseline run from {_pct(lo)} to {_pct(hi)} (the modes
+  SGLang runs). On {g0.upper()} at {n0} tokens/GPU a layer takes {base_layer:.1f} µs without SBO,
+  {m3["layer_us"]:.1f} µs with mode 3 (the shared experts, {m3["baseline_shared_us_layer"]:.1f} µs,
+  run in the dispatch hook while the dispatch transfer flies, so the receive hook waits that much
+  less) and {m1["layer_us"]:.1f} µs with mode 1, which adds to that the combine's transfer starting
+  at the down GEMM's first signal instead of after the whole routed-experts GEMM; its one resident
+  send kernel takes {m1["combine_send_us_layer"]:.0f} µs per layer. That matters most at small
+  batches, where the per-layer chain is short. Mode 2 on its own only hides the shared experts
+  under the combine.
 - Mode 3 does not depend on the comm SMs: nothing runs on the alt stream.
 - Modes 1 and 2 depend on the comm SMs only below a few SMs: with DeepEP's low-latency combine the
   RDMA transfer, not the send kernel, bounds the combine, so once the send kernel is faster than
-  the transfer (about 3 SMs on H800, 1 on B200 in this model) more SMs change nothing, and the SMs
-  they take from the down GEMM are hidden behind the same transfer. With 1 SM on H800 the send
-  kernel itself becomes the bottleneck and SBO loses{f" ({100 * h1s1['gain']:+.1f} % at 128 tokens/GPU)" if h1s1 else ""}.
-  {f"On H800 at 128 tokens, mode 1 with the preset's 3 SMs gains {100 * h1['gain']:+.1f} %; its one resident send kernel takes {h1['combine_send_us_layer']:.0f} µs per layer in all." if h1 else ""}
+  the transfer (mode 1 at {tokens[-1]} tokens is within 0.1 point of its best gain from
+  {plateau} in this model) more SMs change nothing, and the SMs they take from the down GEMM are hidden behind the
+  same transfer. With {min(COMM_SMS)} SM on {g0.upper()} the send kernel itself becomes the
+  bottleneck: mode 1 gains {_pct(m1s1["gain"])} at {n0} tokens/GPU.
 - So the model supports Hopper's small preset (3 SMs): it is about the fewest SMs at which the
   send keeps up with the link. Blackwell's 32 are more than the model needs at EP 32 over RDMA;
   they would matter where the combine is NVLink-bound (a single NVL72 domain), not modelled here.
@@ -204,11 +291,15 @@ DeepEP low-latency kernels, CUDA graph. Gain = serial step / SBO step - 1.
 ## Where it may disagree with published figures, and why
 - SGLang reports SBO's gain on full servers; the model's send kernel speed on few SMs comes from
   the cost model's HBM cap per SM fraction, not from a measurement of DeepEP's combine on 3 SMs.
+- The baseline's shared experts gain nothing from the alt stream because the cost model sizes a
+  persistent GEMM's grid to every SM it may use, and DeepEP's low-latency kernels start only with
+  all their SMs free. DeepGEMM itself launches the fewest SMs that keep its number of waves, and a
+  low-latency send kernel's blocks can start as SMs free up; with either, part of the shared
+  experts would overlap top-k and the dispatch send, and SBO's gain over `sbo-off` would be
+  smaller than over `serial`.
 - The combine is one kernel resident on its SMs that polls every Hopper signal
   (num_local_experts x ceil(rows/64)) or Blackwell signal (one per local expert). Part i of its
-  work and traffic waits for signal i, and no chunking constant is involved (issue 8). Before, the
-  signals were grouped into 4 chunk kernels, and the gains were about 1 point lower (e.g. +6.0 %
-  -> +7.1 % at 128 tokens on H800).
+  work and traffic waits for signal i, with no chunking constant.
 """
 
 

@@ -59,6 +59,7 @@ CASES = {
     "serial_decode_sym": ("serial", "decode", 5, 32, 128, "symmetric", "balanced", 0.0),
     "tbo_decode_sym": ("tbo", "decode", 5, 32, 128, "symmetric", "balanced", 0.0),
     "sbo_prefill_sym": ("sbo", "prefill", 4, 16, 2, "symmetric", "balanced", 0.0),
+    "sbo_off_decode_sym": ("sbo-off", "decode", 5, 32, 128, "symmetric", "balanced", 0.0),
     "deepseek_decode_sym": ("deepseek", "decode", 4, 16, 64, "symmetric", "balanced", 0.0),
     "tbo_decode_explicit_balanced": ("tbo", "decode", 4, 16, 32, "explicit", "balanced", 0.0),
     "tbo_decode_explicit_zipf_tol": ("tbo", "decode", 4, 16, 32, "explicit", "zipf:1.2", 0.02),

@@ -12,7 +12,7 @@ import pytest
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import Graph, Launch, Yield, ops_of
+from overlap_lab.shared.program import HIGH_PRIORITY, Graph, Launch, Yield, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.vllm_dbo import decide, is_last_ubatch_empty, split
 from overlap_lab.shared.validate import issue_order
@@ -84,7 +84,7 @@ def test_two_threads_one_shared_compute_stream_in_low_latency():
     p = dbo(wl(Batch.decode(64)), cuda_graph=False)
     rp = p.ranks[0]
     assert [t.name for t in rp.threads] == ["ubatch0", "ubatch1"]
-    assert rp.streams == ("main",)
+    assert rp.streams == ("main",) and rp.priorities == ()  # LL kernels on the caller's stream
     for t in rp.threads:
         mbs = {ins.op.mb for ins in t.instrs if isinstance(ins, Launch) and ins.op.mb is not None}
         assert mbs <= {0, 1}
@@ -193,6 +193,8 @@ def test_requires_dp_with_ep():
 def test_high_throughput_uses_the_comm_stream_and_sm_control():
     p = dbo(wl(Batch.prefill(2, extend_len=1024)))
     assert p.ranks[0].streams == ("main", "comm") and p.meta["comm_sms"] == 20
+    # the HT kernels run on DeepEP's Buffer comm_stream (getStreamFromPool(true)); main is vLLM's
+    assert p.ranks[0].priority("comm") == HIGH_PRIORITY and p.ranks[0].priority("main") == 0
     for _, ins in issued_launches(p):
         op = ins.op
         if op.name in ("dispatch_a", "combine_a"):

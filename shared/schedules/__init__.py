@@ -17,6 +17,7 @@ __all__ = ["SCHEDULES", "MicroBatch", "ScheduleConfig", "build", "describe", "mo
 SCHEDULES: dict[str, str] = {
     "serial": "overlap_lab.shared.schedules.serial",
     "sglang-overlap": "overlap_lab.shared.schedules.sglang_overlap",
+    "sbo-off": "overlap_lab.shared.schedules.sbo_off",
     "sbo": "overlap_lab.shared.schedules.sbo",
     "tbo": "overlap_lab.shared.schedules.tbo",
     "tbo+sbo": "overlap_lab.shared.schedules.tbo_sbo",

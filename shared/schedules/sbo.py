@@ -44,6 +44,7 @@ with a ``fallback_reason``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from overlap_lab.shared.builder import program
@@ -281,18 +282,21 @@ def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
 
 
 def forward_body(
-    w: Workload, gpu: GPU, p: SboPlan, mb: MicroBatch, *, mode: str, step: int
+    w: Workload,
+    gpu: GPU,
+    mb: MicroBatch,
+    moe: Callable[[dict[str, Op]], list[GpuInstr]],
+    *,
+    mode: str,
+    step: int,
 ) -> list[GpuInstr]:
-    """embed, the dense layers as serial runs them, the MoE layers with SBO, logits, sample."""
+    """embed, the dense layers as serial runs them, each MoE layer as ``moe`` lowers its ops,
+    logits, sample (shared by sbo and sbo-off, which differ only in the MoE layer)."""
     head = head_ops(w, gpu, mb, step=step)
-    signals = signal_count(w, gpu, mb.padded_tokens)
     body: list[GpuInstr] = [Launch(head["embed"], MAIN)]
     for layer in range(w.model.num_layers):
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
-        if w.model.is_moe_layer(layer):
-            body += moe_layer(p, ops, signals)
-        else:
-            body += launches(ops.values())
+        body += moe(ops) if w.model.is_moe_layer(layer) else launches(ops.values())
     body += launches([head["logits"], head["sample"]])
     return body
 
@@ -308,7 +312,8 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         reason = "SBO overlaps DeepEP's low-latency combine; this batch uses the normal kernels"
         meta = dict(base.meta, schedule=schedule, fallback_reason=reason, **p.meta())
         return replace(base, meta=meta)
-    body = forward_body(w, gpu, p, mb, mode=mode, step=0)
+    signals = signal_count(w, gpu, mb.padded_tokens)
+    body = forward_body(w, gpu, mb, lambda ops: moe_layer(p, ops, signals), mode=mode, step=0)
     rank = step_frame(w, gpu, cfg, body, streams=(MAIN, ALT))
     return program(
         [rank],
@@ -316,6 +321,6 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         schedule=schedule,
         deepep_mode=mode,
         micro_batches=[mb.as_meta()],
-        sbo_signals=signal_count(w, gpu, mb.padded_tokens),
+        sbo_signals=signals,
         **p.meta(),
     )

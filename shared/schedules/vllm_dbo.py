@@ -26,6 +26,16 @@ fused_moe/modular_kernel.py, prepare_finalize/deepep_ll.py and deepep_ht.py):
   kernels hold ``min(VLLM_DBO_COMM_SMS, 20)`` SMs and DeepGEMM the rest.
 - With full CUDA graphs (decode) the two threads run once, under capture; every later step
   replays the graph from one host thread: one launch, the captured body keeping the issue order.
+- Stream priorities: vLLM sets none. The compute stream is the runner's current stream and the
+  comm stream ``torch.cuda.Stream(device=device)`` (``UBatchWrapper.__init__``), both priority 0;
+  ``make_ubatch_contexts`` creates no stream. But DeepEP's high-throughput ``Buffer.dispatch`` /
+  ``combine`` launch their kernels on the Buffer's own ``comm_stream``, taken from PyTorch's
+  high-priority pool (DeepEP ``csrc/deep_ep.cpp``: ``at::cuda::getStreamFromPool(true)``),
+  after making it wait for the caller's stream (vLLM's comm stream here) and before making the
+  caller wait for it (``async_finish=False``). The Program's ``comm`` stream holds only those
+  kernels, in that order, so it is priority -1. The low-latency kernels with a receive hook
+  launch on the caller's stream (``launch_stream = return_recv_hook ? compute_stream :
+  comm_stream``): the default-priority ``main``.
 
 The published order (vLLM's DBO design notes; docs/schedules.md) is the steady state of this
 ping-pong. Its subscripts name the micro-batch whose attention comes first in the window as 0;
@@ -43,13 +53,22 @@ from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops
-from overlap_lab.shared.program import Graph, Launch, Op, Program, Record, Wait, WaitStream
+from overlap_lab.shared.program import (
+    HIGH_PRIORITY,
+    Graph,
+    Launch,
+    Op,
+    Program,
+    Record,
+    Wait,
+    WaitStream,
+)
 from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.validate import issue_order
 from overlap_lab.shared.workload import Workload
 
-UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, vllm/v1/worker/dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
+UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
 
 VLLM_DBO_COMM_SMS = 20  # vllm/envs.py: VLLM_DBO_COMM_SMS default "20"
@@ -169,7 +188,10 @@ class _Dbo:
 
     def __init__(self, w: Workload, gpu: GPU, cfg: ScheduleConfig, mbs, mode: str, step: int):
         self.w, self.gpu, self.cfg, self.mbs, self.mode, self.step = w, gpu, cfg, mbs, mode, step
-        self.rank = RankBuilder(0, ("main",) if mode == "low_latency" else ("main", "comm"))
+        if mode == "low_latency":
+            self.rank = RankBuilder(0, ("main",))
+        else:  # DeepEP's high-priority Buffer comm_stream runs the HT kernels (module docstring)
+            self.rank = RankBuilder(0, ("main", "comm"), priorities=(("comm", HIGH_PRIORITY),))
         self.ctxs = [_Ctx(i, self.rank.thread(THREADS[i])) for i in range(2)]
         self.comm_sms = 0
         if mode == "normal":
