@@ -354,13 +354,16 @@ class RankRunner:
         self.deepep_mode = mode
         self.seed = seed
         self.piece_counts: dict[tuple, int] = {}
+        ops = set()
         for th in rp.threads:
             for ins in _flatten(th.instrs):
                 if isinstance(ins, Launch):
+                    ops.add((ins.op.name, ins.op.step, ins.op.layer, ins.op.mb))
                     base, k = K.split_piece(ins.op.name)
                     if k is not None:
                         key = (base, ins.op.step, ins.op.layer, ins.op.mb)
                         self.piece_counts[key] = max(self.piece_counts.get(key, 0), k + 1)
+        self.program_ops = frozenset(ops)
         self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
         self.tracker = HazardTracker() if check_hazards else None
         self.gpu = _Gpu(rp.streams, rp.priorities) if self.device.type == "cuda" else None
@@ -419,6 +422,8 @@ class RankRunner:
             rank=self.rp.rank,
             steps=self.states,
             keep_alive=self.gpu is not None,
+            program_ops=self.program_ops,
+            piece_counts=self.piece_counts,
         )
         fn = K.bind(op.name)
         fn = self._limit_checked(op, fn)
@@ -712,6 +717,7 @@ def _run_once(runners: list[RankRunner]) -> None:
     from overlap_lab.real.gemm import reset_applied
 
     reset_applied()  # this run's kernels only
+    K.reset_notes()
     for r in runners:
         if hasattr(r.backend, "reset_run"):
             r.backend.reset_run()
@@ -750,6 +756,8 @@ def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
         "sm_budget_mechanisms": dict(ComputeBudget.applied),
         "sm_limits": {"compute": limits, "comm": comm},
     }
+    if K.NOTES:
+        meta["kernel_notes"] = dict(K.NOTES)
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta

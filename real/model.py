@@ -477,54 +477,61 @@ def select_experts(cfg: RealModelConfig, logits: torch.Tensor, bias: torch.Tenso
 # -- Experts -----------------------------------------------------------------------------------
 
 
-def grouped_experts_contiguous(
-    x: torch.Tensor, counts: list[int], w13, w2, gemm=None
-) -> torch.Tensor:
-    """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts.
-
-    With an SM-limited ``gemm`` (real.gemm.ComputeBudget): its contiguous grouped GEMMs. Else
-    torch._grouped_mm on CUDA BF16 when present (one grouped GEMM per projection), a loop of
-    GEMMs per expert otherwise.
-    """
-    if x.shape[0] == 0:
-        return x.new_zeros(x.shape)
+def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, counts: list[int], gemm=None):
+    """One grouped GEMM over rows sorted by local expert (``counts[e]`` rows each): row block of
+    expert e times ``w[e].T``. With an SM-limited ``gemm`` (real.gemm.ComputeBudget): its
+    contiguous grouped GEMM. Else torch._grouped_mm on CUDA BF16 when present, a loop of GEMMs
+    per expert otherwise."""
     if gemm is not None and gemm.limited:
-        g, u = gemm.grouped_contiguous(x.contiguous(), w13, counts).chunk(2, dim=-1)
-        return gemm.grouped_contiguous((F.silu(g) * u).contiguous(), w2, counts)
+        return gemm.grouped_contiguous(x.contiguous(), w, counts)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:
             offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0).int()
-            gu = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-            g, u = gu.chunk(2, dim=-1)
-            return torch._grouped_mm((F.silu(g) * u).contiguous(), w2.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offs)
         except (RuntimeError, TypeError):  # unsupported arch/layout: fall back to the loop
             pass
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape[0], w.shape[1])
     lo = 0
     for e, n in enumerate(counts):
         if n:
-            out[lo : lo + n] = swiglu_mlp(x[lo : lo + n], w13[e], w2[e])
+            out[lo : lo + n] = x[lo : lo + n] @ w[e].t()
         lo += n
     return out
+
+
+def grouped_experts_contiguous(
+    x: torch.Tensor, counts: list[int], w13, w2, gemm=None
+) -> torch.Tensor:
+    """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts: the
+    gate-up GEMM, SwiGLU, the down GEMM (:func:`grouped_gemm_contiguous` each)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    g, u = grouped_gemm_contiguous(x, w13, counts, gemm).chunk(2, dim=-1)
+    return grouped_gemm_contiguous((F.silu(g) * u).contiguous(), w2, counts, gemm)
+
+
+def grouped_gemm_masked(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, gemm=None, expected_m=None
+):
+    """One masked grouped GEMM in DeepEP's low-latency layout: ``x[e, :counts[e]] @ w[e].T``
+    (``counts`` on the device: no host read). With an SM-limited ``gemm``: its masked kernel
+    (rows past the count left unwritten); else a batched GEMM over the padded rows, rows past the
+    count zeroed."""
+    if gemm is not None and gemm.limited:
+        return gemm.grouped_masked(x, w, counts, expected_m)
+    y = torch.bmm(x, w.transpose(1, 2))
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
+    return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
 def grouped_experts_masked(
     x: torch.Tensor, counts: torch.Tensor, w13, w2, gemm=None, expected_m: int | None = None
 ) -> torch.Tensor:
     """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows (a device tensor: no
-    host read). Rows past the count may hold garbage (DeepEP's buffers are torch.empty); they
-    are never mixed into valid rows. ``gemm``: a real.gemm.ComputeBudget (masked grouped GEMMs
-    within an SM budget; rows past the count left unwritten), or None: batched GEMMs over the
-    padded rows, rows past the count zeroed."""
-    if gemm is not None and gemm.limited:
-        gu = gemm.grouped_masked(x, w13, counts, expected_m)
-        g, u = gu.chunk(2, dim=-1)
-        return gemm.grouped_masked((F.silu(g) * u).contiguous(), w2, counts, expected_m)
-    gu = torch.bmm(x, w13.transpose(1, 2))
-    g, u = gu.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))
-    valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
-    return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    host read) through their experts (:func:`grouped_gemm_masked` twice). Rows past the count
+    may hold garbage (DeepEP's buffers are torch.empty); they are never mixed into valid rows."""
+    g, u = grouped_gemm_masked(x, w13, counts, gemm, expected_m).chunk(2, dim=-1)
+    return grouped_gemm_masked((F.silu(g) * u).contiguous(), w2, counts, gemm, expected_m)
 
 
 def experts_weighted(
