@@ -1,4 +1,4 @@
-"""The predicted-vs-measured loop (real/validate.py, experiments/gpu_validation.py) on the CPU,
+"""The predicted-vs-measured loop (experiments/gpu_validation.py) on the CPU,
 and the executor's run bookkeeping it relies on: counters reset per run, every SM limit of a
 Program enforced or reported, per-op spans kept apart from graph-replay step times, the same
 experts kernels in every schedule."""
@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("simpy")
 
+from overlap_lab.real import kernels as K  # noqa: E402
 from overlap_lab.real import model as M  # noqa: E402
-from overlap_lab.real import validate as V  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
 from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.program import ops_of  # noqa: E402
 from overlap_lab.shared.trace import Span, Trace  # noqa: E402
 from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
 
@@ -53,36 +54,36 @@ def test_dry_run_writes_one_archive_with_the_table_and_says_it_is_a_dry_run(tmp_
             assert "comparison" in r, (name, r)
             assert r["comparison"]["ops_aligned"] > 0
             assert r["comparable"] == (name != "pp")
-            assert r["duration_sources"]  # per op: profile or roofline
+            assert r["cost_sources"]["comm"] == {"link": r["cost_sources"]["comm"]["link"]}
+            assert "profile" in r["cost_sources"]["gemm"]  # per op class: where from
     assert "pp" not in report["summary"]["decode_4"]["ranking_measured"]
 
 
-def test_interpolation_is_exact_on_points_and_monotone_between():
-    pts = [(16, 10.0), (64, 20.0), (256, 80.0)]
-    assert [V.interpolate(pts, t) for t, _ in pts] == [10.0, 20.0, 80.0]
-    ys = [V.interpolate(pts, t) for t in range(16, 257, 8)]
-    assert all(a <= b for a, b in zip(ys, ys[1:], strict=False))
-    assert V.interpolate(pts, 512) >= 80.0 and V.interpolate(pts, 1) <= 10.0
-    assert V.interpolate([(8, 5.0)], 100) == 5.0
+def test_the_loop_calibrates_and_predicts_through_the_simulators_path():
+    """The GPU loop's profile is sim.calibrate's, its prediction overlap_lab.simulate's: a
+    profile from a (simulated) serial trace predicts serial back, and every prediction says per
+    op class where its durations came from (LightLLM's split expert kernels are not in
+    sim.profile.PROFILED_OPS: the roofline times them, and the loop says so)."""
+    from types import SimpleNamespace
 
+    from overlap_lab.experiments import gpu_validation as GV
+    from overlap_lab.sim import simulate as sim_run
 
-def test_calibration_round_trip_reproduces_the_profiled_durations():
-    """A profile built from a (simulated) serial trace, applied to the same Program, gives the
-    simulator back those durations."""
     g = get_gpu("h100")
+    ctx = SimpleNamespace(gpu=g, device_sms=g.num_sms, env={"device": "sim", "versions": {}})
     w = _w()
     p = S.build("serial", w, g)
-    tr = V.predict(p, g)
-    prof = V.profile_from_runs([(p, tr)], g.num_sms)
-    cp, sources = V.calibrated_program(p, g, prof)
-    assert sum(v["profile"] for v in sources.values()) > 0
-    d0, d1 = V.stream_durations(tr), V.stream_durations(V.predict(cp, g))
-    ops = V.launched_ops(p)
-    for k, dur in d0.items():
-        if ops[k].kind == "compute" and dur > 0:
-            assert d1[k] == pytest.approx(dur, rel=0.02), k
-    cmp = V.compare(V.predict(cp, g), tr)
+    tr = sim_run(p, g)
+    prof = GV.calibrate_profile(ctx, [(p, tr)], "decode")
+    pred, sources = GV.predict(ctx, "serial", w, prof)
+    assert sources["grouped_gemm"] == {"profile": 2}  # the experts of the two MoE layers
+    assert "roofline" not in sources["gemm"] and sources["comm"].keys() == {"link"}
+    cmp = GV.comparison(tr, pred, tr.step_time_us)
     assert abs(cmp["step_time_us"]["rel_error"]) < 0.02
+    assert cmp["ops_aligned"] > 0 and cmp["per_op_median_abs_rel_error"] < 0.02
+    _, ll = GV.predict(ctx, "lightllm", w, prof)
+    assert ll["grouped_gemm"].get("roofline", 0) > 0  # experts.gate_up / down: no profile row
+    assert "roofline" in GV.sources_text(ll)
 
 
 def _tr(spans, **meta):
@@ -110,9 +111,7 @@ def test_kernel_counters_are_reset_per_run_and_sm_limits_are_all_reported():
     ComputeBudget.applied = {"stale: an earlier run": 7}
     tr = execute(prog, w).trace
     assert "stale: an earlier run" not in tr.meta["sm_budget_mechanisms"]
-    limited = {
-        V.base_name(o.name) for o in V.launched_ops(prog).values() if o.kind == "compute" and o.sms
-    }
+    limited = {K.split_piece(o.name)[0] for _, o in ops_of(prog) if o.kind == "compute" and o.sms}
     compute = tr.meta["sm_limits"]["compute"]
     assert limited and limited <= set(compute)  # every limit has a status
     assert compute["experts"]["status"].startswith("budget scoped")
