@@ -147,18 +147,24 @@ class Context:
         self.device = opts.device
         self.gpu = get_gpu(opts.gpu)
         mc = M.get_model_config_layers(opts.model, opts.layers)
-        # Precision, the same on both sides: the executor runs BF16 GEMMs (it has no FP8 GEMM
-        # path yet), so the simulator is told gemm_dtype=bf16; dispatch is counted and timed as
-        # FP8 + scales on both sides (the emulated backend's link model, the simulator's ops).
+        # Precision, the same on both sides: the model's GEMM dtype where the executor can run
+        # it (FP8 through DeepGEMM, probed once so a JIT failure makes the whole loop BF16),
+        # else BF16 on both sides; dispatch is counted and timed as FP8 + scales on both sides
+        # (the emulated backend's link model, the simulator's ops).
+        gp = loop_precision(mc.gemm_dtype, self.device)
         self.precision = {
-            "gemm": "bf16 (model config says " + mc.gemm_dtype + "; the executor has no FP8 "
-            "GEMM path, so the simulator is given gemm_dtype=bf16)",
+            "gemm": {"model": mc.gemm_dtype, "executor_and_simulator": gp.used,
+                     "reason": gp.reason},
+            "gemm_scope": "FP8 where an op's dtype is the model's GEMM dtype and its GEMMs run "
+            "through the SM budget (routed and shared experts, dense MLP); attention "
+            "projections (attn.prepare, o_proj) run BF16 (their measured durations are the "
+            "profile's)",
             "dispatch": "fp8 bytes on both sides (emulated link timing; data moved in "
             + ("bf16" if self.device == "cuda" else "fp32 on the CPU")
             + ")",
             "attention": mc.attn_dtype,
-        }
-        self.mc = dataclasses.replace(mc, gemm_dtype="bf16")
+        }  # fmt: skip
+        self.mc = dataclasses.replace(mc, gemm_dtype=gp.used)
         self.cfg = M.from_model_config(self.mc)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.weights = M.init_weights(
@@ -203,6 +209,26 @@ class Context:
             seed=self.opts.seed, check_hazards=False, warmup=self.opts.warmup,
             repeats=self.opts.repeats, cuda_graphs=True,
         ).trace  # fmt: skip
+
+
+def loop_precision(model_dtype: str, device: str):
+    """The GEMM dtype both sides use: the model's where the executor can run it here
+    (real.fp8.resolve, then one probe call per FP8 entry point), else BF16 with the reason."""
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    cuda = device == "cuda"
+    mod = deep_gemm_module() if cuda else None
+    return fp8.probe(fp8.resolve(model_dtype, cuda=cuda, module=mod), mod, device)
+
+
+def prediction_workload(w, measured_meta: dict):
+    """``w`` as the measured run ran it: a run whose FP8 GEMMs fell back to BF16 (``mixed`` or
+    ``bf16`` in ``gemm_precision``) is predicted with gemm_dtype="bf16"."""
+    used = (measured_meta.get("gemm_precision") or {}).get("used", w.model.gemm_dtype)
+    if w.model.gemm_dtype == "fp8" and used != "fp8":
+        return dataclasses.replace(w, model=dataclasses.replace(w.model, gemm_dtype="bf16"))
+    return w
 
 
 def _measured_step(tr) -> tuple[float, str]:
@@ -310,7 +336,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             wv = workload_variants(name, w)[0]
             prog = S.build(name, wv, ctx.gpu)
             meas = ctx.measure(prog, wv)
-            pred, sources = predict(ctx, name, wv, profile)
+            wp = prediction_workload(wv, meas.meta)
+            pred, sources = predict(ctx, name, wp, profile)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)
@@ -327,6 +354,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
             "sm_limits": m.get("sm_limits"),
             "kernel_notes": m.get("kernel_notes"),
+            "gemm_precision": m.get("gemm_precision"),
+            "predicted_gemm_dtype": wp.model.gemm_dtype,
             "deep_gemm_errors": m.get("deep_gemm_errors"),
             "cost_sources": sources,
             "comparable": name not in NOT_COMPARABLE,

@@ -756,11 +756,27 @@ def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
         "sm_budget_mechanisms": dict(ComputeBudget.applied),
         "sm_limits": {"compute": limits, "comm": comm},
     }
+    meta["gemm_precision"] = precision_meta(ComputeBudget.applied)
     if K.NOTES:
         meta["kernel_notes"] = dict(K.NOTES)
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta
+
+
+def precision_meta(applied: dict[str, int]) -> dict:
+    """The run's GEMM precision: what the workload asked for, what ran (``fp8``, ``bf16``, or
+    ``mixed`` when FP8 GEMMs fell back to BF16 after a DeepGEMM failure), why, and the counts."""
+    from overlap_lab.real import fp8
+
+    p = fp8.current()
+    n_fp8 = sum(n for k, n in applied.items() if k.startswith("deep_gemm.") and "fp8" in k)
+    n_back = sum(n for k, n in applied.items() if k.startswith("bf16 fallback"))
+    used = p.used
+    if p.fp8 and n_back:
+        used = "mixed" if n_fp8 else "bf16"
+    return {"requested": p.requested, "used": used, "reason": p.reason,
+            "fp8_gemms": n_fp8, "bf16_fallbacks": n_back}  # fmt: skip
 
 
 def execute(
@@ -801,6 +817,16 @@ def execute(
         weights = M.init_weights(
             cfg, seed=seed, dtype=dtype, device=dev, ep_rank=backend.rank, ep_size=backend.world
         )
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    cuda = dev.type == "cuda"
+    fp8.set_current(
+        fp8.resolve(
+            workload.model.gemm_dtype, cuda=cuda, module=deep_gemm_module() if cuda else None
+        )
+    )
+    fp8.clear_weights()  # FP8 weights are quantised once per run, in its first (warm-up) pass
     mailbox = Mailbox()
     chosen = [rp for rp in program.ranks if ranks is None or rp.rank in ranks]
     runners = [

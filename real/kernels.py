@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from overlap_lab.real import fp8
 from overlap_lab.real import model as M
 from overlap_lab.real.moe_ep import ep_gather, ep_scatter, silu_and_mul
 
@@ -510,14 +511,14 @@ def comm_prepare_mlp(ctx: KernelCtx) -> None:
 @register("mlp")
 def dense_mlp(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"], mm=g.mm))
 
 
 @register("gate")
 def gate(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("router_logits", g.linear(x, ctx.lw["gate"]))
 
 
@@ -560,7 +561,7 @@ def dispatch_b(ctx: KernelCtx) -> None:
 @register("experts")
 def experts(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms, lw["w13"].device) as g:
+    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as g:
         if d["ll"]:
             rx = d["recv_x"]
             y = M.grouped_experts_masked(
@@ -623,7 +624,7 @@ def _put_gate_up(ctx: KernelCtx, y: torch.Tensor) -> None:
 def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
     sc = None if d["ll"] else ctx.get("expert_scatter", None)
-    with sm_budget(ctx.op.sms, lw["w13"].device) as gm:
+    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as gm:
         if d["ll"]:
             rx = d["recv_x"]
             y = M.grouped_gemm_masked(rx, lw["w13"], d["count"], gm, _expected_m(ctx, rx))
@@ -639,9 +640,11 @@ def experts_gate_up(ctx: KernelCtx) -> None:
 def experts_act_quant(ctx: KernelCtx) -> None:
     """``silu_and_mul_masked_post_quant_fwd``: the activation; the FP8 quantisation only where
     the down GEMM runs in FP8 (else reported: the GEMMs take BF16 inputs)."""
-    y = ctx.get("expert_gate_up")
-    act = silu_and_mul(y)
-    note(ctx, "quantisation not run: the expert GEMMs run in BF16")
+    act = silu_and_mul(ctx.get("expert_gate_up"))
+    if fp8.current().fp8:  # the down GEMM takes FP8 + per-token scales
+        ctx.put("expert_act", fp8.quant_tokens(act))
+        return
+    note(ctx, f"quantisation not run: the expert GEMMs run in BF16 ({fp8.current().reason})")
     ctx.put("expert_act", act)
 
 
@@ -652,14 +655,13 @@ def experts_down(ctx: KernelCtx) -> None:
     grp = _expert_groups(lw["w13"].shape[0], n)[k]
     sl = slice(grp.start, grp.stop)
     sc = None if d["ll"] else ctx.get("expert_scatter", None)
-    with sm_budget(ctx.op.sms, lw["w2"].device) as g:
+    with sm_budget(ctx.op.sms, lw["w2"].device, ctx.op.dtype) as g:
         if d["ll"]:
-            y = M.grouped_gemm_masked(
-                act[sl], lw["w2"][sl], d["count"][sl], g, _expected_m(ctx, act)
-            )
+            em = _expected_m(ctx, _rows_of(act))
+            y = M.grouped_gemm_masked(_rows(act, sl), lw["w2"][sl], d["count"][sl], g, em)
         elif sc is not None:  # expert-contiguous rows: this slice's experts are one row range
             lo, hi = sum(sc.counts[: grp.start]), sum(sc.counts[: grp.stop])
-            y = M.grouped_gemm_contiguous(act[lo:hi], lw["w2"][sl], sc.counts[sl], g)
+            y = M.grouped_gemm_contiguous(_rows(act, slice(lo, hi)), lw["w2"][sl], sc.counts[sl], g)
         else:
             r = d["res"]
             idx = r.recv_topk_idx
@@ -675,6 +677,15 @@ def experts_down(ctx: KernelCtx) -> None:
     ctx.put(f"expert_out.{k}", (grp, y))
     if sc is None and n == 1 and not ctx.op.waits:  # LightLLM's one down GEMM (no SBO signals)
         ctx.put("expert_out", _assemble_expert_out(ctx, 1))
+
+
+def _rows_of(act):
+    """The activation tensor (an FP8 activation is a (values, scales) pair)."""
+    return act[0] if isinstance(act, tuple) else act
+
+
+def _rows(act, sl: slice):
+    return tuple(t[sl] for t in act) if isinstance(act, tuple) else act[sl]
 
 
 @register("experts.gather")
@@ -739,7 +750,7 @@ def shared_experts(ctx: KernelCtx) -> None:
     if "shared_w13" not in lw:  # Qwen3: no shared expert, the op carries no work
         ctx.put("shared_out", None)
         return
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"], mm=g.mm))
 
 
@@ -887,7 +898,7 @@ def pp_allgather(ctx: KernelCtx) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def sm_budget(sms: int | None, device=None):
+def sm_budget(sms: int | None, device=None, dtype: str = "bf16"):
     """Scope a compute op's SM limit (``op.sms``) around its GEMMs: ``with sm_budget(op.sms,
     device) as g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``,
     ``g.grouped_contiguous`` (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or
@@ -895,4 +906,4 @@ def sm_budget(sms: int | None, device=None):
     torch otherwise). Mechanisms used are counted in real.gemm.ComputeBudget.applied."""
     from overlap_lab.real.gemm import ComputeBudget
 
-    return ComputeBudget(sms, device)
+    return ComputeBudget(sms, device, dtype=dtype)

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FP8_GROUP = 128  # DeepGEMM's and LightLLM's per-token quantisation group along K
-
 
 @dataclass(frozen=True)
 class Scattered:
@@ -77,25 +75,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation on a gate-up GEMM output [..., 2I] -> [..., I]."""
     g, u = gate_up.chunk(2, dim=-1)
     return (F.silu(g) * u).contiguous()
-
-
-def fp8_dtype() -> torch.dtype | None:
-    return getattr(torch, "float8_e4m3fn", None)
-
-
-def per_token_group_quant_fp8(
-    x: torch.Tensor, group: int = FP8_GROUP
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 with one fp32 scale per ``group`` elements of each row (DeepGEMM's activation
-    format: ``x ≈ q * scale`` per group; scales [..., K / group]). K must be a multiple of
-    ``group``. The scale layout DeepGEMM wants (MN-major, TMA-aligned) is made at the call."""
-    K = x.shape[-1]
-    if K % group:
-        raise ValueError(f"per-token FP8 quantisation: K={K} is not a multiple of {group}")
-    dt = fp8_dtype()
-    fmax = torch.finfo(dt).max
-    g = x.float().reshape(*x.shape[:-1], K // group, group)
-    amax = g.abs().amax(-1).clamp_min(1e-4)
-    scale = amax / fmax
-    q = (g / scale[..., None]).clamp(-fmax, fmax).to(dt).reshape(x.shape)
-    return q, scale

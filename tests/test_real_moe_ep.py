@@ -113,7 +113,10 @@ def test_lightllm_prefill_ops_in_sequence_equal_the_experts_op(tiny):
             assert "expert_act" not in state
     assert torch.allclose(state["expert_out"], whole["expert_out"], rtol=1e-5, atol=1e-6)
     # the activation ran; the quantisation (BF16 GEMMs) is reported, not silently skipped
-    assert K.NOTES == {"experts.act_quant": "quantisation not run: the expert GEMMs run in BF16"}
+    assert list(K.NOTES) == ["experts.act_quant"]
+    assert K.NOTES["experts.act_quant"].startswith(
+        "quantisation not run: the expert GEMMs run in BF16"
+    )
 
 
 def test_gate_up_activates_when_the_program_has_no_activation_op(tiny):
@@ -146,4 +149,4 @@ def test_lightllm_runs_every_expert_kernel_and_reports_what_it_did_not_do():
         diff = compare_steps(res.outputs[0], ref.outputs[0][0])
         assert diff < 1e-4, (w.batch.mode, diff)
         notes = res.trace.meta["kernel_notes"]
-        assert notes == {"experts.act_quant": "quantisation not run: the expert GEMMs run in BF16"}
+        assert list(notes) == ["experts.act_quant"] and "BF16" in notes["experts.act_quant"]

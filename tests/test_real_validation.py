@@ -183,7 +183,9 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
 
-    monkeypatch.setattr(K, "sm_budget", lambda sms, device=None: _RecordingBudget(sms, device))
+    monkeypatch.setattr(
+        K, "sm_budget", lambda sms, device=None, dtype="bf16": _RecordingBudget(sms, device)
+    )
     w = _w()
     for name in S.available():
         wv = workload_variants(name, w)[0]
