@@ -28,6 +28,7 @@ import torch
 
 from overlap_lab.real import kernels as K
 from overlap_lab.real import model as M
+from overlap_lab.real.clocks import Anchor, ClockMap, anchor
 from overlap_lab.shared.program import (
     Graph,
     Host,
@@ -291,7 +292,8 @@ class _Gpu:
         self.streams = {s: torch.cuda.Stream(priority=prio.get(s, 0)) for s in streams}
         self.events: dict[str, torch.cuda.Event] = {}
         self.timed: list[tuple[Op, str, Any, Any]] = []
-        self.t0 = torch.cuda.Event(enable_timing=True)
+        self.start: Anchor | None = None  # the run's start anchor (real/clocks.py)
+        self.clock: ClockMap | None = None
         self.graphs: dict[int, dict] = {}  # id(Graph) -> {"runs", "graph", "snapshot", "mode"}
         self.capturing: GraphPlan | None = None
         self.timed_graphs: list[tuple[Graph, GraphPlan, Any, Any]] = []
@@ -653,15 +655,20 @@ class RankRunner:
                 cur = cur % len(live)
         return
 
+    def start_clock(self) -> None:
+        """The run's start anchor; host spans count from its timestamp."""
+        self.gpu.start = _gpu_anchor()
+        self.host_t0 = self.gpu.start.host_s
+
     def collect_gpu_spans(self) -> None:
+        """CUDA-event spans mapped onto the host axis through the run's two anchors."""
+        end = _gpu_anchor()
         torch.cuda.synchronize()
+        cm = self.gpu.clock = ClockMap.between(self.gpu.start, end)
         for op, stream, a, b in self.gpu.timed:
-            t0 = self.gpu.t0.elapsed_time(a) * 1e3
-            t1 = self.gpu.t0.elapsed_time(b) * 1e3
-            self.spans.append(self._span(op, stream, t0, t1))
+            self.spans.append(self._span(op, stream, cm.host_us(a), cm.host_us(b)))
         for g, plan, a, b in self.gpu.timed_graphs:
-            t0 = self.gpu.t0.elapsed_time(a) * 1e3
-            t1 = self.gpu.t0.elapsed_time(b) * 1e3
+            t0, t1 = cm.host_us(a), cm.host_us(b)
             self.spans.append(
                 Span(
                     self.rp.rank,
@@ -676,6 +683,12 @@ class RankRunner:
                     plan.step,
                 )
             )
+
+
+def _gpu_anchor() -> Anchor:
+    return anchor(
+        time.perf_counter, lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize
+    )
 
 
 def limit_status(sms: int, budgeted: bool, *, device_sms: int | None) -> str:
@@ -724,8 +737,7 @@ def _run_once(runners: list[RankRunner]) -> None:
         r.reset()
         r.host_t0 = time.perf_counter()
         if r.gpu is not None:
-            torch.cuda.synchronize()
-            r.gpu.t0.record()
+            r.start_clock()
     procs = {r.rp.rank: r.process() for r in runners}
     while procs:
         progressed = False
@@ -918,10 +930,8 @@ def execute(
         repeats=repeats,
     )
     if dev.type == "cuda":
-        trace.meta["clocks"] = (
-            "stream spans: CUDA events; host spans: perf_counter; both zeroed at a device "
-            "synchronize at the start of the run (offset within one launch latency)"
-        )
+        cm = next((r.gpu.clock for r in runners if r.gpu.clock is not None), None)
+        trace.meta["clocks"] = cm.describe() if cm is not None else None
     if dev.type == "cuda" and has_graphs:
         trace.meta["cuda_graphs"] = {
             g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")
