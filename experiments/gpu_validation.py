@@ -354,6 +354,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
             "sm_limits": m.get("sm_limits"),
             "kernel_notes": m.get("kernel_notes"),
+            "attention_kernels": m.get("attention_kernels"),
             "gemm_precision": m.get("gemm_precision"),
             "predicted_gemm_dtype": wp.model.gemm_dtype,
             "deep_gemm_errors": m.get("deep_gemm_errors"),

@@ -771,6 +771,8 @@ def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
     meta["gemm_precision"] = precision_meta(ComputeBudget.applied)
     if K.NOTES:
         meta["kernel_notes"] = dict(K.NOTES)
+    if "attention" in K.KERNELS:
+        meta["attention_kernels"] = dict(K.KERNELS["attention"])
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta

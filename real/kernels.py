@@ -42,6 +42,30 @@ def note(ctx: KernelCtx, text: str) -> None:
 
 def reset_notes() -> None:
     NOTES.clear()
+    KERNELS.clear()
+
+
+# Which kernel ran where a kernel has alternatives (attention: FlashMLA or SDPA, with why), per
+# run, counted by label: trace meta ``attention_kernels``.
+KERNELS: dict[str, dict[str, int]] = {}
+
+
+def count_kernel(family: str, label: str) -> None:
+    d = KERNELS.setdefault(family, {})
+    d[label] = d.get(label, 0) + 1
+
+
+def flash_mla_module():
+    """``flash_mla`` when it imports (a module already in sys.modules counts), else None."""
+    import importlib
+    import sys
+
+    from overlap_lab.real.deps import available
+
+    mod = sys.modules.get("flash_mla")
+    if mod is not None:
+        return mod
+    return importlib.import_module("flash_mla") if available("flash_mla") else None
 
 
 def register(*names: str):
@@ -187,6 +211,9 @@ def new_step_state(layout: BatchLayout, weights: M.ModelWeights, *, seed: int) -
         )
         for s, c in enumerate(layout.cached):
             t[s, c:] = 0
+        if cfg.attention == "mla" and lmax % M.FLASH_MLA_PAGE:  # whole pages (FlashMLA's)
+            pad = M.FLASH_MLA_PAGE - lmax % M.FLASH_MLA_PAGE
+            t = torch.cat([t, t.new_zeros(t.shape[0], pad, *row)], dim=1)
         kv[li] = t
     final = torch.zeros(T, cfg.hidden, dtype=weights.dtype, device=dev)
     return StepState(layout, ids, kv, final=final)
@@ -474,8 +501,22 @@ def attn_core(ctx: KernelCtx) -> None:
         kv = cache[s0 : pieces[-1][0] + 1, :lmax]
         r0 = pieces[0][2]
         if all(r == r0 for _, _, r, _ in pieces) and len(pieces) == kv.shape[0]:
-            # one query block per sequence: batched SDPA over the latent cache, no gather
-            o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
+            # one query block per sequence: FlashMLA where it runs, else batched SDPA over the
+            # latent cache (no gather); the run's meta counts which (attention_kernels)
+            whole = cache[s0 : pieces[-1][0] + 1]
+            fm = flash_mla_module()
+            why = M.flash_mla_unusable(cfg, whole, fm)
+            if why is None:
+                S, pages = whole.shape[0], whole.shape[1] // M.FLASH_MLA_PAGE
+                table = ctx.step.const(
+                    ("flash_mla_pages", s0, S),
+                    lambda: torch.arange(S * pages, dtype=torch.int32, device=dev).view(S, pages),
+                )
+                o = M.mla_attend_flash(cfg, lw, q[0], q[1], whole, q_pos.view(-1, r0), fm, table)
+                count_kernel("attention", "flash_mla")
+            else:
+                o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
+                count_kernel("attention", f"sdpa ({why})")
         else:
             o = M.mla_attend_absorbed(cfg, lw, q[0], q[1], kv, seq_idx - s0, q_pos)
     else:

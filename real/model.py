@@ -417,6 +417,48 @@ def mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, kv_pad, q_pos):
     return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
 
 
+FLASH_MLA_PAGE = 64  # FlashMLA's paged KV cache: tokens per block
+FLASH_MLA_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim: the head sizes its kernels take
+
+
+def flash_mla_unusable(cfg: RealModelConfig, cache: torch.Tensor, module) -> str | None:
+    """Why FlashMLA's decode kernel cannot run on ``cache`` [S, L, c + r] here (None: it can):
+    what the executor reports when it runs SDPA instead."""
+    if module is None:
+        return "flash_mla is not installed"
+    if not cache.is_cuda:
+        return "the CPU (FlashMLA is a CUDA kernel)"
+    if cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"a {cache.dtype} cache (FlashMLA takes bf16/fp16)"
+    if (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != FLASH_MLA_DIMS:
+        return f"latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} (FlashMLA: 512 + 64)"
+    if cache.shape[1] % FLASH_MLA_PAGE:
+        return f"a cache of {cache.shape[1]} rows per sequence (pages of {FLASH_MLA_PAGE})"
+    return None
+
+
+def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
+    """:func:`mla_attend_absorbed_batched` by FlashMLA's decode kernel: the sequences' caches
+    ``cache`` [S, L, c + r] (L a multiple of 64) as pages of 64 rows (``block_table`` [S, L/64]
+    int32, page i of sequence s at s*L/64 + i), ``q_pos`` [S, r] the queries' positions (the
+    last one + 1 is the sequence's cache length; r > 1 is causal, as MTP's drafts)."""
+    w_uk, w_uv = _kv_b_split(cfg, lw)
+    S, r = q_pos.shape
+    h = q_nope.shape[1]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).contiguous()
+    pages = cache.reshape(-1, FLASH_MLA_PAGE, 1, cache.shape[-1])
+    seqlens = (q_pos[:, -1] + 1).to(torch.int32)
+    meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    o, _lse = fm.flash_mla_with_kvcache(
+        q.to(cache.dtype), pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
+        softmax_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+        causal=r > 1,
+    )  # fmt: skip
+    o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
+
+
 # -- GQA ---------------------------------------------------------------------------------------
 
 
