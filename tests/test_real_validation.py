@@ -197,3 +197,42 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
         masked = [c for c in _RecordingBudget.calls if c[0] == "grouped_masked"]
         # 6 tokens, top-2 of 8 experts, 2 ranks: 3 rows per expert on average; padded rows 12
         assert all(c[2] is not None and c[2] < 12 for c in masked), (name, masked[:2])
+
+
+def test_readme_gpu_setup_lines_map_the_package_for_the_loop(tmp_path):
+    """real/README.md's setup lines for the GPU machine (no install: a folder mapping the
+    namespace onto the checkout), run as written with /tmp/ol moved to a temporary folder, then
+    the loop's CPU dry run through that map with ``python -P`` (the simulator's API included)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "real" / "README.md").read_text()
+    m = re.search(r"(mkdir -p /tmp/ol/overlap_lab.*?)export PYTHONPATH", text, re.S)
+    assert m, "README lost its GPU setup lines"
+    setup = m.group(1).replace("/tmp/ol", str(tmp_path / "ol")).rstrip().rstrip("&\\ \n")
+    subprocess.run(["bash", "-c", setup.replace("\\\n", " ")], cwd=root, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "ol")}
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-P", "-m", "overlap_lab.experiments.gpu_validation", "--device",
+         "cpu", "--modes", "decode", "--batches", "4", "--schedules", "serial", "--repeats",
+         "1", "--warmup", "0", "--no-figures", "--out", str(out), "--name", "mapped"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (out / "mapped.tar.gz").is_file()
+    # every module the loop imports comes from the map (this venv's editable install would
+    # otherwise hide a module the map lacks)
+    mods = ["overlap_lab", "overlap_lab.api", "overlap_lab.metrics", "overlap_lab.sim.calibrate",
+            "overlap_lab.experiments.validate", "overlap_lab.experiments.gpu_validation",
+            "overlap_lab.real.executor", "overlap_lab.real.fp8"]  # fmt: skip
+    code = f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mods!r}])"
+    r = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = r.stdout.split()
+    assert len(files) == len(mods) and all(f.startswith(str(tmp_path / "ol")) for f in files), files
