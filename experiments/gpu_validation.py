@@ -425,6 +425,10 @@ def table(report: dict) -> str:
     lines.append(f"device {env.get('device')}, preset {report['preset']}, model {report['model']}"
                  f" ({report['layers']} layers, EP {report['ep']} emulated), "
                  f"commit {str(env.get('commit'))[:10]}\n")  # fmt: skip
+    gp = (report.get("precision") or {}).get("gemm")
+    if gp:
+        lines.append(f"GEMMs on both sides: {gp['executor_and_simulator']} (model "
+                     f"{gp['model']}; {gp['reason']})\n")  # fmt: skip
     lines.append("| case | schedule | step pred (µs) | step meas (µs) | source | err | "
                  "exposed comm pred/meas (µs) | per-op median abs err | predicted durations "
                  "from (per op class) | note |")  # fmt: skip
