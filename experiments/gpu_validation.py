@@ -3,9 +3,11 @@
 For every schedule, at decode batches 32 and 128 and one prefill size, on 4 layers of
 DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
 1. calibration: ``serial`` measured at the token counts the schedules run (the batch and its
-   half, for micro-batched schedules): isolated per-op durations (real.validate);
-2. prediction: the simulator on each schedule's Program, its compute ops calibrated to those
-   durations;
+   half, for micro-batched schedules): isolated per-op durations, made a profile by the
+   simulator's own calibration path (``sim.calibrate.profile_from_trace``);
+2. prediction: ``overlap_lab.simulate(schedule, ..., profile=that profile)``; ops outside
+   ``sim.profile.PROFILED_OPS`` (and communication: the link model) are not profiled, and each
+   row says per op class where the predicted durations came from (``cost_sources``);
 3. measurement: the schedule on the device (CUDA graphs replayed for the step time, plus an
    eager pass for per-op spans; the trace meta says which number is which);
 4. comparison: step time, exposed communication, per-op error; a markdown table, a JSON file,
@@ -24,7 +26,7 @@ ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 
 
 From other code (``overlap-lab validate --device cuda|cpu``): ``run_validation(parse(argv))``
 returns the report (``report["table"]``, ``report["archive"]``, per case and schedule the
-comparison of real.validate.compare); the library steps are in real/validate.py.
+comparison of ``experiments.validate.compare``, the simulator's validation).
 """
 
 from __future__ import annotations
@@ -134,28 +136,35 @@ def run_pytest(timeout: float) -> dict:
 class Context:
     """What every case shares: device, GPU preset, model, weights, options."""
 
-    def __init__(self, opts):
+    def __init__(self, opts, env: dict | None = None):
         import torch
 
         from overlap_lab.real import model as M
         from overlap_lab.shared.hardware import get_gpu
 
         self.opts = opts
+        self.env = env or {}
         self.device = opts.device
         self.gpu = get_gpu(opts.gpu)
         mc = M.get_model_config_layers(opts.model, opts.layers)
-        # Precision, the same on both sides: the executor runs BF16 GEMMs (it has no FP8 GEMM
-        # path yet), so the simulator is told gemm_dtype=bf16; dispatch is counted and timed as
-        # FP8 + scales on both sides (the emulated backend's link model, the simulator's ops).
+        # Precision, the same on both sides: the model's GEMM dtype where the executor can run
+        # it (FP8 through DeepGEMM, probed once so a JIT failure makes the whole loop BF16),
+        # else BF16 on both sides; dispatch is counted and timed as FP8 + scales on both sides
+        # (the emulated backend's link model, the simulator's ops).
+        gp = loop_precision(mc.gemm_dtype, self.device)
         self.precision = {
-            "gemm": "bf16 (model config says " + mc.gemm_dtype + "; the executor has no FP8 "
-            "GEMM path, so the simulator is given gemm_dtype=bf16)",
+            "gemm": {"model": mc.gemm_dtype, "executor_and_simulator": gp.used,
+                     "reason": gp.reason},
+            "gemm_scope": "FP8 where an op's dtype is the model's GEMM dtype and its GEMMs run "
+            "through the SM budget (routed and shared experts, dense MLP); attention "
+            "projections (attn.prepare, o_proj) run BF16 (their measured durations are the "
+            "profile's)",
             "dispatch": "fp8 bytes on both sides (emulated link timing; data moved in "
             + ("bf16" if self.device == "cuda" else "fp32 on the CPU")
             + ")",
             "attention": mc.attn_dtype,
-        }
-        self.mc = dataclasses.replace(mc, gemm_dtype="bf16")
+        }  # fmt: skip
+        self.mc = dataclasses.replace(mc, gemm_dtype=gp.used)
         self.cfg = M.from_model_config(self.mc)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.weights = M.init_weights(
@@ -202,6 +211,26 @@ class Context:
         ).trace  # fmt: skip
 
 
+def loop_precision(model_dtype: str, device: str):
+    """The GEMM dtype both sides use: the model's where the executor can run it here
+    (real.fp8.resolve, then one probe call per FP8 entry point), else BF16 with the reason."""
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    cuda = device == "cuda"
+    mod = deep_gemm_module() if cuda else None
+    return fp8.probe(fp8.resolve(model_dtype, cuda=cuda, module=mod), mod, device)
+
+
+def prediction_workload(w, measured_meta: dict):
+    """``w`` as the measured run ran it: a run whose FP8 GEMMs fell back to BF16 (``mixed`` or
+    ``bf16`` in ``gemm_precision``) is predicted with gemm_dtype="bf16"."""
+    used = (measured_meta.get("gemm_precision") or {}).get("used", w.model.gemm_dtype)
+    if w.model.gemm_dtype == "fp8" and used != "fp8":
+        return dataclasses.replace(w, model=dataclasses.replace(w.model, gemm_dtype="bf16"))
+    return w
+
+
 def _measured_step(tr) -> tuple[float, str]:
     g = tr.meta.get("graph_replay_step_time_us")
     if g and tr.meta.get("step_time_source") == "graph_replay":
@@ -209,11 +238,70 @@ def _measured_step(tr) -> tuple[float, str]:
     return tr.meta.get("median_step_time_us", tr.step_time_us), "eager"
 
 
+def calibrate_profile(ctx: Context, runs: list, mode: str):
+    """The simulator's calibration path (``sim.calibrate.profile_from_trace``) on measured
+    ``serial`` runs [(Program, Trace)]: per profiled compute op, its measured duration by token
+    count and SMs. Ops outside ``sim.profile.PROFILED_OPS`` get no row (the roofline times
+    them; ``cost_sources`` says so)."""
+    from overlap_lab.sim.calibrate import profile_from_trace
+
+    env = ctx.env
+    return profile_from_trace(
+        [(tr, p) for p, tr in runs], num_sms=ctx.device_sms, name=f"gpu-validation-{mode}",
+        device=str(env.get("device")), date=str(env.get("date", "unknown"))[:10],
+        software={k: str(v) for k, v in env.get("versions", {}).items() if v},
+        source=f"gpu_validation: serial {mode} runs of the real executor on {env.get('device')}",
+    )  # fmt: skip
+
+
+def predict(ctx: Context, name: str, w, profile):
+    """The simulator's prediction of schedule ``name`` with the calibration ``profile``
+    (``overlap_lab.simulate(..., profile=...)``): (trace, cost sources per op class)."""
+    from overlap_lab.api import simulate
+    from overlap_lab.sim.calibrate import cost_sources
+
+    res = simulate(name, w, ctx.gpu, profile=profile)
+    return res.trace, cost_sources(res.program, ctx.gpu, profile)
+
+
+def comparison(measured, predicted, measured_step_us: float) -> dict:
+    """``experiments.validate.compare`` (the simulator's validation), against the step time the
+    run reports (graph replay where captured), with each op's error summarised per op name."""
+    from overlap_lab.experiments.validate import compare
+
+    v = dataclasses.replace(compare(measured, predicted), measured_step_us=measured_step_us)
+    by_op: dict[str, list[float]] = {}
+    for o in v.ops:
+        if o.measured_us > 0:
+            by_op.setdefault(o.key[1], []).append(o.error)
+    errs = [abs(e) for es in by_op.values() for e in es]
+    return {
+        "step_time_us": {"predicted": v.predicted_step_us, "measured": v.measured_step_us,
+                         "rel_error": v.step_error if v.measured_step_us else None},
+        "exposed_comm_us": {"predicted": v.predicted_exposed_us,
+                            "measured": v.measured_exposed_us, "abs_error_us": v.exposed_error_us},
+        "per_op": {n: {"median_rel_error": statistics.median(es), "n": len(es)}
+                   for n, es in sorted(by_op.items())},
+        "per_op_median_abs_rel_error": statistics.median(errs) if errs else None,
+        "ops_aligned": len(v.ops),
+        "ops_only_predicted": v.only_predicted,
+        "ops_only_measured": v.only_measured,
+    }  # fmt: skip
+
+
+def sources_text(sources: dict) -> str:
+    """``{"gemm": {"profile": 12}, "elementwise": {"profile": 4, "roofline": 6}}`` ->
+    "gemm: profile 12; elementwise: profile 4, roofline 6"."""
+    return "; ".join(
+        f"{c}: " + ", ".join(f"{s} {n}" for s, n in sorted(v.items()))
+        for c, v in sorted(sources.items())
+    )
+
+
 def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, deadline: float,
              cases: dict, key: str, saved=lambda: None) -> dict:  # fmt: skip
     """Calibrate, predict, measure and compare every schedule on one workload; the case is
     ``cases[key]`` from the start, and ``saved()`` runs after every schedule."""
-    from overlap_lab.real import validate as V
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
 
@@ -230,12 +318,13 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             ws = ctx.workload(mode, s, half=s != size)
             p = S.build("serial", ws, ctx.gpu)
             calib.append((p, ctx.measure(p, ws)))
+        profile = calibrate_profile(ctx, calib, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
         case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
         saved()
         return case
-    profile = V.profile_from_runs(calib, ctx.device_sms)
     case["calibration_seconds"] = round(time.time() - t, 1)
+    case["profile_rows"] = len(profile.rows)
     case_dir = work / f"{mode}_{size}"
     case_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -247,26 +336,29 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             wv = workload_variants(name, w)[0]
             prog = S.build(name, wv, ctx.gpu)
             meas = ctx.measure(prog, wv)
-            cprog, sources = V.calibrated_program(prog, ctx.gpu, profile)
-            pred = V.predict(cprog, ctx.gpu)
+            wp = prediction_workload(wv, meas.meta)
+            pred, sources = predict(ctx, name, wp, profile)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)
             saved()
             continue
         step_m, source = _measured_step(meas)
-        cmp = V.compare(pred, meas, measured_step_us=step_m)
         m = meas.meta
         case["runs"][name] = {
-            "comparison": cmp,
+            "comparison": comparison(meas, pred, step_m),
             "measured_step_source": source,
             "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
             "step_times_us": m.get("step_times_us"),
             "cuda_graphs": m.get("cuda_graphs"),
             "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
             "sm_limits": m.get("sm_limits"),
+            "kernel_notes": m.get("kernel_notes"),
+            "attention_kernels": m.get("attention_kernels"),
+            "gemm_precision": m.get("gemm_precision"),
+            "predicted_gemm_dtype": wp.model.gemm_dtype,
             "deep_gemm_errors": m.get("deep_gemm_errors"),
-            "duration_sources": sources,
+            "cost_sources": sources,
             "comparable": name not in NOT_COMPARABLE,
             "note": NOT_COMPARABLE.get(name),
             "seconds": round(time.time() - t, 1),
@@ -298,6 +390,11 @@ def _figure(ctx, traces, path, rec) -> None:
         rec["figure_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
+def ranking(step_us: dict[str, float]) -> list[str]:
+    """Schedule names, fastest first."""
+    return sorted(step_us, key=lambda n: step_us[n])
+
+
 def summarize(cases: dict) -> dict:
     """Per case: median |step-time error| over comparable schedules, both rankings, and
     whether they agree."""
@@ -309,8 +406,6 @@ def summarize(cases: dict) -> dict:
         pred = {n: r["comparison"]["step_time_us"]["predicted"] for n, r in runs.items()}
         meas = {n: r["comparison"]["step_time_us"]["measured"] for n, r in runs.items()}
         errs = [abs(r["comparison"]["step_time_us"]["rel_error"] or 0) for r in runs.values()]
-        from overlap_lab.real.validate import ranking
-
         out[key] = {
             "median_abs_step_error": statistics.median(errs),
             "ranking_predicted": ranking(pred),
@@ -330,20 +425,25 @@ def table(report: dict) -> str:
     lines.append(f"device {env.get('device')}, preset {report['preset']}, model {report['model']}"
                  f" ({report['layers']} layers, EP {report['ep']} emulated), "
                  f"commit {str(env.get('commit'))[:10]}\n")  # fmt: skip
+    gp = (report.get("precision") or {}).get("gemm")
+    if gp:
+        lines.append(f"GEMMs on both sides: {gp['executor_and_simulator']} (model "
+                     f"{gp['model']}; {gp['reason']})\n")  # fmt: skip
     lines.append("| case | schedule | step pred (µs) | step meas (µs) | source | err | "
-                 "exposed comm pred/meas (µs) | per-op median abs err | note |")  # fmt: skip
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+                 "exposed comm pred/meas (µs) | per-op median abs err | predicted durations "
+                 "from (per op class) | note |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     if report.get("error"):
         lines.insert(0, f"**{report['error']}**\n")
     if not report.get("complete", True):
         lines.insert(0, "**INCOMPLETE: written while the loop was still running.**\n")
     for key, case in report["cases"].items():
         if case.get("error") or case.get("skipped"):
-            lines.append(f"| {key} | | | | | | | | {case.get('error') or case.get('skipped')} |")
+            lines.append(f"| {key} | | | | | | | | | {case.get('error') or case.get('skipped')} |")
         for name, r in case["runs"].items():
             if "comparison" not in r:
                 lines.append(
-                    f"| {key} | {name} | | | | | | | {r.get('error') or r.get('skipped')} |"
+                    f"| {key} | {name} | | | | | | | | {r.get('error') or r.get('skipped')} |"
                 )
                 continue
             c = r["comparison"]
@@ -355,6 +455,7 @@ def table(report: dict) -> str:
                 f"{r['measured_step_source']} | {'' if err is None else f'{err:+.1%}'} | "
                 f"{ex['predicted']:.1f} / "
                 f"{ex['measured']:.1f} | {'' if po is None else f'{po:.1%}'} | "
+                f"{sources_text(r['cost_sources'])} | "
                 f"{'excluded: one GPU' if not r['comparable'] else ''} |"
             )
     lines.append("")
@@ -445,7 +546,7 @@ def run_validation(opts) -> dict:
         )
         save(False)
         try:
-            ctx = Context(opts)
+            ctx = Context(opts, env)
         except Exception as e:  # weights that do not fit, say: reported in the archive
             report["error"] = f"setup failed: {type(e).__name__}: {e}"[:500]
             save(True)

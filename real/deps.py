@@ -23,6 +23,7 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "triton": ("triton", "pytorch-triton"),
     "deep_ep": ("tokenspeed-deepep", "sgl-deep-ep", "deep-ep"),
     "deep_gemm": ("sgl-deep-gemm", "tokenspeed-deepgemm", "deep-gemm"),
+    "flash_mla": ("sgl-flash-mla", "tokenspeed-flashmla", "flash-mla"),
 }
 
 INSTALL_HINTS: dict[str, str] = {
@@ -35,6 +36,10 @@ INSTALL_HINTS: dict[str, str] = {
     "deep_gemm": (
         "pip install --no-deps sgl-deep-gemm==0.1.5  (or tokenspeed-deepgemm==2.3.0.post20251110; "
         "NOT the broken 'deep-gemm' 1.0.0 sdist); its JIT needs CUDA_HOME and nvcc >= 12.3"
+    ),
+    "flash_mla": (
+        "pip install --no-deps sgl-flash-mla  (FlashMLA decode attention, Hopper; builds for "
+        "other torch versions may not import: the executor then runs torch SDPA and says so)"
     ),
 }
 

@@ -28,6 +28,7 @@ import torch
 
 from overlap_lab.real import kernels as K
 from overlap_lab.real import model as M
+from overlap_lab.real.clocks import Anchor, ClockMap, anchor
 from overlap_lab.shared.program import (
     Graph,
     Host,
@@ -291,7 +292,8 @@ class _Gpu:
         self.streams = {s: torch.cuda.Stream(priority=prio.get(s, 0)) for s in streams}
         self.events: dict[str, torch.cuda.Event] = {}
         self.timed: list[tuple[Op, str, Any, Any]] = []
-        self.t0 = torch.cuda.Event(enable_timing=True)
+        self.start: Anchor | None = None  # the run's start anchor (real/clocks.py)
+        self.clock: ClockMap | None = None
         self.graphs: dict[int, dict] = {}  # id(Graph) -> {"runs", "graph", "snapshot", "mode"}
         self.capturing: GraphPlan | None = None
         self.timed_graphs: list[tuple[Graph, GraphPlan, Any, Any]] = []
@@ -354,13 +356,16 @@ class RankRunner:
         self.deepep_mode = mode
         self.seed = seed
         self.piece_counts: dict[tuple, int] = {}
+        ops = set()
         for th in rp.threads:
             for ins in _flatten(th.instrs):
                 if isinstance(ins, Launch):
+                    ops.add((ins.op.name, ins.op.step, ins.op.layer, ins.op.mb))
                     base, k = K.split_piece(ins.op.name)
                     if k is not None:
                         key = (base, ins.op.step, ins.op.layer, ins.op.mb)
                         self.piece_counts[key] = max(self.piece_counts.get(key, 0), k + 1)
+        self.program_ops = frozenset(ops)
         self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
         self.tracker = HazardTracker() if check_hazards else None
         self.gpu = _Gpu(rp.streams, rp.priorities) if self.device.type == "cuda" else None
@@ -419,6 +424,8 @@ class RankRunner:
             rank=self.rp.rank,
             steps=self.states,
             keep_alive=self.gpu is not None,
+            program_ops=self.program_ops,
+            piece_counts=self.piece_counts,
         )
         fn = K.bind(op.name)
         fn = self._limit_checked(op, fn)
@@ -648,15 +655,20 @@ class RankRunner:
                 cur = cur % len(live)
         return
 
+    def start_clock(self) -> None:
+        """The run's start anchor; host spans count from its timestamp."""
+        self.gpu.start = _gpu_anchor()
+        self.host_t0 = self.gpu.start.host_s
+
     def collect_gpu_spans(self) -> None:
+        """CUDA-event spans mapped onto the host axis through the run's two anchors."""
+        end = _gpu_anchor()
         torch.cuda.synchronize()
+        cm = self.gpu.clock = ClockMap.between(self.gpu.start, end)
         for op, stream, a, b in self.gpu.timed:
-            t0 = self.gpu.t0.elapsed_time(a) * 1e3
-            t1 = self.gpu.t0.elapsed_time(b) * 1e3
-            self.spans.append(self._span(op, stream, t0, t1))
+            self.spans.append(self._span(op, stream, cm.host_us(a), cm.host_us(b)))
         for g, plan, a, b in self.gpu.timed_graphs:
-            t0 = self.gpu.t0.elapsed_time(a) * 1e3
-            t1 = self.gpu.t0.elapsed_time(b) * 1e3
+            t0, t1 = cm.host_us(a), cm.host_us(b)
             self.spans.append(
                 Span(
                     self.rp.rank,
@@ -671,6 +683,12 @@ class RankRunner:
                     plan.step,
                 )
             )
+
+
+def _gpu_anchor() -> Anchor:
+    return anchor(
+        time.perf_counter, lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize
+    )
 
 
 def limit_status(sms: int, budgeted: bool, *, device_sms: int | None) -> str:
@@ -712,14 +730,14 @@ def _run_once(runners: list[RankRunner]) -> None:
     from overlap_lab.real.gemm import reset_applied
 
     reset_applied()  # this run's kernels only
+    K.reset_notes()
     for r in runners:
         if hasattr(r.backend, "reset_run"):
             r.backend.reset_run()
         r.reset()
         r.host_t0 = time.perf_counter()
         if r.gpu is not None:
-            torch.cuda.synchronize()
-            r.gpu.t0.record()
+            r.start_clock()
     procs = {r.rp.rank: r.process() for r in runners}
     while procs:
         progressed = False
@@ -750,9 +768,29 @@ def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
         "sm_budget_mechanisms": dict(ComputeBudget.applied),
         "sm_limits": {"compute": limits, "comm": comm},
     }
+    meta["gemm_precision"] = precision_meta(ComputeBudget.applied)
+    if K.NOTES:
+        meta["kernel_notes"] = dict(K.NOTES)
+    if "attention" in K.KERNELS:
+        meta["attention_kernels"] = dict(K.KERNELS["attention"])
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta
+
+
+def precision_meta(applied: dict[str, int]) -> dict:
+    """The run's GEMM precision: what the workload asked for, what ran (``fp8``, ``bf16``, or
+    ``mixed`` when FP8 GEMMs fell back to BF16 after a DeepGEMM failure), why, and the counts."""
+    from overlap_lab.real import fp8
+
+    p = fp8.current()
+    n_fp8 = sum(n for k, n in applied.items() if k.startswith("deep_gemm.") and "fp8" in k)
+    n_back = sum(n for k, n in applied.items() if k.startswith("bf16 fallback"))
+    used = p.used
+    if p.fp8 and n_back:
+        used = "mixed" if n_fp8 else "bf16"
+    return {"requested": p.requested, "used": used, "reason": p.reason,
+            "fp8_gemms": n_fp8, "bf16_fallbacks": n_back}  # fmt: skip
 
 
 def execute(
@@ -793,6 +831,16 @@ def execute(
         weights = M.init_weights(
             cfg, seed=seed, dtype=dtype, device=dev, ep_rank=backend.rank, ep_size=backend.world
         )
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    cuda = dev.type == "cuda"
+    fp8.set_current(
+        fp8.resolve(
+            workload.model.gemm_dtype, cuda=cuda, module=deep_gemm_module() if cuda else None
+        )
+    )
+    fp8.clear_weights()  # FP8 weights are quantised once per run, in its first (warm-up) pass
     mailbox = Mailbox()
     chosen = [rp for rp in program.ranks if ranks is None or rp.rank in ranks]
     runners = [
@@ -884,10 +932,8 @@ def execute(
         repeats=repeats,
     )
     if dev.type == "cuda":
-        trace.meta["clocks"] = (
-            "stream spans: CUDA events; host spans: perf_counter; both zeroed at a device "
-            "synchronize at the start of the run (offset within one launch latency)"
-        )
+        cm = next((r.gpu.clock for r in runners if r.gpu.clock is not None), None)
+        trace.meta["clocks"] = cm.describe() if cm is not None else None
     if dev.type == "cuda" and has_graphs:
         trace.meta["cuda_graphs"] = {
             g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")

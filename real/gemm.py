@@ -34,6 +34,8 @@ from contextlib import contextmanager
 
 import torch
 
+from overlap_lab.real import fp8
+
 _KERNELS: dict[bool, tuple] = {}
 
 # Tile sizes for the GPU (BF16, Hopper-sized registers); tests pass small ones to the interpreter.
@@ -225,8 +227,11 @@ class ComputeBudget:
 
     applied: dict[str, int] = {}
 
-    def __init__(self, sms: int | None, device=None, *, mechanism: str | None = None):
+    def __init__(
+        self, sms: int | None, device=None, *, mechanism: str | None = None, dtype: str = "bf16"
+    ):
         self.requested = int(sms) if sms else None
+        self.dtype = dtype  # the op's GEMM dtype (Op.dtype): FP8 where the run allows it
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.device = dev
         cuda = dev.type == "cuda"
@@ -277,6 +282,27 @@ class ComputeBudget:
         """``mm(a, w) = a @ w.T`` within the budget, or None (plain torch) when unlimited."""
         return self.linear if self.limited else None
 
+    @property
+    def fp8(self) -> bool:
+        """This op's GEMMs run in FP8 through DeepGEMM (the op's dtype is fp8, the run resolved
+        FP8 as runnable, and the budget holds deep_gemm)."""
+        return self.dtype == "fp8" and self._dg is not None and fp8.current().fp8
+
+    def _fp8(self, name: str, fn, *args):
+        """DeepGEMM's FP8 ``name`` through ``fn`` (real/fp8.py); None when it failed (JIT, an
+        unsupported shape): reported, not retried, and the caller runs BF16."""
+        if name in DEEP_GEMM_ERRORS:
+            self.note(f"bf16 fallback (deep_gemm.{name} failed earlier)")
+            return None
+        try:
+            out = fn(self._dg, *args)
+        except Exception as e:  # reported in the run's meta; this GEMM runs BF16
+            self.note(f"bf16 fallback (deep_gemm.{name} failed: {type(e).__name__})")
+            DEEP_GEMM_ERRORS.setdefault(name, f"{type(e).__name__}: {e}"[:300])
+            return None
+        self.note(f"deep_gemm.{name}")
+        return out
+
     def _deep_gemm(self, name: str, *args) -> bool:
         """Call DeepGEMM's ``name`` when this build has it; False (and the reason counted) when
         it lacks it or the call fails, so the caller runs the Triton kernel instead."""
@@ -300,6 +326,11 @@ class ComputeBudget:
         """``x @ w.T``."""
         if not self.limited:
             return x @ w.t()
+        if self.fp8:
+            x2 = x.reshape(-1, x.shape[-1])
+            y = self._fp8("fp8_gemm_nt", fp8.linear, x2, w)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], w.shape[0])
         if self._dg is not None and x.dtype == torch.bfloat16:
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
             out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
@@ -318,13 +349,19 @@ class ComputeBudget:
         number from the workload, :func:`expected_rows`, never read from ``counts``); without
         it the padded row count is passed."""
         if not self.limited:
+            x = fp8.dequant(x)
             y = torch.bmm(x, w.transpose(1, 2))
             valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]
             return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        m = expected_m if expected_m else _rows(x)
+        m = max(1, min(int(m), _rows(x)))
+        if self.fp8:
+            y = self._fp8("m_grouped_fp8_gemm_nt_masked", fp8.grouped_masked, x, w, counts, m)
+            if y is not None:
+                return y
+        x = fp8.dequant(x)
         if self._dg is not None and x.dtype == torch.bfloat16:
             out = torch.empty(*x.shape[:2], w.shape[1], dtype=x.dtype, device=x.device)
-            m = expected_m if expected_m else x.shape[1]
-            m = max(1, min(int(m), x.shape[1]))
             if self._deep_gemm("m_grouped_bf16_gemm_nt_masked", x, w, out, counts.int(), m):
                 return out
         elif self._dg is not None:
@@ -335,9 +372,19 @@ class ComputeBudget:
         """Rows of x sorted by expert (host counts) times their expert's ``w[e].T``."""
         if not self.limited:
             return None  # the caller's torch path (torch._grouped_mm or a loop)
+        if self.fp8:
+            y = self._fp8("m_grouped_fp8_gemm_nt_contiguous", fp8.grouped_contiguous, x, w, counts)
+            if y is not None:
+                return y
+        x = fp8.dequant(x)
         if self._dg is not None:
             self.note("triton_persistent (under deep_gemm: contiguous layout)")
         return grouped_matmul_contiguous(x, w, counts, num_sms=self.sms)
+
+
+def _rows(x) -> int:
+    """Padded rows per expert of a low-latency layout (a tensor or a quantised pair)."""
+    return (x[0] if isinstance(x, tuple) else x).shape[1]
 
 
 ENTERED = 0  # budgets entered since the process started (the executor diffs it per op)

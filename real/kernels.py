@@ -22,12 +22,50 @@ from typing import Any
 
 import torch
 
+from overlap_lab.real import fp8
 from overlap_lab.real import model as M
+from overlap_lab.real.moe_ep import ep_gather, ep_scatter, silu_and_mul
 
 Kernel = Callable[["KernelCtx"], None]
 ROW_KEYS = ("hidden", "residual")
 REGISTRY: dict[str, Kernel] = {}
 PIECES: dict[str, Kernel] = {}
+# What a kernel could not do as its op says on this backend (op name -> why), for this run: the
+# executor clears it per run and reports it in the trace meta (``kernel_notes``), as it reports
+# SM limits that are not enforced. Never silently a no-op.
+NOTES: dict[str, str] = {}
+
+
+def note(ctx: KernelCtx, text: str) -> None:
+    NOTES.setdefault(split_piece(ctx.op.name)[0], text)
+
+
+def reset_notes() -> None:
+    NOTES.clear()
+    KERNELS.clear()
+
+
+# Which kernel ran where a kernel has alternatives (attention: FlashMLA or SDPA, with why), per
+# run, counted by label: trace meta ``attention_kernels``.
+KERNELS: dict[str, dict[str, int]] = {}
+
+
+def count_kernel(family: str, label: str) -> None:
+    d = KERNELS.setdefault(family, {})
+    d[label] = d.get(label, 0) + 1
+
+
+def flash_mla_module():
+    """``flash_mla`` when it imports (a module already in sys.modules counts), else None."""
+    import importlib
+    import sys
+
+    from overlap_lab.real.deps import available
+
+    mod = sys.modules.get("flash_mla")
+    if mod is not None:
+        return mod
+    return importlib.import_module("flash_mla") if available("flash_mla") else None
 
 
 def register(*names: str):
@@ -173,6 +211,9 @@ def new_step_state(layout: BatchLayout, weights: M.ModelWeights, *, seed: int) -
         )
         for s, c in enumerate(layout.cached):
             t[s, c:] = 0
+        if cfg.attention == "mla" and lmax % M.FLASH_MLA_PAGE:  # whole pages (FlashMLA's)
+            pad = M.FLASH_MLA_PAGE - lmax % M.FLASH_MLA_PAGE
+            t = torch.cat([t, t.new_zeros(t.shape[0], pad, *row)], dim=1)
         kv[li] = t
     final = torch.zeros(T, cfg.hidden, dtype=weights.dtype, device=dev)
     return StepState(layout, ids, kv, final=final)
@@ -195,6 +236,19 @@ class KernelCtx:
     rank: int = 0
     piece: tuple[int, int] = (0, 1)  # (k, n) for the slices "<op>.<k>" of one op
     steps: dict[int, StepState] | None = None  # every step of this rank (PP's relay reads back)
+    # (name, step, layer, mb) of every op the rank's Program launches, and the number of slices
+    # "<base>.<k>" per (base, step, layer, mb): how a kernel learns what the Program split off
+    program_ops: frozenset = frozenset()
+    piece_counts: dict | None = None
+
+    def launched(self, name: str) -> bool:
+        """Does the Program launch op ``name`` for this op's step, layer and micro-batch?"""
+        return (name, self.op.step, self.op.layer, self.op.mb) in self.program_ops
+
+    def pieces(self, base: str) -> int:
+        """How many slices "<base>.<k>" the Program launches here (1: the op is whole)."""
+        key = (base, self.op.step, self.op.layer, self.op.mb)
+        return (self.piece_counts or {}).get(key, 1)
 
     @property
     def cfg(self) -> M.RealModelConfig:
@@ -447,8 +501,22 @@ def attn_core(ctx: KernelCtx) -> None:
         kv = cache[s0 : pieces[-1][0] + 1, :lmax]
         r0 = pieces[0][2]
         if all(r == r0 for _, _, r, _ in pieces) and len(pieces) == kv.shape[0]:
-            # one query block per sequence: batched SDPA over the latent cache, no gather
-            o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
+            # one query block per sequence: FlashMLA where it runs, else batched SDPA over the
+            # latent cache (no gather); the run's meta counts which (attention_kernels)
+            whole = cache[s0 : pieces[-1][0] + 1]
+            fm = flash_mla_module()
+            why = M.flash_mla_unusable(cfg, whole, fm)
+            if why is None:
+                S, pages = whole.shape[0], whole.shape[1] // M.FLASH_MLA_PAGE
+                table = ctx.step.const(
+                    ("flash_mla_pages", s0, S),
+                    lambda: torch.arange(S * pages, dtype=torch.int32, device=dev).view(S, pages),
+                )
+                o = M.mla_attend_flash(cfg, lw, q[0], q[1], whole, q_pos.view(-1, r0), fm, table)
+                count_kernel("attention", "flash_mla")
+            else:
+                o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
+                count_kernel("attention", f"sdpa ({why})")
         else:
             o = M.mla_attend_absorbed(cfg, lw, q[0], q[1], kv, seq_idx - s0, q_pos)
     else:
@@ -484,14 +552,14 @@ def comm_prepare_mlp(ctx: KernelCtx) -> None:
 @register("mlp")
 def dense_mlp(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"], mm=g.mm))
 
 
 @register("gate")
 def gate(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("router_logits", g.linear(x, ctx.lw["gate"]))
 
 
@@ -534,7 +602,7 @@ def dispatch_b(ctx: KernelCtx) -> None:
 @register("experts")
 def experts(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms, lw["w13"].device) as g:
+    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as g:
         if d["ll"]:
             rx = d["recv_x"]
             y = M.grouped_experts_masked(
@@ -568,27 +636,57 @@ def _expert_groups(num_local: int, n: int) -> list[range]:
     return [range(k * num_local // n, (k + 1) * num_local // n) for k in range(n)]
 
 
-# LightLLM's grouped_fused_moe_ep kernels (shared/schedules/lightllm.py, expert_kernels): the
-# executor's gate-up and down kernels above already permute, activate and reduce, so the Triton
-# scatter / activation+quant / gather ops compute nothing of their own here.
+# LightLLM's grouped_fused_moe_ep kernels (shared/schedules/lightllm.py, expert_kernels): each
+# op does its own part (real/moe_ep.py): scatter (normal layout: received rows -> expert-contiguous
+# rows), the gate-up GEMM only, SiLU-and-mul (+ FP8 quantisation of the down GEMM's input when the
+# GEMMs run in FP8), the down GEMM only, the weighted gather back to token order. A Program with
+# no activation op of its own (SBO's gate-up + down slices) gets the activation in the gate-up op;
+# one with no scatter takes the received rows through the unsplit path.
+
+
 @register("experts.scatter")
-@register("experts.act_quant")
-@register("experts.gather")
-def experts_data_movement(ctx: KernelCtx) -> None:
-    return None
+def experts_scatter(ctx: KernelCtx) -> None:
+    d = ctx.get("recv")
+    if d["ll"]:  # the low-latency layout is already expert-major: nothing to permute
+        note(ctx, "no-op: DeepEP's low-latency layout is already expert-contiguous")
+        return
+    r = d["res"]
+    ctx.put("expert_scatter", ep_scatter(r.recv_x, r.recv_topk_idx, ctx.lw["w13"].shape[0]))
+
+
+def _put_gate_up(ctx: KernelCtx, y: torch.Tensor) -> None:
+    if ctx.launched("experts.act_quant"):
+        ctx.put("expert_gate_up", y)
+    else:
+        ctx.put("expert_act", silu_and_mul(y))
 
 
 @register("experts.gate_up")
 def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms, lw["w13"].device) as gm:
+    sc = None if d["ll"] else ctx.get("expert_scatter", None)
+    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as gm:
         if d["ll"]:
             rx = d["recv_x"]
-            em = _expected_m(ctx, rx)
-            g, u = gm.grouped_masked(rx, lw["w13"], d["count"], em).chunk(2, dim=-1)
-            ctx.put("expert_act", (torch.nn.functional.silu(g) * u).contiguous())
-        else:  # the normal layout reduces per token: both GEMMs run per slice below
+            y = M.grouped_gemm_masked(rx, lw["w13"], d["count"], gm, _expected_m(ctx, rx))
+        elif sc is not None:
+            y = M.grouped_gemm_contiguous(sc.rows, lw["w13"], sc.counts, gm)
+        else:  # normal layout, no scatter op: both GEMMs run per down slice (below)
             ctx.put("expert_act", None)
+            return
+    _put_gate_up(ctx, y)
+
+
+@register("experts.act_quant")
+def experts_act_quant(ctx: KernelCtx) -> None:
+    """``silu_and_mul_masked_post_quant_fwd``: the activation; the FP8 quantisation only where
+    the down GEMM runs in FP8 (else reported: the GEMMs take BF16 inputs)."""
+    act = silu_and_mul(ctx.get("expert_gate_up"))
+    if fp8.current().fp8:  # the down GEMM takes FP8 + per-token scales
+        ctx.put("expert_act", fp8.quant_tokens(act))
+        return
+    note(ctx, f"quantisation not run: the expert GEMMs run in BF16 ({fp8.current().reason})")
+    ctx.put("expert_act", act)
 
 
 @register_pieces("experts.down")
@@ -596,10 +694,15 @@ def experts_down(ctx: KernelCtx) -> None:
     k, n = ctx.piece
     d, lw, act = ctx.get("recv"), ctx.lw, ctx.get("expert_act")
     grp = _expert_groups(lw["w13"].shape[0], n)[k]
-    with sm_budget(ctx.op.sms, lw["w2"].device) as g:
+    sl = slice(grp.start, grp.stop)
+    sc = None if d["ll"] else ctx.get("expert_scatter", None)
+    with sm_budget(ctx.op.sms, lw["w2"].device, ctx.op.dtype) as g:
         if d["ll"]:
-            sl = slice(grp.start, grp.stop)
-            y = g.grouped_masked(act[sl], lw["w2"][sl], d["count"][sl], _expected_m(ctx, act))
+            em = _expected_m(ctx, _rows_of(act))
+            y = M.grouped_gemm_masked(_rows(act, sl), lw["w2"][sl], d["count"][sl], g, em)
+        elif sc is not None:  # expert-contiguous rows: this slice's experts are one row range
+            lo, hi = sum(sc.counts[: grp.start]), sum(sc.counts[: grp.stop])
+            y = M.grouped_gemm_contiguous(_rows(act, slice(lo, hi)), lw["w2"][sl], sc.counts[sl], g)
         else:
             r = d["res"]
             idx = r.recv_topk_idx
@@ -613,8 +716,30 @@ def experts_down(ctx: KernelCtx) -> None:
                 gemm=g,
             )
     ctx.put(f"expert_out.{k}", (grp, y))
-    if n == 1 and not ctx.op.waits:  # LightLLM's one down GEMM (no SBO signals)
+    if sc is None and n == 1 and not ctx.op.waits:  # LightLLM's one down GEMM (no SBO signals)
         ctx.put("expert_out", _assemble_expert_out(ctx, 1))
+
+
+def _rows_of(act):
+    """The activation tensor (an FP8 activation is a (values, scales) pair)."""
+    return act[0] if isinstance(act, tuple) else act
+
+
+def _rows(act, sl: slice):
+    return tuple(t[sl] for t in act) if isinstance(act, tuple) else act[sl]
+
+
+@register("experts.gather")
+def experts_gather(ctx: KernelCtx) -> None:
+    """``ep_gather``: each received row's expert outputs, weighted, summed in token order."""
+    d = ctx.get("recv")
+    if d["ll"]:  # the low-latency combine reduces; nothing to gather here
+        note(ctx, "no-op: DeepEP's low-latency combine does the weighted reduction")
+        return
+    sc, r = ctx.get("expert_scatter"), d["res"]
+    n = ctx.pieces("experts.down")
+    y = torch.cat([ctx.get(f"expert_out.{j}")[1] for j in range(n)])
+    ctx.put("expert_out", ep_gather(y, sc.output_index, r.recv_topk_weights, r.recv_x.dtype))
 
 
 def _assemble_expert_out(ctx: KernelCtx, n: int) -> torch.Tensor:
@@ -666,7 +791,7 @@ def shared_experts(ctx: KernelCtx) -> None:
     if "shared_w13" not in lw:  # Qwen3: no shared expert, the op carries no work
         ctx.put("shared_out", None)
         return
-    with sm_budget(ctx.op.sms, x.device) as g:
+    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
         ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"], mm=g.mm))
 
 
@@ -814,7 +939,7 @@ def pp_allgather(ctx: KernelCtx) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def sm_budget(sms: int | None, device=None):
+def sm_budget(sms: int | None, device=None, dtype: str = "bf16"):
     """Scope a compute op's SM limit (``op.sms``) around its GEMMs: ``with sm_budget(op.sms,
     device) as g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``,
     ``g.grouped_contiguous`` (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or
@@ -822,4 +947,4 @@ def sm_budget(sms: int | None, device=None):
     torch otherwise). Mechanisms used are counted in real.gemm.ComputeBudget.applied."""
     from overlap_lab.real.gemm import ComputeBudget
 
-    return ComputeBudget(sms, device)
+    return ComputeBudget(sms, device, dtype=dtype)

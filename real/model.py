@@ -417,6 +417,48 @@ def mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, kv_pad, q_pos):
     return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
 
 
+FLASH_MLA_PAGE = 64  # FlashMLA's paged KV cache: tokens per block
+FLASH_MLA_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim: the head sizes its kernels take
+
+
+def flash_mla_unusable(cfg: RealModelConfig, cache: torch.Tensor, module) -> str | None:
+    """Why FlashMLA's decode kernel cannot run on ``cache`` [S, L, c + r] here (None: it can):
+    what the executor reports when it runs SDPA instead."""
+    if module is None:
+        return "flash_mla is not installed"
+    if not cache.is_cuda:
+        return "the CPU (FlashMLA is a CUDA kernel)"
+    if cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"a {cache.dtype} cache (FlashMLA takes bf16/fp16)"
+    if (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != FLASH_MLA_DIMS:
+        return f"latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} (FlashMLA: 512 + 64)"
+    if cache.shape[1] % FLASH_MLA_PAGE:
+        return f"a cache of {cache.shape[1]} rows per sequence (pages of {FLASH_MLA_PAGE})"
+    return None
+
+
+def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
+    """:func:`mla_attend_absorbed_batched` by FlashMLA's decode kernel: the sequences' caches
+    ``cache`` [S, L, c + r] (L a multiple of 64) as pages of 64 rows (``block_table`` [S, L/64]
+    int32, page i of sequence s at s*L/64 + i), ``q_pos`` [S, r] the queries' positions (the
+    last one + 1 is the sequence's cache length; r > 1 is causal, as MTP's drafts)."""
+    w_uk, w_uv = _kv_b_split(cfg, lw)
+    S, r = q_pos.shape
+    h = q_nope.shape[1]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).contiguous()
+    pages = cache.reshape(-1, FLASH_MLA_PAGE, 1, cache.shape[-1])
+    seqlens = (q_pos[:, -1] + 1).to(torch.int32)
+    meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    o, _lse = fm.flash_mla_with_kvcache(
+        q.to(cache.dtype), pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
+        softmax_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+        causal=r > 1,
+    )  # fmt: skip
+    o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
+
+
 # -- GQA ---------------------------------------------------------------------------------------
 
 
@@ -477,54 +519,61 @@ def select_experts(cfg: RealModelConfig, logits: torch.Tensor, bias: torch.Tenso
 # -- Experts -----------------------------------------------------------------------------------
 
 
-def grouped_experts_contiguous(
-    x: torch.Tensor, counts: list[int], w13, w2, gemm=None
-) -> torch.Tensor:
-    """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts.
-
-    With an SM-limited ``gemm`` (real.gemm.ComputeBudget): its contiguous grouped GEMMs. Else
-    torch._grouped_mm on CUDA BF16 when present (one grouped GEMM per projection), a loop of
-    GEMMs per expert otherwise.
-    """
-    if x.shape[0] == 0:
-        return x.new_zeros(x.shape)
+def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, counts: list[int], gemm=None):
+    """One grouped GEMM over rows sorted by local expert (``counts[e]`` rows each): row block of
+    expert e times ``w[e].T``. With an SM-limited ``gemm`` (real.gemm.ComputeBudget): its
+    contiguous grouped GEMM. Else torch._grouped_mm on CUDA BF16 when present, a loop of GEMMs
+    per expert otherwise."""
     if gemm is not None and gemm.limited:
-        g, u = gemm.grouped_contiguous(x.contiguous(), w13, counts).chunk(2, dim=-1)
-        return gemm.grouped_contiguous((F.silu(g) * u).contiguous(), w2, counts)
+        return gemm.grouped_contiguous(x.contiguous(), w, counts)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:
             offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0).int()
-            gu = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-            g, u = gu.chunk(2, dim=-1)
-            return torch._grouped_mm((F.silu(g) * u).contiguous(), w2.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offs)
         except (RuntimeError, TypeError):  # unsupported arch/layout: fall back to the loop
             pass
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape[0], w.shape[1])
     lo = 0
     for e, n in enumerate(counts):
         if n:
-            out[lo : lo + n] = swiglu_mlp(x[lo : lo + n], w13[e], w2[e])
+            out[lo : lo + n] = x[lo : lo + n] @ w[e].t()
         lo += n
     return out
+
+
+def grouped_experts_contiguous(
+    x: torch.Tensor, counts: list[int], w13, w2, gemm=None
+) -> torch.Tensor:
+    """Rows of x sorted by local expert (``counts[e]`` rows each) through their experts: the
+    gate-up GEMM, SwiGLU, the down GEMM (:func:`grouped_gemm_contiguous` each)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    g, u = grouped_gemm_contiguous(x, w13, counts, gemm).chunk(2, dim=-1)
+    return grouped_gemm_contiguous((F.silu(g) * u).contiguous(), w2, counts, gemm)
+
+
+def grouped_gemm_masked(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, gemm=None, expected_m=None
+):
+    """One masked grouped GEMM in DeepEP's low-latency layout: ``x[e, :counts[e]] @ w[e].T``
+    (``counts`` on the device: no host read). With an SM-limited ``gemm``: its masked kernel
+    (rows past the count left unwritten); else a batched GEMM over the padded rows, rows past the
+    count zeroed."""
+    if gemm is not None and gemm.limited:
+        return gemm.grouped_masked(x, w, counts, expected_m)
+    y = torch.bmm(x, w.transpose(1, 2))
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
+    return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
 def grouped_experts_masked(
     x: torch.Tensor, counts: torch.Tensor, w13, w2, gemm=None, expected_m: int | None = None
 ) -> torch.Tensor:
     """DeepEP low-latency layout x [E, M, H] with ``counts[e]`` valid rows (a device tensor: no
-    host read). Rows past the count may hold garbage (DeepEP's buffers are torch.empty); they
-    are never mixed into valid rows. ``gemm``: a real.gemm.ComputeBudget (masked grouped GEMMs
-    within an SM budget; rows past the count left unwritten), or None: batched GEMMs over the
-    padded rows, rows past the count zeroed."""
-    if gemm is not None and gemm.limited:
-        gu = gemm.grouped_masked(x, w13, counts, expected_m)
-        g, u = gu.chunk(2, dim=-1)
-        return gemm.grouped_masked((F.silu(g) * u).contiguous(), w2, counts, expected_m)
-    gu = torch.bmm(x, w13.transpose(1, 2))
-    g, u = gu.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(g) * u, w2.transpose(1, 2))
-    valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts.to(x.device)[:, None]
-    return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    host read) through their experts (:func:`grouped_gemm_masked` twice). Rows past the count
+    may hold garbage (DeepEP's buffers are torch.empty); they are never mixed into valid rows."""
+    g, u = grouped_gemm_masked(x, w13, counts, gemm, expected_m).chunk(2, dim=-1)
+    return grouped_gemm_masked((F.silu(g) * u).contiguous(), w2, counts, gemm, expected_m)
 
 
 def experts_weighted(

@@ -187,3 +187,56 @@ def test_validation_loop_on_a_tiny_model(tmp_path):
     runs = report["cases"]["decode_8"]["runs"]
     assert all("comparison" in r for r in runs.values()), runs
     assert all(r["measured_step_source"] == "graph replay" for r in runs.values()), runs
+
+
+def test_deep_gemm_fp8_matches_bf16_when_installed():
+    """Real DeepGEMM FP8 (where installed): the three entry points the executor calls, with its
+    scale layouts, within FP8's error of the BF16 product; else the precision says why."""
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    dg = deep_gemm_module()
+    p = fp8.resolve("fp8", cuda=True, module=dg)
+    if not p.fp8:
+        assert p.used == "bf16" and p.reason
+        pytest.skip(p.reason)
+    assert fp8.probe(p, dg, "cuda").fp8, fp8.probe(p, dg, "cuda").reason
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 128, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(2, 256, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    ref = torch.bmm(x.float(), w.float().transpose(1, 2))
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(fp8.linear(dg, x[0], w[0]), ref[0]) < 0.08
+    cnt = torch.tensor([128, 40], dtype=torch.int32, device="cuda")
+    y = fp8.grouped_masked(dg, x, w, cnt, 84)
+    assert rel(y[0], ref[0]) < 0.08 and rel(y[1, :40], ref[1, :40]) < 0.08
+    yc = fp8.grouped_contiguous(dg, torch.cat([x[0, :70], x[1, :40]]), w, [70, 40])
+    assert rel(yc, torch.cat([ref[0, :70], ref[1, :40]])) < 0.08
+
+
+def test_flash_mla_matches_sdpa_when_installed():
+    """FlashMLA's decode kernel (where flash_mla imports) against the batched SDPA path."""
+    from overlap_lab.real import kernels as K
+    from overlap_lab.real import model as M
+
+    fm = K.flash_mla_module()
+    cfg = M.RealModelConfig(
+        name="mla-512", num_layers=1, first_k_dense=1, hidden=64, vocab=16, num_heads=16,
+        q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128,
+    )  # fmt: skip
+    cache = torch.randn(4, 256, 576, device="cuda", dtype=torch.bfloat16)
+    why = M.flash_mla_unusable(cfg, cache, fm)
+    if why is not None:
+        pytest.skip(why)
+    lw = M.init_weights(cfg, seed=1, dtype=torch.bfloat16, device="cuda").layers[0]
+    q_pos = torch.tensor([[99], [5], [255], [128]], device="cuda")
+    q_nope = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(4, 16, 64, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(4, 4)
+    a = M.mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, table)
+    b = M.mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, cache, q_pos)
+    assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2

@@ -1,4 +1,4 @@
-"""The predicted-vs-measured loop (real/validate.py, experiments/gpu_validation.py) on the CPU,
+"""The predicted-vs-measured loop (experiments/gpu_validation.py) on the CPU,
 and the executor's run bookkeeping it relies on: counters reset per run, every SM limit of a
 Program enforced or reported, per-op spans kept apart from graph-replay step times, the same
 experts kernels in every schedule."""
@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("simpy")
 
+from overlap_lab.real import kernels as K  # noqa: E402
 from overlap_lab.real import model as M  # noqa: E402
-from overlap_lab.real import validate as V  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
 from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.program import ops_of  # noqa: E402
 from overlap_lab.shared.trace import Span, Trace  # noqa: E402
 from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
 
@@ -53,36 +54,36 @@ def test_dry_run_writes_one_archive_with_the_table_and_says_it_is_a_dry_run(tmp_
             assert "comparison" in r, (name, r)
             assert r["comparison"]["ops_aligned"] > 0
             assert r["comparable"] == (name != "pp")
-            assert r["duration_sources"]  # per op: profile or roofline
+            assert r["cost_sources"]["comm"] == {"link": r["cost_sources"]["comm"]["link"]}
+            assert "profile" in r["cost_sources"]["gemm"]  # per op class: where from
     assert "pp" not in report["summary"]["decode_4"]["ranking_measured"]
 
 
-def test_interpolation_is_exact_on_points_and_monotone_between():
-    pts = [(16, 10.0), (64, 20.0), (256, 80.0)]
-    assert [V.interpolate(pts, t) for t, _ in pts] == [10.0, 20.0, 80.0]
-    ys = [V.interpolate(pts, t) for t in range(16, 257, 8)]
-    assert all(a <= b for a, b in zip(ys, ys[1:], strict=False))
-    assert V.interpolate(pts, 512) >= 80.0 and V.interpolate(pts, 1) <= 10.0
-    assert V.interpolate([(8, 5.0)], 100) == 5.0
+def test_the_loop_calibrates_and_predicts_through_the_simulators_path():
+    """The GPU loop's profile is sim.calibrate's, its prediction overlap_lab.simulate's: a
+    profile from a (simulated) serial trace predicts serial back, and every prediction says per
+    op class where its durations came from (LightLLM's split expert kernels are not in
+    sim.profile.PROFILED_OPS: the roofline times them, and the loop says so)."""
+    from types import SimpleNamespace
 
+    from overlap_lab.experiments import gpu_validation as GV
+    from overlap_lab.sim import simulate as sim_run
 
-def test_calibration_round_trip_reproduces_the_profiled_durations():
-    """A profile built from a (simulated) serial trace, applied to the same Program, gives the
-    simulator back those durations."""
     g = get_gpu("h100")
+    ctx = SimpleNamespace(gpu=g, device_sms=g.num_sms, env={"device": "sim", "versions": {}})
     w = _w()
     p = S.build("serial", w, g)
-    tr = V.predict(p, g)
-    prof = V.profile_from_runs([(p, tr)], g.num_sms)
-    cp, sources = V.calibrated_program(p, g, prof)
-    assert sum(v["profile"] for v in sources.values()) > 0
-    d0, d1 = V.stream_durations(tr), V.stream_durations(V.predict(cp, g))
-    ops = V.launched_ops(p)
-    for k, dur in d0.items():
-        if ops[k].kind == "compute" and dur > 0:
-            assert d1[k] == pytest.approx(dur, rel=0.02), k
-    cmp = V.compare(V.predict(cp, g), tr)
+    tr = sim_run(p, g)
+    prof = GV.calibrate_profile(ctx, [(p, tr)], "decode")
+    pred, sources = GV.predict(ctx, "serial", w, prof)
+    assert sources["grouped_gemm"] == {"profile": 2}  # the experts of the two MoE layers
+    assert "roofline" not in sources["gemm"] and sources["comm"].keys() == {"link"}
+    cmp = GV.comparison(tr, pred, tr.step_time_us)
     assert abs(cmp["step_time_us"]["rel_error"]) < 0.02
+    assert cmp["ops_aligned"] > 0 and cmp["per_op_median_abs_rel_error"] < 0.02
+    _, ll = GV.predict(ctx, "lightllm", w, prof)
+    assert ll["grouped_gemm"].get("roofline", 0) > 0  # experts.gate_up / down: no profile row
+    assert "roofline" in GV.sources_text(ll)
 
 
 def _tr(spans, **meta):
@@ -110,9 +111,7 @@ def test_kernel_counters_are_reset_per_run_and_sm_limits_are_all_reported():
     ComputeBudget.applied = {"stale: an earlier run": 7}
     tr = execute(prog, w).trace
     assert "stale: an earlier run" not in tr.meta["sm_budget_mechanisms"]
-    limited = {
-        V.base_name(o.name) for o in V.launched_ops(prog).values() if o.kind == "compute" and o.sms
-    }
+    limited = {K.split_piece(o.name)[0] for _, o in ops_of(prog) if o.kind == "compute" and o.sms}
     compute = tr.meta["sm_limits"]["compute"]
     assert limited and limited <= set(compute)  # every limit has a status
     assert compute["experts"]["status"].startswith("budget scoped")
@@ -184,7 +183,9 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
 
-    monkeypatch.setattr(K, "sm_budget", lambda sms, device=None: _RecordingBudget(sms, device))
+    monkeypatch.setattr(
+        K, "sm_budget", lambda sms, device=None, dtype="bf16": _RecordingBudget(sms, device)
+    )
     w = _w()
     for name in S.available():
         wv = workload_variants(name, w)[0]
@@ -196,3 +197,42 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
         masked = [c for c in _RecordingBudget.calls if c[0] == "grouped_masked"]
         # 6 tokens, top-2 of 8 experts, 2 ranks: 3 rows per expert on average; padded rows 12
         assert all(c[2] is not None and c[2] < 12 for c in masked), (name, masked[:2])
+
+
+def test_readme_gpu_setup_lines_map_the_package_for_the_loop(tmp_path):
+    """real/README.md's setup lines for the GPU machine (no install: a folder mapping the
+    namespace onto the checkout), run as written with /tmp/ol moved to a temporary folder, then
+    the loop's CPU dry run through that map with ``python -P`` (the simulator's API included)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "real" / "README.md").read_text()
+    m = re.search(r"(mkdir -p /tmp/ol/overlap_lab.*?)export PYTHONPATH", text, re.S)
+    assert m, "README lost its GPU setup lines"
+    setup = m.group(1).replace("/tmp/ol", str(tmp_path / "ol")).rstrip().rstrip("&\\ \n")
+    subprocess.run(["bash", "-c", setup.replace("\\\n", " ")], cwd=root, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "ol")}
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-P", "-m", "overlap_lab.experiments.gpu_validation", "--device",
+         "cpu", "--modes", "decode", "--batches", "4", "--schedules", "serial", "--repeats",
+         "1", "--warmup", "0", "--no-figures", "--out", str(out), "--name", "mapped"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (out / "mapped.tar.gz").is_file()
+    # every module the loop imports comes from the map (this venv's editable install would
+    # otherwise hide a module the map lacks)
+    mods = ["overlap_lab", "overlap_lab.api", "overlap_lab.metrics", "overlap_lab.sim.calibrate",
+            "overlap_lab.experiments.validate", "overlap_lab.experiments.gpu_validation",
+            "overlap_lab.real.executor", "overlap_lab.real.fp8"]  # fmt: skip
+    code = f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mods!r}])"
+    r = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = r.stdout.split()
+    assert len(files) == len(mods) and all(f.startswith(str(tmp_path / "ol")) for f in files), files

@@ -1,0 +1,232 @@
+"""GEMM precision: FP8 through DeepGEMM where the workload asks for it and the machine can, BF16
+otherwise, and always said which.
+
+The workload's ``gemm_dtype`` ("bf16" | "fp8", shared/workload.py) is what the simulator models.
+The executor honours it per op (``Op.dtype``: the projections, shared and routed experts, dense
+MLP carry the workload's GEMM dtype; the router stays BF16, as in the simulator) when
+:func:`resolve` says FP8 can run: a CUDA device, torch's ``float8_e4m3fn``, and a ``deep_gemm``
+with the FP8 entry points. Otherwise the run is BF16 and its trace says why; the GPU loop then
+predicts with ``gemm_dtype="bf16"`` (like with like).
+
+DeepGEMM's FP8 format (DeepSeek-V3's recipe, SM90): activations per token in groups of 128
+along K (FP8 e4m3 + one fp32 scale per group; the scales MN-major and TMA-aligned: stored as
+[K/128, align(M, 4)], handed over as its transposed [M, K/128] view), weights in 128 x 128 blocks
+(fp32 scales [ceil(N/128), K/128]), BF16 output. K must be a multiple of 128. The masked grouped
+GEMM takes DeepEP's low-latency layout ([G, M_max, K] with device counts and ``expected_m``), the
+contiguous one rows sorted by expert with each expert's segment padded to DeepGEMM's M alignment
+(``grouped_layout``: the expert per row, -1 on padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 128  # activation group along K and weight block edge
+SF_ALIGN = 4  # fp32 scales: 16-byte TMA alignment along M
+CONTIGUOUS_ALIGN = 128  # DeepGEMM's default M alignment per expert (contiguous layout)
+ENTRY_POINTS = ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_masked", "m_grouped_fp8_gemm_nt_contiguous")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run's GEMMs run in: ``requested`` (the workload's gemm_dtype), ``used`` and why."""
+
+    requested: str
+    used: str
+    reason: str
+
+    @property
+    def fp8(self) -> bool:
+        return self.used == "fp8"
+
+
+def resolve(requested: str, *, cuda: bool, module) -> Precision:
+    """FP8 only when asked for and runnable here; otherwise BF16 with the reason."""
+    if requested != "fp8":
+        return Precision(requested, "bf16", f"gemm_dtype={requested}")
+    if not cuda:
+        why = "the CPU has no FP8 GEMMs"
+    elif fp8_dtype() is None:
+        why = "this torch has no float8_e4m3fn"
+    elif module is None:
+        why = "deep_gemm is not installed"
+    else:
+        missing = [n for n in ENTRY_POINTS if not callable(getattr(module, n, None))]
+        if not missing:
+            return Precision("fp8", "fp8", "DeepGEMM FP8 (1x128 activation, 128x128 weight scales)")
+        why = f"deep_gemm lacks {', '.join(missing)}"
+    return Precision("fp8", "bf16", f"fp8 asked for, BF16 run: {why}")
+
+
+BF16 = Precision("bf16", "bf16", "gemm_dtype=bf16")
+RUN: list[Precision] = [BF16]  # the current run's precision (the executor sets it per run)
+
+
+def current() -> Precision:
+    return RUN[0]
+
+
+def set_current(p: Precision) -> None:
+    RUN[0] = p
+
+
+def fp8_dtype() -> torch.dtype | None:
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quant_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, groups of 128 along K: (FP8 e4m3 like ``x``, fp32 scales [..., K/128]) with
+    ``x ≈ q * scale`` per group. The scales are plain row-major here; :func:`sf_for_deep_gemm`
+    lays them out as DeepGEMM wants."""
+    K = x.shape[-1]
+    if K % GROUP:
+        raise ValueError(f"FP8 activations: K={K} is not a multiple of {GROUP}")
+    dt = fp8_dtype()
+    fmax = torch.finfo(dt).max
+    g = x.float().reshape(*x.shape[:-1], K // GROUP, GROUP)
+    scale = g.abs().amax(-1).clamp_min(1e-4) / fmax
+    q = (g / scale[..., None]).clamp(-fmax, fmax).to(dt).reshape(x.shape)
+    return q, scale
+
+
+def sf_for_deep_gemm(scale: torch.Tensor) -> torch.Tensor:
+    """Activation scales [..., M, K/128] as DeepGEMM's SM90 kernels read them: MN-major (stride 1
+    along M) with M padded to 4 (TMA alignment), returned as the [..., M, K/128] view."""
+    *lead, M, kg = scale.shape
+    pad = _cdiv(M, SF_ALIGN) * SF_ALIGN
+    buf = torch.zeros(*lead, kg, pad, dtype=torch.float32, device=scale.device)
+    buf[..., :M] = scale.transpose(-1, -2)
+    return buf.transpose(-1, -2)[..., :M, :]
+
+
+def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [..., N, K] in 128 x 128 blocks: (FP8 e4m3, fp32 scales [..., ceil(N/128), K/128])."""
+    *lead, N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"FP8 weights: K={K} is not a multiple of {GROUP}")
+    dt = fp8_dtype()
+    fmax = torch.finfo(dt).max
+    nb = _cdiv(N, GROUP)
+    wp = torch.zeros(*lead, nb * GROUP, K, dtype=torch.float32, device=w.device)
+    wp[..., :N, :] = w.float()
+    blocks = wp.reshape(*lead, nb, GROUP, K // GROUP, GROUP)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-4) / fmax  # [..., nb, K/128]
+    q = (blocks / scale[..., :, None, :, None]).clamp(-fmax, fmax)
+    q = q.reshape(*lead, nb * GROUP, K)[..., :N, :].to(dt).contiguous()
+    return q, scale.contiguous()
+
+
+_WEIGHTS: dict[tuple, tuple] = {}
+
+
+def weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quant_blocks` of a weight tensor (or a view of one: SBO's expert slices), made
+    once per run (an engine loads FP8 weights: quantising them is not part of a step). The
+    entry holds ``w``, so its memory cannot be reused under the same key while cached; the
+    executor clears the cache at the start of every run (:func:`clear_weights`)."""
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, str(w.device))
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = (w, *quant_blocks(w))
+    return _WEIGHTS[key][1:]
+
+
+def clear_weights() -> None:
+    _WEIGHTS.clear()
+
+
+def activations(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` BF16 -> (FP8, DeepGEMM-layout scales); an already quantised (q, scale) pair (the
+    activation kernel's output) only gets the scale layout."""
+    q, s = x if isinstance(x, tuple) else quant_tokens(x)
+    return q.contiguous(), sf_for_deep_gemm(s)
+
+
+def dequant(x) -> torch.Tensor:
+    """A (q, scale) pair back to BF16 (a GEMM that falls back to BF16 after the activation
+    kernel quantised its input); a tensor is returned as it is."""
+    if not isinstance(x, tuple):
+        return x
+    q, s = x
+    K = q.shape[-1]
+    g = q.float().reshape(*q.shape[:-1], K // GROUP, GROUP) * s[..., None]
+    return g.reshape(q.shape).to(torch.bfloat16)
+
+
+def linear(dg, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` by ``deep_gemm.fp8_gemm_nt`` (x [M, K] BF16 or a quantised pair)."""
+    a = activations(x)
+    d = torch.empty(a[0].shape[0], w.shape[0], dtype=torch.bfloat16, device=w.device)
+    dg.fp8_gemm_nt(a, weights(w), d)
+    return d
+
+
+def grouped_masked(dg, x, w: torch.Tensor, counts: torch.Tensor, expected_m: int) -> torch.Tensor:
+    """DeepEP's low-latency layout by ``deep_gemm.m_grouped_fp8_gemm_nt_masked``."""
+    a = activations(x)
+    G, M, _ = a[0].shape
+    d = torch.empty(G, M, w.shape[1], dtype=torch.bfloat16, device=w.device)
+    dg.m_grouped_fp8_gemm_nt_masked(a, weights(w), d, counts.int(), int(expected_m))
+    return d
+
+
+def contiguous_layout(counts: list[int], align: int) -> tuple[list[int], list[int]]:
+    """Rows sorted by expert (``counts``) -> (each row's index in the padded layout, the expert
+    of every padded row, -1 on padding): each expert's segment starts at a multiple of
+    ``align``."""
+    dst, layout = [], []
+    for e, n in enumerate(counts):
+        start = len(layout)
+        dst.extend(range(start, start + n))
+        layout.extend([e] * n + [-1] * (_cdiv(n, align) * align - n))
+    return dst, layout
+
+
+def grouped_contiguous(dg, x, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows sorted by expert by ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous``: the rows are
+    copied into DeepGEMM's aligned layout (what LightLLM's scatter writes directly) and the
+    valid output rows read back."""
+    get_align = getattr(dg, "get_mk_alignment_for_contiguous_layout", None)
+    align = int(get_align()) if callable(get_align) else CONTIGUOUS_ALIGN
+    q, s = x if isinstance(x, tuple) else quant_tokens(x)
+    dst_l, layout_l = contiguous_layout(counts, align)
+    dev = w.device
+    dst = torch.tensor(dst_l, dtype=torch.long).to(dev, non_blocking=True)
+    layout = torch.tensor(layout_l, dtype=torch.int32).to(dev, non_blocking=True)
+    qp = torch.zeros(len(layout_l), q.shape[-1], dtype=torch.uint8, device=dev)
+    sp = torch.ones(len(layout_l), s.shape[-1], dtype=torch.float32, device=dev)
+    qp[dst] = q.view(torch.uint8)  # bytes: FP8 indexing is not implemented everywhere
+    sp[dst] = s
+    qp = qp.view(q.dtype)
+    d = torch.empty(len(layout_l), w.shape[1], dtype=torch.bfloat16, device=dev)
+    dg.m_grouped_fp8_gemm_nt_contiguous((qp, sf_for_deep_gemm(sp)), weights(w), d, layout)
+    return d[dst]
+
+
+def probe(p: Precision, module, device) -> Precision:
+    """``p`` after one small call of each FP8 entry point on ``device`` (DeepGEMM compiles its
+    kernels on first use): BF16, with the error, when one fails, so that a whole run (and the
+    prediction it is compared with) is BF16 rather than a mix."""
+    if not p.fp8:
+        return p
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 128, 256, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(2, 256, 256, generator=g).to(device, torch.bfloat16)
+    counts = torch.tensor([128, 64], dtype=torch.int32).to(device)
+    try:
+        linear(module, x[0], w[0])
+        grouped_masked(module, x, w, counts, 96)
+        grouped_contiguous(module, x.reshape(-1, 256)[:192], w, [128, 64])
+        if device != "cpu":
+            torch.cuda.synchronize()
+        clear_weights()
+    except Exception as e:  # JIT (nvcc, CUDA_HOME) or an unsupported build
+        clear_weights()
+        return Precision(p.requested, "bf16", f"fp8 asked for, BF16 run: DeepGEMM FP8 probe "
+                         f"failed ({type(e).__name__}: {str(e)[:200]})")  # fmt: skip
+    return p
