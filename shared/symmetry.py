@@ -1,0 +1,225 @@
+"""Exact symmetry reduction: explicit ranks that cannot differ are simulated once.
+
+An explicit Program (``shared.ranks.expand_ranks``) holds one RankProgram per EP rank. Ranks sit
+on ``N`` full nodes of ``G`` GPUs (``shared.topology``); the relabelings
+
+    σ_r(d) = ((node(d) + node(r)) mod N) · G + (local(d) + local(r)) mod G
+
+form a group that acts transitively on the ranks (σ_r(0) = r) and preserves what the simulator
+sees of the topology: same-node pairs stay same-node (NVLink), same-rail pairs stay same-rail
+(DeepEP's RDMA peer), and every rank has the same GPU and the same egress and ingress port per
+link kind (``sim.network``). If every rank r's program is rank 0's with each flow's destination
+``d`` replaced by ``σ_r(d)`` (:func:`reduce_program` checks it, exactly), the whole run is
+invariant under the group: each GPU evolves on its own, and the network's max-min fair rates are
+unique, hence invariant too. Every rank then does exactly what rank 0 does, at the same times.
+
+Rank 0's view of the network under that symmetry: every port of one link kind carries as many
+flows as rank 0's egress (a rank's ingress receives the images of rank 0's flows), all ports fill
+at the same level, so each live flow gets the port's bandwidth over the number of flows on it;
+and a collective's data reaches rank r when the last of the images of rank 0's flows has arrived,
+i.e. when rank 0's own flows have. That is what the engine does with a *symmetric* Program whose
+flows have no destination (``dst=None``: each shares its rank's egress ``Link`` equally, with the
+same bandwidth and latency per kind, ``sim.cost.link_bytes_per_us``/``link_latency_us``, as the
+network's ports). So the quotient is rank 0's RankProgram with every flow's destination dropped
+(each flow kept on its own: the Link splits per flow, as the ports do), simulated once, and its
+Trace copied to every rank (:func:`expand_trace`).
+
+One difference in the Trace: the network draws one link span per op and link kind (from the send
+to the last arrival of that kind), a symmetric Link one per flow. :func:`expand_trace` merges the
+quotient's per-flow spans back into per-op spans, so the expanded Trace equals the explicit run's.
+The explicit run may group network completions (``net_group_tol``, a few per cent of a flow's age,
+on the slow side); the reduced run is exact.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from overlap_lab.shared.program import (
+    NET_LINK_KINDS,
+    Coll,
+    Flow,
+    Graph,
+    HostThread,
+    Instr,
+    Launch,
+    Op,
+    Program,
+    RankProgram,
+)
+from overlap_lab.shared.trace import Span, Trace
+
+__all__ = ["Reduction", "expand_trace", "reduce_program", "relabeling"]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """An explicit Program's quotient: ``program`` (symmetric, rank 0, flows without
+    destinations) stands for ``world`` ranks; ``bundles`` gives, per link span key (op, mb,
+    layer, step), how many flows per link kind the explicit op sends (to merge link spans)."""
+
+    program: Program
+    world: int
+    bundles: dict[tuple, dict[str, int]]
+    why: str
+
+
+def relabeling(world: int, gpus_per_node: int) -> Callable[[int, int], int] | None:
+    """σ(r, d): the rank rank 0's peer ``d`` is to rank ``r`` (None when the last node is
+    partial: the ranks are then not all alike)."""
+    g = min(gpus_per_node, world)
+    if world % g:
+        return None
+    n = world // g
+
+    def sigma(r: int, d: int) -> int:
+        return ((d // g + r // g) % n) * g + (d % g + r % g) % g
+
+    return sigma
+
+
+def _flow_key(f: Flow) -> tuple:
+    return (f.link, -1 if f.dst is None else f.dst, f.nbytes)
+
+
+def _same_op(a: Op, b: Op, perm: list[int]) -> bool:
+    """Whether ``b`` is ``a`` with every flow's destination mapped through ``perm``."""
+    if a is b:
+        return True
+    ca, cb = a.coll, b.coll
+    if ca is None or cb is None:
+        return a == b
+    if ca.key != cb.key or ca.role != cb.role or len(ca.flows) != len(cb.flows):
+        return False
+    mapped = sorted(
+        (f.link, -1 if f.dst is None else perm[f.dst], f.nbytes) for f in ca.flows
+    )
+    if mapped != sorted(_flow_key(f) for f in cb.flows):
+        return False
+    return a == _replace_coll(b, ca)
+
+
+def _replace_coll(op: Op, coll: Coll) -> Op:
+    from dataclasses import replace
+
+    return replace(op, coll=coll)
+
+
+def _same_instrs(xs: tuple[Instr, ...], ys: tuple[Instr, ...], perm: list[int]) -> bool:
+    if xs is ys:
+        return True
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if x is y:
+            continue
+        if isinstance(x, Launch):
+            if not (isinstance(y, Launch) and x.stream == y.stream and _same_op(x.op, y.op, perm)):
+                return False
+        elif isinstance(x, Graph):
+            if not (isinstance(y, Graph) and x.name == y.name):
+                return False
+            if not _same_instrs(x.body, y.body, perm):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _same_rank(a: RankProgram, b: RankProgram, perm: list[int]) -> bool:
+    if a.streams != b.streams or a.priorities != b.priorities or len(a.threads) != len(b.threads):
+        return False
+    return all(
+        ta.name == tb.name and _same_instrs(ta.instrs, tb.instrs, perm)
+        for ta, tb in zip(a.threads, b.threads)
+    )
+
+
+def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
+    """The quotient of an explicit ``program`` when all its ranks are images of rank 0 under
+    the node-preserving relabelings (module docstring), else the reason it is not."""
+    world = program.world
+    if program.symmetric:
+        return "the program is symmetric already"
+    if [rp.rank for rp in program.ranks] != list(range(world)):
+        return "ranks are not 0..world-1"
+    sigma = relabeling(world, gpus_per_node)
+    if sigma is None:
+        return f"{world} ranks do not fill nodes of {gpus_per_node} GPUs"
+    r0 = program.ranks[0]
+    for rp in program.ranks[1:]:
+        perm = [sigma(rp.rank, d) for d in range(world)]
+        if not _same_rank(r0, rp, perm):
+            return f"rank {rp.rank} differs from rank 0 under the node-preserving relabeling"
+    bundles: dict[tuple, dict[str, int]] = {}
+    seen: dict[tuple, Op] = {}
+
+    def strip(ins: Instr) -> Instr:
+        if isinstance(ins, Graph):
+            return Graph(ins.name, tuple(strip(b) for b in ins.body))
+        if not isinstance(ins, Launch) or ins.op.coll is None:
+            return ins
+        op, c = ins.op, ins.op.coll
+        if not any(f.dst is not None for f in c.flows):
+            return ins
+        key = (op.name, op.mb, op.layer, op.step)
+        if key in seen and seen[key] != op:
+            raise _Ambiguous(key)
+        seen[key] = op
+        bundles[key] = dict(Counter(f.link for f in c.flows))
+        flows = tuple(Flow(f.link, f.nbytes) for f in c.flows)
+        return Launch(_replace_coll(op, Coll(c.key, c.role, flows)), ins.stream)
+
+    try:
+        threads = tuple(
+            HostThread(th.name, tuple(strip(i) for i in th.instrs)) for th in r0.threads
+        )
+    except _Ambiguous as e:
+        return f"two different ops share the link span key {e.args[0]}"
+    meta = dict(program.meta)
+    quotient = Program(
+        (RankProgram(0, r0.streams, threads, r0.priorities),),
+        world=world,
+        symmetric=True,
+        meta=meta,
+    )
+    why = (
+        f"all {world} ranks are rank 0 relabeled (nodes of {min(gpus_per_node, world)} GPUs): "
+        "simulated once"
+    )
+    return Reduction(quotient, world, bundles, why)
+
+
+class _Ambiguous(Exception):
+    pass
+
+
+def expand_trace(trace: Trace, red: Reduction) -> Trace:
+    """The quotient run's ``trace`` as the explicit run's: rank 0's spans on every rank, with
+    per-flow link spans merged into one span per op and link kind, as the network draws them."""
+    spans: list[Span] = []
+    groups: dict[tuple, list[Span]] = defaultdict(list)
+    for s in trace.spans:
+        kind = s.lane[5:] if s.lane.startswith("link:") else None
+        if kind in NET_LINK_KINDS and (s.op, s.mb, s.layer, s.step) in red.bundles:
+            groups[(s.lane, s.op, s.mb, s.layer, s.step, s.start)].append(s)
+        else:
+            spans.append(s)
+    for (lane, *key, _), group in groups.items():
+        n = red.bundles[tuple(key)].get(lane[5:], 0)
+        if n == 0 or len(group) % n:
+            raise AssertionError(f"link spans of {key} do not form bundles of {n}")
+        end = max(s.end for s in group)
+        first = group[0]
+        merged = Span(first.rank, lane, first.op, "link", first.start, end, 0, *key[1:])
+        spans += [merged] * (len(group) // n)
+    out = [
+        s if r == s.rank else Span(r, s.lane, s.op, s.kind, s.start, s.end, s.sms, s.mb, s.layer, s.step)
+        for r in range(red.world)
+        for s in spans
+    ]
+    meta = dict(trace.meta)
+    meta.update(symmetric=False, world=red.world, reduced=red.why)
+    return Trace(tuple(out), meta)
