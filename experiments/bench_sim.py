@@ -66,6 +66,12 @@ CASES: dict[str, tuple] = {
         1,
     ),
 }
+# balanced explicit ranks as `overlap-lab sim` runs them: detected alike (shared.symmetry), the
+# quotient simulated once (build_*: + detection and the quotient's validation; sim_*: + the
+# Trace copied to every rank)
+CASES["decode_tbo_b128_ep32_explicit_balanced_reduced"] = CASES[
+    "decode_tbo_b128_ep32_explicit_balanced"
+]
 # the same zipf step with the network's compiled re-rate off (numpy progressive filling only)
 CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
     "decode_tbo_b128_ep32_explicit_zipf1.2"
@@ -121,6 +127,14 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     program = build(schedule, w, gpu)
     validate(program, gpu.num_sms)
     lowered = _lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
+    red = None
+    if name.endswith("_reduced"):
+        from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
+
+        red = reduce_program(lowered, w.parallel.gpus_per_node)
+        if not isinstance(red, Reduction):
+            raise RuntimeError(f"{name}: not reduced: {red}")
+        validate(red.program, gpu.num_sms)
     build_t = _since(t)
     ops = sum(
         len(i.body) if isinstance(i, Graph) else 1
@@ -131,10 +145,16 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     )
     sims, posts, events = [], [], 0
     for _ in range(reps):
-        eng = Engine(lowered, gpu, 0, net_group_tol=0.0 if ranks == "symmetric" else NET_GROUP_TOL)
+        if red is not None:
+            eng = Engine(red.program, gpu, 0)
+        else:
+            tol = 0.0 if ranks == "symmetric" else NET_GROUP_TOL
+            eng = Engine(lowered, gpu, 0, net_group_tol=tol)
         counter = _count_events(eng.env)
         t = _clock()
         trace = eng.run()
+        if red is not None:
+            trace = expand_trace(trace, red)
         sims.append(_since(t))
         events = counter[0]
         t = _clock()

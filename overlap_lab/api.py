@@ -167,13 +167,19 @@ _workload, _gpu = workload, gpu  # for the functions whose parameters shadow the
 class Ranks:
     """How ranks are simulated: one mirrored rank (``symmetric``, fast) or every EP rank
     (``explicit``) with seeded expert-load (``imbalance``: balanced, zipf:S, file:PATH) and DP
-    attention (``dp_imbalance`` in [0, 1)) imbalance."""
+    attention (``dp_imbalance`` in [0, 1)) imbalance.
+
+    ``reduce``: explicit ranks that provably cannot differ (``shared.symmetry``: every rank's
+    program is rank 0's relabeled, as with balanced routing) are simulated once and the Trace
+    copied to every rank; the result is the full run's, without its network grouping tolerance.
+    False simulates every rank all the same."""
 
     mode: str = "symmetric"
     imbalance: str = "balanced"
     dp_imbalance: float = 0.0
     group_limited: bool | None = None
     seed: int = 0
+    reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("symmetric", "explicit"):
@@ -286,6 +292,7 @@ def simulate(
     dp_imbalance: float = 0.0,
     group_limited: bool | None = None,
     seed: int = 0,
+    reduce: bool = True,
     profile: Any = "auto",
     max_events: int | None = None,
     transform: Callable[[Program], Program] | None = None,
@@ -295,15 +302,15 @@ def simulate(
     ``pp`` on a workload without pipeline stages runs :data:`PP_DEFAULT_STAGES` stages of the
     workload's EP size (said in ``notes``). ``ranks="explicit"`` simulates every EP rank, with
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
-    straggler cost is ``window_us - balanced_window_us``. ``profile`` gives op durations measured
+    straggler cost is ``window_us - balanced_window_us``; ranks that cannot differ (balanced
+    routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives op durations measured
     on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
     ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline).
     ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
     ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
     e.g. an SM cap on some kernels); the Result carries the rewritten Program."""
-    from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
-    from overlap_lab.sim.engine import Engine, SimulationStalled
+    from overlap_lab.sim.engine import SimulationStalled
 
     w = workload if workload is not None else _workload()
     g = _gpu(gpu)
@@ -311,7 +318,7 @@ def simulate(
     r = (
         ranks
         if isinstance(ranks, Ranks)
-        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed)
+        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
     prof = _profile(profile, g.name)
     notes: list[str] = []
@@ -327,16 +334,11 @@ def simulate(
         if lowered is program:
             trace = sim_run(program, g, profile=prof, max_events=max_events)
         else:
-            validate(lowered, g.num_sms)  # what is simulated: the explicit Program
-            trace = Engine(
-                lowered,
-                g,
-                r.seed,
-                net_group_tol=NET_GROUP_TOL,
-                profile=prof,
-                max_events=max_events,
-            ).run()
-            balanced = sim_run(program, g, profile=prof).step_time_us
+            trace = _simulate_explicit(lowered, w, g, r, prof, max_events)
+            if _is_balanced(r):
+                balanced = trace.step_time_us  # this run is the balanced one
+            else:
+                balanced = sim_run(program, g, profile=prof).step_time_us
     except SimulationStalled as e:  # validation should have refused it: one line all the same
         raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
@@ -355,6 +357,34 @@ def simulate(
         notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
     metrics = measure(trace, lowered, w, g.num_sms)
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
+
+
+def _is_balanced(r: Ranks) -> bool:
+    """Whether explicit ranks ``r`` route as the symmetric Program does (their run is the
+    balanced one)."""
+    from overlap_lab.shared.routing import parse_imbalance
+
+    return parse_imbalance(r.imbalance).kind == "balanced" and r.dp_imbalance == 0
+
+
+def _simulate_explicit(lowered: Program, w: Workload, g: GPU, r: Ranks, prof, max_events) -> Trace:
+    """Simulate every rank of the explicit ``lowered``: once for all when they cannot differ
+    (``shared.symmetry``), else each, with the network's grouping tolerance."""
+    from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.sim import simulate as sim_run
+    from overlap_lab.sim.engine import Engine
+
+    red = reduce_program(lowered, w.parallel.gpus_per_node) if r.reduce else "reduce=False"
+    if isinstance(red, Reduction):
+        quotient = sim_run(red.program, g, profile=prof, max_events=max_events)
+        return expand_trace(quotient, red)
+    validate(lowered, g.num_sms)  # what is simulated: the explicit Program
+    trace = Engine(
+        lowered, g, r.seed, net_group_tol=NET_GROUP_TOL, profile=prof, max_events=max_events
+    ).run()
+    trace.meta["reduction"] = f"not reduced: {red}"
+    return trace
 
 
 def _profile(spec: Any, gpu_name: str):
@@ -525,7 +555,10 @@ def compare(
     w1 = _with_pp(w0, 1)
     g = _gpu(gpu)
     cfg = _as_config(config)
-    run = lambda name, wl: simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)  # noqa: E731
+
+    def run(name: str, wl: Workload) -> Result:
+        return simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)
+
     bar = tqdm(
         total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
     )

@@ -88,8 +88,9 @@ class _Lowering:
         self.mbs = {m["index"]: (m["tok_lo"], m["tok_hi"], m["padded_tokens"])
                     for m in program.meta.get("micro_batches", [])}  # fmt: skip
         self.whole = (0, n, n)
-        self._bytes: dict[tuple, dict] = {}
-        self._cache: dict[tuple, Op] = {}
+        self._bytes: dict[tuple, tuple] = {}
+        self._flows: dict[tuple, tuple[Flow, ...]] = {}  # one rank's flows: shared by its ops
+        self._experts_ops: dict[tuple, Op] = {}
 
     # -- per op ---------------------------------------------------------------------------------
 
@@ -118,8 +119,10 @@ class _Lowering:
 
     def _comm(self, op: Op, r: int, what: str) -> Op:
         mode = "low_latency" if op.coll.role == "send" else "normal"
-        lo, hi, padded = self._range(op)
-        key = (op.layer, op.mb, what, mode)
+        mats = self._matrices(op)
+        padded = self._range(op)[2]
+        # balanced routing shares one Matrices object over layers: key on it, not on the layer
+        key = (id(mats), padded, what, mode)
         if key not in self._bytes:
             m, h = self.w.model, self.w.model.hidden
             per_copy = (
@@ -128,25 +131,37 @@ class _Lowering:
             p = self.w.parallel
             exp = expected_bytes(padded, p.ep, p.gpus_per_node, m.top_k, mode, per_copy)
             self._bytes[key] = (
-                byte_matrices(self._matrices(op), self.topo, mode, what, per_copy),
+                byte_matrices(mats, self.topo, mode, what, per_copy),
                 exp["nvlink"] + exp["rdma"],
+                mats,  # keeps id(mats) from being reused while the key lives
             )
-        mats, expected = self._bytes[key]
+        bmats, expected, _ = self._bytes[key]
         ratio = sum(f.nbytes for f in op.coll.flows) / expected if expected > 0 else 1.0
-        flows = []
-        for link in LINKS:
-            row = mats[link][r]
-            for d in row.nonzero()[0].tolist():
-                flows.append(Flow(link, float(row[d]) * ratio, d))
-        return replace(op, coll=Coll(op.coll.key, op.coll.role, tuple(flows)))
+        fkey = (key, r, ratio)
+        flows = self._flows.get(fkey)
+        if flows is None:
+            out = []
+            for link in LINKS:
+                row = bmats[link][r]
+                for d in row.nonzero()[0].tolist():
+                    out.append(Flow(link, float(row[d]) * ratio, d))
+            flows = self._flows[fkey] = tuple(out)
+        return replace(op, coll=Coll(op.coll.key, op.coll.role, flows))
 
     def _experts(self, op: Op, r: int) -> Op:
+        m = self._matrices(op)
+        # ranks receiving the same copies get the same op object (balanced: every rank)
+        key = (id(op), float(m.recv_copies[r]), float(m.active[r]))
+        hit = self._experts_ops.get(key)
+        if hit is not None:
+            return hit
         _, _, padded = self._range(op)
         nominal = routed_experts(self.w, padded)
         ratio = op.flops / nominal.flops if nominal.flops > 0 else 1.0
-        m = self._matrices(op)
-        work = experts_work(self.w, float(m.recv_copies[r]), float(m.active[r]))
-        return replace(op, flops=work.flops * ratio, hbm_bytes=work.hbm_bytes * ratio)
+        work = experts_work(self.w, key[1], key[2])
+        new = replace(op, flops=work.flops * ratio, hbm_bytes=work.hbm_bytes * ratio)
+        self._experts_ops[key] = new
+        return new
 
     def _attention(self, op: Op, r: int) -> Op:
         lo, hi, _ = self._range(op)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from overlap_lab.shared.program import (
     NET_LINK_KINDS,
@@ -49,7 +49,7 @@ from overlap_lab.shared.program import (
     Program,
     RankProgram,
 )
-from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.trace import Span, Trace, _canonical_key
 
 __all__ = ["Reduction", "expand_trace", "reduce_program", "relabeling"]
 
@@ -80,61 +80,69 @@ def relabeling(world: int, gpus_per_node: int) -> Callable[[int, int], int] | No
     return sigma
 
 
-def _flow_key(f: Flow) -> tuple:
-    return (f.link, -1 if f.dst is None else f.dst, f.nbytes)
+#: Op fields compared as they are (``coll`` is compared with its flows relabeled).
+_OP_FIELDS = tuple(f.name for f in fields(Op) if f.name != "coll")
 
 
-def _same_op(a: Op, b: Op, perm: list[int]) -> bool:
-    """Whether ``b`` is ``a`` with every flow's destination mapped through ``perm``."""
-    if a is b:
-        return True
-    ca, cb = a.coll, b.coll
-    if ca is None or cb is None:
-        return a == b
-    if ca.key != cb.key or ca.role != cb.role or len(ca.flows) != len(cb.flows):
+def _same_flows(a: tuple[Flow, ...], b: tuple[Flow, ...], perm: list[int]) -> bool:
+    """Whether ``b`` is ``a`` with destinations mapped through ``perm``, as multisets (the
+    order of an op's flows is no part of what the network does with them)."""
+    if len(a) != len(b):
         return False
-    mapped = sorted(
-        (f.link, -1 if f.dst is None else perm[f.dst], f.nbytes) for f in ca.flows
-    )
-    if mapped != sorted(_flow_key(f) for f in cb.flows):
-        return False
-    return a == _replace_coll(b, ca)
+    mapped = sorted((f.link, -1 if f.dst is None else perm[f.dst], f.nbytes) for f in a)
+    return mapped == sorted((f.link, -1 if f.dst is None else f.dst, f.nbytes) for f in b)
 
 
-def _replace_coll(op: Op, coll: Coll) -> Op:
-    from dataclasses import replace
+class _Matcher:
+    """Compares rank 0's instructions with rank r's under ``perm`` = σ_r, remembering flow
+    tuples already compared (the lowering shares one tuple among a rank's ops)."""
 
-    return replace(op, coll=coll)
+    def __init__(self, perm: list[int]):
+        self.perm = perm
+        self.memo: dict[tuple[int, int], bool] = {}
 
-
-def _same_instrs(xs: tuple[Instr, ...], ys: tuple[Instr, ...], perm: list[int]) -> bool:
-    if xs is ys:
-        return True
-    if len(xs) != len(ys):
-        return False
-    for x, y in zip(xs, ys):
-        if x is y:
-            continue
-        if isinstance(x, Launch):
-            if not (isinstance(y, Launch) and x.stream == y.stream and _same_op(x.op, y.op, perm)):
-                return False
-        elif isinstance(x, Graph):
-            if not (isinstance(y, Graph) and x.name == y.name):
-                return False
-            if not _same_instrs(x.body, y.body, perm):
-                return False
-        elif x != y:
+    def op(self, a: Op, b: Op) -> bool:
+        if a is b:
+            return True
+        da, db = a.__dict__, b.__dict__
+        if any(da[k] != db[k] for k in _OP_FIELDS):
             return False
-    return True
+        ca, cb = a.coll, b.coll
+        if ca is None or cb is None:
+            return ca is cb
+        if ca.key != cb.key or ca.role != cb.role:
+            return False
+        k = (id(ca.flows), id(cb.flows))
+        hit = self.memo.get(k)
+        if hit is None:
+            hit = self.memo[k] = _same_flows(ca.flows, cb.flows, self.perm)
+        return hit
 
+    def instrs(self, xs: tuple[Instr, ...], ys: tuple[Instr, ...]) -> bool:
+        if xs is ys:
+            return True
+        if len(xs) != len(ys):
+            return False
+        for x, y in zip(xs, ys):
+            if x is y:
+                continue
+            if isinstance(x, Launch):
+                if not (isinstance(y, Launch) and x.stream == y.stream and self.op(x.op, y.op)):
+                    return False
+            elif isinstance(x, Graph):
+                if not (isinstance(y, Graph) and x.name == y.name and self.instrs(x.body, y.body)):
+                    return False
+            elif x != y:
+                return False
+        return True
 
-def _same_rank(a: RankProgram, b: RankProgram, perm: list[int]) -> bool:
-    if a.streams != b.streams or a.priorities != b.priorities or len(a.threads) != len(b.threads):
-        return False
-    return all(
-        ta.name == tb.name and _same_instrs(ta.instrs, tb.instrs, perm)
-        for ta, tb in zip(a.threads, b.threads)
-    )
+    def rank(self, a: RankProgram, b: RankProgram) -> bool:
+        if (a.streams, a.priorities, len(a.threads)) != (b.streams, b.priorities, len(b.threads)):
+            return False
+        return all(
+            ta.name == tb.name and self.instrs(ta.instrs, tb.instrs)
+            for ta, tb in zip(a.threads, b.threads)
+        )
 
 
 def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
@@ -150,8 +158,7 @@ def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
         return f"{world} ranks do not fill nodes of {gpus_per_node} GPUs"
     r0 = program.ranks[0]
     for rp in program.ranks[1:]:
-        perm = [sigma(rp.rank, d) for d in range(world)]
-        if not _same_rank(r0, rp, perm):
+        if not _Matcher([sigma(rp.rank, d) for d in range(world)]).rank(r0, rp):
             return f"rank {rp.rank} differs from rank 0 under the node-preserving relabeling"
     bundles: dict[tuple, dict[str, int]] = {}
     seen: dict[tuple, Op] = {}
@@ -170,7 +177,7 @@ def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
         seen[key] = op
         bundles[key] = dict(Counter(f.link for f in c.flows))
         flows = tuple(Flow(f.link, f.nbytes) for f in c.flows)
-        return Launch(_replace_coll(op, Coll(c.key, c.role, flows)), ins.stream)
+        return Launch(replace(op, coll=Coll(c.key, c.role, flows)), ins.stream)
 
     try:
         threads = tuple(
@@ -211,15 +218,23 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
         n = red.bundles[tuple(key)].get(lane[5:], 0)
         if n == 0 or len(group) % n:
             raise AssertionError(f"link spans of {key} do not form bundles of {n}")
-        end = max(s.end for s in group)
         first = group[0]
-        merged = Span(first.rank, lane, first.op, "link", first.start, end, 0, *key[1:])
+        merged = Span(first.rank, lane, first.op, "link", first.start, max(s.end for s in group),
+                      0, *key[1:])  # fmt: skip
         spans += [merged] * (len(group) // n)
-    out = [
-        s if r == s.rank else Span(r, s.lane, s.op, s.kind, s.start, s.end, s.sms, s.mb, s.layer, s.step)
-        for r in range(red.world)
-        for s in spans
-    ]
+    # canonical order is (start, rank, rest): rank 0's spans of one start, then rank 1's, ...
+    spans.sort(key=_canonical_key)
+    out: list[Span] = []
+    i = 0
+    while i < len(spans):
+        j = i + 1
+        while j < len(spans) and spans[j].start == spans[i].start:
+            j += 1
+        same_start = spans[i:j]
+        out += same_start
+        for r in range(1, red.world):
+            out += [s.on_rank(r) for s in same_start]
+        i = j
     meta = dict(trace.meta)
-    meta.update(symmetric=False, world=red.world, reduced=red.why)
-    return Trace(tuple(out), meta)
+    meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
+    return Trace._presorted(tuple(out), meta)
