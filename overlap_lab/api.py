@@ -29,7 +29,7 @@ from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.presets import load_gpu, load_model
-from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.shared.program import Program, num_ops, ops_of
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
@@ -217,6 +217,7 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
         w, meta, m = self.workload, self.program.meta, self.metrics
+        busy = self.trace.busy_us()
         out: dict[str, Any] = {
             "schedule": self.schedule,
             "model": w.model.name,
@@ -228,9 +229,9 @@ class Result:
             "pp": w.parallel.pp,
             **m.as_dict(),
             "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
-            "busy_us": self.trace.busy_us(),
+            "busy_us": busy,
             "micro_batches": meta.get("micro_batches", []),
-            "num_ops": len(ops_of(self.program)),
+            "num_ops": num_ops(self.program),
             "notes": list(self.notes),
         }
         for key in (
@@ -244,29 +245,41 @@ class Result:
             if key in meta:
                 out[key] = meta[key]
         if not self.program.symmetric and meta.get("ranks") == "explicit":
-            per_rank = self.trace.per_rank_step_us()
-            out["per_rank"] = [
-                {
-                    "rank": r,
-                    "window_us": per_rank.get(r, 0.0),
-                    "link_busy_us": {
-                        lane.split(":", 1)[1]: busy
-                        for lane, busy in self.trace.busy_us(r).items()
-                        if lane.startswith("link:")
-                    },
-                }
-                for r in sorted(per_rank)
-            ]
+            out["per_rank"] = self._per_rank(busy)
         if self.balanced_window_us is not None:
             out["balanced_window_us"] = self.balanced_window_us
             out["straggler_cost_us"] = m.window_us - self.balanced_window_us
         report = getattr(schedule_module(self.schedule), "report", None)
         if report is not None:
             out["report"] = report(self.trace, self.program)
+        self._provenance(out)
+        return out
+
+    def _per_rank(self, busy: dict[str, float]) -> list[dict[str, Any]]:
+        """Each rank's window and link busy times (``busy``: :meth:`Trace.busy_us` of all)."""
+        per_rank = self.trace.per_rank_step_us()
+        links: dict[int, dict[str, float]] = {r: {} for r in per_rank}
+        one = len(per_rank) == 1  # busy_us keys are bare lanes then
+        for key, v in busy.items():
+            r, lane = (next(iter(per_rank)), key) if one else key[1:].split("/", 1)
+            if lane.startswith("link:"):
+                links[int(r)][lane.split(":", 1)[1]] = v
+        return [{"rank": r, "window_us": per_rank[r], "link_busy_us": links[r]} for r in per_rank]
+
+    def _provenance(self, out: dict[str, Any]) -> None:
+        """``profile`` and ``cost_sources``; a reduced run's ranks hold rank 0's ops (only flow
+        destinations differ, which no duration source reads): rank 0's counts times the ranks."""
         from overlap_lab.sim.calibrate import add_provenance
 
-        add_provenance(out, self.program, self.gpu, self.profile)
-        return out
+        p = self.program
+        if not str(self.trace.meta.get("reduction", "")).startswith("reduced"):
+            add_provenance(out, p, self.gpu, self.profile)
+            return
+        add_provenance(out, replace(p, ranks=p.ranks[:1]), self.gpu, self.profile)
+        n = len(p.ranks)
+        out["cost_sources"] = {
+            c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
+        }
 
 
 def _as_config(config: ScheduleConfig | Mapping[str, Any] | None) -> ScheduleConfig:

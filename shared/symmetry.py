@@ -48,8 +48,9 @@ from overlap_lab.shared.program import (
     Op,
     Program,
     RankProgram,
+    iter_gpu_instrs,
 )
-from overlap_lab.shared.trace import Span, Trace, _canonical_key
+from overlap_lab.shared.trace import Span, Trace, _canonical_key, no_gc
 
 __all__ = ["Reduction", "expand_trace", "reduce_program", "relabeling"]
 
@@ -145,7 +146,9 @@ class _Matcher:
         )
 
 
-def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
+def reduce_program(
+    program: Program, gpus_per_node: int, *, merge_flows: bool = True
+) -> Reduction | str:
     """The quotient of an explicit ``program`` when all its ranks are images of rank 0 under
     the node-preserving relabelings (module docstring), else the reason it is not."""
     world = program.world
@@ -162,6 +165,7 @@ def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
             return f"rank {rp.rank} differs from rank 0 under the node-preserving relabeling"
     bundles: dict[tuple, dict[str, int]] = {}
     seen: dict[tuple, Op] = {}
+    whole = _whole_kinds(r0) if merge_flows else frozenset()
 
     def strip(ins: Instr) -> Instr:
         if isinstance(ins, Graph):
@@ -175,8 +179,13 @@ def reduce_program(program: Program, gpus_per_node: int) -> Reduction | str:
         if key in seen and seen[key] != op:
             raise _Ambiguous(key)
         seen[key] = op
-        bundles[key] = dict(Counter(f.link for f in c.flows))
-        flows = tuple(Flow(f.link, f.nbytes) for f in c.flows)
+        counts = Counter(f.link for f in c.flows)
+        bundles[key] = {k: 1 if k in whole else n for k, n in counts.items()}
+        flows = tuple(
+            Flow(f.link, f.nbytes * counts[f.link]) if f.link in whole else Flow(f.link, f.nbytes)
+            for i, f in enumerate(c.flows)
+            if f.link not in whole or i == _first(c.flows, f.link)
+        )
         return Launch(replace(op, coll=Coll(c.key, c.role, flows)), ins.stream)
 
     try:
@@ -203,6 +212,34 @@ class _Ambiguous(Exception):
     pass
 
 
+def _first(flows: tuple[Flow, ...], link: str) -> int:
+    return next(i for i, f in enumerate(flows) if f.link == link)
+
+
+def _whole_kinds(rp: RankProgram) -> frozenset[str]:
+    """Link kinds whose flows the quotient may send as one flow per op: every op sending over
+    the kind sends the same number n of flows over it, all of one size. On a ``Link`` shared
+    equally per flow, n such flows progress and end exactly as one of n times the bytes given n
+    times the share, which is what one flow among ops of one flow each gets: the same run with
+    n times fewer flows to simulate (to float round-off: n·b/(bw/J) for b/(bw/(n·J)))."""
+    counts: dict[str, set[int]] = defaultdict(set)
+    uneven: set[str] = set()
+    for th in rp.threads:
+        for ins in iter_gpu_instrs(th.instrs):
+            if not isinstance(ins, Launch) or ins.op.coll is None or ins.op.coll.role == "recv":
+                continue
+            sizes: dict[str, set[float]] = defaultdict(set)
+            per: Counter = Counter()
+            for f in ins.op.coll.flows:
+                sizes[f.link].add(f.nbytes)
+                per[f.link] += 1
+            for k, n in per.items():
+                counts[k].add(n)
+                if len(sizes[k]) > 1:
+                    uneven.add(k)
+    return frozenset(k for k, c in counts.items() if len(c) == 1 and k not in uneven)
+
+
 def expand_trace(trace: Trace, red: Reduction) -> Trace:
     """The quotient run's ``trace`` as the explicit run's: rank 0's spans on every rank, with
     per-flow link spans merged into one span per op and link kind, as the network draws them."""
@@ -226,15 +263,16 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
     spans.sort(key=_canonical_key)
     out: list[Span] = []
     i = 0
-    while i < len(spans):
-        j = i + 1
-        while j < len(spans) and spans[j].start == spans[i].start:
-            j += 1
-        same_start = spans[i:j]
-        out += same_start
-        for r in range(1, red.world):
-            out += [s.on_rank(r) for s in same_start]
-        i = j
+    with no_gc():
+        while i < len(spans):
+            j = i + 1
+            while j < len(spans) and spans[j].start == spans[i].start:
+                j += 1
+            same_start = spans[i:j]
+            out += same_start
+            for r in range(1, red.world):
+                out += [s.on_rank(r) for s in same_start]
+            i = j
     meta = dict(trace.meta)
     meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
     return Trace._presorted(tuple(out), meta)
