@@ -103,6 +103,8 @@ class _Lowering:
         self._flows: dict[tuple, tuple[Flow, ...]] = {}  # one rank's flows: shared by its ops
         self._experts_ops: dict[tuple, Op] = {}
         self._plans: dict[int, tuple | None] = {}  # id(op) -> _plan(op); the Program holds op
+        self._recv: dict[int, tuple] = {}
+        self._site_cache: dict[int, list] = {}  # id(instrs) -> _sites(instrs), likewise held
 
     # -- per op ---------------------------------------------------------------------------------
 
@@ -188,8 +190,12 @@ class _Lowering:
 
     def _experts(self, op: Op, r: int) -> Op:
         m = self._matrices(op)
+        per_rank = self._recv.get(id(m))
+        if per_rank is None:  # (copies received, active experts) per rank; m keeps its id
+            recv, active = m.recv_copies.tolist(), m.active.tolist()
+            per_rank = self._recv[id(m)] = (list(zip(recv, active)), m)
         # ranks receiving the same copies get the same op object (balanced: every rank)
-        key = (id(op), float(m.recv_copies[r]), float(m.active[r]))
+        key = (id(op), *per_rank[0][r])
         hit = self._experts_ops.get(key)
         if hit is not None:
             return hit
@@ -216,17 +222,46 @@ class _Lowering:
 
     # -- per rank -------------------------------------------------------------------------------
 
-    def _instr(self, ins, r: int):
-        if isinstance(ins, Launch):
-            new = self.op(ins.op, r)
-            return ins if new is ins.op else Launch(new, ins.stream)
-        if isinstance(ins, Graph):
-            return Graph(ins.name, tuple(self._instr(b, r) for b in ins.body))
-        return ins
+    def _sites(self, instrs: tuple) -> list[tuple]:
+        """Where in ``instrs`` anything may depend on the rank: ``(i, None)`` for a launch whose
+        op has a plan, ``(i, sites)`` for a graph with such launches (found once per sequence:
+        every rank copies the rest as it is)."""
+        key = id(instrs)
+        sites = self._site_cache.get(key)
+        if sites is None:
+            sites = []
+            for i, ins in enumerate(instrs):
+                if isinstance(ins, Launch):
+                    op = ins.op
+                    plan = self._plans.get(id(op), False)
+                    if plan is False:
+                        plan = self._plans[id(op)] = self._plan(op)
+                    if plan is not None:
+                        sites.append((i, None))
+                elif isinstance(ins, Graph):
+                    inner = self._sites(ins.body)
+                    if inner:
+                        sites.append((i, inner))
+            self._site_cache[key] = sites
+        return sites
+
+    def _instrs(self, instrs: tuple, r: int) -> tuple:
+        sites = self._sites(instrs)
+        if not sites:
+            return instrs
+        out = list(instrs)
+        for i, inner in sites:
+            ins = instrs[i]
+            if inner is None:
+                new = self.op(ins.op, r)
+                if new is not ins.op:
+                    out[i] = Launch(new, ins.stream)
+            else:
+                body = self._instrs(ins.body, r)
+                if body is not ins.body:
+                    out[i] = Graph(ins.name, body)
+        return tuple(out)
 
     def rank(self, r: int) -> RankProgram:
-        threads = tuple(
-            HostThread(th.name, tuple(self._instr(i, r) for i in th.instrs))
-            for th in self.rp.threads
-        )
+        threads = tuple(HostThread(th.name, self._instrs(th.instrs, r)) for th in self.rp.threads)
         return RankProgram(r, self.rp.streams, threads, self.rp.priorities)
