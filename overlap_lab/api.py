@@ -390,7 +390,7 @@ def _simulate_explicit(lowered: Program, w: Workload, g: GPU, r: Ranks, prof, ma
 
     red = reduce_program(lowered, w.parallel.gpus_per_node) if r.reduce else "reduce=False"
     if isinstance(red, Reduction):
-        quotient = sim_run(red.program, g, profile=prof, max_events=max_events)
+        quotient = sim_run(red.program, g, seed=r.seed, profile=prof, max_events=max_events)
         return expand_trace(quotient, red)
     validate(lowered, g.num_sms)  # what is simulated: the explicit Program
     trace = Engine(

@@ -22,7 +22,10 @@ flows have no destination (``dst=None``: each shares its rank's egress ``Link`` 
 same bandwidth and latency per kind, ``sim.cost.link_bytes_per_us``/``link_latency_us``, as the
 network's ports). So the quotient is rank 0's RankProgram with every flow's destination dropped
 (each flow kept on its own: the Link splits per flow, as the ports do), simulated once, and its
-Trace copied to every rank (:func:`expand_trace`).
+Trace copied to every rank (:func:`expand_trace`). Where every op sending over a link kind sends
+the same number n of equal flows over it (balanced routing: one per peer), the quotient sends them
+as one flow of n times the bytes: the same progress with n times fewer flows to simulate, equal to
+float round-off (``merge_flows=False`` keeps them apart, and the run bit for bit).
 
 One difference in the Trace: the network draws one link span per op and link kind (from the send
 to the last arrival of that kind), a symmetric Link one per flow. :func:`expand_trace` merges the
@@ -90,6 +93,8 @@ def _same_flows(a: tuple[Flow, ...], b: tuple[Flow, ...], perm: list[int]) -> bo
     order of an op's flows is no part of what the network does with them)."""
     if len(a) != len(b):
         return False
+    if any(f.dst is not None and not 0 <= f.dst < len(perm) for f in a):
+        return False  # not a rank: the full run's validation names it
     mapped = sorted((f.link, -1 if f.dst is None else perm[f.dst], f.nbytes) for f in a)
     return mapped == sorted((f.link, -1 if f.dst is None else f.dst, f.nbytes) for f in b)
 
@@ -175,9 +180,11 @@ def reduce_program(
         op, c = ins.op, ins.op.coll
         if not any(f.dst is not None for f in c.flows):
             return ins
+        if any(f.dst is not None and not 0 <= f.dst < world for f in c.flows):
+            raise _Ambiguous("a flow to no rank")
         key = (op.name, op.mb, op.layer, op.step)
         if key in seen and seen[key] != op:
-            raise _Ambiguous(key)
+            raise _Ambiguous(f"two different ops share the link span key {key}")
         seen[key] = op
         counts = Counter(f.link for f in c.flows)
         bundles[key] = {k: 1 if k in whole else n for k, n in counts.items()}
@@ -193,7 +200,7 @@ def reduce_program(
             HostThread(th.name, tuple(strip(i) for i in th.instrs)) for th in r0.threads
         )
     except _Ambiguous as e:
-        return f"two different ops share the link span key {e.args[0]}"
+        return str(e.args[0])
     meta = dict(program.meta)
     quotient = Program(
         (RankProgram(0, r0.streams, threads, r0.priorities),),
@@ -209,7 +216,7 @@ def reduce_program(
 
 
 class _Ambiguous(Exception):
-    pass
+    """Rank 0's program cannot stand for the others (the message says why)."""
 
 
 def _first(flows: tuple[Flow, ...], link: str) -> int:
