@@ -266,20 +266,15 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
         merged = Span(first.rank, lane, first.op, "link", first.start, max(s.end for s in group),
                       0, *key[1:])  # fmt: skip
         spans += [merged] * (len(group) // n)
-    # canonical order is (start, rank, rest): rank 0's spans of one start, then rank 1's, ...
     spans.sort(key=_canonical_key)
-    out: list[Span] = []
-    i = 0
     with no_gc():
-        while i < len(spans):
-            j = i + 1
-            while j < len(spans) and spans[j].start == spans[i].start:
-                j += 1
-            same_start = spans[i:j]
-            out += same_start
-            for r in range(1, red.world):
-                out += [s.on_rank(r) for s in same_start]
-            i = j
+        ranks = [tuple(spans)] + [tuple(s.on_rank(r) for s in spans) for r in range(1, red.world)]
+    # canonical order is (start, rank, rest): rank 0's spans of one start, then rank 1's, ...
+    cuts = [i for i in range(1, len(spans)) if spans[i].start != spans[i - 1].start]
+    out: list[Span] = []
+    for i, j in zip([0, *cuts], [*cuts, len(spans)]):
+        for rs in ranks:
+            out += rs[i:j]
     meta = dict(trace.meta)
     meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
-    return Trace._presorted(tuple(out), meta)
+    return Trace._presorted(tuple(out), meta, dict(enumerate(ranks)) if spans else {})

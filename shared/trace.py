@@ -222,12 +222,16 @@ class Trace:
         object.__setattr__(self, "spans", spans)
 
     @classmethod
-    def _presorted(cls, spans: tuple[Span, ...], meta: dict[str, Any]) -> Trace:
-        """A Trace of ``spans`` already in canonical order (their builder guarantees it, e.g.
-        ``shared.symmetry.expand_trace``; its tests compare with a sorted Trace)."""
+    def _presorted(
+        cls, spans: tuple[Span, ...], meta: dict[str, Any], by_rank: dict[int, tuple[Span, ...]]
+    ) -> Trace:
+        """A Trace of ``spans`` already in canonical order, ``by_rank`` the same spans per rank
+        (their builder guarantees both: ``shared.symmetry.expand_trace``, whose tests compare
+        with a sorted Trace)."""
         t = object.__new__(cls)
         object.__setattr__(t, "spans", spans)
         object.__setattr__(t, "meta", meta)
+        t.__dict__["_by_rank"] = by_rank  # the cached property, filled
         return t
 
     # -- selection --------------------------------------------------------------------------
