@@ -246,6 +246,8 @@ class Result:
                 out[key] = meta[key]
         if not self.program.symmetric and meta.get("ranks") == "explicit":
             out["per_rank"] = self._per_rank(busy)
+            if "reduction" in self.trace.meta:  # simulated once for all ranks, or why not
+                out["reduction"] = self.trace.meta["reduction"]
         if self.balanced_window_us is not None:
             out["balanced_window_us"] = self.balanced_window_us
             out["straggler_cost_us"] = m.window_us - self.balanced_window_us

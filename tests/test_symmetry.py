@@ -178,7 +178,7 @@ def test_api_reduces_by_default_and_gives_the_full_runs_result():
     assert full.trace.meta["reduction"] == "not reduced: reduce=False"
     assert red.program == full.program  # the Result carries the explicit Program either way
     a, b = red.as_dict(), full.as_dict()
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and a["reduction"].startswith("reduced: all 16 ranks")
     assert a["cost_sources"] == b["cost_sources"] and a["num_ops"] == b["num_ops"]
     assert a["straggler_cost_us"] == 0.0
     assert _close(a["window_us"], b["window_us"])
