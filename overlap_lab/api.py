@@ -318,9 +318,10 @@ def simulate(
     workload's EP size (said in ``notes``). ``ranks="explicit"`` simulates every EP rank, with
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
     straggler cost is ``window_us - balanced_window_us``; ranks that cannot differ (balanced
-    routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives op durations measured
-    on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
-    ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline).
+    routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives
+    op durations measured on a GPU: a ``sim.profile.Profile``, a file, a built-in name
+    (``h800-published``), ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has
+    one, else roofline).
     ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
     ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
     e.g. an SM cap on some kernels); the Result carries the rewritten Program."""
