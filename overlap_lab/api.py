@@ -274,14 +274,22 @@ class Result:
         from overlap_lab.sim.calibrate import add_provenance
 
         p = self.program
-        if not str(self.trace.meta.get("reduction", "")).startswith("reduced"):
-            add_provenance(out, p, self.gpu, self.profile)
-            return
-        add_provenance(out, replace(p, ranks=p.ranks[:1]), self.gpu, self.profile)
-        n = len(p.ranks)
-        out["cost_sources"] = {
-            c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
-        }
+        one = _one_of_alike(p, self.trace)
+        add_provenance(out, one, self.gpu, self.profile)
+        if one is not p:
+            n = len(p.ranks)
+            out["cost_sources"] = {
+                c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
+            }
+
+
+def _one_of_alike(program: Program, trace: Trace) -> Program:
+    """Rank 0 alone when ``trace`` is a reduced run of ``program`` (its ranks hold the same ops
+    but for flow destinations: ``shared.symmetry``), else ``program``: what per-op summaries
+    (op classes, duration sources) need to read."""
+    if str(trace.meta.get("reduction", "")).startswith("reduced"):
+        return replace(program, ranks=program.ranks[:1])
+    return program
 
 
 def _as_config(config: ScheduleConfig | Mapping[str, Any] | None) -> ScheduleConfig:
@@ -367,7 +375,7 @@ def simulate(
         ep=w.parallel.ep,
         pp=w.parallel.pp,
         gpu=g.name,
-        op_class={op.name: op.op_class for _, op in ops_of(lowered)},
+        op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
     )
     if lowered.meta.get("fallback_reason"):
         notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
