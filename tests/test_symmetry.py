@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 
@@ -188,3 +189,14 @@ def test_api_reduces_by_default_and_gives_the_full_runs_result():
         assert all(_close(v, rb["link_busy_us"][k]) for k, v in ra["link_busy_us"].items())
     skew = ol.simulate("tbo", w, ranks="explicit", imbalance="zipf:1.2")
     assert skew.trace.meta["reduction"].startswith("not reduced: rank")
+
+
+@pytest.mark.parametrize("flag,prefix", [([], "reduced: "), (["--reduce-ranks", "false"], "not ")])
+def test_cli_reduce_ranks(capsys, flag, prefix):
+    from overlap_lab.experiments.cli import main
+
+    argv = ["sim", "--schedule", "tbo", "--layers", "3", "--ep", "16", "--batch", "16",
+            "--ranks", "explicit", "--out", "", "--json", *flag]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["reduction"].startswith(prefix) and len(res["per_rank"]) == 16
