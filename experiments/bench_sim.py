@@ -11,7 +11,10 @@ does (``post_*``: the ``sim --json`` result (``Result.as_dict``) and the Chrome 
 build + sim + post. ``events`` counts the SimPy events one simulation processes and
 ``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
 ``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
-``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
+``*_reduced`` runs a balanced explicit case as ``overlap-lab sim`` now does: its ranks are
+detected alike and simulated once (``shared.symmetry``; build: + detection and the quotient's
+validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
+every rank. ``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
 (what the optional numba extra buys); ``sweep_1000_no_dedupe`` the sweep with every case simulated
 (what deduplication buys).
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
