@@ -11,7 +11,10 @@ does (``post_*``: the ``sim --json`` result (``Result.as_dict``) and the Chrome 
 build + sim + post. ``events`` counts the SimPy events one simulation processes and
 ``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
 ``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
-``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
+``*_reduced`` runs a balanced explicit case as ``overlap-lab sim`` now does: its ranks are
+detected alike and simulated once (``shared.symmetry``; build: + detection and the quotient's
+validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
+every rank. ``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
 (what the optional numba extra buys); ``sweep_1000_no_dedupe`` the sweep with every case simulated
 (what deduplication buys).
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
@@ -66,6 +69,12 @@ CASES: dict[str, tuple] = {
         1,
     ),
 }
+# balanced explicit ranks as `overlap-lab sim` runs them: detected alike (shared.symmetry), the
+# quotient simulated once (build_*: + detection and the quotient's validation; sim_*: + the
+# Trace copied to every rank)
+CASES["decode_tbo_b128_ep32_explicit_balanced_reduced"] = CASES[
+    "decode_tbo_b128_ep32_explicit_balanced"
+]
 # the same zipf step with the network's compiled re-rate off (numpy progressive filling only)
 CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
     "decode_tbo_b128_ep32_explicit_zipf1.2"
@@ -119,8 +128,17 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     w = Workload(get_model("deepseek-v3"), batch, Parallel(ep=ep))
     t = _clock()
     program = build(schedule, w, gpu)
-    validate(program, gpu.num_sms)
+    if not name.endswith("_reduced"):  # a reduced run validates what it simulates, below
+        validate(program, gpu.num_sms)
     lowered = _lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
+    red = None
+    if name.endswith("_reduced"):
+        from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
+
+        red = reduce_program(lowered, w.parallel.gpus_per_node)
+        if not isinstance(red, Reduction):
+            raise RuntimeError(f"{name}: not reduced: {red}")
+        validate(red.program, gpu.num_sms)
     build_t = _since(t)
     ops = sum(
         len(i.body) if isinstance(i, Graph) else 1
@@ -131,10 +149,16 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     )
     sims, posts, events = [], [], 0
     for _ in range(reps):
-        eng = Engine(lowered, gpu, 0, net_group_tol=0.0 if ranks == "symmetric" else NET_GROUP_TOL)
+        if red is not None:
+            eng = Engine(red.program, gpu, 0)
+        else:
+            tol = 0.0 if ranks == "symmetric" else NET_GROUP_TOL
+            eng = Engine(lowered, gpu, 0, net_group_tol=tol)
         counter = _count_events(eng.env)
         t = _clock()
         trace = eng.run()
+        if red is not None:
+            trace = expand_trace(trace, red)
         sims.append(_since(t))
         events = counter[0]
         t = _clock()

@@ -255,6 +255,13 @@ def _rank_options(p: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3 group-limited routing (default: the model's own gating)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of routing and DP imbalance")
+    g.add_argument(
+        "--reduce-ranks",
+        type=_bool,
+        default=True,
+        help="explicit ranks that provably cannot differ (balanced routing) are simulated once "
+        "and copied to every rank, the same result (shared/symmetry.py); false: every rank",
+    )
 
 
 def _ranks(args):
@@ -267,6 +274,7 @@ def _ranks(args):
         getattr(args, "dp_imbalance", 0.0),
         getattr(args, "group_limited", None),
         getattr(args, "seed", 0),
+        getattr(args, "reduce_ranks", True),
     )
 
 

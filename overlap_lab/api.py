@@ -29,7 +29,7 @@ from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.presets import load_gpu, load_model
-from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.shared.program import Program, num_ops, ops_of
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
@@ -167,13 +167,19 @@ _workload, _gpu = workload, gpu  # for the functions whose parameters shadow the
 class Ranks:
     """How ranks are simulated: one mirrored rank (``symmetric``, fast) or every EP rank
     (``explicit``) with seeded expert-load (``imbalance``: balanced, zipf:S, file:PATH) and DP
-    attention (``dp_imbalance`` in [0, 1)) imbalance."""
+    attention (``dp_imbalance`` in [0, 1)) imbalance.
+
+    ``reduce``: explicit ranks that provably cannot differ (``shared.symmetry``: every rank's
+    program is rank 0's relabeled, as with balanced routing) are simulated once and the Trace
+    copied to every rank; the result is the full run's, without its network grouping tolerance.
+    False simulates every rank all the same."""
 
     mode: str = "symmetric"
     imbalance: str = "balanced"
     dp_imbalance: float = 0.0
     group_limited: bool | None = None
     seed: int = 0
+    reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("symmetric", "explicit"):
@@ -211,6 +217,7 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
         w, meta, m = self.workload, self.program.meta, self.metrics
+        busy = self.trace.busy_us()
         out: dict[str, Any] = {
             "schedule": self.schedule,
             "model": w.model.name,
@@ -222,9 +229,9 @@ class Result:
             "pp": w.parallel.pp,
             **m.as_dict(),
             "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
-            "busy_us": self.trace.busy_us(),
+            "busy_us": busy,
             "micro_batches": meta.get("micro_batches", []),
-            "num_ops": len(ops_of(self.program)),
+            "num_ops": num_ops(self.program),
             "notes": list(self.notes),
         }
         for key in (
@@ -238,29 +245,51 @@ class Result:
             if key in meta:
                 out[key] = meta[key]
         if not self.program.symmetric and meta.get("ranks") == "explicit":
-            per_rank = self.trace.per_rank_step_us()
-            out["per_rank"] = [
-                {
-                    "rank": r,
-                    "window_us": per_rank.get(r, 0.0),
-                    "link_busy_us": {
-                        lane.split(":", 1)[1]: busy
-                        for lane, busy in self.trace.busy_us(r).items()
-                        if lane.startswith("link:")
-                    },
-                }
-                for r in sorted(per_rank)
-            ]
+            out["per_rank"] = self._per_rank(busy)
+            if "reduction" in self.trace.meta:  # simulated once for all ranks, or why not
+                out["reduction"] = self.trace.meta["reduction"]
         if self.balanced_window_us is not None:
             out["balanced_window_us"] = self.balanced_window_us
             out["straggler_cost_us"] = m.window_us - self.balanced_window_us
         report = getattr(schedule_module(self.schedule), "report", None)
         if report is not None:
             out["report"] = report(self.trace, self.program)
+        self._provenance(out)
+        return out
+
+    def _per_rank(self, busy: dict[str, float]) -> list[dict[str, Any]]:
+        """Each rank's window and link busy times (``busy``: :meth:`Trace.busy_us` of all)."""
+        per_rank = self.trace.per_rank_step_us()
+        links: dict[int, dict[str, float]] = {r: {} for r in per_rank}
+        one = len(per_rank) == 1  # busy_us keys are bare lanes then
+        for key, v in busy.items():
+            r, lane = (next(iter(per_rank)), key) if one else key[1:].split("/", 1)
+            if lane.startswith("link:"):
+                links[int(r)][lane.split(":", 1)[1]] = v
+        return [{"rank": r, "window_us": per_rank[r], "link_busy_us": links[r]} for r in per_rank]
+
+    def _provenance(self, out: dict[str, Any]) -> None:
+        """``profile`` and ``cost_sources``; a reduced run's ranks hold rank 0's ops (only flow
+        destinations differ, which no duration source reads): rank 0's counts times the ranks."""
         from overlap_lab.sim.calibrate import add_provenance
 
-        add_provenance(out, self.program, self.gpu, self.profile)
-        return out
+        p = self.program
+        one = _one_of_alike(p, self.trace)
+        add_provenance(out, one, self.gpu, self.profile)
+        if one is not p:
+            n = len(p.ranks)
+            out["cost_sources"] = {
+                c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
+            }
+
+
+def _one_of_alike(program: Program, trace: Trace) -> Program:
+    """Rank 0 alone when ``trace`` is a reduced run of ``program`` (its ranks hold the same ops
+    but for flow destinations: ``shared.symmetry``), else ``program``: what per-op summaries
+    (op classes, duration sources) need to read."""
+    if str(trace.meta.get("reduction", "")).startswith("reduced"):
+        return replace(program, ranks=program.ranks[:1])
+    return program
 
 
 def _as_config(config: ScheduleConfig | Mapping[str, Any] | None) -> ScheduleConfig:
@@ -286,6 +315,7 @@ def simulate(
     dp_imbalance: float = 0.0,
     group_limited: bool | None = None,
     seed: int = 0,
+    reduce: bool = True,
     profile: Any = "auto",
     max_events: int | None = None,
     transform: Callable[[Program], Program] | None = None,
@@ -295,15 +325,16 @@ def simulate(
     ``pp`` on a workload without pipeline stages runs :data:`PP_DEFAULT_STAGES` stages of the
     workload's EP size (said in ``notes``). ``ranks="explicit"`` simulates every EP rank, with
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
-    straggler cost is ``window_us - balanced_window_us``. ``profile`` gives op durations measured
-    on a GPU: a ``sim.profile.Profile``, a file, a built-in name (``h800-published``),
-    ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has one, else roofline).
+    straggler cost is ``window_us - balanced_window_us``; ranks that cannot differ (balanced
+    routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives
+    op durations measured on a GPU: a ``sim.profile.Profile``, a file, a built-in name
+    (``h800-published``), ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has
+    one, else roofline).
     ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
     ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
     e.g. an SM cap on some kernels); the Result carries the rewritten Program."""
-    from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
-    from overlap_lab.sim.engine import Engine, SimulationStalled
+    from overlap_lab.sim.engine import SimulationStalled
 
     w = workload if workload is not None else _workload()
     g = _gpu(gpu)
@@ -311,7 +342,7 @@ def simulate(
     r = (
         ranks
         if isinstance(ranks, Ranks)
-        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed)
+        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
     prof = _profile(profile, g.name)
     notes: list[str] = []
@@ -327,16 +358,11 @@ def simulate(
         if lowered is program:
             trace = sim_run(program, g, profile=prof, max_events=max_events)
         else:
-            validate(lowered, g.num_sms)  # what is simulated: the explicit Program
-            trace = Engine(
-                lowered,
-                g,
-                r.seed,
-                net_group_tol=NET_GROUP_TOL,
-                profile=prof,
-                max_events=max_events,
-            ).run()
-            balanced = sim_run(program, g, profile=prof).step_time_us
+            trace = _simulate_explicit(lowered, w, g, r, prof, max_events)
+            if _is_balanced(r):
+                balanced = trace.step_time_us  # this run is the balanced one
+            else:
+                balanced = sim_run(program, g, profile=prof).step_time_us
     except SimulationStalled as e:  # validation should have refused it: one line all the same
         raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
@@ -349,12 +375,40 @@ def simulate(
         ep=w.parallel.ep,
         pp=w.parallel.pp,
         gpu=g.name,
-        op_class={op.name: op.op_class for _, op in ops_of(lowered)},
+        op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
     )
     if lowered.meta.get("fallback_reason"):
         notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
     metrics = measure(trace, lowered, w, g.num_sms)
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
+
+
+def _is_balanced(r: Ranks) -> bool:
+    """Whether explicit ranks ``r`` route as the symmetric Program does (their run is the
+    balanced one)."""
+    from overlap_lab.shared.routing import parse_imbalance
+
+    return parse_imbalance(r.imbalance).kind == "balanced" and r.dp_imbalance == 0
+
+
+def _simulate_explicit(lowered: Program, w: Workload, g: GPU, r: Ranks, prof, max_events) -> Trace:
+    """Simulate every rank of the explicit ``lowered``: once for all when they cannot differ
+    (``shared.symmetry``), else each, with the network's grouping tolerance."""
+    from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
+    from overlap_lab.shared.validate import validate
+    from overlap_lab.sim import simulate as sim_run
+    from overlap_lab.sim.engine import Engine
+
+    red = reduce_program(lowered, w.parallel.gpus_per_node) if r.reduce else "reduce=False"
+    if isinstance(red, Reduction):
+        quotient = sim_run(red.program, g, seed=r.seed, profile=prof, max_events=max_events)
+        return expand_trace(quotient, red)
+    validate(lowered, g.num_sms)  # what is simulated: the explicit Program
+    trace = Engine(
+        lowered, g, r.seed, net_group_tol=NET_GROUP_TOL, profile=prof, max_events=max_events
+    ).run()
+    trace.meta["reduction"] = f"not reduced: {red}"
+    return trace
 
 
 def _profile(spec: Any, gpu_name: str):
@@ -525,7 +579,10 @@ def compare(
     w1 = _with_pp(w0, 1)
     g = _gpu(gpu)
     cfg = _as_config(config)
-    run = lambda name, wl: simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)  # noqa: E731
+
+    def run(name: str, wl: Workload) -> Result:
+        return simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)
+
     bar = tqdm(
         total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
     )

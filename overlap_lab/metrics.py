@@ -76,8 +76,8 @@ def sm_time(trace: Trace, num_sms: int, rank: int = 0) -> tuple[float, float, fl
     if window <= 0:
         return 0.0, 0.0, 1.0
     comp = comm = 0.0
-    for s in trace.spans:
-        if s.rank != rank or not s.lane.startswith("stream:"):
+    for s in trace.spans_of(rank):  # canonical order, as over all spans: the same float sums
+        if not s.lane.startswith("stream:"):
             continue
         if s.kind == "compute":
             comp += s.sms * s.duration
@@ -90,9 +90,7 @@ def sm_time(trace: Trace, num_sms: int, rank: int = 0) -> tuple[float, float, fl
 
 def comm_us(trace: Trace, rank: int = 0) -> float:
     """Wall time of ``rank`` with any communication kernel or link transfer in flight."""
-    return length(
-        union((s.start, s.end) for s in trace.spans if s.rank == rank and s.kind in COMM_KINDS)
-    )
+    return length(union((s.start, s.end) for s in trace.spans_of(rank) if s.kind in COMM_KINDS))
 
 
 def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metrics:

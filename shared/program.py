@@ -247,6 +247,19 @@ def ops_of(program: Program) -> list[tuple[int, Op]]:
     return out
 
 
+def num_ops(program: Program) -> int:
+    """``len(ops_of(program))``, without building the list."""
+    n = 0
+    for rp in program.ranks:
+        for th in rp.threads:
+            for ins in th.instrs:
+                if isinstance(ins, Launch):
+                    n += 1
+                elif isinstance(ins, Graph):
+                    n += sum(isinstance(b, Launch) for b in ins.body)
+    return n
+
+
 def map_ops(program: Program, fn: Callable[[Op], Op]) -> Program:
     """``program`` with every launched op (graph bodies included) replaced by ``fn(op)``; ranks,
     streams, their priorities, threads and meta are kept as they are."""

@@ -47,6 +47,7 @@ from overlap_lab.shared.program import (
 )
 from overlap_lab.shared.routing import Routing
 from overlap_lab.shared.topology import Topology
+from overlap_lab.shared.trace import no_gc
 from overlap_lab.shared.workload import Workload
 
 
@@ -68,7 +69,8 @@ def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> P
     if routing.cfg.ep != ep or len(routing.dp_tokens) != ep:
         raise ConfigError(f"routing is for ep {routing.cfg.ep}, the workload for ep {ep}")
     lw = _Lowering(program, w, gpu, routing)
-    ranks = tuple(lw.rank(r) for r in range(ep))
+    with no_gc():  # tens of thousands of acyclic objects (see shared.trace.no_gc)
+        ranks = tuple(lw.rank(r) for r in range(ep))
     meta = dict(program.meta)
     meta.update(
         ranks="explicit",
@@ -77,6 +79,15 @@ def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> P
         dp_tokens=list(routing.dp_tokens),
     )
     return Program(ranks, world=ep, symmetric=False, meta=meta)
+
+
+def _evolve(op: Op, **changes) -> Op:
+    """``dataclasses.replace(op, **changes)`` without its per-call field walk (an EP-32 lowering
+    makes thousands; Op has no ``__post_init__`` to run)."""
+    new = object.__new__(Op)
+    new.__dict__.update(op.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 class _Lowering:
@@ -88,8 +99,12 @@ class _Lowering:
         self.mbs = {m["index"]: (m["tok_lo"], m["tok_hi"], m["padded_tokens"])
                     for m in program.meta.get("micro_batches", [])}  # fmt: skip
         self.whole = (0, n, n)
-        self._bytes: dict[tuple, dict] = {}
-        self._cache: dict[tuple, Op] = {}
+        self._bytes: dict[tuple, tuple] = {}
+        self._flows: dict[tuple, tuple[Flow, ...]] = {}  # one rank's flows: shared by its ops
+        self._experts_ops: dict[tuple, Op] = {}
+        self._plans: dict[int, tuple | None] = {}  # id(op) -> _plan(op); the Program holds op
+        self._recv: dict[int, tuple] = {}
+        self._site_cache: dict[int, list] = {}  # id(instrs) -> _sites(instrs), likewise held
 
     # -- per op ---------------------------------------------------------------------------------
 
@@ -102,24 +117,48 @@ class _Lowering:
         return self.routing.layer(op.layer).matrices(lo, hi)
 
     def op(self, op: Op, r: int) -> Op:
-        base = op.name.split(".")[0]
-        if op.layer is None:
+        """``op`` as rank ``r`` runs it (the same object when nothing of it is per rank)."""
+        plan = self._plans.get(id(op), False)
+        if plan is False:
+            plan = self._plans[id(op)] = self._plan(op)
+        if plan is None:
             return op
+        if plan[0] == "comm":
+            c = op.coll
+            return _evolve(op, coll=Coll(c.key, c.role, self._rank_flows(plan[1], plan[2], r)))
+        if plan[0] == "experts":
+            return self._experts(op, r)
+        if self.routing.dp_tokens[r] < plan[1]:
+            return self._attention(op, r)
+        return op
+
+    def _plan(self, op: Op) -> tuple | None:
+        """What of ``op`` depends on the rank, worked out once per op of the symmetric Program
+        (its ops are shared by every rank): None (nothing), ``("comm", bytes key, ratio)``,
+        ``("experts",)`` or ``("attn", tokens a rank must hold to run it whole)``."""
+        if op.layer is None:
+            return None
         c = op.coll
         if c is not None and c.role != "recv" and c.flows and all(f.dst is None for f in c.flows):
             what = c.key.rsplit(".", 1)[-1]
             if what in ("dispatch", "combine"):
-                return self._comm(op, r, what)
-        if base == "experts" and op.flops > 0:
-            return self._experts(op, r)
-        if op.name == "attn.core" and self.routing.dp_tokens[r] < self._range(op)[1]:
-            return self._attention(op, r)
-        return op
+                key, expected = self._byte_key(op, what)
+                ratio = sum(f.nbytes for f in c.flows) / expected if expected > 0 else 1.0
+                return ("comm", key, ratio)
+        if op.name.split(".")[0] == "experts" and op.flops > 0:
+            return ("experts",)
+        if op.name == "attn.core":
+            return ("attn", self._range(op)[1])
+        return None
 
-    def _comm(self, op: Op, r: int, what: str) -> Op:
+    def _byte_key(self, op: Op, what: str) -> tuple[tuple, float]:
+        """The key of ``op``'s byte matrices in ``_bytes`` (computed there once) and the bytes
+        one rank sends under balanced routing (what the schedule's flows were sized for)."""
         mode = "low_latency" if op.coll.role == "send" else "normal"
-        lo, hi, padded = self._range(op)
-        key = (op.layer, op.mb, what, mode)
+        mats = self._matrices(op)
+        padded = self._range(op)[2]
+        # balanced routing shares one Matrices object over layers: key on it, not on the layer
+        key = (id(mats), padded, what, mode)
         if key not in self._bytes:
             m, h = self.w.model, self.w.model.hidden
             per_copy = (
@@ -128,25 +167,45 @@ class _Lowering:
             p = self.w.parallel
             exp = expected_bytes(padded, p.ep, p.gpus_per_node, m.top_k, mode, per_copy)
             self._bytes[key] = (
-                byte_matrices(self._matrices(op), self.topo, mode, what, per_copy),
+                byte_matrices(mats, self.topo, mode, what, per_copy),
                 exp["nvlink"] + exp["rdma"],
+                mats,  # keeps id(mats) from being reused while the key lives
             )
-        mats, expected = self._bytes[key]
-        ratio = sum(f.nbytes for f in op.coll.flows) / expected if expected > 0 else 1.0
-        flows = []
-        for link in LINKS:
-            row = mats[link][r]
-            for d in row.nonzero()[0].tolist():
-                flows.append(Flow(link, float(row[d]) * ratio, d))
-        return replace(op, coll=Coll(op.coll.key, op.coll.role, tuple(flows)))
+        return key, self._bytes[key][1]
+
+    def _rank_flows(self, key: tuple, ratio: float, r: int) -> tuple[Flow, ...]:
+        """Rank ``r``'s flows of byte matrices ``key`` scaled by ``ratio`` (one tuple shared by
+        every op with the same)."""
+        fkey = (key, r, ratio)
+        flows = self._flows.get(fkey)
+        if flows is None:
+            bmats = self._bytes[key][0]
+            out = []
+            for link in LINKS:
+                row = bmats[link][r]
+                for d in row.nonzero()[0].tolist():
+                    out.append(Flow(link, float(row[d]) * ratio, d))
+            flows = self._flows[fkey] = tuple(out)
+        return flows
 
     def _experts(self, op: Op, r: int) -> Op:
+        m = self._matrices(op)
+        per_rank = self._recv.get(id(m))
+        if per_rank is None:  # (copies received, active experts) per rank; m keeps its id
+            recv, active = m.recv_copies.tolist(), m.active.tolist()
+            per_rank = self._recv[id(m)] = (list(zip(recv, active)), m)
+        # ranks receiving the same copies get the same op object (balanced: every rank)
+        key = (id(op), *per_rank[0][r])
+        hit = self._experts_ops.get(key)
+        if hit is not None:
+            return hit
         _, _, padded = self._range(op)
         nominal = routed_experts(self.w, padded)
         ratio = op.flops / nominal.flops if nominal.flops > 0 else 1.0
-        m = self._matrices(op)
-        work = experts_work(self.w, float(m.recv_copies[r]), float(m.active[r]))
-        return replace(op, flops=work.flops * ratio, hbm_bytes=work.hbm_bytes * ratio)
+        work = experts_work(self.w, key[1], key[2])
+        new = _evolve(op, flops=work.flops * ratio, hbm_bytes=work.hbm_bytes * ratio)
+        self._experts_ops[key] = new
+        return new
 
     def _attention(self, op: Op, r: int) -> Op:
         lo, hi, _ = self._range(op)
@@ -163,17 +222,46 @@ class _Lowering:
 
     # -- per rank -------------------------------------------------------------------------------
 
-    def _instr(self, ins, r: int):
-        if isinstance(ins, Launch):
-            new = self.op(ins.op, r)
-            return ins if new is ins.op else Launch(new, ins.stream)
-        if isinstance(ins, Graph):
-            return Graph(ins.name, tuple(self._instr(b, r) for b in ins.body))
-        return ins
+    def _sites(self, instrs: tuple) -> list[tuple]:
+        """Where in ``instrs`` anything may depend on the rank: ``(i, None)`` for a launch whose
+        op has a plan, ``(i, sites)`` for a graph with such launches (found once per sequence:
+        every rank copies the rest as it is)."""
+        key = id(instrs)
+        sites = self._site_cache.get(key)
+        if sites is None:
+            sites = []
+            for i, ins in enumerate(instrs):
+                if isinstance(ins, Launch):
+                    op = ins.op
+                    plan = self._plans.get(id(op), False)
+                    if plan is False:
+                        plan = self._plans[id(op)] = self._plan(op)
+                    if plan is not None:
+                        sites.append((i, None))
+                elif isinstance(ins, Graph):
+                    inner = self._sites(ins.body)
+                    if inner:
+                        sites.append((i, inner))
+            self._site_cache[key] = sites
+        return sites
+
+    def _instrs(self, instrs: tuple, r: int) -> tuple:
+        sites = self._sites(instrs)
+        if not sites:
+            return instrs
+        out = list(instrs)
+        for i, inner in sites:
+            ins = instrs[i]
+            if inner is None:
+                new = self.op(ins.op, r)
+                if new is not ins.op:
+                    out[i] = Launch(new, ins.stream)
+            else:
+                body = self._instrs(ins.body, r)
+                if body is not ins.body:
+                    out[i] = Graph(ins.name, body)
+        return tuple(out)
 
     def rank(self, r: int) -> RankProgram:
-        threads = tuple(
-            HostThread(th.name, tuple(self._instr(i, r) for i in th.instrs))
-            for th in self.rp.threads
-        )
+        threads = tuple(HostThread(th.name, self._instrs(th.instrs, r)) for th in self.rp.threads)
         return RankProgram(r, self.rp.streams, threads, self.rp.priorities)

@@ -18,10 +18,12 @@ use it too. This module imports neither matplotlib, torch nor simpy.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import gzip
 import json
 import re
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -79,6 +81,13 @@ class Span:
     def duration(self) -> float:
         return self.end - self.start
 
+    def on_rank(self, rank: int) -> Span:
+        """This span on ``rank`` (a copy; not validated again: only the rank differs)."""
+        new = object.__new__(Span)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["rank"] = rank
+        return new
+
 
 @dataclass(frozen=True)
 class Track:
@@ -87,6 +96,20 @@ class Track:
     name: str  # "stream:main" or "stream:main #2"
     lane: str
     spans: tuple[Span, ...]
+
+
+@contextmanager
+def no_gc():
+    """The cyclic garbage collector paused: building the ~100k acyclic dicts or spans of an
+    explicit run's trace otherwise triggers collections that walk every live object, about
+    half the time of :meth:`Trace.to_chrome` at EP 32. Reference counting still frees."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,8 +168,33 @@ def _span_key(s: Span) -> tuple:
     )
 
 
+#: lane -> lane_order(lane), filled as lanes are met (a run has a few dozen lanes)
+_LANE_ORDER: dict[str, int] = {}
+
+
 def _canonical_key(s: Span) -> tuple:
-    return (s.start, s.rank, lane_order(s.lane), s.lane, *_span_key(s)[1:])
+    """(start, rank, lane order, lane, then :func:`_span_key`'s fields): written out, as sorting
+    a run's spans calls it once per span."""
+    lane = s.lane
+    order = _LANE_ORDER.get(lane)
+    if order is None:
+        order = lane_order(lane)
+        if len(_LANE_ORDER) < 4096:
+            _LANE_ORDER[lane] = order
+    mb, layer, step = s.mb, s.layer, s.step
+    return (
+        s.start,
+        s.rank,
+        order,
+        lane,
+        s.end,
+        s.op,
+        s.kind,
+        s.sms,
+        (1, 0) if mb is None else (0, mb),
+        (1, 0) if layer is None else (0, layer),
+        (1, 0) if step is None else (0, step),
+    )
 
 
 def _none_last(x: int | None) -> tuple[int, int]:
@@ -173,16 +221,44 @@ class Trace:
         spans = tuple(sorted(self.spans, key=_canonical_key))
         object.__setattr__(self, "spans", spans)
 
+    @classmethod
+    def _presorted(
+        cls, spans: tuple[Span, ...], meta: dict[str, Any], by_rank: dict[int, tuple[Span, ...]]
+    ) -> Trace:
+        """A Trace of ``spans`` already in canonical order, ``by_rank`` the same spans per rank
+        (their builder guarantees both: ``shared.symmetry.expand_trace``, whose tests compare
+        with a sorted Trace)."""
+        t = object.__new__(cls)
+        object.__setattr__(t, "spans", spans)
+        object.__setattr__(t, "meta", meta)
+        t.__dict__["_by_rank"] = by_rank  # the cached property, filled
+        return t
+
     # -- selection --------------------------------------------------------------------------
+
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[Span, ...]]:
+        """Spans grouped by rank, each group in canonical order (built once)."""
+        by: dict[int, list[Span]] = {}
+        for s in self.spans:
+            by.setdefault(s.rank, []).append(s)
+        return {r: tuple(v) for r, v in by.items()}
 
     @cached_property
     def _index(self) -> dict[int, dict[str, list[Span]]]:
         """Spans grouped by rank, then lane, each group in canonical order (built once: every
         per-rank and per-lane query reads it instead of rescanning all spans)."""
         index: dict[int, dict[str, list[Span]]] = {}
-        for s in self.spans:
-            index.setdefault(s.rank, {}).setdefault(s.lane, []).append(s)
+        for r, spans in self._by_rank.items():
+            lanes = index[r] = {}
+            for s in spans:
+                lanes.setdefault(s.lane, []).append(s)
         return index
+
+    def spans_of(self, rank: int) -> tuple[Span, ...]:
+        """The spans of ``rank``, in canonical order (a float sum over them is the same as over
+        ``spans`` filtered by rank)."""
+        return self._by_rank.get(rank, ())
 
     def _rank_spans(self, rank: int) -> list[Span]:
         """The spans of ``rank`` (in canonical order within each lane)."""
@@ -241,16 +317,16 @@ class Trace:
         """Latest end minus earliest start over all spans of all ranks (0 for an empty trace)."""
         if not self.spans:
             return 0.0
-        return max(s.end for s in self.spans) - min(s.start for s in self.spans)
+        return self._last_end - self.spans[0].start  # canonical order starts with the start
+
+    @cached_property
+    def _last_end(self) -> float:
+        return max(s.end for s in self.spans)
 
     def per_rank_step_us(self) -> dict[int, float]:
         """Latest end minus earliest start of each rank's spans."""
-        lo: dict[int, float] = {}
-        hi: dict[int, float] = {}
-        for s in self.spans:
-            lo[s.rank] = min(lo.get(s.rank, s.start), s.start)
-            hi[s.rank] = max(hi.get(s.rank, s.end), s.end)
-        return {r: hi[r] - lo[r] for r in sorted(lo)}
+        by = self._by_rank
+        return {r: max(s.end for s in by[r]) - by[r][0].start for r in sorted(by)}
 
     def busy_us(self, rank: int | None = None) -> dict[str, float]:
         """Busy time per lane: the length of the union of its spans (overlaps count once).
@@ -310,9 +386,7 @@ class Trace:
         if step <= 0:
             return 0.0
         held = sum(  # in canonical order: the float sum is the same whatever the indexing
-            s.sms * s.duration
-            for s in self.spans
-            if s.rank == rank and s.lane.startswith("stream:")
+            s.sms * s.duration for s in self.spans_of(rank) if s.lane.startswith("stream:")
         )
         return held / (n * step)
 
@@ -338,13 +412,14 @@ class Trace:
         (``.gz`` suffix: gzip). Deterministic: same trace, same bytes."""
         events: list[dict[str, Any]] = []
         slices: list[dict[str, Any]] = []
-        for r in self.ranks:
-            events.append(_meta_event("process_name", r, None, {"name": f"rank {r}"}))
-            events.append(_meta_event("process_sort_index", r, None, {"sort_index": r}))
-            for tid, track in enumerate(self.tracks(r), start=1):
-                events.append(_meta_event("thread_name", r, tid, {"name": track.name}))
-                events.append(_meta_event("thread_sort_index", r, tid, {"sort_index": tid}))
-                slices.extend(_slice_event(s, tid) for s in track.spans)
+        with no_gc():
+            for r in self.ranks:
+                events.append(_meta_event("process_name", r, None, {"name": f"rank {r}"}))
+                events.append(_meta_event("process_sort_index", r, None, {"sort_index": r}))
+                for tid, track in enumerate(self.tracks(r), start=1):
+                    events.append(_meta_event("thread_name", r, tid, {"name": track.name}))
+                    events.append(_meta_event("thread_sort_index", r, tid, {"sort_index": tid}))
+                    slices.extend(_slice_event(s, tid) for s in track.spans)
         doc = {
             "traceEvents": events + slices,
             "displayTimeUnit": "ns",
@@ -438,21 +513,24 @@ def _meta_event(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> d
 
 
 def _slice_event(s: Span, tid: int) -> dict[str, Any]:
-    args: dict[str, Any] = {"lane": s.lane, "kind": s.kind, "sms": s.sms}
-    for k in ("mb", "layer", "step"):
-        v = getattr(s, k)
-        if v is not None:
-            args[k] = v
-    dur = s.end - s.start
-    if s.start + dur != s.end:  # keep the round trip exact despite float rounding
-        args["end"] = s.end
+    kind, start, end = s.kind, s.start, s.end
+    args: dict[str, Any] = {"lane": s.lane, "kind": kind, "sms": s.sms}
+    if s.mb is not None:
+        args["mb"] = s.mb
+    if s.layer is not None:
+        args["layer"] = s.layer
+    if s.step is not None:
+        args["step"] = s.step
+    dur = end - start
+    if start + dur != end:  # keep the round trip exact despite float rounding
+        args["end"] = end
     return {
         "name": s.op,
-        "cat": s.kind,
+        "cat": kind,
         "ph": "X",
         "pid": s.rank,
         "tid": tid,
-        "ts": s.start,
+        "ts": start,
         "dur": dur,
         "args": args,
     }

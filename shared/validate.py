@@ -138,8 +138,10 @@ def validate(program: Program, num_sms: int | None = None) -> None:
                 if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
                     sends[ins.op.coll.key].append(rp.rank)
     rank_ids = frozenset(rp.rank for rp in program.ranks)
+    faults: dict[int, str | None] = {}  # id(op) -> _op_fault: explicit ranks share most ops
+    flow_faults: dict[int, str | None] = {}  # id(flows) -> _flows_fault, likewise
     for rp in program.ranks:
-        _check_rank(rp, orders[rp.rank], num_sms, sends, rank_ids)
+        _check_rank(rp, orders[rp.rank], num_sms, sends, rank_ids, faults, flow_faults)
     _check_cycles(program, orders, num_sms)
 
 
@@ -168,7 +170,7 @@ def _check_program(program: Program) -> None:
                 raise ProgramError(f"rank {rp.rank}: thread {n!r} is declared twice")
 
 
-def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
+def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids, faults, flow_faults) -> None:
     streams = set(rp.streams)
     for s, _ in rp.priorities:
         if s not in streams:
@@ -201,7 +203,10 @@ def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids) -> None:
             if isinstance(ins, (Wait, Sync)) and ins.event not in recorded:
                 raise ProgramError(_where(it, rp, f"event {ins.event!r} is never recorded", k))
             if isinstance(ins, Launch):
-                why = _op_fault(ins.op, num_sms, sends, rank_ids)
+                op = ins.op
+                why = faults.get(id(op), False)
+                if why is False:  # the program holds op, so its id stays its own
+                    why = faults[id(op)] = _op_fault(op, num_sms, sends, rank_ids, flow_faults)
                 if why:
                     raise ProgramError(_where(it, rp, why, k))
                 for ev in ins.op.waits:
@@ -229,7 +234,7 @@ def _finite_work(v) -> bool:
     return type(v) in (float, int) and 0 <= v <= MAX_WORK  # NaN fails both comparisons
 
 
-def _op_fault(op: Op, num_sms, sends, rank_ids) -> str | None:
+def _op_fault(op: Op, num_sms, sends, rank_ids, flow_faults: dict | None = None) -> str | None:
     """Why the op cannot run, or None."""
     if op.kind not in OP_KINDS:
         return f"unknown op kind {op.kind!r}; expected one of {', '.join(OP_KINDS)}"
@@ -260,8 +265,24 @@ def _op_fault(op: Op, num_sms, sends, rank_ids) -> str | None:
         return f"unknown collective role {c.role!r}; expected one of {', '.join(ROLES)}"
     if c.role == "recv" and c.flows:
         return "a recv op carries no flows (its senders do)"
-    explicit = any(f.dst is not None for f in c.flows)
-    for f in c.flows:
+    why = _flows_fault(c.flows, rank_ids, flow_faults)
+    if why:
+        return why
+    if c.role == "recv" and c.key not in sends:
+        return f"completion of collective {c.key!r} without its issue half"
+    return None
+
+
+def _flows_fault(flows: tuple, rank_ids, memo: dict | None) -> str | None:
+    """Why these flows of one op cannot be sent, or None (``memo``: by id of the tuple, which
+    explicit ranks share among their ops)."""
+    if memo is not None:
+        why = memo.get(id(flows), False)
+        if why is False:  # the op holds flows, so the id stays theirs
+            why = memo[id(flows)] = _flows_fault(flows, rank_ids, None)
+        return why
+    explicit = any(f.dst is not None for f in flows)
+    for f in flows:
         if f.link not in LINK_KINDS:
             return f"bad flow {f}: unknown link kind {f.link!r}"
         if not _finite_work(f.nbytes):
@@ -273,8 +294,6 @@ def _op_fault(op: Op, num_sms, sends, rank_ids) -> str | None:
                 f"bad flow {f}: an op with explicit-destination flows may use only "
                 f"{' and '.join(NET_LINK_KINDS)} links"
             )
-    if c.role == "recv" and c.key not in sends:
-        return f"completion of collective {c.key!r} without its issue half"
     return None
 
 
