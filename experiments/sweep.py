@@ -249,8 +249,10 @@ def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
     program = build_schedule(args.schedule, w, gpu, cfg)
+    args.workload = w  # run_case simulates explicit ranks as api.simulate does
     lowered = api._lower_ranks(program, w, gpu, _ranks(args))
-    validate(lowered, gpu.num_sms)  # what is simulated
+    if lowered is program:
+        validate(lowered, gpu.num_sms)  # explicit ranks are validated as they are simulated
     tol = 0.0 if lowered is program else api.NET_GROUP_TOL
     profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
     return args.schedule, lowered, gpu, tol, profile, args
@@ -281,6 +283,8 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
     ``claim(key, index)`` returns the index of the case that owns ``key`` (this one when it is
     new). Returns ``{"case", "sim_key", "same_as"}`` plus the metrics (or ``error``) when this case
     simulated; a duplicate returns no metrics: its owner's are copied in by the caller."""
+    from overlap_lab import api
+    from overlap_lab.experiments.cli import _ranks
     from overlap_lab.sim.engine import Engine
 
     out: dict[str, Any] = {"case": index, "sim_key": "", "same_as": "", "error": ""}
@@ -291,14 +295,19 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
         if owner != index:
             out["same_as"] = owner
             return out
-        trace = Engine(
-            program,
-            gpu,
-            getattr(args, "seed", 0),
-            net_group_tol=tol,
-            profile=profile,
-            max_events=getattr(args, "max_events", None),
-        ).run()
+        max_events = getattr(args, "max_events", None)
+        if program.symmetric:
+            trace = Engine(
+                program,
+                gpu,
+                getattr(args, "seed", 0),
+                net_group_tol=tol,
+                profile=profile,
+                max_events=max_events,
+            ).run()
+        else:  # as api.simulate: ranks that cannot differ are simulated once
+            ranks = _ranks(args)
+            trace = api._simulate_explicit(program, args.workload, gpu, ranks, profile, max_events)
         out.update(metrics(trace, program, gpu))
     except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
