@@ -85,6 +85,28 @@ SATURATING_SM_FRACTION = 1 / 3
 HBM_USABLE = 0.90
 
 
+def cost_key(op: Op) -> tuple:
+    """Every field of ``op`` that :func:`grid` and :func:`demand` read (a profile's lookup
+    included: name, class, dtype, tokens, FLOPs): two ops with the same key cost the same, so
+    ``sim.resources.Gpu`` caches both under it (explicit ranks launch the same kernel once per
+    rank; layers repeat). Leaves out what only places the op (layer, micro-batch, step, flows)."""
+    c = op.coll
+    return (
+        op.name,
+        op.kind,
+        op.flops,
+        op.hbm_bytes,
+        op.dtype,
+        op.op_class,
+        op.sms,
+        op.tokens,
+        op.grid,
+        op.ctas,
+        op.ctas_per_sm,
+        None if c is None else c.role,
+    )
+
+
 def efficiency(op: Op) -> tuple[float, float]:
     return EFFICIENCY.get(op.op_class, EFFICIENCY["elementwise"])
 
