@@ -36,6 +36,7 @@ import heapq
 import random
 from collections import defaultdict, deque
 
+import numpy as np
 import simpy
 
 from overlap_lab.shared.hardware import GPU
@@ -51,6 +52,7 @@ from overlap_lab.shared.program import (
     Wait,
     WaitStream,
     Yield,
+    iter_gpu_instrs,
 )
 from overlap_lab.shared.trace import Span, Trace
 from overlap_lab.shared.validate import issue_order, validate
@@ -63,20 +65,7 @@ from overlap_lab.sim.resources import Gpu, Kernel, Link
 #: on each rank's own ``Link``.
 NET_KINDS = ("nvlink", "rdma")
 _SINK_BITS = 24
-
-
-def _span_key(s: Span) -> tuple:
-    return (
-        s.rank,
-        s.lane,
-        s.start,
-        s.end,
-        s.op,
-        s.sms,
-        -1 if s.mb is None else s.mb,
-        -1 if s.layer is None else s.layer,
-        -1 if s.step is None else s.step,
-    )
+_SINK_MASK = (1 << _SINK_BITS) - 1
 
 
 class TieShuffledEnvironment(simpy.Environment):
@@ -165,14 +154,15 @@ class Engine:
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
         self._arrived: set[tuple[str, int]] = set()  # collectives whose data is all in
         self._on_arrival: dict[tuple[str, int], list] = {}  # their waiting kernels' callbacks
-        for rp in program.ranks:
-            for it in issue_order(rp):
-                for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
-                    if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
-                        for f in ins.op.coll.flows:
+        for rp in program.ranks:  # the flows each rank will receive, per collective
+            for th in rp.threads:
+                for ins in iter_gpu_instrs(th.instrs):
+                    c = ins.op.coll if type(ins) is Launch else None
+                    if c is not None and c.role != "recv":
+                        parts = max(1, len(ins.op.waits))  # a kernel polling signals sends one
+                        for f in c.flows:  # part per signal
                             dst = rp.rank if f.dst is None else f.dst
-                            # a kernel polling signals sends one part per signal
-                            self._expected[(ins.op.coll.key, dst)] += max(1, len(ins.op.waits))
+                            self._expected[(c.key, dst)] += parts
         self._implicit = 0
         kinds = {
             k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS
@@ -208,11 +198,9 @@ class Engine:
         )
         if self.profile is not None:
             meta["profile"] = self.profile.name
-        # spans in a canonical order: the order events were processed in is no part of the
-        # result. Within a stream or host lane spans are appended in program order already; the
-        # key breaks the remaining ties (links, spans of one instant) without comparing None.
-        spans = sorted(self.spans, key=_span_key)
-        return Trace(tuple(spans), meta)
+        # Trace stores its spans in canonical order (every field of a span in its key): the
+        # order events were processed in is no part of the result
+        return Trace(tuple(self.spans), meta)
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank
@@ -379,9 +367,9 @@ class Engine:
                 r.event(ev).callbacks.append(lambda _e: r.gpu.signal(k))
         r.gpu.start(k)
 
-    def _arrive(self, key: tuple[str, int]) -> None:
-        """One flow of collective ``key`` has arrived; the last one releases its receivers."""
-        self._expected[key] -= 1
+    def _arrive(self, key: tuple[str, int], n: int = 1) -> None:
+        """``n`` flows of collective ``key`` have arrived; the last one releases its receivers."""
+        self._expected[key] -= n
         if self._expected[key] == 0:
             self._arrived.add(key)
             for fn in self._on_arrival.pop(key, ()):
@@ -415,32 +403,37 @@ class Engine:
     def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
         src, key = r.rp.rank, op.coll.key
-        dsts, kinds, nbytes, tags, left = [], [], [], [], {}
-        b = len(self._bundles)
-        for f in flows:
-            dst = src if f.dst is None else f.dst
+        sinks, sink_keys, kind_index = self._sinks, self._sink_keys, self.net.kind_index
+        b = len(self._bundles) << _SINK_BITS
+        dsts = [src if f.dst is None else f.dst for f in flows]
+        kinds = [kind_index[f.link] for f in flows]
+        tags = []
+        for dst in dsts:
             sk = (key, dst)
-            sink = self._sinks.get(sk)
+            sink = sinks.get(sk)
             if sink is None:
-                sink = self._sinks[sk] = len(self._sink_keys)
-                self._sink_keys.append(sk)
-            k = self.net.kind_index[f.link]
-            dsts.append(dst)
-            kinds.append(k)
-            nbytes.append(f.nbytes)
-            tags.append((b << _SINK_BITS) | sink)
+                sink = sinks[sk] = len(sink_keys)
+                sink_keys.append(sk)
+            tags.append(b | sink)
+        left: dict[int, int] = {}
+        for k in kinds:
             left[k] = left.get(k, 0) + 1
         self._bundles.append([src, op, self.env.now, left])
-        self.net.send(src, dsts, kinds, nbytes, tags)
+        self.net.send(src, dsts, kinds, [f.nbytes for f in flows], tags)
 
-    def _net_done(self, tags, kinds) -> None:
-        """Flows arrived: count them off their collective's arrival and their bundle's span."""
-        mask = (1 << _SINK_BITS) - 1
-        for tag, k in zip(tags.tolist(), kinds.tolist()):
-            self._arrive(self._sink_keys[tag & mask])
-            bundle = self._bundles[tag >> _SINK_BITS]
+    def _net_done(self, tags: np.ndarray, kinds: np.ndarray) -> None:
+        """Flows arrived: count them off their collective's arrival and their bundle's span
+        (counted per collective and per bundle: an all-to-all delivers hundreds at once)."""
+        sinks, counts = np.unique(tags & _SINK_MASK, return_counts=True)
+        for sink, n in zip(sinks.tolist(), counts.tolist()):
+            self._arrive(self._sink_keys[sink], n)
+        nk = len(NET_KINDS)
+        pairs, counts = np.unique((tags >> _SINK_BITS) * nk + kinds, return_counts=True)
+        for pair, n in zip(pairs.tolist(), counts.tolist()):
+            b, k = divmod(pair, nk)
+            bundle = self._bundles[b]
             left = bundle[3]
-            left[k] -= 1
+            left[k] -= n
             if left[k] == 0:
                 rank, op, t0 = bundle[0], bundle[1], bundle[2]
                 lane = f"link:{NET_KINDS[k]}"

@@ -35,12 +35,14 @@ _EPS = 1e-9
 #: large clocks (above ~1e8 µs) a few ulps of the end time are wider and take over (``_tol``).
 _TIME_EPS = 1e-7
 _INF = float("inf")
+#: Below this clock (µs) 4 ulps are narrower than ``_TIME_EPS`` (4 * 2**-27 < 1e-7).
+_ULP_FROM = 2.0**26
 
 
 def _tol(t: float) -> float:
     """How close to ``t`` a clock counts as having reached it: ``_TIME_EPS``, or 4 ulps of ``t``
     where that is wider (a clock of 1e16 µs cannot represent ``t - 1e-7``)."""
-    return max(_TIME_EPS, 4 * math.ulp(t))
+    return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
 
 
 class Timers:
@@ -61,7 +63,7 @@ class Timers:
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
         env = self.env
-        when = env.now + delay  # the float SimPy itself computes for the event's time
+        when = env._now + delay  # the float SimPy itself computes for the event's time
         ev = self._at.get(when)
         if ev is None or ev.callbacks is None:
             ev = simpy.Event(env)
@@ -104,7 +106,7 @@ class Fluid:
         raise NotImplementedError
 
     def _advance(self) -> None:
-        now = self.env.now
+        now = self.env._now
         dt = now - self._t
         for j in self.jobs:
             if j.rate > 0:
@@ -117,21 +119,21 @@ class Fluid:
         report the finished jobs (their callbacks may start new work on this resource)."""
         self._advance()
         jobs = self.jobs
-        while True:
-            done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
-            if not done:
-                break
+        done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
+        while done:
             for j in done:
                 jobs.remove(j)
                 self._finish(j)
+            done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
         self._rates()
-        now = self.env.now
+        now = self.env._now
         first = _INF
         for j in jobs:
             # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
-            if j.rate > 0:
-                t = j.t_end = now + (j.left - j.floor) / j.rate
-                j.t_snap = t - _tol(t)
+            rate = j.rate
+            if rate > 0:
+                t = j.t_end = now + (j.left - j.floor) / rate
+                j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
                 if t < first:
                     first = t
             else:
