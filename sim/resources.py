@@ -600,8 +600,36 @@ class Gpu(Fluid):
             shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
         else:
             shares = cost.hbm_shares(demands, self.gpu)
+            shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
             dur = cost.duration_us(d, s) * wave
             c.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
+
+    def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
+        """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
+        on all their SMs (``cost.bandwidth_cap``). A cohort's own cap is the kernel's on the
+        cohort's SMs, and that cap saturates at a third of the GPU: without this rule a waved
+        kernel split into a big cohort and a straggler CTA pulled more than the whole kernel
+        could, and ended before its own roofline time alone on the GPU. Shares that keep within
+        every kernel's cap are returned as they are."""
+        by_kernel: dict = {}
+        for i, c in enumerate(running):
+            by_kernel.setdefault(c.kernel, []).append(i)
+        if len(by_kernel) == len(running):
+            return shares
+        group_caps = {}
+        for k, idx in by_kernel.items():
+            if len(idx) > 1:
+                cap = cost.bandwidth_cap(k.op, self.gpu, sum(running[i].sms for i in idx))
+                if sum(shares[i] for i in idx) > cap:
+                    group_caps[k] = cap
+        if not group_caps:
+            return shares
+        return cost.water_fill_grouped(
+            [d.cap for d in demands],
+            [c.kernel for c in running],
+            group_caps,
+            cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE,
+        )
