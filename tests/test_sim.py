@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 
 import pytest
+import simpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -287,3 +289,31 @@ def test_invariants_hold_on_random_programs(p):
     if tr.spans:
         assert critical_bound(p) - 1e-6 <= tr.step_time_us
         sm_time_covers_the_work(p, tr)
+
+
+class _EarlyTimers(simpy.Environment):
+    """Fires every timer one ulp before the instant asked for: float round-off at its worst."""
+
+    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
+        if delay > 0:
+            delay = math.nextafter(self._now + delay, 0.0) - self._now
+        super().schedule(event, priority, delay)
+
+
+@pytest.mark.parametrize("clock", [0.0, 1e6, 1e16])
+def test_a_timer_ends_the_jobs_due_at_it_whatever_round_off_left(clock):
+    """A fluid timer that fires short of its jobs' predicted end (by round-off) still ends them:
+    they are remembered as due at it, not matched by comparing clocks. At 1e16 µs an ulp is 2 µs,
+    so a flow of 10 µs had 20 % left at an early timer and re-armed it at that very instant
+    forever."""
+    from overlap_lab.sim.resources import Link
+
+    env = _EarlyTimers(initial_time=clock)
+    link, arrived = Link(env, 1.0, 0.0), []
+    link.send(10.0, lambda: arrived.append(env.now))
+    for _ in range(5):
+        if env.peek() == float("inf"):
+            break
+        env.step()
+    assert arrived and arrived[0] <= clock + 10.0
+    assert env.peek() == float("inf")
