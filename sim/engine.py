@@ -66,6 +66,8 @@ from overlap_lab.sim.resources import Gpu, Kernel, Link
 NET_KINDS = ("nvlink", "rdma")
 _SINK_BITS = 24
 _SINK_MASK = (1 << _SINK_BITS) - 1
+#: Arrivals counted with numpy above this many flows at once (below, a dict is cheaper).
+_COUNT_WITH_NUMPY = 64
 
 
 class TieShuffledEnvironment(simpy.Environment):
@@ -424,12 +426,23 @@ class Engine:
     def _net_done(self, tags: np.ndarray, kinds: np.ndarray) -> None:
         """Flows arrived: count them off their collective's arrival and their bundle's span
         (counted per collective and per bundle: an all-to-all delivers hundreds at once)."""
-        sinks, counts = np.unique(tags & _SINK_MASK, return_counts=True)
-        for sink, n in zip(sinks.tolist(), counts.tolist()):
-            self._arrive(self._sink_keys[sink], n)
         nk = len(NET_KINDS)
-        pairs, counts = np.unique((tags >> _SINK_BITS) * nk + kinds, return_counts=True)
-        for pair, n in zip(pairs.tolist(), counts.tolist()):
+        if len(tags) > _COUNT_WITH_NUMPY:
+            sinks, n_sink = np.unique(tags & _SINK_MASK, return_counts=True)
+            pairs, n_pair = np.unique((tags >> _SINK_BITS) * nk + kinds, return_counts=True)
+            by_sink = zip(sinks.tolist(), n_sink.tolist())
+            by_pair = zip(pairs.tolist(), n_pair.tolist())
+        else:
+            cs: dict[int, int] = {}
+            cp: dict[int, int] = {}
+            for tag, k in zip(tags.tolist(), kinds.tolist()):
+                cs[tag & _SINK_MASK] = cs.get(tag & _SINK_MASK, 0) + 1
+                pair = (tag >> _SINK_BITS) * nk + k
+                cp[pair] = cp.get(pair, 0) + 1
+            by_sink, by_pair = cs.items(), cp.items()
+        for sink, n in by_sink:
+            self._arrive(self._sink_keys[sink], n)
+        for pair, n in by_pair:
             b, k = divmod(pair, nk)
             bundle = self._bundles[b]
             left = bundle[3]
