@@ -59,6 +59,8 @@ class Timers:
     def __init__(self, env: simpy.Environment):
         self.env = env
         self._at: dict[float, simpy.Event] = {}
+        #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
+        self.passes: list | None = None
 
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
@@ -76,6 +78,12 @@ class Timers:
     def _forget(self, when: float, ev: simpy.Event) -> None:
         if self._at.get(when) is ev:
             del self._at[when]
+
+    def run_passes(self) -> None:
+        """The block scheduler's passes of this instant, GPU by GPU in creation order."""
+        due, self.passes = self.passes, None
+        for gpu in sorted(due, key=_ORDER):
+            gpu._grant()
 
 
 _TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -208,6 +216,7 @@ class Link(Fluid):
 
 
 _GPU_ORDER = itertools.count()
+_ORDER = attrgetter("order")
 
 #: Precedence among pending CTAs: stream priority (lower first), then launch order.
 _precedence = attrgetter("prio", "seq")
@@ -290,17 +299,6 @@ class Cohort:
     def set_floor(self) -> None:
         n = len(self.kernel.op.waits)
         self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
-
-
-#: GPUs waiting for their block scheduler's pass at the end of the current instant, per SimPy
-#: environment (weakly held: an environment's entry goes with it).
-_PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _run_passes(env: simpy.Environment) -> None:
-    due = _PASSES.pop(env)
-    for gpu in sorted(due, key=attrgetter("order")):
-        gpu._grant()
 
 
 class Gpu(Fluid):
@@ -412,14 +410,14 @@ class Gpu(Fluid):
         if self._grant_due:
             return
         self._grant_due = True
-        due = _PASSES.get(self.env)
-        if due is None:
-            due = _PASSES[self.env] = []
+        t = self._timers
+        if t.passes is None:
+            t.passes = []
             ev = self.env.event()
             ev._ok, ev._value = True, None  # triggered; processed after the instant's others
-            ev.callbacks.append(lambda _e, env=self.env: _run_passes(env))
+            ev.callbacks.append(lambda _e: t.run_passes())
             self.env.schedule(ev, GRANT_PRIORITY)
-        due.append(self)
+        t.passes.append(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
