@@ -317,3 +317,19 @@ def test_a_timer_ends_the_jobs_due_at_it_whatever_round_off_left(clock):
         env.step()
     assert arrived and arrived[0] <= clock + 10.0
     assert env.peek() == float("inf")
+
+
+def test_a_stalled_run_names_what_is_stuck():
+    """A Program the validator would refuse (a wait and a sync on an event never recorded), run
+    as is: the stall report names the blocked host thread, the held stream and its queue."""
+    from overlap_lab.sim.engine import Engine, SimulationStalled
+
+    r = RankBuilder(0, ("a", "b"))
+    r.thread("main").wait("a", "never").launch(GEMM, "a").launch(GEMM, "b").sync("never")
+    with pytest.raises(SimulationStalled) as e:
+        Engine(program([r], world=1), GPU).run()
+    msg = str(e.value)
+    assert "rank 0 host blocked at thread main instruction 3" in msg
+    assert "rank 0 stream a stuck waiting for event 'never'" in msg
+    assert "rank 0 stream a has 1 unissued items" in msg
+    assert "stream b" not in msg  # its GEMM ran
