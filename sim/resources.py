@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -86,14 +85,12 @@ class Timers:
             gpu._grant()
 
 
-_TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def timers(env: simpy.Environment) -> Timers:
-    """The ``Timers`` of ``env`` (one per environment, shared by all its resources)."""
-    t = _TIMERS.get(env)
+    """The ``Timers`` of ``env`` (one per environment, shared by all its resources), kept on the
+    environment itself: a weak-keyed table would keep every environment alive through its value."""
+    t = getattr(env, "_overlap_lab_timers", None)
     if t is None:
-        t = _TIMERS[env] = Timers(env)
+        t = env._overlap_lab_timers = Timers(env)
     return t
 
 

@@ -333,3 +333,20 @@ def test_a_stalled_run_names_what_is_stuck():
     assert "rank 0 stream a stuck waiting for event 'never'" in msg
     assert "rank 0 stream a has 1 unissued items" in msg
     assert "stream b" not in msg  # its GEMM ran
+
+
+def test_a_finished_run_leaves_nothing_alive():
+    """Sweeps run thousands of simulations in one process: an Engine's environment (and with it
+    every kernel and span) is collectable once the run is over."""
+    import gc
+    import weakref
+
+    from overlap_lab.sim.engine import Engine
+
+    p, _ = run(lambda t: t.launch(GEMM, "a").launch(GEMM, "b").record("e", "b").sync("e"))
+    eng = Engine(p, GPU)
+    eng.run()
+    env = weakref.ref(eng.env)
+    del eng
+    gc.collect()
+    assert env() is None
