@@ -609,11 +609,11 @@ class Gpu(Fluid):
         kernel split into a big cohort and a straggler CTA pulled more than the whole kernel
         could, and ended before its own roofline time alone on the GPU. Shares that keep within
         every kernel's cap are returned as they are."""
+        if not any(c.kernel.cohorts > 1 for c in running):
+            return shares  # no kernel runs as more than one cohort
         by_kernel: dict = {}
         for i, c in enumerate(running):
             by_kernel.setdefault(c.kernel, []).append(i)
-        if len(by_kernel) == len(running):
-            return shares
         group_caps = {}
         for k, idx in by_kernel.items():
             if len(idx) > 1:
