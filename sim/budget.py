@@ -1,10 +1,16 @@
 """The per-run event budget (``--max-events``): no input can make a simulation run forever.
 
-A run takes about 6 SimPy events per instruction and up to 1.5 per flow (measured: TBO, 8 layers,
-EP 32 explicit with zipf routing, 41K events for 6.7K instructions and 28K flows; sglang-overlap
-at EP 64, 181K for 32K and 222K). The default budget, ``PER_INSTR`` events per instruction plus
-``PER_FLOW`` per flow plus ``MIN_EVENTS``, leaves a margin of about 7 over any sound Program yet
-stops one that makes no progress (a floating-point timer loop, say) within a bounded time.
+An event is one SimPy event the run processes (``env.step``). Streams are driven by callbacks and
+timers of one instant share an event (``sim.resources.Timers``), so a run takes about 2-3 events
+per instruction and flow on one symmetric rank, and fewer per instruction on explicit ranks in
+lockstep, whose kernels end together; the network re-rating at every distinct flow completion
+(explicit ranks with skewed routing and no grouping tolerance) takes the most (measured,
+DeepSeek-V3 4 layers on H800, EP 8, every schedule: at most 6.3 events per instruction plus flow,
+SBO decode with zipf:1.2 routing; 2.0-3.0 on symmetric ranks). One event's callbacks are bounded
+by the resources that share it (a few per rank), so the count still bounds the run's work. The
+default budget, ``PER_INSTR`` events per instruction plus ``PER_FLOW`` per flow plus
+``MIN_EVENTS``, leaves a margin of 3.5 or more over any of those (about 10 over most) yet stops
+one that makes no progress (a floating-point timer loop, say) within a bounded time.
 """
 
 from __future__ import annotations

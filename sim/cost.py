@@ -85,6 +85,28 @@ SATURATING_SM_FRACTION = 1 / 3
 HBM_USABLE = 0.90
 
 
+def cost_key(op: Op) -> tuple:
+    """Every field of ``op`` that :func:`grid` and :func:`demand` read (a profile's lookup
+    included: name, class, dtype, tokens, FLOPs): two ops with the same key cost the same, so
+    ``sim.resources.Gpu`` caches both under it (explicit ranks launch the same kernel once per
+    rank; layers repeat). Leaves out what only places the op (layer, micro-batch, step, flows)."""
+    c = op.coll
+    return (
+        op.name,
+        op.kind,
+        op.flops,
+        op.hbm_bytes,
+        op.dtype,
+        op.op_class,
+        op.sms,
+        op.tokens,
+        op.grid,
+        op.ctas,
+        op.ctas_per_sm,
+        None if c is None else c.role,
+    )
+
+
 def efficiency(op: Op) -> tuple[float, float]:
     return EFFICIENCY.get(op.op_class, EFFICIENCY["elementwise"])
 
@@ -221,6 +243,48 @@ def water_fill(caps: list[float], total: float) -> list[float]:
         alloc[i] = min(caps[i], share)
         left -= alloc[i]
     return alloc
+
+
+def water_fill_grouped(
+    caps: list[float], groups: list, group_caps: dict, total: float
+) -> list[float]:
+    """:func:`water_fill` where, besides its own cap, the demands of each group ``g`` in
+    ``group_caps`` together get at most ``group_caps[g]`` (progressive filling: every demand not
+    yet frozen rises at the same pace; a demand freezes at its cap, a group's demands when the
+    group is full, all when ``total`` is spent)."""
+    n = len(caps)
+    alloc = [0.0] * n
+    live = list(range(n))
+    left = total
+    gleft = dict(group_caps)
+    while live:
+        members: dict = {}
+        for i in live:
+            g = groups[i]
+            if g in gleft:
+                members[g] = members.get(g, 0) + 1
+        inc = min(left / len(live), min(caps[i] - alloc[i] for i in live))
+        for g, m in members.items():
+            inc = min(inc, gleft[g] / m)
+        inc = max(inc, 0.0)
+        for i in live:
+            alloc[i] += inc
+        left -= inc * len(live)
+        for g, m in members.items():
+            gleft[g] -= inc * m
+        if left <= _FILL_EPS * total:
+            break
+        live = [
+            i
+            for i in live
+            if alloc[i] < caps[i] * (1 - _FILL_EPS)
+            and not (groups[i] in gleft and gleft[groups[i]] <= _FILL_EPS * group_caps[groups[i]])
+        ]
+    return alloc
+
+
+#: Relative slack under which progressive filling counts a cap as reached (float round-off).
+_FILL_EPS = 1e-12
 
 
 def hbm_shares(demands: list[KernelDemand], gpu: GPU) -> list[float]:

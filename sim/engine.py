@@ -5,8 +5,11 @@ Per rank:
   one host thread runs at a time and hands over at ``Yield``), paying the launch cost per kernel
   (one graph-launch cost per ``Graph``), host time per ``Host`` and blocking at ``Sync``; its spans
   land on the lane of the thread that issued them;
-- one process per stream takes instructions in FIFO order: a launch runs once it holds its SMs;
-  a record fires its event; a wait holds the stream until the event has fired;
+- each stream takes instructions in FIFO order from a queue: a launch runs once it holds its SMs;
+  a record fires its event; a wait holds the stream until the event has fired. A stream is not a
+  SimPy process: it is driven by callbacks (an instruction issued to an idle stream, its kernel's
+  end, the event it waits on), which run at the same instant a process would have resumed and
+  save the queue's put and get events and the kernel's done event;
 - a ``sim.resources.Gpu`` (SMs and HBM) and one ``sim.resources.Link`` per link kind (its
   egress, used by symmetric flows and PCIe copies).
 
@@ -28,10 +31,12 @@ imbalance are drawn, seeded, when the Program is built: ``shared.routing``, ``sh
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 
+import numpy as np
 import simpy
 
 from overlap_lab.shared.hardware import GPU
@@ -47,6 +52,7 @@ from overlap_lab.shared.program import (
     Wait,
     WaitStream,
     Yield,
+    iter_gpu_instrs,
 )
 from overlap_lab.shared.trace import Span, Trace
 from overlap_lab.shared.validate import issue_order, validate
@@ -59,20 +65,9 @@ from overlap_lab.sim.resources import Gpu, Kernel, Link
 #: on each rank's own ``Link``.
 NET_KINDS = ("nvlink", "rdma")
 _SINK_BITS = 24
-
-
-def _span_key(s: Span) -> tuple:
-    return (
-        s.rank,
-        s.lane,
-        s.start,
-        s.end,
-        s.op,
-        s.sms,
-        -1 if s.mb is None else s.mb,
-        -1 if s.layer is None else s.layer,
-        -1 if s.step is None else s.step,
-    )
+_SINK_MASK = (1 << _SINK_BITS) - 1
+#: Arrivals counted with numpy above this many flows at once (below, a dict is cheaper).
+_COUNT_WITH_NUMPY = 64
 
 
 class TieShuffledEnvironment(simpy.Environment):
@@ -103,17 +98,41 @@ class SimulationStalled(RuntimeError):
 class _Rank:
     def __init__(self, engine: Engine, rp: RankProgram):
         env, gpu = engine.env, engine.gpu
-        self.rp = rp
-        self.gpu = Gpu(env, gpu, engine.profile)
+        self.env, self.rp = env, rp
+        self.gpu = Gpu(
+            env,
+            gpu,
+            engine.profile,
+            on_grant=lambda k: engine._begin(self, k),
+            on_done=lambda k: engine._kernel_done(self, k),
+            costs=engine.costs,
+        )
         self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
             k: Link(env, cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k))
             for k in ("nvlink", "rdma", "pcie")
         }
-        self.events: dict[str, simpy.Event] = defaultdict(env.event)
-        self.queues = {s: simpy.Store(env) for s in rp.streams}
-        self.busy: dict[str, str] = {}  # stream -> what it is doing now (for stall reports)
+        self.fired: set[str] = set()  # events recorded so far
+        self.waited: dict[str, simpy.Event] = {}  # SimPy events of those waited on before firing
+        self.queues: dict[str, deque] = {s: deque() for s in rp.streams}
+        self.prio = {s: rp.priority(s) for s in rp.streams}
+        self.busy: dict[str, object] = {}  # stream -> what holds it now (for stall reports)
+        self.pumping: set[str] = set()  # streams whose queue is being walked right now
         self.host_at = "not started"
         self.issued = 0  # launch sequence numbers: pending CTAs of equal priority go in this order
+
+    def event(self, name: str) -> simpy.Event:
+        """The SimPy event of ``name`` for a waiter that must block: only events someone waits
+        on before they fire get one (most records are waited on later or never)."""
+        ev = self.waited.get(name)
+        if ev is None:
+            ev = self.waited[name] = self.env.event()
+        return ev
+
+    def record(self, name: str) -> None:
+        self.fired.add(name)
+        ev = self.waited.get(name)
+        if ev is not None:
+            ev.succeed()
 
 
 class Engine:
@@ -132,17 +151,20 @@ class Engine:
         self.max_events = max_events or default_max_events(program)  # sim.budget
         self.env = simpy.Environment() if tie_seed is None else TieShuffledEnvironment(tie_seed)
         self.spans: list[Span] = []
+        self.costs: dict = {}  # sim.cost results by what they read (shared by every rank's GPU)
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
-        self._arrived: dict[tuple[str, int], simpy.Event] = defaultdict(self.env.event)
-        for rp in program.ranks:
-            for it in issue_order(rp):
-                for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
-                    if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
-                        for f in ins.op.coll.flows:
+        self._arrived: set[tuple[str, int]] = set()  # collectives whose data is all in
+        self._on_arrival: dict[tuple[str, int], list] = {}  # their waiting kernels' callbacks
+        for rp in program.ranks:  # the flows each rank will receive, per collective
+            for th in rp.threads:
+                for ins in iter_gpu_instrs(th.instrs):
+                    c = ins.op.coll if type(ins) is Launch else None
+                    if c is not None and c.role != "recv":
+                        parts = max(1, len(ins.op.waits))  # a kernel polling signals sends one
+                        for f in c.flows:  # part per signal
                             dst = rp.rank if f.dst is None else f.dst
-                            # a kernel polling signals sends one part per signal
-                            self._expected[(ins.op.coll.key, dst)] += max(1, len(ins.op.waits))
+                            self._expected[(c.key, dst)] += parts
         self._implicit = 0
         kinds = {
             k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS
@@ -157,9 +179,15 @@ class Engine:
     def run(self) -> Trace:
         for r in self.ranks.values():
             self.env.process(self._host(r))
-            for s, q in r.queues.items():
-                self.env.process(self._stream(r, s, q))
-        run_budgeted(self.env, self.max_events)
+        # the run makes many short-lived objects and no garbage cycles worth collecting
+        # mid-run; the collector would walk the Program's objects over and over (~12 % of a run)
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            run_budgeted(self.env, self.max_events)
+        finally:
+            if gc_on:
+                gc.enable()
         self._check_finished()
         meta = dict(self.program.meta)
         meta.update(
@@ -172,11 +200,9 @@ class Engine:
         )
         if self.profile is not None:
             meta["profile"] = self.profile.name
-        # spans in a canonical order: the order events were processed in is no part of the
-        # result. Within a stream or host lane spans are appended in program order already; the
-        # key breaks the remaining ties (links, spans of one instant) without comparing None.
-        spans = sorted(self.spans, key=_span_key)
-        return Trace(tuple(spans), meta)
+        # Trace stores its spans in canonical order (every field of a span in its key): the
+        # order events were processed in is no part of the result
+        return Trace(tuple(self.spans), meta)
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank
@@ -206,9 +232,9 @@ class Engine:
                     Span(rank, lane, ins.name, "host", t0, env.now, 0, ins.mb, ins.layer, ins.step)
                 )
             elif isinstance(ins, Sync):
-                t0, ev = env.now, r.events[ins.event]
-                if not ev.processed:
-                    yield ev
+                t0 = env.now
+                if ins.event not in r.fired:
+                    yield r.event(ins.event)
                 if env.now > t0:
                     self.spans.append(Span(rank, lane, f"sync {ins.event}", "sync", t0, env.now))
             elif isinstance(ins, Yield):
@@ -221,48 +247,86 @@ class Engine:
         if isinstance(ins, WaitStream):
             self._implicit += 1
             ev = f"__wait_stream_{self._implicit}"
-            r.queues[ins.other].put((r.issued, Record(ev, ins.other)))
-            r.queues[ins.stream].put((r.issued, Wait(ins.stream, ev)))
+            self._put(r, ins.other, (r.issued, Record(ev, ins.other)))
+            self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev)))
         else:
-            r.queues[ins.stream].put((r.issued, ins))
+            self._put(r, ins.stream, (r.issued, ins))
 
-    def _stream(self, r: _Rank, name: str, q: simpy.Store):
-        while True:
-            seq, ins = yield q.get()
-            if isinstance(ins, Record):
-                r.events[ins.event].succeed()
-            elif isinstance(ins, Wait):
-                ev = r.events[ins.event]
-                if not ev.processed:
-                    r.busy[name] = f"waiting for event {ins.event!r}"
-                    yield ev
-            else:
-                r.busy[name] = f"running {ins.op.name} (layer {ins.op.layer}, mb {ins.op.mb})"
-                yield from self._run_op(r, name, ins.op, seq)
-            r.busy.pop(name, None)
+    def _put(self, r: _Rank, stream: str, item: tuple) -> None:
+        r.queues[stream].append(item)
+        if stream not in r.busy:
+            self._pump(r, stream)
+
+    def _pump(self, r: _Rank, name: str) -> None:
+        """Run the stream's queue until it is empty or held: by a running op or a wait on an
+        event not fired yet (whose firing, or the op's end, calls this again)."""
+        if name in r.pumping:
+            return  # an op that ended at once, inside the walk below: the walk goes on
+        q, busy = r.queues[name], r.busy
+        r.pumping.add(name)
+        try:
+            while q and name not in busy:
+                seq, ins = q.popleft()
+                if type(ins) is Record:
+                    r.record(ins.event)
+                elif type(ins) is Wait:
+                    if ins.event not in r.fired:
+                        busy[name] = ins
+                        r.event(ins.event).callbacks.append(
+                            lambda _e, r=r, name=name: self._release(r, name)
+                        )
+                else:
+                    busy[name] = ins
+                    self._run_op(r, name, ins.op, seq)
+        finally:
+            r.pumping.discard(name)
+
+    def _release(self, r: _Rank, name: str) -> None:
+        """What held the stream is over: go on with its queue."""
+        del r.busy[name]
+        self._pump(r, name)
 
     # -- one op --------------------------------------------------------------------------------
 
-    def _run_op(self, r: _Rank, stream: str, op: Op, seq: int):
-        env, rank, lane = self.env, r.rp.rank, f"stream:{stream}"
+    def _run_op(self, r: _Rank, stream: str, op: Op, seq: int) -> None:
+        env, rank = self.env, r.rp.rank
         if op.kind == "copy":
             t0 = env.now
-            yield r.links["pcie"].send(op.hbm_bytes)
-            self.spans.append(
-                Span(rank, lane, op.name, "copy", t0, env.now, 0, op.mb, op.layer, op.step)
-            )
+
+            def copied() -> None:
+                self.spans.append(
+                    Span(
+                        rank,
+                        f"stream:{stream}",
+                        op.name,
+                        "copy",
+                        t0,
+                        env.now,
+                        0,
+                        op.mb,
+                        op.layer,
+                        op.step,
+                    )
+                )
+                self._release(r, stream)
+
+            r.links["pcie"].send(op.hbm_bytes, copied)
             return
         limit = self.gpu.num_sms if op.sms is None else op.sms
-        k = Kernel(op, limit, env.event(), r.rp.priority(stream), seq)
-        k.on_grant = lambda: self._begin(r, k)
-        r.gpu.acquire(k)
-        yield k.done
-        segs = k.segments + [(env.now, 0)]
+        r.gpu.acquire(Kernel(op, limit, stream, r.prio[stream], seq))
+
+    def _kernel_done(self, r: _Rank, k: Kernel) -> None:
+        """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
+        op, rank, lane, now = k.op, r.rp.rank, f"stream:{k.stream}", self.env.now
+        segs = k.segments
+        segs.append((now, 0))
+        spans = self.spans
         for (t0, sms), (t1, _) in zip(segs, segs[1:]):
             if t1 > t0 or len(segs) == 2:
-                self.spans.append(
+                spans.append(
                     Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
                 )
+        self._release(r, k.stream)
 
     def _begin(self, r: _Rank, k: Kernel) -> None:
         """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its
@@ -286,41 +350,40 @@ class Engine:
                 send()
             else:
                 for ev in op.waits:
-                    e = r.events[ev]
-                    if e.processed:
+                    if ev in r.fired:
                         send()
                     else:
-                        e.callbacks.append(send)
+                        r.event(ev).callbacks.append(send)
         if c is not None and c.role != "send":
-            arrived = self._arrival(c.key, rank)
-            if not arrived.processed:
+            key = (c.key, rank)
+            if key not in self._arrived and self._expected.get(key, 0) != 0:
                 if c.role == "recv":
                     k.waiting_data = True
                 else:
                     k.gated = True
-                arrived.callbacks.append(lambda _e: r.gpu.data_arrived(k))
+                self._on_arrival.setdefault(key, []).append(lambda: r.gpu.data_arrived(k))
         for ev in op.waits:  # signals the kernel polls while it runs
-            e = r.events[ev]
-            if e.processed:
+            if ev in r.fired:
                 k.fired += 1
             else:
-                e.callbacks.append(lambda _e: r.gpu.signal(k))
+                r.event(ev).callbacks.append(lambda _e: r.gpu.signal(k))
         r.gpu.start(k)
 
-    def _arrival(self, key: str, rank: int) -> simpy.Event:
-        ev = self._arrived[(key, rank)]
-        if self._expected.get((key, rank), 0) == 0 and not ev.triggered:
-            ev.succeed()
-        return ev
+    def _arrive(self, key: tuple[str, int], n: int = 1) -> None:
+        """``n`` flows of collective ``key`` have arrived; the last one releases its receivers."""
+        self._expected[key] -= n
+        if self._expected[key] == 0:
+            self._arrived.add(key)
+            for fn in self._on_arrival.pop(key, ()):
+                fn()
 
     def _start_flow(self, r: _Rank, op: Op, f) -> None:
         """A symmetric flow (to the mirror peer): it only shares its rank's egress link, as every
         rank's ingress carries the same load as its egress."""
         env, t0 = self.env, self.env.now
         key = (op.coll.key, r.rp.rank)
-        done = r.links[f.link].send(f.nbytes)
 
-        def arrived(_e, rank=r.rp.rank):
+        def arrived(rank=r.rp.rank) -> None:
             self.spans.append(
                 Span(
                     rank,
@@ -335,44 +398,55 @@ class Engine:
                     op.step,
                 )
             )
-            self._expected[key] -= 1
-            if self._expected[key] == 0:
-                self._arrived[key].succeed()
+            self._arrive(key)
 
-        done.callbacks.append(arrived)
+        r.links[f.link].send(f.nbytes, arrived)
 
     def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
         src, key = r.rp.rank, op.coll.key
-        dsts, kinds, nbytes, tags, left = [], [], [], [], {}
-        b = len(self._bundles)
-        for f in flows:
-            dst = src if f.dst is None else f.dst
+        sinks, sink_keys, kind_index = self._sinks, self._sink_keys, self.net.kind_index
+        b = len(self._bundles) << _SINK_BITS
+        dsts = [src if f.dst is None else f.dst for f in flows]
+        kinds = [kind_index[f.link] for f in flows]
+        tags = []
+        for dst in dsts:
             sk = (key, dst)
-            sink = self._sinks.get(sk)
+            sink = sinks.get(sk)
             if sink is None:
-                sink = self._sinks[sk] = len(self._sink_keys)
-                self._sink_keys.append(sk)
-            k = self.net.kind_index[f.link]
-            dsts.append(dst)
-            kinds.append(k)
-            nbytes.append(f.nbytes)
-            tags.append((b << _SINK_BITS) | sink)
+                sink = sinks[sk] = len(sink_keys)
+                sink_keys.append(sk)
+            tags.append(b | sink)
+        left: dict[int, int] = {}
+        for k in kinds:
             left[k] = left.get(k, 0) + 1
         self._bundles.append([src, op, self.env.now, left])
-        self.net.send(src, dsts, kinds, nbytes, tags)
+        self.net.send(src, dsts, kinds, [f.nbytes for f in flows], tags)
 
-    def _net_done(self, tags, kinds) -> None:
-        """Flows arrived: count them off their collective's arrival and their bundle's span."""
-        mask = (1 << _SINK_BITS) - 1
-        for tag, k in zip(tags.tolist(), kinds.tolist()):
-            sk = self._sink_keys[tag & mask]
-            self._expected[sk] -= 1
-            if self._expected[sk] == 0:
-                self._arrived[sk].succeed()
-            bundle = self._bundles[tag >> _SINK_BITS]
+    def _net_done(self, tags: np.ndarray, kinds: np.ndarray) -> None:
+        """Flows arrived: count them off their collective's arrival and their bundle's span
+        (counted per collective and per bundle: an all-to-all delivers hundreds at once)."""
+        nk = len(NET_KINDS)
+        if len(tags) > _COUNT_WITH_NUMPY:
+            sinks, n_sink = np.unique(tags & _SINK_MASK, return_counts=True)
+            pairs, n_pair = np.unique((tags >> _SINK_BITS) * nk + kinds, return_counts=True)
+            by_sink = zip(sinks.tolist(), n_sink.tolist())
+            by_pair = zip(pairs.tolist(), n_pair.tolist())
+        else:
+            cs: dict[int, int] = {}
+            cp: dict[int, int] = {}
+            for tag, k in zip(tags.tolist(), kinds.tolist()):
+                cs[tag & _SINK_MASK] = cs.get(tag & _SINK_MASK, 0) + 1
+                pair = (tag >> _SINK_BITS) * nk + k
+                cp[pair] = cp.get(pair, 0) + 1
+            by_sink, by_pair = cs.items(), cp.items()
+        for sink, n in by_sink:
+            self._arrive(self._sink_keys[sink], n)
+        for pair, n in by_pair:
+            b, k = divmod(pair, nk)
+            bundle = self._bundles[b]
             left = bundle[3]
-            left[k] -= 1
+            left[k] -= n
             if left[k] == 0:
                 rank, op, t0 = bundle[0], bundle[1], bundle[2]
                 lane = f"link:{NET_KINDS[k]}"
@@ -385,11 +459,15 @@ class Engine:
         for rank, r in self.ranks.items():
             if r.host_at != "done":
                 problems.append(f"rank {rank} host blocked at {r.host_at}")
-            for s, what in r.busy.items():
+            for s, ins in r.busy.items():
+                if isinstance(ins, Wait):
+                    what = f"waiting for event {ins.event!r}"
+                else:
+                    what = f"running {ins.op.name} (layer {ins.op.layer}, mb {ins.op.mb})"
                 problems.append(f"rank {rank} stream {s} stuck {what}")
             for s, q in r.queues.items():
-                if q.items:
-                    problems.append(f"rank {rank} stream {s} has {len(q.items)} unissued items")
+                if q:
+                    problems.append(f"rank {rank} stream {s} has {len(q)} unissued items")
         if problems:
             raise SimulationStalled("simulation stalled: " + "; ".join(problems))
 

@@ -61,20 +61,26 @@ def max_min_rates(
     rate = np.zeros(n)
     idx, sp, dp = np.arange(n), src_port, dst_port
     rem = cap.astype(np.float64).copy()
+    eps_cap = _EPS * cap
+    # flows per port, kept up to date as flows freeze (integers: the same counts as recounting)
+    cnt = np.bincount(sp, minlength=p) + np.bincount(dp, minlength=p)
+    share = np.empty(p)
     level = 0.0
     while len(idx):
-        cnt = np.bincount(sp, minlength=p) + np.bincount(dp, minlength=p)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(cnt > 0, rem / cnt, np.inf)
+        used = cnt > 0
+        share.fill(np.inf)
+        np.divide(rem, cnt, out=share, where=used)
         inc = float(share.min())
         level += inc
         rem -= inc * cnt
-        full = (cnt > 0) & (rem <= _EPS * cap)
+        full = used & (rem <= eps_cap)
         if level_tol > 0:
             full |= share <= inc * (1.0 + level_tol)
         fr = full[sp] | full[dp]
         rate[idx[fr]] = level
         keep = ~fr
+        if keep.any():
+            cnt -= np.bincount(sp[fr], minlength=p) + np.bincount(dp[fr], minlength=p)
         idx, sp, dp = idx[keep], sp[keep], dp[keep]
     return rate
 
@@ -246,8 +252,7 @@ class Network:
         ``_TIME_EPS`` round-off rules.
         """
         if len(self.left):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                t_left = np.where(self.rate > 0, self.left / self.rate, np.inf)
+            t_left = self._time_left()
             done = (self.left <= _BYTE_EPS) | (t_left <= _TIME_EPS)
             if due is not None:
                 done |= due
@@ -259,8 +264,7 @@ class Network:
         self._gen += 1
         if not len(self.left):
             return
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t_left = np.where(self.rate > 0, self.left / self.rate, np.inf)
+        t_left = self._time_left()
         nxt = float(t_left.min())
         if not nxt < np.inf:  # no flow can finish (infinite bytes, no bandwidth): a stall
             return
@@ -276,6 +280,12 @@ class Network:
         gen = self._gen
         t = self.env.timeout(max(nxt, 0.0))
         t.callbacks.append(lambda e, g=gen, d=due: self._timer(e, g, d))
+
+    def _time_left(self) -> np.ndarray:
+        """Each flow's time to its last byte at its rate (inf where it has none)."""
+        t_left = np.full(len(self.left), np.inf)
+        np.divide(self.left, self.rate, out=t_left, where=self.rate > 0)
+        return t_left
 
     def _finish(self, done: np.ndarray) -> None:
         tags, kinds = self.tag[done], self.kind[done]

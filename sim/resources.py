@@ -4,16 +4,23 @@ and docs/sm-sharing.md), and links whose bandwidth is split among live flows.
 
 Both are fluid models: a job holds a remaining amount of work and a rate; whenever a job starts or
 ends, every job's progress is brought up to date, rates are recomputed, and one timer is set for
-the next completion (stale timers are ignored through a generation counter). This keeps the
-number of SimPy events at about one per job start and end.
+the next completion (stale timers are ignored through a generation counter; a timer still due at
+the same instant is kept rather than replaced). Timers of every resource that fall on the same
+instant share one SimPy event (``Timers``: ranks in lockstep end their kernels together), so a run
+costs about one SimPy event per instant at which something ends, not one per job.
+
+A finished job is reported through a plain callback once the resource is consistent again (after
+its re-rate), not through a SimPy event: nothing else waits on it, and the callback runs at the
+same instant an event would have.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter
 
 import simpy
@@ -23,8 +30,68 @@ from overlap_lab.shared.program import Op
 from overlap_lab.sim import cost
 
 _EPS = 1e-9
-#: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off).
+#: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off). At
+#: large clocks (above ~1e8 µs) a few ulps of the end time are wider and take over (``_tol``).
 _TIME_EPS = 1e-7
+_INF = float("inf")
+#: Below this clock (µs) 4 ulps are narrower than ``_TIME_EPS`` (4 * 2**-27 < 1e-7).
+_ULP_FROM = 2.0**26
+
+
+def _tol(t: float) -> float:
+    """How close to ``t`` a clock counts as having reached it: ``_TIME_EPS``, or 4 ulps of ``t``
+    where that is wider (a clock of 1e16 µs cannot represent ``t - 1e-7``)."""
+    return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
+
+
+class Timers:
+    """Callbacks due at future instants, one SimPy event per instant rather than per caller.
+
+    Resources in lockstep (explicit ranks running the same kernels) set timers for the very same
+    instant; each would be its own SimPy event. Here the first caller for an instant schedules a
+    triggered event (SimPy's NORMAL priority, like ``env.timeout``) and later callers append their
+    callbacks to it, in call order, as separate timeouts would run in creation order. An event
+    that SimPy is processing (its ``callbacks`` are None) takes no more: a caller then gets a new
+    one, so a callback that keeps re-arming the same instant still costs one event each time and
+    stays inside the run's event budget (``sim.budget``)."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+        self._at: dict[float, simpy.Event] = {}
+        #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
+        self.passes: list | None = None
+
+    def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
+        """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
+        env = self.env
+        when = env._now + delay  # the float SimPy itself computes for the event's time
+        ev = self._at.get(when)
+        if ev is None or ev.callbacks is None:
+            ev = simpy.Event(env)
+            ev._ok, ev._value = True, None  # triggered: processed when its time comes
+            ev.callbacks.append(lambda _e, w=when, me=ev: self._forget(w, me))
+            env.schedule(ev, simpy.core.NORMAL, delay)
+            self._at[when] = ev
+        ev.callbacks.append(fn)
+
+    def _forget(self, when: float, ev: simpy.Event) -> None:
+        if self._at.get(when) is ev:
+            del self._at[when]
+
+    def run_passes(self) -> None:
+        """The block scheduler's passes of this instant, GPU by GPU in creation order."""
+        due, self.passes = self.passes, None
+        for gpu in sorted(due, key=_ORDER):
+            gpu._grant()
+
+
+def timers(env: simpy.Environment) -> Timers:
+    """The ``Timers`` of ``env`` (one per environment, shared by all its resources), kept on the
+    environment itself: a weak-keyed table would keep every environment alive through its value."""
+    t = getattr(env, "_overlap_lab_timers", None)
+    if t is None:
+        t = env._overlap_lab_timers = Timers(env)
+    return t
 
 
 class Fluid:
@@ -35,53 +102,87 @@ class Fluid:
         self.jobs: list = []
         self._t = 0.0
         self._gen = 0
+        self._timers = timers(env)
+        self._armed: float | None = None  # when the pending timer fires (None: none pending)
+        self._due: list = []  # the jobs that end at the pending timer
+        self._after: list = []  # callbacks of jobs finished, run once the re-rate is done
 
     def _rates(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _advance(self) -> None:
-        now = self.env.now
+        now = self.env._now
         dt = now - self._t
         for j in self.jobs:
             if j.rate > 0:
                 floor = j.floor
-                j.left = floor if now >= j.t_end - _TIME_EPS else max(floor, j.left - j.rate * dt)
+                j.left = floor if now >= j.t_snap else max(floor, j.left - j.rate * dt)
         self._t = now
 
     def changed(self) -> None:
-        """Bring progress up to date, finish what is done, re-rate and set the next timer."""
+        """Bring progress up to date, finish what is done, re-rate and set the next timer; then
+        report the finished jobs (their callbacks may start new work on this resource)."""
         self._advance()
-        while True:
-            done = [j for j in self.jobs if j.left <= _EPS * j.total and j.ready]
-            if not done:
-                break
+        jobs = self.jobs
+        done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
+        while done:
             for j in done:
-                self.jobs.remove(j)
+                jobs.remove(j)
                 self._finish(j)
+            done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
         self._rates()
-        self._gen += 1
-        now = self.env.now
-        for j in self.jobs:
+        now = self.env._now
+        first = _INF
+        for j in jobs:
             # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
-            j.t_end = now + (j.left - j.floor) / j.rate if j.rate > 0 else float("inf")
-        nxt = min((j.t_end - now for j in self.jobs if j.rate > 0), default=None)
-        if nxt is not None:
-            gen = self._gen
-            t = self.env.timeout(max(nxt, 0.0))
-            t.callbacks.append(lambda _e, g=gen: g == self._gen and self.changed())
+            rate = j.rate
+            if rate > 0:
+                t = j.t_end = now + (j.left - j.floor) / rate
+                j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
+                if t < first:
+                    first = t
+            else:
+                j.t_end = j.t_snap = _INF
+        if first < _INF:
+            self._due = [j for j in jobs if j.t_end <= first + _tol(first)]
+            delay = max(first - now, 0.0)
+            when = now + delay  # the instant SimPy will compute for it
+            if when != self._armed:  # else the pending timer, due then, serves
+                self._armed = when
+                self._gen += 1
+                self._timers.call_later(delay, lambda _e, g=self._gen: self._fire(g))
+        elif self._armed is not None:
+            self._armed, self._due = None, []
+            self._gen += 1
+        after = self._after
+        if after:
+            self._after = []
+            for fn in after:
+                fn()
+
+    def _fire(self, gen: int) -> None:
+        """The timer: the jobs due at it end now, whatever float round-off left of their work."""
+        if gen != self._gen:
+            return
+        self._armed = None
+        self._advance()
+        for j in self._due:
+            j.left = j.floor
+        self.changed()
 
     def _finish(self, job) -> None:
-        job.done.succeed()
+        self._after.append(job.on_done)
 
 
 @dataclass(eq=False, slots=True)
 class Flow:
     nbytes: float
-    done: simpy.Event
+    on_done: Callable[[], None]
     total: float = 0.0
     left: float = 0.0
     rate: float = 0.0
-    t_end: float = float("inf")
+    t_end: float = _INF
+    t_snap: float = _INF  # from this clock on the flow has ended (``_tol`` before ``t_end``)
     ready: bool = True
     floor: float = 0.0
 
@@ -94,13 +195,11 @@ class Link(Fluid):
         self.bw = bytes_per_us
         self.latency = latency_us
 
-    def send(self, nbytes: float) -> simpy.Event:
-        """Start a flow; the returned event fires when its last byte has arrived."""
-        arrived = self.env.event()
+    def send(self, nbytes: float, on_arrived: Callable[[], None]) -> None:
+        """Start a flow; ``on_arrived()`` is called when its last byte has arrived."""
         self._advance()
-        self.jobs.append(Flow(nbytes, arrived, nbytes, nbytes))
+        self.jobs.append(Flow(nbytes, on_arrived, nbytes, nbytes))
         self.changed()
-        return arrived
 
     def _rates(self) -> None:
         for j in self.jobs:
@@ -108,13 +207,13 @@ class Link(Fluid):
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
-            t = self.env.timeout(self.latency)
-            t.callbacks.append(lambda _e: job.done.succeed())
+            self._timers.call_later(self.latency, lambda _e, f=job.on_done: f())
         else:
-            job.done.succeed()
+            self._after.append(job.on_done)
 
 
 _GPU_ORDER = itertools.count()
+_ORDER = attrgetter("order")
 
 #: Precedence among pending CTAs: stream priority (lower first), then launch order.
 _precedence = attrgetter("prio", "seq")
@@ -131,7 +230,7 @@ class Kernel:
 
     op: Op
     limit: int  # most SMs it may hold (Op.sms, or the GPU)
-    done: simpy.Event
+    stream: str = ""  # the stream that launched it (for the engine's ``on_grant``/``on_done``)
     prio: int = 0  # CUDA stream priority (lower is higher)
     seq: int = 0  # launch (issue) order on its rank
     waiting_data: bool = False  # a receive makes no progress until its data has arrived
@@ -143,11 +242,11 @@ class Kernel:
     cohorts: int = 0  # cohorts running or staged
     started: bool = False  # the engine has started it (collective flags set)
     staged: list = field(default_factory=list)  # cohorts dispatched before ``start``
-    on_grant: object = None  # callable: the engine starts the kernel when it holds its first SMs
     fired: int = 0  # how many of ``op.waits`` have fired
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
     _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
+    ckey: tuple = ()  # ``cost.cost_key(op)``: what the cost model reads of the op
 
     @property
     def ready(self) -> bool:
@@ -158,10 +257,17 @@ class Kernel:
         """Precedence among pending CTAs: stream priority, then launch order."""
         return (self.prio, self.seq)
 
-    def demand(self, gpu: GPU, sms: int, profile=None) -> cost.KernelDemand:
+    def demand(self, gpu: GPU, sms: int, profile=None, costs: dict | None = None):
+        """``cost.demand`` of the kernel on ``sms`` SMs, through the GPU's shared ``costs``."""
         d = self._demand.get(sms)
         if d is None:
-            d = self._demand[sms] = cost.demand(self.op, gpu, sms, profile)
+            key = (self.ckey, sms)
+            d = None if costs is None else costs.get(key)
+            if d is None:
+                d = cost.demand(self.op, gpu, sms, profile)
+                if costs is not None:
+                    costs[key] = d
+            self._demand[sms] = d
         return d
 
 
@@ -178,7 +284,8 @@ class Cohort:
     total: float = 1.0
     left: float = 1.0
     rate: float = 0.0
-    t_end: float = float("inf")
+    t_end: float = _INF
+    t_snap: float = _INF  # from this clock on the cohort has ended (``_tol`` before ``t_end``)
     floor: float = 0.0  # work it may not go below yet: parts whose signals have not fired
 
     @property
@@ -189,17 +296,6 @@ class Cohort:
     def set_floor(self) -> None:
         n = len(self.kernel.op.waits)
         self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
-
-
-#: GPUs waiting for their block scheduler's pass at the end of the current instant, per SimPy
-#: environment (weakly held: an environment's entry goes with it).
-_PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _run_passes(env: simpy.Environment) -> None:
-    due = _PASSES.pop(env)
-    for gpu in sorted(due, key=attrgetter("order")):
-        gpu._grant()
 
 
 class Gpu(Fluid):
@@ -218,10 +314,23 @@ class Gpu(Fluid):
     kernel's duration on those SMs, which makes duration follow ``ceil(C / slots)``.
     """
 
-    def __init__(self, env: simpy.Environment, gpu: GPU, profile=None):
+    def __init__(
+        self,
+        env: simpy.Environment,
+        gpu: GPU,
+        profile=None,
+        on_grant: Callable[[Kernel], None] = lambda k: None,
+        on_done: Callable[[Kernel], None] = lambda k: None,
+        costs: dict | None = None,
+    ):
+        """``on_grant(k)``: ``k`` holds its first SMs (the engine starts it); ``on_done(k)``: it
+        has ended. ``costs``: a cache of ``sim.cost.grid`` and ``sim.cost.demand`` that GPUs of
+        the same model and profile may share (``cost.cost_key``)."""
         super().__init__(env)
         self.gpu = gpu
         self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
+        self.on_grant, self.on_done = on_grant, on_done
+        self.costs = {} if costs is None else costs
         self.free = gpu.num_sms
         self.pending: list[Kernel] = []
         self._grant_due = False
@@ -235,15 +344,21 @@ class Gpu(Fluid):
     # -- the engine's interface ------------------------------------------------------------------
 
     def acquire(self, k: Kernel) -> None:
-        """Queue ``k``'s CTAs; ``k.on_grant()`` is called once it holds its first SMs (it runs
+        """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
-        k.grid = cost.grid(k.op, k.limit)
-        if k.grid.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
+        op, costs = k.op, self.costs
+        k.ckey = ck = cost.cost_key(op)
+        gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
+        g = costs.get(gk)
+        if g is None:
+            g = costs[gk] = cost.grid(op, k.limit)
+        k.grid = g
+        if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
             k.segments.append((self.env.now, 0))
             k.t0 = self.env.now
-            k.on_grant()
+            self.on_grant(k)
             return
         k.pending = k.grid.ctas
         self.pending.append(k)
@@ -275,8 +390,13 @@ class Gpu(Fluid):
         self.changed()
 
     def data_arrived(self, k: Kernel) -> None:
-        self._advance()
+        """``k``'s data has arrived. Inside a pass (the engine starting a granted kernel sends
+        flows that can arrive at once) the pass re-rates at its end."""
         k.waiting_data = k.gated = False
+        if self._granting_now:
+            self._jobs_changed = True
+            return
+        self._advance()
         self.changed()
 
     # -- the block scheduler ---------------------------------------------------------------------
@@ -287,14 +407,14 @@ class Gpu(Fluid):
         if self._grant_due:
             return
         self._grant_due = True
-        due = _PASSES.get(self.env)
-        if due is None:
-            due = _PASSES[self.env] = []
+        t = self._timers
+        if t.passes is None:
+            t.passes = []
             ev = self.env.event()
             ev._ok, ev._value = True, None  # triggered; processed after the instant's others
-            ev.callbacks.append(lambda _e, env=self.env: _run_passes(env))
+            ev.callbacks.append(lambda _e: t.run_passes())
             self.env.schedule(ev, GRANT_PRIORITY)
-        due.append(self)
+        t.passes.append(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
@@ -320,8 +440,9 @@ class Gpu(Fluid):
             granted, self._granted = sorted(self._granted, key=_precedence), []
             self._granting_now = True
             try:
+                on_grant = self.on_grant
                 for k in granted:
-                    k.on_grant()
+                    on_grant(k)
             finally:
                 self._granting_now = False
         if self._jobs_changed:
@@ -450,9 +571,9 @@ class Gpu(Fluid):
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
-                self.env.timeout(rest).callbacks.append(lambda _e, d=k.done: d.succeed())
+                self._timers.call_later(rest, lambda _e, k=k: self.on_done(k))
             else:
-                k.done.succeed()
+                self._after.append(partial(self.on_done, k))
         else:
             self._touched.add(k)
         # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
@@ -468,13 +589,42 @@ class Gpu(Fluid):
             c.rate = 0.0
         if not running:
             return
-        demands = [c.kernel.demand(self.gpu, max(c.sms, 1), self.profile) for c in running]
+        gpu, profile, costs = self.gpu, self.profile, self.costs
+        demands = [c.kernel.demand(gpu, max(c.sms, 1), profile, costs) for c in running]
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
         else:
             shares = cost.hbm_shares(demands, self.gpu)
+            shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
             dur = cost.duration_us(d, s) * wave
             c.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
+
+    def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
+        """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
+        on all their SMs (``cost.bandwidth_cap``). A cohort's own cap is the kernel's on the
+        cohort's SMs, and that cap saturates at a third of the GPU: without this rule a waved
+        kernel split into a big cohort and a straggler CTA pulled more than the whole kernel
+        could, and ended before its own roofline time alone on the GPU. Shares that keep within
+        every kernel's cap are returned as they are."""
+        if not any(c.kernel.cohorts > 1 for c in running):
+            return shares  # no kernel runs as more than one cohort
+        by_kernel: dict = {}
+        for i, c in enumerate(running):
+            by_kernel.setdefault(c.kernel, []).append(i)
+        group_caps = {}
+        for k, idx in by_kernel.items():
+            if len(idx) > 1:
+                cap = cost.bandwidth_cap(k.op, self.gpu, sum(running[i].sms for i in idx))
+                if sum(shares[i] for i in idx) > cap:
+                    group_caps[k] = cap
+        if not group_caps:
+            return shares
+        return cost.water_fill_grouped(
+            [d.cap for d in demands],
+            [c.kernel for c in running],
+            group_caps,
+            cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE,
+        )
