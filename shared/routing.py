@@ -7,7 +7,8 @@ Expert load (``--imbalance``):
   simulation of all ranks gives exactly the symmetric one (its straggler cost is 0).
 - ``zipf:S``: expert popularity p_e proportional to 1/i^S over a seeded permutation of the experts
   (a different permutation per layer); each token draws its top-k distinct experts with
-  probability proportional to p (Gumbel top-k, i.e. sampling without replacement).
+  probability proportional to p (Gumbel top-k, i.e. sampling without replacement; drawn by the
+  exact race sampler ``_Race``, a few random numbers per expert taken, not one per expert).
   ``zipf:0`` is uniformly random routing *with* sampling noise.
 - ``file:PATH``: a routing sample, in one of these forms (``.json`` or ``.csv``):
 
@@ -216,15 +217,17 @@ class RoutingConfig:
         return self.num_experts // self.ep
 
 
-#: Tokens drawn (and counted) per chunk: a chunk's keys are CHUNK x num_experts float32 (8 MB at
-#: 256 experts), so no dense tokens x experts array of a whole batch is ever alive.
+#: Tokens counted per chunk (``LayerRouting._counted``): the unit of the per-rank counts' memory.
 CHUNK = 8192
+#: Tokens drawn per block: the race sampler's unit of vectorisation (its state is a few arrays of
+#: groups x BLOCK). Part of what a seed means: the draws depend on it (unlike on CHUNK).
+BLOCK = 8192
 
 
 class LayerRouting:
     """The routing of one layer's tokens: per-token top-k ids (sampled) or expectations.
 
-    Sampled routing draws its top-k ids lazily, in chunks of :data:`CHUNK` tokens, and keeps
+    Sampled routing draws its top-k ids lazily, in blocks of :data:`BLOCK` tokens, and keeps
     them (``uint8``/``int16`` ids) only while they may still be needed: the per-range matrices
     and the expert load are what stays. A :class:`Routing` keeps the ids of its two most recently
     used layers (``keep`` below); drawing again gives the same ids (seeded per layer).
@@ -289,13 +292,8 @@ class LayerRouting:
         self._topk = None
 
     def _draw(self) -> np.ndarray:
-        """Top-k ids of every token, drawn chunk by chunk with one seeded generator.
-
-        Gumbel top-k as exponential races: the top-k of log p_e + Gumbel_e are the k smallest
-        keys E_e / p_e with E_e ~ Exp(1) (exp(-Gumbel) is Exp(1)), so one float32 exponential per
-        (token, expert) and no logarithm; the distribution is that of sampling k distinct experts
-        with probability proportional to p. Group-limited gating ranks groups by the product of
-        their two smallest keys (the sum of their two best scores)."""
+        """Top-k ids of every token: a table row per token (``file`` ids) or the race sampler
+        (:class:`_Race`), block by block of :data:`BLOCK` tokens with one seeded generator."""
         cfg = self.cfg
         n, k, e = sum(self.dp_tokens), cfg.top_k, cfg.num_experts
         ids = np.uint8 if e <= 256 else np.int16 if e <= 32768 else np.int32
@@ -303,18 +301,16 @@ class LayerRouting:
             table = np.asarray(self.sample.topk_ids, dtype=ids)
             return table[np.arange(n) % len(table)]
         rng = self._rng()
-        inv_p = (1.0 / self._popularity(rng)).astype(np.float32)
+        grouped = cfg.group_limited and cfg.n_group > 1
+        race = _Race(
+            self._popularity(rng),
+            cfg.n_group if grouped else 1,
+            cfg.topk_group if grouped else 1,
+            k,
+        )
         topk = np.empty((n, k), dtype=ids)
-        for lo in range(0, n, CHUNK):
-            hi = min(n, lo + CHUNK)
-            keys = rng.standard_exponential((hi - lo, e), dtype=np.float32)
-            keys *= inv_p
-            if cfg.group_limited and cfg.n_group > 1:
-                keys, keep = _kept_groups(keys, cfg.n_group, cfg.topk_group)
-                col, size = _k_smallest(keys, k), e // cfg.n_group
-                topk[lo:hi] = np.take_along_axis(keep, col // size, axis=1) * size + col % size
-            else:
-                topk[lo:hi] = _k_smallest(keys, k)
+        for lo in range(0, n, BLOCK):
+            topk[lo : lo + BLOCK] = race.draw(rng, min(BLOCK, n - lo)).T
         return topk
 
     def _popularity(self, rng: np.random.Generator) -> np.ndarray:
@@ -394,31 +390,156 @@ class LayerRouting:
         return self._load
 
 
-def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
-    """DeepSeek-V3 group-limited gating on race keys (smaller is better): the topk_group groups
-    whose two smallest keys have the smallest product (the best top-2 score sums). Returns their
-    keys (tokens x topk_group * group size, group after group) and the kept group ids."""
-    n, e = keys.shape
-    size = e // n_group
-    grouped = keys.reshape(n, n_group, size)
-    two = np.partition(grouped, 1, axis=2)[:, :, :2]
-    score = two[:, :, 0] * two[:, :, 1]
-    keep = np.sort(np.argpartition(score, topk_group - 1, axis=1)[:, :topk_group], axis=1)
-    kept = np.take_along_axis(grouped, keep[:, :, None], axis=1).reshape(n, topk_group * size)
-    return kept, keep
+class _Race:
+    """Exact, sparse sampling of DeepSeek-V3 gating with random scores: the race sampler.
+
+    What it samples. Dense Gumbel top-k gives expert e the key K_e = E_e / p_e (E_e ~ Exp(1)
+    i.i.d.; exp(-Gumbel) is Exp(1), so the top-k of log p_e + Gumbel_e are the k smallest keys);
+    a group's score is the product of its two smallest keys (the sum of its two best scores),
+    the topk_group groups of smallest score are kept and the token takes the k smallest keys
+    inside them, in key order. The k ids are then k experts drawn without replacement with
+    probability proportional to p, within the kept groups (Plackett-Luce).
+
+    Why this draws the same thing. K_e ~ Exp(p_e), independent: an exponential race. Inside a
+    group g, the smallest key is Exp(P_g) (P_g the group's mass), its expert is e with
+    probability p_e / P_g, and the two are independent; by memorylessness the race of the others
+    goes on from there: the next key is that plus Exp(P_g - p_first), its expert categorical over
+    the rest, and so on. Drawing the first two arrival times (and the first expert, whose weight
+    sets the second rate) of every group gives each group's score with the dense law; the keys
+    after them are independent of the choice of groups, so the kept groups' races continue
+    lazily: a k-way merge of their next arrivals, each arrival's expert drawn only when it is
+    taken (a categorical over the group's experts not taken yet). The sorted keys of each group,
+    and so everything computed from them, have the dense joint law; only ties differ (the dense
+    float32 keys tie with probability ~1e-7 per pair, these float64 ones far less).
+
+    Cost: 2 exponentials and 1 uniform per group, then about one exponential and one uniform per
+    expert taken (vs one exponential per expert of the model). A categorical draw uses the
+    group's alias table (one uniform); without replacement it rejects experts already taken
+    (:data:`TRIES` rounds, then an exact inverse-CDF over the experts left, so a group whose mass
+    sits on one expert cannot stall it). State is a few (groups x tokens) arrays per block.
+    """
+
+    #: rejection rounds of a categorical draw without replacement before the exact fallback
+    TRIES = 3
+
+    def __init__(self, p: np.ndarray, n_group: int, topk_group: int, top_k: int):
+        self.p = np.asarray(p, dtype=np.float64)
+        self.n_group, self.topk_group, self.k = n_group, topk_group, top_k
+        self.size = len(p) // n_group
+        if topk_group * self.size < top_k:
+            raise ConfigError(
+                f"routing: top-{top_k} needs {top_k} experts in the {topk_group} kept groups "
+                f"of {self.size}"
+            )
+        groups = self.p.reshape(n_group, self.size)
+        self.mass = groups.sum(axis=1)
+        self.prob, self.alias = _alias_tables(groups)
+
+    def _pick(self, u: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Expert ids drawn ∝ p inside the groups whose first expert ids are ``first`` (alias
+        method: the integer part of u * size picks a slot, the fraction its two outcomes)."""
+        x = u * self.size
+        j = np.minimum(x.astype(np.intp), self.size - 1)
+        slot = first + j
+        return np.where(x - j < self.prob[slot], slot, self.alias[slot])
+
+    def _pick_new(self, rng: np.random.Generator, g: np.ndarray, taken: np.ndarray) -> np.ndarray:
+        """An expert of group ``g[i]`` ∝ p among those not in column i of ``taken`` (ids so far
+        of each token), for every i: rejection, then the exact inverse CDF for the stragglers."""
+        out = np.empty(len(g), dtype=np.intp)
+        todo = np.arange(len(g))
+        first = g * self.size
+        for _ in range(self.TRIES):
+            e = self._pick(rng.random(len(todo)), first[todo])
+            bad = (taken[:, todo] == e).any(axis=0)
+            out[todo[~bad]] = e[~bad]
+            todo = todo[bad]
+            if not len(todo):
+                return out
+        w = self.p.reshape(self.n_group, self.size)[g[todo]]  # a copy: (stragglers, size)
+        local = taken[:, todo].T - first[todo, None]
+        row, col = np.nonzero((local >= 0) & (local < self.size))
+        w[row, local[row, col]] = 0.0
+        cum = np.cumsum(w, axis=1)
+        j = (cum <= (rng.random(len(todo)) * cum[:, -1])[:, None]).sum(axis=1)
+        last = self.size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
+        out[todo] = first[todo] + np.minimum(j, last)
+        return out
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """The top-k ids of n tokens, (k, n), each token's in key order (smallest first)."""
+        G, kg, k, size = self.n_group, self.topk_group, self.k, self.size
+        cols = np.arange(n)
+        # every group's first two arrivals: t1 ~ Exp(P_g), its expert, t2 = t1 + Exp(rest)
+        e = rng.standard_exponential((2, G, n))
+        first = self._pick(rng.random((G, n)), (np.arange(G) * size)[:, None])
+        t1 = e[0] / self.mass[:, None]
+        rest = self.mass[:, None] - self.p[first]  # >= 0: a float sum is >= each of its terms
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t2 = np.where(rest > 0, t1 + e[1] / rest, np.inf)
+        if kg < G:  # the kg groups of smallest score t1 * t2, in group order (stable on ties)
+            order = np.argsort((t1 * t2).T, axis=1, kind="stable")[:, :kg]
+            gk = np.sort(order, axis=1).T
+        else:
+            gk = np.repeat(np.arange(G)[:, None], n, axis=1)
+        # the kept groups' races, merged: head time, head id (-1: not drawn), the time after the
+        # head (nan: not drawn), mass of the experts not taken (nor the head, when drawn)
+        t, hid = t1[gk, cols].ravel(), first[gk, cols].ravel()  # (kg * n,), group-major
+        tn, mass, gk = t2[gk, cols].ravel(), rest[gk, cols].ravel(), gk.ravel()
+        taken = np.zeros(kg * n, dtype=np.int64) if size <= k else None
+        out = np.empty((k, n), dtype=np.intp)
+        for s in range(k):
+            flat = _argmin_rows(t.reshape(kg, n)) * n + cols
+            h = hid[flat]
+            new = np.flatnonzero(h < 0)
+            if len(new):
+                h[new] = self._pick_new(rng, gk[flat[new]], out[:s, new])
+                mass[flat[new]] -= self.p[h[new]]
+            out[s] = h
+            if s == k - 1:
+                break
+            nxt = tn[flat]
+            late = np.flatnonzero(np.isnan(nxt))
+            if len(late):
+                m = mass[flat[late]]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    gap = np.where(m > 0, rng.standard_exponential(len(late)) / m, np.inf)
+                nxt[late] = t[flat[late]] + gap
+            if taken is not None:  # groups smaller than k can run out of experts
+                taken[flat] += 1
+                nxt[taken[flat] >= size] = np.inf
+            t[flat], tn[flat], hid[flat] = nxt, np.nan, -1
+        return out
 
 
-def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
-    """Column indices of the k smallest keys of each row (first index on ties), by k passes of
-    argmin: several times faster than argpartition on rows of a few hundred. Overwrites the
-    chosen keys with +inf."""
-    rows = np.arange(len(keys))
-    out = np.empty((len(keys), k), dtype=np.int64)
-    for j in range(k):
-        col = keys.argmin(axis=1)
-        out[:, j] = col
-        keys[rows, col] = np.inf
-    return out
+def _argmin_rows(a: np.ndarray) -> np.ndarray:
+    """``a.argmin(axis=0)`` for a few long rows (first row on ties), row by row: numpy's own
+    reduction over a short axis is several times slower."""
+    best, idx = a[0].copy(), np.zeros(a.shape[1], dtype=np.intp)
+    for j in range(1, len(a)):
+        less = a[j] < best
+        np.copyto(best, a[j], where=less)
+        idx[less] = j
+    return idx
+
+
+def _alias_tables(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker's alias tables of each row of ``groups`` (weights), flattened: slot i keeps its
+    own expert (id i) with probability prob[i], else gives alias[i] (Vose's construction)."""
+    n_group, size = groups.shape
+    prob = np.ones(groups.size)
+    alias = np.arange(groups.size)
+    for g, w in enumerate(groups):
+        q = (w * size / w.sum()).tolist()
+        small = [i for i in range(size) if q[i] < 1.0]
+        large = [i for i in range(size) if q[i] >= 1.0]
+        while small and large:
+            s, big = small.pop(), large.pop()
+            prob[g * size + s], alias[g * size + s] = q[s], g * size + big
+            q[big] -= 1.0 - q[s]
+            (small if q[big] < 1.0 else large).append(big)
+        # what is left (in either list) keeps its slot: prob 1, up to rounding
+    return prob, alias
 
 
 def rank_hit_prob(ranks: int, top_k: int) -> float:

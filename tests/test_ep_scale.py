@@ -244,7 +244,7 @@ def test_cli_explicit_json(capsys):
     assert set(res["per_rank"][0]["link_busy_us"]) <= {"nvlink", "rdma"}
 
 
-def test_chunked_draw_does_not_depend_on_the_chunk(monkeypatch):
+def test_ids_and_counts_do_not_depend_on_the_counting_chunk(monkeypatch):
     from overlap_lab.shared import routing as routing_mod
 
     cfg = _cfg(seed=4, num_experts=16, top_k=4, n_group=4, topk_group=2, group_limited=True)
