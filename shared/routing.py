@@ -397,95 +397,120 @@ class _Race:
     i.i.d.; exp(-Gumbel) is Exp(1), so the top-k of log p_e + Gumbel_e are the k smallest keys);
     a group's score is the product of its two smallest keys (the sum of its two best scores),
     the topk_group groups of smallest score are kept and the token takes the k smallest keys
-    inside them, in key order. The k ids are then k experts drawn without replacement with
-    probability proportional to p, within the kept groups (Plackett-Luce).
+    inside them, in key order: k experts drawn without replacement with probability
+    proportional to p within the kept groups (Plackett-Luce).
 
     Why this draws the same thing. K_e ~ Exp(p_e), independent: an exponential race. Inside a
     group g, the smallest key is Exp(P_g) (P_g the group's mass), its expert is e with
     probability p_e / P_g, and the two are independent; by memorylessness the race of the others
     goes on from there: the next key is that plus Exp(P_g - p_first), its expert categorical over
     the rest, and so on. Drawing the first two arrival times (and the first expert, whose weight
-    sets the second rate) of every group gives each group's score with the dense law; the keys
+    sets the second rate) of every group gives the groups' scores with the dense law; the keys
     after them are independent of the choice of groups, so the kept groups' races continue
     lazily: a k-way merge of their next arrivals, each arrival's expert drawn only when it is
-    taken (a categorical over the group's experts not taken yet). The sorted keys of each group,
-    and so everything computed from them, have the dense joint law; only ties differ (the dense
-    float32 keys tie with probability ~1e-7 per pair, these float64 ones far less).
+    taken (a categorical over the group's experts not taken yet, independent of the time). The
+    sorted keys of each group, and so everything computed from them, have the dense joint law;
+    only ties differ (dense float32 keys tie with probability ~1e-7 a pair, these float64 ones
+    far less).
 
     Cost: 2 exponentials and 1 uniform per group, then about one exponential and one uniform per
-    expert taken (vs one exponential per expert of the model). A categorical draw uses the
-    group's alias table (one uniform); without replacement it rejects experts already taken
-    (:data:`TRIES` rounds, then an exact inverse-CDF over the experts left, so a group whose mass
-    sits on one expert cannot stall it). State is a few (groups x tokens) arrays per block.
+    expert taken (the dense sampler: one exponential per expert of the model). A categorical
+    draw is one uniform through an alias table. Without replacement it draws from the table of
+    the group without its r heaviest experts, r the number of them already taken in a row (the
+    heavy ones go first), and rejects other taken experts: :data:`TRIES` rounds, then an exact
+    inverse CDF over the experts left, so a group whose mass sits on a few experts cannot stall
+    it. The state is a few (groups x tokens) arrays per block and a taken-flag per (expert,
+    token) of the block.
     """
 
     #: rejection rounds of a categorical draw without replacement before the exact fallback
-    TRIES = 3
+    TRIES = 2
 
     def __init__(self, p: np.ndarray, n_group: int, topk_group: int, top_k: int):
         self.p = np.asarray(p, dtype=np.float64)
         self.n_group, self.topk_group, self.k = n_group, topk_group, top_k
-        self.size = len(p) // n_group
-        if topk_group * self.size < top_k:
+        self.size = size = len(p) // n_group
+        if topk_group * size < top_k:
             raise ConfigError(
                 f"routing: top-{top_k} needs {top_k} experts in the {topk_group} kept groups "
-                f"of {self.size}"
+                f"of {size}"
             )
-        groups = self.p.reshape(n_group, self.size)
+        groups = self.p.reshape(n_group, size)
         self.mass = groups.sum(axis=1)
-        self.prob, self.alias = _alias_tables(groups)
+        # heavy[g, r]: the id of group g's r-th heaviest expert; tables[r]: alias tables of every
+        # group without its r heaviest experts (r < depth), flattened (group, r, slot)
+        self.depth = min(top_k, size)
+        heavy = np.argsort(-groups, axis=1, kind="stable")
+        self.heavy = (heavy + np.arange(n_group)[:, None] * size).ravel()
+        prob, alias = np.ones((n_group, self.depth, size)), np.zeros((n_group, self.depth, size))
+        for g in range(n_group):
+            for r in range(self.depth):
+                ids = heavy[g, r:]
+                pr, al = _alias_table(groups[g, ids])
+                prob[g, r, : len(ids)], alias[g, r, : len(ids)] = pr, g * size + ids[al]
+        self.prob, self.alias = prob.ravel(), alias.ravel().astype(np.intp)
+        self.seen = np.zeros(0, dtype=bool)  # taken[e * n + token] of the block being drawn
 
-    def _pick(self, u: np.ndarray, first: np.ndarray) -> np.ndarray:
-        """Expert ids drawn ∝ p inside the groups whose first expert ids are ``first`` (alias
-        method: the integer part of u * size picks a slot, the fraction its two outcomes)."""
-        x = u * self.size
-        j = np.minimum(x.astype(np.intp), self.size - 1)
-        slot = first + j
-        return np.where(x - j < self.prob[slot], slot, self.alias[slot])
+    def _pick(self, u: np.ndarray, g: np.ndarray, r: np.ndarray | int = 0) -> np.ndarray:
+        """Expert ids drawn ∝ p inside groups g without their r heaviest experts (alias method:
+        the integer part of u * slots picks a slot, the fraction one of its two outcomes)."""
+        slots = self.size - r
+        x = u * slots
+        j = np.minimum(x.astype(np.intp), slots - 1)  # u * slots may round up to slots
+        slot = (g * self.depth + r) * self.size + j
+        own = self.heavy[g * self.size + r + j]
+        return np.where(x - j < self.prob[slot], own, self.alias[slot])
 
-    def _pick_new(self, rng: np.random.Generator, g: np.ndarray, taken: np.ndarray) -> np.ndarray:
-        """An expert of group ``g[i]`` ∝ p among those not in column i of ``taken`` (ids so far
-        of each token), for every i: rejection, then the exact inverse CDF for the stragglers."""
+    def _pick_new(self, rng: np.random.Generator, g: np.ndarray, tok: np.ndarray, n: int):
+        """For every i, an expert of group g[i] ∝ p among those token tok[i] has not taken
+        (``self.seen`` over n tokens): rejection, then the exact inverse CDF for the rest."""
+        seen, size = self.seen, self.size
+        r = np.zeros(len(g), dtype=np.intp)  # the heaviest experts taken in a row
+        on = np.arange(len(g))
+        for level in range(self.depth - 1):
+            on = on[seen[self.heavy[g[on] * size + level] * n + tok[on]]]
+            if not len(on):
+                break
+            r[on] += 1
         out = np.empty(len(g), dtype=np.intp)
         todo = np.arange(len(g))
-        first = g * self.size
         for _ in range(self.TRIES):
-            e = self._pick(rng.random(len(todo)), first[todo])
-            bad = (taken[:, todo] == e).any(axis=0)
+            e = self._pick(rng.random(len(todo)), g[todo], r[todo])
+            bad = seen[e * n + tok[todo]]
             out[todo[~bad]] = e[~bad]
             todo = todo[bad]
             if not len(todo):
                 return out
-        w = self.p.reshape(self.n_group, self.size)[g[todo]]  # a copy: (stragglers, size)
-        local = taken[:, todo].T - first[todo, None]
-        row, col = np.nonzero((local >= 0) & (local < self.size))
-        w[row, local[row, col]] = 0.0
+        first = g[todo, None] * size + np.arange(size)  # the stragglers' groups' experts
+        w = np.where(seen[first * n + tok[todo, None]], 0.0, self.p[first])
         cum = np.cumsum(w, axis=1)
         j = (cum <= (rng.random(len(todo)) * cum[:, -1])[:, None]).sum(axis=1)
-        last = self.size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
-        out[todo] = first[todo] + np.minimum(j, last)
+        last = size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
+        out[todo] = first[:, 0] + np.minimum(j, last)
         return out
 
     def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """The top-k ids of n tokens, (k, n), each token's in key order (smallest first)."""
         G, kg, k, size = self.n_group, self.topk_group, self.k, self.size
         cols = np.arange(n)
+        if len(self.seen) < len(self.p) * n:
+            self.seen = np.zeros(len(self.p) * n, dtype=bool)
         # every group's first two arrivals: t1 ~ Exp(P_g), its expert, t2 = t1 + Exp(rest)
         e = rng.standard_exponential((2, G, n))
-        first = self._pick(rng.random((G, n)), (np.arange(G) * size)[:, None])
+        first = self._pick(rng.random((G, n)), np.arange(G)[:, None])
         t1 = e[0] / self.mass[:, None]
-        rest = self.mass[:, None] - self.p[first]  # >= 0: a float sum is >= each of its terms
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t2 = np.where(rest > 0, t1 + e[1] / rest, np.inf)
-        if kg < G:  # the kg groups of smallest score t1 * t2, in group order (stable on ties)
-            order = np.argsort((t1 * t2).T, axis=1, kind="stable")[:, :kg]
-            gk = np.sort(order, axis=1).T
+        rest = self.mass[:, None] - self.p[first]  # > 0: every p_e > 0
+        t2 = t1 + e[1] / rest if size > 1 else np.full((G, n), np.inf)
+        if kg < G:  # the kg groups of smallest score t1 * t2, in group order
+            kept = _smallest_rows(t1 * t2, kg)
+            gk = np.flatnonzero(kept.T.ravel()).reshape(n, kg).T % G
         else:
             gk = np.repeat(np.arange(G)[:, None], n, axis=1)
         # the kept groups' races, merged: head time, head id (-1: not drawn), the time after the
         # head (nan: not drawn), mass of the experts not taken (nor the head, when drawn)
-        t, hid = t1[gk, cols].ravel(), first[gk, cols].ravel()  # (kg * n,), group-major
-        tn, mass, gk = t2[gk, cols].ravel(), rest[gk, cols].ravel(), gk.ravel()
+        at = (gk * n + cols).ravel()  # (kg * n,), kept group-major
+        t, hid, tn, mass = t1.ravel()[at], first.ravel()[at], t2.ravel()[at], rest.ravel()[at]
+        gk = gk.ravel()
         taken = np.zeros(kg * n, dtype=np.int64) if size <= k else None
         out = np.empty((k, n), dtype=np.intp)
         for s in range(k):
@@ -493,53 +518,73 @@ class _Race:
             h = hid[flat]
             new = np.flatnonzero(h < 0)
             if len(new):
-                h[new] = self._pick_new(rng, gk[flat[new]], out[:s, new])
+                h[new] = self._pick_new(rng, gk[flat[new]], new, n)
                 mass[flat[new]] -= self.p[h[new]]
             out[s] = h
             if s == k - 1:
                 break
+            self.seen[h * n + cols] = True
             nxt = tn[flat]
             late = np.flatnonzero(np.isnan(nxt))
             if len(late):
                 m = mass[flat[late]]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    gap = np.where(m > 0, rng.standard_exponential(len(late)) / m, np.inf)
-                nxt[late] = t[flat[late]] + gap
+                with np.errstate(divide="ignore"):
+                    nxt[late] = t[flat[late]] + rng.standard_exponential(len(late)) / m
             if taken is not None:  # groups smaller than k can run out of experts
                 taken[flat] += 1
                 nxt[taken[flat] >= size] = np.inf
             t[flat], tn[flat], hid[flat] = nxt, np.nan, -1
+        self.seen[(out[:-1] * n + cols).ravel()] = False
         return out
 
 
+def _smallest_rows(a: np.ndarray, m: int) -> np.ndarray:
+    """Which rows of each column of ``a`` are its m smallest (the lower row on ties), as a bool
+    array: pairwise ranks, cheaper than a sort along a short axis."""
+    rank = np.zeros(a.shape, dtype=np.int8)
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            below = a[j] < a[i]
+            rank[i] += below
+            rank[j] += ~below
+    return rank < m
+
+
 def _argmin_rows(a: np.ndarray) -> np.ndarray:
-    """``a.argmin(axis=0)`` for a few long rows (first row on ties), row by row: numpy's own
-    reduction over a short axis is several times slower."""
-    best, idx = a[0].copy(), np.zeros(a.shape[1], dtype=np.intp)
-    for j in range(1, len(a)):
-        less = a[j] < best
-        np.copyto(best, a[j], where=less)
-        idx[less] = j
-    return idx
+    """``a.argmin(axis=0)`` for a few long rows (the lower row on ties), as a knockout
+    tournament of row pairs: numpy's own reduction over a short axis is several times slower."""
+    best: list[np.ndarray] = list(a)
+    idx: list = list(range(len(a)))  # row ids: ints in the first round, then arrays
+    while len(best) > 1:
+        nb, ni = [], []
+        for i in range(0, len(best) - 1, 2):
+            right = best[i + 1] < best[i]
+            nb.append(np.where(right, best[i + 1], best[i]))
+            if isinstance(idx[i], int):
+                ni.append(right + np.intp(idx[i]))
+            else:
+                ni.append(np.where(right, idx[i + 1], idx[i]))
+        if len(best) % 2:
+            nb.append(best[-1])
+            ni.append(idx[-1])
+        best, idx = nb, ni
+    return np.full(a.shape[1], idx[0], dtype=np.intp) if isinstance(idx[0], int) else idx[0]
 
 
-def _alias_tables(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Walker's alias tables of each row of ``groups`` (weights), flattened: slot i keeps its
-    own expert (id i) with probability prob[i], else gives alias[i] (Vose's construction)."""
-    n_group, size = groups.shape
-    prob = np.ones(groups.size)
-    alias = np.arange(groups.size)
-    for g, w in enumerate(groups):
-        q = (w * size / w.sum()).tolist()
-        small = [i for i in range(size) if q[i] < 1.0]
-        large = [i for i in range(size) if q[i] >= 1.0]
-        while small and large:
-            s, big = small.pop(), large.pop()
-            prob[g * size + s], alias[g * size + s] = q[s], g * size + big
-            q[big] -= 1.0 - q[s]
-            (small if q[big] < 1.0 else large).append(big)
-        # what is left (in either list) keeps its slot: prob 1, up to rounding
-    return prob, alias
+def _alias_table(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker's alias table of weights w (Vose's construction): slot i gives outcome i with
+    probability prob[i], else outcome alias[i]."""
+    n = len(w)
+    q = (w * n / w.sum()).tolist()
+    prob, alias = np.ones(n), np.arange(n)
+    small = [i for i in range(n) if q[i] < 1.0]
+    large = [i for i in range(n) if q[i] >= 1.0]
+    while small and large:
+        s, big = small.pop(), large.pop()
+        prob[s], alias[s] = q[s], big
+        q[big] -= 1.0 - q[s]
+        (small if q[big] < 1.0 else large).append(big)
+    return prob, alias  # what is left keeps its slot: prob 1, up to rounding
 
 
 def rank_hit_prob(ranks: int, top_k: int) -> float:

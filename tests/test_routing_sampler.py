@@ -119,21 +119,25 @@ def test_the_comparison_catches_wrong_samplers():
 
 
 def test_draws_without_replacement_follow_the_rest_of_the_group():
-    """``_pick_new``: a group whose mass sits on one taken expert (rejection gives up, the exact
-    inverse CDF draws) and a mild one (rejection draws): both proportional to the rest."""
-    p = np.array([0.9, 0.01, 0.03, 0.06, 0.4, 0.3, 0.2, 0.1])
+    """``_pick_new``: a group whose second heaviest expert, taken, holds nearly half the mass
+    (rejection gives up on a fifth of the tokens, the exact inverse CDF draws them), one whose
+    heaviest expert is taken (drawn from the table without it) and one with a light expert
+    taken (rejection): all proportional to the rest."""
+    p = np.array([0.5, 0.45, 0.03, 0.02, 0.4, 0.3, 0.2, 0.1])
     race = _Race(p / p.sum(), 2, 2, 2)
     n = 60_000
-    for g, taken, rest in ((0, 0, [0, 0.01, 0.03, 0.06]), (1, 1, [0.4, 0, 0.2, 0.1])):
-        ids = race._pick_new(
-            np.random.default_rng(g), np.full(n, g), np.full((1, n), 4 * g + taken)
-        )
+    for g, taken in ((0, 1), (1, 0), (1, 2)):
+        race.seen = np.zeros(8 * n, dtype=bool)
+        race.seen[(4 * g + taken) * n : (4 * g + taken + 1) * n] = True
+        ids = race._pick_new(np.random.default_rng(g), np.full(n, g), np.arange(n), n)
         counts = np.bincount(ids - 4 * g, minlength=4)
-        expect = n * np.array(rest) / sum(rest)
-        assert counts[taken] == 0
+        rest = p[4 * g : 4 * g + 4].copy()
+        rest[taken] = 0.0
+        expect = n * rest / rest.sum()
+        assert counts[taken] == 0 and counts.sum() == n
         pos = expect > 0
         stat = float(((counts[pos] - expect[pos]) ** 2 / expect[pos]).sum())
-        assert stat < _chi2_limit(int(pos.sum()) - 1)
+        assert stat < _chi2_limit(int(pos.sum()) - 1), (g, taken, counts, expect)
 
 
 def _v3_cfg(**kw) -> RoutingConfig:
