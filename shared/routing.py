@@ -425,6 +425,8 @@ class _Race:
 
     #: rejection rounds of a categorical draw without replacement before the exact fallback
     TRIES = 2
+    #: uniforms per token for its later experts beyond one each (the rejection tries' budget)
+    SPARE = 4
 
     def __init__(self, p: np.ndarray, n_group: int, topk_group: int, top_k: int):
         self.p = np.asarray(p, dtype=np.float64)
@@ -461,9 +463,11 @@ class _Race:
         own = self.heavy[g * self.size + r + j]
         return np.where(x - j < self.prob[slot], own, self.alias[slot])
 
-    def _pick_new(self, rng: np.random.Generator, g: np.ndarray, tok: np.ndarray, n: int):
+    def _pick_new(self, u2, ptr, s: int, g: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
         """For every i, an expert of group g[i] ∝ p among those token tok[i] has not taken
-        (``self.seen`` over n tokens): rejection, then the exact inverse CDF for the rest."""
+        (``self.seen`` over n tokens) at merge step s, from the token's uniforms u2[:, tok]
+        (``ptr``: the next unused): rejection, then the exact inverse CDF. A rejection try is
+        made only while the token keeps a uniform for this and every later step."""
         seen, size = self.seen, self.size
         r = np.zeros(len(g), dtype=np.intp)  # the heaviest experts taken in a row
         on = np.arange(len(g))
@@ -472,32 +476,59 @@ class _Race:
             if not len(on):
                 break
             r[on] += 1
-        out = np.empty(len(g), dtype=np.intp)
+        out = np.full(len(g), -1, dtype=np.intp)
         todo = np.arange(len(g))
         for _ in range(self.TRIES):
-            e = self._pick(rng.random(len(todo)), g[todo], r[todo])
-            bad = seen[e * n + tok[todo]]
-            out[todo[~bad]] = e[~bad]
-            todo = todo[bad]
-            if not len(todo):
-                return out
-        first = g[todo, None] * size + np.arange(size)  # the stragglers' groups' experts
-        w = np.where(seen[first * n + tok[todo, None]], 0.0, self.p[first])
-        cum = np.cumsum(w, axis=1)
-        j = (cum <= (rng.random(len(todo)) * cum[:, -1])[:, None]).sum(axis=1)
-        last = size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
-        out[todo] = first[:, 0] + np.minimum(j, last)
+            can = todo[len(u2) - ptr[tok[todo]] > self.k - s]
+            if not len(can):
+                break
+            tt = tok[can]
+            e = self._pick(u2[ptr[tt], tt], g[can], r[can])
+            ptr[tt] += 1
+            ok = ~seen[e * n + tt]
+            out[can[ok]] = e[ok]
+            todo = np.flatnonzero(out < 0)
+        if len(todo):
+            tt = tok[todo]
+            first = g[todo, None] * size + np.arange(size)  # the stragglers' groups' experts
+            w = np.where(seen[first * n + tt[:, None]], 0.0, self.p[first])
+            cum = np.cumsum(w, axis=1)
+            j = (cum <= (u2[ptr[tt], tt] * cum[:, -1])[:, None]).sum(axis=1)
+            ptr[tt] += 1
+            last = size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
+            out[todo] = first[:, 0] + np.minimum(j, last)
         return out
 
     def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """The top-k ids of n tokens, (k, n), each token's in key order (smallest first)."""
+        """The top-k ids of n tokens, (k, n), each token's in key order (smallest first).
+
+        The random numbers are drawn first, in fixed shapes (per token: two exponentials and a
+        uniform per group, k + SPARE uniforms for the later experts and k - 1 exponentials for
+        the later arrival times), so that the compiled loop (:func:`_race_loop`, numba, when
+        installed) and the numpy code below consume the same numbers the same way: bit-identical
+        ids with or without numba."""
+        G, k = self.n_group, self.k
+        e = rng.standard_exponential((2, G, n))
+        u1 = rng.random((G, n))
+        u2 = rng.random((k + self.SPARE, n))
+        e2 = rng.standard_exponential((k - 1, n))
+        loop = _compiled_race_loop()
+        if loop is None:
+            return self._merge(e, u1, u2, e2)
+        out = np.empty((k, n), dtype=np.intp)
+        loop(e, u1, u2, e2, self.p, self.mass, self.heavy, self.prob, self.alias,
+             self.topk_group, k, self.size, self.depth, self.TRIES, out)  # fmt: skip
+        return out
+
+    def _merge(self, e, u1, u2, e2) -> np.ndarray:
+        """:meth:`draw` in numpy, vectorised over the block's tokens."""
         G, kg, k, size = self.n_group, self.topk_group, self.k, self.size
+        n = e.shape[2]
         cols = np.arange(n)
         if len(self.seen) < len(self.p) * n:
             self.seen = np.zeros(len(self.p) * n, dtype=bool)
         # every group's first two arrivals: t1 ~ Exp(P_g), its expert, t2 = t1 + Exp(rest)
-        e = rng.standard_exponential((2, G, n))
-        first = self._pick(rng.random((G, n)), np.arange(G)[:, None])
+        first = self._pick(u1, np.arange(G)[:, None])
         t1 = e[0] / self.mass[:, None]
         rest = self.mass[:, None] - self.p[first]  # > 0: every p_e > 0
         t2 = t1 + e[1] / rest if size > 1 else np.full((G, n), np.inf)
@@ -512,13 +543,14 @@ class _Race:
         t, hid, tn, mass = t1.ravel()[at], first.ravel()[at], t2.ravel()[at], rest.ravel()[at]
         gk = gk.ravel()
         taken = np.zeros(kg * n, dtype=np.int64) if size <= k else None
+        ptr, q = np.zeros(n, dtype=np.intp), np.zeros(n, dtype=np.intp)  # next u2 / e2 row
         out = np.empty((k, n), dtype=np.intp)
         for s in range(k):
             flat = _argmin_rows(t.reshape(kg, n)) * n + cols
             h = hid[flat]
             new = np.flatnonzero(h < 0)
             if len(new):
-                h[new] = self._pick_new(rng, gk[flat[new]], new, n)
+                h[new] = self._pick_new(u2, ptr, s, gk[flat[new]], new, n)
                 mass[flat[new]] -= self.p[h[new]]
             out[s] = h
             if s == k - 1:
@@ -527,15 +559,132 @@ class _Race:
             nxt = tn[flat]
             late = np.flatnonzero(np.isnan(nxt))
             if len(late):
-                m = mass[flat[late]]
                 with np.errstate(divide="ignore"):
-                    nxt[late] = t[flat[late]] + rng.standard_exponential(len(late)) / m
+                    nxt[late] = t[flat[late]] + e2[q[late], late] / mass[flat[late]]
+                q[late] += 1
             if taken is not None:  # groups smaller than k can run out of experts
                 taken[flat] += 1
                 nxt[taken[flat] >= size] = np.inf
             t[flat], tn[flat], hid[flat] = nxt, np.nan, -1
         self.seen[(out[:-1] * n + cols).ravel()] = False
         return out
+
+
+def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, tries, out):
+    """:meth:`_Race._merge` as one loop over tokens (compiled by numba): the same float
+    operations on the same random numbers, so the same ids."""  # pragma: no cover - compiled
+    G, n, m = len(mass), e.shape[2], u2.shape[0]
+    first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
+    kept, cnt = np.empty(kg, np.int64), np.empty(kg, np.int64)
+    t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
+    w, cum = np.empty(size), np.empty(size)
+
+    def pick(u, g, r):
+        slots = size - r
+        x = u * slots
+        j = min(np.int64(x), slots - 1)
+        slot = (g * depth + r) * size + j
+        return heavy[g * size + r + j] if x - j < prob[slot] else alias[slot]
+
+    def taken(s, i, ex):
+        for j in range(s):
+            if out[j, i] == ex:
+                return True
+        return False
+
+    for i in range(n):
+        for g in range(G):
+            first[g] = pick(u1[g, i], g, 0)
+            t1[g] = e[0, g, i] / mass[g]
+            rest[g] = mass[g] - p[first[g]]
+            t2[g] = t1[g] + e[1, g, i] / rest[g] if size > 1 else np.inf
+        c = 0
+        for g in range(G):
+            rank = 0
+            if kg < G:
+                for h in range(G):
+                    if h < g and not (t1[g] * t2[g] < t1[h] * t2[h]):
+                        rank += 1
+                    elif h > g and t1[h] * t2[h] < t1[g] * t2[g]:
+                        rank += 1
+            if rank < kg:
+                kept[c] = g
+                c += 1
+        for j in range(kg):
+            g = kept[j]
+            t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
+        ptr, q = 0, 0
+        for s in range(k):
+            jb = 0
+            for j in range(1, kg):
+                if t[j] < t[jb]:
+                    jb = j
+            h = hid[jb]
+            if h < 0:
+                g = kept[jb]
+                r = 0
+                while r < depth - 1 and taken(s, i, heavy[g * size + r]):
+                    r += 1
+                for _ in range(tries):
+                    if m - ptr <= k - s:
+                        break
+                    ex = pick(u2[ptr, i], g, r)
+                    ptr += 1
+                    if not taken(s, i, ex):
+                        h = ex
+                        break
+                if h < 0:
+                    acc = 0.0
+                    for x in range(size):
+                        w[x] = 0.0 if taken(s, i, g * size + x) else p[g * size + x]
+                        acc += w[x]
+                        cum[x] = acc
+                    lim = u2[ptr, i] * cum[size - 1]
+                    ptr += 1
+                    j = 0
+                    for x in range(size):
+                        if cum[x] <= lim:
+                            j += 1
+                    last = size - 1
+                    for x in range(size - 1, -1, -1):
+                        if w[x] > 0:
+                            last = x
+                            break
+                    h = g * size + min(j, last)
+                ms[jb] -= p[h]
+            out[s, i] = h
+            if s == k - 1:
+                break
+            nxt = tn[jb]
+            if np.isnan(nxt):
+                nxt = t[jb] + e2[q, i] / ms[jb]
+                q += 1
+            if size <= k:
+                cnt[jb] += 1
+                if cnt[jb] >= size:
+                    nxt = np.inf
+            t[jb], tn[jb], hid[jb] = nxt, np.nan, -1
+
+
+_compiled = None  # None: not tried yet; False: numba missing; else the compiled _race_loop
+
+
+def _compiled_race_loop():
+    """:func:`_race_loop` compiled with numba (cached next to this module when it can be), None
+    when numba is not installed (or ``_compiled`` is set to False: the numpy path)."""
+    global _compiled
+    if _compiled is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled = False
+        else:
+            opts = dict(nogil=True, error_model="numpy")
+            try:
+                _compiled = numba.njit(cache=True, **opts)(_race_loop)
+            except RuntimeError:  # no writable cache location: compile in each process
+                _compiled = numba.njit(**opts)(_race_loop)
+    return _compiled or None
 
 
 def _smallest_rows(a: np.ndarray, m: int) -> np.ndarray:

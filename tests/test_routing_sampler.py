@@ -129,7 +129,10 @@ def test_draws_without_replacement_follow_the_rest_of_the_group():
     for g, taken in ((0, 1), (1, 0), (1, 2)):
         race.seen = np.zeros(8 * n, dtype=bool)
         race.seen[(4 * g + taken) * n : (4 * g + taken + 1) * n] = True
-        ids = race._pick_new(np.random.default_rng(g), np.full(n, g), np.arange(n), n)
+        u2 = np.random.default_rng(g).random((race.k + race.SPARE, n))
+        ptr = np.zeros(n, dtype=np.intp)
+        ids = race._pick_new(u2, ptr, 1, np.full(n, g), np.arange(n), n)
+        assert ptr.min() >= 1 and ptr.max() <= race.TRIES + 1
         counts = np.bincount(ids - 4 * g, minlength=4)
         rest = p[4 * g : 4 * g + 4].copy()
         rest[taken] = 0.0
@@ -192,3 +195,33 @@ def test_an_expert_never_seen_can_still_be_drawn(tmp_path):
     # two of the four popular experts in the two kept groups, then one of their unseen mates
     assert np.isin(ids[:, :2], [0, 5, 10, 15]).all()
     assert not np.isin(ids[:, 2], [0, 5, 10, 15]).any()
+
+
+def _configs():
+    deg = np.full(16, 1e-12)  # each group's mass on one expert: the exact fallback draws
+    deg[[0, 5, 10, 15]] = [50, 30, 15, 5]
+    pair = np.array([0.5, 0.45, 0.03, 0.02] * 4)  # a heavy second expert: rejection fails often
+    return [
+        (_zipf(256, 1.2, 0), 8, 4, 8),  # DeepSeek-V3
+        (P16, 4, 2, 3),
+        (_zipf(8, 0.0, 1), 1, 1, 3),  # no group limit
+        (_zipf(16, 1.5, 2), 8, 4, 6),  # groups of 2: they run out of experts
+        (deg / deg.sum(), 4, 2, 3),
+        (pair / pair.sum(), 4, 2, 4),
+        (_zipf(256, 0.0, 3), 1, 1, 8),
+    ]
+
+
+@pytest.mark.parametrize("cfg", range(7))
+def test_compiled_loop_draws_the_numpy_ids(cfg, monkeypatch):
+    """With numba the block is drawn by ``_race_loop``; it must give the numpy code's ids, bit
+    for bit (the same random numbers, the same float operations), or a seed would mean
+    different routings on machines with and without the ``fast`` extra."""
+    pytest.importorskip("numba")
+    p, n_group, topk_group, k = _configs()[cfg]
+    race = _Race(p, n_group, topk_group, k)
+    monkeypatch.setattr(routing_mod, "_compiled", False)
+    numpy_ids = race.draw(np.random.default_rng(11), 3000)
+    monkeypatch.setattr(routing_mod, "_compiled", None)
+    assert routing_mod._compiled_race_loop() is not None
+    assert (race.draw(np.random.default_rng(11), 3000) == numpy_ids).all()
