@@ -575,9 +575,10 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
     operations on the same random numbers, so the same ids."""  # pragma: no cover - compiled
     G, n, m = len(mass), e.shape[2], u2.shape[0]
     first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
-    kept, cnt = np.empty(kg, np.int64), np.empty(kg, np.int64)
+    score, kept, cnt = np.empty(G), np.empty(kg, np.int64), np.empty(kg, np.int64)
     t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
     w, cum = np.empty(size), np.empty(size)
+    taken = np.zeros(len(p), np.bool_)  # the current token's experts so far
 
     def pick(u, g, r):
         slots = size - r
@@ -586,30 +587,26 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
         slot = (g * depth + r) * size + j
         return heavy[g * size + r + j] if x - j < prob[slot] else alias[slot]
 
-    def taken(s, i, ex):
-        for j in range(s):
-            if out[j, i] == ex:
-                return True
-        return False
-
     for i in range(n):
         for g in range(G):
             first[g] = pick(u1[g, i], g, 0)
             t1[g] = e[0, g, i] / mass[g]
             rest[g] = mass[g] - p[first[g]]
             t2[g] = t1[g] + e[1, g, i] / rest[g] if size > 1 else np.inf
+            score[g] = t1[g] * t2[g]
+        # the kg smallest (score, group) pairs, as _smallest_rows (lower groups first on ties):
+        # insertion into kept, sorted by score, then kept in group order
         c = 0
         for g in range(G):
-            rank = 0
-            if kg < G:
-                for h in range(G):
-                    if h < g and not (t1[g] * t2[g] < t1[h] * t2[h]):
-                        rank += 1
-                    elif h > g and t1[h] * t2[h] < t1[g] * t2[g]:
-                        rank += 1
-            if rank < kg:
-                kept[c] = g
-                c += 1
+            if c == kg and not (score[g] < score[kept[kg - 1]]):
+                continue
+            j = min(c, kg - 1)
+            while j > 0 and score[g] < score[kept[j - 1]]:
+                kept[j] = kept[j - 1]
+                j -= 1
+            kept[j] = g
+            c = min(c + 1, kg)
+        kept.sort()
         for j in range(kg):
             g = kept[j]
             t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
@@ -623,28 +620,27 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
             if h < 0:
                 g = kept[jb]
                 r = 0
-                while r < depth - 1 and taken(s, i, heavy[g * size + r]):
+                while r < depth - 1 and taken[heavy[g * size + r]]:
                     r += 1
                 for _ in range(tries):
                     if m - ptr <= k - s:
                         break
                     ex = pick(u2[ptr, i], g, r)
                     ptr += 1
-                    if not taken(s, i, ex):
+                    if not taken[ex]:
                         h = ex
                         break
                 if h < 0:
                     acc = 0.0
                     for x in range(size):
-                        w[x] = 0.0 if taken(s, i, g * size + x) else p[g * size + x]
+                        w[x] = 0.0 if taken[g * size + x] else p[g * size + x]
                         acc += w[x]
                         cum[x] = acc
                     lim = u2[ptr, i] * cum[size - 1]
                     ptr += 1
                     j = 0
                     for x in range(size):
-                        if cum[x] <= lim:
-                            j += 1
+                        j += cum[x] <= lim
                     last = size - 1
                     for x in range(size - 1, -1, -1):
                         if w[x] > 0:
@@ -653,6 +649,7 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
                     h = g * size + min(j, last)
                 ms[jb] -= p[h]
             out[s, i] = h
+            taken[h] = True
             if s == k - 1:
                 break
             nxt = tn[jb]
@@ -664,6 +661,8 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
                 if cnt[jb] >= size:
                     nxt = np.inf
             t[jb], tn[jb], hid[jb] = nxt, np.nan, -1
+        for s in range(k):
+            taken[out[s, i]] = False
 
 
 _compiled = None  # None: not tried yet; False: numba missing; else the compiled _race_loop
