@@ -575,7 +575,8 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
     operations on the same random numbers, so the same ids."""  # pragma: no cover - compiled
     G, n, m = len(mass), e.shape[2], u2.shape[0]
     first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
-    score, kept, cnt = np.empty(G), np.empty(kg, np.int64), np.empty(kg, np.int64)
+    score, kept, rank = np.empty(G), np.empty(G, np.int64), np.empty(G, np.int64)
+    cnt = np.empty(kg, np.int64)
     t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
     w, cum = np.empty(size), np.empty(size)
     taken = np.zeros(len(p), np.bool_)  # the current token's experts so far
@@ -585,7 +586,8 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
         x = u * slots
         j = min(np.int64(x), slots - 1)
         slot = (g * depth + r) * size + j
-        return heavy[g * size + r + j] if x - j < prob[slot] else alias[slot]
+        a = alias[slot]  # own if x - j < prob[slot] else alias, without a branch
+        return a + np.int64(x - j < prob[slot]) * (heavy[g * size + r + j] - a)
 
     for i in range(n):
         for g in range(G):
@@ -594,19 +596,18 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
             rest[g] = mass[g] - p[first[g]]
             t2[g] = t1[g] + e[1, g, i] / rest[g] if size > 1 else np.inf
             score[g] = t1[g] * t2[g]
-        # the kg smallest (score, group) pairs, as _smallest_rows (lower groups first on ties):
-        # insertion into kept, sorted by score, then kept in group order
+        # ranks of the (score, group) pairs as _smallest_rows, then the kept in group order,
+        # without branches (kept has G slots: the ones past kg are scratch)
+        rank[:] = 0
+        for g in range(G):
+            for h in range(g + 1, G):
+                b = np.int64(score[h] < score[g])
+                rank[g] += b
+                rank[h] += 1 - b
         c = 0
         for g in range(G):
-            if c == kg and not (score[g] < score[kept[kg - 1]]):
-                continue
-            j = min(c, kg - 1)
-            while j > 0 and score[g] < score[kept[j - 1]]:
-                kept[j] = kept[j - 1]
-                j -= 1
-            kept[j] = g
-            c = min(c + 1, kg)
-        kept.sort()
+            kept[c] = g
+            c += rank[g] < kg
         for j in range(kg):
             g = kept[j]
             t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
