@@ -278,10 +278,12 @@ class LayerRouting:
             return None
         if self._topk is None:
             self._topk = self._draw()
-            if self._load is None:
-                self._load = np.bincount(self._topk.ravel(), minlength=self.cfg.num_experts).astype(
-                    float
-                )
+            if self._load is None:  # by chunks: bincount widens the ids to intp (8x)
+                e = self.cfg.num_experts
+                load = np.zeros(e, dtype=np.int64)
+                for lo in range(0, len(self._topk), CHUNK):
+                    load += np.bincount(self._topk[lo : lo + CHUNK].ravel(), minlength=e)
+                self._load = load.astype(float)
             if self._keep is not None:
                 self._keep(self)
         return self._topk
@@ -413,9 +415,10 @@ class _Race:
     only ties differ (dense float32 keys tie with probability ~1e-7 a pair, these float64 ones
     far less).
 
-    Cost: 2 exponentials and 1 uniform per group, then about one exponential and one uniform per
-    expert taken (the dense sampler: one exponential per expert of the model). A categorical
-    draw is one uniform through an alias table. Without replacement it draws from the table of
+    Cost, per token: 2 exponentials and 1 uniform per group, then k + SPARE uniforms and k - 1
+    exponentials for the merge (about half of them used): ~40 random numbers for DeepSeek-V3
+    where the dense sampler drew one exponential per expert (256). A categorical draw is one
+    uniform through an alias table. Without replacement it draws from the table of
     the group without its r heaviest experts, r the number of them already taken in a row (the
     heavy ones go first), and rejects other taken experts: :data:`TRIES` rounds, then an exact
     inverse CDF over the experts left, so a group whose mass sits on a few experts cannot stall
