@@ -357,10 +357,16 @@ class LayerRouting:
         tokens = np.zeros(r * r, dtype=np.int64)
         node_tokens = np.zeros(r * nn, dtype=np.int64)
         load = np.zeros(cfg.num_experts, dtype=np.int64)
+        loops = _compiled_loops()
+        rank_of = np.arange(cfg.num_experts) // cfg.local_experts
         start = 0
         for s, n_s in enumerate(self.dp_tokens):  # rank s's tokens are rows start..start+n_s
             a, b = start + min(lo, n_s), start + min(max(hi, lo), n_s)
             start += n_s
+            if loops:  # the same counts, token by token
+                loops["count"](topk_all, a, b, rank_of, rank_of // g, copies[s * r : (s + 1) * r],
+                               tokens[s * r : (s + 1) * r], node_tokens[s * nn : (s + 1) * nn], load)  # fmt: skip
+                continue
             for c0 in range(a, b, CHUNK):
                 topk = topk_all[c0 : min(b, c0 + CHUNK)].astype(np.int64)
                 load += np.bincount(topk.ravel(), minlength=cfg.num_experts)
@@ -455,6 +461,7 @@ class _Race:
                 prob[g, r, : len(ids)], alias[g, r, : len(ids)] = pr, g * size + ids[al]
         self.prob, self.alias = prob.ravel(), alias.ravel().astype(np.intp)
         self.seen = np.zeros(0, dtype=bool)  # taken[e * n + token] of the block being drawn
+        self._buf: tuple | None = None  # draw's random numbers and ids, reused block to block
 
     def _pick(self, u: np.ndarray, g: np.ndarray, r: np.ndarray | int = 0) -> np.ndarray:
         """Expert ids drawn ∝ p inside groups g without their r heaviest experts (alias method:
@@ -509,16 +516,21 @@ class _Race:
         uniform per group, k + SPARE uniforms for the later experts and k - 1 exponentials for
         the later arrival times), so that the compiled loop (:func:`_race_loop`, numba, when
         installed) and the numpy code below consume the same numbers the same way: bit-identical
-        ids with or without numba."""
+        ids with or without numba. They are drawn into buffers kept from block to block (fresh
+        arrays of this size are fresh pages, whose faults cost more than the loop); the ids may
+        be one of them too: valid until the next draw."""
         G, k = self.n_group, self.k
-        e = rng.standard_exponential((2, G, n))
-        u1 = rng.random((G, n))
-        u2 = rng.random((k + self.SPARE, n))
-        e2 = rng.standard_exponential((k - 1, n))
+        if self._buf is None or self._buf[0].shape[2] != n:
+            shapes = ((2, G, n), (G, n), (k + self.SPARE, n), (k - 1, n))
+            self._buf = tuple(np.empty(s) for s in shapes) + (np.empty((k, n), dtype=np.intp),)
+        e, u1, u2, e2, out = self._buf
+        rng.standard_exponential(out=e)
+        rng.random(out=u1)
+        rng.random(out=u2)
+        rng.standard_exponential(out=e2)
         loop = _compiled_race_loop()
         if loop is None:
             return self._merge(e, u1, u2, e2)
-        out = np.empty((k, n), dtype=np.intp)
         loop(e, u1, u2, e2, self.p, self.mass, self.heavy, self.prob, self.alias,
              self.topk_group, k, self.size, self.depth, self.TRIES, out)  # fmt: skip
         return out
@@ -669,12 +681,34 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
             taken[out[s, i]] = False
 
 
-_compiled = None  # None: not tried yet; False: numba missing; else the compiled _race_loop
+def _count_loop(topk, a, b, rank_of, node_of, copies, tokens, node_tokens, load):
+    """:meth:`LayerRouting._counted`'s counts of rows a..b (one source rank) as one loop over
+    tokens (compiled by numba): a rank (node) counts a token once, at its first expert there;
+    rank_of / node_of map expert ids (no integer division in the loop)."""  # pragma: no cover
+    k = topk.shape[1]
+    ranks, nodes = np.empty(k, np.int64), np.empty(k, np.int64)
+    for i in range(a, b):
+        for j in range(k):
+            e = topk[i, j]
+            load[e] += 1
+            d, nd = rank_of[e], node_of[e]
+            copies[d] += 1
+            new_rank, new_node = True, True
+            for jj in range(j):
+                new_rank &= ranks[jj] != d
+                new_node &= nodes[jj] != nd
+            ranks[j], nodes[j] = d, nd
+            tokens[d] += new_rank
+            node_tokens[nd] += new_node
 
 
-def _compiled_race_loop():
-    """:func:`_race_loop` compiled with numba (cached next to this module when it can be), None
-    when numba is not installed (or ``_compiled`` is set to False: the numpy path)."""
+_compiled = None  # None: not tried yet; False: numba missing (or switched off); else the loops
+
+
+def _compiled_loops() -> dict | None:
+    """:func:`_race_loop` and :func:`_count_loop` compiled with numba (cached next to this
+    module when it can be), None when numba is not installed (or ``_compiled`` is set to False:
+    the numpy code)."""
     global _compiled
     if _compiled is None:
         try:
@@ -683,11 +717,21 @@ def _compiled_race_loop():
             _compiled = False
         else:
             opts = dict(nogil=True, error_model="numpy")
-            try:
-                _compiled = numba.njit(cache=True, **opts)(_race_loop)
-            except RuntimeError:  # no writable cache location: compile in each process
-                _compiled = numba.njit(**opts)(_race_loop)
+
+            def jit(fn):
+                try:
+                    return numba.njit(cache=True, **opts)(fn)
+                except RuntimeError:  # no writable cache location: compile in each process
+                    return numba.njit(**opts)(fn)
+
+            _compiled = {"race": jit(_race_loop), "count": jit(_count_loop)}
     return _compiled or None
+
+
+def _compiled_race_loop():
+    """The compiled :func:`_race_loop`, None without numba."""
+    loops = _compiled_loops()
+    return loops["race"] if loops else None
 
 
 def _smallest_rows(a: np.ndarray, m: int) -> np.ndarray:

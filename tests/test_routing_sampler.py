@@ -233,3 +233,20 @@ def test_compiled_loop_draws_the_numpy_ids(cfg, monkeypatch):
     monkeypatch.setattr(routing_mod, "_compiled", None)
     assert routing_mod._compiled_race_loop() is not None
     assert (race.draw(np.random.default_rng(11), 3000) == numpy_ids).all()
+
+
+def test_compiled_counts_are_the_numpy_counts(monkeypatch):
+    """``_count_loop`` (per token) against the numpy counting (sorted rows), on ranges of ranks
+    with different real token counts, ranks on several nodes and uneven ranges."""
+    pytest.importorskip("numba")
+    cfg = _v3_cfg(seed=2, ep=16, gpus_per_node=4)
+    dp = tuple(int(x) for x in np.random.default_rng(0).integers(50, 400, 16))
+    got = {}
+    for compiled in (False, None):
+        monkeypatch.setattr(routing_mod, "_compiled", compiled)
+        lr = LayerRouting(cfg, dp)
+        got[compiled] = [lr.matrices(lo, hi) for lo, hi in ((0, None), (0, 120), (120, 333))]
+    assert routing_mod._compiled  # the second pass counted with the compiled loop
+    for a, b in zip(got[False], got[None]):
+        for field in ("copies", "tokens", "node_tokens", "active"):
+            assert (getattr(a, field) == getattr(b, field)).all(), field
