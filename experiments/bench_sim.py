@@ -15,7 +15,8 @@ build + sim + post. ``events`` counts the SimPy events one simulation processes 
 detected alike and simulated once (``shared.symmetry``; build: + detection and the quotient's
 validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
 every rank. ``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
-(what the optional numba extra buys); ``sweep_1000_no_dedupe`` the sweep with every case simulated
+(what the optional numba extra buys), ``routing_layer_64k_numpy`` the routing layer with the
+race sampler's compiled loop off; ``sweep_1000_no_dedupe`` the sweep with every case simulated
 (what deduplication buys).
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
 comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.experiments.sweep`` on 2
@@ -79,7 +80,13 @@ CASES["decode_tbo_b128_ep32_explicit_balanced_reduced"] = CASES[
 CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
     "decode_tbo_b128_ep32_explicit_zipf1.2"
 ]
-SPECIAL = ("raw_simpy", "routing_layer_64k", "sweep_1000", "sweep_1000_no_dedupe")
+SPECIAL = (
+    "raw_simpy",
+    "routing_layer_64k",
+    "routing_layer_64k_numpy",
+    "sweep_1000",
+    "sweep_1000_no_dedupe",
+)
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
 NET_GROUP_TOL = 0.02
 
@@ -251,14 +258,22 @@ def sweep_1000(dedupe: bool = True) -> dict:
     }
 
 
-def routing_layer(tokens_per_rank: int = 65536) -> dict:
+def routing_layer(tokens_per_rank: int = 65536, compiled: bool = True) -> dict:
     """One MoE layer's sampled routing (zipf:1.2) at EP32: draw and per-rank counts of two
-    micro-batch ranges, CPU time and peak traced memory (the prefill rows' memory bound)."""
+    micro-batch ranges, CPU time and peak traced memory (the prefill rows' memory bound).
+    The race sampler's compiled loop (numba, when installed) is loaded by a one-token draw before
+    the clock starts; ``compiled=False`` (``routing_layer_64k_numpy``) draws with numpy."""
     import tracemalloc
 
+    from overlap_lab.shared import routing
     from overlap_lab.shared.routing import routing_for
     from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
+    if not compiled:
+        routing._compiled = False
+    loop = routing._compiled_race_loop()
+    w = Workload(get_model("deepseek-v3"), Batch.prefill(1, extend_len=1), Parallel(ep=32))
+    routing_for(w, "zipf:1.2").layer(0).topk  # noqa: B018 - loads (or compiles) the loop
     w = Workload(
         get_model("deepseek-v3"), Batch.prefill(1, extend_len=tokens_per_rank), Parallel(ep=32)
     )
@@ -273,6 +288,7 @@ def routing_layer(tokens_per_rank: int = 65536) -> dict:
     return {
         "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2",
         "tokens_per_rank": tokens_per_rank,
+        "compiled": loop is not None,
         "total_cpu_ms": round(cpu * 1e3, 1),
         "total_wall_ms": round(wall * 1e3, 1),
         "peak_traced_mb": round(peak / 2**20, 1),
@@ -281,8 +297,8 @@ def routing_layer(tokens_per_rank: int = 65536) -> dict:
 
 
 def _one(name: str, repeats: int | None) -> dict:
-    if name == "routing_layer_64k":
-        return routing_layer()
+    if name.startswith("routing_layer_64k"):
+        return routing_layer(compiled=name == "routing_layer_64k")
     if name == "raw_simpy":
         return raw_simpy()
     if name.startswith("sweep_1000"):
@@ -300,7 +316,7 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(_one(args.child, args.repeats)))
         return
-    names = args.cases.split(",") if args.cases else [*SPECIAL[:2], *CASES, *SPECIAL[2:]]
+    names = args.cases.split(",") if args.cases else [*SPECIAL[:3], *CASES, *SPECIAL[3:]]
     lines = []
     for name in names:
         cmd = [sys.executable, "-m", "overlap_lab.experiments.bench_sim", "--child", name]

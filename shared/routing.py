@@ -7,7 +7,8 @@ Expert load (``--imbalance``):
   simulation of all ranks gives exactly the symmetric one (its straggler cost is 0).
 - ``zipf:S``: expert popularity p_e proportional to 1/i^S over a seeded permutation of the experts
   (a different permutation per layer); each token draws its top-k distinct experts with
-  probability proportional to p (Gumbel top-k, i.e. sampling without replacement).
+  probability proportional to p (Gumbel top-k, i.e. sampling without replacement; drawn by the
+  exact race sampler ``_Race``, a few random numbers per expert taken, not one per expert).
   ``zipf:0`` is uniformly random routing *with* sampling noise.
 - ``file:PATH``: a routing sample, in one of these forms (``.json`` or ``.csv``):
 
@@ -216,15 +217,17 @@ class RoutingConfig:
         return self.num_experts // self.ep
 
 
-#: Tokens drawn (and counted) per chunk: a chunk's keys are CHUNK x num_experts float32 (8 MB at
-#: 256 experts), so no dense tokens x experts array of a whole batch is ever alive.
+#: Tokens counted per chunk (``LayerRouting._counted``): the unit of the per-rank counts' memory.
 CHUNK = 8192
+#: Tokens drawn per block: the race sampler's unit of vectorisation (its state is a few arrays of
+#: groups x BLOCK). Part of what a seed means: the draws depend on it (unlike on CHUNK).
+BLOCK = 8192
 
 
 class LayerRouting:
     """The routing of one layer's tokens: per-token top-k ids (sampled) or expectations.
 
-    Sampled routing draws its top-k ids lazily, in chunks of :data:`CHUNK` tokens, and keeps
+    Sampled routing draws its top-k ids lazily, in blocks of :data:`BLOCK` tokens, and keeps
     them (``uint8``/``int16`` ids) only while they may still be needed: the per-range matrices
     and the expert load are what stays. A :class:`Routing` keeps the ids of its two most recently
     used layers (``keep`` below); drawing again gives the same ids (seeded per layer).
@@ -275,10 +278,12 @@ class LayerRouting:
             return None
         if self._topk is None:
             self._topk = self._draw()
-            if self._load is None:
-                self._load = np.bincount(self._topk.ravel(), minlength=self.cfg.num_experts).astype(
-                    float
-                )
+            if self._load is None:  # by chunks: bincount widens the ids to intp (8x)
+                e = self.cfg.num_experts
+                load = np.zeros(e, dtype=np.int64)
+                for lo in range(0, len(self._topk), CHUNK):
+                    load += np.bincount(self._topk[lo : lo + CHUNK].ravel(), minlength=e)
+                self._load = load.astype(float)
             if self._keep is not None:
                 self._keep(self)
         return self._topk
@@ -289,13 +294,8 @@ class LayerRouting:
         self._topk = None
 
     def _draw(self) -> np.ndarray:
-        """Top-k ids of every token, drawn chunk by chunk with one seeded generator.
-
-        Gumbel top-k as exponential races: the top-k of log p_e + Gumbel_e are the k smallest
-        keys E_e / p_e with E_e ~ Exp(1) (exp(-Gumbel) is Exp(1)), so one float32 exponential per
-        (token, expert) and no logarithm; the distribution is that of sampling k distinct experts
-        with probability proportional to p. Group-limited gating ranks groups by the product of
-        their two smallest keys (the sum of their two best scores)."""
+        """Top-k ids of every token: a table row per token (``file`` ids) or the race sampler
+        (:class:`_Race`), block by block of :data:`BLOCK` tokens with one seeded generator."""
         cfg = self.cfg
         n, k, e = sum(self.dp_tokens), cfg.top_k, cfg.num_experts
         ids = np.uint8 if e <= 256 else np.int16 if e <= 32768 else np.int32
@@ -303,18 +303,16 @@ class LayerRouting:
             table = np.asarray(self.sample.topk_ids, dtype=ids)
             return table[np.arange(n) % len(table)]
         rng = self._rng()
-        inv_p = (1.0 / self._popularity(rng)).astype(np.float32)
+        grouped = cfg.group_limited and cfg.n_group > 1
+        race = _Race(
+            self._popularity(rng),
+            cfg.n_group if grouped else 1,
+            cfg.topk_group if grouped else 1,
+            k,
+        )
         topk = np.empty((n, k), dtype=ids)
-        for lo in range(0, n, CHUNK):
-            hi = min(n, lo + CHUNK)
-            keys = rng.standard_exponential((hi - lo, e), dtype=np.float32)
-            keys *= inv_p
-            if cfg.group_limited and cfg.n_group > 1:
-                keys, keep = _kept_groups(keys, cfg.n_group, cfg.topk_group)
-                col, size = _k_smallest(keys, k), e // cfg.n_group
-                topk[lo:hi] = np.take_along_axis(keep, col // size, axis=1) * size + col % size
-            else:
-                topk[lo:hi] = _k_smallest(keys, k)
+        for lo in range(0, n, BLOCK):
+            topk[lo : lo + BLOCK] = race.draw(rng, min(BLOCK, n - lo)).T
         return topk
 
     def _popularity(self, rng: np.random.Generator) -> np.ndarray:
@@ -359,10 +357,16 @@ class LayerRouting:
         tokens = np.zeros(r * r, dtype=np.int64)
         node_tokens = np.zeros(r * nn, dtype=np.int64)
         load = np.zeros(cfg.num_experts, dtype=np.int64)
+        loops = _compiled_loops()
+        rank_of = np.arange(cfg.num_experts) // cfg.local_experts
         start = 0
         for s, n_s in enumerate(self.dp_tokens):  # rank s's tokens are rows start..start+n_s
             a, b = start + min(lo, n_s), start + min(max(hi, lo), n_s)
             start += n_s
+            if loops:  # the same counts, token by token
+                loops["count"](topk_all, a, b, rank_of, rank_of // g, copies[s * r : (s + 1) * r],
+                               tokens[s * r : (s + 1) * r], node_tokens[s * nn : (s + 1) * nn], load)  # fmt: skip
+                continue
             for c0 in range(a, b, CHUNK):
                 topk = topk_all[c0 : min(b, c0 + CHUNK)].astype(np.int64)
                 load += np.bincount(topk.ravel(), minlength=cfg.num_experts)
@@ -394,31 +398,389 @@ class LayerRouting:
         return self._load
 
 
-def _kept_groups(keys: np.ndarray, n_group: int, topk_group: int):
-    """DeepSeek-V3 group-limited gating on race keys (smaller is better): the topk_group groups
-    whose two smallest keys have the smallest product (the best top-2 score sums). Returns their
-    keys (tokens x topk_group * group size, group after group) and the kept group ids."""
-    n, e = keys.shape
-    size = e // n_group
-    grouped = keys.reshape(n, n_group, size)
-    two = np.partition(grouped, 1, axis=2)[:, :, :2]
-    score = two[:, :, 0] * two[:, :, 1]
-    keep = np.sort(np.argpartition(score, topk_group - 1, axis=1)[:, :topk_group], axis=1)
-    kept = np.take_along_axis(grouped, keep[:, :, None], axis=1).reshape(n, topk_group * size)
-    return kept, keep
+class _Race:
+    """Exact, sparse sampling of DeepSeek-V3 gating with random scores: the race sampler.
+
+    What it samples. Dense Gumbel top-k gives expert e the key K_e = E_e / p_e (E_e ~ Exp(1)
+    i.i.d.; exp(-Gumbel) is Exp(1), so the top-k of log p_e + Gumbel_e are the k smallest keys);
+    a group's score is the product of its two smallest keys (the sum of its two best scores),
+    the topk_group groups of smallest score are kept and the token takes the k smallest keys
+    inside them, in key order: k experts drawn without replacement with probability
+    proportional to p within the kept groups (Plackett-Luce).
+
+    Why this draws the same thing. K_e ~ Exp(p_e), independent: an exponential race. Inside a
+    group g, the smallest key is Exp(P_g) (P_g the group's mass), its expert is e with
+    probability p_e / P_g, and the two are independent; by memorylessness the race of the others
+    goes on from there: the next key is that plus Exp(P_g - p_first), its expert categorical over
+    the rest, and so on. Drawing the first two arrival times (and the first expert, whose weight
+    sets the second rate) of every group gives the groups' scores with the dense law; the keys
+    after them are independent of the choice of groups, so the kept groups' races continue
+    lazily: a k-way merge of their next arrivals, each arrival's expert drawn only when it is
+    taken (a categorical over the group's experts not taken yet, independent of the time). The
+    sorted keys of each group, and so everything computed from them, have the dense joint law;
+    only ties differ (dense float32 keys tie with probability ~1e-7 a pair, these float64 ones
+    far less).
+
+    Cost, per token: 2 exponentials and 1 uniform per group, then k + SPARE uniforms and k - 1
+    exponentials for the merge (about half of them used): ~40 random numbers for DeepSeek-V3
+    where the dense sampler drew one exponential per expert (256). A categorical draw is one
+    uniform through an alias table. Without replacement it draws from the table of
+    the group without its r heaviest experts, r the number of them already taken in a row (the
+    heavy ones go first), and rejects other taken experts: :data:`TRIES` rounds, then an exact
+    inverse CDF over the experts left, so a group whose mass sits on a few experts cannot stall
+    it. The state is a few (groups x tokens) arrays per block and a taken-flag per (expert,
+    token) of the block.
+    """
+
+    #: rejection rounds of a categorical draw without replacement before the exact fallback
+    TRIES = 2
+    #: uniforms per token for its later experts beyond one each (the rejection tries' budget)
+    SPARE = 4
+
+    def __init__(self, p: np.ndarray, n_group: int, topk_group: int, top_k: int):
+        self.p = np.asarray(p, dtype=np.float64)
+        self.n_group, self.topk_group, self.k = n_group, topk_group, top_k
+        self.size = size = len(p) // n_group
+        if topk_group * size < top_k:
+            raise ConfigError(
+                f"routing: top-{top_k} needs {top_k} experts in the {topk_group} kept groups "
+                f"of {size}"
+            )
+        groups = self.p.reshape(n_group, size)
+        self.mass = groups.sum(axis=1)
+        # heavy[g, r]: the id of group g's r-th heaviest expert; tables[r]: alias tables of every
+        # group without its r heaviest experts (r < depth), flattened (group, r, slot)
+        self.depth = min(top_k, size)
+        heavy = np.argsort(-groups, axis=1, kind="stable")
+        self.heavy = (heavy + np.arange(n_group)[:, None] * size).ravel()
+        prob, alias = np.ones((n_group, self.depth, size)), np.zeros((n_group, self.depth, size))
+        for g in range(n_group):
+            for r in range(self.depth):
+                ids = heavy[g, r:]
+                pr, al = _alias_table(groups[g, ids])
+                prob[g, r, : len(ids)], alias[g, r, : len(ids)] = pr, g * size + ids[al]
+        self.prob, self.alias = prob.ravel(), alias.ravel().astype(np.intp)
+        self.seen = np.zeros(0, dtype=bool)  # taken[e * n + token] of the block being drawn
+        self._buf: tuple | None = None  # draw's random numbers and ids, reused block to block
+
+    def _pick(self, u: np.ndarray, g: np.ndarray, r: np.ndarray | int = 0) -> np.ndarray:
+        """Expert ids drawn ∝ p inside groups g without their r heaviest experts (alias method:
+        the integer part of u * slots picks a slot, the fraction one of its two outcomes)."""
+        slots = self.size - r
+        x = u * slots
+        j = np.minimum(x.astype(np.intp), slots - 1)  # u * slots may round up to slots
+        slot = (g * self.depth + r) * self.size + j
+        own = self.heavy[g * self.size + r + j]
+        return np.where(x - j < self.prob[slot], own, self.alias[slot])
+
+    def _pick_new(self, u2, ptr, s: int, g: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
+        """For every i, an expert of group g[i] ∝ p among those token tok[i] has not taken
+        (``self.seen`` over n tokens) at merge step s, from the token's uniforms u2[:, tok]
+        (``ptr``: the next unused): rejection, then the exact inverse CDF. A rejection try is
+        made only while the token keeps a uniform for this and every later step."""
+        seen, size = self.seen, self.size
+        r = np.zeros(len(g), dtype=np.intp)  # the heaviest experts taken in a row
+        on = np.arange(len(g))
+        for level in range(self.depth - 1):
+            on = on[seen[self.heavy[g[on] * size + level] * n + tok[on]]]
+            if not len(on):
+                break
+            r[on] += 1
+        out = np.full(len(g), -1, dtype=np.intp)
+        todo = np.arange(len(g))
+        for _ in range(self.TRIES):
+            can = todo[len(u2) - ptr[tok[todo]] > self.k - s]
+            if not len(can):
+                break
+            tt = tok[can]
+            e = self._pick(u2[ptr[tt], tt], g[can], r[can])
+            ptr[tt] += 1
+            ok = ~seen[e * n + tt]
+            out[can[ok]] = e[ok]
+            todo = np.flatnonzero(out < 0)
+        if len(todo):
+            tt = tok[todo]
+            first = g[todo, None] * size + np.arange(size)  # the stragglers' groups' experts
+            w = np.where(seen[first * n + tt[:, None]], 0.0, self.p[first])
+            cum = np.cumsum(w, axis=1)
+            j = (cum <= (u2[ptr[tt], tt] * cum[:, -1])[:, None]).sum(axis=1)
+            ptr[tt] += 1
+            last = size - 1 - (w[:, ::-1] > 0).argmax(axis=1)  # u * total may round to total
+            out[todo] = first[:, 0] + np.minimum(j, last)
+        return out
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """The top-k ids of n tokens, (k, n), each token's in key order (smallest first).
+
+        The random numbers are drawn first, in fixed shapes (per token: two exponentials and a
+        uniform per group, k + SPARE uniforms for the later experts and k - 1 exponentials for
+        the later arrival times), so that the compiled loop (:func:`_race_loop`, numba, when
+        installed) and the numpy code below consume the same numbers the same way: bit-identical
+        ids with or without numba. They are drawn into buffers kept from block to block (fresh
+        arrays of this size are fresh pages, whose faults cost more than the loop); the ids may
+        be one of them too: valid until the next draw."""
+        G, k = self.n_group, self.k
+        if self._buf is None or self._buf[0].shape[2] != n:
+            shapes = ((2, G, n), (G, n), (k + self.SPARE, n), (k - 1, n))
+            self._buf = tuple(np.empty(s) for s in shapes) + (np.empty((k, n), dtype=np.intp),)
+        e, u1, u2, e2, out = self._buf
+        rng.standard_exponential(out=e)
+        rng.random(out=u1)
+        rng.random(out=u2)
+        rng.standard_exponential(out=e2)
+        loop = _compiled_race_loop()
+        if loop is None:
+            return self._merge(e, u1, u2, e2)
+        loop(e, u1, u2, e2, self.p, self.mass, self.heavy, self.prob, self.alias,
+             self.topk_group, k, self.size, self.depth, self.TRIES, out)  # fmt: skip
+        return out
+
+    def _merge(self, e, u1, u2, e2) -> np.ndarray:
+        """:meth:`draw` in numpy, vectorised over the block's tokens."""
+        G, kg, k, size = self.n_group, self.topk_group, self.k, self.size
+        n = e.shape[2]
+        cols = np.arange(n)
+        if len(self.seen) < len(self.p) * n:
+            self.seen = np.zeros(len(self.p) * n, dtype=bool)
+        # every group's first two arrivals: t1 ~ Exp(P_g), its expert, t2 = t1 + Exp(rest)
+        first = self._pick(u1, np.arange(G)[:, None])
+        t1 = e[0] / self.mass[:, None]
+        rest = self.mass[:, None] - self.p[first]  # > 0: every p_e > 0
+        t2 = t1 + e[1] / rest if size > 1 else np.full((G, n), np.inf)
+        if kg < G:  # the kg groups of smallest score t1 * t2, in group order
+            kept = _smallest_rows(t1 * t2, kg)
+            gk = np.flatnonzero(kept.T.ravel()).reshape(n, kg).T % G
+        else:
+            gk = np.repeat(np.arange(G)[:, None], n, axis=1)
+        # the kept groups' races, merged: head time, head id (-1: not drawn), the time after the
+        # head (nan: not drawn), mass of the experts not taken (nor the head, when drawn)
+        at = (gk * n + cols).ravel()  # (kg * n,), kept group-major
+        t, hid, tn, mass = t1.ravel()[at], first.ravel()[at], t2.ravel()[at], rest.ravel()[at]
+        gk = gk.ravel()
+        taken = np.zeros(kg * n, dtype=np.int64) if size <= k else None
+        ptr, q = np.zeros(n, dtype=np.intp), np.zeros(n, dtype=np.intp)  # next u2 / e2 row
+        out = np.empty((k, n), dtype=np.intp)
+        for s in range(k):
+            flat = _argmin_rows(t.reshape(kg, n)) * n + cols
+            h = hid[flat]
+            new = np.flatnonzero(h < 0)
+            if len(new):
+                h[new] = self._pick_new(u2, ptr, s, gk[flat[new]], new, n)
+                mass[flat[new]] -= self.p[h[new]]
+            out[s] = h
+            if s == k - 1:
+                break
+            self.seen[h * n + cols] = True
+            nxt = tn[flat]
+            late = np.flatnonzero(np.isnan(nxt))
+            if len(late):
+                with np.errstate(divide="ignore"):
+                    nxt[late] = t[flat[late]] + e2[q[late], late] / mass[flat[late]]
+                q[late] += 1
+            if taken is not None:  # groups smaller than k can run out of experts
+                taken[flat] += 1
+                nxt[taken[flat] >= size] = np.inf
+            t[flat], tn[flat], hid[flat] = nxt, np.nan, -1
+        self.seen[(out[:-1] * n + cols).ravel()] = False
+        return out
 
 
-def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
-    """Column indices of the k smallest keys of each row (first index on ties), by k passes of
-    argmin: several times faster than argpartition on rows of a few hundred. Overwrites the
-    chosen keys with +inf."""
-    rows = np.arange(len(keys))
-    out = np.empty((len(keys), k), dtype=np.int64)
-    for j in range(k):
-        col = keys.argmin(axis=1)
-        out[:, j] = col
-        keys[rows, col] = np.inf
-    return out
+def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, tries, out):
+    """:meth:`_Race._merge` as one loop over tokens (compiled by numba): the same float
+    operations on the same random numbers, so the same ids."""  # pragma: no cover - compiled
+    G, n, m = len(mass), e.shape[2], u2.shape[0]
+    first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
+    score, kept, rank = np.empty(G), np.empty(G, np.int64), np.empty(G, np.int64)
+    cnt = np.empty(kg, np.int64)
+    t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
+    w, cum = np.empty(size), np.empty(size)
+    taken = np.zeros(len(p), np.bool_)  # the current token's experts so far
+
+    def pick(u, g, r):
+        slots = size - r
+        x = u * slots
+        j = min(np.int64(x), slots - 1)
+        slot = (g * depth + r) * size + j
+        a = alias[slot]  # own if x - j < prob[slot] else alias, without a branch
+        return a + np.int64(x - j < prob[slot]) * (heavy[g * size + r + j] - a)
+
+    for i in range(n):
+        for g in range(G):
+            first[g] = pick(u1[g, i], g, 0)
+            t1[g] = e[0, g, i] / mass[g]
+            rest[g] = mass[g] - p[first[g]]
+            t2[g] = t1[g] + e[1, g, i] / rest[g] if size > 1 else np.inf
+            score[g] = t1[g] * t2[g]
+        # ranks of the (score, group) pairs as _smallest_rows, then the kept in group order,
+        # without branches (kept has G slots: the ones past kg are scratch)
+        rank[:] = 0
+        for g in range(G):
+            for h in range(g + 1, G):
+                b = np.int64(score[h] < score[g])
+                rank[g] += b
+                rank[h] += 1 - b
+        c = 0
+        for g in range(G):
+            kept[c] = g
+            c += rank[g] < kg
+        for j in range(kg):
+            g = kept[j]
+            t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
+        ptr, q = 0, 0
+        for s in range(k):
+            jb = 0
+            for j in range(1, kg):
+                if t[j] < t[jb]:
+                    jb = j
+            h = hid[jb]
+            if h < 0:
+                g = kept[jb]
+                r = 0
+                while r < depth - 1 and taken[heavy[g * size + r]]:
+                    r += 1
+                for _ in range(tries):
+                    if m - ptr <= k - s:
+                        break
+                    ex = pick(u2[ptr, i], g, r)
+                    ptr += 1
+                    if not taken[ex]:
+                        h = ex
+                        break
+                if h < 0:
+                    acc = 0.0
+                    for x in range(size):
+                        w[x] = 0.0 if taken[g * size + x] else p[g * size + x]
+                        acc += w[x]
+                        cum[x] = acc
+                    lim = u2[ptr, i] * cum[size - 1]
+                    ptr += 1
+                    j = 0
+                    for x in range(size):
+                        j += cum[x] <= lim
+                    last = size - 1
+                    for x in range(size - 1, -1, -1):
+                        if w[x] > 0:
+                            last = x
+                            break
+                    h = g * size + min(j, last)
+                ms[jb] -= p[h]
+            out[s, i] = h
+            taken[h] = True
+            if s == k - 1:
+                break
+            nxt = tn[jb]
+            if np.isnan(nxt):
+                nxt = t[jb] + e2[q, i] / ms[jb]
+                q += 1
+            if size <= k:
+                cnt[jb] += 1
+                if cnt[jb] >= size:
+                    nxt = np.inf
+            t[jb], tn[jb], hid[jb] = nxt, np.nan, -1
+        for s in range(k):
+            taken[out[s, i]] = False
+
+
+def _count_loop(topk, a, b, rank_of, node_of, copies, tokens, node_tokens, load):
+    """:meth:`LayerRouting._counted`'s counts of rows a..b (one source rank) as one loop over
+    tokens (compiled by numba): a rank (node) counts a token once, at its first expert there;
+    rank_of / node_of map expert ids (no integer division in the loop)."""  # pragma: no cover
+    k = topk.shape[1]
+    ranks, nodes = np.empty(k, np.int64), np.empty(k, np.int64)
+    for i in range(a, b):
+        for j in range(k):
+            e = topk[i, j]
+            load[e] += 1
+            d, nd = rank_of[e], node_of[e]
+            copies[d] += 1
+            new_rank, new_node = True, True
+            for jj in range(j):
+                new_rank &= ranks[jj] != d
+                new_node &= nodes[jj] != nd
+            ranks[j], nodes[j] = d, nd
+            tokens[d] += new_rank
+            node_tokens[nd] += new_node
+
+
+_compiled = None  # None: not tried yet; False: numba missing (or switched off); else the loops
+
+
+def _compiled_loops() -> dict | None:
+    """:func:`_race_loop` and :func:`_count_loop` compiled with numba (cached next to this
+    module when it can be), None when numba is not installed (or ``_compiled`` is set to False:
+    the numpy code)."""
+    global _compiled
+    if _compiled is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled = False
+        else:
+            opts = dict(nogil=True, error_model="numpy")
+
+            def jit(fn):
+                try:
+                    return numba.njit(cache=True, **opts)(fn)
+                except RuntimeError:  # no writable cache location: compile in each process
+                    return numba.njit(**opts)(fn)
+
+            _compiled = {"race": jit(_race_loop), "count": jit(_count_loop)}
+    return _compiled or None
+
+
+def _compiled_race_loop():
+    """The compiled :func:`_race_loop`, None without numba."""
+    loops = _compiled_loops()
+    return loops["race"] if loops else None
+
+
+def _smallest_rows(a: np.ndarray, m: int) -> np.ndarray:
+    """Which rows of each column of ``a`` are its m smallest (the lower row on ties), as a bool
+    array: pairwise ranks, cheaper than a sort along a short axis."""
+    rank = np.zeros(a.shape, dtype=np.int8)
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            below = a[j] < a[i]
+            rank[i] += below
+            rank[j] += ~below
+    return rank < m
+
+
+def _argmin_rows(a: np.ndarray) -> np.ndarray:
+    """``a.argmin(axis=0)`` for a few long rows (the lower row on ties), as a knockout
+    tournament of row pairs: numpy's own reduction over a short axis is several times slower."""
+    best: list[np.ndarray] = list(a)
+    idx: list = list(range(len(a)))  # row ids: ints in the first round, then arrays
+    while len(best) > 1:
+        nb, ni = [], []
+        for i in range(0, len(best) - 1, 2):
+            right = best[i + 1] < best[i]
+            nb.append(np.where(right, best[i + 1], best[i]))
+            if isinstance(idx[i], int):
+                ni.append(right + np.intp(idx[i]))
+            else:
+                ni.append(np.where(right, idx[i + 1], idx[i]))
+        if len(best) % 2:
+            nb.append(best[-1])
+            ni.append(idx[-1])
+        best, idx = nb, ni
+    return np.full(a.shape[1], idx[0], dtype=np.intp) if isinstance(idx[0], int) else idx[0]
+
+
+def _alias_table(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker's alias table of weights w (Vose's construction): slot i gives outcome i with
+    probability prob[i], else outcome alias[i]."""
+    n = len(w)
+    q = (w * n / w.sum()).tolist()
+    prob, alias = np.ones(n), np.arange(n)
+    small = [i for i in range(n) if q[i] < 1.0]
+    large = [i for i in range(n) if q[i] >= 1.0]
+    while small and large:
+        s, big = small.pop(), large.pop()
+        prob[s], alias[s] = q[s], big
+        q[big] -= 1.0 - q[s]
+        (small if q[big] < 1.0 else large).append(big)
+    return prob, alias  # what is left keeps its slot: prob 1, up to rounding
 
 
 def rank_hit_prob(ranks: int, top_k: int) -> float:

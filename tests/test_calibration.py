@@ -97,7 +97,10 @@ def test_a_mapping_file_comes_before_the_builtins(tmp_path):
         load_mapping(m)
 
 
-@pytest.mark.skipif(not DEEPSEEK_TRAIN.exists(), reason="needs DeepSeek's public V3 training trace (deepseek-ai/profile-data; OVERLAP_LAB_SHARED)")
+@pytest.mark.skipif(
+    not DEEPSEEK_TRAIN.exists(),
+    reason="needs DeepSeek's public V3 training trace (deepseek-ai/profile-data; OVERLAP_LAB_SHARED)",
+)
 def test_analyze_deepseek_train_trace():
     """DeepSeek-V3 training, EP64, DualPipe forward+backward chunks (deepseek-ai/profile-data)."""
     a = analyze(Trace.from_chrome(DEEPSEEK_TRAIN))
@@ -305,10 +308,14 @@ def test_readme_calibration_section_runs_in_order(tmp_path, capsys, monkeypatch)
 
 @pytest.mark.parametrize("ep", [8, 16, 32])
 def test_deepep_low_latency_rows_within_ten_percent(ep):
+    """The mean error of three seeded routings: a row's time is the slowest rank of one draw,
+    and at EP8 (128 tokens a rank) the draw alone moves it by about +-2% (seeds 0-9: -6% to
+    -10%), so one seed would test the draw as much as the model."""
     from overlap_lab.experiments import exp_deepep_tables as X
 
-    r = X.low_latency_row(ep)
-    assert abs(r["dispatch"]["error"]) <= X.TOLERANCE and abs(r["combine"]["error"]) <= X.TOLERANCE
+    rows = [X.low_latency_row(ep, seed=seed) for seed in range(3)]
+    for what in ("dispatch", "combine"):
+        assert abs(sum(r[what]["error"] for r in rows) / len(rows)) <= X.TOLERANCE
 
 
 def test_deepep_normal_nvlink_row_within_ten_percent():
