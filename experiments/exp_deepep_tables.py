@@ -58,7 +58,9 @@ HIDDEN, TOP_K, EXPERTS = 7168, 8, 256
 NET_GROUP_TOL = 0.02
 NAME = "deepep_tables"
 SOURCE = "DeepEP README V1 tables (github.com/deepseek-ai/DeepEP docs/legacy.md)"
-SEED = 0
+#: Seeded routings each row is the mean of: a row's time is the slowest rank of one draw, and at
+#: 128 tokens a rank the draw alone moves it by about +-2 % (EP8, seeds 0-9: -6 % to -10 %).
+SEEDS = (0, 1, 2)
 #: What "within the published figures" means here (the issue's target, not a fitted tolerance).
 TOLERANCE = 0.10
 
@@ -139,10 +141,24 @@ def cases():
         yield Case({"kernels": "low_latency", "ep": ep}, "deepep-ll", _workload(ep, 128), "h800")
 
 
+def mean_row(kind: str, ep: int, seeds: tuple[int, ...] = SEEDS) -> dict:
+    """The row ``kind`` at ``ep`` with times, rates and errors averaged over the seeded
+    routings ``seeds`` (the published figures are themselves means over random routings);
+    ``error_range`` keeps the spread of the per-seed errors."""
+    one = normal_row if kind == "normal" else low_latency_row
+    rows = [one(ep, seed) for seed in seeds]
+    out = dict(rows[0])
+    for what in ("dispatch", "combine"):
+        cells = [r[what] for r in rows]
+        out[what] = {k: sum(c[k] for c in cells) / len(cells) for k in cells[0]}
+        out[what]["error_range"] = [min(c["error"] for c in cells), max(c["error"] for c in cells)]
+    return out
+
+
 def simulate_row(case: Case) -> tuple[dict, None]:
     """One table row, simulated (the runner's ``simulate`` hook: a row, no kept trace)."""
     ep, kind = case.params["ep"], case.params["kernels"]
-    r = normal_row(ep, SEED) if kind == "normal" else low_latency_row(ep, SEED)
+    r = mean_row(kind, ep)
     return {
         "schedule": case.schedule,
         **case.params,
@@ -183,7 +199,8 @@ def to_markdown(doc: dict) -> str:
 
 {stamp(doc)}
 
-Source: {doc["source"]}. Model: explicit ranks, seeded uniform routing (seed {doc["seed"]}),
+Source: {doc["source"]}. Model: explicit ranks, seeded uniform routing (each row the mean of seeds
+{", ".join(map(str, doc["seeds"]))}; the spread of one draw is in the JSON, `error_range`),
 preset NVLink {gpu["nvlink_eff_gbps"]:g} GB/s, RDMA {gpu["rdma_eff_gbps"]:g} GB/s over the links,
 low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/hardware.py`).
 
@@ -266,7 +283,7 @@ EXPERIMENT = Experiment(
     figure=plot,
     notes=to_markdown,
     summary=to_markdown,
-    meta={"source": SOURCE, "seed": SEED, "tolerance": TOLERANCE},
+    meta={"source": SOURCE, "seeds": list(SEEDS), "tolerance": TOLERANCE},
 )
 
 if __name__ == "__main__":

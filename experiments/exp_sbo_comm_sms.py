@@ -291,12 +291,13 @@ The baselines:
 ## Where it may disagree with published figures, and why
 - SGLang reports SBO's gain on full servers; the model's send kernel speed on few SMs comes from
   the cost model's HBM cap per SM fraction, not from a measurement of DeepEP's combine on 3 SMs.
-- The baseline's shared experts gain nothing from the alt stream because the cost model sizes a
-  persistent GEMM's grid to every SM it may use, and DeepEP's low-latency kernels start only with
-  all their SMs free. DeepGEMM itself launches the fewest SMs that keep its number of waves, and a
-  low-latency send kernel's blocks can start as SMs free up; with either, part of the shared
-  experts would overlap top-k and the dispatch send, and SBO's gain over `sbo-off` would be
-  smaller than over `serial`.
+- The baseline's shared experts gain nothing from the alt stream because of two rules the model
+  takes from upstream. DeepEP launches its kernels cooperatively (`cudaLaunchAttributeCooperative`
+  in `csrc/kernels/launch.cuh`), so a low-latency kernel starts only with all its SMs free. Current
+  DeepGEMM sizes a persistent grid to every SM it may use unless `DG_JIT_MINIMIZE_NUM_SMS=1`;
+  earlier releases always launched the fewest SMs that keep the number of waves. Under that
+  older rule (an assumption to test with `Op.ctas`), part of the shared experts would overlap
+  top-k and the dispatch send, and SBO's gain over `sbo-off` would be smaller than over `serial`.
 - The combine is one kernel resident on its SMs that polls every Hopper signal
   (num_local_experts x ceil(rows/64)) or Blackwell signal (one per local expert). Part i of its
   work and traffic waits for signal i, with no chunking constant.
