@@ -55,18 +55,8 @@ DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 #: Network grouping tolerance for explicit ranks (sim.network: completions within 2 % of the
 #: flows' age are handled together; exact for balanced routing, where all flows end together).
 NET_GROUP_TOL = 0.02
-#: The schedules :func:`compare` runs when none are named.
-DEFAULT_COMPARE = (
-    "serial",
-    "sglang-overlap",
-    "sbo",
-    "tbo",
-    "tbo+sbo",
-    "lightllm",
-    "vllm-dbo",
-    "deepseek",
-    "pp",
-)
+#: The schedules :func:`compare` runs when none are named: all of them, as ``overlap-lab compare``.
+DEFAULT_COMPARE = tuple(SCHEDULES)
 
 
 # ---------------------------------------------------------------------------------------------
