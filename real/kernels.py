@@ -762,6 +762,11 @@ def combine_a_piece(ctx: KernelCtx) -> None:
 @register("combine_a")
 def combine_a(ctx: KernelCtx) -> None:
     if ctx.op.waits:  # SBO mode 1: one combine over the signalled slices of the down GEMM
+        note(
+            ctx,
+            "launched after the whole down GEMM: the executor does not poll SBO's per-block "
+            "signals inside a kernel, so no down-GEMM/combine overlap is measured",
+        )
         ctx.put("expert_out", _assemble_expert_out(ctx, len(ctx.op.waits)))
     y, d = ctx.get("expert_out"), ctx.get("dispatch")
     be = ctx.backend

@@ -150,3 +150,15 @@ def test_lightllm_runs_every_expert_kernel_and_reports_what_it_did_not_do():
         assert diff < 1e-4, (w.batch.mode, diff)
         notes = res.trace.meta["kernel_notes"]
         assert list(notes) == ["experts.act_quant"] and "BF16" in notes["experts.act_quant"]
+
+
+def test_sbo_signal_polling_combine_is_reported_as_not_overlapping():
+    """SBO mode 1's combine polls the down GEMM's block signals on the GPU; the executor launches
+    it after the last signal instead, and the run says so rather than measuring it as SBO."""
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+    w = default_workloads()[0]  # decode: DeepEP's low-latency combine, SBO's case
+    prog = S.build("sbo", w, GPU, ScheduleConfig(sbo_mode=1))
+    assert any(op.waits for _, op in ops_of(prog))
+    notes = execute(prog, w).trace.meta["kernel_notes"]
+    assert "no down-GEMM/combine overlap" in notes.get("combine_a", "")
