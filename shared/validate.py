@@ -388,8 +388,10 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             indeg[m] += 1
     queue = [n for n, d in enumerate(indeg) if d == 0]
     seen = 0
+    pos = [0] * len(succ)  # each node's place in one topological order
     while queue:
         n = queue.pop()
+        pos[n] = seen
         seen += 1
         for m in succ[n]:
             indeg[m] -= 1
@@ -407,10 +409,10 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             )
         )
     if num_sms is not None:
-        _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches)
+        _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos)
 
 
-def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
+def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> None:
     """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
     Such an op is *at risk* when a same-rank op sending it data is not ordered before it, unless
     that sender precedes it in the block scheduler's order and everything the sender's start waits
@@ -420,8 +422,16 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
     start must fit in the GPU. A launch competes with the sender when the block scheduler serves
     it first (SMs go to pending kernels by stream priority, then issue order, and a kernel whose
     CTAs must be co-resident keeps free SMs from those behind it) and it is not ordered before the
-    receiver (those started before the hold began)."""
+    receiver (those started before the hold began). ``pos`` is a topological order of the
+    nodes: it bounds every search for ancestors."""
     pred: list[list[int]] | None = None
+    ancestors: dict[int, set[int]] = {}
+
+    def anc_of(b: int, rank: int) -> set[int]:
+        if b not in ancestors:
+            ancestors[b] = _ancestors(b, pred, info, rank)
+        return ancestors[b]
+
     risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
     for start, _end, key, rank, op, stream in recvs:
         hold = _hold(op, num_sms)
@@ -435,11 +445,11 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
                 for a, out in enumerate(succ):
                     for b in out:
                         pred[b].append(a)
-            if _reaches(src, start, pred):
+            if _reaches(src, start, pred, pos):
                 continue
             sender = _precedence(info, sstart)
             if sender < _precedence(info, start):
-                anc = _ancestors(start, pred, info, rank)
+                anc = anc_of(start, rank)
                 if _ready_by(sstart, anc, pred, info):
                     # whenever the receiver can start, the sender is already pending ahead of it
                     # in the block scheduler's order, and is served first: not at risk
@@ -451,7 +461,7 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches) -> None:
         widest[(rank, stream)] = max(widest.get((rank, stream), 0), hold)
     for rank, stream, hold, start, op, sender in risks:
         others = sum(h for (r, s), h in widest.items() if r == rank and s != stream)
-        started = _ancestors(start, pred, info, rank)
+        started = anc_of(start, rank)
         need, needer = max(
             (
                 (_need(o, num_sms), o.name)
@@ -512,15 +522,19 @@ def _ancestors(b: int, pred, info, rank: int) -> set[int]:
     return seen
 
 
-def _reaches(a: int, b: int, pred) -> bool:
-    """Whether node ``a`` is an ancestor of node ``b``."""
+def _reaches(a: int, b: int, pred, pos) -> bool:
+    """Whether node ``a`` is an ancestor of node ``b``. Only nodes after ``a`` in the topological
+    order ``pos`` can descend from it, so the search stays between the two."""
+    if pos[a] > pos[b]:
+        return False
+    lo = pos[a]
     stack, seen = [b], {b}
     while stack:
         n = stack.pop()
         if n == a:
             return True
         for p in pred[n]:
-            if p not in seen:
+            if p not in seen and pos[p] >= lo:
                 seen.add(p)
                 stack.append(p)
     return False
