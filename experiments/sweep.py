@@ -226,7 +226,6 @@ def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
         workload_from,
     )
     from overlap_lab.shared import inputs
-    from overlap_lab.shared.validate import validate
 
     actions = _knob_actions()
     vals = dict(base if base is not None else defaults())
@@ -251,8 +250,6 @@ def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
     program = build_schedule(args.schedule, w, gpu, cfg)
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
     lowered = api._lower_ranks(program, w, gpu, _ranks(args))
-    if lowered is program:
-        validate(lowered, gpu.num_sms)  # explicit ranks are validated as they are simulated
     tol = 0.0 if lowered is program else api.NET_GROUP_TOL
     profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
     return args.schedule, lowered, gpu, tol, profile, args
@@ -285,6 +282,7 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
     simulated; a duplicate returns no metrics: its owner's are copied in by the caller."""
     from overlap_lab import api
     from overlap_lab.experiments.cli import _ranks
+    from overlap_lab.shared.validate import validate
     from overlap_lab.sim.engine import Engine
 
     out: dict[str, Any] = {"case": index, "sim_key": "", "same_as": "", "error": ""}
@@ -296,7 +294,10 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
             out["same_as"] = owner
             return out
         max_events = getattr(args, "max_events", None)
+        # validated once per distinct Program (its duplicates copy this row, error included);
+        # explicit ranks are validated as they are simulated
         if program.symmetric:
+            validate(program, gpu.num_sms)
             trace = Engine(
                 program,
                 gpu,
