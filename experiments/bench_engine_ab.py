@@ -1,0 +1,56 @@
+"""The event loop's CPU time on single-rank DeepSeek-V3 cases, for comparing two revisions.
+
+    python -m overlap_lab.experiments.bench_engine_ab
+
+prints one JSON line: per case, ``Engine.run`` CPU ms (best of 15 after a warm-up) and the step
+time (which tells the revisions' models apart). Issue 8's budget (the SM model may not slow the
+simulator by more than 1.5x) was checked with it: run it once per revision, interleaved, the old
+one installed with ``pip install --no-deps --target DIR`` from its ``git archive`` and put first
+on ``PYTHONPATH`` (the results are in ``experiments/results/bench_sim.md``). It times only the
+interpreter; ``bench_sim`` times whole runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+#: (schedule, mode): decode is 128 sequences of 4K context, prefill 4 x 4096 tokens, EP 32
+CASES = (
+    ("serial", "decode"),
+    ("tbo", "decode"),
+    ("serial", "prefill"),
+    ("tbo", "prefill"),
+    ("deepseek", "prefill"),
+)
+
+
+def main(repeats: int = 15) -> dict[str, tuple[float, float]]:
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.schedules import build
+    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+    from overlap_lab.sim.engine import Engine
+
+    gpu = get_gpu("h800")
+    out = {}
+    for schedule, mode in CASES:
+        b = (
+            Batch.decode(128, kv_len=4096)
+            if mode == "decode"
+            else Batch.prefill(4, extend_len=4096)
+        )
+        w = Workload(get_model("deepseek-v3"), b, Parallel(ep=32))
+        program = build(schedule, w, gpu)
+        Engine(program, gpu).run()  # warm-up: imports and caches
+        best, trace = float("inf"), None
+        for _ in range(repeats):
+            t = time.process_time()
+            trace = Engine(program, gpu).run()
+            best = min(best, time.process_time() - t)
+        out[f"{schedule}_{mode}"] = (round(best * 1e3, 1), round(trace.step_time_us, 1))
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
