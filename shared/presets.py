@@ -37,7 +37,8 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            # libyaml's parser where PyYAML has it (the same safe subset, ~10x faster)
+            data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (ValueError, ImportError) as e:
         raise ConfigError(
             f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
