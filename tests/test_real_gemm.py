@@ -64,6 +64,17 @@ def _interp_gemms(dtype):
     assert _close(y[0, :5], ref[0, :5], dtype) and _close(y[2], ref[2], dtype)
     assert (y[0, 5:] == 7).all() and (y[1] == 7).all()
 
+    # SBO's signalled down GEMM: same output; each (e, b) with rows counted once per N tile
+    sig = torch.zeros(*G.signal_shape(3, 20, BLOCKS), dtype=torch.int32)
+    for sms in (1, 2, 64):
+        sig.zero_()
+        out2 = torch.full((3, 20, 24), 7.0, dtype=dtype)
+        y2 = G.grouped_matmul_masked(x, we, cnt, num_sms=sms, out=out2, blocks=BLOCKS, signal=sig)
+        assert torch.equal(y2, y)
+        thr = G.signal_threshold(24, BLOCKS)
+        assert thr == 2 and sig.shape == (3, 2)  # 20 rows / BM 16; 24 cols / BN 16
+        assert sig.tolist() == [[thr, 0], [0, 0], [thr, thr]], sig.tolist()  # rowless: 0
+
     # contiguous (normal layout): rows sorted by expert, host counts; tiles never span experts
     counts = [5, 0, 17]
     xs = torch.randn(22, 48, generator=g).to(dtype)
@@ -191,7 +202,12 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     link |= {k: "fp32" for k in ("nv_lat_ns", "nv_ns_per_byte", "rd_lat_ns", "rd_ns_per_byte")}
     cases = [
         (TG.persistent_mm, {**ab, **mm}, {**blocks, "GM": 8}, 8),
-        (TG.grouped_masked_mm, {**ab, "counts": "*i32", **masked}, blocks, 8),
+        (
+            TG.grouped_masked_mm,
+            {**ab, "counts": "*i32", "signal": "*i32", **masked},
+            {**blocks, "SIGNAL": True},
+            8,
+        ),  # fmt: skip
         (
             TG.grouped_contig_mm,
             {**ab, **{f"tile_{x}": "*i32" for x in ("e", "lo", "hi")}, **contig},
