@@ -36,7 +36,14 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize(
-    "check", ["gemms_fp32", "gemms_fp16", "model_experts_through_a_limited_budget"]
+    "check",
+    [
+        "gemms_fp32",
+        "gemms_fp16",
+        "model_experts_through_a_limited_budget",
+        "sbo_signalled_down_gemm_then_polling_combine",
+        "sbo_combine_without_signal_sends_stale_blocks",
+    ],
 )
 def test_triton_kernels_under_the_interpreter(interpreter_results, check):
     assert interpreter_results[check] == "ok", interpreter_results[check]
@@ -161,12 +168,75 @@ def test_deep_gemm_num_sms_is_scoped_and_restored(monkeypatch):
     assert state["sms"] == 132 and state["calls"] == [108, 129, 108, 132, 100, 132, 108, 132]
 
 
+def _sbo_setup():
+    """A 2-rank emulated low-latency dispatch of tiny-mla and its experts' activations."""
+    from overlap_lab.real.comm import make_backend
+
+    cfg = M.get_config("tiny-mla")
+    lw = M.init_weights(cfg, seed=5).layers[1]
+    h = torch.randn(12, cfg.hidden, generator=torch.Generator().manual_seed(2))
+    idx, wt = M.select_experts(cfg, h @ lw["gate"].t(), lw["gate_bias"])
+    be = make_backend("emulated", rank=0, world=2, num_experts=cfg.num_experts, hidden=cfg.hidden)
+    rx, cnt, handle, _, hook = be.low_latency_dispatch(
+        h, idx, 16, cfg.num_experts, return_recv_hook=True
+    )
+    hook()
+    E = rx.shape[0]
+    gu, up = M.grouped_gemm_masked(rx, lw["w13"][:E], cnt).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gu) * up).contiguous()
+    return be, idx, wt, handle, cnt, act, lw["w2"][:E]
+
+
+def _combine(be, y, idx, wt, handle, sbo=None):
+    out, _, hook = be.low_latency_combine(y, idx, wt, handle, return_recv_hook=True, sbo=sbo)
+    hook()
+    return out
+
+
+def _interp_sbo_signalled_down_gemm_then_polling_combine():
+    """SBO mode 1 on the interpreter: the signalled down GEMM, then the combine that polls its
+    signal per (expert, block) on 3 CTAs: the same combine output as the plain combine."""
+    be, idx, wt, handle, cnt, act, w2 = _sbo_setup()
+    E, Mx = act.shape[:2]
+    sig = torch.zeros(*G.signal_shape(E, Mx, BLOCKS), dtype=torch.int32)
+    y = G.grouped_matmul_masked(act, w2, cnt, num_sms=5, blocks=BLOCKS, signal=sig)
+    thr = G.signal_threshold(w2.shape[1], BLOCKS)
+    rows = -(-cnt.long() // BLOCKS[0])  # signalled blocks per expert
+    assert sig.sum().item() == thr * rows.sum().item() > 0
+    ref = _combine(be, y, idx, wt, handle)
+    args = dict(signal=sig, block_m=BLOCKS[0], threshold=thr, num_sms=3, packed_recv_count=cnt)
+    out = _combine(be, y, idx, wt, handle, sbo=args)
+    assert torch.equal(out, ref)
+    assert be.sbo_sends == [{"kind": "ll_combine_sbo", "ctas": 3, "polled": True, "stale": 0}]
+
+
+def _interp_sbo_combine_without_signal_sends_stale_blocks():
+    """The combine really waits on the signal: with none written, every block with rows is
+    polled to the spin bound and reported stale (never silently sent)."""
+    from overlap_lab.real.comm import emulated
+
+    be, idx, wt, handle, cnt, act, w2 = _sbo_setup()
+    E, Mx = act.shape[:2]
+    y = M.grouped_gemm_masked(act, w2, cnt)
+    sig = torch.zeros(*G.signal_shape(E, Mx, BLOCKS), dtype=torch.int32)
+    emulated.SBO_MAX_SPINS = 3
+    args = dict(signal=sig, block_m=BLOCKS[0], threshold=1, num_sms=3, packed_recv_count=cnt)
+    _combine(be, y, idx, wt, handle, sbo=args)
+    assert be.sbo_sends[0]["stale"] == int((-(-cnt.long() // BLOCKS[0])).sum()) > 0
+
+
 if __name__ == "__main__":  # the interpreter child (see interpreter_results)
     assert G.interpreting(), "run with TRITON_INTERPRET=1"
     checks = {
         "gemms_fp32": lambda: _interp_gemms(torch.float32),
         "gemms_fp16": lambda: _interp_gemms(torch.float16),
         "model_experts_through_a_limited_budget": _interp_model_experts_through_a_limited_budget,
+        "sbo_signalled_down_gemm_then_polling_combine": (
+            _interp_sbo_signalled_down_gemm_then_polling_combine
+        ),
+        "sbo_combine_without_signal_sends_stale_blocks": (
+            _interp_sbo_combine_without_signal_sends_stale_blocks
+        ),
     }
     out = {}
     for name, fn in checks.items():
@@ -215,6 +285,16 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
             8,
         ),  # fmt: skip
         (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024}, 32),
+        (
+            TE.sbo_combine_kernel,
+            {
+                **dict(src="*bf16", dst="*bf16", counts="*i32", signal="*i32", stale="*i32"),
+                **{k: i32 for k in ("E", "M", "H", "threshold", "max_spins")},
+                **{k: i32 for k in ("sse", "ssm", "dse", "dsm")},
+            },
+            {"BM": 64, "BH": 128},
+            4,
+        ),
         (TE.recv_kernel, {"t_arrive": "*i64", "unset": i32, "limit_ns": i32}, {}, 32),
     ]
     for fn, sig, consts, warps in cases:
