@@ -43,6 +43,7 @@ def interpreter_results():
         "model_experts_through_a_limited_budget",
         "sbo_signalled_down_gemm_then_polling_combine",
         "sbo_combine_without_signal_sends_stale_blocks",
+        "sbo_mode1_executor_polls_the_signal",
     ],
 )
 def test_triton_kernels_under_the_interpreter(interpreter_results, check):
@@ -219,10 +220,40 @@ def _interp_sbo_combine_without_signal_sends_stale_blocks():
     E, Mx = act.shape[:2]
     y = M.grouped_gemm_masked(act, w2, cnt)
     sig = torch.zeros(*G.signal_shape(E, Mx, BLOCKS), dtype=torch.int32)
-    emulated.SBO_MAX_SPINS = 3
     args = dict(signal=sig, block_m=BLOCKS[0], threshold=1, num_sms=3, packed_recv_count=cnt)
-    _combine(be, y, idx, wt, handle, sbo=args)
+    spins, emulated.SBO_MAX_SPINS = emulated.SBO_MAX_SPINS, 3
+    try:
+        _combine(be, y, idx, wt, handle, sbo=args)
+    finally:
+        emulated.SBO_MAX_SPINS = spins
     assert be.sbo_sends[0]["stale"] == int((-(-cnt.long() // BLOCKS[0])).sum()) > 0
+
+
+def _interp_sbo_mode1_executor_polls_the_signal():
+    """SBO mode 1 through the executor with the emulated backend: the down GEMM slices write
+    the signal, the combine is launched without waiting for their events and polls it; the
+    outputs equal the serial schedule's and the run says the combine polled."""
+    from overlap_lab.real.check import compare_steps, default_workloads
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+    w, gpu = default_workloads()[0], get_gpu("h100")  # decode: the low-latency combine
+
+    def run(name, **cfg):
+        be = make_backend("emulated", rank=0, world=1, num_experts=8, hidden=64, device_sms=132)
+        prog = S.build(name, w, gpu, ScheduleConfig(**cfg) if cfg else None)
+        return execute(prog, w, backend=be), be
+
+    res, be = run("sbo", sbo_mode=1)
+    ref, _ = run("serial")
+    assert compare_steps(res.outputs[0], ref.outputs[0][0]) < 1e-4
+    note = res.trace.meta["kernel_notes"]["combine_a"]
+    assert "polls the down GEMM's per-block signals in-kernel" in note, note
+    sends = be.sbo_sends
+    assert sends and all(r["polled"] and r["stale"] == 0 and r["ctas"] == 3 for r in sends)
 
 
 if __name__ == "__main__":  # the interpreter child (see interpreter_results)
@@ -237,6 +268,7 @@ if __name__ == "__main__":  # the interpreter child (see interpreter_results)
         "sbo_combine_without_signal_sends_stale_blocks": (
             _interp_sbo_combine_without_signal_sends_stale_blocks
         ),
+        "sbo_mode1_executor_polls_the_signal": _interp_sbo_mode1_executor_polls_the_signal,
     }
     out = {}
     for name, fn in checks.items():

@@ -53,7 +53,7 @@ def _sbo_kernel():
 
 
 _SBO_MODE: list[bool] = []
-SBO_MAX_SPINS = 1 << 30  # polls per block before it is sent unsignalled (counted as stale)
+SBO_MAX_SPINS = 1 << 24  # polls per block before it is sent unsignalled (counted as stale)
 
 
 def ll_num_ctas(num_experts: int, device_sms: int) -> int:
