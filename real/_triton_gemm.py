@@ -58,9 +58,13 @@ def persistent_mm(
 
 @triton.jit
 def grouped_masked_mm(
-    a, b, c, counts, E, M, N, K, sae, sam, sak, sbe, sbn, sbk, sce, scm, scn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a, b, c, counts, signal, E, M, N, K, sae, sam, sak, sbe, sbn, sbk, sce, scm, scn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SIGNAL: tl.constexpr,
 ):  # fmt: skip
+    """With SIGNAL, SBO's down GEMM: after a program stored its tile of (expert e, row block
+    pm) it adds 1 to ``signal[e * cdiv(M, BM) + pm]`` with release semantics (the tile's stores
+    are visible to whoever acquires the count), so row block pm of expert e is complete when its
+    count reaches cdiv(N, BN). Tiles past the expert's rows are skipped and never signalled."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_m = tl.cdiv(M, BM)
@@ -80,6 +84,8 @@ def grouped_masked_mm(
                 acc.to(c.dtype.element_ty),
                 mask=(rm[:, None] < cnt) & (rn[None, :] < N),
             )
+            if SIGNAL:
+                tl.atomic_add(signal + e * num_m + pm, 1, sem="release")
 
 
 @triton.jit

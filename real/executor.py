@@ -356,16 +356,22 @@ class RankRunner:
         self.deepep_mode = mode
         self.seed = seed
         self.piece_counts: dict[tuple, int] = {}
-        ops = set()
+        ops, polling = set(), set()
         for th in rp.threads:
             for ins in _flatten(th.instrs):
                 if isinstance(ins, Launch):
                     ops.add((ins.op.name, ins.op.step, ins.op.layer, ins.op.mb))
+                    if ins.op.waits:  # SBO mode 1: a combine that polls the down GEMM's signal
+                        polling.add((ins.op.step, ins.op.layer, ins.op.mb))
                     base, k = K.split_piece(ins.op.name)
                     if k is not None:
                         key = (base, ins.op.step, ins.op.layer, ins.op.mb)
                         self.piece_counts[key] = max(self.piece_counts.get(key, 0), k + 1)
         self.program_ops = frozenset(ops)
+        # (step, layer, mb) whose down GEMM writes SBO's signal for a polling combine: only where
+        # the backend polls it inside its combine and a signalling kernel can run here (Triton
+        # on the GPU, or its CPU interpreter); else the combine waits for every signal's event
+        self.signalled = frozenset(polling) if self._can_poll_signals() else frozenset()
         self.states = {s: K.new_step_state(self.layout, weights, seed=seed) for s in _steps_of(rp)}
         self.tracker = HazardTracker() if check_hazards else None
         self.gpu = _Gpu(rp.streams, rp.priorities) if self.device.type == "cuda" else None
@@ -426,6 +432,7 @@ class RankRunner:
             keep_alive=self.gpu is not None,
             program_ops=self.program_ops,
             piece_counts=self.piece_counts,
+            sbo_signal=(op.step, op.layer, op.mb) in self.signalled,
         )
         fn = K.bind(op.name)
         fn = self._limit_checked(op, fn)
@@ -454,6 +461,28 @@ class RankRunner:
             end.record(s)
         self.gpu.timed.append((op, stream, start, end))
 
+    def _can_poll_signals(self) -> bool:
+        from overlap_lab.real import gemm as G
+        from overlap_lab.real.deps import available
+
+        if "sbo_signal" not in getattr(self.backend, "capabilities", ()):
+            return False
+        return self.deepep_mode == "low_latency" and (
+            (self.device.type == "cuda" and available("triton")) or G.interpreting()
+        )
+
+    def _polls(self, op: Op) -> bool:
+        """Does this combine poll its signals in-kernel? Only once the down GEMM pieces of its
+        layer wrote the signal (kernels.experts_down puts ``sbo_down``); decided on the host
+        before its launch, so the executor either skips the waits or keeps them, never both."""
+        if not op.waits or (op.step, op.layer, op.mb) not in self.signalled:
+            return False
+        st = self.states[op.step if op.step is not None else 0].mbs.get(
+            self.resolve_mb(op)["index"]
+        )
+        down = (st or {}).get("sbo_down")
+        return down is not None and down["layer"] == op.layer
+
     def _limit_checked(self, op: Op, fn):
         """``fn`` wrapped so this run records how a compute op's SM limit was honoured."""
         if op.kind != "compute" or not op.sms:
@@ -479,10 +508,17 @@ class RankRunner:
 
     def run_instr(self, ins, thread: str) -> None:
         if isinstance(ins, Launch):
-            # a kernel that polls signals while it runs (Op.waits, SBO's combine) is launched
-            # after its last signal here: the executor cannot poll inside a kernel it times
+            # a kernel that polls signals while it runs (Op.waits, SBO's combine): launched
+            # right away when its backend polls the down GEMM's signal tensor in-kernel (the
+            # hazard tracker still orders it after each signal: the kernel waits on every one),
+            # else after its last signal's event (no overlap; kernels.combine_a says which)
+            polls = self._polls(ins.op)
             for ev in ins.op.waits:
-                self.run_instr(Wait(ins.stream, ev), thread)
+                if polls:
+                    if self.tracker is not None:
+                        self.tracker.wait(ins.stream, ev)
+                else:
+                    self.run_instr(Wait(ins.stream, ev), thread)
             self.launch(ins.op, ins.stream)
         elif isinstance(ins, Record):
             if self.tracker is not None:

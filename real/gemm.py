@@ -94,22 +94,46 @@ def grouped_matmul_masked(
     num_sms: int,
     out: torch.Tensor | None = None,
     blocks=None,
+    signal: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepEP low-latency layout: ``out[e, :counts[e]] = a[e, :counts[e]] @ w[e].T`` (a [E, M, K],
     w [E, N, K], counts [E] on the device). Rows past the count are not written (torch.empty
-    unless ``out`` is given), and nothing is read back to the host."""
+    unless ``out`` is given), and nothing is read back to the host.
+
+    ``signal``: SBO's down GEMM (SGLang's ``DownGemmOverlapArgs.signal``): a zeroed int32 tensor
+    of :func:`signal_shape` elements; every stored tile of (expert e, row block b) adds 1 to
+    ``signal[e, b]`` (release), so a block with rows ends at :func:`signal_threshold` and a block
+    without rows stays 0 (its tiles are skipped, as DeepGEMM's masked kernel skips them)."""
     _, grouped_masked_mm, _ = _kernels()
     E, M, K = a.shape
     N = w.shape[1]
     c = out if out is not None else torch.empty(E, M, N, dtype=a.dtype, device=a.device)
+    bm, bn, bk = _blocks(blocks)
+    if signal is not None:
+        assert signal.dtype == torch.int32 and signal.numel() == E * -(-M // bm), signal.shape
     if E and M and N:
-        bm, bn, bk = _blocks(blocks)
         grouped_masked_mm[(max(1, int(num_sms)),)](
-            a, w, c, counts, E, M, N, K, a.stride(0), a.stride(1), a.stride(2),
+            a, w, c, counts, signal if signal is not None else counts,
+            E, M, N, K, a.stride(0), a.stride(1), a.stride(2),
             w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), c.stride(2),
-            BM=bm, BN=bn, BK=bk, num_warps=_warps(bm, bn),
+            BM=bm, BN=bn, BK=bk, SIGNAL=signal is not None, num_warps=_warps(bm, bn),
         )  # fmt: skip
     return c
+
+
+def signal_shape(num_experts: int, rows: int, blocks=None) -> tuple[int, int]:
+    """SBO's Hopper signal: one int32 per (local expert, row block of BLOCK_M = 64 rows), as
+    SGLang allocates it (``num_local_experts * ceil(num_tokens / 64)``)."""
+    return num_experts, -(-rows // _blocks(blocks)[0])
+
+
+def signal_threshold(n: int, blocks=None) -> int:
+    """The count at which a row block of the signalled down GEMM is complete: one increment per
+    N tile of the block (``ceil(N / BLOCK_N)``). The combine waits for ``signal >= threshold``.
+    Upstream SGLang passes ``threshold = compute_num_sms`` to DeepEP for DeepGEMM's signal
+    kernel, whose per-block count differs from this kernel's; this value belongs to THIS
+    kernel's signal and must be the one given to whatever polls it."""
+    return -(-n // _blocks(blocks)[1])
 
 
 def contiguous_tiles(counts: list[int], block_m: int) -> tuple[list[int], list[int], list[int]]:

@@ -240,6 +240,9 @@ class KernelCtx:
     # "<base>.<k>" per (base, step, layer, mb): how a kernel learns what the Program split off
     program_ops: frozenset = frozenset()
     piece_counts: dict | None = None
+    # SBO mode 1 where the combine polls signals in-kernel (the executor decides): the down GEMM
+    # pieces write one output and one signal tensor, which the combine reads (see combine_a)
+    sbo_signal: bool = False
 
     def launched(self, name: str) -> bool:
         """Does the Program launch op ``name`` for this op's step, layer and micro-batch?"""
@@ -696,6 +699,9 @@ def experts_down(ctx: KernelCtx) -> None:
     grp = _expert_groups(lw["w13"].shape[0], n)[k]
     sl = slice(grp.start, grp.stop)
     sc = None if d["ll"] else ctx.get("expert_scatter", None)
+    if d["ll"] and ctx.sbo_signal:
+        ctx.put(f"expert_out.{k}", (grp, _signalled_down(ctx, act, sl)))
+        return
     with sm_budget(ctx.op.sms, lw["w2"].device, ctx.op.dtype) as g:
         if d["ll"]:
             em = _expected_m(ctx, _rows_of(act))
@@ -718,6 +724,33 @@ def experts_down(ctx: KernelCtx) -> None:
     ctx.put(f"expert_out.{k}", (grp, y))
     if sc is None and n == 1 and not ctx.op.waits:  # LightLLM's one down GEMM (no SBO signals)
         ctx.put("expert_out", _assemble_expert_out(ctx, 1))
+
+
+def _signalled_down(ctx: KernelCtx, act, sl: slice) -> torch.Tensor:
+    """SBO mode 1's down GEMM slice ``sl`` of local experts, through the Triton masked kernel
+    that writes SBO's signal (DeepGEMM's BF16 masked kernel has none) within the op's SM
+    budget, into the layer's one output and signal tensor (made by the first slice), so the
+    combine can send each 64-row block as soon as its signal completes."""
+    from overlap_lab.real import gemm as G
+
+    d, w2 = ctx.get("recv"), ctx.lw["w2"]
+    x = fp8.dequant(_rows(act, sl))
+    rows = _rows_of(act).shape[1]
+    down = ctx.get("sbo_down", None)
+    if down is None or down["layer"] != ctx.op.layer:
+        E = _rows_of(act).shape[0]
+        y = torch.empty(E, rows, w2.shape[1], dtype=x.dtype, device=x.device)
+        sig = torch.zeros(*G.signal_shape(E, rows), dtype=torch.int32, device=x.device)
+        down = {"layer": ctx.op.layer, "y": y, "signal": sig, "block_m": G.BLOCK_M}
+        down["threshold"] = G.signal_threshold(w2.shape[1])
+        ctx.put("sbo_down", down)
+    with sm_budget(ctx.op.sms, w2.device, ctx.op.dtype) as g:
+        sms = g.sms or ctx.op.sms or 1
+        G.grouped_matmul_masked(
+            x, w2[sl], d["count"][sl], num_sms=sms, out=down["y"][sl], signal=down["signal"][sl]
+        )
+        G.ComputeBudget.note("triton_persistent (SBO signal)")
+    return down["y"][sl]
 
 
 def _rows_of(act):
@@ -761,7 +794,19 @@ def combine_a_piece(ctx: KernelCtx) -> None:
 
 @register("combine_a")
 def combine_a(ctx: KernelCtx) -> None:
-    if ctx.op.waits:  # SBO mode 1: one combine over the signalled slices of the down GEMM
+    sbo = None
+    if ctx.op.waits and ctx.sbo_signal:  # SBO mode 1, polling: see _signalled_down
+        down = ctx.get("sbo_down")
+        note(
+            ctx,
+            f"launched after the start event, not after the signals' events: the "
+            f"{ctx.backend.name} combine polls the down GEMM's per-block signals in-kernel on "
+            f"{ctx.op.sms} SMs (overlap possible on a GPU; the CPU interpreter runs it after)",
+        )
+        ctx.put("expert_out", down["y"])
+        sbo = {k: down[k] for k in ("signal", "block_m", "threshold")}
+        sbo.update(num_sms=ctx.op.sms, packed_recv_count=ctx.get("recv")["count"])
+    elif ctx.op.waits:  # SBO mode 1: one combine over the signalled slices of the down GEMM
         note(
             ctx,
             "launched after the whole down GEMM: the executor does not poll SBO's per-block "
@@ -773,8 +818,9 @@ def combine_a(ctx: KernelCtx) -> None:
     if ctx.op.sms:
         be.set_num_sms(ctx.op.sms, kind="ll_combine" if d["ll"] else "normal_combine")
     if d["ll"]:
+        extra = {"sbo": sbo} if sbo is not None else {}
         out, _ev, hook = be.low_latency_combine(
-            y, ctx.get("topk_idx"), ctx.get("topk_w"), d["handle"], return_recv_hook=True
+            y, ctx.get("topk_idx"), ctx.get("topk_w"), d["handle"], return_recv_hook=True, **extra
         )
         ctx.put("combine", {"out": out, "done": hook})
     else:

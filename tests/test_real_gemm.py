@@ -36,7 +36,15 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize(
-    "check", ["gemms_fp32", "gemms_fp16", "model_experts_through_a_limited_budget"]
+    "check",
+    [
+        "gemms_fp32",
+        "gemms_fp16",
+        "model_experts_through_a_limited_budget",
+        "sbo_signalled_down_gemm_then_polling_combine",
+        "sbo_combine_without_signal_sends_stale_blocks",
+        "sbo_mode1_executor_polls_the_signal",
+    ],
 )
 def test_triton_kernels_under_the_interpreter(interpreter_results, check):
     assert interpreter_results[check] == "ok", interpreter_results[check]
@@ -63,6 +71,17 @@ def _interp_gemms(dtype):
     ref = torch.bmm(x.float(), we.float().transpose(1, 2))
     assert _close(y[0, :5], ref[0, :5], dtype) and _close(y[2], ref[2], dtype)
     assert (y[0, 5:] == 7).all() and (y[1] == 7).all()
+
+    # SBO's signalled down GEMM: same output; each (e, b) with rows counted once per N tile
+    sig = torch.zeros(*G.signal_shape(3, 20, BLOCKS), dtype=torch.int32)
+    for sms in (1, 2, 64):
+        sig.zero_()
+        out2 = torch.full((3, 20, 24), 7.0, dtype=dtype)
+        y2 = G.grouped_matmul_masked(x, we, cnt, num_sms=sms, out=out2, blocks=BLOCKS, signal=sig)
+        assert torch.equal(y2, y)
+        thr = G.signal_threshold(24, BLOCKS)
+        assert thr == 2 and sig.shape == (3, 2)  # 20 rows / BM 16; 24 cols / BN 16
+        assert sig.tolist() == [[thr, 0], [0, 0], [thr, thr]], sig.tolist()  # rowless: 0
 
     # contiguous (normal layout): rows sorted by expert, host counts; tiles never span experts
     counts = [5, 0, 17]
@@ -150,12 +169,106 @@ def test_deep_gemm_num_sms_is_scoped_and_restored(monkeypatch):
     assert state["sms"] == 132 and state["calls"] == [108, 129, 108, 132, 100, 132, 108, 132]
 
 
+def _sbo_setup():
+    """A 2-rank emulated low-latency dispatch of tiny-mla and its experts' activations."""
+    from overlap_lab.real.comm import make_backend
+
+    cfg = M.get_config("tiny-mla")
+    lw = M.init_weights(cfg, seed=5).layers[1]
+    h = torch.randn(12, cfg.hidden, generator=torch.Generator().manual_seed(2))
+    idx, wt = M.select_experts(cfg, h @ lw["gate"].t(), lw["gate_bias"])
+    be = make_backend("emulated", rank=0, world=2, num_experts=cfg.num_experts, hidden=cfg.hidden)
+    rx, cnt, handle, _, hook = be.low_latency_dispatch(
+        h, idx, 16, cfg.num_experts, return_recv_hook=True
+    )
+    hook()
+    E = rx.shape[0]
+    gu, up = M.grouped_gemm_masked(rx, lw["w13"][:E], cnt).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gu) * up).contiguous()
+    return be, idx, wt, handle, cnt, act, lw["w2"][:E]
+
+
+def _combine(be, y, idx, wt, handle, sbo=None):
+    out, _, hook = be.low_latency_combine(y, idx, wt, handle, return_recv_hook=True, sbo=sbo)
+    hook()
+    return out
+
+
+def _interp_sbo_signalled_down_gemm_then_polling_combine():
+    """SBO mode 1 on the interpreter: the signalled down GEMM, then the combine that polls its
+    signal per (expert, block) on 3 CTAs: the same combine output as the plain combine."""
+    be, idx, wt, handle, cnt, act, w2 = _sbo_setup()
+    E, Mx = act.shape[:2]
+    sig = torch.zeros(*G.signal_shape(E, Mx, BLOCKS), dtype=torch.int32)
+    y = G.grouped_matmul_masked(act, w2, cnt, num_sms=5, blocks=BLOCKS, signal=sig)
+    thr = G.signal_threshold(w2.shape[1], BLOCKS)
+    rows = -(-cnt.long() // BLOCKS[0])  # signalled blocks per expert
+    assert sig.sum().item() == thr * rows.sum().item() > 0
+    ref = _combine(be, y, idx, wt, handle)
+    args = dict(signal=sig, block_m=BLOCKS[0], threshold=thr, num_sms=3, packed_recv_count=cnt)
+    out = _combine(be, y, idx, wt, handle, sbo=args)
+    assert torch.equal(out, ref)
+    assert be.sbo_sends == [{"kind": "ll_combine_sbo", "ctas": 3, "polled": True, "stale": 0}]
+
+
+def _interp_sbo_combine_without_signal_sends_stale_blocks():
+    """The combine really waits on the signal: with none written, every block with rows is
+    polled to the spin bound and reported stale (never silently sent)."""
+    from overlap_lab.real.comm import emulated
+
+    be, idx, wt, handle, cnt, act, w2 = _sbo_setup()
+    E, Mx = act.shape[:2]
+    y = M.grouped_gemm_masked(act, w2, cnt)
+    sig = torch.zeros(*G.signal_shape(E, Mx, BLOCKS), dtype=torch.int32)
+    args = dict(signal=sig, block_m=BLOCKS[0], threshold=1, num_sms=3, packed_recv_count=cnt)
+    spins, emulated.SBO_MAX_SPINS = emulated.SBO_MAX_SPINS, 3
+    try:
+        _combine(be, y, idx, wt, handle, sbo=args)
+    finally:
+        emulated.SBO_MAX_SPINS = spins
+    assert be.sbo_sends[0]["stale"] == int((-(-cnt.long() // BLOCKS[0])).sum()) > 0
+
+
+def _interp_sbo_mode1_executor_polls_the_signal():
+    """SBO mode 1 through the executor with the emulated backend: the down GEMM slices write
+    the signal, the combine is launched without waiting for their events and polls it; the
+    outputs equal the serial schedule's and the run says the combine polled."""
+    from overlap_lab.real.check import compare_steps, default_workloads
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+    w, gpu = default_workloads()[0], get_gpu("h100")  # decode: the low-latency combine
+
+    def run(name, **cfg):
+        be = make_backend("emulated", rank=0, world=1, num_experts=8, hidden=64, device_sms=132)
+        prog = S.build(name, w, gpu, ScheduleConfig(**cfg) if cfg else None)
+        return execute(prog, w, backend=be), be
+
+    res, be = run("sbo", sbo_mode=1)
+    ref, _ = run("serial")
+    assert compare_steps(res.outputs[0], ref.outputs[0][0]) < 1e-4
+    note = res.trace.meta["kernel_notes"]["combine_a"]
+    assert "polls the down GEMM's per-block signals in-kernel" in note, note
+    sends = be.sbo_sends
+    assert sends and all(r["polled"] and r["stale"] == 0 and r["ctas"] == 3 for r in sends)
+
+
 if __name__ == "__main__":  # the interpreter child (see interpreter_results)
     assert G.interpreting(), "run with TRITON_INTERPRET=1"
     checks = {
         "gemms_fp32": lambda: _interp_gemms(torch.float32),
         "gemms_fp16": lambda: _interp_gemms(torch.float16),
         "model_experts_through_a_limited_budget": _interp_model_experts_through_a_limited_budget,
+        "sbo_signalled_down_gemm_then_polling_combine": (
+            _interp_sbo_signalled_down_gemm_then_polling_combine
+        ),
+        "sbo_combine_without_signal_sends_stale_blocks": (
+            _interp_sbo_combine_without_signal_sends_stale_blocks
+        ),
+        "sbo_mode1_executor_polls_the_signal": _interp_sbo_mode1_executor_polls_the_signal,
     }
     out = {}
     for name, fn in checks.items():
@@ -191,7 +304,12 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     link |= {k: "fp32" for k in ("nv_lat_ns", "nv_ns_per_byte", "rd_lat_ns", "rd_ns_per_byte")}
     cases = [
         (TG.persistent_mm, {**ab, **mm}, {**blocks, "GM": 8}, 8),
-        (TG.grouped_masked_mm, {**ab, "counts": "*i32", **masked}, blocks, 8),
+        (
+            TG.grouped_masked_mm,
+            {**ab, "counts": "*i32", "signal": "*i32", **masked},
+            {**blocks, "SIGNAL": True},
+            8,
+        ),  # fmt: skip
         (
             TG.grouped_contig_mm,
             {**ab, **{f"tile_{x}": "*i32" for x in ("e", "lo", "hi")}, **contig},
@@ -199,6 +317,16 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
             8,
         ),  # fmt: skip
         (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024}, 32),
+        (
+            TE.sbo_combine_kernel,
+            {
+                **dict(src="*bf16", dst="*bf16", counts="*i32", signal="*i32", stale="*i32"),
+                **{k: i32 for k in ("E", "M", "H", "threshold", "max_spins")},
+                **{k: i32 for k in ("sse", "ssm", "dse", "dsm")},
+            },
+            {"BM": 64, "BH": 128},
+            4,
+        ),
         (TE.recv_kernel, {"t_arrive": "*i64", "unset": i32, "limit_ns": i32}, {}, 32),
     ]
     for fn, sig, consts, warps in cases:

@@ -55,3 +55,38 @@ def recv_kernel(t_arrive, unset, limit_ns):
     end = tl.where(t == unset, t0, t)
     while _now() < end:
         pass
+
+
+@triton.jit
+def sbo_combine_kernel(
+    src, dst, counts, signal, stale, E, M, H, threshold, max_spins, sse, ssm, dse, dsm,
+    BM: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    """SBO mode 1's combine send, resident on ``num_sms`` CTAs (the grid) beside the down GEMM:
+    each CTA takes the (expert e, row block b) items pid, pid + grid, ... in order; for a block
+    with rows it spins on ``signal[e, b] >= threshold`` (acquire loads: the GEMM's release adds
+    make its tile stores visible) and then sends the block (copies rows [b*BM, min(count,
+    (b+1)*BM)) of ``src[e]`` to ``dst[e]``). Blocks past an expert's count are never signalled
+    and are skipped, as DeepEP walks ``packed_recv_count``. A block whose signal has not arrived
+    after ``max_spins`` polls is sent anyway and counted in ``stale`` (no hang; never silent)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_m = tl.cdiv(M, BM)
+    for item in range(pid, E * num_m, nprog):
+        e = item // num_m
+        b = item % num_m
+        cnt = tl.load(counts + e).to(tl.int32)
+        if b * BM < cnt:
+            s = tl.atomic_add(signal + item, 0, sem="acquire")
+            spins = 0
+            while (s < threshold) & (spins < max_spins):
+                s = tl.atomic_add(signal + item, 0, sem="acquire")
+                spins += 1
+            if s < threshold:
+                tl.atomic_add(stale, 1)
+            rows = b * BM + tl.arange(0, BM)
+            for h0 in range(0, H, BH):
+                cols = h0 + tl.arange(0, BH)
+                m = (rows[:, None] < cnt) & (cols[None, :] < H)
+                v = tl.load(src + e * sse + rows[:, None] * ssm + cols[None, :], mask=m)
+                tl.store(dst + e * dse + rows[:, None] * dsm + cols[None, :], v, mask=m)

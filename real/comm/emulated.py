@@ -39,6 +39,23 @@ def _kernels():
     return K.send_kernel, K.recv_kernel
 
 
+def _sbo_kernel():
+    """SBO's signal-polling combine send, in the interpreter mode in force (see real/gemm.py)."""
+    import importlib
+
+    from overlap_lab.real import gemm as G
+    from overlap_lab.real.comm import _triton_emulated as K
+
+    if _SBO_MODE and _SBO_MODE[0] != G.interpreting():
+        K = importlib.reload(K)
+    _SBO_MODE[:] = [G.interpreting()]
+    return K.sbo_combine_kernel
+
+
+_SBO_MODE: list[bool] = []
+SBO_MAX_SPINS = 1 << 24  # polls per block before it is sent unsignalled (counted as stale)
+
+
 def ll_num_ctas(num_experts: int, device_sms: int) -> int:
     """DeepEP V1 low-latency grid: ceil(E / ceil(E / SMs)) CTAs (internode_ll.cu)."""
     return math.ceil(num_experts / math.ceil(num_experts / device_sms))
@@ -47,7 +64,7 @@ def ll_num_ctas(num_experts: int, device_sms: int) -> int:
 class EmulatedBackend(LoopbackBackend):
     name = "emulated"
     emulated = True
-    capabilities = frozenset({"normal", "ll_hook", "sm_limit"})
+    capabilities = frozenset({"normal", "ll_hook", "sm_limit", "sbo_signal"})
 
     def __init__(self, *, device_sms: int | None = None, **kw):
         super().__init__(**kw)
@@ -57,6 +74,7 @@ class EmulatedBackend(LoopbackBackend):
         self._scratch: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
         self._launches: list[dict] = []
+        self._sbo_records: list[dict] = []
 
     def default_grid(self, kind: str) -> int:
         """DeepEP's own CTA count: low-latency ``ceil(E / ceil(E / SMs))``, normal ``num_sms``."""
@@ -145,6 +163,49 @@ class EmulatedBackend(LoopbackBackend):
             return []
         recv_ctas = self.default_grid(kind)  # the receive half: DeepEP's own grid
         return [lambda: recv_kernel[(recv_ctas,)](t_arrive, _UNSET, RECV_LIMIT_NS, num_warps=32)]
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, sbo=None, **kw):
+        """``sbo`` (as for DeepEP: ``{"signal", "block_m", "threshold", "num_sms",
+        "packed_recv_count"}``): SBO mode 1. The send half first runs
+        ``sbo_combine_kernel`` on ``num_sms`` CTAs, which waits per (expert, 64-row block) for
+        the down GEMM's signal and copies that block to the wire buffer; the data path then reads
+        the wire buffer, so the combine's output is what the signalled GEMM wrote. On a GPU the
+        kernel can run while the GEMM does; under the CPU interpreter it runs after it. Plain
+        CPU (no interpreter): the signal cannot be polled; the data path runs as without SBO."""
+        if sbo is not None and handle.get("layout") == "fixed":
+            x = self._sbo_send(x, sbo)
+        return super().low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
+
+    def _sbo_send(self, x: torch.Tensor, sbo: dict) -> torch.Tensor:
+        from overlap_lab.real import gemm as G
+
+        ctas = max(1, min(int(sbo["num_sms"]), self.device_sms))
+        rec = {"kind": "ll_combine_sbo", "ctas": ctas, "polled": False}
+        self._sbo_records.append(rec)
+        if x.device.type != "cuda" and not G.interpreting():
+            return x
+        E, Mx, H = x.shape
+        wire = torch.empty_like(x)
+        stale = torch.zeros(1, dtype=torch.int32, device=x.device)
+        bm = int(sbo["block_m"])
+        assert sbo["signal"].numel() == E * -(-Mx // bm), "signal: [E_local, ceil(rows/block_m)]"
+        _sbo_kernel()[(ctas,)](
+            x, wire, sbo["packed_recv_count"], sbo["signal"], stale, E, Mx, H,
+            int(sbo["threshold"]), SBO_MAX_SPINS, x.stride(0), x.stride(1),
+            wire.stride(0), wire.stride(1), BM=bm, BH=min(128, 1 << (H - 1).bit_length()),
+            num_warps=4,
+        )  # fmt: skip
+        rec.update(polled=True, stale=stale)
+        return wire
+
+    @property
+    def sbo_sends(self) -> list[dict]:
+        """One record per SBO combine send: CTAs, whether the signal was polled, and how many
+        blocks were sent before their signal completed (read back here, after the run)."""
+        return [
+            {**r, "stale": int(r["stale"].item())} if "stale" in r else dict(r)
+            for r in self._sbo_records
+        ]
 
     def describe(self) -> dict:
         d = super().describe()
