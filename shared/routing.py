@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.jit import njit
 from overlap_lab.shared.topology import Topology
 
 
@@ -711,20 +712,9 @@ def _compiled_loops() -> dict | None:
     the numpy code)."""
     global _compiled
     if _compiled is None:
-        try:
-            import numba
-        except ImportError:
-            _compiled = False
-        else:
-            opts = dict(nogil=True, error_model="numpy")
-
-            def jit(fn):
-                try:
-                    return numba.njit(cache=True, **opts)(fn)
-                except RuntimeError:  # no writable cache location: compile in each process
-                    return numba.njit(**opts)(fn)
-
-            _compiled = {"race": jit(_race_loop), "count": jit(_count_loop)}
+        opts = dict(nogil=True, error_model="numpy")
+        race, count = njit(_race_loop, **opts), njit(_count_loop, **opts)
+        _compiled = {"race": race, "count": count} if race and count else False
     return _compiled or None
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import simpy
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.jit import njit
 
 _EPS = 1e-9
 #: Bytes below which a flow counts as delivered (float round-off of rate * time).
@@ -129,15 +130,7 @@ def max_min_rates_compiled(src_port, dst_port, cap, level_tol: float = 0.0):
     flows of an EP-32 all-to-all); the numpy version when numba is not installed."""
     global _compiled
     if _compiled is None:
-        try:
-            import numba
-        except ImportError:
-            _compiled = False
-        else:
-            try:  # cached next to this module when it is writable (or under NUMBA_CACHE_DIR)
-                _compiled = numba.njit(cache=True, nogil=True)(_max_min_loop)
-            except RuntimeError:  # no writable cache location: compile in each process
-                _compiled = numba.njit(nogil=True)(_max_min_loop)
+        _compiled = njit(_max_min_loop, nogil=True) or False
     if _compiled is False:
         return max_min_rates(src_port, dst_port, cap, level_tol)
     return _compiled(
