@@ -53,6 +53,17 @@ def layer_window(p: Program, L: int, *, instrs: bool = False):
     return [(i.stream, i.op) for i in window if isinstance(i, Launch)]
 
 
+def layer_instrs(p: Program, L: int) -> list:
+    """Every GPU instruction of rank 0's first thread from the first launch of layer L to the
+    first launch of layer L+1 (for schedules that do not interleave layers, the layer)."""
+    flat = list(iter_gpu_instrs(p.ranks[0].threads[0].instrs))
+    first = [
+        next(k for k, i in enumerate(flat) if isinstance(i, Launch) and i.op.layer == x)
+        for x in (L, L + 1)
+    ]
+    return flat[first[0] : first[1]]
+
+
 def window_text(p: Program, L: int) -> str:
     """The window as Program text (meta included), work numbers stripped."""
     rp = p.rank(0)

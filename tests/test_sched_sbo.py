@@ -28,6 +28,7 @@ from overlap_lab.shared.schedules.sbo import (
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
+from tests.sched_helpers import layer_instrs
 
 GOLDEN = Path(__file__).parent / "golden"
 H800, B200 = get_gpu("h800"), get_gpu("b200")
@@ -40,14 +41,7 @@ def _w(batch=None, model=DSV3, ep=32):
 
 
 def _layer(p, layer=L):
-    """Instructions from the first launch of ``layer`` to the first launch of the next one (SBO
-    does not interleave layers, so this is the layer)."""
-    flat = list(iter_gpu_instrs(p.ranks[0].threads[0].instrs))
-    first = [
-        next(k for k, i in enumerate(flat) if isinstance(i, Launch) and i.op.layer == x)
-        for x in (layer, layer + 1)
-    ]
-    return flat[first[0] : first[1]]
+    return layer_instrs(p, layer)
 
 
 def _names(instrs, stream=None):
