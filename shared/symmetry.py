@@ -53,7 +53,7 @@ from overlap_lab.shared.program import (
     RankProgram,
     iter_gpu_instrs,
 )
-from overlap_lab.shared.trace import Span, Trace, _canonical_key, no_gc
+from overlap_lab.shared.trace import Span, Trace, _canonical_key
 
 __all__ = ["Reduction", "expand_trace", "reduce_program", "relabeling"]
 
@@ -249,7 +249,9 @@ def _whole_kinds(rp: RankProgram) -> frozenset[str]:
 
 def expand_trace(trace: Trace, red: Reduction) -> Trace:
     """The quotient run's ``trace`` as the explicit run's: rank 0's spans on every rank, with
-    per-flow link spans merged into one span per op and link kind, as the network draws them."""
+    per-flow link spans merged into one span per op and link kind, as the network draws them.
+    The other ranks' copies are made when read (:meth:`Trace._replicated`): the per-rank
+    figures and the Chrome export read rank 0's spans alone."""
     spans: list[Span] = []
     groups: dict[tuple, list[Span]] = defaultdict(list)
     for s in trace.spans:
@@ -267,14 +269,8 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
                       0, *key[1:])  # fmt: skip
         spans += [merged] * (len(group) // n)
     spans.sort(key=_canonical_key)
-    with no_gc():
-        ranks = [tuple(spans)] + [tuple(s.on_rank(r) for s in spans) for r in range(1, red.world)]
-    # canonical order is (start, rank, rest): rank 0's spans of one start, then rank 1's, ...
-    cuts = [i for i in range(1, len(spans)) if spans[i].start != spans[i - 1].start]
-    out: list[Span] = []
-    for i, j in zip([0, *cuts], [*cuts, len(spans)]):
-        for rs in ranks:
-            out += rs[i:j]
     meta = dict(trace.meta)
     meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
-    return Trace._presorted(tuple(out), meta, dict(enumerate(ranks)) if spans else {})
+    if not spans:
+        return Trace((), meta)
+    return Trace._replicated(tuple(spans), tuple(range(red.world)), meta)
