@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import gzip
 import json
+import operator
 import re
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ _SUBTRACK = re.compile(r"^(.*) #\d+$")
 _PROFILER_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 Interval = tuple[float, float]
+_END = operator.attrgetter("end")
 
 
 @dataclass(frozen=True)
@@ -424,7 +426,7 @@ class Trace:
     @cached_property
     def _last_end(self) -> float:
         alike = self.__dict__.get("_alike")
-        return max(s.end for s in (alike[2] if alike is not None else self.spans))
+        return max(map(_END, alike[2] if alike is not None else self.spans))
 
     def per_rank_step_us(self) -> dict[int, float]:
         """Latest end minus earliest start of each rank's spans."""
@@ -434,7 +436,7 @@ class Trace:
             m = self._model(r)
             if m not in memo:
                 spans = self.spans_of(m)
-                memo[m] = max(s.end for s in spans) - spans[0].start
+                memo[m] = max(map(_END, spans)) - spans[0].start
             out[r] = memo[m]
         return out
 
