@@ -304,9 +304,10 @@ class _Lowering:
     # -- per rank -------------------------------------------------------------------------------
 
     def _sites(self, instrs: tuple) -> list[tuple]:
-        """Where in ``instrs`` anything may depend on the rank: ``(i, None)`` for a launch whose
-        op has a plan, ``(i, sites)`` for a graph with such launches (found once per sequence:
-        every rank copies the rest as it is)."""
+        """Where in ``instrs`` anything may depend on the rank: ``(i, launches, None)`` for a
+        launch whose op has a plan (``launches``: it on each rank), ``(i, None, graph)`` for a
+        graph with such launches (found once per sequence: every rank copies the rest as it
+        is)."""
         key = id(instrs)
         sites = self._site_cache.get(key)
         if sites is None:
@@ -314,11 +315,10 @@ class _Lowering:
             for i, ins in enumerate(instrs):
                 if isinstance(ins, Launch):
                     if self._plan_of(ins.op) is not None:
-                        sites.append((i, None))
+                        sites.append((i, self._launches(ins), None))
                 elif isinstance(ins, Graph):
-                    inner = self._sites(ins.body)
-                    if inner:
-                        sites.append((i, inner))
+                    if self._sites(ins.body):
+                        sites.append((i, None, ins))
             self._site_cache[key] = sites
         return sites
 
@@ -327,14 +327,13 @@ class _Lowering:
         if not sites:
             return instrs
         out = list(instrs)
-        for i, inner in sites:
-            ins = instrs[i]
-            if inner is None:
-                out[i] = self._launches(ins)[r]
+        for i, launches, graph in sites:
+            if launches is not None:
+                out[i] = launches[r]
             else:
-                body = self._instrs(ins.body, r)
-                if body is not ins.body:
-                    out[i] = Graph(ins.name, body)
+                body = self._instrs(graph.body, r)
+                if body is not graph.body:
+                    out[i] = Graph(graph.name, body)
         return tuple(out)
 
     def rank(self, r: int) -> RankProgram:
