@@ -219,17 +219,27 @@ class _Lowering:
 
     def _rank_flows(self, key: tuple, ratio: float, r: int) -> tuple[Flow, ...]:
         """Rank ``r``'s flows of byte matrices ``key`` scaled by ``ratio`` (one tuple shared by
-        every op with the same)."""
-        fkey = (key, r, ratio)
-        flows = self._flows.get(fkey)
+        every op with the same): one per link kind (in ``LINKS`` order) and destination with
+        bytes, destinations ascending; every rank's made at once, from each matrix's nonzeros
+        (row-major: ranks, then destinations, ascending)."""
+        flows = self._flows.get((key, r, ratio))
         if flows is None:
             bmats = self._bytes[key][0]
-            out = []
+            per_rank: list[list[Flow]] = [[] for _ in range(self.topo.world)]
+            new = object.__new__
             for link in LINKS:
-                row = bmats[link][r]
-                for d in row.nonzero()[0].tolist():
-                    out.append(Flow(link, float(row[d]) * ratio, d))
-            flows = self._flows[fkey] = tuple(out)
+                m = bmats[link]
+                rows, cols = m.nonzero()
+                for i, d, b in zip(rows.tolist(), cols.tolist(), m[rows, cols].tolist()):
+                    # Flow(link, b * ratio, d) without its __init__ (a skewed EP-32 step makes
+                    # ~350k flows; Flow has no __post_init__ to run)
+                    f = new(Flow)
+                    fd = f.__dict__
+                    fd["link"], fd["nbytes"], fd["dst"] = link, b * ratio, d
+                    per_rank[i].append(f)
+            for i, out in enumerate(per_rank):
+                self._flows[(key, i, ratio)] = tuple(out)
+            flows = self._flows[(key, r, ratio)]
         return flows
 
     def _experts(self, op: Op, r: int) -> Op:
