@@ -529,11 +529,13 @@ class Trace:
 
     def to_chrome(self, path: str | Path | None = None) -> dict[str, Any]:
         """The Chrome Trace Event JSON of this trace; written to ``path`` too when given
-        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes. The events of ranks alike
-        (:meth:`_replicated`) share their ``args`` dicts: the document is for writing out."""
+        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes. Events with equal
+        ``args`` share one dict (every rank's copy of an op, all the events of ranks alike,
+        :meth:`_replicated`): the document is for writing out, not for editing in place."""
         events: list[dict[str, Any]] = []
         slices: list[dict[str, Any]] = []
         memo: dict[int, tuple[list[str], list[dict]]] = {}  # model rank -> names, slices
+        shared: dict[tuple, dict[str, Any]] = {}  # equal args dicts: one object (see below)
         with no_gc():
             for r in self.ranks:
                 events.append(_meta_event("process_name", r, None, {"name": f"rank {r}"}))
@@ -543,7 +545,11 @@ class Trace:
                     tracks = self.tracks(m)
                     memo[m] = (
                         [t.name for t in tracks],
-                        [_slice_event(s, tid) for tid, t in enumerate(tracks, 1) for s in t.spans],
+                        [
+                            _slice_event(s, tid, shared)
+                            for tid, t in enumerate(tracks, 1)
+                            for s in t.spans
+                        ],
                     )
                 names, model = memo[m]
                 for tid, name in enumerate(names, start=1):
@@ -648,18 +654,27 @@ def _meta_event(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> d
     return e
 
 
-def _slice_event(s: Span, tid: int) -> dict[str, Any]:
+def _slice_event(s: Span, tid: int, shared: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    """``s``'s complete event on track ``tid``; its ``args`` taken from ``shared`` where an
+    event had equal ones (every rank's copy of an op has: fewer objects to build)."""
     kind, start, end = s.kind, s.start, s.end
-    args: dict[str, Any] = {"lane": s.lane, "kind": kind, "sms": s.sms}
-    if s.mb is not None:
-        args["mb"] = s.mb
-    if s.layer is not None:
-        args["layer"] = s.layer
-    if s.step is not None:
-        args["step"] = s.step
     dur = end - start
-    if start + dur != end:  # keep the round trip exact despite float rounding
-        args["end"] = end
+    exact = start + dur == end  # else the round trip needs args["end"], despite float rounding
+    sms, mb, layer, step = s.sms, s.mb, s.layer, s.step
+    # types too: 1 == 1.0 == True, but JSON writes them apart
+    key = (s.lane, kind, sms, mb, layer, step, None if exact else end,
+           type(sms), type(mb), type(layer), type(step))  # fmt: skip
+    args = shared.get(key)
+    if args is None:
+        args = shared[key] = {"lane": s.lane, "kind": kind, "sms": sms}
+        if mb is not None:
+            args["mb"] = mb
+        if layer is not None:
+            args["layer"] = layer
+        if step is not None:
+            args["step"] = step
+        if not exact:
+            args["end"] = end
     return {
         "name": s.op,
         "cat": kind,

@@ -80,3 +80,15 @@ def test_replicated_trace_pickles_and_rejects_a_wrong_model():
     with pytest.raises(ValueError):
         Trace._replicated((s,), (0, 1), {})  # the model's spans must be the first rank's
     assert Trace().spans == () and Trace.__dataclass_fields__["spans"].default == ()
+
+
+def test_chrome_export_shares_only_equal_args():
+    """Events share an args dict only where JSON writes the same: 1, 1.0 and True differ."""
+    spans = [
+        Span(r, "stream:main", "x", "compute", 0.0, 1.0, sms=v, layer=2)
+        for r, v in enumerate((1, 1.0, True, 1))
+    ]
+    doc = Trace(spans).to_chrome()
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [json.dumps(e["args"]["sms"]) for e in slices] == ["1", "1.0", "true", "1"]
+    assert slices[0]["args"] is slices[3]["args"]
