@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -33,7 +34,7 @@ from overlap_lab.shared.program import Program, num_ops, ops_of
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.trace import Trace, no_gc
 from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
 
 __all__ = [
@@ -206,6 +207,10 @@ class Result:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
+        with no_gc():  # it walks every rank's ops and spans (see shared.trace.no_gc)
+            return self._as_dict()
+
+    def _as_dict(self) -> dict[str, Any]:
         w, meta, m = self.workload, self.program.meta, self.metrics
         busy = self.trace.busy_us()
         out: dict[str, Any] = {
@@ -259,18 +264,36 @@ class Result:
         return [{"rank": r, "window_us": per_rank[r], "link_busy_us": links[r]} for r in per_rank]
 
     def _provenance(self, out: dict[str, Any]) -> None:
-        """``profile`` and ``cost_sources``; a reduced run's ranks hold rank 0's ops (only flow
-        destinations differ, which no duration source reads): rank 0's counts times the ranks."""
-        from overlap_lab.sim.calibrate import add_provenance
+        """``profile`` and ``cost_sources`` (``sim.calibrate.add_provenance``'s keys); a reduced
+        run's ranks hold rank 0's ops (only flow destinations differ, which no duration source
+        reads): rank 0's counts times the ranks."""
+        from overlap_lab.sim.calibrate import profile_name
 
         p = self.program
         one = _one_of_alike(p, self.trace)
-        add_provenance(out, one, self.gpu, self.profile)
+        out["profile"] = profile_name(self.profile)
+        out["cost_sources"] = _cost_sources(one, self.gpu, self.profile)
         if one is not p:
             n = len(p.ranks)
             out["cost_sources"] = {
                 c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
             }
+
+
+def _cost_sources(program: Program, gpu: GPU, profile: Any) -> dict[str, dict[str, int]]:
+    """``sim.calibrate.cost_sources`` (per op class, how many launched ops take their duration
+    from each source), each distinct op object's source looked up once: explicit ranks share
+    most of their ops (``shared.ranks``), and a lookup is a profile search."""
+    from overlap_lab.sim.cost import duration_source
+
+    every = [op for _, op in ops_of(program)]  # holds every op while their ids are keys
+    launches = Counter(map(id, every))
+    ops = dict(zip(map(id, every), every))
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for key, n in launches.items():
+        op = ops[key]
+        counts[op.op_class][duration_source(op, gpu, profile)] += n
+    return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
 
 
 def _one_of_alike(program: Program, trace: Trace) -> Program:
@@ -356,20 +379,21 @@ def simulate(
     except SimulationStalled as e:  # validation should have refused it: one line all the same
         raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
-    trace.meta.update(
-        schedule=schedule,
-        model=w.model.name,
-        mode=w.batch.mode,
-        batch=w.batch.num_seqs,
-        tokens=w.batch.num_tokens,
-        ep=w.parallel.ep,
-        pp=w.parallel.pp,
-        gpu=g.name,
-        op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
-    )
+    with no_gc():  # every rank's ops and spans walked (see shared.trace.no_gc)
+        trace.meta.update(
+            schedule=schedule,
+            model=w.model.name,
+            mode=w.batch.mode,
+            batch=w.batch.num_seqs,
+            tokens=w.batch.num_tokens,
+            ep=w.parallel.ep,
+            pp=w.parallel.pp,
+            gpu=g.name,
+            op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
+        )
+        metrics = measure(trace, lowered, w, g.num_sms)
     if lowered.meta.get("fallback_reason"):
         notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
-    metrics = measure(trace, lowered, w, g.num_sms)
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 

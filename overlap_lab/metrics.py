@@ -97,7 +97,7 @@ def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metric
     """The :class:`Metrics` of one run of ``program`` for ``w`` (rank 0 for per-rank numbers)."""
     iters, tokens = iterations_and_tokens(program, w)
     window = trace.step_time_us
-    rank = min(trace.ranks) if trace.spans else 0
+    rank = min(trace.ranks, default=0)
     tps = tokens / window * 1e6 if window > 0 else 0.0
     comp, comm, idle = sm_time(trace, num_sms, rank)
     return Metrics(

@@ -36,7 +36,6 @@ from overlap_lab.shared.ops import (
     routed_experts,
 )
 from overlap_lab.shared.program import (
-    Coll,
     Flow,
     Graph,
     HostThread,
@@ -46,6 +45,7 @@ from overlap_lab.shared.program import (
     RankProgram,
 )
 from overlap_lab.shared.routing import Routing
+from overlap_lab.shared.symmetry import certify_alike, relabeling, same_flows
 from overlap_lab.shared.topology import Topology
 from overlap_lab.shared.trace import no_gc
 from overlap_lab.shared.workload import Workload
@@ -71,6 +71,7 @@ def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> P
     lw = _Lowering(program, w, gpu, routing)
     with no_gc():  # tens of thousands of acyclic objects (see shared.trace.no_gc)
         ranks = tuple(lw.rank(r) for r in range(ep))
+        alike = lw.alike()
     meta = dict(program.meta)
     meta.update(
         ranks="explicit",
@@ -78,15 +79,20 @@ def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> P
         routing_seed=routing.cfg.seed,
         dp_tokens=list(routing.dp_tokens),
     )
-    return Program(ranks, world=ep, symmetric=False, meta=meta)
+    out = Program(ranks, world=ep, symmetric=False, meta=meta)
+    if alike:  # proven here: shared.symmetry.reduce_program need not match every rank
+        certify_alike(out, lw.topo.gpus_per_node)
+    return out
 
 
-def _evolve(op: Op, **changes) -> Op:
-    """``dataclasses.replace(op, **changes)`` without its per-call field walk (an EP-32 lowering
-    makes thousands; Op has no ``__post_init__`` to run)."""
-    new = object.__new__(Op)
-    new.__dict__.update(op.__dict__)
-    new.__dict__.update(changes)
+def _evolve(obj, **changes):
+    """``dataclasses.replace(obj, **changes)`` for the Program's frozen dataclasses without its
+    per-call field walk and ``__init__`` (an EP-32 lowering makes thousands; Op, Coll and Launch
+    have no ``__post_init__`` to run): a copy of ``obj``'s ``__dict__``, changed."""
+    d = obj.__dict__.copy()
+    d.update(changes)
+    new = object.__new__(type(obj))
+    object.__setattr__(new, "__dict__", d)
     return new
 
 
@@ -105,6 +111,9 @@ class _Lowering:
         self._plans: dict[int, tuple | None] = {}  # id(op) -> _plan(op); the Program holds op
         self._recv: dict[int, tuple] = {}
         self._site_cache: dict[int, list] = {}  # id(instrs) -> _sites(instrs), likewise held
+        self._by_op: dict[int, list[Op]] = {}  # id(op) -> op per rank, likewise held
+        self._by_launch: dict[int, list[Launch]] = {}  # id(launch) -> launch per rank
+        self._attn_ops: dict[tuple, Op] = {}
 
     # -- per op ---------------------------------------------------------------------------------
 
@@ -118,19 +127,54 @@ class _Lowering:
 
     def op(self, op: Op, r: int) -> Op:
         """``op`` as rank ``r`` runs it (the same object when nothing of it is per rank)."""
+        return self._versions(op)[r]
+
+    def _versions(self, op: Op) -> list[Op]:
+        """``op`` as each rank runs it, worked out once per op of the symmetric Program (its
+        ops are shared by every rank); ranks that run it alike share one object."""
+        versions = self._by_op.get(id(op))
+        if versions is not None:
+            return versions
+        plan = self._plan_of(op)
+        ep = len(self.routing.dp_tokens)
+        if plan is None:
+            versions = [op] * ep
+        elif plan[0] == "comm":
+            c = op.coll
+            versions = [
+                _evolve(op, coll=_evolve(c, flows=self._rank_flows(plan[1], plan[2], r)))
+                for r in range(ep)
+            ]
+        elif plan[0] == "experts":
+            versions = [self._experts(op, r) for r in range(ep)]
+        else:
+            versions = [
+                self._attention(op, r) if self.routing.dp_tokens[r] < plan[1] else op
+                for r in range(ep)
+            ]
+        self._by_op[id(op)] = versions
+        return versions
+
+    def _launches(self, ins: Launch) -> list[Launch]:
+        """``ins`` as each rank issues it: itself where the rank runs its op as it is, one
+        shared Launch per distinct version of the op otherwise."""
+        launches = self._by_launch.get(id(ins))
+        if launches is None:
+            made: dict[int, Launch] = {id(ins.op): ins}
+            launches = []
+            for new in self._versions(ins.op):
+                hit = made.get(id(new))
+                if hit is None:
+                    hit = made[id(new)] = _evolve(ins, op=new)
+                launches.append(hit)
+            self._by_launch[id(ins)] = launches
+        return launches
+
+    def _plan_of(self, op: Op) -> tuple | None:
         plan = self._plans.get(id(op), False)
         if plan is False:
             plan = self._plans[id(op)] = self._plan(op)
-        if plan is None:
-            return op
-        if plan[0] == "comm":
-            c = op.coll
-            return _evolve(op, coll=Coll(c.key, c.role, self._rank_flows(plan[1], plan[2], r)))
-        if plan[0] == "experts":
-            return self._experts(op, r)
-        if self.routing.dp_tokens[r] < plan[1]:
-            return self._attention(op, r)
-        return op
+        return plan
 
     def _plan(self, op: Op) -> tuple | None:
         """What of ``op`` depends on the rank, worked out once per op of the symmetric Program
@@ -175,17 +219,27 @@ class _Lowering:
 
     def _rank_flows(self, key: tuple, ratio: float, r: int) -> tuple[Flow, ...]:
         """Rank ``r``'s flows of byte matrices ``key`` scaled by ``ratio`` (one tuple shared by
-        every op with the same)."""
-        fkey = (key, r, ratio)
-        flows = self._flows.get(fkey)
+        every op with the same): one per link kind (in ``LINKS`` order) and destination with
+        bytes, destinations ascending; every rank's made at once, from each matrix's nonzeros
+        (row-major: ranks, then destinations, ascending)."""
+        flows = self._flows.get((key, r, ratio))
         if flows is None:
             bmats = self._bytes[key][0]
-            out = []
+            per_rank: list[list[Flow]] = [[] for _ in range(self.topo.world)]
+            new = object.__new__
             for link in LINKS:
-                row = bmats[link][r]
-                for d in row.nonzero()[0].tolist():
-                    out.append(Flow(link, float(row[d]) * ratio, d))
-            flows = self._flows[fkey] = tuple(out)
+                m = bmats[link]
+                rows, cols = m.nonzero()
+                for i, d, b in zip(rows.tolist(), cols.tolist(), m[rows, cols].tolist()):
+                    # Flow(link, b * ratio, d) without its __init__ (a skewed EP-32 step makes
+                    # ~350k flows; Flow has no __post_init__ to run)
+                    f = new(Flow)
+                    fd = f.__dict__
+                    fd["link"], fd["nbytes"], fd["dst"] = link, b * ratio, d
+                    per_rank[i].append(f)
+            for i, out in enumerate(per_rank):
+                self._flows[(key, i, ratio)] = tuple(out)
+            flows = self._flows[(key, r, ratio)]
         return flows
 
     def _experts(self, op: Op, r: int) -> Op:
@@ -210,38 +264,71 @@ class _Lowering:
     def _attention(self, op: Op, r: int) -> Op:
         lo, hi, _ = self._range(op)
         real_hi = max(lo, min(hi, self.routing.dp_tokens[r]))
+        key = (id(op), real_hi)  # ranks holding as many real tokens share one op
+        hit = self._attn_ops.get(key)
+        if hit is not None:
+            return hit
         core = mla_core if self.w.model.attention == "mla" else gqa_core
         b, rows = self.w.batch, op.tokens
         full = core(self.w, attn_work(b, lo, hi), rows)
         real = core(self.w, attn_work(b, lo, real_hi), rows)
-        return replace(
+        new = self._attn_ops[key] = replace(
             op,
             flops=max(0.0, op.flops - full.flops + real.flops),
             hbm_bytes=max(0.0, op.hbm_bytes - full.hbm_bytes + real.hbm_bytes),
         )
+        return new
+
+    # -- symmetry -------------------------------------------------------------------------------
+
+    def alike(self) -> bool:
+        """Whether every lowered rank r is rank 0 relabeled by σ_r (``shared.symmetry``),
+        decided from what the lowering made per rank rather than by matching every rank's
+        instructions: the ranks share every instruction but the launches of ops with a plan,
+        and of those, each op's version on rank r must be rank 0's object itself, or, for a
+        collective (which differs from rank 0's in its flows alone, by construction), carry
+        flows that are rank 0's with destinations mapped through σ_r."""
+        ep = len(self.routing.dp_tokens)
+        sigma = relabeling(ep, self.topo.gpus_per_node)
+        if sigma is None:
+            return False
+        perms = [[sigma(r, d) for d in range(ep)] for r in range(ep)]
+        checked: dict[tuple, bool] = {}
+        for op_id, versions in self._by_op.items():
+            v0 = versions[0]
+            plan = self._plans[op_id]
+            if plan is None or plan[0] != "comm":
+                if any(v is not v0 for v in versions):
+                    return False
+                continue
+            for r in range(1, ep):
+                key = (plan[1], plan[2], r)
+                ok = checked.get(key)
+                if ok is None:
+                    a, b = v0.coll.flows, versions[r].coll.flows
+                    ok = checked[key] = same_flows(a, b, perms[r])
+                if not ok:
+                    return False
+        return True
 
     # -- per rank -------------------------------------------------------------------------------
 
     def _sites(self, instrs: tuple) -> list[tuple]:
-        """Where in ``instrs`` anything may depend on the rank: ``(i, None)`` for a launch whose
-        op has a plan, ``(i, sites)`` for a graph with such launches (found once per sequence:
-        every rank copies the rest as it is)."""
+        """Where in ``instrs`` anything may depend on the rank: ``(i, launches, None)`` for a
+        launch whose op has a plan (``launches``: it on each rank), ``(i, None, graph)`` for a
+        graph with such launches (found once per sequence: every rank copies the rest as it
+        is)."""
         key = id(instrs)
         sites = self._site_cache.get(key)
         if sites is None:
             sites = []
             for i, ins in enumerate(instrs):
                 if isinstance(ins, Launch):
-                    op = ins.op
-                    plan = self._plans.get(id(op), False)
-                    if plan is False:
-                        plan = self._plans[id(op)] = self._plan(op)
-                    if plan is not None:
-                        sites.append((i, None))
+                    if self._plan_of(ins.op) is not None:
+                        sites.append((i, self._launches(ins), None))
                 elif isinstance(ins, Graph):
-                    inner = self._sites(ins.body)
-                    if inner:
-                        sites.append((i, inner))
+                    if self._sites(ins.body):
+                        sites.append((i, None, ins))
             self._site_cache[key] = sites
         return sites
 
@@ -250,16 +337,13 @@ class _Lowering:
         if not sites:
             return instrs
         out = list(instrs)
-        for i, inner in sites:
-            ins = instrs[i]
-            if inner is None:
-                new = self.op(ins.op, r)
-                if new is not ins.op:
-                    out[i] = Launch(new, ins.stream)
+        for i, launches, graph in sites:
+            if launches is not None:
+                out[i] = launches[r]
             else:
-                body = self._instrs(ins.body, r)
-                if body is not ins.body:
-                    out[i] = Graph(ins.name, body)
+                body = self._instrs(graph.body, r)
+                if body is not graph.body:
+                    out[i] = Graph(graph.name, body)
         return tuple(out)
 
     def rank(self, r: int) -> RankProgram:

@@ -36,6 +36,8 @@ on the slow side); the reduced run is exact.
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -53,9 +55,16 @@ from overlap_lab.shared.program import (
     RankProgram,
     iter_gpu_instrs,
 )
-from overlap_lab.shared.trace import Span, Trace, _canonical_key, no_gc
+from overlap_lab.shared.trace import Span, Trace, _canonical_key
 
-__all__ = ["Reduction", "expand_trace", "reduce_program", "relabeling"]
+__all__ = [
+    "Reduction",
+    "certify_alike",
+    "expand_trace",
+    "reduce_program",
+    "relabeling",
+    "same_flows",
+]
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,10 @@ def relabeling(world: int, gpus_per_node: int) -> Callable[[int, int], int] | No
 
 #: Op fields compared as they are (``coll`` is compared with its flows relabeled).
 _OP_FIELDS = tuple(f.name for f in fields(Op) if f.name != "coll")
+_op_values = operator.itemgetter(*_OP_FIELDS)
 
 
-def _same_flows(a: tuple[Flow, ...], b: tuple[Flow, ...], perm: list[int]) -> bool:
+def same_flows(a: tuple[Flow, ...], b: tuple[Flow, ...], perm: list[int]) -> bool:
     """Whether ``b`` is ``a`` with destinations mapped through ``perm``, as multisets (the
     order of an op's flows is no part of what the network does with them)."""
     if len(a) != len(b):
@@ -110,8 +120,7 @@ class _Matcher:
     def op(self, a: Op, b: Op) -> bool:
         if a is b:
             return True
-        da, db = a.__dict__, b.__dict__
-        if any(da[k] != db[k] for k in _OP_FIELDS):
+        if _op_values(a.__dict__) != _op_values(b.__dict__):  # in C, equal objects by `is`
             return False
         ca, cb = a.coll, b.coll
         if ca is None or cb is None:
@@ -121,7 +130,7 @@ class _Matcher:
         k = (id(ca.flows), id(cb.flows))
         hit = self.memo.get(k)
         if hit is None:
-            hit = self.memo[k] = _same_flows(ca.flows, cb.flows, self.perm)
+            hit = self.memo[k] = same_flows(ca.flows, cb.flows, self.perm)
         return hit
 
     def instrs(self, xs: tuple[Instr, ...], ys: tuple[Instr, ...]) -> bool:
@@ -151,6 +160,30 @@ class _Matcher:
         )
 
 
+#: id(program) -> (weak reference to it, GPUs per node): explicit Programs whose builder proved
+#: every rank rank 0 relabeled (``shared.ranks.expand_ranks``, from what it made per rank)
+_CERTIFIED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def certify_alike(program: Program, gpus_per_node: int) -> None:
+    """Record that every rank of ``program`` is rank 0 relabeled by σ_r for nodes of
+    ``gpus_per_node`` GPUs, as proven by the pass that built it: :func:`reduce_program` then
+    skips matching the ranks instruction by instruction. Held for the life of ``program`` (a
+    Program is immutable; a rewritten one is a new object, matched as any other)."""
+    key = id(program)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _CERTIFIED.get(key, (None,))[0] is ref:
+            del _CERTIFIED[key]
+
+    _CERTIFIED[key] = (weakref.ref(program, forget), gpus_per_node)
+
+
+def _certified(program: Program, gpus_per_node: int) -> bool:
+    hit = _CERTIFIED.get(id(program))
+    return hit is not None and hit[0]() is program and hit[1] == gpus_per_node
+
+
 def reduce_program(
     program: Program, gpus_per_node: int, *, merge_flows: bool = True
 ) -> Reduction | str:
@@ -165,9 +198,10 @@ def reduce_program(
     if sigma is None:
         return f"{world} ranks do not fill nodes of {gpus_per_node} GPUs"
     r0 = program.ranks[0]
-    for rp in program.ranks[1:]:
-        if not _Matcher([sigma(rp.rank, d) for d in range(world)]).rank(r0, rp):
-            return f"rank {rp.rank} differs from rank 0 under the node-preserving relabeling"
+    if not _certified(program, min(gpus_per_node, world)):
+        for rp in program.ranks[1:]:
+            if not _Matcher([sigma(rp.rank, d) for d in range(world)]).rank(r0, rp):
+                return f"rank {rp.rank} differs from rank 0 under the node-preserving relabeling"
     bundles: dict[tuple, dict[str, int]] = {}
     seen: dict[tuple, Op] = {}
     whole = _whole_kinds(r0) if merge_flows else frozenset()
@@ -188,10 +222,13 @@ def reduce_program(
         seen[key] = op
         counts = Counter(f.link for f in c.flows)
         bundles[key] = {k: 1 if k in whole else n for k, n in counts.items()}
+        firsts: dict[str, int] = {}
+        for i, f in enumerate(c.flows):
+            firsts.setdefault(f.link, i)
         flows = tuple(
             Flow(f.link, f.nbytes * counts[f.link]) if f.link in whole else Flow(f.link, f.nbytes)
             for i, f in enumerate(c.flows)
-            if f.link not in whole or i == _first(c.flows, f.link)
+            if f.link not in whole or i == firsts[f.link]
         )
         return Launch(replace(op, coll=Coll(c.key, c.role, flows)), ins.stream)
 
@@ -217,10 +254,6 @@ def reduce_program(
 
 class _Ambiguous(Exception):
     """Rank 0's program cannot stand for the others (the message says why)."""
-
-
-def _first(flows: tuple[Flow, ...], link: str) -> int:
-    return next(i for i, f in enumerate(flows) if f.link == link)
 
 
 def _whole_kinds(rp: RankProgram) -> frozenset[str]:
@@ -249,7 +282,9 @@ def _whole_kinds(rp: RankProgram) -> frozenset[str]:
 
 def expand_trace(trace: Trace, red: Reduction) -> Trace:
     """The quotient run's ``trace`` as the explicit run's: rank 0's spans on every rank, with
-    per-flow link spans merged into one span per op and link kind, as the network draws them."""
+    per-flow link spans merged into one span per op and link kind, as the network draws them.
+    The other ranks' copies are made when read (:meth:`Trace._replicated`): the per-rank
+    figures and the Chrome export read rank 0's spans alone."""
     spans: list[Span] = []
     groups: dict[tuple, list[Span]] = defaultdict(list)
     for s in trace.spans:
@@ -267,14 +302,8 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
                       0, *key[1:])  # fmt: skip
         spans += [merged] * (len(group) // n)
     spans.sort(key=_canonical_key)
-    with no_gc():
-        ranks = [tuple(spans)] + [tuple(s.on_rank(r) for s in spans) for r in range(1, red.world)]
-    # canonical order is (start, rank, rest): rank 0's spans of one start, then rank 1's, ...
-    cuts = [i for i in range(1, len(spans)) if spans[i].start != spans[i - 1].start]
-    out: list[Span] = []
-    for i, j in zip([0, *cuts], [*cuts, len(spans)]):
-        for rs in ranks:
-            out += rs[i:j]
     meta = dict(trace.meta)
     meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
-    return Trace._presorted(tuple(out), meta, dict(enumerate(ranks)) if spans else {})
+    if not spans:
+        return Trace((), meta)
+    return Trace._replicated(tuple(spans), tuple(range(red.world)), meta)

@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import gzip
 import json
+import operator
 import re
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ _SUBTRACK = re.compile(r"^(.*) #\d+$")
 _PROFILER_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 Interval = tuple[float, float]
+_END = operator.attrgetter("end")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,21 @@ class Span:
         new.__dict__.update(self.__dict__)
         new.__dict__["rank"] = rank
         return new
+
+
+def _on_rank(spans: tuple[Span, ...], rank: int) -> tuple[Span, ...]:
+    """``spans`` copied onto ``rank`` (:meth:`Span.on_rank` inlined: an EP-32 run makes ~65k
+    copies; only the rank differs, so they are not validated again)."""
+    new, set_dict = object.__new__, object.__setattr__
+    out = []
+    append = out.append
+    for s in spans:
+        d = s.__dict__.copy()
+        d["rank"] = rank
+        c = new(Span)
+        set_dict(c, "__dict__", d)
+        append(c)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -204,6 +221,25 @@ def _none_last(x: int | None) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+class _Spans:
+    """:attr:`Trace.spans` (a dataclass field with this descriptor as its default, ``()``): the
+    tuple as stored, or, for a Trace whose ranks are alike (:meth:`Trace._replicated`), built on
+    first read. Every per-rank query of such a Trace reads the model rank's spans alone, so a
+    run whose ranks were simulated once (``shared.symmetry``) copies its spans to every rank
+    only where something reads them all."""
+
+    def __get__(self, obj: Trace | None, owner: type | None = None) -> tuple[Span, ...]:
+        if obj is None:
+            return ()
+        spans = obj.__dict__.get("_spans")
+        if spans is None:
+            spans = obj.__dict__["_spans"] = obj._interleave()
+        return spans
+
+    def __set__(self, obj: Trace, value: tuple[Span, ...]) -> None:
+        obj.__dict__["_spans"] = value
+
+
 @dataclass(frozen=True)
 class Trace:
     """Spans of one run (every rank) plus ``meta`` (schedule, model, gpu, mode, num_sms, world,
@@ -214,7 +250,7 @@ class Trace:
     export to the same bytes whatever order an interpreter emitted them in.
     """
 
-    spans: tuple[Span, ...] = ()
+    spans: tuple[Span, ...] = _Spans()  # type: ignore[assignment]
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -222,55 +258,89 @@ class Trace:
         object.__setattr__(self, "spans", spans)
 
     @classmethod
-    def _presorted(
-        cls, spans: tuple[Span, ...], meta: dict[str, Any], by_rank: dict[int, tuple[Span, ...]]
+    def _replicated(
+        cls, model: tuple[Span, ...], ranks: tuple[int, ...], meta: dict[str, Any]
     ) -> Trace:
-        """A Trace of ``spans`` already in canonical order, ``by_rank`` the same spans per rank
-        (their builder guarantees both: ``shared.symmetry.expand_trace``, whose tests compare
-        with a sorted Trace)."""
+        """The Trace in which every rank of ``ranks`` runs ``model`` (rank ``ranks[0]``'s spans,
+        in canonical order): each other rank's spans are ``model``'s, index for index, with only
+        ``rank`` changed (:meth:`Span.on_rank`). Equal to ``Trace`` of all those spans; per-rank
+        layouts and sums (:meth:`lanes`, :meth:`tracks`, :meth:`busy_us`,
+        :meth:`per_rank_step_us`, :meth:`to_chrome`) are worked out once, on the model, and
+        reused (the same floats, summed in the same order), and the copies are made only when
+        ``spans`` or another rank's spans are read (``shared.symmetry.expand_trace``)."""
+        if not model or any(s.rank != ranks[0] for s in model):
+            raise ValueError("a replicated trace needs the model rank's spans")
         t = object.__new__(cls)
-        object.__setattr__(t, "spans", spans)
         object.__setattr__(t, "meta", meta)
-        t.__dict__["_by_rank"] = by_rank  # the cached property, filled
+        t.__dict__["_alike"] = (ranks[0], tuple(ranks), model)
         return t
+
+    def _model(self, rank: int) -> int:
+        """The rank whose spans ``rank``'s copy (itself unless the Trace is replicated)."""
+        alike = self.__dict__.get("_alike")
+        return alike[0] if alike is not None and rank in alike[1] else rank
+
+    def _interleave(self) -> tuple[Span, ...]:
+        """A replicated Trace's spans in canonical order, (start, rank, rest): the model's spans
+        of one start, then the next rank's copies of them, ..."""
+        _, ranks, model = self.__dict__["_alike"]
+        by, n = self._by_rank, len(model)
+        flat = [s for r in ranks for s in by[r]]  # the i-th rank's k-th span at i * n + k
+        cuts = [k for k in range(1, n) if model[k].start != model[k - 1].start]
+        order = [
+            i * n + k
+            for lo, hi in zip([0, *cuts], [*cuts, n])
+            for i in range(len(ranks))
+            for k in range(lo, hi)
+        ]
+        return tuple([flat[i] for i in order])
 
     # -- selection --------------------------------------------------------------------------
 
     @cached_property
     def _by_rank(self) -> dict[int, tuple[Span, ...]]:
         """Spans grouped by rank, each group in canonical order (built once)."""
+        alike = self.__dict__.get("_alike")
+        if alike is not None:
+            first, ranks, model = alike
+            with no_gc():
+                return {r: model if r == first else _on_rank(model, r) for r in ranks}
         by: dict[int, list[Span]] = {}
         for s in self.spans:
             by.setdefault(s.rank, []).append(s)
         return {r: tuple(v) for r, v in by.items()}
 
-    @cached_property
-    def _index(self) -> dict[int, dict[str, list[Span]]]:
-        """Spans grouped by rank, then lane, each group in canonical order (built once: every
-        per-rank and per-lane query reads it instead of rescanning all spans)."""
-        index: dict[int, dict[str, list[Span]]] = {}
-        for r, spans in self._by_rank.items():
-            lanes = index[r] = {}
-            for s in spans:
+    def _lanes_of(self, rank: int) -> dict[str, list[Span]]:
+        """The spans of ``rank`` grouped by lane, each group in canonical order (built once per
+        rank: every per-rank and per-lane query reads it instead of rescanning all spans)."""
+        cache = self.__dict__.setdefault("_lane_cache", {})
+        lanes = cache.get(rank)
+        if lanes is None:
+            lanes = cache[rank] = {}
+            for s in self.spans_of(rank):
                 lanes.setdefault(s.lane, []).append(s)
-        return index
+        return lanes
 
     def spans_of(self, rank: int) -> tuple[Span, ...]:
         """The spans of ``rank``, in canonical order (a float sum over them is the same as over
         ``spans`` filtered by rank)."""
+        alike = self.__dict__.get("_alike")
+        if alike is not None and rank == alike[0]:
+            return alike[2]
         return self._by_rank.get(rank, ())
 
     def _rank_spans(self, rank: int) -> list[Span]:
         """The spans of ``rank`` (in canonical order within each lane)."""
-        return [s for spans in self._index.get(rank, {}).values() for s in spans]
+        return [s for spans in self._lanes_of(rank).values() for s in spans]
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(self._index))
+        alike = self.__dict__.get("_alike")
+        return tuple(sorted(alike[1] if alike is not None else self._by_rank))
 
     def lanes(self, rank: int = 0) -> tuple[str, ...]:
         """Lanes of ``rank`` in track order (host, streams, links), then by first start, name."""
-        by_lane = self._index.get(rank, {})
+        by_lane = self._lanes_of(self._model(rank))
         # canonical order starts with the start time: a lane's first span has its earliest start
         first = {ln: spans[0].start for ln, spans in by_lane.items()}
         return tuple(sorted(first, key=lambda ln: (lane_order(ln), first[ln], ln)))
@@ -294,39 +364,81 @@ class Trace:
         Greedy interval partitioning in start order: each span takes the first sub-track whose
         last span has ended, so a lane with no overlap keeps a single track named as the lane.
         """
-        by_lane = self._index.get(rank, {})
-        out: list[Track] = []
+        model = self._model(rank)
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        layout = cache.get(model)
+        if layout is None:
+            layout = cache[model] = self._layout(model)
+        by_lane = self._lanes_of(model) if model == rank else self._lanes_of_alike(rank)
+        return tuple(
+            Track(name, ln, tuple(by_lane[ln][i] for i in row)) for name, ln, row in layout
+        )
+
+    def _layout(self, rank: int) -> list[tuple[str, str, list[int]]]:
+        """(track name, lane, positions in the lane's spans) of ``rank``'s tracks (see
+        :meth:`tracks`): positions, so that alike ranks reuse them."""
+        by_lane = self._lanes_of(rank)
+        out: list[tuple[str, str, list[int]]] = []
         for ln in self.lanes(rank):
-            rows: list[list[Span]] = []
+            rows: list[list[int]] = []
+            ends: list[float] = []  # each row's last end
             # within one (rank, lane), canonical order is _span_key order
-            for s in by_lane[ln]:
-                for row in rows:
-                    if row[-1].end <= s.start:
-                        row.append(s)
+            for i, s in enumerate(by_lane[ln]):
+                for k, end in enumerate(ends):
+                    if end <= s.start:
+                        rows[k].append(i)
+                        ends[k] = s.end
                         break
                 else:
-                    rows.append([s])
+                    rows.append([i])
+                    ends.append(s.end)
             for k, row in enumerate(rows):
-                out.append(Track(ln if k == 0 else f"{ln} #{k + 1}", ln, tuple(row)))
-        return tuple(out)
+                out.append((ln if k == 0 else f"{ln} #{k + 1}", ln, row))
+        return out
+
+    def _lanes_of_alike(self, rank: int) -> dict[str, list[Span]]:
+        """``rank``'s spans per lane, cut from its canonical tuple at the model rank's lane
+        positions (no per-span grouping: the ranks are alike)."""
+        cache = self.__dict__.setdefault("_lane_cache", {})
+        lanes = cache.get(rank)
+        if lanes is None:
+            where = self.__dict__.get("_lane_pos")
+            if where is None:
+                where = {}
+                for i, s in enumerate(self.spans_of(self._model(rank))):
+                    where.setdefault(s.lane, []).append(i)
+                self.__dict__["_lane_pos"] = where
+            mine = self._by_rank[rank]
+            lanes = cache[rank] = {ln: [mine[i] for i in idx] for ln, idx in where.items()}
+        return lanes
 
     # -- metrics -----------------------------------------------------------------------------
 
     @property
     def step_time_us(self) -> float:
         """Latest end minus earliest start over all spans of all ranks (0 for an empty trace)."""
-        if not self.spans:
+        alike = self.__dict__.get("_alike")
+        spans = alike[2] if alike is not None else self.spans  # every rank: the same times
+        if not spans:
             return 0.0
-        return self._last_end - self.spans[0].start  # canonical order starts with the start
+        return self._last_end - spans[0].start  # canonical order starts with the start
 
     @cached_property
     def _last_end(self) -> float:
-        return max(s.end for s in self.spans)
+        alike = self.__dict__.get("_alike")
+        return max(map(_END, alike[2] if alike is not None else self.spans))
 
     def per_rank_step_us(self) -> dict[int, float]:
         """Latest end minus earliest start of each rank's spans."""
-        by = self._by_rank
-        return {r: max(s.end for s in by[r]) - by[r][0].start for r in sorted(by)}
+        memo: dict[int, float] = {}
+        out = {}
+        for r in self.ranks:
+            m = self._model(r)
+            if m not in memo:
+                spans = self.spans_of(m)
+                memo[m] = max(map(_END, spans)) - spans[0].start
+            out[r] = memo[m]
+        return out
 
     def busy_us(self, rank: int | None = None) -> dict[str, float]:
         """Busy time per lane: the length of the union of its spans (overlaps count once).
@@ -339,12 +451,19 @@ class Trace:
         ranks = self.ranks if rank is None else (rank,)
         prefixed = rank is None and len(ranks) > 1
         out: dict[str, float] = {}
+        memo: dict[int, list[tuple[str, float]]] = {}  # model rank -> its lanes' busy times
         for r in ranks:
-            by_lane = self._index.get(r, {})
-            for ln in self.lanes(r):
-                iv = [(s.start, s.end) for s in by_lane[ln] if s.kind != "sync"]
-                if iv:
-                    out[f"r{r}/{ln}" if prefixed else ln] = length(iv)
+            m = self._model(r)
+            busy = memo.get(m)
+            if busy is None:
+                by_lane = self._lanes_of(m)
+                busy = memo[m] = []
+                for ln in self.lanes(m):
+                    iv = [(s.start, s.end) for s in by_lane[ln] if s.kind != "sync"]
+                    if iv:
+                        busy.append((ln, length(iv)))
+            for ln, v in busy:
+                out[f"r{r}/{ln}" if prefixed else ln] = v
         return out
 
     def _union_of(self, rank: int, kinds: Iterable[str]) -> list[Interval]:
@@ -402,24 +521,47 @@ class Trace:
         }
         if self.meta.get("num_sms"):
             out["sm_utilisation"] = self.sm_utilisation(rank=rank)
-        out["num_spans"] = len(self.spans)
+        alike = self.__dict__.get("_alike")
+        out["num_spans"] = len(alike[2]) * len(alike[1]) if alike is not None else len(self.spans)
         return out
 
     # -- Chrome trace JSON -------------------------------------------------------------------
 
     def to_chrome(self, path: str | Path | None = None) -> dict[str, Any]:
         """The Chrome Trace Event JSON of this trace; written to ``path`` too when given
-        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes."""
+        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes. Events with equal
+        ``args`` share one dict (every rank's copy of an op, all the events of ranks alike,
+        :meth:`_replicated`): the document is for writing out, not for editing in place."""
         events: list[dict[str, Any]] = []
         slices: list[dict[str, Any]] = []
+        memo: dict[int, tuple[list[str], list[dict]]] = {}  # model rank -> names, slices
+        shared: dict[tuple, dict[str, Any]] = {}  # equal args dicts: one object (see below)
         with no_gc():
             for r in self.ranks:
                 events.append(_meta_event("process_name", r, None, {"name": f"rank {r}"}))
                 events.append(_meta_event("process_sort_index", r, None, {"sort_index": r}))
-                for tid, track in enumerate(self.tracks(r), start=1):
-                    events.append(_meta_event("thread_name", r, tid, {"name": track.name}))
+                m = self._model(r)
+                if m not in memo:
+                    tracks = self.tracks(m)
+                    memo[m] = (
+                        [t.name for t in tracks],
+                        [
+                            _slice_event(s, tid, shared)
+                            for tid, t in enumerate(tracks, 1)
+                            for s in t.spans
+                        ],
+                    )
+                names, model = memo[m]
+                for tid, name in enumerate(names, start=1):
+                    events.append(_meta_event("thread_name", r, tid, {"name": name}))
                     events.append(_meta_event("thread_sort_index", r, tid, {"sort_index": tid}))
-                    slices.extend(_slice_event(s, tid) for s in track.spans)
+                if r == m:
+                    slices += model
+                else:  # an alike rank: the model's events but for pid (their args dicts shared)
+                    for e in model:
+                        e = e.copy()
+                        e["pid"] = r
+                        slices.append(e)
         doc = {
             "traceEvents": events + slices,
             "displayTimeUnit": "ns",
@@ -512,18 +654,27 @@ def _meta_event(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> d
     return e
 
 
-def _slice_event(s: Span, tid: int) -> dict[str, Any]:
+def _slice_event(s: Span, tid: int, shared: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    """``s``'s complete event on track ``tid``; its ``args`` taken from ``shared`` where an
+    event had equal ones (every rank's copy of an op has: fewer objects to build)."""
     kind, start, end = s.kind, s.start, s.end
-    args: dict[str, Any] = {"lane": s.lane, "kind": kind, "sms": s.sms}
-    if s.mb is not None:
-        args["mb"] = s.mb
-    if s.layer is not None:
-        args["layer"] = s.layer
-    if s.step is not None:
-        args["step"] = s.step
     dur = end - start
-    if start + dur != end:  # keep the round trip exact despite float rounding
-        args["end"] = end
+    exact = start + dur == end  # else the round trip needs args["end"], despite float rounding
+    sms, mb, layer, step = s.sms, s.mb, s.layer, s.step
+    # types too: 1 == 1.0 == True, but JSON writes them apart
+    key = (s.lane, kind, sms, mb, layer, step, None if exact else end,
+           type(sms), type(mb), type(layer), type(step))  # fmt: skip
+    args = shared.get(key)
+    if args is None:
+        args = shared[key] = {"lane": s.lane, "kind": kind, "sms": sms}
+        if mb is not None:
+            args["mb"] = mb
+        if layer is not None:
+            args["layer"] = layer
+        if step is not None:
+            args["step"] = step
+        if not exact:
+            args["end"] = end
     return {
         "name": s.op,
         "cat": kind,

@@ -1,0 +1,33 @@
+"""``Result.as_dict``'s provenance counts each distinct op once (``api._cost_sources``): it must
+count as ``sim.calibrate.cost_sources`` does over every launch of every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+import overlap_lab as ol
+from overlap_lab.api import _cost_sources
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.sim.calibrate import cost_sources
+
+
+def _w(ep: int = 16) -> Workload:
+    m = with_layers(get_model("deepseek-v3"), 3)
+    return Workload(m, Batch.decode(32, kv_len=1024), Parallel(ep=ep))
+
+
+@pytest.mark.parametrize(
+    "schedule,ranks,imbalance,profile",
+    [
+        ("tbo", "explicit", "zipf:1.2", "auto"),
+        ("sbo", "explicit", "zipf:1.2", "roofline"),
+        ("deepseek", "explicit", "balanced", "auto"),
+        ("tbo", "symmetric", "balanced", "auto"),
+    ],
+)
+def test_cost_sources_count_every_launch(schedule, ranks, imbalance, profile):
+    res = ol.simulate(schedule, _w(), "h800", ranks=ranks, imbalance=imbalance, profile=profile)
+    want = cost_sources(res.program, res.gpu, res.profile)
+    assert _cost_sources(res.program, res.gpu, res.profile) == want
+    assert res.as_dict()["cost_sources"] == want  # reduced runs: rank 0's counts x the ranks
+    assert sum(n for by in want.values() for n in by.values()) == ol.api.num_ops(res.program)
