@@ -60,6 +60,9 @@ class Timers:
         self._at: dict[float, simpy.Event] = {}
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
         self.passes: list | None = None
+        #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
+        #: itself once the instant's ordinary events are done, so they need no SimPy event
+        self.inline_passes = False
 
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
@@ -78,10 +81,31 @@ class Timers:
         if self._at.get(when) is ev:
             del self._at[when]
 
+    def request_pass(self, gpu: Gpu) -> None:
+        """Queue ``gpu``'s pass for the end of this instant. The first request of an instant
+        schedules one SimPy event at ``GRANT_PRIORITY`` for all of them, unless the run loop
+        runs them itself (``inline_passes``)."""
+        if self.passes is None:
+            self.passes = []
+            if not self.inline_passes:
+                self.schedule_passes()
+        self.passes.append(gpu)
+
+    def schedule_passes(self) -> None:
+        """The SimPy event that runs the pending passes after every ordinary event of now."""
+        ev = simpy.Event(self.env)
+        ev._ok, ev._value = True, None  # triggered; processed after the instant's others
+        ev.callbacks.append(lambda _e: self.run_passes())
+        self.env.schedule(ev, GRANT_PRIORITY)
+
     def run_passes(self) -> None:
         """The block scheduler's passes of this instant, GPU by GPU in creation order."""
         due, self.passes = self.passes, None
-        for gpu in sorted(due, key=_ORDER):
+        if due is None:  # already run by ``sim.budget.run_budgeted``
+            return
+        if len(due) > 1:
+            due.sort(key=_ORDER)
+        for gpu in due:
             gpu._grant()
 
 
@@ -221,6 +245,8 @@ _precedence = attrgetter("prio", "seq")
 #: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
 #: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
 #: rule (stream priority, then launch order), never by the order SimPy processes their events.
+#: ``sim.budget.run_budgeted`` keeps the rule without the event: it runs the instant's passes when
+#: the next queued event is later (or of a lower priority), exactly when this event would run.
 GRANT_PRIORITY = 2
 
 
@@ -407,14 +433,7 @@ class Gpu(Fluid):
         if self._grant_due:
             return
         self._grant_due = True
-        t = self._timers
-        if t.passes is None:
-            t.passes = []
-            ev = self.env.event()
-            ev._ok, ev._value = True, None  # triggered; processed after the instant's others
-            ev.callbacks.append(lambda _e: t.run_passes())
-            self.env.schedule(ev, GRANT_PRIORITY)
-        t.passes.append(self)
+        self._timers.request_pass(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
