@@ -118,6 +118,11 @@ def timers(env: simpy.Environment) -> Timers:
     return t
 
 
+def _call(fn: Callable, *args) -> None:
+    """A timer's callback that drops the SimPy event (``partial(_call, fn, ...)``: no lambda)."""
+    fn(*args[:-1])
+
+
 class Fluid:
     """Jobs sharing something, progressing at rates a subclass computes in ``_rates``."""
 
@@ -147,13 +152,21 @@ class Fluid:
         """Bring progress up to date, finish what is done, re-rate and set the next timer; then
         report the finished jobs (their callbacks may start new work on this resource)."""
         self._advance()
+        self._settle()
+
+    def _settle(self) -> None:
+        """``changed`` once progress is up to date at this instant. Callers that have just run
+        ``_advance`` and since only added jobs at rate 0, brought due jobs to their floor or
+        changed readiness call this directly: a second ``_advance`` at the same clock would leave
+        every job as it is (``dt`` is 0 and each job is already at or above its floor)."""
         jobs = self.jobs
-        done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
+        eps = _EPS
+        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
         while done:
             for j in done:
                 jobs.remove(j)
                 self._finish(j)
-            done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
+            done = [j for j in jobs if j.left <= eps * j.total and j.ready]
         self._rates()
         now = self.env._now
         first = _INF
@@ -168,13 +181,14 @@ class Fluid:
             else:
                 j.t_end = j.t_snap = _INF
         if first < _INF:
-            self._due = [j for j in jobs if j.t_end <= first + _tol(first)]
+            last = first + _tol(first)
+            self._due = [j for j in jobs if j.t_end <= last]
             delay = max(first - now, 0.0)
             when = now + delay  # the instant SimPy will compute for it
             if when != self._armed:  # else the pending timer, due then, serves
                 self._armed = when
                 self._gen += 1
-                self._timers.call_later(delay, lambda _e, g=self._gen: self._fire(g))
+                self._timers.call_later(delay, partial(self._fire, self._gen))
         elif self._armed is not None:
             self._armed, self._due = None, []
             self._gen += 1
@@ -184,7 +198,7 @@ class Fluid:
             for fn in after:
                 fn()
 
-    def _fire(self, gen: int) -> None:
+    def _fire(self, gen: int, _ev=None) -> None:
         """The timer: the jobs due at it end now, whatever float round-off left of their work."""
         if gen != self._gen:
             return
@@ -192,7 +206,7 @@ class Fluid:
         self._advance()
         for j in self._due:
             j.left = j.floor
-        self.changed()
+        self._settle()
 
     def _finish(self, job) -> None:
         self._after.append(job.on_done)
@@ -223,7 +237,7 @@ class Link(Fluid):
         """Start a flow; ``on_arrived()`` is called when its last byte has arrived."""
         self._advance()
         self.jobs.append(Flow(nbytes, on_arrived, nbytes, nbytes))
-        self.changed()
+        self._settle()
 
     def _rates(self) -> None:
         for j in self.jobs:
@@ -231,7 +245,7 @@ class Link(Fluid):
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
-            self._timers.call_later(self.latency, lambda _e, f=job.on_done: f())
+            self._timers.call_later(self.latency, partial(_call, job.on_done))
         else:
             self._after.append(job.on_done)
 
@@ -324,6 +338,11 @@ class Cohort:
         self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
 
 
+def _rate(dur: float) -> float:
+    """A cohort's rate (waves per µs) from its duration; a pure wait (0 µs) ends at once."""
+    return 1.0 / dur if dur > 0 else _INF
+
+
 class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
@@ -358,6 +377,7 @@ class Gpu(Fluid):
         self.on_grant, self.on_done = on_grant, on_done
         self.costs = {} if costs is None else costs
         self.free = gpu.num_sms
+        self._hbm_usable = cost.hbm_bytes_per_us(gpu) * cost.HBM_USABLE  # what kernels may pull
         self.pending: list[Kernel] = []
         self._grant_due = False
         self.order = next(_GPU_ORDER)  # creation order: the order of passes within an instant
@@ -404,7 +424,7 @@ class Gpu(Fluid):
         if self._granting_now:
             self._jobs_changed = True  # re-rated once at the end of the pass
         else:
-            self.changed()
+            self._settle()
 
     def signal(self, k: Kernel) -> None:
         """One of the events ``k`` consumes while running has fired."""
@@ -423,7 +443,7 @@ class Gpu(Fluid):
             self._jobs_changed = True
             return
         self._advance()
-        self.changed()
+        self._settle()
 
     # -- the block scheduler ---------------------------------------------------------------------
 
@@ -590,7 +610,7 @@ class Gpu(Fluid):
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
-                self._timers.call_later(rest, lambda _e, k=k: self.on_done(k))
+                self._timers.call_later(rest, partial(_call, self.on_done, k))
             else:
                 self._after.append(partial(self.on_done, k))
         else:
@@ -601,25 +621,28 @@ class Gpu(Fluid):
             self._request_grant()
 
     def _rates(self) -> None:
-        running = [
-            c for c in self.jobs if not c.kernel.waiting_data and c.left > c.floor + _EPS * c.total
-        ]
+        eps, running = _EPS, []
         for c in self.jobs:
             c.rate = 0.0
+            if not c.kernel.waiting_data and c.left > c.floor + eps * c.total:
+                running.append(c)
         if not running:
             return
         gpu, profile, costs = self.gpu, self.profile, self.costs
-        demands = [c.kernel.demand(gpu, max(c.sms, 1), profile, costs) for c in running]
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
-            shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
-        else:
-            shares = cost.hbm_shares(demands, self.gpu)
-            shares = self._kernel_caps(running, shares, demands)
+            c = running[0]
+            k = c.kernel
+            d = k.demand(gpu, c.sms or 1, profile, costs)
+            dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
+            c.rate = _rate(dur * (c.per_wave / k.grid.ctas if k.grid.ctas else 1.0))
+            return
+        demands = [c.kernel.demand(gpu, c.sms or 1, profile, costs) for c in running]
+        shares = cost.hbm_shares(demands, gpu)
+        shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
-            dur = cost.duration_us(d, s) * wave
-            c.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
+            c.rate = _rate(cost.duration_us(d, s) * wave)
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
@@ -645,5 +668,5 @@ class Gpu(Fluid):
             [d.cap for d in demands],
             [c.kernel for c in running],
             group_caps,
-            cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE,
+            self._hbm_usable,
         )
