@@ -35,6 +35,7 @@ import gc
 import heapq
 import random
 from collections import defaultdict, deque
+from functools import partial
 
 import numpy as np
 import simpy
@@ -103,8 +104,8 @@ class _Rank:
             env,
             gpu,
             engine.profile,
-            on_grant=lambda k: engine._begin(self, k),
-            on_done=lambda k: engine._kernel_done(self, k),
+            on_grant=partial(engine._begin, self),
+            on_done=partial(engine._kernel_done, self),
             costs=engine.costs,
         )
         self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
@@ -335,8 +336,12 @@ class Engine:
     def _begin(self, r: _Rank, k: Kernel) -> None:
         """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its
         signals are watched, and it runs (called by the block scheduler's pass)."""
-        op, rank = k.op, r.rp.rank
+        op = k.op
         c = op.coll
+        if c is None and not op.waits:  # most kernels: nothing to send, receive or watch
+            r.gpu.start(k)
+            return
+        rank = r.rp.rank
         parts = max(1, len(op.waits))
         if c is not None and c.role != "recv" and c.flows:
             flows = c.flows

@@ -44,6 +44,11 @@ def _tol(t: float) -> float:
     return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
 
 
+#: ``Timers`` keeps the events of past instants until it holds this many (or twice what the last
+#: pruning kept) rather than give each event a callback that forgets it; then drops them at once.
+_AT_PRUNE = 64
+
+
 class Timers:
     """Callbacks due at future instants, one SimPy event per instant rather than per caller.
 
@@ -57,7 +62,8 @@ class Timers:
 
     def __init__(self, env: simpy.Environment):
         self.env = env
-        self._at: dict[float, simpy.Event] = {}
+        self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
+        self._prune_at = _AT_PRUNE
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
         self.passes: list | None = None
         #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
@@ -68,18 +74,17 @@ class Timers:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
         env = self.env
         when = env._now + delay  # the float SimPy itself computes for the event's time
-        ev = self._at.get(when)
+        at = self._at
+        ev = at.get(when)
         if ev is None or ev.callbacks is None:
+            if len(at) >= self._prune_at:  # drop instants already processed (callbacks None)
+                self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
+                self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
             ev = simpy.Event(env)
             ev._ok, ev._value = True, None  # triggered: processed when its time comes
-            ev.callbacks.append(lambda _e, w=when, me=ev: self._forget(w, me))
             env.schedule(ev, simpy.core.NORMAL, delay)
-            self._at[when] = ev
+            at[when] = ev
         ev.callbacks.append(fn)
-
-    def _forget(self, when: float, ev: simpy.Event) -> None:
-        if self._at.get(when) is ev:
-            del self._at[when]
 
     def request_pass(self, gpu: Gpu) -> None:
         """Queue ``gpu``'s pass for the end of this instant. The first request of an instant
@@ -402,8 +407,8 @@ class Gpu(Fluid):
         if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
-            k.segments.append((self.env.now, 0))
-            k.t0 = self.env.now
+            k.segments.append((self.env._now, 0))
+            k.t0 = self.env._now
             self.on_grant(k)
             return
         k.pending = k.grid.ctas
@@ -450,10 +455,9 @@ class Gpu(Fluid):
     def _request_grant(self) -> None:
         """Ask for a pass at the end of this instant. One SimPy event serves every GPU of the
         simulation that asks in the same instant (ranks acting in lockstep), in creation order."""
-        if self._grant_due:
-            return
-        self._grant_due = True
-        self._timers.request_pass(self)
+        if not self._grant_due:
+            self._grant_due = True
+            self._timers.request_pass(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
@@ -465,18 +469,22 @@ class Gpu(Fluid):
             self._dispatch()
             if not self._cut():
                 break
-        now = self.env.now
-        for k in self._touched:  # each kernel's segments are its own: any order
-            if not (k.cohorts or k.segments):
-                continue  # never ran yet (a coresident kernel gathering its SMs)
+        now = self.env._now
+        touched = self._touched
+        for k in touched:  # each kernel's segments are its own: any order
             segs = k.segments
+            if not (k.cohorts or segs):
+                continue  # never ran yet (a coresident kernel gathering its SMs)
             if segs and segs[-1][0] == now:  # changed again within this instant
                 segs.pop()
             if not segs or segs[-1][1] != k.held:
                 segs.append((now, k.held))
-        self._touched.clear()
-        if self._granted:  # start them in precedence order, re-rating once
-            granted, self._granted = sorted(self._granted, key=_precedence), []
+        touched.clear()
+        granted = self._granted
+        if granted:  # start them in precedence order, re-rating once
+            self._granted = []
+            if len(granted) > 1:
+                granted.sort(key=_precedence)  # stable, as sorted() was
             self._granting_now = True
             try:
                 on_grant = self.on_grant
@@ -490,12 +498,16 @@ class Gpu(Fluid):
     def _dispatch(self) -> None:
         # reservations are re-made every pass, so they always belong to the first coresident
         # kernel in precedence order (two half-resident kernels never wait on each other)
-        for k in self.pending:
-            self.free += k.reserved
-            k.reserved = 0
-        if len(self.pending) > 1:
-            self.pending.sort(key=_precedence)
-        for k in list(self.pending):
+        pending = self.pending
+        if not pending:
+            return
+        for k in pending:
+            if k.reserved:
+                self.free += k.reserved
+                k.reserved = 0
+        if len(pending) > 1:
+            pending.sort(key=_precedence)
+        for k in list(pending):
             if self.free == 0:
                 break
             g = k.grid
@@ -560,7 +572,7 @@ class Gpu(Fluid):
             if k not in self._unstarted:
                 self._unstarted.add(k)
                 self._granted.append(k)
-                k.t0 = self.env.now
+                k.t0 = self.env._now
 
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
@@ -603,10 +615,10 @@ class Gpu(Fluid):
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
             rest = (
-                k.t0 + self.gpu.kernel_min_us - self.env.now if k.op.flops or k.op.hbm_bytes else 0
+                k.t0 + self.gpu.kernel_min_us - self.env._now if k.op.flops or k.op.hbm_bytes else 0
             )
             if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
-                segs, now = k.segments, self.env.now
+                segs, now = k.segments, self.env._now
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
@@ -634,7 +646,8 @@ class Gpu(Fluid):
             k = c.kernel
             d = k.demand(gpu, c.sms or 1, profile, costs)
             dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
-            c.rate = _rate(dur * (c.per_wave / k.grid.ctas if k.grid.ctas else 1.0))
+            dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
+            c.rate = 1.0 / dur if dur > 0 else _INF  # a pure wait ends at once
             return
         demands = [c.kernel.demand(gpu, c.sms or 1, profile, costs) for c in running]
         shares = cost.hbm_shares(demands, gpu)
