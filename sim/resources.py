@@ -172,9 +172,10 @@ class Fluid:
                 jobs.remove(j)
                 self._finish(j)
             done = [j for j in jobs if j.left <= eps * j.total and j.ready]
-        self._rates()
         now = self.env._now
         first = _INF
+        if jobs:  # (none: no rates, no timer)
+            self._rates()
         for j in jobs:
             # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
             rate = j.rate
@@ -291,7 +292,7 @@ class Kernel:
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
     _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
-    ckey: tuple = ()  # ``cost.cost_key(op)``: what the cost model reads of the op
+    ckey: int = -1  # the number ``Gpu.costs`` gives ``cost.cost_key(op)`` (what the model reads)
 
     @property
     def ready(self) -> bool:
@@ -375,7 +376,7 @@ class Gpu(Fluid):
     ):
         """``on_grant(k)``: ``k`` holds its first SMs (the engine starts it); ``on_done(k)``: it
         has ended. ``costs``: a cache of ``sim.cost.grid`` and ``sim.cost.demand`` that GPUs of
-        the same model and profile may share (``cost.cost_key``)."""
+        the same model and profile may share (it also numbers each ``cost.cost_key``)."""
         super().__init__(env)
         self.gpu = gpu
         self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
@@ -398,7 +399,9 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, costs = k.op, self.costs
-        k.ckey = ck = cost.cost_key(op)
+        ck = cost.cost_key(op)
+        # the key's small number: the caches below hash (number, sms), not the whole key again
+        k.ckey = ck = costs.setdefault(ck, len(costs))
         gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
         g = costs.get(gk)
         if g is None:
