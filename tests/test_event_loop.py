@@ -57,3 +57,36 @@ def test_passes_count_against_the_budget():
     p = _program("tbo", Batch.decode(64, kv_len=2048))
     with pytest.raises(budget.SimulationBudgetExceeded):
         Engine(p, GPU, 0, max_events=50).run()
+
+
+def test_timers_share_an_instant_and_prune_past_ones():
+    """Callbacks of one instant share an event; the table of instants drops processed ones in
+    sweeps, so it stays bounded over a long run while pending instants are kept."""
+    import simpy
+
+    from overlap_lab.sim.resources import _AT_PRUNE, timers
+
+    env = simpy.Environment()
+    t = timers(env)
+    seen: list[tuple[float, int]] = []
+    sizes = []
+
+    def chain(i: int):
+        def fire(_ev):
+            seen.append((env.now, i))
+            sizes.append(len(t._at))
+            if i < 1000:
+                t.call_later(1.0, chain(i + 1))
+                t.call_later(1.0, lambda _e: seen.append((env.now, -1)))  # same instant
+
+        return fire
+
+    t.call_later(0.0, chain(0))
+    steps = 0
+    while env.peek() != float("inf"):
+        env.step()
+        steps += 1
+    assert steps == 1001  # one event per instant, not per callback
+    assert [i for _, i in seen if i >= 0] == list(range(1001))
+    assert all(now == float(i) for now, i in seen if i >= 0)
+    assert max(sizes) <= _AT_PRUNE
