@@ -35,6 +35,7 @@ import gc
 import heapq
 import random
 from collections import defaultdict, deque
+from functools import partial
 
 import numpy as np
 import simpy
@@ -103,8 +104,8 @@ class _Rank:
             env,
             gpu,
             engine.profile,
-            on_grant=lambda k: engine._begin(self, k),
-            on_done=lambda k: engine._kernel_done(self, k),
+            on_grant=partial(engine._begin, self),
+            on_done=partial(engine._kernel_done, self),
             costs=engine.costs,
         )
         self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
@@ -114,6 +115,7 @@ class _Rank:
         self.fired: set[str] = set()  # events recorded so far
         self.waited: dict[str, simpy.Event] = {}  # SimPy events of those waited on before firing
         self.queues: dict[str, deque] = {s: deque() for s in rp.streams}
+        self.lanes = {s: f"stream:{s}" for s in rp.streams}
         self.prio = {s: rp.priority(s) for s in rp.streams}
         self.busy: dict[str, object] = {}  # stream -> what holds it now (for stall reports)
         self.pumping: set[str] = set()  # streams whose queue is being walked right now
@@ -317,22 +319,29 @@ class Engine:
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
-        op, rank, lane, now = k.op, r.rp.rank, f"stream:{k.stream}", self.env.now
-        segs = k.segments
-        segs.append((now, 0))
-        spans = self.spans
-        for (t0, sms), (t1, _) in zip(segs, segs[1:]):
-            if t1 > t0 or len(segs) == 2:
-                spans.append(
-                    Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
-                )
+        op, rank, lane, now = k.op, r.rp.rank, r.lanes[k.stream], self.env._now
+        segs, spans = k.segments, self.spans
+        if len(segs) == 1:  # its SMs never changed: one span
+            t0, sms = segs[0]
+            spans.append(Span(rank, lane, op.name, op.kind, t0, now, sms, op.mb, op.layer, op.step))
+        else:
+            segs.append((now, 0))
+            for (t0, sms), (t1, _) in zip(segs, segs[1:]):
+                if t1 > t0 or len(segs) == 2:
+                    spans.append(
+                        Span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
+                    )
         self._release(r, k.stream)
 
     def _begin(self, r: _Rank, k: Kernel) -> None:
         """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its
         signals are watched, and it runs (called by the block scheduler's pass)."""
-        op, rank = k.op, r.rp.rank
+        op = k.op
         c = op.coll
+        if c is None and not op.waits:  # most kernels: nothing to send, receive or watch
+            r.gpu.start(k)
+            return
+        rank = r.rp.rank
         parts = max(1, len(op.waits))
         if c is not None and c.role != "recv" and c.flows:
             flows = c.flows

@@ -44,6 +44,11 @@ def _tol(t: float) -> float:
     return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
 
 
+#: ``Timers`` keeps the events of past instants until it holds this many (or twice what the last
+#: pruning kept) rather than give each event a callback that forgets it; then drops them at once.
+_AT_PRUNE = 64
+
+
 class Timers:
     """Callbacks due at future instants, one SimPy event per instant rather than per caller.
 
@@ -57,31 +62,55 @@ class Timers:
 
     def __init__(self, env: simpy.Environment):
         self.env = env
-        self._at: dict[float, simpy.Event] = {}
+        self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
+        self._prune_at = _AT_PRUNE
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
         self.passes: list | None = None
+        #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
+        #: itself once the instant's ordinary events are done, so they need no SimPy event
+        self.inline_passes = False
 
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
         env = self.env
         when = env._now + delay  # the float SimPy itself computes for the event's time
-        ev = self._at.get(when)
+        at = self._at
+        ev = at.get(when)
         if ev is None or ev.callbacks is None:
+            if len(at) >= self._prune_at:  # drop instants already processed (callbacks None)
+                self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
+                self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
             ev = simpy.Event(env)
             ev._ok, ev._value = True, None  # triggered: processed when its time comes
-            ev.callbacks.append(lambda _e, w=when, me=ev: self._forget(w, me))
             env.schedule(ev, simpy.core.NORMAL, delay)
-            self._at[when] = ev
+            at[when] = ev
         ev.callbacks.append(fn)
 
-    def _forget(self, when: float, ev: simpy.Event) -> None:
-        if self._at.get(when) is ev:
-            del self._at[when]
+    def request_pass(self, gpu: Gpu) -> None:
+        """Queue ``gpu``'s pass for the end of this instant. The first request of an instant
+        schedules one SimPy event at ``GRANT_PRIORITY`` for all of them, unless the run loop
+        runs them itself (``inline_passes``)."""
+        if self.passes is None:
+            self.passes = []
+            if not self.inline_passes:
+                self.schedule_passes()
+        self.passes.append(gpu)
+
+    def schedule_passes(self) -> None:
+        """The SimPy event that runs the pending passes after every ordinary event of now."""
+        ev = simpy.Event(self.env)
+        ev._ok, ev._value = True, None  # triggered; processed after the instant's others
+        ev.callbacks.append(lambda _e: self.run_passes())
+        self.env.schedule(ev, GRANT_PRIORITY)
 
     def run_passes(self) -> None:
         """The block scheduler's passes of this instant, GPU by GPU in creation order."""
         due, self.passes = self.passes, None
-        for gpu in sorted(due, key=_ORDER):
+        if due is None:  # already run by ``sim.budget.run_budgeted``
+            return
+        if len(due) > 1:
+            due.sort(key=_ORDER)
+        for gpu in due:
             gpu._grant()
 
 
@@ -92,6 +121,11 @@ def timers(env: simpy.Environment) -> Timers:
     if t is None:
         t = env._overlap_lab_timers = Timers(env)
     return t
+
+
+def _call(fn: Callable, *args) -> None:
+    """A timer's callback that drops the SimPy event (``partial(_call, fn, ...)``: no lambda)."""
+    fn(*args[:-1])
 
 
 class Fluid:
@@ -123,16 +157,25 @@ class Fluid:
         """Bring progress up to date, finish what is done, re-rate and set the next timer; then
         report the finished jobs (their callbacks may start new work on this resource)."""
         self._advance()
+        self._settle()
+
+    def _settle(self) -> None:
+        """``changed`` once progress is up to date at this instant. Callers that have just run
+        ``_advance`` and since only added jobs at rate 0, brought due jobs to their floor or
+        changed readiness call this directly: a second ``_advance`` at the same clock would leave
+        every job as it is (``dt`` is 0 and each job is already at or above its floor)."""
         jobs = self.jobs
-        done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
+        eps = _EPS
+        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
         while done:
             for j in done:
                 jobs.remove(j)
                 self._finish(j)
-            done = [j for j in jobs if j.left <= _EPS * j.total and j.ready]
-        self._rates()
+            done = [j for j in jobs if j.left <= eps * j.total and j.ready]
         now = self.env._now
         first = _INF
+        if jobs:  # (none: no rates, no timer)
+            self._rates()
         for j in jobs:
             # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
             rate = j.rate
@@ -144,13 +187,14 @@ class Fluid:
             else:
                 j.t_end = j.t_snap = _INF
         if first < _INF:
-            self._due = [j for j in jobs if j.t_end <= first + _tol(first)]
+            last = first + _tol(first)
+            self._due = [j for j in jobs if j.t_end <= last]
             delay = max(first - now, 0.0)
             when = now + delay  # the instant SimPy will compute for it
             if when != self._armed:  # else the pending timer, due then, serves
                 self._armed = when
                 self._gen += 1
-                self._timers.call_later(delay, lambda _e, g=self._gen: self._fire(g))
+                self._timers.call_later(delay, partial(self._fire, self._gen))
         elif self._armed is not None:
             self._armed, self._due = None, []
             self._gen += 1
@@ -160,7 +204,7 @@ class Fluid:
             for fn in after:
                 fn()
 
-    def _fire(self, gen: int) -> None:
+    def _fire(self, gen: int, _ev=None) -> None:
         """The timer: the jobs due at it end now, whatever float round-off left of their work."""
         if gen != self._gen:
             return
@@ -168,7 +212,7 @@ class Fluid:
         self._advance()
         for j in self._due:
             j.left = j.floor
-        self.changed()
+        self._settle()
 
     def _finish(self, job) -> None:
         self._after.append(job.on_done)
@@ -199,7 +243,7 @@ class Link(Fluid):
         """Start a flow; ``on_arrived()`` is called when its last byte has arrived."""
         self._advance()
         self.jobs.append(Flow(nbytes, on_arrived, nbytes, nbytes))
-        self.changed()
+        self._settle()
 
     def _rates(self) -> None:
         for j in self.jobs:
@@ -207,7 +251,7 @@ class Link(Fluid):
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
-            self._timers.call_later(self.latency, lambda _e, f=job.on_done: f())
+            self._timers.call_later(self.latency, partial(_call, job.on_done))
         else:
             self._after.append(job.on_done)
 
@@ -221,6 +265,8 @@ _precedence = attrgetter("prio", "seq")
 #: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
 #: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
 #: rule (stream priority, then launch order), never by the order SimPy processes their events.
+#: ``sim.budget.run_budgeted`` keeps the rule without the event: it runs the instant's passes when
+#: the next queued event is later (or of a lower priority), exactly when this event would run.
 GRANT_PRIORITY = 2
 
 
@@ -246,7 +292,7 @@ class Kernel:
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
     _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
-    ckey: tuple = ()  # ``cost.cost_key(op)``: what the cost model reads of the op
+    ckey: int = -1  # the number ``Gpu.costs`` gives ``cost.cost_key(op)`` (what the model reads)
 
     @property
     def ready(self) -> bool:
@@ -298,6 +344,11 @@ class Cohort:
         self.floor = self.total * (n - self.kernel.fired) / n if n else 0.0
 
 
+def _rate(dur: float) -> float:
+    """A cohort's rate (waves per µs) from its duration; a pure wait (0 µs) ends at once."""
+    return 1.0 / dur if dur > 0 else _INF
+
+
 class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
@@ -325,13 +376,14 @@ class Gpu(Fluid):
     ):
         """``on_grant(k)``: ``k`` holds its first SMs (the engine starts it); ``on_done(k)``: it
         has ended. ``costs``: a cache of ``sim.cost.grid`` and ``sim.cost.demand`` that GPUs of
-        the same model and profile may share (``cost.cost_key``)."""
+        the same model and profile may share (it also numbers each ``cost.cost_key``)."""
         super().__init__(env)
         self.gpu = gpu
         self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
         self.on_grant, self.on_done = on_grant, on_done
         self.costs = {} if costs is None else costs
         self.free = gpu.num_sms
+        self._hbm_usable = cost.hbm_bytes_per_us(gpu) * cost.HBM_USABLE  # what kernels may pull
         self.pending: list[Kernel] = []
         self._grant_due = False
         self.order = next(_GPU_ORDER)  # creation order: the order of passes within an instant
@@ -347,7 +399,9 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, costs = k.op, self.costs
-        k.ckey = ck = cost.cost_key(op)
+        ck = cost.cost_key(op)
+        # the key's small number: the caches below hash (number, sms), not the whole key again
+        k.ckey = ck = costs.setdefault(ck, len(costs))
         gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
         g = costs.get(gk)
         if g is None:
@@ -356,8 +410,8 @@ class Gpu(Fluid):
         if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
-            k.segments.append((self.env.now, 0))
-            k.t0 = self.env.now
+            k.segments.append((self.env._now, 0))
+            k.t0 = self.env._now
             self.on_grant(k)
             return
         k.pending = k.grid.ctas
@@ -378,7 +432,7 @@ class Gpu(Fluid):
         if self._granting_now:
             self._jobs_changed = True  # re-rated once at the end of the pass
         else:
-            self.changed()
+            self._settle()
 
     def signal(self, k: Kernel) -> None:
         """One of the events ``k`` consumes while running has fired."""
@@ -397,24 +451,16 @@ class Gpu(Fluid):
             self._jobs_changed = True
             return
         self._advance()
-        self.changed()
+        self._settle()
 
     # -- the block scheduler ---------------------------------------------------------------------
 
     def _request_grant(self) -> None:
         """Ask for a pass at the end of this instant. One SimPy event serves every GPU of the
         simulation that asks in the same instant (ranks acting in lockstep), in creation order."""
-        if self._grant_due:
-            return
-        self._grant_due = True
-        t = self._timers
-        if t.passes is None:
-            t.passes = []
-            ev = self.env.event()
-            ev._ok, ev._value = True, None  # triggered; processed after the instant's others
-            ev.callbacks.append(lambda _e: t.run_passes())
-            self.env.schedule(ev, GRANT_PRIORITY)
-        t.passes.append(self)
+        if not self._grant_due:
+            self._grant_due = True
+            self._timers.request_pass(self)
 
     def _grant(self, _ev=None) -> None:
         self._grant_due = False
@@ -426,18 +472,22 @@ class Gpu(Fluid):
             self._dispatch()
             if not self._cut():
                 break
-        now = self.env.now
-        for k in self._touched:  # each kernel's segments are its own: any order
-            if not (k.cohorts or k.segments):
-                continue  # never ran yet (a coresident kernel gathering its SMs)
+        now = self.env._now
+        touched = self._touched
+        for k in touched:  # each kernel's segments are its own: any order
             segs = k.segments
+            if not (k.cohorts or segs):
+                continue  # never ran yet (a coresident kernel gathering its SMs)
             if segs and segs[-1][0] == now:  # changed again within this instant
                 segs.pop()
             if not segs or segs[-1][1] != k.held:
                 segs.append((now, k.held))
-        self._touched.clear()
-        if self._granted:  # start them in precedence order, re-rating once
-            granted, self._granted = sorted(self._granted, key=_precedence), []
+        touched.clear()
+        granted = self._granted
+        if granted:  # start them in precedence order, re-rating once
+            self._granted = []
+            if len(granted) > 1:
+                granted.sort(key=_precedence)  # stable, as sorted() was
             self._granting_now = True
             try:
                 on_grant = self.on_grant
@@ -451,12 +501,16 @@ class Gpu(Fluid):
     def _dispatch(self) -> None:
         # reservations are re-made every pass, so they always belong to the first coresident
         # kernel in precedence order (two half-resident kernels never wait on each other)
-        for k in self.pending:
-            self.free += k.reserved
-            k.reserved = 0
-        if len(self.pending) > 1:
-            self.pending.sort(key=_precedence)
-        for k in list(self.pending):
+        pending = self.pending
+        if not pending:
+            return
+        for k in pending:
+            if k.reserved:
+                self.free += k.reserved
+                k.reserved = 0
+        if len(pending) > 1:
+            pending.sort(key=_precedence)
+        for k in list(pending):
             if self.free == 0:
                 break
             g = k.grid
@@ -521,7 +575,7 @@ class Gpu(Fluid):
             if k not in self._unstarted:
                 self._unstarted.add(k)
                 self._granted.append(k)
-                k.t0 = self.env.now
+                k.t0 = self.env._now
 
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
@@ -564,14 +618,14 @@ class Gpu(Fluid):
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
             rest = (
-                k.t0 + self.gpu.kernel_min_us - self.env.now if k.op.flops or k.op.hbm_bytes else 0
+                k.t0 + self.gpu.kernel_min_us - self.env._now if k.op.flops or k.op.hbm_bytes else 0
             )
             if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
-                segs, now = k.segments, self.env.now
+                segs, now = k.segments, self.env._now
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
-                self._timers.call_later(rest, lambda _e, k=k: self.on_done(k))
+                self._timers.call_later(rest, partial(_call, self.on_done, k))
             else:
                 self._after.append(partial(self.on_done, k))
         else:
@@ -582,25 +636,29 @@ class Gpu(Fluid):
             self._request_grant()
 
     def _rates(self) -> None:
-        running = [
-            c for c in self.jobs if not c.kernel.waiting_data and c.left > c.floor + _EPS * c.total
-        ]
+        eps, running = _EPS, []
         for c in self.jobs:
             c.rate = 0.0
+            if not c.kernel.waiting_data and c.left > c.floor + eps * c.total:
+                running.append(c)
         if not running:
             return
         gpu, profile, costs = self.gpu, self.profile, self.costs
-        demands = [c.kernel.demand(gpu, max(c.sms, 1), profile, costs) for c in running]
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
-            shares = [min(demands[0].cap, cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE)]
-        else:
-            shares = cost.hbm_shares(demands, self.gpu)
-            shares = self._kernel_caps(running, shares, demands)
+            c = running[0]
+            k = c.kernel
+            d = k.demand(gpu, c.sms or 1, profile, costs)
+            dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
+            dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
+            c.rate = 1.0 / dur if dur > 0 else _INF  # a pure wait ends at once
+            return
+        demands = [c.kernel.demand(gpu, c.sms or 1, profile, costs) for c in running]
+        shares = cost.hbm_shares(demands, gpu)
+        shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
-            dur = cost.duration_us(d, s) * wave
-            c.rate = 1.0 / dur if dur > 0 else float("inf")  # a pure wait ends at once
+            c.rate = _rate(cost.duration_us(d, s) * wave)
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
@@ -626,5 +684,5 @@ class Gpu(Fluid):
             [d.cap for d in demands],
             [c.kernel for c in running],
             group_caps,
-            cost.hbm_bytes_per_us(self.gpu) * cost.HBM_USABLE,
+            self._hbm_usable,
         )
