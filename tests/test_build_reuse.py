@@ -1,0 +1,66 @@
+"""Program build reuses what cannot differ: one layer's ops computed once and stamped per layer,
+no numpy-heavy module imported to build a Program."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import MOE_OP_NAMES, layer_ops
+from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+
+
+def _workload(ep: int = 32) -> Workload:
+    return Workload(get_model("deepseek-v3"), Batch.decode(64, kv_len=4096), Parallel(ep=ep))
+
+
+def test_layers_differ_only_in_layer_and_collective_key():
+    w, gpu = _workload(), get_gpu("h800")
+    n = w.batch.num_tokens
+    mb = MicroBatch(0, 0, w.batch.num_seqs, 0, n, n)
+    a, b = layer_ops(w, gpu, 5, mb, step=2), layer_ops(w, gpu, 40, mb, step=2)
+    assert list(a) == list(MOE_OP_NAMES) == list(b)
+    for name in a:
+        assert (a[name].layer, b[name].layer) == (5, 40)
+        if a[name].coll is not None:
+            assert a[name].coll.key == f"s2.L5.mb0.{name.split('_')[0]}"
+            assert b[name].coll.key == f"s2.L40.mb0.{name.split('_')[0]}"
+            assert dataclasses.replace(a[name].coll, key="") == dataclasses.replace(
+                b[name].coll, key=""
+            )
+        assert dataclasses.replace(a[name], layer=0, coll=None) == dataclasses.replace(
+            b[name], layer=0, coll=None
+        )
+    # a dense layer is not a MoE layer's template with another layer number
+    dense = layer_ops(w, gpu, 0, mb, step=2)
+    assert "mlp" in dense and "experts" not in dense
+
+
+def test_template_depends_on_what_an_op_depends_on():
+    gpu = get_gpu("h800")
+    w16, w32 = _workload(16), _workload(32)
+    mb = MicroBatch(0, 0, 64, 0, 64, 64)
+    d16 = layer_ops(w16, gpu, 3, mb)["dispatch_a"]
+    d32 = layer_ops(w32, gpu, 3, mb)["dispatch_a"]
+    assert d16.coll.flows != d32.coll.flows
+    assert layer_ops(w32, gpu, 3, mb, step=None)["dispatch_a"].coll.key == "sNone.L3.mb0.dispatch"
+    normal = layer_ops(w32, gpu, 3, mb, deepep_mode="normal")["dispatch_a"]
+    assert normal.coll.role == "sendrecv" and d32.coll.role == "send"
+
+
+def test_building_a_program_imports_no_routing_sampler():
+    code = (
+        "import sys\n"
+        "from overlap_lab.shared.hardware import get_gpu\n"
+        "from overlap_lab.shared.schedules import build\n"
+        "from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model\n"
+        "w = Workload(get_model('deepseek-v3'), Batch.decode(128, kv_len=4096), Parallel(ep=32))\n"
+        "build('tbo', w, get_gpu('h800'))\n"
+        "print(sorted(m for m in ('overlap_lab.shared.deepep', 'overlap_lab.shared.routing')"
+        " if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
