@@ -425,11 +425,18 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
     receiver (those started before the hold began). ``pos`` is a topological order of the
     nodes: it bounds every search for ancestors."""
     pred: list[list[int]] | None = None
-    ancestors: dict[int, set[int]] = {}
+    ancestors: dict[int, set[int] | _RankAncestors] = {}
+    by_rank: dict[int, tuple[dict[int, int], dict[int, int]] | None] = {}
 
-    def anc_of(b: int, rank: int) -> set[int]:
+    def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
         if b not in ancestors:
-            ancestors[b] = _ancestors(b, pred, info, rank)
+            if rank not in by_rank:
+                by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+            bits = by_rank[rank]
+            if bits is None:  # too many nodes for bitsets: one search per receiver
+                ancestors[b] = _ancestors(b, pred, info, rank)
+            else:
+                ancestors[b] = _RankAncestors(bits, b)
         return ancestors[b]
 
     risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
@@ -508,6 +515,46 @@ def _precedence(info, node: int) -> tuple[int, int]:
     it, rp, k = info[node]
     ins = it.instr if k is None else it.instr.body[k]
     return (rp.priority(ins.stream), node)
+
+
+#: Nodes of one rank up to which ``_check_starvation`` keeps every node's ancestors as a bitset
+#: (about n^2/16 bytes); beyond it each receiver's ancestors are searched for alone.
+MAX_BITSET_NODES = 20_000
+
+
+def _rank_ancestor_bits(rank: int, pred, info, pos) -> tuple[dict[int, int], dict[int, int]] | None:
+    """For every node of ``rank``: the bitset of its ancestors through that rank's own nodes (the
+    sets ``_ancestors`` finds), bit ``i`` standing for the rank's ``i``-th node in the
+    topological order ``pos``, so one pass in that order builds them all: (node -> bit, node ->
+    bitset), or None above MAX_BITSET_NODES."""
+    nodes = [n for n, (_it, rp, _k) in enumerate(info) if rp.rank == rank]
+    if len(nodes) > MAX_BITSET_NODES:
+        return None
+    nodes.sort(key=pos.__getitem__)
+    local = {n: i for i, n in enumerate(nodes)}
+    bits: dict[int, int] = {}
+    for n in nodes:
+        b = 0
+        for p in pred[n]:
+            i = local.get(p)
+            if i is not None:
+                b |= bits[p] | (1 << i)
+        bits[n] = b
+    return local, bits
+
+
+class _RankAncestors:
+    """The ancestors of one node as ``_ancestors`` returns them (``in`` only), read from the
+    rank's bitsets."""
+
+    __slots__ = ("_local", "_bits")
+
+    def __init__(self, table, b: int):
+        self._local, self._bits = table[0], table[1][b]
+
+    def __contains__(self, q: int) -> bool:
+        i = self._local.get(q)
+        return i is not None and (self._bits >> i) & 1 == 1
 
 
 def _ancestors(b: int, pred, info, rank: int) -> set[int]:

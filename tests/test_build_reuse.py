@@ -1,5 +1,6 @@
 """Program build reuses what cannot differ: one layer's ops computed once and stamped per layer,
-no numpy-heavy module imported to build a Program."""
+no numpy-heavy module imported to build a Program, and the starvation check's ancestor
+bitsets give the verdicts of its per-receiver searches."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ import dataclasses
 import subprocess
 import sys
 
+from hypothesis import given
+
+from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ops import MOE_OP_NAMES, layer_ops
 from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.validate import MAX_BITSET_NODES
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from tests.fuzz_helpers import fuzz_settings
+from tests.test_fuzz_program import mutated
 
 
 def _workload(ep: int = 32) -> Workload:
@@ -64,3 +71,36 @@ def test_building_a_program_imports_no_routing_sampler():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _verdict(text: str, bitset_nodes: int) -> str:
+    from overlap_lab.shared import validate as v
+    from overlap_lab.shared.program import ParseError, parse
+
+    old = v.MAX_BITSET_NODES
+    v.MAX_BITSET_NODES = bitset_nodes
+    try:
+        v.validate(parse(text), get_gpu("h800").num_sms)
+    except (ParseError, v.ProgramError, ConfigError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        v.MAX_BITSET_NODES = old
+    return "ok"
+
+
+@fuzz_settings(80)
+@given(mutated())
+def test_starvation_bitsets_give_the_searches_verdicts(text):
+    """The per-rank ancestor bitsets of the starvation check against one search per receiver."""
+    assert _verdict(text, MAX_BITSET_NODES) == _verdict(text, 0)
+
+
+def test_starvation_bitsets_on_sbo_programs():
+    from overlap_lab.shared.schedules import build
+
+    gpu = get_gpu("h800")
+    for name in ("sbo", "tbo+sbo", "deepseek"):
+        for ep in (8, 64):
+            w = Workload(get_model("deepseek-v3"), Batch.decode(32, kv_len=4096), Parallel(ep=ep))
+            text = str(build(name, w, gpu))
+            assert _verdict(text, MAX_BITSET_NODES) == _verdict(text, 0)
