@@ -13,6 +13,7 @@ still reports a stall (and a run past its event budget) as a clear error rather 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -463,22 +464,26 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
                     continue
             risks.append((rank, stream, hold, start, op, sender))
             break
+    by_need: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
     widest: dict[tuple[int, str], int] = {}
     for rank, stream, hold, *_ in risks:
         widest[(rank, stream)] = max(widest.get((rank, stream), 0), hold)
     for rank, stream, hold, start, op, sender in risks:
         others = sum(h for (r, s), h in widest.items() if r == rank and s != stream)
         started = anc_of(start, rank)
-        need, needer = max(
-            (
-                (_need(o, num_sms), o.name)
-                for p, o in launches[rank]
-                if p <= sender and p[1] not in started and p[1] != start
-            ),
-            default=(0, ""),
-        )
+        if rank not in by_need:
+            by_need[rank] = _launches_by_need(launches[rank], num_sms)
+        need = _largest_need(by_need[rank], sender, started, start)
         held = hold + others
         if held + need > num_sms:
+            need, needer = max(
+                (
+                    (_need(o, num_sms), o.name)
+                    for p, o in launches[rank]
+                    if p <= sender and p[1] not in started and p[1] != start
+                ),
+                default=(0, ""),
+            )
             it, rp, k = info[start]
             raise ProgramError(
                 _where(
@@ -491,6 +496,28 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
                     k,
                 )
             )
+
+
+def _launches_by_need(launches, num_sms: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """A rank's launches grouped by the SMs each needs to start, largest first, each group's
+    precedences sorted (for ``_largest_need``)."""
+    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for p, o in launches:
+        groups[_need(o, num_sms)].append(p)
+    return [(n, sorted(groups[n])) for n in sorted(groups, reverse=True)]
+
+
+def _largest_need(by_need, sender: tuple[int, int], started, start: int) -> int:
+    """The most SMs a launch served before ``sender`` (precedence <= it), not ordered before the
+    receiver ``start`` (not in ``started``) and not the receiver itself needs: 0 if none. Each
+    group is searched from its last launch before the sender back, as the launches nearest the
+    sender are the ones least likely to be ordered before the receiver."""
+    for need, ps in by_need:
+        for k in range(bisect_right(ps, sender) - 1, -1, -1):
+            node = ps[k][1]
+            if node != start and node not in started:
+                return need
+    return 0
 
 
 def _ready_by(node: int, anc: set[int], pred, info) -> bool:

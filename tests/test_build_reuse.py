@@ -14,7 +14,6 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ops import MOE_OP_NAMES, layer_ops
 from overlap_lab.shared.schedules.common import MicroBatch
-from overlap_lab.shared.validate import MAX_BITSET_NODES
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.fuzz_helpers import fuzz_settings
 from tests.test_fuzz_program import mutated
@@ -73,26 +72,42 @@ def test_building_a_program_imports_no_routing_sampler():
     assert out.stdout.strip() == "[]"
 
 
-def _verdict(text: str, bitset_nodes: int) -> str:
+def _every_need(by_need, sender, started, start) -> int:
+    """The starvation check's largest competing need by a scan of every launch (the reference)."""
+    return max(
+        (
+            n
+            for n, ps in by_need
+            for p in ps
+            if p <= sender and p[1] not in started and p[1] != start
+        ),
+        default=0,
+    )
+
+
+def _verdict(text: str, reference: bool) -> str:
+    """The validator's verdict; ``reference``: one ancestor search per receiver and a scan of
+    every launch for the competing need, as before the bitsets and the need groups."""
     from overlap_lab.shared import validate as v
     from overlap_lab.shared.program import ParseError, parse
 
-    old = v.MAX_BITSET_NODES
-    v.MAX_BITSET_NODES = bitset_nodes
+    old = v.MAX_BITSET_NODES, v._largest_need
+    if reference:
+        v.MAX_BITSET_NODES, v._largest_need = 0, _every_need
     try:
         v.validate(parse(text), get_gpu("h800").num_sms)
     except (ParseError, v.ProgramError, ConfigError) as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        v.MAX_BITSET_NODES = old
+        v.MAX_BITSET_NODES, v._largest_need = old
     return "ok"
 
 
 @fuzz_settings(80)
 @given(mutated())
 def test_starvation_bitsets_give_the_searches_verdicts(text):
-    """The per-rank ancestor bitsets of the starvation check against one search per receiver."""
-    assert _verdict(text, MAX_BITSET_NODES) == _verdict(text, 0)
+    """The starvation check's per-rank ancestor bitsets and need groups against the searches."""
+    assert _verdict(text, False) == _verdict(text, True)
 
 
 def test_starvation_bitsets_on_sbo_programs():
@@ -103,4 +118,4 @@ def test_starvation_bitsets_on_sbo_programs():
         for ep in (8, 64):
             w = Workload(get_model("deepseek-v3"), Batch.decode(32, kv_len=4096), Parallel(ep=ep))
             text = str(build(name, w, gpu))
-            assert _verdict(text, MAX_BITSET_NODES) == _verdict(text, 0)
+            assert _verdict(text, False) == _verdict(text, True)
