@@ -13,6 +13,7 @@ still reports a stall (and a run past its event budget) as a clear error rather 
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
@@ -129,7 +130,27 @@ def validate(program: Program, num_sms: int | None = None) -> None:
 
     ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
     receiving op starving a same-rank send of SMs.
+
+    A Program found sound is remembered by identity (with ``num_sms``) while it lives: Programs
+    and everything in them are frozen, so the verdict cannot go stale, and a Program validated
+    by its builder and again by the simulator is walked once.
     """
+    key = (id(program), num_sms)
+    ref = _SOUND.get(key)
+    if ref is not None and ref() is program:
+        return
+    _validate(program, num_sms)
+    try:
+        _SOUND[key] = weakref.ref(program, lambda _r, k=key: _SOUND.pop(k, None))
+    except TypeError:  # not weakly referenceable (a Program subclass with slots): not cached
+        pass
+
+
+#: (id(program), num_sms) -> a weak reference to a Program ``validate`` found sound
+_SOUND: dict[tuple[int, int | None], weakref.ref] = {}
+
+
+def _validate(program: Program, num_sms: int | None) -> None:
     _check_program(program)
     orders = {rp.rank: issue_order(rp) for rp in program.ranks}
     sends: dict[str, list[int]] = defaultdict(list)  # key -> ranks issuing it

@@ -119,3 +119,34 @@ def test_starvation_bitsets_on_sbo_programs():
             w = Workload(get_model("deepseek-v3"), Batch.decode(32, kv_len=4096), Parallel(ep=ep))
             text = str(build(name, w, gpu))
             assert _verdict(text, False) == _verdict(text, True)
+
+
+def test_a_sound_program_is_validated_once_while_it_lives(monkeypatch):
+    import gc
+
+    from overlap_lab.shared import validate as v
+    from overlap_lab.shared.schedules import build
+
+    w = _workload()
+    program = build("tbo", w, get_gpu("h800"))
+    walks = []
+    real = v._validate
+    monkeypatch.setattr(v, "_validate", lambda p, n: walks.append(n) or real(p, n))
+    v.validate(program, 132)
+    v.validate(program, 132)
+    v.validate(program, 200)  # another GPU: walked again
+    assert walks == [132, 200]
+    key = (id(program), 132)
+    assert key in v._SOUND
+    del program
+    gc.collect()
+    assert key not in v._SOUND
+    # an unsound Program is walked (and refused) every time
+    bad = build("tbo", w, get_gpu("h800"))
+    bad = dataclasses.replace(bad, world=0)
+    for _ in range(2):
+        try:
+            v.validate(bad, 132)
+        except v.ProgramError:
+            pass
+    assert walks[-2:] == [132, 132]
