@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from overlap_lab.shared.routing import Matrices, rank_hit_prob
+from overlap_lab.shared.ops import expected_bytes
+from overlap_lab.shared.routing import Matrices
 from overlap_lab.shared.topology import Topology
 
 LINKS = ("nvlink", "rdma")
+__all__ = ["LINKS", "byte_matrices", "expected_bytes"]
 
 
 def byte_matrices(
@@ -57,19 +59,3 @@ def byte_matrices(
     if what == "combine":
         nvl, rdma = nvl.T, rdma.T
     return {"nvlink": nvl * per_copy, "rdma": rdma * per_copy}
-
-
-def expected_bytes(
-    tokens: float, ep: int, gpus_per_node: int, top_k: int, mode: str, per_copy: float
-) -> dict[str, float]:
-    """What one rank sends under balanced routing (the symmetric program's flows): "local"
-    (itself, no flow), "nvlink" and "rdma". Equal to a row sum of ``byte_matrices`` for the
-    balanced expectation, so explicit balanced ranks reproduce the symmetric step."""
-    g = min(ep, gpus_per_node)
-    nodes = -(-ep // g)
-    per_rank = top_k / ep if mode == "low_latency" else rank_hit_prob(ep, top_k)
-    unit = tokens * per_rank * per_copy
-    if mode == "low_latency" or nodes == 1:
-        return {"local": unit, "nvlink": unit * (g - 1), "rdma": unit * (ep - g)}
-    node_unit = tokens * rank_hit_prob(nodes, top_k) * per_copy
-    return {"local": unit, "nvlink": unit * (g - 1) * nodes, "rdma": node_unit * (nodes - 1)}

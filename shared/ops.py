@@ -321,17 +321,33 @@ def ll_num_sms(num_experts: int, num_device_sms: int) -> int:
     return math.ceil(num_experts / groups)
 
 
+def expected_bytes(
+    tokens: float, ep: int, gpus_per_node: int, top_k: int, mode: str, per_copy: float
+) -> dict[str, float]:
+    """What one rank sends under balanced routing (the symmetric program's flows): "local"
+    (itself, no flow), "nvlink" and "rdma". Equal to a row sum of ``shared.deepep.byte_matrices``
+    for the balanced expectation, so explicit balanced ranks reproduce the symmetric step. It
+    lives here, not in ``shared.deepep``, so building a Program imports neither numpy nor the
+    routing sampler."""
+    g = min(ep, gpus_per_node)
+    nodes = -(-ep // g)
+    per_rank = top_k / ep if mode == "low_latency" else rank_hit_prob(ep, top_k)
+    unit = tokens * per_rank * per_copy
+    if mode == "low_latency" or nodes == 1:
+        return {"local": unit, "nvlink": unit * (g - 1), "rdma": unit * (ep - g)}
+    node_unit = tokens * rank_hit_prob(nodes, top_k) * per_copy
+    return {"local": unit, "nvlink": unit * (g - 1) * nodes, "rdma": node_unit * (nodes - 1)}
+
+
 def traffic(w: Workload, rows: int, per_copy: float, dedup: bool) -> dict[str, float]:
     """Bytes this rank sends for ``rows`` tokens under balanced routing, split into "local"
-    (itself, no flow), "nvlink" and "rdma" (``shared.deepep.expected_bytes``).
+    (itself, no flow), "nvlink" and "rdma" (``expected_bytes``).
 
     low-latency (no dedup): one copy per (token, expert): k/R copies per token per rank, peers of
     the node over NVLink, other nodes over RDMA. normal (dedup): one copy per (token, destination
     rank) inside a node; across nodes one RDMA copy per (token, destination node) to the same-rail
     GPU there, which forwards it over NVLink to the GPUs of its node that need it.
     """
-    from overlap_lab.shared.deepep import expected_bytes
-
     p = w.parallel
     mode = "normal" if dedup else "low_latency"
     return expected_bytes(rows, p.ep, p.gpus_per_node, w.model.top_k, mode, per_copy)
@@ -476,21 +492,54 @@ def layer_ops(
     step: int | None = None,
 ) -> dict[str, Op]:
     """The ops of one layer for one micro-batch, keyed (and ordered) as MOE_OP_NAMES or, for the
-    first dense layers, DENSE_OP_NAMES. ``deepep_mode`` "auto" resolves as SGLang does."""
+    first dense layers, DENSE_OP_NAMES. ``deepep_mode`` "auto" resolves as SGLang does.
+
+    The ops of two MoE (or two dense) layers differ only in their ``layer`` field and their
+    collectives' keys, so the work is computed once per (workload, GPU, micro-batch, mode, step)
+    (``_layer_template``) and only those two are stamped per layer."""
     mode = _resolve_mode(w, deepep_mode)
     _check_mb(w, mb)
-    mk = _Maker(layer, mb, step)
+    template = _layer_template(w, gpu, mb, mode, w.model.is_moe_layer(layer), step)
+    prefix = f"s{step}.L{layer}.mb{mb.index}."
+    out = {}
+    for name, kw, coll in template:
+        if coll is None:
+            out[name] = Op(layer=layer, **kw)
+        else:
+            what, role, flows = coll
+            out[name] = Op(layer=layer, coll=Coll(prefix + what, role, flows), **kw)
+    return out
+
+
+_STAMPED = ("layer", "coll")
+_OP_FIELDS = tuple(f for f in Op.__dataclass_fields__ if f not in _STAMPED)
+
+
+@lru_cache(maxsize=512)
+def _layer_template(
+    w: Workload, gpu: GPU, mb: MicroBatch, mode: str, moe: bool, step: int | None
+) -> tuple[tuple[str, dict, tuple[str, str, tuple[Flow, ...]] | None], ...]:
+    """One layer's ops as (key, Op fields but ``layer`` and ``coll``, (what, role, flows) of the
+    collective or None): what ``layer_ops`` stamps per layer. Built with a layer-less maker,
+    so the collective's key ends in ``.{what}`` after the layer part, which is replaced."""
+    mk = _Maker(None, mb, step)
     ops = _attention_ops(w, mb, mk)
-    if w.model.is_moe_layer(layer):
+    if moe:
         ops.update(_moe_ops(w, gpu, mb, mk, mode))
-        return ops
-    m, rows = w.model, moe_tokens(w, mb)
-    ops["comm_prepare_mlp"] = mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True))
-    # Dense MLP computed whole on each rank (SGLang's moe_dense_tp_size=1 under DP attention).
-    dense = mlp(rows, m.hidden, m.dense_inter, DTYPE_BYTES[m.gemm_dtype])
-    ops["mlp"] = mk("mlp", dense, dtype=m.gemm_dtype, op_class="gemm")
-    ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
-    return ops
+    else:
+        m, rows = w.model, moe_tokens(w, mb)
+        ops["comm_prepare_mlp"] = mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True))
+        # Dense MLP computed whole on each rank (SGLang's moe_dense_tp_size=1 under DP attention).
+        dense = mlp(rows, m.hidden, m.dense_inter, DTYPE_BYTES[m.gemm_dtype])
+        ops["mlp"] = mk("mlp", dense, dtype=m.gemm_dtype, op_class="gemm")
+        ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
+    lead = mk.key("")
+    out = []
+    for name, op in ops.items():
+        kw = {f: getattr(op, f) for f in _OP_FIELDS}
+        c = op.coll
+        out.append((name, kw, None if c is None else (c.key[len(lead) :], c.role, c.flows)))
+    return tuple(out)
 
 
 def head_ops(w: Workload, gpu: GPU, mb: MicroBatch, step: int | None = None) -> dict[str, Op]:

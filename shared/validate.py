@@ -13,6 +13,8 @@ still reports a stall (and a run past its event budget) as a clear error rather 
 
 from __future__ import annotations
 
+import weakref
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -128,7 +130,27 @@ def validate(program: Program, num_sms: int | None = None) -> None:
 
     ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
     receiving op starving a same-rank send of SMs.
+
+    A Program found sound is remembered by identity (with ``num_sms``) while it lives: Programs
+    and everything in them are frozen, so the verdict cannot go stale, and a Program validated
+    by its builder and again by the simulator is walked once.
     """
+    key = (id(program), num_sms)
+    ref = _SOUND.get(key)
+    if ref is not None and ref() is program:
+        return
+    _validate(program, num_sms)
+    try:
+        _SOUND[key] = weakref.ref(program, lambda _r, k=key: _SOUND.pop(k, None))
+    except TypeError:  # not weakly referenceable (a Program subclass with slots): not cached
+        pass
+
+
+#: (id(program), num_sms) -> a weak reference to a Program ``validate`` found sound
+_SOUND: dict[tuple[int, int | None], weakref.ref] = {}
+
+
+def _validate(program: Program, num_sms: int | None) -> None:
     _check_program(program)
     orders = {rp.rank: issue_order(rp) for rp in program.ranks}
     sends: dict[str, list[int]] = defaultdict(list)  # key -> ranks issuing it
@@ -425,11 +447,18 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
     receiver (those started before the hold began). ``pos`` is a topological order of the
     nodes: it bounds every search for ancestors."""
     pred: list[list[int]] | None = None
-    ancestors: dict[int, set[int]] = {}
+    ancestors: dict[int, set[int] | _RankAncestors] = {}
+    by_rank: dict[int, tuple[dict[int, int], dict[int, int]] | None] = {}
 
-    def anc_of(b: int, rank: int) -> set[int]:
+    def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
         if b not in ancestors:
-            ancestors[b] = _ancestors(b, pred, info, rank)
+            if rank not in by_rank:
+                by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+            bits = by_rank[rank]
+            if bits is None:  # too many nodes for bitsets: one search per receiver
+                ancestors[b] = _ancestors(b, pred, info, rank)
+            else:
+                ancestors[b] = _RankAncestors(bits, b)
         return ancestors[b]
 
     risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
@@ -456,22 +485,26 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
                     continue
             risks.append((rank, stream, hold, start, op, sender))
             break
+    by_need: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
     widest: dict[tuple[int, str], int] = {}
     for rank, stream, hold, *_ in risks:
         widest[(rank, stream)] = max(widest.get((rank, stream), 0), hold)
     for rank, stream, hold, start, op, sender in risks:
         others = sum(h for (r, s), h in widest.items() if r == rank and s != stream)
         started = anc_of(start, rank)
-        need, needer = max(
-            (
-                (_need(o, num_sms), o.name)
-                for p, o in launches[rank]
-                if p <= sender and p[1] not in started and p[1] != start
-            ),
-            default=(0, ""),
-        )
+        if rank not in by_need:
+            by_need[rank] = _launches_by_need(launches[rank], num_sms)
+        need = _largest_need(by_need[rank], sender, started, start)
         held = hold + others
         if held + need > num_sms:
+            need, needer = max(
+                (
+                    (_need(o, num_sms), o.name)
+                    for p, o in launches[rank]
+                    if p <= sender and p[1] not in started and p[1] != start
+                ),
+                default=(0, ""),
+            )
             it, rp, k = info[start]
             raise ProgramError(
                 _where(
@@ -484,6 +517,28 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
                     k,
                 )
             )
+
+
+def _launches_by_need(launches, num_sms: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """A rank's launches grouped by the SMs each needs to start, largest first, each group's
+    precedences sorted (for ``_largest_need``)."""
+    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for p, o in launches:
+        groups[_need(o, num_sms)].append(p)
+    return [(n, sorted(groups[n])) for n in sorted(groups, reverse=True)]
+
+
+def _largest_need(by_need, sender: tuple[int, int], started, start: int) -> int:
+    """The most SMs a launch served before ``sender`` (precedence <= it), not ordered before the
+    receiver ``start`` (not in ``started``) and not the receiver itself needs: 0 if none. Each
+    group is searched from its last launch before the sender back, as the launches nearest the
+    sender are the ones least likely to be ordered before the receiver."""
+    for need, ps in by_need:
+        for k in range(bisect_right(ps, sender) - 1, -1, -1):
+            node = ps[k][1]
+            if node != start and node not in started:
+                return need
+    return 0
 
 
 def _ready_by(node: int, anc: set[int], pred, info) -> bool:
@@ -508,6 +563,46 @@ def _precedence(info, node: int) -> tuple[int, int]:
     it, rp, k = info[node]
     ins = it.instr if k is None else it.instr.body[k]
     return (rp.priority(ins.stream), node)
+
+
+#: Nodes of one rank up to which ``_check_starvation`` keeps every node's ancestors as a bitset
+#: (about n^2/16 bytes); beyond it each receiver's ancestors are searched for alone.
+MAX_BITSET_NODES = 20_000
+
+
+def _rank_ancestor_bits(rank: int, pred, info, pos) -> tuple[dict[int, int], dict[int, int]] | None:
+    """For every node of ``rank``: the bitset of its ancestors through that rank's own nodes (the
+    sets ``_ancestors`` finds), bit ``i`` standing for the rank's ``i``-th node in the
+    topological order ``pos``, so one pass in that order builds them all: (node -> bit, node ->
+    bitset), or None above MAX_BITSET_NODES."""
+    nodes = [n for n, (_it, rp, _k) in enumerate(info) if rp.rank == rank]
+    if len(nodes) > MAX_BITSET_NODES:
+        return None
+    nodes.sort(key=pos.__getitem__)
+    local = {n: i for i, n in enumerate(nodes)}
+    bits: dict[int, int] = {}
+    for n in nodes:
+        b = 0
+        for p in pred[n]:
+            i = local.get(p)
+            if i is not None:
+                b |= bits[p] | (1 << i)
+        bits[n] = b
+    return local, bits
+
+
+class _RankAncestors:
+    """The ancestors of one node as ``_ancestors`` returns them (``in`` only), read from the
+    rank's bitsets."""
+
+    __slots__ = ("_local", "_bits")
+
+    def __init__(self, table, b: int):
+        self._local, self._bits = table[0], table[1][b]
+
+    def __contains__(self, q: int) -> bool:
+        i = self._local.get(q)
+        return i is not None and (self._bits >> i) & 1 == 1
 
 
 def _ancestors(b: int, pred, info, rank: int) -> set[int]:
