@@ -278,7 +278,9 @@ class LayerRouting:
         if not self.sampled:
             return None
         if self._topk is None:
-            self._topk = self._draw()
+            self._topk, load = self._draw()
+            if self._load is None and load is not None:
+                self._load = load.astype(float)
             if self._load is None:  # by chunks: bincount widens the ids to intp (8x)
                 e = self.cfg.num_experts
                 load = np.zeros(e, dtype=np.int64)
@@ -294,15 +296,16 @@ class LayerRouting:
         range is asked for)."""
         self._topk = None
 
-    def _draw(self) -> np.ndarray:
+    def _draw(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Top-k ids of every token: a table row per token (``file`` ids) or the race sampler
-        (:class:`_Race`), block by block of :data:`BLOCK` tokens with one seeded generator."""
+        (:class:`_Race`), block by block of :data:`BLOCK` tokens with one seeded generator; and
+        the expert load where the compiled sampler counted it (None: count the ids)."""
         cfg = self.cfg
         n, k, e = sum(self.dp_tokens), cfg.top_k, cfg.num_experts
         ids = np.uint8 if e <= 256 else np.int16 if e <= 32768 else np.int32
         if cfg.imbalance.kind == "file" and self.sample is not None and self.sample.topk_ids:
             table = np.asarray(self.sample.topk_ids, dtype=ids)
-            return table[np.arange(n) % len(table)]
+            return table[np.arange(n) % len(table)], None
         rng = self._rng()
         grouped = cfg.group_limited and cfg.n_group > 1
         race = _Race(
@@ -312,9 +315,15 @@ class LayerRouting:
             k,
         )
         topk = np.empty((n, k), dtype=ids)
+        compiled = _compiled_race_loop() is not None
+        load = np.zeros(e, dtype=np.int64) if compiled else None
         for lo in range(0, n, BLOCK):
-            topk[lo : lo + BLOCK] = race.draw(rng, min(BLOCK, n - lo)).T
-        return topk
+            rows = topk[lo : lo + BLOCK]
+            if compiled:  # the loop writes the rows and counts the load itself
+                race.draw(rng, len(rows), into=rows, load=load)
+            else:
+                rows[:] = race.draw(rng, len(rows)).T
+        return topk, load
 
     def _popularity(self, rng: np.random.Generator) -> np.ndarray:
         cfg, e = self.cfg, self.cfg.num_experts
@@ -510,7 +519,9 @@ class _Race:
             out[todo] = first[:, 0] + np.minimum(j, last)
         return out
 
-    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    def draw(
+        self, rng: np.random.Generator, n: int, into: np.ndarray | None = None, load=None
+    ) -> np.ndarray:
         """The top-k ids of n tokens, (k, n), each token's in key order (smallest first).
 
         The random numbers are drawn first, in fixed shapes (per token: two exponentials and a
@@ -519,11 +530,15 @@ class _Race:
         installed) and the numpy code below consume the same numbers the same way: bit-identical
         ids with or without numba. They are drawn into buffers kept from block to block (fresh
         arrays of this size are fresh pages, whose faults cost more than the loop); the ids may
-        be one of them too: valid until the next draw."""
+        be one of them too: valid until the next draw.
+
+        ``into`` (n, k) and ``load`` (per expert), when given, are where the compiled loop writes
+        the ids (row per token: the caller's table, no transposed copy) and counts the experts
+        taken; the return value is then ``into.T`` and, without numba, neither is touched."""
         G, k = self.n_group, self.k
         if self._buf is None or self._buf[0].shape[2] != n:
             shapes = ((2, G, n), (G, n), (k + self.SPARE, n), (k - 1, n))
-            self._buf = tuple(np.empty(s) for s in shapes) + (np.empty((k, n), dtype=np.intp),)
+            self._buf = tuple(np.empty(s) for s in shapes) + (np.empty((n, k), dtype=np.intp),)
         e, u1, u2, e2, out = self._buf
         rng.standard_exponential(out=e)
         rng.random(out=u1)
@@ -532,9 +547,11 @@ class _Race:
         loop = _compiled_race_loop()
         if loop is None:
             return self._merge(e, u1, u2, e2)
+        out = out if into is None else into
+        load = np.zeros(len(self.p), dtype=np.int64) if load is None else load
         loop(e, u1, u2, e2, self.p, self.mass, self.heavy, self.prob, self.alias,
-             self.topk_group, k, self.size, self.depth, self.TRIES, out)  # fmt: skip
-        return out
+             self.topk_group, k, self.size, self.depth, self.TRIES, out, load)  # fmt: skip
+        return out.T
 
     def _merge(self, e, u1, u2, e2) -> np.ndarray:
         """:meth:`draw` in numpy, vectorised over the block's tokens."""
@@ -586,9 +603,10 @@ class _Race:
         return out
 
 
-def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, tries, out):
+def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, tries, out, load):
     """:meth:`_Race._merge` as one loop over tokens (compiled by numba): the same float
-    operations on the same random numbers, so the same ids."""  # pragma: no cover - compiled
+    operations on the same random numbers, so the same ids, written as out[token, s] (the ids
+    table's own layout) and counted in ``load`` (per expert)."""  # pragma: no cover - compiled
     G, n, m = len(mass), e.shape[2], u2.shape[0]
     first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
     score, kept, rank = np.empty(G), np.empty(G, np.int64), np.empty(G, np.int64)
@@ -665,8 +683,9 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
                             break
                     h = g * size + min(j, last)
                 ms[jb] -= p[h]
-            out[s, i] = h
+            out[i, s] = h
             taken[h] = True
+            load[h] += 1
             if s == k - 1:
                 break
             nxt = tn[jb]
@@ -679,7 +698,7 @@ def _race_loop(e, u1, u2, e2, p, mass, heavy, prob, alias, kg, k, size, depth, t
                     nxt = np.inf
             t[jb], tn[jb], hid[jb] = nxt, np.nan, -1
         for s in range(k):
-            taken[out[s, i]] = False
+            taken[out[i, s]] = False
 
 
 def _count_loop(topk, a, b, rank_of, node_of, copies, tokens, node_tokens, load):

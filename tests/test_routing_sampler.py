@@ -250,3 +250,22 @@ def test_compiled_counts_are_the_numpy_counts(monkeypatch):
     for a, b in zip(got[False], got[None]):
         for field in ("copies", "tokens", "node_tokens", "active"):
             assert (getattr(a, field) == getattr(b, field)).all(), field
+
+
+def test_compiled_draw_into_the_table_gives_the_numpy_ids_and_load(monkeypatch):
+    """With numba a layer's ids are written by the loop straight into its table and its expert
+    load counted there (``_Race.draw(into=, load=)``); without, the numpy ids are copied in and
+    counted by bincount: the same table and load, over several blocks (the last one short)."""
+    pytest.importorskip("numba")
+    monkeypatch.setattr(routing_mod, "BLOCK", 1000)
+    cfg = _v3_cfg(seed=5, ep=8, gpus_per_node=8)
+    dp = (700, 650, 512, 700, 333, 700, 1, 700)
+    got = {}
+    for compiled in (False, None):
+        monkeypatch.setattr(routing_mod, "_compiled", compiled)
+        lr = LayerRouting(cfg, dp, layer=4)
+        got[compiled] = (lr.topk.copy(), lr.expert_load.copy())
+    assert routing_mod._compiled
+    assert got[None][0].dtype == np.uint8 and (got[None][0] == got[False][0]).all()
+    assert (got[None][1] == got[False][1]).all()
+    assert got[None][1].sum() == sum(dp) * cfg.top_k
