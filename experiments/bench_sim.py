@@ -6,11 +6,14 @@
 Each case runs in its own subprocess (so its peak memory, ``ru_maxrss``, is its own): it builds the
 Program and lowers it to explicit ranks where asked (``build_*``), then simulates it ``repeats``
 times (``sim_*``: the SimPy event loop) and post-processes the trace as ``overlap-lab sim --json``
-does (``post_*``: the ``sim --json`` result (``Result.as_dict``) and the Chrome export). Times are medians, in CPU time
-(``time.process_time``, robust to a shared machine) and wall time; ``total_cpu_ms`` is
-build + sim + post. ``events`` counts the SimPy events one simulation processes and
-``events_per_op`` divides them by the Program's ops (all ranks); ``raw_simpy`` is a bare
-``env.timeout`` loop measured in the same run, the ceiling for events per CPU-second.
+does (``post_*``: the ``sim --json`` result (``Result.as_dict``) and the Chrome export). Times
+are medians, in CPU time (``time.process_time``, robust to a shared machine) and wall time;
+``total_cpu_ms`` is build + sim + post. ``events`` counts the SimPy events one simulation
+processes and ``events_per_op`` divides them by the Program's ops (all ranks); ``pass_rounds``
+counts the block scheduler's rounds of passes, which run between events with no SimPy event of
+their own (``sim.budget``), and ``budget_events_per_op`` counts them as events, as the budget
+does. ``raw_simpy`` is a bare ``env.timeout`` loop measured in the same run, the ceiling for
+events per CPU-second.
 ``*_reduced`` runs a balanced explicit case as ``overlap-lab sim`` now does: its ranks are
 detected alike and simulated once (``shared.symmetry``; build: + detection and the quotient's
 validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
@@ -92,15 +95,26 @@ NET_GROUP_TOL = 0.02
 
 
 def _count_events(env: simpy.Environment) -> list[int]:
-    """Wrap env.step to count processed events."""
-    count = [0]
+    """Wrap env.step to count processed events ([0]) and the block scheduler's rounds of passes
+    that ``sim.budget.run_budgeted`` runs between events, with no SimPy event of their own ([1];
+    the budget counts each as one event)."""
+    from overlap_lab.sim.resources import timers
+
+    count = [0, 0]
     step = env.step
+    t = timers(env)
+    passes = t.run_passes
 
     def counting_step():
         count[0] += 1
         step()
 
+    def counting_passes():
+        count[1] += 1
+        passes()
+
     env.step = counting_step
+    t.run_passes = counting_passes
     return count
 
 
@@ -167,7 +181,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
         if red is not None:
             trace = expand_trace(trace, red)
         sims.append(_since(t))
-        events = counter[0]
+        events, rounds = counter
         t = _clock()
         metrics = measure(trace, lowered, w, gpu.num_sms)
         Result(schedule, w, gpu, ScheduleConfig(), lowered, trace, metrics).as_dict()
@@ -194,6 +208,8 @@ def run_case(name: str, repeats: int | None = None) -> dict:
         "events": events,
         "ops": ops,
         "events_per_op": round(events / ops, 2),
+        "pass_rounds": rounds,
+        "budget_events_per_op": round((events + rounds) / ops, 2),
         "events_per_cpu_s": round(events / sim_cpu) if sim_cpu > 0 else None,
         "repeats": reps,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
