@@ -443,6 +443,8 @@ def _load_profile(spec: str, gpu_name: str):
 
 def _lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
     """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
+    if r.mode == "symmetric" and r.imbalance == "balanced" and r.dp_imbalance == 0:
+        return program  # the common case needs no routing module (a symmetric run draws none)
     from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for
 
     imb = parse_imbalance(r.imbalance)
