@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -267,33 +266,17 @@ class Result:
         """``profile`` and ``cost_sources`` (``sim.calibrate.add_provenance``'s keys); a reduced
         run's ranks hold rank 0's ops (only flow destinations differ, which no duration source
         reads): rank 0's counts times the ranks."""
-        from overlap_lab.sim.calibrate import profile_name
+        from overlap_lab.sim.calibrate import cost_sources, profile_name
 
         p = self.program
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
-        out["cost_sources"] = _cost_sources(one, self.gpu, self.profile)
+        out["cost_sources"] = cost_sources(one, self.gpu, self.profile)
         if one is not p:
             n = len(p.ranks)
             out["cost_sources"] = {
                 c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
             }
-
-
-def _cost_sources(program: Program, gpu: GPU, profile: Any) -> dict[str, dict[str, int]]:
-    """``sim.calibrate.cost_sources`` (per op class, how many launched ops take their duration
-    from each source), each distinct op object's source looked up once: explicit ranks share
-    most of their ops (``shared.ranks``), and a lookup is a profile search."""
-    from overlap_lab.sim.cost import duration_source
-
-    every = [op for _, op in ops_of(program)]  # holds every op while their ids are keys
-    launches = Counter(map(id, every))
-    ops = dict(zip(map(id, every), every))
-    counts: dict[str, Counter] = defaultdict(Counter)
-    for key, n in launches.items():
-        op = ops[key]
-        counts[op.op_class][duration_source(op, gpu, profile)] += n
-    return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
 
 
 def _one_of_alike(program: Program, trace: Trace) -> Program:

@@ -204,12 +204,17 @@ def profile_name(profile: Profile | None) -> str:
 
 def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
     """Per op class, how many launched ops take their duration from the profile, the roofline
-    or the link model (communication kernels and copies)."""
+    or the link model (communication kernels and copies). Each distinct op object's source is
+    looked up once: explicit ranks share most of their ops (``shared.ranks``), and a lookup is a
+    profile search."""
     from overlap_lab.sim.cost import duration_source
 
+    every = [op for _, op in ops_of(program)]  # holds every op while their ids are keys
+    ops = {id(op): op for op in every}
     counts: dict[str, Counter] = {}
-    for _, op in ops_of(program):
-        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += 1
+    for key, n in Counter(map(id, every)).items():
+        op = ops[key]
+        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += n
     return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
 
 

@@ -40,8 +40,9 @@ _EPS = 1e-9
 #: Bytes below which a flow counts as delivered (float round-off of rate * time).
 _BYTE_EPS = 1e-3
 _TIME_EPS = 1e-7
-#: Re-rates of one Network after which the compiled progressive filling (numba, when installed)
-#: takes over: below it, importing and loading the compiled function costs more than it saves.
+#: Re-rates of one Network after which the compiled progressive filling and per-change step loops
+#: (numba, when installed) take over: below it, loading the compiled functions costs more than
+#: they save.
 _COMPILED_AFTER = 500
 
 
