@@ -3,8 +3,8 @@
 Each compiled loop is the same algorithm, operation for operation, as numpy code kept beside it,
 and tests hold the two to bit-identical results, so whether numba is installed changes speed only.
 Helpers shared by both (:func:`inline`) are plain numpy code on arrays and compiled into the loops
-on scalars; :func:`bit_length` is the one whose compiled form differs (an instruction, not a
-float conversion), with the same result.
+on scalars; :func:`as_float` and :func:`as_bits` are the ones whose compiled form differs (an LLVM
+bit cast where numpy takes a view), with the same result.
 """
 
 from __future__ import annotations
@@ -27,34 +27,47 @@ def njit(fn: Callable, **options) -> Callable | None:
         return numba.njit(**options)(fn)
 
 
-def bit_length(a):
-    """Bits of the integers 0 < a < 2**53 (uint64): frexp's exponent of a as a float, exact
-    there. Compiled (after :func:`inline`): 64 minus its leading zeros, one instruction where
-    numba's frexp is a library call several times the cost of the rest of a random number."""
-    return np.frexp(np.float64(a))[1]
+def as_float(x):
+    """The float64s whose IEEE bits are the uint64s ``x`` (a view in numpy; compiled, after
+    :func:`inline`, a bit cast that vectorises where numba's frexp is a library call)."""
+    return np.asarray(x, dtype=np.uint64).view(np.float64)
+
+
+def as_bits(x):
+    """The IEEE bits of the float64s ``x``, as uint64 (:func:`as_float`'s inverse)."""
+    return np.asarray(x, dtype=np.float64).view(np.uint64)
 
 
 _inlined: set = set()
 
 
 def inline(*fns: Callable) -> bool:
-    """Make ``fns`` (and :func:`bit_length`) callable from compiled loops, where they are
-    compiled on scalars and inlined; False (nothing done) without numba. Call it before the
-    loops that use them are compiled."""
+    """Make ``fns`` (and :func:`as_float`, :func:`as_bits`) callable from compiled loops, where
+    they are compiled on scalars and inlined; False (nothing done) without numba. Call it before
+    the loops that use them are compiled."""
     try:
-        from numba.cpython.unsafe.numbers import leading_zeros
-        from numba.extending import overload, register_jitable
+        from llvmlite import ir
+        from numba import types
+        from numba.extending import intrinsic, overload, register_jitable
     except ImportError:
         return False
-    if bit_length not in _inlined:
-
-        @overload(bit_length)
-        def _bit_length(a):
-            return lambda a: np.int64(64) - np.int64(leading_zeros(a))
-
-        _inlined.add(bit_length)
+    if not _inlined:
+        for fn, to, ir_to in ((as_float, types.float64, ir.DoubleType()),
+                              (as_bits, types.uint64, ir.IntType(64))):  # fmt: skip
+            overload(fn)(_bitcast_overload(intrinsic, to, ir_to))
+        _inlined.update((as_float, as_bits))
     for fn in fns:
         if fn not in _inlined:
             register_jitable(fn)
             _inlined.add(fn)
     return True
+
+
+def _bitcast_overload(intrinsic, to, ir_to):
+    """numba's implementation of :func:`as_float` / :func:`as_bits`: an LLVM bitcast to ``to``."""
+
+    @intrinsic
+    def bitcast(typingctx, x):
+        return to(x), lambda context, builder, sig, args: builder.bitcast(args[0], ir_to)
+
+    return lambda x: lambda x: bitcast(x)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.jit import bit_length, inline, njit
+from overlap_lab.shared.jit import as_bits, as_float, inline, njit
 from overlap_lab.shared.topology import Topology
 
 
@@ -422,7 +422,8 @@ _LG = (6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e
        2.222219843214978396e-01, 1.818357216161805012e-01, 1.531383769920937332e-01,
        1.479819860511658591e-01)  # fmt: skip
 _LG1, _LG2, _LG3, _LG4, _LG5, _LG6, _LG7 = _LG
-_M_SQRT_HALF = np.uint64(6369051672525773)  # ceil(sqrt(1/2) 2^53): integers compare cheaper
+_S52, _MANTISSA, _EXP_ONE = np.uint64(52), np.uint64(2**52 - 1), np.uint64(1023 << 52)
+_SQRT2_BITS = np.uint64(0x3FF6A09E667F3BCD)  # sqrt(2) rounded to nearest (below it)
 
 
 def _bits(key, ctr):
@@ -442,15 +443,15 @@ def _uniform(z):
 
 def _exponential(z):
     """An Exp(1) from the bits z: -ln U, U = a / 2^52 in (0, 1] (a from the top 52 bits), by
-    fdlibm's log written in IEEE basic operations (no library log, no FMA: numba contracts
-    nothing without fastmath), so numpy and the compiled loop give the same bits. Its largest
-    value is 52 ln 2 = 36.04 (probability 2^-52 beyond), its error below 1 ulp."""
-    a = (z >> _S12) + _ONE
-    e = bit_length(a)
-    m = a << np.uint64(53 - e)  # a 2^(53 - e) in [2^52, 2^53): U = m 2^(e - 105)
-    low = np.uint64(m < _M_SQRT_HALF)  # to [sqrt(1/2), sqrt(2)): m doubled below sqrt(1/2) 2^53
-    f = np.float64(m << low) * 1.1102230246251565e-16  # exact: 53 significant bits
-    k = e - 52 - np.int64(low)  # U = f 2^k
+    fdlibm's log written in IEEE basic operations and bit casts (no library log, no FMA: numba
+    contracts nothing without fastmath), so numpy and the compiled loop give the same bits and
+    the loop vectorises. Its largest value is 52 ln 2 = 36.04 (probability 2^-52 beyond), its
+    error below 1 ulp."""
+    b = as_bits(np.float64((z >> _S12) + _ONE))  # exact: a <= 2^52
+    m = (b & _MANTISSA) | _EXP_ONE  # a's significand f in [1, 2) ...
+    high = np.uint64(m > _SQRT2_BITS)  # ... halved above sqrt(2) (to [sqrt(1/2), sqrt(2)))
+    f = as_float(m - (high << _S52))
+    k = np.float64(np.int64(b >> _S52) - 1075 + np.int64(high))  # U = f 2^k
     x = f - 1.0
     s = x / (2.0 + x)
     z2 = s * s
@@ -484,14 +485,15 @@ class _Race:
     far less).
 
     Random numbers. Token t's numbers are numbers t * stride + slot of a splitmix64 stream keyed
-    per layer (:func:`_bits`), computed only when used: slots 0..G-1 the groups' first arrival
-    exponentials, G..2G-1 their second, 2G..3G-1 their first experts' uniforms, then k - 1
-    exponentials for later arrival times and (k - 1)(TRIES + 1) uniforms for later experts.
-    Per token that is 2 exponentials and a uniform per group and, for the merge, about one
-    exponential and a uniform or two per later expert: ~35 numbers for DeepSeek-V3 where the
-    dense sampler drew one exponential per expert (256). Both the compiled loop and numpy compute
-    the same number for a (token, slot), so the ids are the same bits with or without numba and
-    do not depend on how the tokens are split into blocks.
+    per layer (:func:`_bits`): slots 0..G-1 the groups' first arrival exponentials, G..2G-1
+    their second, then k - 1 exponentials for later arrival times, G uniforms for the groups'
+    first experts and (k - 1)(TRIES + 1) uniforms for later experts, computed only when used
+    (the exponentials and first uniforms in bulk, a few tokens at a time, in loops that
+    vectorise). Per token that is 2 exponentials and a uniform per group and, for the merge,
+    about one exponential and a uniform or two per later expert: ~40 numbers for DeepSeek-V3
+    where the dense sampler drew one exponential per expert (256). Both the compiled loop and
+    numpy compute the same number for a (token, slot), so the ids are the same bits with or
+    without numba and do not depend on how the tokens are split into blocks.
 
     A categorical draw is one uniform through an alias table. Without replacement it draws from
     the table of the group without its r heaviest experts, r the number of them already taken in
@@ -513,9 +515,11 @@ class _Race:
                 f"routing: top-{top_k} needs {top_k} experts in the {topk_group} kept groups "
                 f"of {size}"
             )
-        # a token's slots (class docstring): 3 per group, k - 1 times, (k - 1)(TRIES + 1) picks
-        self.times_at = 3 * n_group
-        self.picks_at = self.times_at + top_k - 1
+        # a token's slots (class docstring): 2 exponentials per group, k - 1 later times, a
+        # uniform per group, (k - 1)(TRIES + 1) for later experts
+        self.times_at = 2 * n_group
+        self.firsts_at = self.times_at + top_k - 1
+        self.picks_at = self.firsts_at + n_group
         self.stride = self.picks_at + (top_k - 1) * (self.TRIES + 1)
         groups = self.p.reshape(n_group, size)
         self.mass = groups.sum(axis=1)
@@ -605,13 +609,16 @@ class _Race:
         base = np.arange(lo, hi, dtype=np.uint64) * np.uint64(self.stride)  # token's slot 0
         if len(self.seen) < len(self.p) * n:
             self.seen = np.zeros(len(self.p) * n, dtype=bool)
-        slot = np.arange(3 * G, dtype=np.uint64).reshape(3, G, 1)
-        z = _bits(key, base + slot)
+        slot = np.arange(G, dtype=np.uint64)[:, None]
         # every group's first two arrivals: t1 ~ Exp(P_g), its expert, t2 = t1 + Exp(rest)
-        first = self._pick(_uniform(z[2]), np.arange(G)[:, None])
-        t1 = _exponential(z[0]) / self.mass[:, None]
+        u1 = _uniform(_bits(key, base + np.uint64(self.firsts_at) + slot))
+        first = self._pick(u1, np.arange(G)[:, None])
+        t1 = _exponential(_bits(key, base + slot)) / self.mass[:, None]
         rest = self.mass[:, None] - self.p[first]  # > 0: every p_e > 0
-        t2 = t1 + _exponential(z[1]) / rest if size > 1 else np.full((G, n), np.inf)
+        if size > 1:
+            t2 = t1 + _exponential(_bits(key, base + np.uint64(G) + slot)) / rest
+        else:
+            t2 = np.full((G, n), np.inf)
         if kg < G:  # the kg groups of smallest score t1 * t2, in group order
             kept = _smallest_rows(t1 * t2, kg)
             gk = np.flatnonzero(kept.T.ravel()).reshape(n, kg).T % G
@@ -668,7 +675,9 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
     t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
     w, cum = np.empty(size), np.empty(size)
     taken = np.zeros(len(p), np.bool_)  # the current token's experts so far
-    times_at, picks_at = np.uint64(3 * G), np.uint64(3 * G + k - 1)
+    nexp, picks_at = 2 * G + k - 1, np.uint64(3 * G + k - 1)  # exponentials, then uniforms
+    CHUNK = 64
+    xs, us = np.empty((CHUNK, nexp)), np.empty((CHUNK, G))
 
     def pick(u, g, r):
         slots = size - r
@@ -680,14 +689,19 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
 
     for i in range(lo, hi):
         base = np.uint64(i) * np.uint64(stride)
+        row = (i - lo) % CHUNK
+        if row == 0:  # the next tokens' exponentials and first uniforms, in loops that vectorise
+            for cc in range(min(CHUNK, hi - i)):
+                at = base + np.uint64(cc * stride)
+                for x in range(nexp):
+                    xs[cc, x] = _exponential(_bits(key, at + np.uint64(x)))
+                for x in range(G):
+                    us[cc, x] = _uniform(_bits(key, at + np.uint64(nexp + x)))
         for g in range(G):
-            first[g] = pick(_uniform(_bits(key, base + np.uint64(2 * G + g))), g, 0)
-            t1[g] = _exponential(_bits(key, base + np.uint64(g))) / mass[g]
+            first[g] = pick(us[row, g], g, 0)
+            t1[g] = xs[row, g] / mass[g]
             rest[g] = mass[g] - p[first[g]]
-            if size > 1:
-                t2[g] = t1[g] + _exponential(_bits(key, base + np.uint64(G + g))) / rest[g]
-            else:
-                t2[g] = np.inf
+            t2[g] = t1[g] + xs[row, G + g] / rest[g] if size > 1 else np.inf
             score[g] = t1[g] * t2[g]
         # ranks of the (score, group) pairs as _smallest_rows, then the kept in group order,
         # without branches (kept has G slots: the ones past kg are scratch)
@@ -704,12 +718,12 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
         for j in range(kg):
             g = kept[j]
             t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
-        ptr, q = picks_at, times_at
+        ptr, q = picks_at, 2 * G
         for s in range(k):
-            jb = 0
+            jb, tb = 0, t[0]  # the first of the earliest heads, without branches
             for j in range(1, kg):
-                if t[j] < t[jb]:
-                    jb = j
+                b = t[j] < tb
+                jb, tb = (j if b else jb), min(t[j], tb)
             h = hid[jb]
             if h < 0:
                 g = kept[jb]
@@ -747,8 +761,8 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
                 break
             nxt = tn[jb]
             if np.isnan(nxt):
-                nxt = t[jb] + _exponential(_bits(key, base + q)) / ms[jb]
-                q += np.uint64(1)
+                nxt = t[jb] + xs[row, q] / ms[jb]
+                q += 1
             if size <= k:
                 cnt[jb] += 1
                 if cnt[jb] >= size:

@@ -274,8 +274,8 @@ def test_the_generator_s_uniforms_and_exponentials():
 
 
 def test_compiled_numbers_are_the_numpy_numbers():
-    """The generator compiled (scalars, ``bit_length`` by leading zeros) against numpy (arrays,
-    by frexp): the same bits, uniforms and exponentials, ends of the range included."""
+    """The generator compiled (scalars, bit casts by LLVM) against numpy (arrays, views): the
+    same bits, uniforms and exponentials, ends of the range included."""
     numba = pytest.importorskip("numba")
     from overlap_lab.shared.jit import inline
 
