@@ -670,7 +670,7 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
     out[token - lo, s] (the ids table's own layout) and counted in ``load`` (per expert)."""  # pragma: no cover - compiled
     G = len(mass)
     first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
-    score, kept, rank = np.empty(G), np.empty(G, np.int64), np.empty(G, np.int64)
+    score, kept = np.empty(G), np.empty(G, np.int64)
     cnt = np.empty(kg, np.int64)
     t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
     w, cum = np.empty(size), np.empty(size)
@@ -703,18 +703,15 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
             rest[g] = mass[g] - p[first[g]]
             t2[g] = t1[g] + xs[row, G + g] / rest[g] if size > 1 else np.inf
             score[g] = t1[g] * t2[g]
-        # ranks of the (score, group) pairs as _smallest_rows, then the kept in group order,
-        # without branches (kept has G slots: the ones past kg are scratch)
-        rank[:] = 0
-        for g in range(G):
-            for h in range(g + 1, G):
-                b = np.int64(score[h] < score[g])
-                rank[g] += b
-                rank[h] += 1 - b
+        # the kept groups in group order: rank < kg, ranks of the (score, group) pairs as
+        # _smallest_rows, without branches (kept has G slots: the ones past kg are scratch)
         c = 0
         for g in range(G):
+            rank = 0
+            for h in range(G):
+                rank += (score[h] < score[g]) | ((score[h] == score[g]) & (h < g))
             kept[c] = g
-            c += rank[g] < kg
+            c += rank < kg
         for j in range(kg):
             g = kept[j]
             t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
