@@ -424,6 +424,7 @@ _LG = (6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e
 _LG1, _LG2, _LG3, _LG4, _LG5, _LG6, _LG7 = _LG
 _S52, _MANTISSA, _EXP_ONE = np.uint64(52), np.uint64(2**52 - 1), np.uint64(1023 << 52)
 _SQRT2_BITS = np.uint64(0x3FF6A09E667F3BCD)  # sqrt(2) rounded to nearest (below it)
+_MAGIC = np.uint64(0x4330000000000000)  # 2^52: its low bits, an integer, read as a float
 
 
 def _bits(key, ctr):
@@ -442,16 +443,16 @@ def _uniform(z):
 
 
 def _exponential(z):
-    """An Exp(1) from the bits z: -ln U, U = a / 2^52 in (0, 1] (a from the top 52 bits), by
-    fdlibm's log written in IEEE basic operations and bit casts (no library log, no FMA: numba
-    contracts nothing without fastmath), so numpy and the compiled loop give the same bits and
-    the loop vectorises. Its largest value is 52 ln 2 = 36.04 (probability 2^-52 beyond), its
-    error below 1 ulp."""
-    b = as_bits(np.float64((z >> _S12) + _ONE))  # exact: a <= 2^52
-    m = (b & _MANTISSA) | _EXP_ONE  # a's significand f in [1, 2) ...
+    """An Exp(1) from the bits z: -ln U, U = 2 - V in (0, 1] with V in [1, 2) made of the top
+    52 bits, by fdlibm's log written in IEEE basic operations and bit casts (no library log, no
+    int-float conversion, no FMA: numba contracts nothing without fastmath), so numpy and the
+    compiled loop give the same bits and the loop vectorises. Its largest value is 52 ln 2 =
+    36.04 (probability 2^-52 beyond), its error below 1 ulp."""
+    b = as_bits(2.0 - as_float((z >> _S12) | _EXP_ONE))  # U, exact (a multiple of 2^-52)
+    m = (b & _MANTISSA) | _EXP_ONE  # U's significand f in [1, 2) ...
     high = np.uint64(m > _SQRT2_BITS)  # ... halved above sqrt(2) (to [sqrt(1/2), sqrt(2)))
     f = as_float(m - (high << _S52))
-    k = np.float64(np.int64(b >> _S52) - 1075 + np.int64(high))  # U = f 2^k
+    k = as_float(_MAGIC | ((b >> _S52) + high)) - 4503599627371519.0  # U = f 2^k: 2^52 + 1023
     x = f - 1.0
     s = x / (2.0 + x)
     z2 = s * s
@@ -665,19 +666,22 @@ class _Race:
 
 def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tries, stride, out,
                load):  # fmt: skip
-    """:meth:`_Race._merge` as one loop over tokens (compiled by numba): the same random numbers
-    (computed here, only those used) and float operations, so the same ids, written as
-    out[token - lo, s] (the ids table's own layout) and counted in ``load`` (per expert)."""  # pragma: no cover - compiled
-    G = len(mass)
-    first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
-    score, kept = np.empty(G), np.empty(G, np.int64)
-    cnt = np.empty(kg, np.int64)
-    t, hid, tn, ms = np.empty(kg), np.empty(kg, np.int64), np.empty(kg), np.empty(kg)
-    w, cum = np.empty(size), np.empty(size)
-    taken = np.zeros(len(p), np.bool_)  # the current token's experts so far
+    """:meth:`_Race._merge` compiled (numba): the same random numbers (computed here, only those
+    used) and float operations, so the same ids, written as out[token - lo, s] (the ids table's
+    own layout) and counted in ``load`` (per expert). Like the numpy code it goes step by step
+    over a chunk of tokens, not token by token: a token's merge is a chain of dependent
+    latencies (draw an expert, its rate, the next time, the next head), and the tokens of a
+    chunk, independent, fill each other's waits."""  # pragma: no cover - compiled
+    G, C = len(mass), 64
     nexp, picks_at = 2 * G + k - 1, np.uint64(3 * G + k - 1)  # exponentials, then uniforms
-    CHUNK = 64
-    xs, us = np.empty((CHUNK, nexp)), np.empty((CHUNK, G))
+    xs, us = np.empty((C, nexp)), np.empty((C, G))
+    first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
+    score, kept = np.empty(G), np.empty((C, G), np.int64)  # kept[c, kg:]: scratch
+    t, tn, ms = np.empty((C, kg)), np.empty((C, kg)), np.empty((C, kg))
+    hid, cnt = np.empty((C, kg), np.int64), np.empty((C, kg), np.int64)
+    ptr, q = np.empty(C, np.uint64), np.empty(C, np.int64)
+    w, cum = np.empty(size), np.empty(size)
+    taken = np.zeros((C, len(p)), np.bool_)  # each token's experts so far
 
     def pick(u, g, r):
         slots = size - r
@@ -687,86 +691,89 @@ def _race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, tri
         a = alias[slot]  # own if x - j < prob[slot] else alias, without a branch
         return a + np.int64(x - j < prob[slot]) * (heavy[g * size + r + j] - a)
 
-    for i in range(lo, hi):
-        base = np.uint64(i) * np.uint64(stride)
-        row = (i - lo) % CHUNK
-        if row == 0:  # the next tokens' exponentials and first uniforms, in loops that vectorise
-            for cc in range(min(CHUNK, hi - i)):
-                at = base + np.uint64(cc * stride)
-                for x in range(nexp):
-                    xs[cc, x] = _exponential(_bits(key, at + np.uint64(x)))
-                for x in range(G):
-                    us[cc, x] = _uniform(_bits(key, at + np.uint64(nexp + x)))
-        for g in range(G):
-            first[g] = pick(us[row, g], g, 0)
-            t1[g] = xs[row, g] / mass[g]
-            rest[g] = mass[g] - p[first[g]]
-            t2[g] = t1[g] + xs[row, G + g] / rest[g] if size > 1 else np.inf
-            score[g] = t1[g] * t2[g]
-        # the kept groups in group order: rank < kg, ranks of the (score, group) pairs as
-        # _smallest_rows, without branches (kept has G slots: the ones past kg are scratch)
-        c = 0
-        for g in range(G):
-            rank = 0
-            for h in range(G):
-                rank += (score[h] < score[g]) | ((score[h] == score[g]) & (h < g))
-            kept[c] = g
-            c += rank < kg
-        for j in range(kg):
-            g = kept[j]
-            t[j], hid[j], tn[j], ms[j], cnt[j] = t1[g], first[g], t2[g], rest[g], 0
-        ptr, q = picks_at, 2 * G
-        for s in range(k):
-            jb, tb = 0, t[0]  # the first of the earliest heads, without branches
-            for j in range(1, kg):
-                b = t[j] < tb
-                jb, tb = (j if b else jb), min(t[j], tb)
-            h = hid[jb]
-            if h < 0:
-                g = kept[jb]
-                r = 0
-                while r < depth - 1 and taken[heavy[g * size + r]]:
-                    r += 1
-                for _ in range(tries):
-                    ex = pick(_uniform(_bits(key, base + ptr)), g, r)
-                    ptr += np.uint64(1)
-                    if not taken[ex]:
-                        h = ex
-                        break
+    for c0 in range(lo, hi, C):
+        n = min(C, hi - c0)
+        for c in range(n):  # the exponentials and first uniforms, in loops that vectorise
+            at = np.uint64(c0 + c) * np.uint64(stride)
+            for x in range(nexp):
+                xs[c, x] = _exponential(_bits(key, at + np.uint64(x)))
+            for x in range(G):
+                us[c, x] = _uniform(_bits(key, at + np.uint64(nexp + x)))
+        for c in range(n):  # every group's first two arrivals, the kept groups
+            for g in range(G):
+                first[g] = pick(us[c, g], g, 0)
+                t1[g] = xs[c, g] / mass[g]
+                rest[g] = mass[g] - p[first[g]]
+                t2[g] = t1[g] + xs[c, G + g] / rest[g] if size > 1 else np.inf
+                score[g] = t1[g] * t2[g]
+            # the kept in group order: rank < kg, ranks of the (score, group) pairs as
+            # _smallest_rows, without branches
+            m = 0
+            for g in range(G):
+                rank = 0
+                for h in range(G):
+                    rank += (score[h] < score[g]) | ((score[h] == score[g]) & (h < g))
+                kept[c, m] = g
+                m += rank < kg
+            for j in range(kg):
+                g = kept[c, j]
+                t[c, j], hid[c, j], tn[c, j], ms[c, j] = t1[g], first[g], t2[g], rest[g]
+                cnt[c, j] = 0
+            ptr[c], q[c] = picks_at, 2 * G
+        for s in range(k):  # the merge, a step of every token in turn
+            for c in range(n):
+                jb, tb = 0, t[c, 0]  # the first of the earliest heads, without branches
+                for j in range(1, kg):
+                    b = t[c, j] < tb
+                    jb, tb = (j if b else jb), min(t[c, j], tb)
+                h = hid[c, jb]
                 if h < 0:
-                    acc = 0.0
-                    for x in range(size):
-                        w[x] = 0.0 if taken[g * size + x] else p[g * size + x]
-                        acc += w[x]
-                        cum[x] = acc
-                    lim = _uniform(_bits(key, base + ptr)) * cum[size - 1]
-                    ptr += np.uint64(1)
-                    j = 0
-                    for x in range(size):
-                        j += cum[x] <= lim
-                    last = size - 1
-                    for x in range(size - 1, -1, -1):
-                        if w[x] > 0:
-                            last = x
+                    base = np.uint64(c0 + c) * np.uint64(stride)
+                    g = kept[c, jb]
+                    r = 0
+                    while r < depth - 1 and taken[c, heavy[g * size + r]]:
+                        r += 1
+                    for _ in range(tries):
+                        ex = pick(_uniform(_bits(key, base + ptr[c])), g, r)
+                        ptr[c] += np.uint64(1)
+                        if not taken[c, ex]:
+                            h = ex
                             break
-                    h = g * size + min(j, last)
-                ms[jb] -= p[h]
-            out[i - lo, s] = h
-            taken[h] = True
-            load[h] += 1
-            if s == k - 1:
-                break
-            nxt = tn[jb]
-            if np.isnan(nxt):
-                nxt = t[jb] + xs[row, q] / ms[jb]
-                q += 1
-            if size <= k:
-                cnt[jb] += 1
-                if cnt[jb] >= size:
-                    nxt = np.inf
-            t[jb], tn[jb], hid[jb] = nxt, np.nan, -1
-        for s in range(k):
-            taken[out[i - lo, s]] = False
+                    if h < 0:
+                        acc = 0.0
+                        for x in range(size):
+                            w[x] = 0.0 if taken[c, g * size + x] else p[g * size + x]
+                            acc += w[x]
+                            cum[x] = acc
+                        lim = _uniform(_bits(key, base + ptr[c])) * cum[size - 1]
+                        ptr[c] += np.uint64(1)
+                        j = 0
+                        for x in range(size):
+                            j += cum[x] <= lim
+                        last = size - 1
+                        for x in range(size - 1, -1, -1):
+                            if w[x] > 0:
+                                last = x
+                                break
+                        h = g * size + min(j, last)
+                    ms[c, jb] -= p[h]
+                out[c0 + c - lo, s] = h
+                taken[c, h] = True
+                load[h] += 1
+                if s == k - 1:
+                    continue
+                nxt = tn[c, jb]
+                if np.isnan(nxt):
+                    nxt = t[c, jb] + xs[c, q[c]] / ms[c, jb]
+                    q[c] += 1
+                if size <= k:
+                    cnt[c, jb] += 1
+                    if cnt[c, jb] >= size:
+                        nxt = np.inf
+                t[c, jb], tn[c, jb], hid[c, jb] = nxt, np.nan, -1
+        for c in range(n):
+            for s in range(k):
+                taken[c, out[c0 + c - lo, s]] = False
 
 
 def _count_loop(topk, a, b, rank_of, node_of, copies, tokens, node_tokens, load):
