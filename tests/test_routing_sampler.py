@@ -36,7 +36,7 @@ def dense_topk(rng, p, n_group, topk_group, k, n, score="two"):
 
 
 def race_topk(rng, p, n_group, topk_group, k, n):
-    return _Race(p, n_group, topk_group, k).draw(rng, n).T
+    return _Race(p, n_group, topk_group, k).draw(int(rng.integers(2**63)), 0, n).T
 
 
 def _zipf(e, s, seed):
@@ -129,9 +129,9 @@ def test_draws_without_replacement_follow_the_rest_of_the_group():
     for g, taken in ((0, 1), (1, 0), (1, 2)):
         race.seen = np.zeros(8 * n, dtype=bool)
         race.seen[(4 * g + taken) * n : (4 * g + taken + 1) * n] = True
-        u2 = np.random.default_rng(g).random((race.k + race.SPARE, n))
+        u2 = np.random.default_rng(g).random((race.TRIES + 1, n))
         ptr = np.zeros(n, dtype=np.intp)
-        ids = race._pick_new(u2, ptr, 1, np.full(n, g), np.arange(n), n)
+        ids = race._pick_new(lambda tok, c, u2=u2: u2[c, tok], ptr, np.full(n, g), np.arange(n), n)
         assert ptr.min() >= 1 and ptr.max() <= race.TRIES + 1
         counts = np.bincount(ids - 4 * g, minlength=4)
         rest = p[4 * g : 4 * g + 4].copy()
@@ -222,17 +222,81 @@ def _configs():
 
 @pytest.mark.parametrize("cfg", range(7))
 def test_compiled_loop_draws_the_numpy_ids(cfg, monkeypatch):
-    """With numba the block is drawn by ``_race_loop``; it must give the numpy code's ids, bit
+    """With numba the tokens are drawn by ``_race_loop``; it must give the numpy code's ids, bit
     for bit (the same random numbers, the same float operations), or a seed would mean
-    different routings on machines with and without the ``fast`` extra."""
+    different routings on machines with and without the ``fast`` extra. Several keys (the top
+    bit set in one), token ranges not starting at 0."""
     pytest.importorskip("numba")
     p, n_group, topk_group, k = _configs()[cfg]
     race = _Race(p, n_group, topk_group, k)
+    for key in (11, 2**64 - 3, 0x5EED_0000_0001):
+        monkeypatch.setattr(routing_mod, "_compiled", False)
+        numpy_ids = race.draw(key, 500, 3500)
+        monkeypatch.setattr(routing_mod, "_compiled", None)
+        assert routing_mod._compiled_race_loop() is not None
+        assert (race.draw(key, 500, 3500) == numpy_ids).all(), key
+
+
+def test_draws_do_not_depend_on_the_split_into_blocks(monkeypatch):
+    """A token's numbers are counters of the layer's stream: drawing tokens 0..3000 at once or
+    as 0..1000 and 1000..3000 gives the same ids (numpy), and a layer's table is the same
+    whatever BLOCK is."""
     monkeypatch.setattr(routing_mod, "_compiled", False)
-    numpy_ids = race.draw(np.random.default_rng(11), 3000)
-    monkeypatch.setattr(routing_mod, "_compiled", None)
-    assert routing_mod._compiled_race_loop() is not None
-    assert (race.draw(np.random.default_rng(11), 3000) == numpy_ids).all()
+    race = _Race(P16, 4, 2, 3)
+    whole = race.draw(7, 0, 3000)
+    assert (
+        np.concatenate([race.draw(7, 0, 1000), race.draw(7, 1000, 3000)], axis=1) == whole
+    ).all()
+    cfg, dp = _v3_cfg(seed=4, ep=4), (900, 700, 1, 1000)
+    a = LayerRouting(cfg, dp).topk
+    monkeypatch.setattr(routing_mod, "BLOCK", 333)
+    assert (LayerRouting(cfg, dp).topk == a).all()
+
+
+def test_the_generator_s_uniforms_and_exponentials():
+    """The counter-based numbers: uniforms equidistributed (chi-square over 1024 cells),
+    exponentials -ln U within an ulp of numpy's log (mean and variance 1), at the ends of
+    their range too (U = 1 gives 0, the smallest U = 2^-52 gives 52 ln 2)."""
+    key = np.uint64(0x1234_5678_9ABC_DEF0)
+    z = routing_mod._bits(key, np.arange(1 << 20, dtype=np.uint64))
+    u = routing_mod._uniform(z)
+    assert 0.0 <= u.min() and u.max() < 1.0
+    hist = np.bincount((u * 1024).astype(int), minlength=1024)
+    expect = len(u) / 1024
+    assert float(((hist - expect) ** 2 / expect).sum()) < _chi2_limit(1023)
+    ends = np.array([0, 2**64 - 1, 2**12 - 1, 2**12], dtype=np.uint64)
+    z = np.concatenate([z, ends])
+    x = routing_mod._exponential(z)
+    ref = -np.log(1.0 - (z >> np.uint64(12)).astype(np.float64) * 2.0**-52)  # exact U
+    assert np.all(np.abs(x - ref) <= 2.3e-16 * np.maximum(ref, 1e-300))
+    assert x[-4] == 0.0 and x[-3] == 52 * math.log(2) and x[-2] == 0.0 and 0 < x[-1] < 1e-15
+    assert abs(x.mean() - 1) < 5 * Z * 1e-3 and abs(x.var() - 1) < 5 * Z * 2e-3
+
+
+def test_compiled_numbers_are_the_numpy_numbers():
+    """The generator compiled (scalars, bit casts by LLVM) against numpy (arrays, views): the
+    same bits, uniforms and exponentials, ends of the range included."""
+    numba = pytest.importorskip("numba")
+    from overlap_lab.shared.jit import inline
+
+    inline(routing_mod._bits, routing_mod._uniform, routing_mod._exponential)
+    bits, uni, exp_ = routing_mod._bits, routing_mod._uniform, routing_mod._exponential
+
+    @numba.njit
+    def numbers(key, ctr):
+        out = np.empty((3, len(ctr)))
+        for i in range(len(ctr)):
+            z = bits(key, ctr[i])
+            out[0, i], out[1, i], out[2, i] = np.float64(z >> np.uint64(11)), uni(z), exp_(z)
+        return out
+
+    key = np.uint64(99)
+    ctr = np.append(np.arange(100_000, dtype=np.uint64), np.uint64(2**64 - 1))
+    z = routing_mod._bits(key, ctr)
+    got = numbers(key, ctr)
+    assert (got[0] == (z >> np.uint64(11)).astype(np.float64)).all()
+    assert (got[1] == routing_mod._uniform(z)).all()
+    assert (got[2] == routing_mod._exponential(z)).all()
 
 
 def test_compiled_counts_are_the_numpy_counts(monkeypatch):
