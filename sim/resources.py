@@ -291,30 +291,12 @@ class Kernel:
     fired: int = 0  # how many of ``op.waits`` have fired
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
-    _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
     ckey: int = -1  # the number ``Gpu.costs`` gives ``cost.cost_key(op)`` (what the model reads)
-
-    @property
-    def ready(self) -> bool:
-        return not (self.waiting_data or self.gated)
 
     @property
     def key(self) -> tuple[int, int]:
         """Precedence among pending CTAs: stream priority, then launch order."""
         return (self.prio, self.seq)
-
-    def demand(self, gpu: GPU, sms: int, profile=None, costs: dict | None = None):
-        """``cost.demand`` of the kernel on ``sms`` SMs, through the GPU's shared ``costs``."""
-        d = self._demand.get(sms)
-        if d is None:
-            key = (self.ckey, sms)
-            d = None if costs is None else costs.get(key)
-            if d is None:
-                d = cost.demand(self.op, gpu, sms, profile)
-                if costs is not None:
-                    costs[key] = d
-            self._demand[sms] = d
-        return d
 
 
 @dataclass(eq=False, slots=True)
@@ -392,6 +374,7 @@ class Gpu(Fluid):
         self._unstarted: set = set()  # kernels granted but not yet started by the engine
         self._granted: list = []  # kernels given their first SMs in this pass
         self._granting_now = False
+        self._by_op: dict[int, tuple] = {}  # id(op) -> (op, limit, cost key number, grid)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -399,14 +382,21 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, costs = k.op, self.costs
-        ck = cost.cost_key(op)
-        # the key's small number: the caches below hash (number, sms), not the whole key again
-        k.ckey = ck = costs.setdefault(ck, len(costs))
-        gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
-        g = costs.get(gk)
-        if g is None:
-            g = costs[gk] = cost.grid(op, k.limit)
-        k.grid = g
+        # what the cost model reads of ``op``, looked up once per Op object (layers and steps
+        # launch the same Op again): the key's number and the grid at ``k.limit``. Keyed by the
+        # Op's identity, holding the Op so that its id stays its own for the cache's life
+        oid = id(op)
+        hit = self._by_op.get(oid)
+        if hit is None or hit[1] != k.limit:
+            # the key's small number: the caches below hash (number, sms), not the whole key
+            ck = costs.setdefault(cost.cost_key(op), len(costs))
+            gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
+            g = costs.get(gk)
+            if g is None:
+                g = costs[gk] = cost.grid(op, k.limit)
+            hit = self._by_op[oid] = (op, k.limit, ck, g)
+        k.ckey, k.grid = hit[2], hit[3]
+        g = hit[3]
         if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
@@ -414,9 +404,11 @@ class Gpu(Fluid):
             k.t0 = self.env._now
             self.on_grant(k)
             return
-        k.pending = k.grid.ctas
+        k.pending = g.ctas
         self.pending.append(k)
-        self._request_grant()
+        if not self._grant_due:  # ``_request_grant``, inline (once per launch)
+            self._grant_due = True
+            self._timers.request_pass(self)
 
     def start(self, k: Kernel) -> None:
         """Run the cohorts dispatched to ``k`` before the engine started it."""
@@ -647,18 +639,29 @@ class Gpu(Fluid):
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel
-            d = k.demand(gpu, c.sms or 1, profile, costs)
+            key = (k.ckey, c.sms or 1)
+            d = costs.get(key)
+            if d is None:
+                d = costs[key] = cost.demand(k.op, gpu, c.sms or 1, profile)
             dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
             dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
             c.rate = 1.0 / dur if dur > 0 else _INF  # a pure wait ends at once
             return
-        demands = [c.kernel.demand(gpu, c.sms or 1, profile, costs) for c in running]
+        demands = [self._demand(c) for c in running]
         shares = cost.hbm_shares(demands, gpu)
         shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
             c.rate = _rate(cost.duration_us(d, s) * wave)
+
+    def _demand(self, c: Cohort):
+        """``cost.demand`` of ``c``'s kernel on ``c``'s SMs, through the shared ``costs``."""
+        key = (c.kernel.ckey, c.sms or 1)
+        d = self.costs.get(key)
+        if d is None:
+            d = self.costs[key] = cost.demand(c.kernel.op, self.gpu, c.sms or 1, self.profile)
+        return d
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
