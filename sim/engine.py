@@ -251,8 +251,11 @@ class Engine:
             ev = f"__wait_stream_{self._implicit}"
             self._put(r, ins.other, (r.issued, Record(ev, ins.other)))
             self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev)))
-        else:
-            self._put(r, ins.stream, (r.issued, ins))
+        else:  # ``_put``, inline
+            stream = ins.stream
+            r.queues[stream].append((r.issued, ins))
+            if stream not in r.busy:
+                self._pump(r, stream)
 
     def _put(self, r: _Rank, stream: str, item: tuple) -> None:
         r.queues[stream].append(item)
@@ -264,7 +267,7 @@ class Engine:
         event not fired yet (whose firing, or the op's end, calls this again)."""
         if name in r.pumping:
             return  # an op that ended at once, inside the walk below: the walk goes on
-        q, busy = r.queues[name], r.busy
+        q, busy, num_sms = r.queues[name], r.busy, self.gpu.num_sms
         r.pumping.add(name)
         try:
             while q and name not in busy:
@@ -279,7 +282,12 @@ class Engine:
                         )
                 else:
                     busy[name] = ins
-                    self._run_op(r, name, ins.op, seq)
+                    op = ins.op
+                    if op.kind == "copy":
+                        self._copy(r, name, op)
+                    else:  # a kernel: to the block scheduler
+                        limit = num_sms if op.sms is None else op.sms
+                        r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
         finally:
             r.pumping.discard(name)
 
@@ -290,32 +298,20 @@ class Engine:
 
     # -- one op --------------------------------------------------------------------------------
 
-    def _run_op(self, r: _Rank, stream: str, op: Op, seq: int) -> None:
+    def _copy(self, r: _Rank, stream: str, op: Op) -> None:
+        """A copy (D2H/H2D) is a flow on the rank's PCIe link; the stream waits for it."""
         env, rank = self.env, r.rp.rank
-        if op.kind == "copy":
-            t0 = env.now
+        t0 = env.now
 
-            def copied() -> None:
-                self.spans.append(
-                    Span(
-                        rank,
-                        f"stream:{stream}",
-                        op.name,
-                        "copy",
-                        t0,
-                        env.now,
-                        0,
-                        op.mb,
-                        op.layer,
-                        op.step,
-                    )
+        def copied() -> None:
+            self.spans.append(
+                Span(
+                    rank, r.lanes[stream], op.name, "copy", t0, env.now, 0, op.mb, op.layer, op.step
                 )
-                self._release(r, stream)
+            )
+            self._release(r, stream)
 
-            r.links["pcie"].send(op.hbm_bytes, copied)
-            return
-        limit = self.gpu.num_sms if op.sms is None else op.sms
-        r.gpu.acquire(Kernel(op, limit, stream, r.prio[stream], seq))
+        r.links["pcie"].send(op.hbm_bytes, copied)
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""

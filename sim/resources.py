@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from heapq import heappush
 from operator import attrgetter
 
 import simpy
@@ -30,6 +31,8 @@ from overlap_lab.shared.program import Op
 from overlap_lab.sim import cost
 
 _EPS = 1e-9
+_Event = simpy.Event
+_NORMAL = simpy.core.NORMAL
 #: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off). At
 #: large clocks (above ~1e8 µs) a few ulps of the end time are wider and take over (``_tol``).
 _TIME_EPS = 1e-7
@@ -62,6 +65,9 @@ class Timers:
 
     def __init__(self, env: simpy.Environment):
         self.env = env
+        #: SimPy's own ``schedule`` (not a subclass's, such as the tie-shuffling test one): a new
+        #: instant's event goes straight onto the queue with the entry ``schedule`` would push
+        self._plain = type(env).schedule is simpy.Environment.schedule
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
         self._prune_at = _AT_PRUNE
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
@@ -80,10 +86,15 @@ class Timers:
             if len(at) >= self._prune_at:  # drop instants already processed (callbacks None)
                 self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
                 self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
-            ev = simpy.Event(env)
+            ev = _Event.__new__(_Event)  # ``simpy.Event(env)`` without its __init__ call
+            ev.env, ev.callbacks = env, [fn]
             ev._ok, ev._value = True, None  # triggered: processed when its time comes
-            env.schedule(ev, simpy.core.NORMAL, delay)
+            if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
+                heappush(env._queue, (when, _NORMAL, next(env._eid), ev))
+            else:
+                env.schedule(ev, _NORMAL, delay)
             at[when] = ev
+            return
         ev.callbacks.append(fn)
 
     def request_pass(self, gpu: Gpu) -> None:
@@ -374,6 +385,7 @@ class Gpu(Fluid):
         self._unstarted: set = set()  # kernels granted but not yet started by the engine
         self._granted: list = []  # kernels given their first SMs in this pass
         self._granting_now = False
+        self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
         self._by_op: dict[int, tuple] = {}  # id(op) -> (op, limit, cost key number, grid)
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -459,7 +471,7 @@ class Gpu(Fluid):
         if not (self.pending or self._touched or any(c.waves > 1 for c in self.jobs)):
             return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
-        self._jobs_changed = False
+        self._jobs_changed = self._reshaped = False
         while True:
             self._dispatch()
             if not self._cut():
@@ -488,7 +500,14 @@ class Gpu(Fluid):
             finally:
                 self._granting_now = False
         if self._jobs_changed:
-            self.changed()
+            # progress is up to date from the ``_advance`` above unless a cohort was cut or grew
+            # (its work left was rewritten): a second ``_advance`` at this clock would then
+            # reapply the floors and snaps, as ``changed`` always did; else it would leave every
+            # job as it is, and ``_settle`` is all that is left to do
+            if self._reshaped:
+                self.changed()
+            else:
+                self._settle()
 
     def _dispatch(self) -> None:
         # reservations are re-made every pass, so they always belong to the first coresident
@@ -545,7 +564,7 @@ class Gpu(Fluid):
         if k.pending == 0:
             self.pending.remove(k)
         self._touched.add(k)
-        self._jobs_changed = True
+        self._jobs_changed = self._reshaped = True
         return True
 
     def _cohort(self, k: Kernel, sms: int, per_wave: int, waves: int) -> None:
@@ -599,7 +618,7 @@ class Gpu(Fluid):
             k.pending += back
             if k not in self.pending:
                 self.pending.append(k)
-            cut = self._jobs_changed = True
+            cut = self._jobs_changed = self._reshaped = True
         return cut
 
     def _finish(self, c: Cohort) -> None:
@@ -624,8 +643,13 @@ class Gpu(Fluid):
             self._touched.add(k)
         # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
         # asks for its own pass) and to running cohorts that could grow
-        if c.sms and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs)):
-            self._request_grant()
+        if (
+            c.sms
+            and not self._grant_due
+            and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs))
+        ):
+            self._grant_due = True  # ``_request_grant``, inline
+            self._timers.request_pass(self)
 
     def _rates(self) -> None:
         eps, running = _EPS, []
