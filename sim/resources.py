@@ -177,29 +177,48 @@ class Fluid:
         every job as it is (``dt`` is 0 and each job is already at or above its floor)."""
         jobs = self.jobs
         eps = _EPS
-        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
-        while done:
-            for j in done:
-                jobs.remove(j)
+        if len(jobs) == 1:  # most changes leave one job: the loops below, unrolled for it
+            j = jobs[0]
+            if j.left <= eps * j.total and j.ready:
+                jobs.pop()
                 self._finish(j)
+        elif jobs:
             done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+            while done:
+                for j in done:
+                    jobs.remove(j)
+                    self._finish(j)
+                done = [j for j in jobs if j.left <= eps * j.total and j.ready]
         now = self.env._now
         first = _INF
-        if jobs:  # (none: no rates, no timer)
+        if len(jobs) == 1:
             self._rates()
-        for j in jobs:
-            # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
+            j = jobs[0]
             rate = j.rate
             if rate > 0:
                 t = j.t_end = now + (j.left - j.floor) / rate
                 j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
-                if t < first:
-                    first = t
+                first = t
+                due = jobs[:]  # its t_end is ``first``: within ``last`` below
             else:
                 j.t_end = j.t_snap = _INF
+        elif jobs:  # (none: no rates, no timer)
+            self._rates()
+            for j in jobs:
+                # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
+                rate = j.rate
+                if rate > 0:
+                    t = j.t_end = now + (j.left - j.floor) / rate
+                    j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
+                    if t < first:
+                        first = t
+                else:
+                    j.t_end = j.t_snap = _INF
+            if first < _INF:
+                last = first + (_TIME_EPS if first < _ULP_FROM else _tol(first))
+                due = [j for j in jobs if j.t_end <= last]
         if first < _INF:
-            last = first + _tol(first)
-            self._due = [j for j in jobs if j.t_end <= last]
+            self._due = due
             delay = max(first - now, 0.0)
             when = now + delay  # the instant SimPy will compute for it
             if when != self._armed:  # else the pending timer, due then, serves
