@@ -405,7 +405,6 @@ class Gpu(Fluid):
         self._granted: list = []  # kernels given their first SMs in this pass
         self._granting_now = False
         self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
-        self._by_op: dict[int, tuple] = {}  # id(op) -> (op, limit, cost key number, grid)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -413,21 +412,13 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, costs = k.op, self.costs
-        # what the cost model reads of ``op``, looked up once per Op object (layers and steps
-        # launch the same Op again): the key's number and the grid at ``k.limit``. Keyed by the
-        # Op's identity, holding the Op so that its id stays its own for the cache's life
-        oid = id(op)
-        hit = self._by_op.get(oid)
-        if hit is None or hit[1] != k.limit:
-            # the key's small number: the caches below hash (number, sms), not the whole key
-            ck = costs.setdefault(cost.cost_key(op), len(costs))
-            gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
-            g = costs.get(gk)
-            if g is None:
-                g = costs[gk] = cost.grid(op, k.limit)
-            hit = self._by_op[oid] = (op, k.limit, ck, g)
-        k.ckey, k.grid = hit[2], hit[3]
-        g = hit[3]
+        # the key's small number: the caches below hash (number, sms), not the whole key again
+        k.ckey = ck = costs.setdefault(cost.cost_key(op), len(costs))
+        gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
+        g = costs.get(gk)
+        if g is None:
+            g = costs[gk] = cost.grid(op, k.limit)
+        k.grid = g
         if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
