@@ -276,8 +276,9 @@ class Link(Fluid):
         self._settle()
 
     def _rates(self) -> None:
+        rate = self.bw / len(self.jobs)  # the float each flow's own division gave
         for j in self.jobs:
-            j.rate = self.bw / len(self.jobs)
+            j.rate = rate
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
@@ -405,6 +406,7 @@ class Gpu(Fluid):
         self._granted: list = []  # kernels given their first SMs in this pass
         self._granting_now = False
         self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
+        self._solo: dict[tuple, float] = {}  # a cohort's rate alone, by what it reads (``_rates``)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -673,13 +675,19 @@ class Gpu(Fluid):
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel
-            key = (k.ckey, c.sms or 1)
-            d = costs.get(key)
-            if d is None:
-                d = costs[key] = cost.demand(k.op, gpu, c.sms or 1, profile)
-            dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
-            dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
-            c.rate = 1.0 / dur if dur > 0 else _INF  # a pure wait ends at once
+            # what the rate reads: the kernel's cost (its key's number names its grid too), its
+            # SMs and its wave's CTAs; the same inputs give the same float, so it is kept
+            solo = (k.ckey, c.sms, c.per_wave)
+            rate = self._solo.get(solo)
+            if rate is None:
+                key = (k.ckey, c.sms or 1)
+                d = costs.get(key)
+                if d is None:
+                    d = costs[key] = cost.demand(k.op, gpu, c.sms or 1, profile)
+                dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
+                dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
+                rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
+            c.rate = rate
             return
         demands = [self._demand(c) for c in running]
         shares = cost.hbm_shares(demands, gpu)
