@@ -161,7 +161,11 @@ class Fluid:
         for j in self.jobs:
             if j.rate > 0:
                 floor = j.floor
-                j.left = floor if now >= j.t_snap else max(floor, j.left - j.rate * dt)
+                if now >= j.t_snap:
+                    j.left = floor
+                else:  # ``max(floor, left)`` without its call: floor unless left is above it
+                    left = j.left - j.rate * dt
+                    j.left = left if left > floor else floor
         self._t = now
 
     def changed(self) -> None:
@@ -183,12 +187,15 @@ class Fluid:
                 jobs.pop()
                 self._finish(j)
         elif jobs:
-            done = [j for j in jobs if j.left <= eps * j.total and j.ready]
-            while done:
-                for j in done:
-                    jobs.remove(j)
-                    self._finish(j)
-                done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+            for j in jobs:  # (a loop, not a comprehension: most often nothing is done)
+                if j.left <= eps * j.total and j.ready:
+                    done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+                    while done:
+                        for j in done:
+                            jobs.remove(j)
+                            self._finish(j)
+                        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+                    break
         now = self.env._now
         first = _INF
         if len(jobs) == 1:
@@ -219,7 +226,9 @@ class Fluid:
                 due = [j for j in jobs if j.t_end <= last]
         if first < _INF:
             self._due = due
-            delay = max(first - now, 0.0)
+            delay = first - now
+            if 0.0 > delay:  # ``max(first - now, 0.0)`` without its call
+                delay = 0.0
             when = now + delay  # the instant SimPy will compute for it
             if when != self._armed:  # else the pending timer, due then, serves
                 self._armed = when
