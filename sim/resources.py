@@ -65,9 +65,10 @@ class Timers:
 
     def __init__(self, env: simpy.Environment):
         self.env = env
-        #: SimPy's own ``schedule`` (not a subclass's, such as the tie-shuffling test one): a new
-        #: instant's event goes straight onto the queue with the entry ``schedule`` would push
-        self._plain = type(env).schedule is simpy.Environment.schedule
+        #: SimPy's own ``schedule`` (not a subclass's, such as the tie-shuffling test one, nor
+        #: one set on the instance): a new instant's event goes straight onto the queue with the
+        #: entry ``schedule`` would push
+        self._plain = getattr(env.schedule, "__func__", None) is simpy.Environment.schedule
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
         self._prune_at = _AT_PRUNE
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)

@@ -73,6 +73,10 @@ def test_timer_events_are_queued_as_env_schedule_queues_them():
     env.run()
     assert fired == [when]
 
+    patched = simpy.Environment()
+    patched.schedule = lambda *a, **kw: simpy.Environment.schedule(patched, *a, **kw)
+    assert not resources.timers(patched)._plain  # a schedule set on the instance is called
+
     shuffled = TieShuffledEnvironment(3)
     st = resources.timers(shuffled)
     assert not st._plain
