@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from heapq import heappush
 from operator import attrgetter
 
 import simpy
@@ -30,6 +31,8 @@ from overlap_lab.shared.program import Op
 from overlap_lab.sim import cost
 
 _EPS = 1e-9
+_Event = simpy.Event
+_NORMAL = simpy.core.NORMAL
 #: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off). At
 #: large clocks (above ~1e8 µs) a few ulps of the end time are wider and take over (``_tol``).
 _TIME_EPS = 1e-7
@@ -62,6 +65,10 @@ class Timers:
 
     def __init__(self, env: simpy.Environment):
         self.env = env
+        #: SimPy's own ``schedule`` (not a subclass's, such as the tie-shuffling test one, nor
+        #: one set on the instance): a new instant's event goes straight onto the queue with the
+        #: entry ``schedule`` would push
+        self._plain = getattr(env.schedule, "__func__", None) is simpy.Environment.schedule
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
         self._prune_at = _AT_PRUNE
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
@@ -80,10 +87,15 @@ class Timers:
             if len(at) >= self._prune_at:  # drop instants already processed (callbacks None)
                 self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
                 self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
-            ev = simpy.Event(env)
+            ev = _Event.__new__(_Event)  # ``simpy.Event(env)`` without its __init__ call
+            ev.env, ev.callbacks = env, [fn]
             ev._ok, ev._value = True, None  # triggered: processed when its time comes
-            env.schedule(ev, simpy.core.NORMAL, delay)
+            if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
+                heappush(env._queue, (when, _NORMAL, next(env._eid), ev))
+            else:
+                env.schedule(ev, _NORMAL, delay)
             at[when] = ev
+            return
         ev.callbacks.append(fn)
 
     def request_pass(self, gpu: Gpu) -> None:
@@ -150,7 +162,11 @@ class Fluid:
         for j in self.jobs:
             if j.rate > 0:
                 floor = j.floor
-                j.left = floor if now >= j.t_snap else max(floor, j.left - j.rate * dt)
+                if now >= j.t_snap:
+                    j.left = floor
+                else:  # ``max(floor, left)`` without its call: floor unless left is above it
+                    left = j.left - j.rate * dt
+                    j.left = left if left > floor else floor
         self._t = now
 
     def changed(self) -> None:
@@ -166,30 +182,54 @@ class Fluid:
         every job as it is (``dt`` is 0 and each job is already at or above its floor)."""
         jobs = self.jobs
         eps = _EPS
-        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
-        while done:
-            for j in done:
-                jobs.remove(j)
+        if len(jobs) == 1:  # most changes leave one job: the loops below, unrolled for it
+            j = jobs[0]
+            if j.left <= eps * j.total and j.ready:
+                jobs.pop()
                 self._finish(j)
-            done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+        elif jobs:
+            for j in jobs:  # (a loop, not a comprehension: most often nothing is done)
+                if j.left <= eps * j.total and j.ready:
+                    done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+                    while done:
+                        for j in done:
+                            jobs.remove(j)
+                            self._finish(j)
+                        done = [j for j in jobs if j.left <= eps * j.total and j.ready]
+                    break
         now = self.env._now
         first = _INF
-        if jobs:  # (none: no rates, no timer)
+        if len(jobs) == 1:
             self._rates()
-        for j in jobs:
-            # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
+            j = jobs[0]
             rate = j.rate
             if rate > 0:
                 t = j.t_end = now + (j.left - j.floor) / rate
                 j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
-                if t < first:
-                    first = t
+                first = t
+                due = jobs[:]  # its t_end is ``first``: within ``last`` below
             else:
                 j.t_end = j.t_snap = _INF
+        elif jobs:  # (none: no rates, no timer)
+            self._rates()
+            for j in jobs:
+                # rate inf: now; a job stops at its floor (a kernel waiting on a signal)
+                rate = j.rate
+                if rate > 0:
+                    t = j.t_end = now + (j.left - j.floor) / rate
+                    j.t_snap = t - (_TIME_EPS if t < _ULP_FROM else _tol(t))
+                    if t < first:
+                        first = t
+                else:
+                    j.t_end = j.t_snap = _INF
+            if first < _INF:
+                last = first + (_TIME_EPS if first < _ULP_FROM else _tol(first))
+                due = [j for j in jobs if j.t_end <= last]
         if first < _INF:
-            last = first + _tol(first)
-            self._due = [j for j in jobs if j.t_end <= last]
-            delay = max(first - now, 0.0)
+            self._due = due
+            delay = first - now
+            if 0.0 > delay:  # ``max(first - now, 0.0)`` without its call
+                delay = 0.0
             when = now + delay  # the instant SimPy will compute for it
             if when != self._armed:  # else the pending timer, due then, serves
                 self._armed = when
@@ -246,8 +286,9 @@ class Link(Fluid):
         self._settle()
 
     def _rates(self) -> None:
+        rate = self.bw / len(self.jobs)  # the float each flow's own division gave
         for j in self.jobs:
-            j.rate = self.bw / len(self.jobs)
+            j.rate = rate
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
@@ -291,30 +332,12 @@ class Kernel:
     fired: int = 0  # how many of ``op.waits`` have fired
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
-    _demand: dict = field(default_factory=dict)  # sms -> KernelDemand
     ckey: int = -1  # the number ``Gpu.costs`` gives ``cost.cost_key(op)`` (what the model reads)
-
-    @property
-    def ready(self) -> bool:
-        return not (self.waiting_data or self.gated)
 
     @property
     def key(self) -> tuple[int, int]:
         """Precedence among pending CTAs: stream priority, then launch order."""
         return (self.prio, self.seq)
-
-    def demand(self, gpu: GPU, sms: int, profile=None, costs: dict | None = None):
-        """``cost.demand`` of the kernel on ``sms`` SMs, through the GPU's shared ``costs``."""
-        d = self._demand.get(sms)
-        if d is None:
-            key = (self.ckey, sms)
-            d = None if costs is None else costs.get(key)
-            if d is None:
-                d = cost.demand(self.op, gpu, sms, profile)
-                if costs is not None:
-                    costs[key] = d
-            self._demand[sms] = d
-        return d
 
 
 @dataclass(eq=False, slots=True)
@@ -392,6 +415,8 @@ class Gpu(Fluid):
         self._unstarted: set = set()  # kernels granted but not yet started by the engine
         self._granted: list = []  # kernels given their first SMs in this pass
         self._granting_now = False
+        self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
+        self._solo: dict[tuple, float] = {}  # a cohort's rate alone, by what it reads (``_rates``)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -399,9 +424,8 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, costs = k.op, self.costs
-        ck = cost.cost_key(op)
         # the key's small number: the caches below hash (number, sms), not the whole key again
-        k.ckey = ck = costs.setdefault(ck, len(costs))
+        k.ckey = ck = costs.setdefault(cost.cost_key(op), len(costs))
         gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
         g = costs.get(gk)
         if g is None:
@@ -414,9 +438,11 @@ class Gpu(Fluid):
             k.t0 = self.env._now
             self.on_grant(k)
             return
-        k.pending = k.grid.ctas
+        k.pending = g.ctas
         self.pending.append(k)
-        self._request_grant()
+        if not self._grant_due:  # ``_request_grant``, inline (once per launch)
+            self._grant_due = True
+            self._timers.request_pass(self)
 
     def start(self, k: Kernel) -> None:
         """Run the cohorts dispatched to ``k`` before the engine started it."""
@@ -467,7 +493,7 @@ class Gpu(Fluid):
         if not (self.pending or self._touched or any(c.waves > 1 for c in self.jobs)):
             return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
-        self._jobs_changed = False
+        self._jobs_changed = self._reshaped = False
         while True:
             self._dispatch()
             if not self._cut():
@@ -496,7 +522,14 @@ class Gpu(Fluid):
             finally:
                 self._granting_now = False
         if self._jobs_changed:
-            self.changed()
+            # progress is up to date from the ``_advance`` above unless a cohort was cut or grew
+            # (its work left was rewritten): a second ``_advance`` at this clock would then
+            # reapply the floors and snaps, as ``changed`` always did; else it would leave every
+            # job as it is, and ``_settle`` is all that is left to do
+            if self._reshaped:
+                self.changed()
+            else:
+                self._settle()
 
     def _dispatch(self) -> None:
         # reservations are re-made every pass, so they always belong to the first coresident
@@ -553,7 +586,7 @@ class Gpu(Fluid):
         if k.pending == 0:
             self.pending.remove(k)
         self._touched.add(k)
-        self._jobs_changed = True
+        self._jobs_changed = self._reshaped = True
         return True
 
     def _cohort(self, k: Kernel, sms: int, per_wave: int, waves: int) -> None:
@@ -607,7 +640,7 @@ class Gpu(Fluid):
             k.pending += back
             if k not in self.pending:
                 self.pending.append(k)
-            cut = self._jobs_changed = True
+            cut = self._jobs_changed = self._reshaped = True
         return cut
 
     def _finish(self, c: Cohort) -> None:
@@ -632,8 +665,13 @@ class Gpu(Fluid):
             self._touched.add(k)
         # freed SMs matter only to CTAs waiting now (a kernel launched later in this instant
         # asks for its own pass) and to running cohorts that could grow
-        if c.sms and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs)):
-            self._request_grant()
+        if (
+            c.sms
+            and not self._grant_due
+            and (self.pending or self._touched or any(j.waves > 1 for j in self.jobs))
+        ):
+            self._grant_due = True  # ``_request_grant``, inline
+            self._timers.request_pass(self)
 
     def _rates(self) -> None:
         eps, running = _EPS, []
@@ -647,18 +685,35 @@ class Gpu(Fluid):
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel
-            d = k.demand(gpu, c.sms or 1, profile, costs)
-            dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
-            dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
-            c.rate = 1.0 / dur if dur > 0 else _INF  # a pure wait ends at once
+            # what the rate reads: the kernel's cost (its key's number names its grid too), its
+            # SMs and its wave's CTAs; the same inputs give the same float, so it is kept
+            solo = (k.ckey, c.sms, c.per_wave)
+            rate = self._solo.get(solo)
+            if rate is None:
+                key = (k.ckey, c.sms or 1)
+                d = costs.get(key)
+                if d is None:
+                    d = costs[key] = cost.demand(k.op, gpu, c.sms or 1, profile)
+                dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
+                dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
+                rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
+            c.rate = rate
             return
-        demands = [c.kernel.demand(gpu, c.sms or 1, profile, costs) for c in running]
+        demands = [self._demand(c) for c in running]
         shares = cost.hbm_shares(demands, gpu)
         shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
             c.rate = _rate(cost.duration_us(d, s) * wave)
+
+    def _demand(self, c: Cohort):
+        """``cost.demand`` of ``c``'s kernel on ``c``'s SMs, through the shared ``costs``."""
+        key = (c.kernel.ckey, c.sms or 1)
+        d = self.costs.get(key)
+        if d is None:
+            d = self.costs[key] = cost.demand(c.kernel.op, self.gpu, c.sms or 1, self.profile)
+        return d
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
