@@ -21,7 +21,10 @@ simulated on one of ``processes`` local workers or on a Ray cluster (:func:`run_
 when their lowered Programs (every rank, op and flow; meta excluded, as no metric reads it), GPU
 presets (every field, overrides included) and network grouping tolerance are equal, compared by
 a SHA-256 of their exact ``repr`` (floats print exactly). The first case of a key to reach a
-worker claims it and simulates; the others wait for its metrics.
+worker claims it and simulates; the others wait for its metrics. A worker learns from each build
+which of the GPU fields the key leaves out (schedule defaults, the name) the build read, by
+watching the GPU it is given; a later case whose other inputs are equal and whose read fields
+have the same values has that case's key without a build (``_input_key``).
 
 Rows stream to a CSV file as cases finish (one row per case: ``case`` index, every knob of the
 spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
@@ -217,14 +220,25 @@ def sim_key(program, gpu, net_group_tol: float, profile=None) -> str:
 def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
     """Build and lower one case as ``overlap-lab sim`` would, with the same input checks:
     (schedule, lowered Program, GPU, network tolerance, profile, args)."""
+    return _lower(_inputs(knobs, base))
+
+
+@dataclass
+class _Inputs:
+    """One case's checked inputs, before the (costly) build: all the build and lowering read."""
+
+    args: argparse.Namespace
+    workload: Any
+    gpu: Any
+    cfg: Any
+    ranks: Any
+    profile: Any
+
+
+def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> _Inputs:
+    """Parse and check one case as ``overlap-lab sim`` does (the memory check included)."""
     from overlap_lab import api
-    from overlap_lab.experiments.cli import (
-        _ranks,
-        build_schedule,
-        config_from,
-        gpu_from,
-        workload_from,
-    )
+    from overlap_lab.experiments.cli import _ranks, config_from, gpu_from, workload_from
     from overlap_lab.shared import inputs
 
     actions = _knob_actions()
@@ -247,12 +261,135 @@ def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
         w = dataclasses.replace(
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
-    program = build_schedule(args.schedule, w, gpu, cfg)
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
-    lowered = api._lower_ranks(program, w, gpu, _ranks(args))
-    tol = 0.0 if lowered is program else api.NET_GROUP_TOL
     profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
-    return args.schedule, lowered, gpu, tol, profile, args
+    return _Inputs(args, w, gpu, cfg, _ranks(args), profile)
+
+
+def _lower(c: _Inputs):
+    from overlap_lab import api
+    from overlap_lab.shared.schedules import build as build_schedule
+
+    program = build_schedule(c.args.schedule, c.workload, c.gpu, c.cfg)
+    lowered = api._lower_ranks(program, c.workload, c.gpu, c.ranks)
+    tol = 0.0 if lowered is program else api.NET_GROUP_TOL
+    return c.args.schedule, lowered, c.gpu, tol, c.profile, c.args
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys known before the build
+
+
+#: GPU fields ``sim_key`` leaves out: a case differing from a built one only in these has the
+#: same key when its build did not read them (the build is watched, ``_watching``)
+_UNKEYED_GPU_FIELDS = (*SCHEDULE_ONLY_GPU_FIELDS, "name")
+#: attributes through which code sees every field at once (copy, pickle, ``vars``)
+_WHOLE = frozenset({"__dict__", "__getstate__", "__reduce__", "__reduce_ex__", "__copy__"})
+
+
+def _input_key(c: _Inputs) -> str:
+    """Everything a case's ``sim_key`` depends on except the GPU fields the key leaves out:
+    the schedule, workload, schedule config, ranks, profile, event budget and every other GPU
+    field, hashed. The build and the lowering are functions of (schedule, workload, GPU, config,
+    ranks), deterministic like the rest of the project, and the tolerance follows from them; so
+    two cases with one input key and equal values of every left-out field their build read give
+    equal Programs, equal simulator-visible GPUs, tolerance and profile: one ``sim_key``."""
+    hw = {f.name: getattr(c.gpu, f.name) for f in dataclasses.fields(c.gpu)}
+    for name in _UNKEYED_GPU_FIELDS:
+        hw.pop(name, None)
+    prof = None if c.profile is None else (c.profile.name, c.profile.rows)
+    parts = (c.args.schedule, c.workload, c.cfg, c.ranks, prof, c.args.max_events)
+    h = hashlib.sha256(repr(parts).encode())
+    h.update(repr(sorted(hw.items())).encode())
+    return h.hexdigest()
+
+
+_reads: set[str] | None = None  # left-out GPU fields read by the build being watched
+
+
+@functools.cache
+def _watched_class(cls: type) -> type:
+    """A subclass of the GPU's class that notes reads of the left-out fields. Any reader of the
+    whole object (``dataclasses.replace``, ``vars``, pickle, copy) reads every field by name or
+    through ``_WHOLE``, so it counts as reading them all. Equality and hashing are by identity:
+    a cache keyed on the GPU (``ops._layer_template``) would otherwise return a value computed
+    for an equal GPU in an earlier build, and the fields that computation read would go
+    unnoticed in this one; by identity it misses across builds, so every value this build uses
+    is computed from reads it makes (within one build the one watched GPU still hits)."""
+
+    def __getattribute__(self, name: str):
+        if _reads is not None:
+            if name in _UNKEYED_GPU_FIELDS:
+                _reads.add(name)
+            elif name in _WHOLE:
+                _reads.update(_UNKEYED_GPU_FIELDS)
+        return cls.__getattribute__(self, name)
+
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__getattribute__": __getattribute__,
+            "__eq__": object.__eq__,
+            "__hash__": object.__hash__,
+            "__reduce_ex__": lambda self, protocol: (_unwatched, (cls, _init_fields(self))),
+            "__slots__": (),
+        },
+    )
+
+
+def _init_fields(gpu) -> dict[str, Any]:
+    return {f.name: getattr(gpu, f.name) for f in dataclasses.fields(gpu) if f.init}
+
+
+def _unwatched(cls: type, fields: dict[str, Any]):
+    """A watched GPU pickled or copied comes back as a plain one (its reads already counted)."""
+    return cls(**fields)
+
+
+def _watching(c: _Inputs) -> tuple[_Inputs, set[str]]:
+    """``c`` with its GPU replaced by an equal-valued watched copy, and the set its reads go to
+    (filled while ``_lower`` runs under ``_watch``)."""
+    watched = object.__new__(_watched_class(type(c.gpu)))
+    for k, v in _init_fields(
+        c.gpu
+    ).items():  # no __post_init__ checks: they read the fields being watched
+        object.__setattr__(watched, k, v)
+    return dataclasses.replace(c, gpu=watched), set()
+
+
+class _KnownKeys:
+    """This worker's input keys: input key -> [(left-out fields the build read and their
+    values, sim_key)]. Only the sweep's worker consults it, before building a case."""
+
+    def __init__(self) -> None:
+        self.by_input: dict[str, list[tuple[tuple[tuple[str, Any], ...], str]]] = {}
+
+    def lookup(self, ikey: str, gpu) -> str | None:
+        for read, key in self.by_input.get(ikey, ()):
+            if all(getattr(gpu, f) == v for f, v in read):
+                return key
+        return None
+
+    def add(self, ikey: str, reads: set[str], gpu, key: str) -> None:
+        read = tuple((f, getattr(gpu, f)) for f in sorted(reads))
+        self.by_input.setdefault(ikey, []).append((read, key))
+
+
+_known = _KnownKeys()
+
+
+def _lower_watched(c: _Inputs):
+    """``_lower(c)`` on a watched GPU: (its result with the case's own GPU, the left-out fields
+    it read)."""
+    global _reads
+    watched, reads = _watching(c)
+    _reads = reads
+    try:
+        schedule, lowered, _, tol, profile, args = _lower(watched)
+    finally:
+        _reads = None
+    return (schedule, lowered, c.gpu, tol, profile, args), reads
 
 
 def metrics(trace, program, gpu) -> dict[str, Any]:
@@ -292,13 +429,21 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
 
 def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) -> dict:
     from overlap_lab import api
-    from overlap_lab.experiments.cli import _ranks
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim.engine import Engine
 
     try:
-        _, program, gpu, tol, profile, args = lower_case(knobs)
+        case = _inputs(knobs)
+        ikey = _input_key(case)
+        known = _known.lookup(ikey, case.gpu)
+        if known is not None:  # a case this worker built had the same inputs: no build
+            owner = claim(known, index)
+            if owner != index:
+                out["sim_key"], out["same_as"] = known, owner
+                return out
+        (_, program, gpu, tol, profile, args), reads = _lower_watched(case)
         key = out["sim_key"] = sim_key(program, gpu, tol, profile)
+        _known.add(ikey, reads, gpu, key)
         owner = claim(key, index)
         if owner != index:
             out["same_as"] = owner
@@ -317,8 +462,9 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
                 max_events=max_events,
             ).run()
         else:  # as api.simulate: ranks that cannot differ are simulated once
-            ranks = _ranks(args)
-            trace = api._simulate_explicit(program, args.workload, gpu, ranks, profile, max_events)
+            trace = api._simulate_explicit(
+                program, args.workload, gpu, case.ranks, profile, max_events
+            )
         out.update(metrics(trace, program, gpu))
     except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
