@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import pickle
 
 import pytest
@@ -107,3 +108,52 @@ def test_a_watched_build_gives_the_same_program():
         (_, p, g, t, _, _), _ = sweep._lower_watched(sweep._inputs(knobs))
         _, q, h, u, _, _ = lower_case(knobs)
         assert p.ranks == q.ranks and g == h and t == u
+
+
+def _first_graph_op(p):
+    from overlap_lab.shared.program import Graph, Launch
+
+    for th in p.ranks[0].threads:
+        for k, ins in enumerate(th.instrs):
+            if isinstance(ins, Graph):
+                j = next(j for j, b in enumerate(ins.body) if isinstance(b, Launch))
+                return th, k, ins, j
+    raise AssertionError("no graph")
+
+
+def _with_op(p, op):
+    """``p`` with the first launch of its first graph running ``op``."""
+    th, k, graph, j = _first_graph_op(p)
+    body = (*graph.body[:j], dataclasses.replace(graph.body[j], op=op), *graph.body[j + 1 :])
+    g2 = dataclasses.replace(graph, body=body)
+    th2 = dataclasses.replace(th, instrs=(*th.instrs[:k], g2, *th.instrs[k + 1 :]))
+    rp = p.ranks[0]
+    threads = tuple(th2 if t is th else t for t in rp.threads)
+    return dataclasses.replace(p, ranks=(dataclasses.replace(rp, threads=threads),))
+
+
+def test_the_ranks_encoding_is_by_value_and_exact():
+    from overlap_lab.shared.program import Op
+
+    _, p, g, t, _, _ = lower_case({**BASE, "schedule": "sbo", "batch": 16})
+    th, k, graph, j = _first_graph_op(p)
+    op = graph.body[j].op
+    assert sweep._ranks_bytes(p.ranks) == sweep._ranks_bytes(_with_op(p, copy.deepcopy(op)).ranks)
+    changed = [
+        dataclasses.replace(op, flops=math.nextafter(op.flops, math.inf)),  # one ulp
+        dataclasses.replace(op, hbm_bytes=float(op.hbm_bytes) + 0.5),
+        dataclasses.replace(op, tokens=float(op.tokens)),  # 16 == 16.0, but not the same Program
+        dataclasses.replace(op, sms=True if op.sms == 1 else 1),
+        dataclasses.replace(op, layer=None if op.layer is not None else 0),
+        dataclasses.replace(op, waits=(*op.waits, "x")),
+    ]
+    keys = {sim_key(p, g, t)} | {sim_key(_with_op(p, o), g, t) for o in changed}
+    assert len(keys) == 1 + len(changed)
+
+    class Sub(Op):  # an op type the encoding does not know: hashed by repr, still exact
+        pass
+
+    sub = Sub(**{f.name: getattr(op, f.name) for f in dataclasses.fields(Op)})
+    with pytest.raises(TypeError):
+        sweep._ranks_bytes(_with_op(p, sub).ranks)
+    assert sim_key(_with_op(p, sub), g, t) != sim_key(p, g, t)
