@@ -22,9 +22,10 @@ when their lowered Programs (every rank, op and flow; meta excluded, as no metri
 presets (every field, overrides included) and network grouping tolerance are equal, compared by
 a SHA-256 of their exact ``repr`` (floats print exactly). The first case of a key to reach a
 worker claims it and simulates; the others wait for its metrics. A worker learns from each build
-which of the GPU fields the key leaves out (schedule defaults, the name) the build read, by
-watching the GPU it is given; a later case whose other inputs are equal and whose read fields
-have the same values has that case's key without a build (``_input_key``).
+which schedule-config fields and which of the GPU fields the key leaves out (schedule defaults,
+the name) the build read, by watching the objects it is given; a later case whose other inputs
+are equal and whose read fields have the same values has that case's key without a build
+(``_input_key``).
 
 Rows stream to a CSV file as cases finish (one row per case: ``case`` index, every knob of the
 spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
@@ -368,42 +369,58 @@ _UNKEYED_GPU_FIELDS = (*SCHEDULE_ONLY_GPU_FIELDS, "name")
 _WHOLE = frozenset({"__dict__", "__getstate__", "__reduce__", "__reduce_ex__", "__copy__"})
 
 
+def _watched_fields(c: _Inputs) -> dict[str, tuple[str, ...]]:
+    """The inputs watched during a build, by ``_Inputs`` attribute: the GPU fields the key leaves
+    out and every field of the schedule config (each schedule reads only the knobs that concern
+    it, so a sweep crossing schedules with one schedule's knob learns which cases cannot differ
+    from what their builds read, not from a list)."""
+    return {
+        "gpu": _UNKEYED_GPU_FIELDS,
+        "cfg": tuple(f.name for f in dataclasses.fields(c.cfg)),
+    }
+
+
 def _input_key(c: _Inputs) -> str:
-    """Everything a case's ``sim_key`` depends on except the GPU fields the key leaves out:
-    the schedule, workload, schedule config, ranks, profile, event budget and every other GPU
-    field, hashed. The build and the lowering are functions of (schedule, workload, GPU, config,
-    ranks), deterministic like the rest of the project, and the tolerance follows from them; so
-    two cases with one input key and equal values of every left-out field their build read give
-    equal Programs, equal simulator-visible GPUs, tolerance and profile: one ``sim_key``."""
+    """Everything a case's ``sim_key`` depends on except the watched inputs (``_watched_fields``):
+    the schedule, workload, ranks, profile, event budget and every other GPU field, hashed. The
+    build and the lowering are functions of (schedule, workload, GPU, config, ranks),
+    deterministic like the rest of the project, and the tolerance follows from them; so two
+    cases with one input key whose watched fields read by the build have equal values (their
+    ``repr``: exact, and 1 and 1.0 differ) give equal Programs, equal simulator-visible GPUs,
+    tolerance and profile: one ``sim_key``. The unwatched config fields need no value: the build
+    did not read them."""
     hw = {f.name: getattr(c.gpu, f.name) for f in dataclasses.fields(c.gpu)}
     for name in _UNKEYED_GPU_FIELDS:
         hw.pop(name, None)
     prof = None if c.profile is None else (c.profile.name, c.profile.rows)
-    parts = (c.args.schedule, c.workload, c.cfg, c.ranks, prof, c.args.max_events)
+    parts = (c.args.schedule, c.workload, type(c.cfg), c.ranks, prof, c.args.max_events)
     h = hashlib.sha256(repr(parts).encode())
     h.update(repr(sorted(hw.items())).encode())
     return h.hexdigest()
 
 
-_reads: set[str] | None = None  # left-out GPU fields read by the build being watched
+#: (input, field) pairs of watched inputs read by the build being watched (None: no watch)
+_reads: set[tuple[str, str]] | None = None
 
 
 @functools.cache
-def _watched_class(cls: type) -> type:
-    """A subclass of the GPU's class that notes reads of the left-out fields. Any reader of the
-    whole object (``dataclasses.replace``, ``vars``, pickle, copy) reads every field by name or
-    through ``_WHOLE``, so it counts as reading them all. Equality and hashing are by identity:
-    a cache keyed on the GPU (``ops._layer_template``) would otherwise return a value computed
-    for an equal GPU in an earlier build, and the fields that computation read would go
-    unnoticed in this one; by identity it misses across builds, so every value this build uses
-    is computed from reads it makes (within one build the one watched GPU still hits)."""
+def _watched_class(cls: type, role: str, names: tuple[str, ...]) -> type:
+    """A subclass of an input's class (the GPU's, the config's) that notes reads of the fields
+    ``names`` as ``(role, name)``. Any reader of the whole object (``dataclasses.replace``,
+    ``vars``, pickle, copy) reads every field by name or through ``_WHOLE``, so it counts as
+    reading them all. Equality and hashing are by identity: a cache keyed on the input
+    (``ops._layer_template`` on the GPU) would otherwise return a value computed for an equal
+    input in an earlier build, and the fields that computation read would go unnoticed in this
+    one; by identity it misses across builds, so every value this build uses is computed from
+    reads it makes (within one build the one watched object still hits)."""
+    watched = frozenset(names)
 
     def __getattribute__(self, name: str):
         if _reads is not None:
-            if name in _UNKEYED_GPU_FIELDS:
-                _reads.add(name)
+            if name in watched:
+                _reads.add((role, name))
             elif name in _WHOLE:
-                _reads.update(_UNKEYED_GPU_FIELDS)
+                _reads.update((role, n) for n in names)
         return cls.__getattribute__(self, name)
 
     return type(
@@ -419,41 +436,45 @@ def _watched_class(cls: type) -> type:
     )
 
 
-def _init_fields(gpu) -> dict[str, Any]:
-    return {f.name: getattr(gpu, f.name) for f in dataclasses.fields(gpu) if f.init}
+def _init_fields(obj) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
 
 def _unwatched(cls: type, fields: dict[str, Any]):
-    """A watched GPU pickled or copied comes back as a plain one (its reads already counted)."""
+    """A watched input pickled or copied comes back as a plain one (its reads already counted)."""
     return cls(**fields)
 
 
-def _watching(c: _Inputs) -> tuple[_Inputs, set[str]]:
-    """``c`` with its GPU replaced by an equal-valued watched copy, and the set its reads go to
-    (filled while ``_lower`` runs under ``_watch``)."""
-    watched = object.__new__(_watched_class(type(c.gpu)))
-    for k, v in _init_fields(
-        c.gpu
-    ).items():  # no __post_init__ checks: they read the fields being watched
-        object.__setattr__(watched, k, v)
-    return dataclasses.replace(c, gpu=watched), set()
+def _watching(c: _Inputs) -> tuple[_Inputs, set[tuple[str, str]]]:
+    """``c`` with its GPU and config replaced by equal-valued watched copies, and the set their
+    reads go to (filled while ``_lower_watched`` runs)."""
+    swap = {}
+    for role, names in _watched_fields(c).items():
+        obj = getattr(c, role)
+        watched = object.__new__(_watched_class(type(obj), role, names))
+        # no __post_init__ checks: they would read the fields being watched
+        for k, v in _init_fields(obj).items():
+            object.__setattr__(watched, k, v)
+        swap[role] = watched
+    return dataclasses.replace(c, **swap), set()
 
 
 class _KnownKeys:
-    """This worker's input keys: input key -> [(left-out fields the build read and their
-    values, sim_key)]. Only the sweep's worker consults it, before building a case."""
+    """This worker's input keys: input key -> [(the watched fields the build read, as
+    ``(input, field, repr of the value)``, sim_key)]. Only the sweep's worker consults it,
+    before building a case."""
 
     def __init__(self) -> None:
-        self.by_input: dict[str, list[tuple[tuple[tuple[str, Any], ...], str]]] = {}
+        self.by_input: dict[str, list[tuple[tuple[tuple[str, str, str], ...], str]]] = {}
 
-    def lookup(self, ikey: str, gpu) -> str | None:
+    def lookup(self, ikey: str, c: _Inputs) -> str | None:
         for read, key in self.by_input.get(ikey, ()):
-            if all(getattr(gpu, f) == v for f, v in read):
+            if all(repr(getattr(getattr(c, r), f)) == v for r, f, v in read):
                 return key
         return None
 
-    def add(self, ikey: str, reads: set[str], gpu, key: str) -> None:
-        read = tuple((f, getattr(gpu, f)) for f in sorted(reads))
+    def add(self, ikey: str, reads: set[tuple[str, str]], c: _Inputs, key: str) -> None:
+        read = tuple((r, f, repr(getattr(getattr(c, r), f))) for r, f in sorted(reads))
         self.by_input.setdefault(ikey, []).append((read, key))
 
 
@@ -461,7 +482,7 @@ _known = _KnownKeys()
 
 
 def _lower_watched(c: _Inputs):
-    """``_lower(c)`` on a watched GPU: (its result with the case's own GPU, the left-out fields
+    """``_lower(c)`` on watched inputs: (its result with the case's own GPU, the watched fields
     it read)."""
     global _reads
     watched, reads = _watching(c)
@@ -516,7 +537,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
     try:
         case = _inputs(knobs)
         ikey = _input_key(case)
-        known = _known.lookup(ikey, case.gpu)
+        known = _known.lookup(ikey, case)
         if known is not None:  # a case this worker built had the same inputs: no build
             owner = claim(known, index)
             if owner != index:
@@ -524,7 +545,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
                 return out
         (_, program, gpu, tol, profile, args), reads = _lower_watched(case)
         key = out["sim_key"] = sim_key(program, gpu, tol, profile)
-        _known.add(ikey, reads, gpu, key)
+        _known.add(ikey, reads, case, key)
         owner = claim(key, index)
         if owner != index:
             out["same_as"] = owner

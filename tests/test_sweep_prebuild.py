@@ -51,6 +51,21 @@ def test_a_knob_the_build_does_not_read_skips_the_build(builds):
     assert res[2]["sim_key"] == _key(cases[2]) != res[3]["sim_key"] == _key(cases[3])
 
 
+def test_a_schedule_knob_the_build_does_not_read_skips_the_build(builds):
+    """--comm-sms is not in inputs.KNOB_SCHEDULES: serial's builds show they do not read it."""
+    claims = sweep._LocalClaims({})
+    cases = [
+        {**BASE, "schedule": s, "batch": 16, "comm_sms": c}
+        for s in ("serial", "sbo")
+        for c in (8, 12)
+    ]
+    res = [sweep.run_case(i, k, claims) for i, k in enumerate(cases)]
+    assert all(not r["error"] for r in res)
+    assert builds == ["serial", "sbo", "sbo"]
+    assert res[1]["same_as"] == 0 and res[1]["sim_key"] == _key(cases[1])
+    assert res[2]["sim_key"] == _key(cases[2]) != res[3]["sim_key"] == _key(cases[3])
+
+
 def test_without_deduplication_every_case_is_built(builds):
     cases = [{**BASE, "schedule": "serial", "batch": 16, "sbo_comm_sms": c} for c in (8, 12)]
     res = [sweep.run_case(i, k, lambda key, i: i) for i, k in enumerate(cases)]
@@ -86,7 +101,7 @@ def test_reading_the_whole_gpu_counts_as_reading_every_left_out_field(whole, mon
     monkeypatch.setattr(sweep, "_reads", reads)
     assert watched.gpu.num_sms == case.gpu.num_sms and not reads  # a keyed field: not noted
     whole(watched.gpu)
-    assert reads == set(sweep._UNKEYED_GPU_FIELDS)
+    assert reads == {("gpu", f) for f in sweep._UNKEYED_GPU_FIELDS}
     assert pickle.loads(pickle.dumps(watched.gpu)) == case.gpu  # comes back plain
 
 
@@ -99,7 +114,9 @@ def test_a_watched_gpu_equals_only_itself(monkeypatch):
     assert a.gpu != b.gpu and a.gpu == a.gpu and hash(a.gpu) != hash(b.gpu)
     assert not reads
     b.gpu.sbo_comm_sms  # noqa: B018 - a read of a left-out field
-    assert reads == {"sbo_comm_sms"}
+    assert reads == {("gpu", "sbo_comm_sms")}
+    a.cfg.sbo_mode  # noqa: B018 - a config field: every one is watched
+    assert reads == {("gpu", "sbo_comm_sms"), ("cfg", "sbo_mode")}
 
 
 def test_a_watched_build_gives_the_same_program():
