@@ -497,7 +497,7 @@ def _lower_watched(c: _Inputs):
 def metrics(trace, program, gpu) -> dict[str, Any]:
     """The metric columns of one simulated trace."""
     from overlap_lab.experiments.runner import compute_kernel_us
-    from overlap_lab.shared.program import ops_of
+    from overlap_lab.shared.program import num_ops
 
     per_rank = trace.per_rank_step_us()
     return {
@@ -508,7 +508,7 @@ def metrics(trace, program, gpu) -> dict[str, Any]:
         "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
         "max_rank_step_us": max(per_rank.values(), default=0.0),
         "min_rank_step_us": min(per_rank.values(), default=0.0),
-        "num_ops": len(ops_of(program)),
+        "num_ops": num_ops(program),
         "num_spans": len(trace.spans),
     }
 
