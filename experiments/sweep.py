@@ -47,7 +47,7 @@ import itertools
 import json
 import marshal
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,8 +464,10 @@ class _KnownKeys:
     ``(input, field, repr of the value)``, sim_key)]. Only the sweep's worker consults it,
     before building a case."""
 
-    def __init__(self) -> None:
-        self.by_input: dict[str, list[tuple[tuple[tuple[str, str, str], ...], str]]] = {}
+    def __init__(self, table: MutableMapping[str, list] | None = None) -> None:
+        #: a plain dict, or the pool's shared one (a manager's proxy: each entry is a fact about
+        #: deterministic builds, true in every worker; an update lost in a race costs a build)
+        self.by_input: MutableMapping[str, list] = {} if table is None else table
 
     def lookup(self, ikey: str, c: _Inputs) -> str | None:
         for read, key in self.by_input.get(ikey, ()):
@@ -475,7 +477,9 @@ class _KnownKeys:
 
     def add(self, ikey: str, reads: set[tuple[str, str]], c: _Inputs, key: str) -> None:
         read = tuple((r, f, repr(getattr(getattr(c, r), f))) for r, f in sorted(reads))
-        self.by_input.setdefault(ikey, []).append((read, key))
+        entries = self.by_input.get(ikey, [])
+        if (read, key) not in entries:  # assigned, not appended: a proxy's get is a copy
+            self.by_input[ikey] = [*entries, (read, key)]
 
 
 _known = _KnownKeys()
@@ -588,9 +592,11 @@ class _LocalClaims:
 _worker_claims = None
 
 
-def _init_worker(owners) -> None:
-    global _worker_claims
+def _init_worker(owners, known=None) -> None:
+    global _worker_claims, _known
     _worker_claims = owners
+    if known is not None:
+        _known = _KnownKeys(known)
 
 
 def _claim_shared(key: str, index: int) -> int:
@@ -612,9 +618,36 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processe
     from multiprocessing import Manager, Pool
 
     with Manager() as manager:
-        shared = None if owners is None else manager.dict(owners)
-        with Pool(processes, initializer=_init_worker, initargs=(shared,)) as pool:
-            yield from pool.imap_unordered(_pool_case, todo, chunksize=1)
+        shared = known = None
+        if owners is not None:
+            shared, known = manager.dict(owners), manager.dict()
+        with Pool(processes, initializer=_init_worker, initargs=(shared, known)) as pool:
+            yield from pool.imap_unordered(_pool_case, _spread(todo), chunksize=1)
+
+
+def _spread(todo: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """The cases in the order the workers take them: the spec's last knob slowest (each knob's
+    values in their order of first appearance), so cases differing in one knob are apart.
+
+    Workers share what their builds taught them (``_KnownKeys`` on the manager), but a case
+    can use it only once the build that taught it is done. In spec order the cases of a
+    knob the build does not read (serial's ``sbo_comm_sms`` values) are adjacent and the
+    workers built two of them side by side; spread out, the later ones find the first one's
+    key. Rows do not depend on the order (one ``sim_key``: one simulation, same metrics)."""
+    if not todo:
+        return todo
+    names = list(todo[0][1])
+    firsts: list[dict[str, int]] = [{} for _ in names]
+    for _, knobs in todo:
+        for seen, n in zip(firsts, names):
+            seen.setdefault(repr(knobs.get(n)), len(seen))
+
+    def order(item: tuple[int, dict]) -> tuple:
+        knobs = item[1]
+        at = [seen[repr(knobs.get(n))] for seen, n in zip(firsts, names)]
+        return (*reversed(at), item[0])
+
+    return sorted(todo, key=order)
 
 
 def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: str | None):
@@ -718,6 +751,7 @@ def run_sweep(
     duplicates, errors."""
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
+    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     out = Path(out)
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
