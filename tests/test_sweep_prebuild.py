@@ -174,3 +174,38 @@ def test_the_ranks_encoding_is_by_value_and_exact():
     with pytest.raises(TypeError):
         sweep._ranks_bytes(_with_op(p, sub).ranks)
     assert sim_key(_with_op(p, sub), g, t) != sim_key(p, g, t)
+
+
+def test_workers_share_what_builds_taught_them():
+    """A key learnt in one process is found through the pool's shared table in another; an entry
+    already there is not added twice."""
+    from multiprocessing import Manager
+
+    case = sweep._inputs({**BASE, "schedule": "serial", "batch": 16})
+    ikey = sweep._input_key(case)
+    with Manager() as manager:
+        table = manager.dict()
+        sweep._KnownKeys(table).add(ikey, {("gpu", "sbo_comm_sms")}, case, "k1")
+        sweep._KnownKeys(table).add(ikey, {("gpu", "sbo_comm_sms")}, case, "k1")
+        other = sweep._KnownKeys(table)
+        assert other.lookup(ikey, case) == "k1" and len(table[ikey]) == 1
+        changed = dataclasses.replace(
+            case, gpu=dataclasses.replace(case.gpu, sbo_comm_sms=case.gpu.sbo_comm_sms + 1)
+        )
+        assert other.lookup(ikey, changed) is None  # a read field with another value: no key
+
+
+def test_cases_are_dispatched_last_knob_slowest():
+    todo = [
+        (i, {"schedule": s, "batch": b, "sbo_comm_sms": c})
+        for i, (s, b, c) in enumerate(
+            (s, b, c) for s in ("serial", "sbo") for b in (16, 32) for c in (8, 4)
+        )
+    ]
+    done = set(range(len(todo)))
+    del todo[3]  # a case done before: the rest keep their order
+    order = [i for i, _ in sweep._spread(todo)]
+    assert sorted(order) == sorted(done - {3})
+    # comm SMs 8 (first seen) before 4, then batch, then schedule; cases stay whole
+    assert order == [0, 4, 2, 6, 1, 5, 7]
+    assert all(dict(todo)[i] == knobs for i, knobs in sweep._spread(todo))
