@@ -21,7 +21,11 @@ simulated on one of ``processes`` local workers or on a Ray cluster (:func:`run_
 when their lowered Programs (every rank, op and flow; meta excluded, as no metric reads it), GPU
 presets (every field, overrides included) and network grouping tolerance are equal, compared by
 a SHA-256 of their exact ``repr`` (floats print exactly). The first case of a key to reach a
-worker claims it and simulates; the others wait for its metrics.
+worker claims it and simulates; the others wait for its metrics. A worker learns from each build
+which schedule-config fields and which of the GPU fields the key leaves out (schedule defaults,
+the name) the build read, by watching the objects it is given; a later case whose other inputs
+are equal and whose read fields have the same values has that case's key without a build
+(``_input_key``).
 
 Rows stream to a CSV file as cases finish (one row per case: ``case`` index, every knob of the
 spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
@@ -41,8 +45,9 @@ import functools
 import hashlib
 import itertools
 import json
+import marshal
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,30 +206,121 @@ SCHEDULE_ONLY_GPU_FIELDS = ("sbo_comm_sms", "deepep_normal_sms")
 def sim_key(program, gpu, net_group_tol: float, profile=None) -> str:
     """What a simulation's metrics depend on, hashed: the Program's ranks, world and symmetry (its
     meta is reporting only), every field of the GPU preset the simulator may read and the
-    network tolerance, and the calibration profile's rows (None: the roofline). Dataclass reprs
-    print every field and floats exactly, so different Programs give different keys."""
+    network tolerance, and the calibration profile's rows (None: the roofline). The ranks are
+    hashed as exact values (``_ranks_bytes``; any object it does not know: as their ``repr``,
+    which prints every dataclass field and floats exactly), so different Programs give different
+    keys."""
     hw = {f.name: getattr(gpu, f.name) for f in dataclasses.fields(gpu)}
     for name in (*SCHEDULE_ONLY_GPU_FIELDS, "name"):  # the name only labels the trace
         hw.pop(name, None)
     h = hashlib.sha256()
     h.update(repr((program.world, program.symmetric, net_group_tol)).encode())
     h.update(repr(sorted(hw.items())).encode())
-    h.update(repr(program.ranks).encode())
+    try:
+        h.update(b"marshal" + _ranks_bytes(program.ranks))
+    except (TypeError, ValueError):  # an object the encoding does not know
+        h.update(b"repr" + repr(program.ranks).encode())
     h.update(repr(None if profile is None else (profile.name, profile.rows)).encode())
     return h.hexdigest()[:24]
+
+
+@functools.cache
+def _encoders():
+    """Per instruction class: (tag, C-level getter of its fields in field order)."""
+    import operator
+
+    from overlap_lab.shared import program as P
+
+    def getter(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not names:
+            return lambda _o: ()
+        return operator.attrgetter(*names) if len(names) > 1 else lambda o: (getattr(o, names[0]),)
+
+    simple = {
+        cls: (cls.__name__, getter(cls))
+        for cls in (P.Record, P.Wait, P.WaitStream, P.Host, P.Sync, P.Yield)
+    }
+    op_fields = [f.name for f in dataclasses.fields(P.Op)]
+    return P, simple, getter(P.Op), op_fields.index("coll"), getter(P.Flow)
+
+
+def _ranks_bytes(ranks) -> bytes:
+    """The ranks of a Program as one exact byte string, ~3x cheaper than their ``repr``.
+
+    Every dataclass becomes a tuple of its field values in field order (C-level getters), each
+    instruction tagged by its class; ``marshal`` version 2 writes them by value (type code, then
+    value: floats as their 8 bytes, no references to shared or interned objects). The tags and
+    the fixed arity of each tuple make the encoding unambiguous, so equal bytes mean equal ranks.
+    An object of any other type (an Op subclass, a non-Flow flow) raises TypeError and one that
+    marshal cannot write raises ValueError: the caller then hashes the ``repr``."""
+    P, simple, op_get, coll_at, flow_get = _encoders()
+    flows_memo: dict[int, tuple] = {}  # id of a flows tuple (shared by stamped ops) -> encoding
+
+    def op_enc(op) -> tuple:
+        if type(op) is not P.Op:
+            raise TypeError(type(op))
+        v = op_get(op)
+        c = v[coll_at]
+        if c is None:
+            return v
+        if type(c) is not P.Coll or type(c.flows) is not tuple:
+            raise TypeError(type(c))
+        fl = c.flows
+        e = flows_memo.get(id(fl))
+        if e is None:
+            if any(type(f) is not P.Flow for f in fl):
+                raise TypeError("flow")
+            e = flows_memo[id(fl)] = tuple([flow_get(f) for f in fl])
+        return (*v[:coll_at], (c.key, c.role, e), *v[coll_at + 1 :])
+
+    def ins_enc(ins) -> tuple:
+        t = type(ins)
+        if t is P.Launch:
+            return ("L", ins.stream, op_enc(ins.op))
+        if t is P.Graph:
+            return ("G", ins.name, tuple([ins_enc(b) for b in ins.body]))
+        tag, get = simple[t]  # KeyError for any other type
+        return (tag, get(ins))
+
+    def rank_enc(rp) -> tuple:
+        if type(rp) is not P.RankProgram:
+            raise TypeError(type(rp))
+        threads = []
+        for th in rp.threads:
+            if type(th) is not P.HostThread:
+                raise TypeError(type(th))
+            threads.append((th.name, tuple([ins_enc(i) for i in th.instrs])))
+        return (rp.rank, rp.streams, rp.priorities, tuple(threads))
+
+    try:
+        return marshal.dumps(tuple([rank_enc(rp) for rp in ranks]), 2)
+    except KeyError as e:
+        raise TypeError(e) from None
 
 
 def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
     """Build and lower one case as ``overlap-lab sim`` would, with the same input checks:
     (schedule, lowered Program, GPU, network tolerance, profile, args)."""
+    return _lower(_inputs(knobs, base))
+
+
+@dataclass
+class _Inputs:
+    """One case's checked inputs, before the (costly) build: all the build and lowering read."""
+
+    args: argparse.Namespace
+    workload: Any
+    gpu: Any
+    cfg: Any
+    ranks: Any
+    profile: Any
+
+
+def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> _Inputs:
+    """Parse and check one case as ``overlap-lab sim`` does (the memory check included)."""
     from overlap_lab import api
-    from overlap_lab.experiments.cli import (
-        _ranks,
-        build_schedule,
-        config_from,
-        gpu_from,
-        workload_from,
-    )
+    from overlap_lab.experiments.cli import _ranks, config_from, gpu_from, workload_from
     from overlap_lab.shared import inputs
 
     actions = _knob_actions()
@@ -247,18 +343,165 @@ def lower_case(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None):
         w = dataclasses.replace(
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
-    program = build_schedule(args.schedule, w, gpu, cfg)
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
-    lowered = api._lower_ranks(program, w, gpu, _ranks(args))
-    tol = 0.0 if lowered is program else api.NET_GROUP_TOL
     profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
-    return args.schedule, lowered, gpu, tol, profile, args
+    return _Inputs(args, w, gpu, cfg, _ranks(args), profile)
+
+
+def _lower(c: _Inputs):
+    from overlap_lab import api
+    from overlap_lab.shared.schedules import build as build_schedule
+
+    program = build_schedule(c.args.schedule, c.workload, c.gpu, c.cfg)
+    lowered = api._lower_ranks(program, c.workload, c.gpu, c.ranks)
+    tol = 0.0 if lowered is program else api.NET_GROUP_TOL
+    return c.args.schedule, lowered, c.gpu, tol, c.profile, c.args
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys known before the build
+
+
+#: GPU fields ``sim_key`` leaves out: a case differing from a built one only in these has the
+#: same key when its build did not read them (the build is watched, ``_watching``)
+_UNKEYED_GPU_FIELDS = (*SCHEDULE_ONLY_GPU_FIELDS, "name")
+#: attributes through which code sees every field at once (copy, pickle, ``vars``)
+_WHOLE = frozenset({"__dict__", "__getstate__", "__reduce__", "__reduce_ex__", "__copy__"})
+
+
+def _watched_fields(c: _Inputs) -> dict[str, tuple[str, ...]]:
+    """The inputs watched during a build, by ``_Inputs`` attribute: the GPU fields the key leaves
+    out and every field of the schedule config (each schedule reads only the knobs that concern
+    it, so a sweep crossing schedules with one schedule's knob learns which cases cannot differ
+    from what their builds read, not from a list)."""
+    return {
+        "gpu": _UNKEYED_GPU_FIELDS,
+        "cfg": tuple(f.name for f in dataclasses.fields(c.cfg)),
+    }
+
+
+def _input_key(c: _Inputs) -> str:
+    """Everything a case's ``sim_key`` depends on except the watched inputs (``_watched_fields``):
+    the schedule, workload, ranks, profile, event budget and every other GPU field, hashed. The
+    build and the lowering are functions of (schedule, workload, GPU, config, ranks),
+    deterministic like the rest of the project, and the tolerance follows from them; so two
+    cases with one input key whose watched fields read by the build have equal values (their
+    ``repr``: exact, and 1 and 1.0 differ) give equal Programs, equal simulator-visible GPUs,
+    tolerance and profile: one ``sim_key``. The unwatched config fields need no value: the build
+    did not read them."""
+    hw = {f.name: getattr(c.gpu, f.name) for f in dataclasses.fields(c.gpu)}
+    for name in _UNKEYED_GPU_FIELDS:
+        hw.pop(name, None)
+    prof = None if c.profile is None else (c.profile.name, c.profile.rows)
+    parts = (c.args.schedule, c.workload, type(c.cfg), c.ranks, prof, c.args.max_events)
+    h = hashlib.sha256(repr(parts).encode())
+    h.update(repr(sorted(hw.items())).encode())
+    return h.hexdigest()
+
+
+#: (input, field) pairs of watched inputs read by the build being watched (None: no watch)
+_reads: set[tuple[str, str]] | None = None
+
+
+@functools.cache
+def _watched_class(cls: type, role: str, names: tuple[str, ...]) -> type:
+    """A subclass of an input's class (the GPU's, the config's) that notes reads of the fields
+    ``names`` as ``(role, name)``. Any reader of the whole object (``dataclasses.replace``,
+    ``vars``, pickle, copy) reads every field by name or through ``_WHOLE``, so it counts as
+    reading them all. Equality and hashing are by identity: a cache keyed on the input
+    (``ops._layer_template`` on the GPU) would otherwise return a value computed for an equal
+    input in an earlier build, and the fields that computation read would go unnoticed in this
+    one; by identity it misses across builds, so every value this build uses is computed from
+    reads it makes (within one build the one watched object still hits)."""
+    watched = frozenset(names)
+
+    def __getattribute__(self, name: str):
+        if _reads is not None:
+            if name in watched:
+                _reads.add((role, name))
+            elif name in _WHOLE:
+                _reads.update((role, n) for n in names)
+        return cls.__getattribute__(self, name)
+
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__getattribute__": __getattribute__,
+            "__eq__": object.__eq__,
+            "__hash__": object.__hash__,
+            "__reduce_ex__": lambda self, protocol: (_unwatched, (cls, _init_fields(self))),
+            "__slots__": (),
+        },
+    )
+
+
+def _init_fields(obj) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+
+
+def _unwatched(cls: type, fields: dict[str, Any]):
+    """A watched input pickled or copied comes back as a plain one (its reads already counted)."""
+    return cls(**fields)
+
+
+def _watching(c: _Inputs) -> tuple[_Inputs, set[tuple[str, str]]]:
+    """``c`` with its GPU and config replaced by equal-valued watched copies, and the set their
+    reads go to (filled while ``_lower_watched`` runs)."""
+    swap = {}
+    for role, names in _watched_fields(c).items():
+        obj = getattr(c, role)
+        watched = object.__new__(_watched_class(type(obj), role, names))
+        # no __post_init__ checks: they would read the fields being watched
+        for k, v in _init_fields(obj).items():
+            object.__setattr__(watched, k, v)
+        swap[role] = watched
+    return dataclasses.replace(c, **swap), set()
+
+
+class _KnownKeys:
+    """This worker's input keys: input key -> [(the watched fields the build read, as
+    ``(input, field, repr of the value)``, sim_key)]. Only the sweep's worker consults it,
+    before building a case."""
+
+    def __init__(self, table: MutableMapping[str, list] | None = None) -> None:
+        #: a plain dict, or the pool's shared one (a manager's proxy: each entry is a fact about
+        #: deterministic builds, true in every worker; an update lost in a race costs a build)
+        self.by_input: MutableMapping[str, list] = {} if table is None else table
+
+    def lookup(self, ikey: str, c: _Inputs) -> str | None:
+        for read, key in self.by_input.get(ikey, ()):
+            if all(repr(getattr(getattr(c, r), f)) == v for r, f, v in read):
+                return key
+        return None
+
+    def add(self, ikey: str, reads: set[tuple[str, str]], c: _Inputs, key: str) -> None:
+        read = tuple((r, f, repr(getattr(getattr(c, r), f))) for r, f in sorted(reads))
+        entries = self.by_input.get(ikey, [])
+        if (read, key) not in entries:  # assigned, not appended: a proxy's get is a copy
+            self.by_input[ikey] = [*entries, (read, key)]
+
+
+_known = _KnownKeys()
+
+
+def _lower_watched(c: _Inputs):
+    """``_lower(c)`` on watched inputs: (its result with the case's own GPU, the watched fields
+    it read)."""
+    global _reads
+    watched, reads = _watching(c)
+    _reads = reads
+    try:
+        schedule, lowered, _, tol, profile, args = _lower(watched)
+    finally:
+        _reads = None
+    return (schedule, lowered, c.gpu, tol, profile, args), reads
 
 
 def metrics(trace, program, gpu) -> dict[str, Any]:
     """The metric columns of one simulated trace."""
     from overlap_lab.experiments.runner import compute_kernel_us
-    from overlap_lab.shared.program import ops_of
+    from overlap_lab.shared.program import num_ops
 
     per_rank = trace.per_rank_step_us()
     return {
@@ -269,7 +512,7 @@ def metrics(trace, program, gpu) -> dict[str, Any]:
         "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
         "max_rank_step_us": max(per_rank.values(), default=0.0),
         "min_rank_step_us": min(per_rank.values(), default=0.0),
-        "num_ops": len(ops_of(program)),
+        "num_ops": num_ops(program),
         "num_spans": len(trace.spans),
     }
 
@@ -292,13 +535,21 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
 
 def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) -> dict:
     from overlap_lab import api
-    from overlap_lab.experiments.cli import _ranks
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim.engine import Engine
 
     try:
-        _, program, gpu, tol, profile, args = lower_case(knobs)
+        case = _inputs(knobs)
+        ikey = _input_key(case)
+        known = _known.lookup(ikey, case)
+        if known is not None:  # a case this worker built had the same inputs: no build
+            owner = claim(known, index)
+            if owner != index:
+                out["sim_key"], out["same_as"] = known, owner
+                return out
+        (_, program, gpu, tol, profile, args), reads = _lower_watched(case)
         key = out["sim_key"] = sim_key(program, gpu, tol, profile)
+        _known.add(ikey, reads, case, key)
         owner = claim(key, index)
         if owner != index:
             out["same_as"] = owner
@@ -317,8 +568,9 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
                 max_events=max_events,
             ).run()
         else:  # as api.simulate: ranks that cannot differ are simulated once
-            ranks = _ranks(args)
-            trace = api._simulate_explicit(program, args.workload, gpu, ranks, profile, max_events)
+            trace = api._simulate_explicit(
+                program, args.workload, gpu, case.ranks, profile, max_events
+            )
         out.update(metrics(trace, program, gpu))
     except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -340,9 +592,11 @@ class _LocalClaims:
 _worker_claims = None
 
 
-def _init_worker(owners) -> None:
-    global _worker_claims
+def _init_worker(owners, known=None) -> None:
+    global _worker_claims, _known
     _worker_claims = owners
+    if known is not None:
+        _known = _KnownKeys(known)
 
 
 def _claim_shared(key: str, index: int) -> int:
@@ -364,9 +618,36 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processe
     from multiprocessing import Manager, Pool
 
     with Manager() as manager:
-        shared = None if owners is None else manager.dict(owners)
-        with Pool(processes, initializer=_init_worker, initargs=(shared,)) as pool:
-            yield from pool.imap_unordered(_pool_case, todo, chunksize=1)
+        shared = known = None
+        if owners is not None:
+            shared, known = manager.dict(owners), manager.dict()
+        with Pool(processes, initializer=_init_worker, initargs=(shared, known)) as pool:
+            yield from pool.imap_unordered(_pool_case, _spread(todo), chunksize=1)
+
+
+def _spread(todo: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """The cases in the order the workers take them: the spec's last knob slowest (each knob's
+    values in their order of first appearance), so cases differing in one knob are apart.
+
+    Workers share what their builds taught them (``_KnownKeys`` on the manager), but a case
+    can use it only once the build that taught it is done. In spec order the cases of a
+    knob the build does not read (serial's ``sbo_comm_sms`` values) are adjacent and the
+    workers built two of them side by side; spread out, the later ones find the first one's
+    key. Rows do not depend on the order (one ``sim_key``: one simulation, same metrics)."""
+    if not todo:
+        return todo
+    names = list(todo[0][1])
+    firsts: list[dict[str, int]] = [{} for _ in names]
+    for _, knobs in todo:
+        for seen, n in zip(firsts, names):
+            seen.setdefault(repr(knobs.get(n)), len(seen))
+
+    def order(item: tuple[int, dict]) -> tuple:
+        knobs = item[1]
+        at = [seen[repr(knobs.get(n))] for seen, n in zip(firsts, names)]
+        return (*reversed(at), item[0])
+
+    return sorted(todo, key=order)
 
 
 def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: str | None):
@@ -470,6 +751,7 @@ def run_sweep(
     duplicates, errors."""
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
+    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     out = Path(out)
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out

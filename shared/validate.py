@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_right
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from itertools import chain
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import (
+    DEFAULT_PRIORITY,
     DTYPES,
     GRIDS,
     LINK_KINDS,
@@ -340,33 +342,40 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
     """
     succ: list[list[int]] = []
     info: list[tuple[Issued, RankProgram, int | None]] = []
-
-    def node(where) -> int:
-        succ.append([])
-        info.append(where)
-        return len(succ) - 1
+    new_succ, new_info = succ.append, info.append  # a node: its successors and where it is from
 
     # rank -> (precedence, op): precedence is (stream priority, node), the block scheduler's order
     launches: dict[int, list[tuple[tuple[int, int], Op]]] = defaultdict(list)
     recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
     flow_srcs: dict[tuple[str, int], list[tuple[int, Op, int]]] = defaultdict(list)
+    gpu_types = (Launch, Record, Wait, WaitStream)
     for rp in program.ranks:
+        prio = {s: rp.priority(s) for s in rp.streams}
+        rank_launches = launches[rp.rank]
         record_node: dict[str, int] = {}
         last_on: dict[str, int] = {}
         prev_host = None
         pending: list[tuple[int, str]] = []  # (node, event) waits resolved after the pass
         for it in orders[rp.rank]:
-            h = node((it, rp, None))
+            h = len(succ)
+            new_succ([])
+            new_info((it, rp, None))
             if prev_host is not None:
                 succ[prev_host].append(h)
             prev_host = h
             ins = it.instr
-            if isinstance(ins, Sync):
-                pending.append((h, ins.event))
-            for k, ins in _parts(it):
-                if not isinstance(ins, (Launch, Record, Wait, WaitStream)):
+            if type(ins) is Graph:
+                parts = enumerate(ins.body)
+            else:
+                if isinstance(ins, Sync):
+                    pending.append((h, ins.event))
+                parts = ((None, ins),)
+            for k, ins in parts:
+                if not isinstance(ins, gpu_types):
                     continue
-                g = node((it, rp, k))
+                g = len(succ)
+                new_succ([])
+                new_info((it, rp, k))
                 succ[h].append(g)
                 if isinstance(ins, WaitStream):
                     if ins.other in last_on:
@@ -380,22 +389,26 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
                 elif isinstance(ins, Wait):
                     pending.append((g, ins.event))
                 elif isinstance(ins, Launch):
-                    launches[rp.rank].append(((rp.priority(stream), g), ins.op))
-                    end = node((it, rp, k))
+                    op = ins.op
+                    rank_launches.append(((prio.get(stream, DEFAULT_PRIORITY), g), op))
+                    end = len(succ)
+                    new_succ([])
+                    new_info((it, rp, k))
                     succ[g].append(end)
                     # a kernel that consumes signals while it runs cannot end before they fire
-                    pending += [(end, ev) for ev in ins.op.waits]
-                    c = ins.op.coll
+                    if op.waits:
+                        pending += [(end, ev) for ev in op.waits]
+                    c = op.coll
                     if c is not None:
                         if c.role != "recv":
                             # data leaves as the kernel runs; one that consumes signals sends
                             # its last part only after the last of them: its end is the source
-                            src = end if ins.op.waits else g
+                            src = end if op.waits else g
                             for f in c.flows:
                                 dst = rp.rank if f.dst is None else f.dst
-                                flow_srcs[(c.key, dst)].append((src, ins.op, g))
+                                flow_srcs[(c.key, dst)].append((src, op, g))
                         if c.role != "send":
-                            recvs.append((g, end, c.key, rp.rank, ins.op, stream))
+                            recvs.append((g, end, c.key, rp.rank, op, stream))
                 last_on[stream] = end
         for n, ev in pending:
             if ev in record_node:
@@ -405,9 +418,8 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             if src != start:
                 succ[src].append(end)
     indeg = [0] * len(succ)
-    for out in succ:
-        for m in out:
-            indeg[m] += 1
+    for m, d in Counter(chain.from_iterable(succ)).items():
+        indeg[m] = d
     queue = [n for n, d in enumerate(indeg) if d == 0]
     seen = 0
     pos = [0] * len(succ)  # each node's place in one topological order
