@@ -150,7 +150,9 @@ def expert_kernels(w: Workload, experts: Op, contiguous: bool) -> list[Op]:
     weights = max(0.0, experts.hbm_bytes - (x_in + up_out + act + y_out))
 
     def k(name: str, flops: float, nbytes: float, **kw) -> Op:
-        return replace(experts, name=f"experts.{name}", flops=float(flops), hbm_bytes=float(nbytes), **kw)
+        return replace(
+            experts, name=f"experts.{name}", flops=float(flops), hbm_bytes=float(nbytes), **kw
+        )
 
     f = experts.flops
     elementwise = dict(op_class="elementwise", dtype="bf16")
