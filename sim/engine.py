@@ -56,6 +56,7 @@ from overlap_lab.shared.program import (
     iter_gpu_instrs,
 )
 from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.trace import new_span as _span
 from overlap_lab.shared.validate import issue_order, validate
 from overlap_lab.sim import cost
 from overlap_lab.sim.budget import default_max_events, run_budgeted
@@ -69,47 +70,6 @@ _SINK_BITS = 24
 _SINK_MASK = (1 << _SINK_BITS) - 1
 #: Arrivals counted with numpy above this many flows at once (below, a dict is cheaper).
 _COUNT_WITH_NUMPY = 64
-
-
-_SPAN_FIELDS = ("rank", "lane", "op", "kind", "start", "end", "sms", "mb", "layer", "step")
-_new, _setattr = object.__new__, object.__setattr__
-
-
-def _span_by_dict(rank, lane, op, kind, start, end, sms=0, mb=None, layer=None, step=None) -> Span:
-    """``Span(...)`` with its fields written as one ``__dict__``: ``Span`` is a frozen dataclass,
-    whose ``__init__`` stores each field through ``object.__setattr__`` (about 3.4 µs a span, some
-    10 % of a decode step's simulation; this takes about 1 µs). The same instance, checked by
-    ``Span``'s own ``__post_init__``."""
-    s = _new(Span)
-    _setattr(
-        s,
-        "__dict__",
-        {
-            "rank": rank,
-            "lane": lane,
-            "op": op,
-            "kind": kind,
-            "start": start,
-            "end": end,
-            "sms": sms,
-            "mb": mb,
-            "layer": layer,
-            "step": step,
-        },
-    )
-    s.__post_init__()
-    return s
-
-
-#: how the engine makes its spans: by ``__dict__`` while ``Span`` keeps the layout it was written
-#: for (an instance ``__dict__``, these fields and defaults), else by ``Span`` itself
-_span = (
-    _span_by_dict
-    if "__slots__" not in vars(Span)
-    and tuple(f.name for f in dataclasses.fields(Span)) == _SPAN_FIELDS
-    and tuple(f.default for f in dataclasses.fields(Span))[6:] == (0, None, None, None)
-    else Span
-)
 
 
 class TieShuffledEnvironment(simpy.Environment):
