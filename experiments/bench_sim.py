@@ -22,7 +22,7 @@ every rank. ``*_numpy_rerate`` repeats a case with the network's compiled progre
 race sampler's compiled loop off; ``sweep_1000_no_dedupe`` the sweep with every case simulated
 (what deduplication buys).
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
-comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.experiments.sweep`` on 2
+comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.cli.sweep`` on 2
 worker processes; its CPU time is this process's plus its workers'.
 """
 
@@ -129,7 +129,7 @@ def _since(t: tuple[float, float]) -> tuple[float, float]:
 
 def run_case(name: str, repeats: int | None = None) -> dict:
     """One row of the table: build, simulate and post-process the case ``name``."""
-    from overlap_lab.api import Ranks, Result, _lower_ranks
+    from overlap_lab.api import Ranks, Result, lower_ranks
     from overlap_lab.metrics import measure
     from overlap_lab.shared.hardware import get_gpu
     from overlap_lab.shared.program import Graph, Launch
@@ -151,7 +151,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     program = build(schedule, w, gpu)
     if not name.endswith("_reduced"):  # a reduced run validates what it simulates, below
         validate(program, gpu.num_sms)
-    lowered = _lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
+    lowered = lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
     red = None
     if name.endswith("_reduced"):
         from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
@@ -243,7 +243,7 @@ def sweep_1000(dedupe: bool = True) -> dict:
     import tempfile
     from pathlib import Path
 
-    from overlap_lab.experiments.sweep import load_spec, run_sweep
+    from overlap_lab.cli.sweep import load_spec, run_sweep
 
     spec = load_spec(
         {

@@ -19,7 +19,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from overlap_lab.experiments.figures import (
+from overlap_lab.figures import (
     WIDTHS,
     add_legend,
     clip,

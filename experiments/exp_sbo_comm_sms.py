@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import WIDTHS, layer_window, save_figure, series_style
+from overlap_lab.figures import WIDTHS, layer_window, save_figure, series_style
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,

@@ -21,7 +21,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from overlap_lab.experiments.figures import clip, layer_window, save_figure, timeline
+from overlap_lab.figures import clip, layer_window, save_figure, timeline
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,

@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import WIDTHS, compare_timelines, layer_clip, save_figure
+from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,

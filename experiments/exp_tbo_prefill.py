@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.experiments.figures import WIDTHS, compare_timelines, layer_clip, save_figure
+from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,

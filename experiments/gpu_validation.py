@@ -26,7 +26,7 @@ ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 
 
 From other code (``overlap-lab validate --device cuda|cpu``): ``run_validation(parse(argv))``
 returns the report (``report["table"]``, ``report["archive"]``, per case and schedule the
-comparison of ``experiments.validate.compare``, the simulator's validation).
+comparison of ``overlap_lab.validate.compare``, the simulator's validation).
 """
 
 from __future__ import annotations
@@ -265,9 +265,9 @@ def predict(ctx: Context, name: str, w, profile):
 
 
 def comparison(measured, predicted, measured_step_us: float) -> dict:
-    """``experiments.validate.compare`` (the simulator's validation), against the step time the
+    """``overlap_lab.validate.compare`` (the simulator's validation), against the step time the
     run reports (graph replay where captured), with each op's error summarised per op name."""
-    from overlap_lab.experiments.validate import compare
+    from overlap_lab.validate import compare
 
     v = dataclasses.replace(compare(measured, predicted), measured_step_us=measured_step_us)
     by_op: dict[str, list[float]] = {}
@@ -383,7 +383,7 @@ def _figure(ctx, traces, path, rec) -> None:
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
 
-        from overlap_lab.experiments.figures import compare_timelines
+        from overlap_lab.figures import compare_timelines
 
         plt.close(compare_timelines(traces, path))
     except Exception as e:  # a figure never fails the run; the reason is kept

@@ -42,7 +42,8 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
-from overlap_lab.shared import inputs
+from overlap_lab.cli import inputs
+from overlap_lab.metrics import compute_kernel_us
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
@@ -73,12 +74,6 @@ class Case:
     #: a Program -> Program pass applied before simulating (a what-if on the schedule's kernels);
     #: module-level, so the pool can pickle it
     transform: Callable[[Program], Program] | None = None
-
-
-def compute_kernel_us(trace: Trace, rank: int = 0) -> float:
-    """GPU time spent in compute kernels of ``rank``: the sum over kernels (kernels running
-    together on different streams each count)."""
-    return sum(s.duration for s in trace.spans if s.rank == rank and s.kind == "compute")
 
 
 def standard_metrics(trace: Trace, program: Program, case: Case) -> dict[str, Any]:
@@ -243,7 +238,7 @@ def draw(exp: Experiment, path: Path) -> None:
         raise ConfigError(f"--draw: results file {path} holds no results object")
     try:
         if exp.figure is not None:
-            from overlap_lab.experiments.figures import paper_style
+            from overlap_lab.figures import paper_style
 
             with paper_style():
                 exp.figure(doc, path.with_suffix(""))

@@ -348,7 +348,7 @@ def simulate(
     program = build_schedule(schedule, w, g, cfg)
     if transform is not None:
         program = transform(program)
-    lowered = _lower_ranks(program, w, g, r)
+    lowered = lower_ranks(program, w, g, r)
     balanced = None
     try:
         if lowered is program:
@@ -424,8 +424,9 @@ def _load_profile(spec: str, gpu_name: str):
     return load_profile(resolve(spec, gpu_name))
 
 
-def _lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
-    """The Program to simulate: the schedule's symmetric one, or every rank explicit."""
+def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
+    """The Program to simulate: the schedule's symmetric one, or every rank explicit (public: the
+    command line shows, the sweep keys and the benchmarks time this same lowered Program)."""
     if r.mode == "symmetric" and r.imbalance == "balanced" and r.dp_imbalance == 0:
         return program  # the common case needs no routing module (a symmetric run draws none)
     from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for

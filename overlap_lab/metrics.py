@@ -93,6 +93,13 @@ def comm_us(trace: Trace, rank: int = 0) -> float:
     return length(union((s.start, s.end) for s in trace.spans_of(rank) if s.kind in COMM_KINDS))
 
 
+def compute_kernel_us(trace: Trace, rank: int = 0) -> float:
+    """GPU time spent in compute kernels of ``rank``: the sum over kernels (kernels running
+    together on different streams each count). A column of the experiments' and the sweep's
+    results alike, so it is defined once, here."""
+    return sum(s.duration for s in trace.spans if s.rank == rank and s.kind == "compute")
+
+
 def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metrics:
     """The :class:`Metrics` of one run of ``program`` for ``w`` (rank 0 for per-rank numbers)."""
     iters, tokens = iterations_and_tokens(program, w)

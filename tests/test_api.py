@@ -7,7 +7,7 @@ import json
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 
 SMALL = dict(model_spec="deepseek-v2-lite", layers=3, ep=8, batch=16)
 

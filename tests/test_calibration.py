@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from overlap_lab.experiments import validate as V
-from overlap_lab.experiments.cli import main
+from overlap_lab import validate as V
+from overlap_lab.cli.main import main
 from overlap_lab.shared.analyze import KernelClass, Mapping, analyze, label_ops, load_mapping
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
@@ -228,7 +228,7 @@ def test_validate_and_calibrate_commands(tmp_path, capsys):
 
 
 def test_bench_plan_covers_sizes_and_sm_budgets():
-    from overlap_lab.experiments.calibrate import plan_for
+    from overlap_lab.calibrate import plan_for
 
     cases, workload_of = plan_for(workload(), H800, (64, 16), (132, 66))
     assert [(c.tokens, c.sms) for c in cases] == [(16, 66), (16, 132), (64, 66), (64, 132)]
@@ -245,7 +245,7 @@ def test_bench_plan_covers_sizes_and_sm_budgets():
 
 def test_bench_plan_measurements_pool_into_a_profile_over_sizes_and_sms():
     """Simulated runs stand in for the GPU's: the rows cover every size and SM budget."""
-    from overlap_lab.experiments.calibrate import plan_for
+    from overlap_lab.calibrate import plan_for
 
     cases, _ = plan_for(workload(), H800, (16, 64), (66, 132))
     pairs = [(simulate(c.program, H800), c.program) for c in cases]
@@ -255,7 +255,7 @@ def test_bench_plan_measurements_pool_into_a_profile_over_sizes_and_sms():
 
 
 def test_device_calibration_needs_a_gpu():
-    from overlap_lab.experiments.calibrate import measure_on_gpu
+    from overlap_lab.calibrate import measure_on_gpu
 
     try:
         import torch
@@ -297,7 +297,7 @@ def test_readme_calibration_section_runs_in_order(tmp_path, capsys, monkeypatch)
         argv = [a.replace("DIR", str(tmp_path / "out")) for a in argv]
         assert main(argv) == 0, (argv, capsys.readouterr().err)
     assert (tmp_path / "out" / "validate.png").exists()
-    from overlap_lab.experiments.cli import parser
+    from overlap_lab.cli.main import parser
 
     for argv in gpu:
         parser().parse_args([a.replace("DIR", str(tmp_path)) for a in argv])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "3", "--ep", "8", "--batch", "16"]
 
@@ -171,7 +171,7 @@ def test_sim_json_without_figure_does_not_import_matplotlib():
     import sys
 
     code = (
-        "import sys; from overlap_lab.experiments.cli import main; "
+        "import sys; from overlap_lab.cli.main import main; "
         "main(['sim', '--layers', '2', '--ep', '8', '--out', '', '--json']); "
         "print('matplotlib' in sys.modules, file=sys.stderr)"
     )

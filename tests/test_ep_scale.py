@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import simpy
 
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 from overlap_lab.shared.builder import RankBuilder, program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from overlap_lab.experiments.figures import (
+from overlap_lab.figures import (
     WIDTHS,
     compare_timelines,
     fmt_time,
@@ -200,7 +200,7 @@ def test_empty_trace_renders(tmp_path):
 
 def test_cli_figure_options(tmp_path):
     """--window, --rank, --width and vector formats reach the figure; bad values are one line."""
-    from overlap_lab.experiments.cli import main
+    from overlap_lab.cli.main import main
 
     base = ["--model", "deepseek-v2-lite", "--layers", "4", "--ep", "8", "--batch", "8"]
     out = tmp_path / "pp"

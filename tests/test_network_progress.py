@@ -131,7 +131,7 @@ def test_an_infinite_flow_stalls_instead_of_hanging():
 )
 def test_issue_reproducers_finish(override):
     """These explicit-rank runs used to re-arm network timers forever (issue 14). The CLI now
-    refuses such values up front (shared/inputs.py); the simulator itself must still finish
+    refuses such values up front (overlap_lab/cli/inputs.py); the simulator itself must still finish
     them, so they go through the Python API, which takes any GPU record."""
     import overlap_lab as ol
 
@@ -147,7 +147,7 @@ def test_issue_reproducers_on_the_command_line_end_cleanly(option, capsys):
     """On the command line the same values either simulate or are refused in one line."""
     import json
 
-    from overlap_lab.experiments.cli import main
+    from overlap_lab.cli.main import main
 
     argv = ["sim", "--layers", "2", "--ep", "8", "--ranks", "explicit", "--out", "", "--json"]
     try:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPUS
 from overlap_lab.shared.presets import PRESETS, load_gpu, load_model

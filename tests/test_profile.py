@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Op

@@ -1,4 +1,4 @@
-"""real/cli.py: the CPU check's JSON and exit codes; the one line without a GPU."""
+"""overlap_lab/cli/run.py (`overlap-lab run`): the CPU check's JSON and exit codes; the one line without a GPU."""
 
 import json
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from overlap_lab.real.cli import NO_GPU, run_main  # noqa: E402
+from overlap_lab.cli.run import NO_GPU, run_main  # noqa: E402
 
 
 def test_without_gpu_and_without_device_cpu_one_line(monkeypatch, capsys):

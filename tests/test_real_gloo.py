@@ -40,7 +40,7 @@ def test_cli_over_gloo_reports_skipped_schedules_and_exits_0(capsys):
     import json
     from types import SimpleNamespace
 
-    from overlap_lab.real.cli import run_main
+    from overlap_lab.cli.run import run_main
 
     args = SimpleNamespace(device="cpu", check=True, json=True, ranks=2, schedule="pp")
     rc = run_main(args)

@@ -228,7 +228,7 @@ def test_readme_gpu_setup_lines_map_the_package_for_the_loop(tmp_path):
     # every module the loop imports comes from the map (this venv's editable install would
     # otherwise hide a module the map lacks)
     mods = ["overlap_lab", "overlap_lab.api", "overlap_lab.metrics", "overlap_lab.sim.calibrate",
-            "overlap_lab.experiments.validate", "overlap_lab.experiments.gpu_validation",
+            "overlap_lab.validate", "overlap_lab.experiments.gpu_validation",
             "overlap_lab.real.executor", "overlap_lab.real.fp8"]  # fmt: skip
     code = f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mods!r}])"
     r = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, env=env,

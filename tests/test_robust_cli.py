@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from overlap_lab.experiments import runner
-from overlap_lab.experiments.cli import main, parser
-from overlap_lab.shared.inputs import LIMITS
+from overlap_lab.cli.main import main, parser
+from overlap_lab.cli.inputs import LIMITS
 from tests.fuzz_helpers import fuzz_settings
 
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "2", "--ep", "8", "--batch", "4"]
@@ -172,14 +172,14 @@ def test_json_output_is_strict_json(capsys):
 
 def test_non_finite_results_refused_not_printed():
     from overlap_lab.shared.errors import ConfigError
-    from overlap_lab.shared.inputs import to_json
+    from overlap_lab.cli.inputs import to_json
 
     with pytest.raises(ConfigError, match=r"busy_us\.x"):
         to_json({"busy_us": {"x": float("inf")}})
 
 
 def test_closed_stdout_is_not_a_traceback(capsys, monkeypatch):
-    import overlap_lab.experiments.cli as cli
+    import overlap_lab.cli.main as cli
 
     def broken(_args):
         raise BrokenPipeError(32, "Broken pipe")
@@ -199,7 +199,7 @@ def test_closed_stdout_pipe_in_a_real_process(tmp_path):
     import sys
 
     r = subprocess.run(
-        f"{sys.executable} -m overlap_lab.experiments.cli show --layers 2 --ep 8 | head -1",
+        f"{sys.executable} -m overlap_lab.cli show --layers 2 --ep 8 | head -1",
         shell=True, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "Traceback" not in r.stderr and r.stdout.startswith("program")
@@ -388,7 +388,7 @@ def test_svg_figures_identical_across_runs(tmp_path):
     for i in range(2):
         out = tmp_path / f"run{i}"
         subprocess.run(
-            [sys.executable, "-m", "overlap_lab.experiments.cli", "sim", *SMALL,
+            [sys.executable, "-m", "overlap_lab.cli", "sim", *SMALL,
              "--out", str(out), "--figure-format", "svg"],
             check=True, capture_output=True, timeout=300,
         )  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlap_lab.experiments.cli import main
+from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import ParseError, parse, to_text

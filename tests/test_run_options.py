@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from overlap_lab.experiments.cli import CPU_CHECK_REFUSES, INSTALL_REAL, main
+from overlap_lab.cli.main import main
+from overlap_lab.cli.run import CPU_CHECK_REFUSES, INSTALL_REAL
 
 
 def run(capsys, *argv):
@@ -38,7 +39,7 @@ def test_cpu_check_refuses_options_it_cannot_honour(capsys, option):
 
 
 def test_every_workload_option_is_either_honoured_or_refused():
-    from overlap_lab.experiments.cli import parser
+    from overlap_lab.cli.main import parser
 
     run_opts = set(vars(parser().parse_args(["run"])))
     honoured = {

@@ -34,7 +34,7 @@ def tiny_derive(rows: list[dict]) -> list[dict]:
 def tiny_figure(doc: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from overlap_lab.experiments.figures import save_figure, timeline
+    from overlap_lab.figures import save_figure, timeline
 
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax, ax2 = fig.subplots(2, 1)

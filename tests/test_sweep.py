@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from overlap_lab.experiments import sweep
-from overlap_lab.experiments.cli import main
-from overlap_lab.experiments.sweep import (
+from overlap_lab.cli import sweep
+from overlap_lab.cli.main import main
+from overlap_lab.cli.sweep import (
     METRICS,
     SCHEDULE_ONLY_GPU_FIELDS,
     load_spec,

@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
-from overlap_lab.experiments import sweep
-from overlap_lab.experiments.sweep import lower_case, sim_key
+from overlap_lab.cli import sweep
+from overlap_lab.cli.sweep import lower_case, sim_key
 
 BASE = {"model": "deepseek-v3", "gpu": "h800", "mode": "decode", "layers": 3, "ep": 8}
 

@@ -193,7 +193,7 @@ def test_api_reduces_by_default_and_gives_the_full_runs_result():
 
 @pytest.mark.parametrize("flag,prefix", [([], "reduced: "), (["--reduce-ranks", "false"], "not ")])
 def test_cli_reduce_ranks(capsys, flag, prefix):
-    from overlap_lab.experiments.cli import main
+    from overlap_lab.cli.main import main
 
     argv = ["sim", "--schedule", "tbo", "--layers", "3", "--ep", "16", "--batch", "16",
             "--ranks", "explicit", "--out", "", "--json", *flag]  # fmt: skip

@@ -54,7 +54,7 @@ def ensure_process_group(backend: str = "nccl"):
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError(
             "--backend deepep runs one process per GPU: launch with "
-            "`torchrun --nproc-per-node N -m overlap_lab.experiments.cli run --backend deepep ...`"
+            "`torchrun --nproc-per-node N -m overlap_lab.cli run --backend deepep ...`"
         )
     local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if backend == "nccl" and torch.cuda.is_available():

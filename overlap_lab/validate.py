@@ -11,7 +11,7 @@ simulator adds: how kernels share the GPU, the link model's communication, the h
 runs another schedule of the same workload with that profile ("would TBO pay on my GPU?").
 
 Library functions for ``overlap-lab validate`` and the real executor; figures are drawn by
-``experiments.figures`` (imported lazily).
+:mod:`overlap_lab.figures` (imported lazily).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def to_text(v: Validation, top: int = 15) -> str:
 
 def figure(measured: Trace, predicted: Trace, path: str | Path, extra: dict | None = None) -> Path:
     """The measured and predicted timelines one above the other (and any ``extra`` ones)."""
-    from overlap_lab.experiments.figures import compare_timelines
+    from overlap_lab.figures import compare_timelines
 
     traces = {"measured": measured, "predicted": predicted, **(extra or {})}
     compare_timelines(traces, path)

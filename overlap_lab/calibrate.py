@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from types import SimpleNamespace
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
@@ -83,7 +82,7 @@ def measure_on_gpu(
         raise ConfigError(f"calibrate --device cuda needs torch ({e})") from None
     if not torch.cuda.is_available():
         raise ConfigError("calibrate --device cuda needs a CUDA GPU; none is visible")
-    from overlap_lab.real.cli import _backend
+    from overlap_lab.measure import comm_backend
     from overlap_lab.real.executor import execute
 
     out = []
@@ -92,7 +91,7 @@ def measure_on_gpu(
         res = execute(
             c.program,
             w,
-            backend=_backend(SimpleNamespace(backend="emulated"), w, gpu),
+            backend=comm_backend("emulated", w, gpu),
             device="cuda",
             seed=seed,
             warmup=warmup,
@@ -117,15 +116,19 @@ def software_versions() -> dict[str, str]:
     return found
 
 
-def calibrate_on_device(args) -> Profile:
-    """The ``calibrate --device cuda`` command's profile (see the module docstring)."""
-    from overlap_lab.experiments.cli import config_from, gpu_from, workload_from
-
-    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    sizes = parse_ints(args.sizes, "--sizes")
-    budgets = parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,)
+def calibrate_on_device(
+    w: Workload,
+    gpu: GPU,
+    cfg=None,
+    *,
+    sizes: Sequence[int],
+    budgets: Sequence[int],
+    repeats: int = 5,
+) -> Profile:
+    """The profile of this GPU (the ``calibrate --device cuda`` command's; see the module
+    docstring): ``w``'s serial Programs at ``sizes`` tokens per rank on ``budgets`` SMs."""
     cases, workload_of = plan_for(w, gpu, sizes, budgets, cfg)
-    pairs = measure_on_gpu(cases, workload_of, gpu, repeats=args.repeats)
+    pairs = measure_on_gpu(cases, workload_of, gpu, repeats=repeats)
     import torch
 
     return profile_from_trace(
@@ -136,5 +139,5 @@ def calibrate_on_device(args) -> Profile:
         date=datetime.now(UTC).date().isoformat(),
         software=software_versions(),
         source=f"overlap-lab calibrate --device cuda: {w.model.name} {w.batch.mode}, serial "
-        f"Programs at {list(sizes)} tokens on {list(budgets)} SMs, median of {args.repeats}",
+        f"Programs at {list(sizes)} tokens on {list(budgets)} SMs, median of {repeats}",
     )

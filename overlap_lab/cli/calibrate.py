@@ -6,38 +6,30 @@
     overlap-lab calibrate --from-trace TRACE.json ...    # a profile from a measured trace
     overlap-lab validate TRACE.json ...                  # measured vs predicted, op by op
 
-Argument parsing and handlers live here; the work is in library modules (``sim.profile``,
-``shared.analyze``, ``experiments.calibrate``) that the real executor calls too.
+Argument parsing and handlers live here (``--profile`` itself in :mod:`overlap_lab.cli.options`);
+the work is in library modules (``sim.profile``, ``shared.analyze``, :mod:`overlap_lab.calibrate`,
+:mod:`overlap_lab.validate`) that the real executor calls too.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.cli.options import (
+    config_from,
+    gpu_from,
+    rank_options,
+    ranks_from,
+    workload_from,
+    workload_options,
+)
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Program, ops_of
-from overlap_lab.sim.calibrate import add_provenance, cost_sources, profile_name  # noqa: F401
-from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
-
-
-def add_profile_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--profile",
-        default="auto",
-        help=f"measured kernel durations: a profile file, {', '.join(BUILTIN)}, or {ROOFLINE} "
-        "(analytic only); auto: the GPU's built-in profile (h800 -> h800-published), else "
-        f"{ROOFLINE} (default: auto)",
-    )
-
-
-def profile_from(args, gpu: GPU) -> Profile | None:
-    """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
-    return load_profile(resolve(getattr(args, "profile", "auto"), gpu.name))
+from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile
 
 
 def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
@@ -102,7 +94,7 @@ def cmd_analyze(args) -> int:
     res = a.to_json()
     out = _out_dir(args)
     if out is not None:
-        from overlap_lab.experiments.figures import save_timeline
+        from overlap_lab.figures import save_timeline
 
         fig = out / f"analyze_timeline.{args.figure_format}"
         shown = classify_trace(trace, mapping)
@@ -121,12 +113,11 @@ def cmd_analyze(args) -> int:
 
 
 def _program_for(args, schedule: str):
-    from overlap_lab.api import _lower_ranks
-    from overlap_lab.experiments.cli import _ranks, config_from, gpu_from, workload_from
+    from overlap_lab.api import lower_ranks
     from overlap_lab.shared.schedules import build
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    return _lower_ranks(build(schedule, w, gpu, cfg), w, gpu, _ranks(args)), w, gpu
+    return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, ranks_from(args)), w, gpu
 
 
 def cmd_calibrate(args) -> int:
@@ -135,9 +126,17 @@ def cmd_calibrate(args) -> int:
     if (args.from_trace is None) == (args.device is None):
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
     if args.device is not None:
-        from overlap_lab.experiments.calibrate import calibrate_on_device
+        from overlap_lab.calibrate import calibrate_on_device, parse_ints
 
-        profile = calibrate_on_device(args)
+        w, gpu = workload_from(args), gpu_from(args)
+        profile = calibrate_on_device(
+            w,
+            gpu,
+            config_from(args),
+            sizes=parse_ints(args.sizes, "--sizes"),
+            budgets=parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,),
+            repeats=args.repeats,
+        )
     else:
         from overlap_lab.sim.calibrate import profile_from_trace
 
@@ -162,7 +161,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from overlap_lab.experiments import validate as V
+    from overlap_lab import validate as V
 
     program, _, gpu = _program_for(args, args.schedule)
     measured = _load_trace(args.trace, args.map, program)
@@ -201,7 +200,7 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def register_calibration_commands(sub, workload_options, rank_options) -> None:
+def register_calibration_commands(sub) -> None:
     """Add ``analyze``, ``calibrate`` and ``validate`` to the ``overlap-lab`` subparsers."""
     from overlap_lab.shared.schedules import SCHEDULES
 

@@ -34,6 +34,12 @@ so an interrupted
 sweep run again on the same file skips the cases it has (a torn last line is dropped) and reuses
 their results for duplicates. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
 and become a Parquet file (pyarrow) when the sweep completes.
+
+The sweep lives in the command line's package, with its subcommand (``overlap-lab sweep SPEC``,
+at the end), because a spec's keys are ``sim``'s options: each case is parsed, checked and turned
+into the API's records by the very option parser and checks of ``overlap-lab sim``
+(:mod:`overlap_lab.cli.options`, :mod:`overlap_lab.cli.inputs`), so that a case means what the
+same options mean on the command line. Below the command line it would need those upward.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import hashlib
 import itertools
 import json
 import marshal
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -87,10 +94,9 @@ class Spec:
 
 @functools.cache
 def _sim_parser() -> argparse.ArgumentParser:
-    from overlap_lab.experiments.cli import parser
+    from overlap_lab.cli.options import subcommand_parser
 
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["sim"]
+    return subcommand_parser("sim")
 
 
 @functools.cache
@@ -320,8 +326,8 @@ class _Inputs:
 def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> _Inputs:
     """Parse and check one case as ``overlap-lab sim`` does (the memory check included)."""
     from overlap_lab import api
-    from overlap_lab.experiments.cli import _ranks, config_from, gpu_from, workload_from
-    from overlap_lab.shared import inputs
+    from overlap_lab.cli import inputs
+    from overlap_lab.cli.options import config_from, gpu_from, ranks_from, workload_from
 
     actions = _knob_actions()
     vals = dict(base if base is not None else defaults())
@@ -345,7 +351,7 @@ def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> 
         )
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
     profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
-    return _Inputs(args, w, gpu, cfg, _ranks(args), profile)
+    return _Inputs(args, w, gpu, cfg, ranks_from(args), profile)
 
 
 def _lower(c: _Inputs):
@@ -353,7 +359,7 @@ def _lower(c: _Inputs):
     from overlap_lab.shared.schedules import build as build_schedule
 
     program = build_schedule(c.args.schedule, c.workload, c.gpu, c.cfg)
-    lowered = api._lower_ranks(program, c.workload, c.gpu, c.ranks)
+    lowered = api.lower_ranks(program, c.workload, c.gpu, c.ranks)
     tol = 0.0 if lowered is program else api.NET_GROUP_TOL
     return c.args.schedule, lowered, c.gpu, tol, c.profile, c.args
 
@@ -500,7 +506,7 @@ def _lower_watched(c: _Inputs):
 
 def metrics(trace, program, gpu) -> dict[str, Any]:
     """The metric columns of one simulated trace."""
-    from overlap_lab.experiments.runner import compute_kernel_us
+    from overlap_lab.metrics import compute_kernel_us
     from overlap_lab.shared.program import num_ops
 
     per_rank = trace.per_rank_step_us()
@@ -830,3 +836,52 @@ def to_parquet(csv_path: str | Path, out: str | Path) -> Path:
     table = table.sort_by("case")
     pq.write_table(table, str(out))
     return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The subcommand
+
+
+def add_parser(sub) -> None:
+    """Register ``sweep`` on the CLI's subparsers."""
+    s = sub.add_parser(
+        "sweep",
+        help="simulate every case of a sweep spec (YAML/JSON) into a CSV or Parquet file",
+        description="Simulate every case of SPEC; rows stream to --out as they finish, and "
+        "running again on the same --out resumes where it stopped.",
+    )
+    s.add_argument("spec", help="the sweep spec: base, grid and/or cases of `sim` options")
+    s.add_argument(
+        "--out", default=None, help="results file, .csv or .parquet (default: SPEC's name .csv)"
+    )
+    s.add_argument("--backend", default="local", choices=("local", "ray"))
+    s.add_argument(
+        "--processes", type=int, default=os.cpu_count() or 1, help="local worker processes"
+    )
+    s.add_argument(
+        "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else local)"
+    )
+    s.add_argument("--limit", type=int, default=None, help="stop after N new cases")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args) -> int:
+    spec = load_spec(args.spec)
+    out = Path(args.out) if args.out else Path(args.spec).with_suffix(".csv")
+    stats = run_sweep(
+        spec,
+        out,
+        processes=args.processes,
+        backend=args.backend,
+        address=args.address,
+        progress=not args.no_progress,
+        limit=args.limit,
+    )
+    print(
+        f"{out}: {stats['cases']} cases, {stats['done_before']} done before, "
+        f"{stats['simulated']} simulated, {stats['duplicates']} duplicates, "
+        f"{stats['errors']} errors",
+        file=sys.stderr,
+    )
+    return 0

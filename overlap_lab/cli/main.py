@@ -1,0 +1,282 @@
+"""`overlap-lab`: simulate, show, list, compare and run overlap schedules.
+
+    overlap-lab sim --schedule serial --model deepseek-v3 --gpu h800 --mode decode --batch 128 --ep 32
+    overlap-lab show --schedule tbo ...           # the Program's text form
+    overlap-lab schedules                         # each schedule, with the upstream code it follows
+    overlap-lab compare --schedules serial,tbo,sbo ...
+    overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
+
+The entry point: the parser of every subcommand and the handlers of ``sim``, ``show``,
+``schedules`` and ``compare``; the options are built in :mod:`overlap_lab.cli.options`, the other
+subcommands in their own modules. Every option has a default. Bad input: one line on stderr, exit
+code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from overlap_lab.cli import inputs
+from overlap_lab.cli.calibrate import cost_comments, register_calibration_commands
+from overlap_lab.cli.options import (
+    Parser,
+    add_profile_option,
+    add_run_options,
+    add_sim_options,
+    check_pp_size,
+    config_from,
+    figure_options,
+    gpu_from,
+    profile_from,
+    rank_options,
+    ranks_from,
+    workload_from,
+    workload_options,
+)
+from overlap_lab.cli.run import cmd_run
+from overlap_lab.cli.sweep import add_parser as add_sweep
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.schedules import SCHEDULES
+from overlap_lab.shared.schedules import build as build_schedule
+
+#: The schedules `compare` runs by default: all of them.
+DEFAULT_COMPARE = tuple(SCHEDULES)
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def _print_summary(res: dict) -> None:
+    print(
+        f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
+        f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
+        + (f", PP {res['pp']} ({res['gpus']} GPUs)" if res["pp"] > 1 else "")
+    )
+    it = res["iterations"]
+    per = f" per iteration ({it} simulated)" if it > 1 else ""
+    print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
+    print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
+    print(f"  communication    {res['comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(f"  exposed comm     {res['exposed_comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(
+        f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
+        f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
+    )
+    print(f"  ops              {res['num_ops']:10d}")
+    if "cost_sources" in res:  # where the durations come from: a measurement or the roofline
+        n = {
+            s: sum(c.get(s, 0) for c in res["cost_sources"].values())
+            for s in ("profile", "roofline", "link")
+        }
+        measured = f"{n['profile']} from profile {res['profile']}, " if n["profile"] else ""
+        print(
+            f"  op durations     {measured}{n['roofline']} from the roofline (no measurement), "
+            f"{n['link']} from the link model"
+        )
+    if "straggler_cost_us" in res:
+        steps = [r["window_us"] for r in res["per_rank"]]
+        print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
+        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms")
+        print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
+    for mb in res["micro_batches"]:
+        cut = ", splits a sequence" if mb.get("split_seq") else ""
+        print(
+            f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
+            f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}"
+        )
+    if "comm_sms" in res:
+        print(f"  communication SMs {res['comm_sms']}")
+    for note in res.get("notes", []):
+        print(f"  note: {note}")
+    for lane, busy in sorted(res["busy_us"].items()):
+        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
+
+
+def cmd_sim(args) -> int:
+    from overlap_lab import api
+
+    check_pp_size(args.schedule, args)
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    result = api.simulate(
+        args.schedule,
+        w,
+        gpu,
+        cfg,
+        ranks=ranks_from(args),
+        profile=args.profile,
+        max_events=args.max_events,
+    )
+    res = result.as_dict()
+    if args.out:
+        from overlap_lab.figures import save_timeline
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result.trace.to_chrome(out / "trace.json")
+        fig = out / f"timeline.{args.figure_format}"
+        save_timeline(
+            result.trace,
+            fig,
+            window=args.window,
+            rank=args.rank,
+            width=args.width,
+            title=_title(result),
+        )
+        res["files"] = [str(out / "trace.json"), str(fig)]
+    if args.json:
+        print(inputs.to_json(res))
+    else:
+        _print_summary(res)
+        for f in res.get("files", []):
+            print(f"  wrote {f}")
+    return 0
+
+
+def _title(result) -> str:
+    """The workload in a figure's title: model, mode, batch, layout, GPU."""
+    w = result.workload
+    lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
+    return (
+        f"{result.schedule}: {w.model.name} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
+        f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
+    )
+
+
+def cmd_show(args) -> int:
+    from overlap_lab import api
+    from overlap_lab.shared.validate import validate
+
+    check_pp_size(args.schedule, args)
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    if args.schedule == "pp" and w.parallel.pp == 1:
+        w = dataclasses.replace(
+            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
+        )
+    program = build_schedule(args.schedule, w, gpu, cfg)
+    lowered = api.lower_ranks(program, w, gpu, ranks_from(args))
+    validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
+    sys.stdout.write(str(lowered))
+    if args.profile != "auto":  # durations only when asked: the default output is the Program
+        sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
+    return 0
+
+
+def cmd_schedules(args) -> int:
+    from overlap_lab.shared.schedules import describe
+
+    rows = describe()
+    width = max(len(n) for n, _, _ in rows)
+    for name, upstream, summary in rows:
+        print(f"{name:<{width}}  {summary}")
+        print(f"{'':<{width}}  upstream: {upstream}")
+    print("\nRules and references of each: docs/schedules.md in the repository.")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from overlap_lab import api
+
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    table = api.compare(
+        names,
+        w,
+        gpu,
+        cfg,
+        pp_stages=args.pp_size,
+        progress=not args.json,
+        ranks=ranks_from(args),
+        profile=args.profile,
+        max_events=args.max_events,
+    )
+    files = []
+    if args.out:
+        from overlap_lab.figures import compare_timelines
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        fig = out / f"compare.{args.figure_format}"
+        compare_timelines(
+            table,
+            fig,
+            window=args.window,
+            rank=args.rank,
+            width=args.width,
+            title=_title(table.baseline).split(": ", 1)[1],
+        )
+        files.append(fig)
+        for n, tr in table.traces().items():
+            tr.to_chrome(out / f"trace_{n.replace('+', '_')}.json")
+    if args.json:
+        print(inputs.to_json({"results": table.as_dicts()}))
+        return 0
+    print(table.text())
+    for f in files:
+        print(f"wrote {f}")
+    return 0
+
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="overlap-lab", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", parser_class=Parser)
+    sub.required = True
+
+    s = sub.add_parser("sim", help="simulate one schedule and write its trace and timeline")
+    add_sim_options(s)
+    s.set_defaults(func=cmd_sim)
+
+    s = sub.add_parser("show", help="print the Program's text form")
+    s.add_argument("--schedule", default="serial")
+    workload_options(s)
+    rank_options(s)
+    add_profile_option(s)
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser("schedules", help="list the schedules and the upstream code each follows")
+    s.set_defaults(func=cmd_schedules)
+
+    s = sub.add_parser("compare", help="simulate several schedules on one workload")
+    s.add_argument("--schedules", default=",".join(DEFAULT_COMPARE))
+    s.add_argument(
+        "--out", default="overlap-lab-out", help="directory for the stacked figure and traces"
+    )
+    s.add_argument("--json", action="store_true")
+    figure_options(s)
+    workload_options(s)
+    rank_options(s)
+    add_profile_option(s)
+    s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("run", help="run a schedule with the real executor (GPU, or --device cpu)")
+    add_run_options(s)
+    s.set_defaults(func=cmd_run)
+    register_calibration_commands(sub)
+    add_sweep(sub)
+    return inputs.apply_limits(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        inputs.check_args(args)  # every option, alone and together, before anything runs
+        if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
+            w, gpu = workload_from(args), gpu_from(args)
+            inputs.check_workload(w, gpu, args)
+        return args.func(args)
+    except ConfigError as e:
+        msg = str(e).strip()
+        print(f"overlap-lab: error: {msg}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return inputs.closed_stdout()
+    except OSError as e:  # writing the outputs failed after the checks (disk full, say)
+        print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

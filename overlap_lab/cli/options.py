@@ -1,0 +1,384 @@
+"""The options of the command line and the records built from them.
+
+Option groups (workload, parallelism, schedule knobs, host costs, hardware overrides, ranks,
+figure, profile) and the ``sim`` and ``run`` subcommands' option sets live here, with the
+functions that turn parsed options into the API's records (:func:`workload_from`,
+:func:`gpu_from`, :func:`config_from`, :func:`ranks_from`). Every subcommand module and the sweep
+(whose spec keys are ``sim``'s options) build from this one place; it never imports
+:mod:`overlap_lab.cli.main`, so the subcommands can use it without an import cycle.
+
+Schedule knobs are the fields of ScheduleConfig and hardware overrides the fields of the GPU
+preset, both turned into options here so that a knob added to either is on the command line at
+once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import re
+import types
+import typing
+
+from overlap_lab.cli import inputs
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU, GPUS, HostCosts
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
+from overlap_lab.shared.workload import MODELS, Workload
+from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line and exits 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"overlap-lab: error: {message}\n")
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one length")
+    return vals
+
+
+def flag(name: str) -> str:
+    """The option spelling of a field or ``dest`` name (``kv_len`` -> ``--kv-len``)."""
+    return "--" + name.replace("_", "-")
+
+
+def _option_type(tp):
+    """A parser for a dataclass field annotation: scalars, optionals and comma-separated tuples."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"HostCosts": object}, {})  # annotations are strings (PEP 563)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _option_type(args[0]) if len(args) == 1 else None
+    if typing.get_origin(tp) is tuple:
+        inner = typing.get_args(tp)[0]
+        if inner is int:
+            return _int_list
+        if inner is str:
+            return lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
+        return None
+    if tp is bool:
+        return _bool
+    return tp if tp in (int, float, str) else None
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+@functools.cache  # reading the source is most of building the parser
+def _field_comments(cls) -> dict[str, str]:
+    """The trailing ``# comment`` of each field in the class source: the option's help."""
+    import inspect
+
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def _add_dataclass_options(group, cls, *, skip=(), prefix="") -> None:
+    notes = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        parse = _option_type(f.type)
+        if f.name in skip or parse is None:
+            continue
+        default = "preset" if cls is GPU else f.default
+        kw = dict(nargs="?", const=True) if parse is _bool else {}
+        group.add_argument(
+            flag(prefix + f.name),
+            dest=prefix + f.name,
+            type=parse,
+            default=None,
+            metavar=f.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
+            help=f"{notes.get(f.name, '')} (default: {default})".strip(),
+            **kw,
+        )
+
+
+def workload_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--model", default="deepseek-v3", help=f"one of {', '.join(MODELS)}, or a model file"
+    )
+    g.add_argument(
+        "--model-file",
+        default=None,
+        metavar="PATH",
+        help="YAML/JSON of ModelConfig fields, or a HuggingFace config.json (DeepSeek-V2/V3, "
+        "Qwen2/3-MoE, Mixtral); replaces --model",
+    )
+    g.add_argument("--gpu", default="h800", help=f"one of {', '.join(GPUS)}, or a GPU file")
+    g.add_argument(
+        "--gpu-file",
+        default=None,
+        metavar="PATH",
+        help="YAML/JSON of GPU fields (the built-in presets are such files); replaces --gpu",
+    )
+    g.add_argument("--mode", default="decode", help="decode or prefill")
+    g.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        help="sequences per GPU (rank) (default: 128 decode, 4 prefill)",
+    )
+    g.add_argument("--kv-len", type=positive_int, default=4096, help="decode: KV length per seq")
+    g.add_argument("--kv-lens", type=_int_list, default=None, help="decode: explicit KV lengths")
+    g.add_argument(
+        "--tokens-per-seq",
+        type=positive_int,
+        default=1,
+        help="decode: tokens per sequence (MTP / target verify)",
+    )
+    g.add_argument("--extend-len", type=positive_int, default=4096, help="prefill: new tokens")
+    g.add_argument(
+        "--extend-lens",
+        type=_int_list,
+        default=None,
+        help="prefill: explicit new-token counts, e.g. 4096,4096,1",
+    )
+    g.add_argument("--prefix-len", type=int, default=0, help="prefill: cached prefix per seq")
+    g.add_argument("--prefix-lens", type=_int_list, default=None, help="prefill: explicit prefixes")
+    g.add_argument(
+        "--layers",
+        type=positive_int,
+        default=None,
+        help="keep N layers: one dense layer first (if the model has any), the rest MoE (default: all)",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--ep", type=positive_int, default=32, help="expert-parallel size")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8)
+    g.add_argument("--attn-tp", type=positive_int, default=1, help="attention TP size")
+    g.add_argument("--dp-attention", type=_bool, default=True, help="DP attention (true/false)")
+    g.add_argument(
+        "--pp-size",
+        type=positive_int,
+        default=None,
+        help="pipeline stages (default: 1; pp: 2)",
+    )
+    _add_dataclass_options(p.add_argument_group("schedule knobs"), ScheduleConfig)
+    _add_dataclass_options(
+        p.add_argument_group("host costs of the scheduler loop (µs)"), HostCosts, prefix="host_"
+    )
+    _add_dataclass_options(
+        p.add_argument_group("hardware overrides (fields of the GPU preset)"),
+        GPU,
+        skip=("name", "arch"),
+    )
+    inputs.add_guard_options(p)
+
+
+def figure_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("figure")
+    g.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
+    g.add_argument(
+        "--window",
+        default="auto",
+        help="what the timeline shows: auto (two MoE layers of one-step schedules; the whole "
+        "window for sglang-overlap and pp), step (everything), layers:A-B (MoE layers A..B), "
+        "or a time range in ms, e.g. 10-25",
+    )
+    g.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="draw this rank (default: every rank of a pp run, rank 0 otherwise)",
+    )
+    g.add_argument(
+        "--width",
+        default="double",
+        help="figure width: single (3.3 in, one column), double (7 in, two columns) or inches",
+    )
+
+
+def rank_options(p: argparse.ArgumentParser) -> None:
+    """Explicit ranks, routing imbalance and DP-attention imbalance (sim, show, compare)."""
+    g = p.add_argument_group("ranks and imbalance")
+    g.add_argument(
+        "--ranks",
+        default="symmetric",
+        choices=("symmetric", "explicit"),
+        help="simulate one mirrored rank (fast) or every EP rank explicitly",
+    )
+    g.add_argument(
+        "--imbalance",
+        default="balanced",
+        help="expert load: balanced, zipf:S or file:PATH (JSON/CSV routing sample, "
+        "see shared/routing.py); needs --ranks explicit unless balanced",
+    )
+    g.add_argument(
+        "--dp-imbalance",
+        type=float,
+        default=0.0,
+        help="DP attention: ranks hold a seeded uniform share in [1-F, 1] of the "
+        "padded batch of real tokens (0: all full); needs --ranks explicit",
+    )
+    g.add_argument(
+        "--group-limited",
+        type=_bool,
+        default=None,
+        help="DeepSeek-V3 group-limited routing (default: the model's own gating)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of routing and DP imbalance")
+    g.add_argument(
+        "--reduce-ranks",
+        type=_bool,
+        default=True,
+        help="explicit ranks that provably cannot differ (balanced routing) are simulated once "
+        "and copied to every rank, the same result (shared/symmetry.py); false: every rank",
+    )
+
+
+def ranks_from(args):
+    """The API's Ranks record from the rank options (symmetric for subcommands without them)."""
+    from overlap_lab.api import Ranks
+
+    return Ranks(
+        getattr(args, "ranks", "symmetric"),
+        getattr(args, "imbalance", "balanced"),
+        getattr(args, "dp_imbalance", 0.0),
+        getattr(args, "group_limited", None),
+        getattr(args, "seed", 0),
+        getattr(args, "reduce_ranks", True),
+    )
+
+
+def workload_from(args) -> Workload:
+    """The workload of the workload options (``--model`` or ``--model-file``)."""
+    from overlap_lab import api
+
+    pp = args.pp_size
+    if pp is None:  # pp's own default comes from the API; every other schedule runs one stage
+        pp = 1
+    return api.workload(
+        getattr(args, "model_file", None) or args.model,
+        mode=args.mode,
+        batch=args.batch,
+        kv_len=args.kv_len,
+        kv_lens=args.kv_lens,
+        tokens_per_seq=args.tokens_per_seq,
+        extend_len=args.extend_len,
+        extend_lens=args.extend_lens,
+        prefix_len=args.prefix_len,
+        prefix_lens=args.prefix_lens,
+        layers=args.layers,
+        ep=args.ep,
+        gpus_per_node=args.gpus_per_node,
+        attn_tp=args.attn_tp,
+        dp_attention=args.dp_attention,
+        pp=pp,
+    )
+
+
+def _overrides(args, cls, skip=(), prefix="") -> dict:
+    return {
+        f.name: getattr(args, prefix + f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and getattr(args, prefix + f.name, None) is not None
+    }
+
+
+def gpu_from(args) -> GPU:
+    """The preset or ``--gpu-file``, with the hardware overrides; a changed GPU is renamed
+    (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
+    from overlap_lab import api
+
+    spec = getattr(args, "gpu_file", None) or args.gpu
+    return api.gpu(spec, **_overrides(args, GPU, skip=("name", "arch")))
+
+
+def config_from(args) -> ScheduleConfig:
+    """The schedule knobs and host costs given (the rest: ScheduleConfig's defaults)."""
+    kw = _overrides(args, ScheduleConfig)
+    host = _overrides(args, HostCosts, prefix="host_")
+    if host:
+        kw["host"] = HostCosts(**host)
+    return ScheduleConfig(**kw)
+
+
+def check_pp_size(schedule: str, args) -> None:
+    """A pipeline needs two stages at least; ``--pp-size`` left out means the API's default."""
+    if schedule == "pp" and args.pp_size == 1:
+        raise ConfigError("pp needs --pp-size >= 2 (leave it out for 2 stages)")
+
+
+def add_profile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        default="auto",
+        help=f"measured kernel durations: a profile file, {', '.join(BUILTIN)}, or {ROOFLINE} "
+        "(analytic only); auto: the GPU's built-in profile (h800 -> h800-published), else "
+        f"{ROOFLINE} (default: auto)",
+    )
+
+
+def profile_from(args, gpu: GPU) -> Profile | None:
+    """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
+    return load_profile(resolve(getattr(args, "profile", "auto"), gpu.name))
+
+
+def add_sim_options(s: argparse.ArgumentParser) -> None:
+    """The options of ``sim``: also the knobs of a sweep spec (:mod:`overlap_lab.cli.sweep`)."""
+    s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
+    s.add_argument(
+        "--out",
+        default="overlap-lab-out",
+        help="directory for trace.json and the timeline figure ('' to write nothing)",
+    )
+    s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    figure_options(s)
+    workload_options(s)
+    rank_options(s)
+    add_profile_option(s)
+
+
+def add_run_options(s: argparse.ArgumentParser) -> None:
+    """The options of ``run``: the real executor's."""
+    s.add_argument("--schedule", default=None, help="a schedule, or all (default) with --check")
+    s.add_argument("--backend", default="auto", help="emulated, torch, deepep or auto")
+    s.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    s.add_argument("--check", action="store_true", help="CPU: equivalence with serial")
+    s.add_argument("--ranks", type=positive_int, default=1, help="CPU: gloo processes")
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--repeats", type=positive_int, default=5)
+    s.add_argument("--tolerance", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="overlap-lab-out")
+    s.add_argument("--json", action="store_true")
+    workload_options(s)
+
+
+#: the subcommands whose options are built here, by name
+_SUBCOMMAND_OPTIONS = {"sim": add_sim_options, "run": add_run_options}
+
+
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """A parser of one subcommand's options alone, limits applied as on the command line: what
+    the sweep reads its knobs from and what ``run`` compares given options with."""
+    p = Parser(prog=f"overlap-lab {name}")
+    _SUBCOMMAND_OPTIONS[name](p)
+    return inputs.apply_limits(p)

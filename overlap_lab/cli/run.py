@@ -1,0 +1,241 @@
+"""`overlap-lab run`: the real executor from the command line.
+
+:func:`cmd_run` checks the options a run cannot honour and builds the workload as `sim` does;
+:func:`run_main` turns the parsed options (any object with attributes; missing ones take the
+defaults below) into the arguments of :mod:`overlap_lab.measure` and prints what comes back:
+schedule, model, gpu, mode, batch, workload (the GPU run's, built by :func:`cmd_run` like `sim`'s),
+prefix_len, ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance.
+
+- GPU: run the schedule, write the measured trace (Chrome JSON) and a timeline figure under
+  ``out``, print the summary (the keys of `sim`, plus backend and device).
+- ``--device cpu --check``: the equivalence check for every schedule (or the one named); with
+  ``--json`` prints ``{"max_rel_diff_vs_serial": {schedule: diff}, ...}``; exit 1 if any
+  difference exceeds the tolerance or a schedule fails (an unordered read counts).
+- ``--device cpu --ranks N``: the same through N gloo processes with EP over them; schedules
+  that refuse a workload or whose Program is not symmetric (``pp``) are listed in ``skipped``,
+  a failing rank in ``errors`` (exit 1), never a traceback.
+- No GPU and no ``--device cpu``: one line saying so, exit 2.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import sys
+
+from overlap_lab.cli import inputs
+from overlap_lab.cli.options import config_from, flag, subcommand_parser, workload_from
+from overlap_lab.shared.errors import ConfigError
+
+#: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
+GPU_RUN_LAYERS = 4
+
+DEFAULTS = dict(
+    schedule=None,
+    model="deepseek-v3",
+    gpu="h100",
+    mode="decode",
+    batch=None,
+    workload=None,
+    prefix_len=0,
+    ep=None,
+    layers=None,
+    backend="auto",
+    device="auto",
+    check=False,
+    ranks=1,
+    json=False,
+    out="results/run",
+    warmup=2,
+    repeats=5,
+    seed=0,
+    tolerance=None,
+    cfg=None,
+)
+
+NO_GPU = (
+    "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check for the "
+    "CPU equivalence check"
+)
+
+
+def _opt(args, name):
+    v = getattr(args, name, None)
+    return DEFAULTS[name] if v is None else v
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run_main(args) -> int:
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _cpu_model(args) -> str:
+    from overlap_lab.real.model import TINY_NAMES
+
+    m = _opt(args, "model")
+    return m if m in TINY_NAMES else "tiny-mla"
+
+
+def _run(args) -> int:
+    device = _opt(args, "device")
+    if device == "cpu":
+        return _run_cpu(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return 2
+    return _run_gpu(args)
+
+
+def _run_cpu(args) -> int:
+    from overlap_lab.measure import check_on_cpu, schedules_to_run
+
+    model = _cpu_model(args)
+    if model != _opt(args, "model"):
+        _say(f"note: the CPU check runs {model} (scaled down), not {_opt(args, 'model')}")
+    ranks = int(_opt(args, "ranks"))
+    out = check_on_cpu(
+        schedules_to_run(_opt(args, "schedule")),
+        model=model,
+        gpu=_opt(args, "gpu"),
+        ranks=ranks,
+        seed=_opt(args, "seed"),
+        tolerance=_opt(args, "tolerance"),
+        cfg=_opt(args, "cfg"),
+    )
+    tol = out["tolerance"]
+    key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
+    if _opt(args, "json"):
+        print(_json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for name, d in out[key].items():
+            mark = "ok" if d <= tol else "FAIL"
+            print(f"{name:16s} max rel diff {d:.2e}  {mark}")
+        for name, e in out.get("errors", {}).items():
+            print(f"{name:16s} ERROR {e}")
+        for name, e in out.get("skipped", {}).items():
+            print(f"{name:16s} skipped for a workload: {e}")
+    return 0 if out["ok"] else 1
+
+
+def _run_gpu(args) -> int:
+    from overlap_lab.measure import run_on_gpu, schedules_to_run
+
+    w = _opt(args, "workload")  # built by cmd_run, as for `sim`
+    if w is None:
+        raise ConfigError("a GPU run needs the workload (run it through `overlap-lab run`)")
+    schedule = _opt(args, "schedule")
+    names = schedules_to_run(schedule) if schedule in (None, "all") else [schedule]
+    summaries = run_on_gpu(
+        names,
+        w,
+        gpu=_opt(args, "gpu"),
+        cfg=_opt(args, "cfg"),
+        backend=_opt(args, "backend"),
+        seed=_opt(args, "seed"),
+        warmup=_opt(args, "warmup"),
+        repeats=_opt(args, "repeats"),
+        out_dir=_opt(args, "out"),
+    )
+    if _opt(args, "json"):
+        print(
+            _json.dumps(
+                summaries if len(summaries) > 1 else summaries[names[0]], indent=2, default=str
+            )
+        )
+    else:
+        for name, s in summaries.items():
+            g = s.get("graph_replay_step_time_us")
+            print(
+                f"{name:16s} step {s['step_time_us']:.1f} us (op-by-op spans)"
+                + (f"  graph replay {g:.1f} us" if g else "")
+                + f"  exposed comm {s['exposed_comm_us']:.1f} us  backend {s['backend']}"
+                f"  device {s['device']}" + ("  [pp: stages share one GPU]" if "note" in s else "")
+            )
+    return 0
+
+
+# -- the subcommand ----------------------------------------------------------------------------
+
+
+#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
+#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
+INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
+#: Options the CPU equivalence check cannot honour: it runs its own small workloads (tiny models,
+#: fixed decode and prefill batches: real/check.py), on the local or gloo backend, measures
+#: nothing and writes no files. Each is refused when given, never silently dropped.
+CPU_CHECK_REFUSES = {
+    "mode": "the check runs decode and prefill batches of its own",
+    "max_events": "the check simulates nothing",
+    "allow_oversubscribe": "the check's tiny models fit in any memory",
+    "batch": "the check's batches are fixed (real/check.py)",
+    "kv_len": "the check's batches are fixed",
+    "kv_lens": "the check's batches are fixed",
+    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
+    "extend_len": "the check's batches are fixed",
+    "extend_lens": "the check's batches are fixed",
+    "prefix_len": "the check's batches are fixed",
+    "prefix_lens": "the check's batches are fixed",
+    "layers": "the check's tiny models have their own layers",
+    "model_file": "the check runs its tiny models",
+    "ep": "the check's EP size is max(2, --ranks)",
+    "gpus_per_node": "the check runs no network",
+    "attn_tp": "the check runs without attention TP",
+    "dp_attention": "the check runs DP attention",
+    "pp_size": "the check runs pp with 2 and 3 stages itself",
+    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
+    "warmup": "the check measures nothing",
+    "repeats": "the check measures nothing",
+    "out": "the check writes no files (use --json > FILE)",
+}
+
+
+def _given(args) -> set[str]:
+    """The options of `run` set to something other than their default."""
+    d = subcommand_parser("run").parse_args(["--device", "cpu", "--check"])
+    d.command = "run"
+    default_mode, d.mode = d.mode, args.mode
+    inputs.check_args(d)  # the mode's defaults filled in, as they were for ``args``
+    defaults = {**vars(d), "mode": default_mode}
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def cmd_run(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
+            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
+        )
+    if args.device == "cpu":
+        given = _given(args)
+        bad = [k for k in CPU_CHECK_REFUSES if k in given]
+        if bad:
+            why = "; ".join(f"{flag(k)}: {CPU_CHECK_REFUSES[k]}" for k in bad)
+            raise ConfigError(f"run --device cpu --check does not take {why}")
+        if "model" in given:
+            from overlap_lab.real.model import TINY_NAMES
+
+            if args.model not in TINY_NAMES:
+                raise ConfigError(
+                    f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
+                    f"--model {args.model} runs on a GPU"
+                )
+    args.cfg = config_from(args)
+    if args.layers is None and args.device != "cpu":
+        args.layers = GPU_RUN_LAYERS
+    # the same workload `sim` builds from the same options (the CPU check's tiny models have none)
+    args.workload = None if inputs.tiny_cpu_model(args) else workload_from(args)
+    return run_main(args)
+

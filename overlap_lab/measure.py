@@ -1,0 +1,220 @@
+"""The real executor's two runs from plain values: the CPU equivalence check of schedules
+(:func:`check_on_cpu`) and the measured GPU run (:func:`run_on_gpu`), with the communication
+backend both pick (:func:`comm_backend`).
+
+They sit beside the API, above ``real/`` and below the command line, so that ``overlap-lab run``
+(:mod:`overlap_lab.cli.run`) only turns options into these arguments and prints what comes back,
+and the GPU calibration (:mod:`overlap_lab.calibrate`) picks its backend the way a run does.
+torch and ``overlap_lab.real`` are imported inside the functions: this module imports on a
+machine without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.workload import Workload
+
+
+def schedules_to_run(name: str | None) -> list[str]:
+    """The schedules a run covers: every available one for ``None`` or ``all``; else the one
+    named, after serial (the equivalence check's reference)."""
+    from overlap_lab.shared import schedules as S
+
+    if name in (None, "all"):
+        return S.available()
+    S.module(name)  # ConfigError for an unknown or missing schedule
+    return ["serial", name] if name != "serial" else ["serial"]
+
+
+def check_on_cpu(
+    names: list[str],
+    *,
+    model: str,
+    gpu: str,
+    ranks: int,
+    seed: int,
+    tolerance: float | None,
+    cfg: ScheduleConfig | None,
+) -> dict[str, Any]:
+    """Each schedule of ``names`` against serial on the CPU (``ranks`` > 1: through that many
+    gloo processes, against one process), on the tiny ``model``'s own workloads. The report:
+    device, model, tolerance, backend, the differences (``max_rel_diff_vs_serial``, or
+    ``max_rel_diff_vs_one_process`` with ``ranks``), errors, skipped schedules and ``ok``."""
+    from overlap_lab.real.check import DEFAULT_TOLERANCE, check_equivalence, default_workloads
+
+    tol = tolerance or DEFAULT_TOLERANCE
+    workloads = default_workloads(model, ep=max(2, ranks))
+    out: dict = {"device": "cpu", "model": model, "tolerance": tol}
+    if ranks > 1:
+        from overlap_lab.real.distributed import run_gloo, split_cases
+
+        cases, skipped = split_cases([(n, w) for n in names for w in workloads], gpu=gpu, cfg=cfg)
+        errors: dict[str, str] = {}
+        try:
+            res = run_gloo(cases, world=ranks, seed=seed, gpu=gpu, cfg=cfg)
+        except (RuntimeError, ValueError) as e:  # a rank failed: reported, not a traceback
+            res, errors["gloo"] = [], str(e)
+        diffs: dict[str, float] = {}
+        for r in res:
+            diffs[r["schedule"]] = max(diffs.get(r["schedule"], 0.0), r["max_rel_diff"])
+        out.update(
+            backend="torch (gloo)",
+            ranks=ranks,
+            max_rel_diff_vs_one_process=diffs,
+            errors=errors,
+            skipped=skipped,
+        )
+        ok = not errors and all(v <= tol for v in diffs.values())
+    else:
+        cr = check_equivalence(names, workloads, gpu=gpu, seed=seed, tolerance=tol, cfg=cfg)
+        out.update(
+            backend="local",
+            max_rel_diff_vs_serial=cr.max_rel_diff_vs_serial,
+            errors=cr.errors,
+            skipped=cr.skipped,
+        )
+        ok = cr.ok
+    out["ok"] = ok
+    return out
+
+
+def comm_backend(name: str, w: Workload, gpu: GPU):
+    """The communication backend ``name`` (emulated, torch, deepep, local or auto) for ``w`` on
+    ``gpu``; auto: DeepEP (or torch) when launched by torchrun over several GPUs, else emulated."""
+    import torch
+
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.bytes import LinkParams
+    from overlap_lab.real.model import from_model_config
+
+    rc = from_model_config(w.model)
+    link = LinkParams.from_gpu(gpu)
+    if name == "auto":
+        import os
+
+        import torch.distributed as dist
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            from overlap_lab.real.comm.deepep import ensure_process_group
+
+            ensure_process_group()  # launched by torchrun: one process per GPU
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        from overlap_lab.real.deps import available
+
+        name = ("deepep" if available("deep_ep") else "torch") if multi else "emulated"
+    kw = dict(
+        num_experts=rc.num_experts, hidden=rc.hidden, link=link, num_sms=gpu.deepep_normal_sms
+    )
+    if name in ("local", "emulated"):
+        kw.update(rank=0, world=w.parallel.ep)
+    if name == "emulated":
+        kw["device_sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    if name == "deepep":  # the LL buffer is sized for this rank's largest dispatch
+        kw["num_max_dispatch_tokens_per_rank"] = min(1024, w.batch.num_tokens)
+    return make_backend(name, **kw)
+
+
+def run_on_gpu(
+    names: list[str],
+    w: Workload,
+    *,
+    gpu: str,
+    cfg: ScheduleConfig | None,
+    backend: str,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    out_dir: str | Path,
+) -> dict[str, dict[str, Any]]:
+    """Run each schedule of ``names`` on ``w`` on the CUDA device; write its measured trace
+    (Chrome JSON) and timeline under ``out_dir``; the summary of each (the keys of `sim`, plus
+    backend and device), by schedule."""
+    import torch
+
+    from overlap_lab.real.check import workload_variants
+    from overlap_lab.real.deps import probe
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
+
+    g = get_gpu(gpu)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    deps = probe()
+    summaries = {}
+    for name in names:
+        wv = workload_variants(name, w)[0]  # pp runs on a pp >= 2 copy of a pp = 1 workload
+        prog = S.build(name, wv, g, cfg)
+        be = comm_backend(backend, wv, g)
+        res = execute(
+            prog,
+            wv,
+            backend=be,
+            device="cuda",
+            seed=seed,
+            warmup=warmup,
+            repeats=repeats,
+            host_spin=False,  # the real Python launch overhead IS the host time: not twice
+            meta=dict(
+                schedule=name,
+                model=w.model.name,
+                gpu=g.name,
+                device_name=props.name,
+                num_sms=props.multi_processor_count,
+                mode=w.batch.mode,
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                driver=_driver(),
+                packages={k: v.get("version") for k, v in deps.items()},
+            ),
+        )
+        tr = res.trace
+        tr.to_chrome(out_dir / f"{name}.trace.json")
+        try:
+            from overlap_lab.figures import save_timeline
+
+            save_timeline(tr, out_dir / f"{name}.png")
+        except ImportError:
+            pass
+        s = tr.summary()
+        s.update(
+            backend=tr.meta.get("backend"),
+            device=props.name,
+            emulated=tr.meta.get("emulated"),
+            link=tr.meta.get("link"),
+            step_times_us=tr.meta.get("step_times_us"),
+            cuda_graphs=tr.meta.get("cuda_graphs"),
+            sm_budget_mechanisms=tr.meta.get("sm_budget_mechanisms"),
+            sm_limits=tr.meta.get("sm_limits"),
+            step_time_source=tr.meta.get("step_time_source"),
+            spans_source=tr.meta.get("spans_source"),
+            graph_replay_step_time_us=tr.meta.get("graph_replay_step_time_us"),
+            eager_step_time_us=tr.meta.get("eager_step_time_us"),
+        )
+        if prog.meta.get("pp_size", 1) > 1:  # in-process stages: not a pipeline's timing
+            s["note"] = (
+                "pp: every pipeline stage runs in this one process on one GPU; its times are "
+                "not those of one stage per GPU (do not compare them with other schedules)"
+            )
+        summaries[name] = s
+    return summaries
+
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
