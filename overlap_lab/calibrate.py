@@ -8,6 +8,8 @@ op is timed by its own CUDA events; the median of ``--repeats`` runs becomes the
 ``sim.calibrate.profile_from_trace`` takes the rows. The header records the device, the date and
 the versions of torch, CUDA and the kernel libraries found.
 
+A library beside the API, not part of the command line: :func:`calibrate_on_device` takes the
+workload, GPU and sizes as values (``overlap_lab.cli.calibrate`` parses them from the options).
 torch and ``overlap_lab.real`` are imported inside the functions, so this module imports on a
 machine without a GPU; only :func:`measure_on_gpu` needs one.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
@@ -24,6 +27,9 @@ from overlap_lab.shared.trace import Trace
 from overlap_lab.shared.workload import Batch, Workload
 from overlap_lab.sim.calibrate import BenchCase, bench_plan, profile_from_trace
 from overlap_lab.sim.profile import Profile
+
+if TYPE_CHECKING:
+    from overlap_lab.shared.schedules import ScheduleConfig
 
 
 def parse_ints(text: str | None, what: str) -> tuple[int, ...]:
@@ -119,7 +125,7 @@ def software_versions() -> dict[str, str]:
 def calibrate_on_device(
     w: Workload,
     gpu: GPU,
-    cfg=None,
+    cfg: ScheduleConfig | None = None,
     *,
     sizes: Sequence[int],
     budgets: Sequence[int],

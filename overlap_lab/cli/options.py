@@ -28,6 +28,9 @@ from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.workload import MODELS, Workload
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
 
+if typing.TYPE_CHECKING:
+    from overlap_lab.api import Ranks
+
 
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad input in one line and exits 2."""
@@ -253,7 +256,7 @@ def rank_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def ranks_from(args):
+def ranks_from(args) -> Ranks:
     """The API's Ranks record from the rank options (symmetric for subcommands without them)."""
     from overlap_lab.api import Ranks
 
