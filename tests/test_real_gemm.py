@@ -117,7 +117,7 @@ def _interp_model_experts_through_a_limited_budget():
         wt = torch.rand(6, 2, generator=g)
         got = M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"], gemm=b)
         assert torch.allclose(got, M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"]), atol=1e-4)
-    assert G.ComputeBudget.applied.get("triton_persistent", 0) >= 1
+    assert budget.applied.get("triton_persistent", 0) >= 1
 
 
 def test_contiguous_tiles_never_span_experts():
@@ -354,14 +354,13 @@ def test_a_failing_deep_gemm_call_falls_back_to_triton_and_is_labelled_so(monkey
     dg = types.SimpleNamespace(bf16_gemm_nt=bf16_gemm_nt)
     monkeypatch.setattr(G, "matmul", lambda x, w, num_sms: x @ w.t())
     monkeypatch.setattr(G, "DEEP_GEMM_ERRORS", {})
-    G.reset_applied()
     b = G.ComputeBudget(100, mechanism="deep_gemm")
     b._dg = dg  # what __enter__ sets from deep_gemm_num_sms on a GPU
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
     for _ in range(3):
         assert torch.equal(b.linear(x, w), x @ w.t())
     assert len(calls) == 1 and "bf16_gemm_nt" in G.DEEP_GEMM_ERRORS
-    labels = G.ComputeBudget.applied
+    labels = b.applied
     assert not any(k.startswith("deep_gemm") for k in labels), labels
     assert sum(labels.values()) == 3
 
