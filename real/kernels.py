@@ -512,15 +512,13 @@ def attn_core(ctx: KernelCtx) -> None:
             o = M.mla_attend_absorbed(cfg, lw, q[0], q[1], kv, seq_idx - s0, q_pos)
     else:
         outs = []
-        for s, r0, r, p in pieces:
-            q_pos = torch.arange(p, p + r, device=dev)
+        for s, r0, r, p in pieces:  # this piece's r queries are the last of its p + r keys
             kv = cache[s, : p + r]
             if cfg.attention == "mla":
-                outs.append(
-                    M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv, q_pos)
-                )
+                outs.append(M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv))
             else:
-                outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv, q_pos))
+                outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv))
+            ctx.log.count_kernel("attention", M.causal_variant(r, p + r))
         o = torch.cat(outs)
     out = torch.zeros(P, cfg.hidden, dtype=cache.dtype, device=dev)
     out[:n] = (o @ lw["o_proj"].t()).to(out.dtype)

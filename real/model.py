@@ -356,10 +356,43 @@ def _kv_b_split(cfg: RealModelConfig, lw):
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [h,n,c], W_UV [h,v,c]
 
 
-def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor, q_pos: torch.Tensor):
-    """Prefill form for one sequence: expand the latent to per-head K and V, masked attention.
+def causal_variant(num_queries: int, num_keys: int) -> str:
+    """The attention-kernel label of :func:`prefill_attention` (trace meta ``attention_kernels``)."""
+    if num_queries == num_keys:
+        return "sdpa causal"
+    return "sdpa causal lower-right (cached prefix)"
 
-    q_*: [T, h, *] at positions q_pos [T]; kv: [L, c + r] cache rows for positions 0..L-1.
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention where the T queries q [..., T, d] are the last T positions of the L keys
+    k [..., L, d] (values v [..., L, dv]): query i sees keys 0..L-T+i (bottom-right alignment,
+    a cached prefix before the new tokens). Without a cached prefix, SDPA's ``is_causal``; with
+    one, torch's lower-right ``CausalBias``, which SDPA's fused kernels (flash,
+    memory-efficient) take as their own causal alignment: neither builds a dense [T, L] mask,
+    which would rule out the flash kernel. On CUDA a narrower V (MLA: 128 against q/k 192) is
+    zero-padded to q's head size so the flash kernel, which takes one head size, stays
+    eligible; the padding's output columns are dropped. The math kernel (the CPU) builds the
+    mask itself."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if T > L:
+        raise ValueError(f"{T} queries over {L} keys: the queries are the last keys' positions")
+    if q.is_cuda and dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    if T == L:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, L), scale=scale)
+    return o[..., :dv]
+
+
+def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor):
+    """Prefill form for one sequence: expand the latent to per-head K and V, causal attention.
+
+    q_*: [T, h, *], the last T positions of kv: [L, c + r] cache rows for positions 0..L-1.
     """
     w_uk, w_uv = _kv_b_split(cfg, lw)
     c, k_pe = kv[:, : cfg.kv_lora_rank], kv[:, cfg.kv_lora_rank :]
@@ -367,9 +400,8 @@ def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor, q_pos: torch.Te
     v = torch.einsum("lc,hvc->hlv", c, w_uv)
     k = torch.cat([k_nope, k_pe[None].expand(cfg.num_heads, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [h, T, d]
-    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
     scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [h, T, v]
+    o = prefill_attention(q, k, v, scale=scale)  # [h, T, v]
     return o.transpose(0, 1).reshape(q_nope.shape[0], -1)
 
 
@@ -473,13 +505,12 @@ def gqa_prepare(cfg: RealModelConfig, lw, h, positions):
     return q, torch.stack([k, v], dim=1)  # cache rows [T, 2, kvh, hd]
 
 
-def gqa_attend(cfg, q, kv, q_pos):
-    """One sequence: q [T, h, d], kv [L, 2, kvh, d]."""
+def gqa_attend(cfg, q, kv):
+    """One sequence: q [T, h, d], the last T positions of kv [L, 2, kvh, d]; causal."""
     rep = cfg.num_heads // cfg.num_kv_heads
     k = kv[:, 0].transpose(0, 1).repeat_interleave(rep, 0)
     v = kv[:, 1].transpose(0, 1).repeat_interleave(rep, 0)
-    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    o = prefill_attention(q.transpose(0, 1), k, v)
     return o.transpose(0, 1).reshape(q.shape[0], -1)
 
 
