@@ -370,3 +370,18 @@ def test_expected_m_is_the_routings_mean_not_the_padded_rows():
     assert G.expected_rows(128, 8, 256, 32, 4096) == 128
     assert G.expected_rows(1, 1, 256, 2, 64) == 1
     assert G.expected_rows(1000, 8, 8, 4, 64) == 64  # clamped to the padded rows
+
+
+def test_grouped_error_of_an_expert_without_rows_is_zero_not_the_max_of_nothing():
+    from overlap_lab.real.check import grouped_max_abs_diff
+
+    y = torch.zeros(3, 4, 2)
+    ref = y.clone()
+    ref[1, 1, 0] = 0.5  # expert 1's second valid row
+    ref[2, 3, 1] = 9.0  # past expert 2's count: padding, never compared
+    assert grouped_max_abs_diff(y, ref, [0, 2, 3]) == [0.0, 0.5, 0.0]
+    flat = torch.zeros(5, 2)
+    fref = flat.clone()
+    fref[4, 0] = -0.25  # the last row: expert 2's segment [2, 5)
+    assert grouped_max_abs_diff(flat, fref, [0, 2, 3]) == [0.0, 0.0, 0.25]
+    assert grouped_max_abs_diff(flat[:0], fref[:0], [0, 0]) == [0.0, 0.0]
