@@ -71,29 +71,119 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+SCALE_EPS = 1e-4  # the smallest group amax: an all-zero group gets a finite scale
+
+
 def quant_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, groups of 128 along K: (FP8 e4m3 like ``x``, fp32 scales [..., K/128]) with
-    ``x ≈ q * scale`` per group. The scales are plain row-major here; :func:`sf_for_deep_gemm`
-    lays them out as DeepGEMM wants."""
-    K = x.shape[-1]
-    if K % GROUP:
-        raise ValueError(f"FP8 activations: K={K} is not a multiple of {GROUP}")
+    ``x ≈ q * scale`` per group, scale = amax / 448. On CUDA (or under Triton's interpreter)
+    one fused Triton kernel (:func:`quant_tokens_fused`), whose scales are already in
+    DeepGEMM's layout; otherwise torch ops (:func:`quant_tokens_torch`, row-major scales).
+    Either way :func:`sf_for_deep_gemm` hands DeepGEMM its layout."""
+    if _fused_here(x):
+        return quant_tokens_fused(x)
+    return quant_tokens_torch(x)
+
+
+def quant_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quant_tokens` by torch ops (several kernels and an fp32 copy of ``x``): the CPU
+    path and the fused kernel's reference."""
+    K = _check_k(x)
     dt = fp8_dtype()
     fmax = torch.finfo(dt).max
     g = x.float().reshape(*x.shape[:-1], K // GROUP, GROUP)
-    scale = g.abs().amax(-1).clamp_min(1e-4) / fmax
+    scale = g.abs().amax(-1).clamp_min(SCALE_EPS) / fmax
     q = (g / scale[..., None]).clamp(-fmax, fmax).to(dt).reshape(x.shape)
     return q, scale
 
 
+def quant_tokens_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quant_tokens` by one Triton kernel (SGLang's ``per_token_group_quant_fp8``): one
+    program per token and 128-column group reads the group once, writes its FP8 values and its
+    scale, the scale straight into DeepGEMM's SM90 layout (MN-major, M padded to 4: the
+    [..., M, K/128] view of a [..., K/128, align(M, 4)] buffer), so no second pass lays them out.
+    ``x``: [M, K] or [B, M, K] (DeepEP's low-latency layout: per expert), K a multiple of 128."""
+    from overlap_lab.real.gemm import interpreting
+
+    K = _check_k(x)
+    kern = _quant_kernel(interpreting())
+    x3 = x.reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x.reshape(1, 1, K)
+    x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()
+    B, M, _ = x3.shape
+    dt = fp8_dtype()
+    q = torch.empty(B, M, K, dtype=dt, device=x.device)
+    pad = _cdiv(M, SF_ALIGN) * SF_ALIGN
+    buf = torch.empty(B, K // GROUP, pad, dtype=torch.float32, device=x.device)
+    if B * M:
+        kern[(B * M, K // GROUP)](
+            x3, q, buf, M, K,
+            x3.stride(0), x3.stride(1), q.stride(0), q.stride(1),
+            buf.stride(0), buf.stride(1), buf.stride(2),
+            SCALE_EPS, float(torch.finfo(dt).max),
+            GROUP=GROUP,
+        )  # fmt: skip
+    scale = buf.transpose(-1, -2)[..., :M, :]  # indexed, never reshaped: strides kept
+    if x.dim() == 2:
+        return q[0], scale[0]
+    if x.dim() == 3:
+        return q, scale
+    return q.reshape(x.shape), scale.reshape(*x.shape[:-1], K // GROUP)
+
+
+def _check_k(x: torch.Tensor) -> int:
+    K = x.shape[-1]
+    if K % GROUP:
+        raise ValueError(f"FP8 activations: K={K} is not a multiple of {GROUP}")
+    return K
+
+
+def _fused_here(x: torch.Tensor) -> bool:
+    """The fused kernel runs on CUDA tensors, or anywhere under Triton's CPU interpreter."""
+    from overlap_lab.real.deps import available
+    from overlap_lab.real.gemm import interpreting
+
+    return (x.is_cuda or interpreting()) and available("triton")
+
+
+_QUANT_KERNEL: dict[bool, object] = {}
+
+
+def _quant_kernel(mode: bool):
+    """The Triton kernel, defined in the interpreter mode in force (reloaded when it changed)."""
+    if mode not in _QUANT_KERNEL:
+        import importlib
+
+        import overlap_lab.real._triton_quant as mod
+
+        if _QUANT_KERNEL:
+            mod = importlib.reload(mod)
+        _QUANT_KERNEL.clear()
+        _QUANT_KERNEL[mode] = mod.per_token_group_quant_fp8
+    return _QUANT_KERNEL[mode]
+
+
 def sf_for_deep_gemm(scale: torch.Tensor) -> torch.Tensor:
     """Activation scales [..., M, K/128] as DeepGEMM's SM90 kernels read them: MN-major (stride 1
-    along M) with M padded to 4 (TMA alignment), returned as the [..., M, K/128] view."""
+    along M) with M padded to 4 (TMA alignment), returned as the [..., M, K/128] view; scales
+    already laid out so (the fused kernel's) are returned as they are, not copied."""
     *lead, M, kg = scale.shape
+    if _deep_gemm_layout(scale):
+        return scale
     pad = _cdiv(M, SF_ALIGN) * SF_ALIGN
     buf = torch.zeros(*lead, kg, pad, dtype=torch.float32, device=scale.device)
     buf[..., :M] = scale.transpose(-1, -2)
     return buf.transpose(-1, -2)[..., :M, :]
+
+
+def _deep_gemm_layout(scale: torch.Tensor) -> bool:
+    """MN-major with M padded to 4 inside one buffer [..., K/128, align(M, 4)]."""
+    if scale.dim() < 2 or scale.dtype != torch.float32:
+        return False
+    M, kg = scale.shape[-2:]
+    pad = _cdiv(M, SF_ALIGN) * SF_ALIGN
+    if scale.stride(-2) != 1 or scale.stride(-1) != pad:
+        return False
+    return scale.dim() == 2 or scale.stride(-3) == kg * pad
 
 
 def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -239,3 +239,36 @@ def test_flash_mla_matches_sdpa_when_installed():
     a = M.mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, table)
     b = M.mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, cache, q_pos)
     assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+
+
+def test_fused_fp8_activation_quantisation_matches_torch():
+    """The one-kernel per-token-group quantisation (real/_triton_quant.py) on the GPU: scales
+    bit for bit torch's, values torch's round-to-nearest-even casts, DeepGEMM's layout."""
+    pytest.importorskip("triton")
+    from overlap_lab.real import fp8
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in [(1, 7168), (37, 7168), (8, 64, 2048)]:
+        x = torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+        q, s = fp8.quant_tokens_fused(x)
+        qr, sr = fp8.quant_tokens_torch(x)
+        assert torch.equal(s, sr)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        assert fp8.sf_for_deep_gemm(s).data_ptr() == s.data_ptr()
+
+
+def test_prefill_attention_with_a_prefix_matches_the_masked_form_on_gpu():
+    """The lower-right causal SDPA path (and MLA's V padded to q's head size) on CUDA BF16."""
+    import torch.nn.functional as F
+
+    from overlap_lab.real import model as M
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, L, dv in [(512, 512, 128), (300, 1324, 128), (1, 900, 192)]:
+        q = torch.randn(16, T, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+        k = torch.randn(16, L, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+        v = torch.randn(16, L, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+        mask = torch.arange(L, device="cuda")[None, :] <= torch.arange(L - T, L, device="cuda")[:, None]
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        got = M.prefill_attention(q, k, v)
+        assert (got.float() - ref).abs().max() < 2e-2
