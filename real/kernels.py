@@ -504,7 +504,7 @@ def attn_core(ctx: KernelCtx) -> None:
                     lambda: torch.arange(S * pages, dtype=torch.int32, device=dev).view(S, pages),
                 )
                 o = M.mla_attend_flash(cfg, lw, q[0], q[1], whole, q_pos.view(-1, r0), fm, table)
-                ctx.log.count_kernel("attention", "flash_mla")
+                ctx.log.count_kernel("attention", M.flash_mla_api(fm).label)
             else:
                 o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
                 ctx.log.count_kernel("attention", f"sdpa ({why})")

@@ -453,11 +453,70 @@ FLASH_MLA_PAGE = 64  # FlashMLA's paged KV cache: tokens per block
 FLASH_MLA_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim: the head sizes its kernels take
 
 
+@dataclass(frozen=True)
+class FlashMLAApi:
+    """Which of FlashMLA's two Python interfaces a ``flash_mla`` module has, read from its
+    signatures (never by calling and catching): ``sched_meta`` (FlashMLA 1.0 and sgl-flash-mla
+    1.0: ``get_mla_metadata()`` takes no argument and returns an empty scheduler record,
+    ``num_splits`` must be None, the record fills on the first call; ``use_legacy``, where the
+    kernel call has it, selects the dense decode kernel) or ``legacy`` (``get_mla_metadata(
+    cache_seqlens, q heads per KV head, KV heads)`` -> (tile metadata, num_splits))."""
+
+    name: str
+    use_legacy: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"flash_mla ({self.name} API)"
+
+
+def _required_params(fn) -> list[str] | None:
+    """Names of ``fn``'s parameters without defaults, or None when its signature is unreadable."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a C function without a text signature
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        n for n, p in sig.parameters.items() if p.kind in kinds and p.default is p.empty
+    ]
+
+
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def flash_mla_api(module) -> FlashMLAApi | str:
+    """``module``'s interface (:class:`FlashMLAApi`), or why it is none this executor knows."""
+    meta_fn = getattr(module, "get_mla_metadata", None)
+    call = getattr(module, "flash_mla_with_kvcache", None)
+    if not callable(meta_fn) or not callable(call):
+        return "flash_mla lacks get_mla_metadata or flash_mla_with_kvcache"
+    required = _required_params(meta_fn)
+    if required is None:
+        return "flash_mla's get_mla_metadata has no readable signature"
+    if not required:
+        return FlashMLAApi("sched_meta", use_legacy=_takes(call, "use_legacy"))
+    if len(required) == 3:
+        return FlashMLAApi("legacy")
+    return f"flash_mla's get_mla_metadata{tuple(required)} is neither known interface"
+
+
 def flash_mla_unusable(cfg: RealModelConfig, cache: torch.Tensor, module) -> str | None:
     """Why FlashMLA's decode kernel cannot run on ``cache`` [S, L, c + r] here (None: it can):
     what the executor reports when it runs SDPA instead."""
     if module is None:
         return "flash_mla is not installed"
+    api = flash_mla_api(module)
+    if isinstance(api, str):
+        return api
     if not cache.is_cuda:
         return "the CPU (FlashMLA is a CUDA kernel)"
     if cache.dtype not in (torch.bfloat16, torch.float16):
@@ -481,11 +540,18 @@ def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).contiguous()
     pages = cache.reshape(-1, FLASH_MLA_PAGE, 1, cache.shape[-1])
     seqlens = (q_pos[:, -1] + 1).to(torch.int32)
-    meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    api = flash_mla_api(fm)
+    extra = {}
+    if api.name == "legacy":
+        meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    else:  # an empty scheduler record, filled by the call; num_splits must be None
+        meta, splits = fm.get_mla_metadata()[0], None
+        if api.use_legacy:
+            extra["use_legacy"] = True
     o, _lse = fm.flash_mla_with_kvcache(
         q.to(cache.dtype), pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
         softmax_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-        causal=r > 1,
+        causal=r > 1, **extra,
     )  # fmt: skip
     o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
     return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)

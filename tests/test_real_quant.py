@@ -156,8 +156,6 @@ def test_gemms_after_load_never_quantise_a_weight(counted_blocks):
 
 
 def test_the_executor_quantises_fp8_weights_at_setup_only(counted_blocks, monkeypatch):
-    import dataclasses
-
     from overlap_lab.real import executor as X
     from overlap_lab.real import model as M
     from overlap_lab.real.check import default_workloads
@@ -171,8 +169,7 @@ def test_the_executor_quantises_fp8_weights_at_setup_only(counted_blocks, monkey
         fp8, "resolve", lambda *a, **k: fp8.Precision("fp8", "fp8", "test")
     )
     n = sum(k in lw for lw in weights.layers.values() for k in fp8.GEMM_WEIGHTS)
-    wide = dataclasses.replace  # noqa: F841 (tiny-mla's K of 64 cannot quantise: widen to 128)
-    for lw in weights.layers.values():
+    for lw in weights.layers.values():  # tiny-mla's K of 64 cannot quantise: widened to 128
         for k in fp8.GEMM_WEIGHTS:
             if k in lw:
                 lw[k] = torch.nn.functional.pad(lw[k], (0, 128 - lw[k].shape[-1] % 128))
