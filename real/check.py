@@ -187,3 +187,16 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
                     continue
                 prev = res.max_rel_diff_vs_serial.get(name, 0.0)
                 res.max_rel_diff_vs_serial[name] = max(prev, d)
+
+
+def grouped_max_abs_diff(y, ref, counts: list[int]) -> list[float]:
+    """Per expert, the largest ``|y - ref|`` over its valid rows, 0.0 for an expert without rows
+    (the max of nothing). ``y``/``ref``: [E, M, N] (DeepEP's low-latency layout: expert e's
+    first ``counts[e]`` rows) or [sum(counts), N] (rows sorted by expert, one segment each)."""
+    out, lo = [], 0
+    for e, n in enumerate(counts):
+        a, b = (y[e, :n], ref[e, :n]) if y.dim() == 3 else (y[lo : lo + n], ref[lo : lo + n])
+        lo += n
+        out.append(float((a.float() - b.float()).abs().max()) if n else 0.0)
+    return out
+

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
+from overlap_lab.real import fp8
 from overlap_lab.real import kernels as K
 from overlap_lab.real import model as M
 from overlap_lab.real.clocks import Anchor, ClockMap, anchor
+from overlap_lab.real.runlog import RunLog
 from overlap_lab.shared.program import (
     Graph,
     Host,
@@ -321,7 +323,11 @@ class RankRunner:
         world: Mailbox,
         host_spin: bool,
         cuda_graphs: bool = True,
+        precision: fp8.Precision = fp8.BF16,
+        fp8_weights: fp8.WeightCache | None = None,
     ):
+        self.precision, self.fp8_weights = precision, fp8_weights
+        self.log = RunLog()  # the current run's (each run is handed a new one: start_run)
         self.rp, self.program, self.weights, self.backend = rp, program, weights, backend
         self.device, self.world, self.host_spin = torch.device(device), world, host_spin
         self.layout = K.BatchLayout.of(workload.batch)
@@ -433,6 +439,9 @@ class RankRunner:
             program_ops=self.program_ops,
             piece_counts=self.piece_counts,
             sbo_signal=(op.step, op.layer, op.mb) in self.signalled,
+            log=self.log,
+            precision=self.precision,
+            fp8_weights=self.fp8_weights,
         )
         fn = K.bind(op.name)
         fn = self._limit_checked(op, fn)
@@ -762,15 +771,13 @@ def timing_meta(graph_traces: list[Trace], eager_traces: list[Trace]) -> tuple[T
     return eager_traces[med], meta
 
 
-def _run_once(runners: list[RankRunner]) -> None:
-    from overlap_lab.real.gemm import reset_applied
-
-    reset_applied()  # this run's kernels only
-    K.reset_notes()
+def _run_once(runners: list[RankRunner], log: RunLog) -> None:
+    """One run of every rank's Program, its kernels logged into ``log`` (this run's only)."""
     for r in runners:
         if hasattr(r.backend, "reset_run"):
             r.backend.reset_run()
         r.reset()
+        r.log = log
         r.host_t0 = time.perf_counter()
         if r.gpu is not None:
             r.start_clock()
@@ -790,10 +797,10 @@ def _run_once(runners: list[RankRunner]) -> None:
             r.collect_gpu_spans()
 
 
-def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
+def _run_meta(runners: list[RankRunner], backend, log: RunLog, precision: fp8.Precision) -> dict:
     """What one timed run used: the GEMM kernels by label (counted for this run only), how each
     SM limit of the Program was honoured (compute ops here, all-to-alls by the backend)."""
-    from overlap_lab.real.gemm import DEEP_GEMM_ERRORS, ComputeBudget
+    from overlap_lab.real.gemm import DEEP_GEMM_ERRORS
 
     limits: dict[str, dict] = {}
     for r in runners:
@@ -801,25 +808,22 @@ def _run_meta(runners: list[RankRunner], backend, dev) -> dict:
             limits.setdefault(name, v)
     comm = {k: dict(v) for k, v in getattr(backend, "sm_limits", {}).items()}
     meta = {
-        "sm_budget_mechanisms": dict(ComputeBudget.applied),
+        "sm_budget_mechanisms": dict(log.gemms),
         "sm_limits": {"compute": limits, "comm": comm},
     }
-    meta["gemm_precision"] = precision_meta(ComputeBudget.applied)
-    if K.NOTES:
-        meta["kernel_notes"] = dict(K.NOTES)
-    if "attention" in K.KERNELS:
-        meta["attention_kernels"] = dict(K.KERNELS["attention"])
+    meta["gemm_precision"] = precision_meta(log.gemms, precision)
+    if log.notes:
+        meta["kernel_notes"] = dict(log.notes)
+    if "attention" in log.kernels:
+        meta["attention_kernels"] = dict(log.kernels["attention"])
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta
 
 
-def precision_meta(applied: dict[str, int]) -> dict:
-    """The run's GEMM precision: what the workload asked for, what ran (``fp8``, ``bf16``, or
-    ``mixed`` when FP8 GEMMs fell back to BF16 after a DeepGEMM failure), why, and the counts."""
-    from overlap_lab.real import fp8
-
-    p = fp8.current()
+def precision_meta(applied: dict[str, int], p: fp8.Precision) -> dict:
+    """The run's GEMM precision: what the workload asked for (``p``), what ran (``fp8``, ``bf16``,
+    or ``mixed`` when FP8 GEMMs fell back to BF16 after a DeepGEMM failure), why, and the counts."""
     n_fp8 = sum(n for k, n in applied.items() if k.startswith("deep_gemm.") and "fp8" in k)
     n_back = sum(n for k, n in applied.items() if k.startswith("bf16 fallback"))
     used = p.used
@@ -827,6 +831,220 @@ def precision_meta(applied: dict[str, int]) -> dict:
         used = "mixed" if n_fp8 else "bf16"
     return {"requested": p.requested, "used": used, "reason": p.reason,
             "fp8_gemms": n_fp8, "bf16_fallbacks": n_back}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a call of :func:`execute` runs with, fixed before its first run."""
+
+    device: torch.device
+    dtype: torch.dtype
+    check_hazards: bool
+    backend: Any
+    precision: fp8.Precision
+    runners: tuple[RankRunner, ...]
+    has_graphs: bool  # the Program holds Graphs
+    graph_timed: bool  # captured graphs on a GPU: an eager pass, then timed replays
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def setup(
+    program: Program,
+    workload,
+    *,
+    weights: M.ModelWeights | None,
+    backend,
+    device: str,
+    dtype: torch.dtype | None,
+    seed: int,
+    check_hazards: bool | None,
+    ranks: list[int] | None,
+    host_spin: bool,
+    cuda_graphs: bool,
+) -> Setup:
+    """Defaults resolved, weights made (this rank's experts) and, for an FP8 run, quantised
+    once here (never inside a step or a captured graph), the run's precision resolved, one
+    RankRunner per rank this process runs."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if dtype is None:
+        dtype = torch.bfloat16 if cuda else torch.float32
+    if check_hazards is None:
+        check_hazards = not cuda
+    cfg = M.from_model_config(workload.model)
+    if backend is None:
+        from overlap_lab.real.comm.loopback import LoopbackBackend
+
+        backend = LoopbackBackend(rank=0, world=1, num_experts=cfg.num_experts, hidden=cfg.hidden)
+    if weights is None:  # this rank's experts: all of them with the local backend
+        weights = M.init_weights(
+            cfg, seed=seed, dtype=dtype, device=dev, ep_rank=backend.rank, ep_size=backend.world
+        )
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    precision = fp8.resolve(
+        workload.model.gemm_dtype, cuda=cuda, module=deep_gemm_module() if cuda else None
+    )
+    fp8_weights = fp8.load_weights(weights) if precision.fp8 else None
+    mailbox = Mailbox()
+    chosen = [rp for rp in program.ranks if ranks is None or rp.rank in ranks]
+    runners = tuple(
+        RankRunner(
+            rp,
+            program,
+            weights=weights,
+            backend=backend,
+            workload=workload,
+            device=dev,
+            seed=seed,
+            check_hazards=check_hazards,
+            world=mailbox,
+            host_spin=host_spin,
+            cuda_graphs=cuda_graphs,
+            precision=precision,
+            fp8_weights=fp8_weights,
+        )
+        for rp in chosen
+    )
+    has_graphs = any(isinstance(i, Graph) for rp in chosen for th in rp.threads for i in th.instrs)
+    return Setup(
+        dev, dtype, check_hazards, backend, precision, runners, has_graphs,
+        graph_timed=cuda and has_graphs and cuda_graphs,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Run:
+    """One recorded run: its trace and what its kernels used (:func:`_run_meta`)."""
+
+    trace: Trace
+    meta: dict
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The recorded runs of a call: the timed ones and, for a graph-timed call, the eager pass."""
+
+    timed: tuple[Run, ...]
+    eager: tuple[Run, ...]
+
+
+def run(su: Setup, *, warmup: int, repeats: int) -> Runs:
+    """``warmup`` unrecorded runs, then (graph-timed) an eager pass of ``max(1, repeats)`` runs
+    (op by op: per-op spans, and the kernels' bookkeeping, which a replay skips), then
+    ``repeats`` timed runs, last, so the outputs left in the runners are theirs."""
+    phases = ["warmup"] * warmup + ["eager"] * (max(1, repeats) if su.graph_timed else 0)
+    phases += ["timed"] * repeats
+    timed: list[Run] = []
+    eager: list[Run] = []
+    try:
+        for phase in phases:
+            for r in su.runners:
+                r.force_eager = phase == "eager"
+            log = RunLog()
+            _run_once(list(su.runners), log)
+            if phase == "warmup":
+                continue
+            tr = Trace([s for r in su.runners for s in r.spans], {})
+            rec = Run(tr, _run_meta(list(su.runners), su.backend, log, su.precision))
+            (eager if phase == "eager" else timed).append(rec)
+    finally:
+        for r in su.runners:
+            r.force_eager = False
+    return Runs(tuple(timed), tuple(eager))
+
+
+@dataclass(frozen=True)
+class ExecMeta:
+    """The trace meta of a call, as one record: :meth:`as_dict` lays it out key by key in the
+    order consumers have always read it (the Program's meta, the backend's, the run's setup,
+    the caller's ``meta``, then how it was timed, what its kernels used, its step times)."""
+
+    program: dict
+    backend: dict
+    device: str
+    dtype: str
+    world: int
+    setup_notes: dict  # the CPU's graph and timing notes, pp in one process
+    caller: dict
+    timing: dict  # step_time_source, spans_source (+ the graph-timed pair of measurements)
+    run: dict  # _run_meta of the run whose spans the trace holds
+    step_times_us: tuple[float, ...]
+    warmup: int
+    repeats: int
+    gpu: dict  # clocks, cuda_graphs (a GPU run)
+
+    def as_dict(self) -> dict:
+        d = dict(self.program)
+        d.update(self.backend)
+        d.update(device=self.device, dtype=self.dtype, world=self.world)
+        d.update(self.setup_notes)
+        d.update(self.caller)
+        d.update(self.timing)
+        d.update(self.run)
+        d.update(
+            step_times_us=list(self.step_times_us),
+            median_step_time_us=statistics.median(self.step_times_us),
+            warmup=self.warmup,
+            repeats=self.repeats,
+        )
+        d.update(self.gpu)
+        return d
+
+
+def _setup_notes(program: Program, su: Setup) -> dict:
+    notes: dict[str, str] = {}
+    if su.has_graphs and not su.cuda:
+        notes["cuda_graphs"] = "CPU: graph bodies run op by op"
+    if not su.cuda:
+        notes["timing"] = "none: CPU spans are host wall-clock of ordered execution"
+    if program.meta.get("pp_size", 1) > 1:
+        notes["pp_in_one_process"] = (
+            "every pipeline stage runs in this one process (one device): not the timing of one "
+            "stage per GPU"
+        )
+    return notes
+
+
+def timing(su: Setup, runs: Runs) -> tuple[Trace, dict, dict]:
+    """The run the trace shows (median step time; of a graph-timed call, the eager pass's, see
+    :func:`timing_meta`), how it was timed, and what its kernels used."""
+    times = [r.trace.step_time_us for r in runs.timed]
+    med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
+    if su.graph_timed:
+        trace, tmeta = timing_meta([r.trace for r in runs.timed], [r.trace for r in runs.eager])
+        # the eager pass's bookkeeping: replays run no Python kernels
+        run_meta = next(r.meta for r in runs.eager if r.trace is trace)
+        captured = any(
+            g.get("mode") == "captured" for r in su.runners for g in r.gpu.graphs.values()
+        )
+        if not captured:  # every graph fell back to op by op: both passes were eager
+            tmeta["step_time_source"] = "eager (no graph captured: see cuda_graphs)"
+        return trace, tmeta, run_meta
+    tmeta = {
+        "step_time_source": "eager" if su.cuda else "cpu",
+        "spans_source": "op by op, one CUDA-event span per op"
+        if su.cuda
+        else "host wall-clock of ordered execution",
+    }
+    return runs.timed[med].trace, tmeta, runs.timed[med].meta
+
+
+def _gpu_meta(su: Setup) -> dict:
+    if not su.cuda:
+        return {}
+    cm = next((r.gpu.clock for r in su.runners if r.gpu.clock is not None), None)
+    out: dict[str, Any] = {"clocks": cm.describe() if cm is not None else None}
+    if su.has_graphs:
+        out["cuda_graphs"] = {
+            g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")
+            for r in su.runners
+            for g in r.gpu.graphs.values()
+        }
+    return out
 
 
 def execute(
@@ -853,128 +1071,34 @@ def execute(
     with ``cuda_graphs``, each Graph runs op by op on its first run, is captured on its second
     and replayed from then on (``warmup >= 2`` times only replays); the trace meta
     ``cuda_graphs`` says, per graph, "captured" or why it ran op by op."""
-    dev = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if check_hazards is None:
-        check_hazards = dev.type == "cpu"
-    cfg = M.from_model_config(workload.model)
-    if backend is None:
-        from overlap_lab.real.comm.loopback import LoopbackBackend
-
-        backend = LoopbackBackend(rank=0, world=1, num_experts=cfg.num_experts, hidden=cfg.hidden)
-    if weights is None:  # this rank's experts: all of them with the local backend
-        weights = M.init_weights(
-            cfg, seed=seed, dtype=dtype, device=dev, ep_rank=backend.rank, ep_size=backend.world
-        )
-    from overlap_lab.real import fp8
-    from overlap_lab.real.gemm import deep_gemm_module
-
-    cuda = dev.type == "cuda"
-    fp8.set_current(
-        fp8.resolve(
-            workload.model.gemm_dtype, cuda=cuda, module=deep_gemm_module() if cuda else None
-        )
-    )
-    fp8.clear_weights()  # FP8 weights are quantised once per run, in its first (warm-up) pass
-    mailbox = Mailbox()
-    chosen = [rp for rp in program.ranks if ranks is None or rp.rank in ranks]
-    runners = [
-        RankRunner(
-            rp,
-            program,
-            weights=weights,
-            backend=backend,
-            workload=workload,
-            device=dev,
-            seed=seed,
-            check_hazards=check_hazards,
-            world=mailbox,
-            host_spin=host_spin,
-            cuda_graphs=cuda_graphs,
-        )
-        for rp in chosen
-    ]
-    times: list[float] = []
-    traces: list[Trace] = []
-    base_meta = dict(program.meta)
-    base_meta.update(backend.describe())
-    base_meta.update(device=str(dev), dtype=str(dtype).replace("torch.", ""), world=program.world)
-    has_graphs = any(isinstance(i, Graph) for rp in chosen for th in rp.threads for i in th.instrs)
-    if has_graphs and dev.type == "cpu":
-        base_meta["cuda_graphs"] = "CPU: graph bodies run op by op"
-    if dev.type == "cpu":
-        base_meta["timing"] = "none: CPU spans are host wall-clock of ordered execution"
-    if program.meta.get("pp_size", 1) > 1:
-        base_meta["pp_in_one_process"] = (
-            "every pipeline stage runs in this one process (one device): not the timing of one "
-            "stage per GPU"
-        )
-    base_meta.update(meta or {})
-    # A run with CUDA graphs is measured twice: after the warm-up (which captures), an eager
-    # pass (op by op: per-op spans, and the kernels' bookkeeping, which a replay skips), then
-    # the timed replays, last, so the outputs returned are the replays'.
-    graph_timed = dev.type == "cuda" and has_graphs and cuda_graphs
-    phases = ["warmup"] * warmup + ["eager"] * (max(1, repeats) if graph_timed else 0)
-    phases += ["timed"] * repeats
-    per_run: list[dict] = []
-    eager_traces: list[Trace] = []
-    eager_meta: list[dict] = []
-    for phase in phases:
-        for r in runners:
-            r.force_eager = phase == "eager"
-        _run_once(runners)
-        if phase == "warmup":
-            continue
-        tr = Trace([s for r in runners for s in r.spans], dict(base_meta))
-        if phase == "eager":
-            eager_traces.append(tr)
-            eager_meta.append(_run_meta(runners, backend, dev))
-            continue
-        traces.append(tr)
-        times.append(tr.step_time_us)
-        per_run.append(_run_meta(runners, backend, dev))
-    for r in runners:
-        r.force_eager = False
-    violations = [v for r in runners if r.tracker for v in r.tracker.violations]
-    if violations and check_hazards:
+    su = setup(
+        program, workload, weights=weights, backend=backend, device=device, dtype=dtype,
+        seed=seed, check_hazards=check_hazards, ranks=ranks, host_spin=host_spin,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    runs = run(su, warmup=warmup, repeats=repeats)
+    violations = [v for r in su.runners if r.tracker for v in r.tracker.violations]
+    if violations and su.check_hazards:
         raise HazardError(
             f"{len(violations)} unordered read(s) in schedule {program.meta.get('schedule')!r}:\n  "
             + "\n  ".join(violations[:10])
         )
-    med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
-    trace = traces[med]
-    run_meta = per_run[med]
-    if graph_timed:
-        trace, tmeta = timing_meta(traces, eager_traces)
-        # the eager pass's bookkeeping: replays run no Python kernels
-        run_meta = eager_meta[next(i for i, t in enumerate(eager_traces) if t is trace)]
-        captured = any(g.get("mode") == "captured" for r in runners for g in r.gpu.graphs.values())
-        if not captured:  # every graph fell back to op by op: both passes were eager
-            tmeta["step_time_source"] = "eager (no graph captured: see cuda_graphs)"
-        trace.meta.update(tmeta)
-    else:
-        trace.meta.update(
-            step_time_source="eager" if dev.type == "cuda" else "cpu",
-            spans_source="op by op, one CUDA-event span per op"
-            if dev.type == "cuda"
-            else "host wall-clock of ordered execution",
-        )
-    trace.meta.update(run_meta)
-    trace.meta.update(
-        step_times_us=times,
-        median_step_time_us=statistics.median(times),
+    trace, tmeta, run_meta = timing(su, runs)
+    em = ExecMeta(
+        program=dict(program.meta),
+        backend=dict(su.backend.describe()),
+        device=str(su.device),
+        dtype=str(su.dtype).replace("torch.", ""),
+        world=program.world,
+        setup_notes=_setup_notes(program, su),
+        caller=dict(meta or {}),
+        timing=tmeta,
+        run=run_meta,
+        step_times_us=tuple(r.trace.step_time_us for r in runs.timed),
         warmup=warmup,
         repeats=repeats,
+        gpu=_gpu_meta(su),
     )
-    if dev.type == "cuda":
-        cm = next((r.gpu.clock for r in runners if r.gpu.clock is not None), None)
-        trace.meta["clocks"] = cm.describe() if cm is not None else None
-    if dev.type == "cuda" and has_graphs:
-        trace.meta["cuda_graphs"] = {
-            g["name"]: g["mode"] + (f" ({g['reason']})" if g.get("reason") else "")
-            for r in runners
-            for g in r.gpu.graphs.values()
-        }
-    outputs = {r.rp.rank: r.states for r in runners}
+    trace.meta.update(em.as_dict())
+    outputs = {r.rp.rank: r.states for r in su.runners}
     return ExecResult(outputs, trace, violations)

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from overlap_lab.real import fp8
+from overlap_lab.real.runlog import RunLog
 
 _KERNELS: dict[bool, tuple] = {}
 
@@ -243,17 +244,26 @@ class ComputeBudget:
     """``with ComputeBudget(op.sms, device) as g:`` then ``g.linear``, ``g.grouped_masked``,
     ``g.grouped_contiguous`` run the op's GEMMs within its SM budget (``g.mechanism`` says
     which family; ``g.sms`` the grid: the limit, or every SM of the device when the op has
-    none). ``applied`` counts the kernels actually run, by label, in the current run: the
-    executor clears it at the start of every run (:func:`reset_applied`), so a trace reports its
-    own run. A DeepGEMM call that fails (JIT compilation, an unsupported shape) falls back to
+    none). ``applied`` counts the kernels actually run, by label, into the run's ``log``
+    (real.runlog.RunLog, one per run: a trace reports its own run). ``precision``: the run's
+    (real.fp8.resolve); ``fp8_weights``: the FP8 weights quantised at load. A DeepGEMM call that fails (JIT compilation, an unsupported shape) falls back to
     the Triton kernel with the same budget and is counted under its own label, never as
     ``deep_gemm``."""
 
-    applied: dict[str, int] = {}
-
     def __init__(
-        self, sms: int | None, device=None, *, mechanism: str | None = None, dtype: str = "bf16"
+        self,
+        sms: int | None,
+        device=None,
+        *,
+        mechanism: str | None = None,
+        dtype: str = "bf16",
+        log: RunLog | None = None,
+        precision: fp8.Precision = fp8.BF16,
+        fp8_weights: fp8.WeightCache | None = None,
     ):
+        self.log = log if log is not None else RunLog()
+        self.precision = precision
+        self.fp8_weights = fp8_weights if fp8_weights is not None else fp8.WeightCache()
         self.requested = int(sms) if sms else None
         self.dtype = dtype  # the op's GEMM dtype (Op.dtype): FP8 where the run allows it
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -276,9 +286,13 @@ class ComputeBudget:
         self._scope = None
         self._dg = None
 
-    @staticmethod
-    def note(label: str) -> None:
-        ComputeBudget.applied[label] = ComputeBudget.applied.get(label, 0) + 1
+    @property
+    def applied(self) -> dict[str, int]:
+        """The run's kernels so far, by label (this budget's and every other of the run)."""
+        return self.log.gemms
+
+    def note(self, label: str) -> None:
+        self.log.count_gemm(label)
 
     def __enter__(self) -> ComputeBudget:
         global ENTERED
@@ -310,7 +324,7 @@ class ComputeBudget:
     def fp8(self) -> bool:
         """This op's GEMMs run in FP8 through DeepGEMM (the op's dtype is fp8, the run resolved
         FP8 as runnable, and the budget holds deep_gemm)."""
-        return self.dtype == "fp8" and self._dg is not None and fp8.current().fp8
+        return self.dtype == "fp8" and self._dg is not None and self.precision.fp8
 
     def _fp8(self, name: str, fn, *args):
         """DeepGEMM's FP8 ``name`` through ``fn`` (real/fp8.py); None when it failed (JIT, an
@@ -319,7 +333,7 @@ class ComputeBudget:
             self.note(f"bf16 fallback (deep_gemm.{name} failed earlier)")
             return None
         try:
-            out = fn(self._dg, *args)
+            out = fn(self._dg, *args, self.fp8_weights)
         except Exception as e:  # reported in the run's meta; this GEMM runs BF16
             self.note(f"bf16 fallback (deep_gemm.{name} failed: {type(e).__name__})")
             DEEP_GEMM_ERRORS.setdefault(name, f"{type(e).__name__}: {e}"[:300])
@@ -413,11 +427,6 @@ def _rows(x) -> int:
 
 ENTERED = 0  # budgets entered since the process started (the executor diffs it per op)
 DEEP_GEMM_ERRORS: dict[str, str] = {}  # first failure per DeepGEMM entry point (trace meta)
-
-
-def reset_applied() -> None:
-    """Start a run's count of kernels used (the executor calls it before each run)."""
-    ComputeBudget.applied = {}
 
 
 def expected_rows(tokens: int, topk: int, num_experts: int, world: int, max_rows: int) -> int:

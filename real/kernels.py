@@ -25,34 +25,18 @@ import torch
 from overlap_lab.real import fp8
 from overlap_lab.real import model as M
 from overlap_lab.real.moe_ep import ep_gather, ep_scatter, silu_and_mul
+from overlap_lab.real.runlog import RunLog
 
 Kernel = Callable[["KernelCtx"], None]
 ROW_KEYS = ("hidden", "residual")
 REGISTRY: dict[str, Kernel] = {}
 PIECES: dict[str, Kernel] = {}
-# What a kernel could not do as its op says on this backend (op name -> why), for this run: the
-# executor clears it per run and reports it in the trace meta (``kernel_notes``), as it reports
-# SM limits that are not enforced. Never silently a no-op.
-NOTES: dict[str, str] = {}
 
 
 def note(ctx: KernelCtx, text: str) -> None:
-    NOTES.setdefault(split_piece(ctx.op.name)[0], text)
-
-
-def reset_notes() -> None:
-    NOTES.clear()
-    KERNELS.clear()
-
-
-# Which kernel ran where a kernel has alternatives (attention: FlashMLA or SDPA, with why), per
-# run, counted by label: trace meta ``attention_kernels``.
-KERNELS: dict[str, dict[str, int]] = {}
-
-
-def count_kernel(family: str, label: str) -> None:
-    d = KERNELS.setdefault(family, {})
-    d[label] = d.get(label, 0) + 1
+    """What this op could not do as it says on this backend, into the run's log (trace meta
+    ``kernel_notes``), as SM limits that are not enforced are reported: never silently a no-op."""
+    ctx.log.note(split_piece(ctx.op.name)[0], text)
 
 
 def flash_mla_module():
@@ -243,6 +227,10 @@ class KernelCtx:
     # SBO mode 1 where the combine polls signals in-kernel (the executor decides): the down GEMM
     # pieces write one output and one signal tensor, which the combine reads (see combine_a)
     sbo_signal: bool = False
+    # the run's: its log (kernels, notes), GEMM precision and FP8 weights (quantised at load)
+    log: RunLog = field(default_factory=RunLog)
+    precision: fp8.Precision = fp8.BF16
+    fp8_weights: fp8.WeightCache | None = None
 
     def launched(self, name: str) -> bool:
         """Does the Program launch op ``name`` for this op's step, layer and micro-batch?"""
@@ -516,23 +504,21 @@ def attn_core(ctx: KernelCtx) -> None:
                     lambda: torch.arange(S * pages, dtype=torch.int32, device=dev).view(S, pages),
                 )
                 o = M.mla_attend_flash(cfg, lw, q[0], q[1], whole, q_pos.view(-1, r0), fm, table)
-                count_kernel("attention", "flash_mla")
+                ctx.log.count_kernel("attention", M.flash_mla_api(fm).label)
             else:
                 o = M.mla_attend_absorbed_batched(cfg, lw, q[0], q[1], kv, q_pos.view(-1, r0))
-                count_kernel("attention", f"sdpa ({why})")
+                ctx.log.count_kernel("attention", f"sdpa ({why})")
         else:
             o = M.mla_attend_absorbed(cfg, lw, q[0], q[1], kv, seq_idx - s0, q_pos)
     else:
         outs = []
-        for s, r0, r, p in pieces:
-            q_pos = torch.arange(p, p + r, device=dev)
+        for s, r0, r, p in pieces:  # this piece's r queries are the last of its p + r keys
             kv = cache[s, : p + r]
             if cfg.attention == "mla":
-                outs.append(
-                    M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv, q_pos)
-                )
+                outs.append(M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv))
             else:
-                outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv, q_pos))
+                outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv))
+            ctx.log.count_kernel("attention", M.causal_variant(r, p + r))
         o = torch.cat(outs)
     out = torch.zeros(P, cfg.hidden, dtype=cache.dtype, device=dev)
     out[:n] = (o @ lw["o_proj"].t()).to(out.dtype)
@@ -555,14 +541,14 @@ def comm_prepare_mlp(ctx: KernelCtx) -> None:
 @register("mlp")
 def dense_mlp(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
+    with sm_budget(ctx, x.device) as g:
         ctx.put("hidden", M.swiglu_mlp(x, ctx.lw["mlp_w13"], ctx.lw["mlp_w2"], mm=g.mm))
 
 
 @register("gate")
 def gate(ctx: KernelCtx) -> None:
     x = ctx.get("mlp_in")
-    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
+    with sm_budget(ctx, x.device) as g:
         ctx.put("router_logits", g.linear(x, ctx.lw["gate"]))
 
 
@@ -605,7 +591,7 @@ def dispatch_b(ctx: KernelCtx) -> None:
 @register("experts")
 def experts(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
-    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as g:
+    with sm_budget(ctx, lw["w13"].device) as g:
         if d["ll"]:
             rx = d["recv_x"]
             y = M.grouped_experts_masked(
@@ -668,7 +654,7 @@ def _put_gate_up(ctx: KernelCtx, y: torch.Tensor) -> None:
 def experts_gate_up(ctx: KernelCtx) -> None:
     d, lw = ctx.get("recv"), ctx.lw
     sc = None if d["ll"] else ctx.get("expert_scatter", None)
-    with sm_budget(ctx.op.sms, lw["w13"].device, ctx.op.dtype) as gm:
+    with sm_budget(ctx, lw["w13"].device) as gm:
         if d["ll"]:
             rx = d["recv_x"]
             y = M.grouped_gemm_masked(rx, lw["w13"], d["count"], gm, _expected_m(ctx, rx))
@@ -685,10 +671,10 @@ def experts_act_quant(ctx: KernelCtx) -> None:
     """``silu_and_mul_masked_post_quant_fwd``: the activation; the FP8 quantisation only where
     the down GEMM runs in FP8 (else reported: the GEMMs take BF16 inputs)."""
     act = silu_and_mul(ctx.get("expert_gate_up"))
-    if fp8.current().fp8:  # the down GEMM takes FP8 + per-token scales
+    if ctx.precision.fp8:  # the down GEMM takes FP8 + per-token scales
         ctx.put("expert_act", fp8.quant_tokens(act))
         return
-    note(ctx, f"quantisation not run: the expert GEMMs run in BF16 ({fp8.current().reason})")
+    note(ctx, f"quantisation not run: the expert GEMMs run in BF16 ({ctx.precision.reason})")
     ctx.put("expert_act", act)
 
 
@@ -702,7 +688,7 @@ def experts_down(ctx: KernelCtx) -> None:
     if d["ll"] and ctx.sbo_signal:
         ctx.put(f"expert_out.{k}", (grp, _signalled_down(ctx, act, sl)))
         return
-    with sm_budget(ctx.op.sms, lw["w2"].device, ctx.op.dtype) as g:
+    with sm_budget(ctx, lw["w2"].device) as g:
         if d["ll"]:
             em = _expected_m(ctx, _rows_of(act))
             y = M.grouped_gemm_masked(_rows(act, sl), lw["w2"][sl], d["count"][sl], g, em)
@@ -744,12 +730,12 @@ def _signalled_down(ctx: KernelCtx, act, sl: slice) -> torch.Tensor:
         down = {"layer": ctx.op.layer, "y": y, "signal": sig, "block_m": G.BLOCK_M}
         down["threshold"] = G.signal_threshold(w2.shape[1])
         ctx.put("sbo_down", down)
-    with sm_budget(ctx.op.sms, w2.device, ctx.op.dtype) as g:
+    with sm_budget(ctx, w2.device) as g:
         sms = g.sms or ctx.op.sms or 1
         G.grouped_matmul_masked(
             x, w2[sl], d["count"][sl], num_sms=sms, out=down["y"][sl], signal=down["signal"][sl]
         )
-        G.ComputeBudget.note("triton_persistent (SBO signal)")
+        g.note("triton_persistent (SBO signal)")
     return down["y"][sl]
 
 
@@ -842,7 +828,7 @@ def shared_experts(ctx: KernelCtx) -> None:
     if "shared_w13" not in lw:  # Qwen3: no shared expert, the op carries no work
         ctx.put("shared_out", None)
         return
-    with sm_budget(ctx.op.sms, x.device, ctx.op.dtype) as g:
+    with sm_budget(ctx, x.device) as g:
         ctx.put("shared_out", M.swiglu_mlp(x, lw["shared_w13"], lw["shared_w2"], mm=g.mm))
 
 
@@ -990,12 +976,19 @@ def pp_allgather(ctx: KernelCtx) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def sm_budget(sms: int | None, device=None, dtype: str = "bf16"):
-    """Scope a compute op's SM limit (``op.sms``) around its GEMMs: ``with sm_budget(op.sms,
-    device) as g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``,
-    ``g.grouped_contiguous`` (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or
-    persistent Triton GEMMs whose grid is the budget, on a GPU with more SMs than the limit;
-    torch otherwise). Mechanisms used are counted in real.gemm.ComputeBudget.applied."""
+def sm_budget(ctx: KernelCtx, device=None):
+    """Scope the op's SM limit (``op.sms``) around its GEMMs: ``with sm_budget(ctx, device) as
+    g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``, ``g.grouped_contiguous``
+    (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or persistent Triton GEMMs whose
+    grid is the budget, on a GPU with more SMs than the limit; torch otherwise), in the op's
+    GEMM dtype and the run's precision. Kernels used are counted in the run's log."""
     from overlap_lab.real.gemm import ComputeBudget
 
-    return ComputeBudget(sms, device, dtype=dtype)
+    return ComputeBudget(
+        ctx.op.sms,
+        device,
+        dtype=ctx.op.dtype,
+        log=ctx.log,
+        precision=ctx.precision,
+        fp8_weights=ctx.fp8_weights,
+    )

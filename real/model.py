@@ -356,10 +356,43 @@ def _kv_b_split(cfg: RealModelConfig, lw):
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [h,n,c], W_UV [h,v,c]
 
 
-def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor, q_pos: torch.Tensor):
-    """Prefill form for one sequence: expand the latent to per-head K and V, masked attention.
+def causal_variant(num_queries: int, num_keys: int) -> str:
+    """The attention-kernel label of :func:`prefill_attention` (trace meta ``attention_kernels``)."""
+    if num_queries == num_keys:
+        return "sdpa causal"
+    return "sdpa causal lower-right (cached prefix)"
 
-    q_*: [T, h, *] at positions q_pos [T]; kv: [L, c + r] cache rows for positions 0..L-1.
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention where the T queries q [..., T, d] are the last T positions of the L keys
+    k [..., L, d] (values v [..., L, dv]): query i sees keys 0..L-T+i (bottom-right alignment,
+    a cached prefix before the new tokens). Without a cached prefix, SDPA's ``is_causal``; with
+    one, torch's lower-right ``CausalBias``, which SDPA's fused kernels (flash,
+    memory-efficient) take as their own causal alignment: neither builds a dense [T, L] mask,
+    which would rule out the flash kernel. On CUDA a narrower V (MLA: 128 against q/k 192) is
+    zero-padded to q's head size so the flash kernel, which takes one head size, stays
+    eligible; the padding's output columns are dropped. The math kernel (the CPU) builds the
+    mask itself."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if T > L:
+        raise ValueError(f"{T} queries over {L} keys: the queries are the last keys' positions")
+    if q.is_cuda and dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    if T == L:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, L), scale=scale)
+    return o[..., :dv]
+
+
+def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor):
+    """Prefill form for one sequence: expand the latent to per-head K and V, causal attention.
+
+    q_*: [T, h, *], the last T positions of kv: [L, c + r] cache rows for positions 0..L-1.
     """
     w_uk, w_uv = _kv_b_split(cfg, lw)
     c, k_pe = kv[:, : cfg.kv_lora_rank], kv[:, cfg.kv_lora_rank :]
@@ -367,9 +400,8 @@ def mla_attend_expanded(cfg, lw, q_nope, q_pe, kv: torch.Tensor, q_pos: torch.Te
     v = torch.einsum("lc,hvc->hlv", c, w_uv)
     k = torch.cat([k_nope, k_pe[None].expand(cfg.num_heads, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [h, T, d]
-    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
     scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [h, T, v]
+    o = prefill_attention(q, k, v, scale=scale)  # [h, T, v]
     return o.transpose(0, 1).reshape(q_nope.shape[0], -1)
 
 
@@ -421,11 +453,70 @@ FLASH_MLA_PAGE = 64  # FlashMLA's paged KV cache: tokens per block
 FLASH_MLA_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim: the head sizes its kernels take
 
 
+@dataclass(frozen=True)
+class FlashMLAApi:
+    """Which of FlashMLA's two Python interfaces a ``flash_mla`` module has, read from its
+    signatures (never by calling and catching): ``sched_meta`` (FlashMLA 1.0 and sgl-flash-mla
+    1.0: ``get_mla_metadata()`` takes no argument and returns an empty scheduler record,
+    ``num_splits`` must be None, the record fills on the first call; ``use_legacy``, where the
+    kernel call has it, selects the dense decode kernel) or ``legacy`` (``get_mla_metadata(
+    cache_seqlens, q heads per KV head, KV heads)`` -> (tile metadata, num_splits))."""
+
+    name: str
+    use_legacy: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"flash_mla ({self.name} API)"
+
+
+def _required_params(fn) -> list[str] | None:
+    """Names of ``fn``'s parameters without defaults, or None when its signature is unreadable."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a C function without a text signature
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        n for n, p in sig.parameters.items() if p.kind in kinds and p.default is p.empty
+    ]
+
+
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def flash_mla_api(module) -> FlashMLAApi | str:
+    """``module``'s interface (:class:`FlashMLAApi`), or why it is none this executor knows."""
+    meta_fn = getattr(module, "get_mla_metadata", None)
+    call = getattr(module, "flash_mla_with_kvcache", None)
+    if not callable(meta_fn) or not callable(call):
+        return "flash_mla lacks get_mla_metadata or flash_mla_with_kvcache"
+    required = _required_params(meta_fn)
+    if required is None:
+        return "flash_mla's get_mla_metadata has no readable signature"
+    if not required:
+        return FlashMLAApi("sched_meta", use_legacy=_takes(call, "use_legacy"))
+    if len(required) == 3:
+        return FlashMLAApi("legacy")
+    return f"flash_mla's get_mla_metadata{tuple(required)} is neither known interface"
+
+
 def flash_mla_unusable(cfg: RealModelConfig, cache: torch.Tensor, module) -> str | None:
     """Why FlashMLA's decode kernel cannot run on ``cache`` [S, L, c + r] here (None: it can):
     what the executor reports when it runs SDPA instead."""
     if module is None:
         return "flash_mla is not installed"
+    api = flash_mla_api(module)
+    if isinstance(api, str):
+        return api
     if not cache.is_cuda:
         return "the CPU (FlashMLA is a CUDA kernel)"
     if cache.dtype not in (torch.bfloat16, torch.float16):
@@ -449,11 +540,18 @@ def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).contiguous()
     pages = cache.reshape(-1, FLASH_MLA_PAGE, 1, cache.shape[-1])
     seqlens = (q_pos[:, -1] + 1).to(torch.int32)
-    meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    api = flash_mla_api(fm)
+    extra = {}
+    if api.name == "legacy":
+        meta, splits = fm.get_mla_metadata(seqlens, r * h, 1)
+    else:  # an empty scheduler record, filled by the call; num_splits must be None
+        meta, splits = fm.get_mla_metadata()[0], None
+        if api.use_legacy:
+            extra["use_legacy"] = True
     o, _lse = fm.flash_mla_with_kvcache(
         q.to(cache.dtype), pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
         softmax_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-        causal=r > 1,
+        causal=r > 1, **extra,
     )  # fmt: skip
     o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
     return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
@@ -473,13 +571,12 @@ def gqa_prepare(cfg: RealModelConfig, lw, h, positions):
     return q, torch.stack([k, v], dim=1)  # cache rows [T, 2, kvh, hd]
 
 
-def gqa_attend(cfg, q, kv, q_pos):
-    """One sequence: q [T, h, d], kv [L, 2, kvh, d]."""
+def gqa_attend(cfg, q, kv):
+    """One sequence: q [T, h, d], the last T positions of kv [L, 2, kvh, d]; causal."""
     rep = cfg.num_heads // cfg.num_kv_heads
     k = kv[:, 0].transpose(0, 1).repeat_interleave(rep, 0)
     v = kv[:, 1].transpose(0, 1).repeat_interleave(rep, 0)
-    mask = torch.arange(kv.shape[0], device=kv.device)[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    o = prefill_attention(q.transpose(0, 1), k, v)
     return o.transpose(0, 1).reshape(q.shape[0], -1)
 
 

@@ -41,16 +41,76 @@ class FakeFlashMLA(types.ModuleType):
         assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (B,)
         assert head_dim_v == 512 and (meta, splits) == self.meta
         assert self.heads_per_k == s_q * h
-        assert causal == (s_q > 1)
-        out = torch.empty(B, s_q, h, head_dim_v, dtype=q.dtype)
-        for b in range(B):
-            n = int(cache_seqlens[b])
-            kv = k_cache[block_table[b].long()].reshape(-1, 576)[:n].float()
-            sc = torch.einsum("qhd,ld->qhl", q[b].float(), kv) * softmax_scale
-            lim = torch.arange(s_q)[:, None] + n - s_q  # causal: query i sees up to n - s_q + i
-            sc = sc.masked_fill(torch.arange(n)[None, None, :] > lim[:, :, None], float("-inf"))
-            out[b] = torch.einsum("qhl,lc->qhc", sc.softmax(-1), kv[:, :head_dim_v]).to(q.dtype)
-        return out, None
+        return _decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+
+
+def _decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
+    """FlashMLA's dense decode, asserting the preconditions both interfaces share."""
+    B, s_q, h, d = q.shape
+    assert d == 576 and q.is_contiguous() and q.dtype in (torch.bfloat16, torch.float16)
+    assert k_cache.dtype == q.dtype and k_cache.shape[1:] == (PAGE, 1, 576)
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == B
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (B,)
+    assert head_dim_v == 512 and causal == (s_q > 1)
+    out = torch.empty(B, s_q, h, head_dim_v, dtype=q.dtype)
+    for b in range(B):
+        n = int(cache_seqlens[b])
+        kv = k_cache[block_table[b].long()].reshape(-1, 576)[:n].float()
+        sc = torch.einsum("qhd,ld->qhl", q[b].float(), kv) * softmax_scale
+        lim = torch.arange(s_q)[:, None] + n - s_q  # causal: query i sees up to n - s_q + i
+        sc = sc.masked_fill(torch.arange(n)[None, None, :] > lim[:, :, None], float("-inf"))
+        out[b] = torch.einsum("qhl,lc->qhc", sc.softmax(-1), kv[:, :head_dim_v]).to(q.dtype)
+    return out, None
+
+
+class SchedMeta:
+    """FlashMLA 1.0's FlashMLASchedMeta: empty until the first call fills it."""
+
+    have_initialized = False
+
+
+class FakeFlashMLA1(types.ModuleType):
+    """FlashMLA 1.0's interface: get_mla_metadata() without arguments, num_splits None; with
+    ``use_legacy`` (sgl-flash-mla 1.0: dense decoding behind use_legacy=True) or without it
+    (FlashMLA's own 1.0 interface)."""
+
+    def __init__(self, use_legacy: bool):
+        super().__init__("flash_mla")
+        self.calls = 0
+        if use_legacy:
+            self.flash_mla_with_kvcache = self._with_legacy
+        else:
+            self.flash_mla_with_kvcache = self._without_legacy
+
+    def get_mla_metadata(self, *args, **kwargs):
+        assert not args and not kwargs, "FlashMLA 1.0: get_mla_metadata takes no arguments"
+        return SchedMeta(), None
+
+    def _call(self, q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits,
+              softmax_scale, causal):  # fmt: skip
+        assert isinstance(meta, SchedMeta) and not meta.have_initialized  # one per call
+        assert num_splits is None, "num_splits must be None"
+        meta.have_initialized = True
+        self.calls += 1
+        return _decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+
+    def _with_legacy(
+        self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+        num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+        use_legacy=False,
+    ):  # fmt: skip
+        assert use_legacy, "sgl-flash-mla 1.0: dense decoding needs use_legacy=True"
+        assert not is_fp8_kvcache
+        return self._call(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                          tile_scheduler_metadata, num_splits, softmax_scale, causal)  # fmt: skip
+
+    def _without_legacy(
+        self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+        num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+    ):  # fmt: skip
+        assert not is_fp8_kvcache
+        return self._call(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                          tile_scheduler_metadata, num_splits, softmax_scale, causal)  # fmt: skip
 
 
 def _cfg():
@@ -60,8 +120,16 @@ def _cfg():
     )  # fmt: skip
 
 
+FAKES = {
+    "legacy": FakeFlashMLA,
+    "sched_meta+use_legacy": lambda: FakeFlashMLA1(use_legacy=True),
+    "sched_meta": lambda: FakeFlashMLA1(use_legacy=False),
+}
+
+
+@pytest.mark.parametrize("api", list(FAKES))
 @pytest.mark.parametrize("r", [1, 2])  # plain decode, and two tokens per sequence (MTP)
-def test_flash_mla_path_equals_the_sdpa_path(r):
+def test_flash_mla_path_equals_the_sdpa_path(r, api):
     cfg = _cfg()
     lw = M.init_weights(cfg, seed=1, dtype=torch.bfloat16).layers[0]
     g = torch.Generator().manual_seed(0)
@@ -71,7 +139,7 @@ def test_flash_mla_path_equals_the_sdpa_path(r):
     q_pos = torch.tensor([[n - r + i for i in range(r)] for n in lens])
     q_nope = torch.randn(S * r, 2, 16, generator=g).bfloat16()
     q_pe = torch.randn(S * r, 2, 64, generator=g).bfloat16()
-    fm = FakeFlashMLA()
+    fm = FAKES[api]()
     table = torch.arange(S * 2, dtype=torch.int32).view(S, 2)
     a = M.mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, table)
     b = M.mla_attend_absorbed_batched(cfg, lw, q_nope, q_pe, cache, q_pos)
@@ -94,6 +162,22 @@ def test_flash_mla_is_used_only_where_it_can_run_and_says_why():
     assert "512 + 64" in M.flash_mla_unusable(tiny, gpu_cache(), fm)
     fp32 = gpu_cache(dtype=torch.float32)
     assert "bf16/fp16" in M.flash_mla_unusable(cfg, fp32, fm)
+
+
+def test_the_interface_is_read_from_the_signatures():
+    assert M.flash_mla_api(FakeFlashMLA()) == M.FlashMLAApi("legacy")
+    assert M.flash_mla_api(FakeFlashMLA1(True)) == M.FlashMLAApi("sched_meta", use_legacy=True)
+    assert M.flash_mla_api(FakeFlashMLA1(False)) == M.FlashMLAApi("sched_meta")
+    assert M.flash_mla_api(FakeFlashMLA1(True)).label == "flash_mla (sched_meta API)"
+    odd = FakeFlashMLA1(False)
+    odd.get_mla_metadata = lambda seqlens, heads: None  # neither interface
+    assert "neither known interface" in M.flash_mla_api(odd)
+    builtin = FakeFlashMLA1(False)
+    builtin.get_mla_metadata = min  # a C function: no signature to read
+    cfg = _cfg()
+    gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(2, PAGE, 576))
+    assert "no readable signature" in M.flash_mla_unusable(cfg, gpu, builtin)
+    assert "lacks" in M.flash_mla_unusable(cfg, gpu, types.ModuleType("flash_mla"))
 
 
 def test_a_decode_run_says_which_attention_kernel_ran():

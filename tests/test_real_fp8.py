@@ -115,14 +115,18 @@ class FakeDeepGemm(types.ModuleType):
 def fp8_run(monkeypatch):
     dg = FakeDeepGemm()
     monkeypatch.setattr(G, "DEEP_GEMM_ERRORS", {})
-    fp8.set_current(fp8.resolve("fp8", cuda=True, module=dg))
-    G.reset_applied()
-    yield dg
-    fp8.set_current(fp8.BF16)
+    return dg
 
 
-def _budget(dg, dtype="fp8"):
-    b = G.ComputeBudget(100, mechanism="deep_gemm", dtype=dtype)
+def _budget(dg, dtype="fp8", log=None, fp8_weights=None):
+    b = G.ComputeBudget(
+        100,
+        mechanism="deep_gemm",
+        dtype=dtype,
+        log=log,
+        precision=fp8.resolve("fp8", cuda=True, module=dg),
+        fp8_weights=fp8_weights,
+    )
     b._dg = dg  # what __enter__ sets from deep_gemm_num_sms on a GPU
     return b
 
@@ -182,7 +186,7 @@ def test_fp8_gemms_go_through_deep_gemm_as_its_api_wants(fp8_run):
         "m_grouped_fp8_gemm_nt_masked",
         "m_grouped_fp8_gemm_nt_contiguous",
     ]
-    meta = precision_meta(G.ComputeBudget.applied)
+    meta = precision_meta(b.applied, b.precision)
     assert meta["used"] == "fp8" and meta["fp8_gemms"] == 3 and meta["bf16_fallbacks"] == 0
 
 
@@ -203,25 +207,20 @@ def test_a_failing_fp8_call_runs_bf16_and_the_run_says_so(monkeypatch):
         "grouped_matmul_masked",
         lambda x, w, counts, num_sms: torch.bmm(x.float(), w.float().transpose(1, 2)).to(x.dtype),
     )
-    fp8.set_current(fp8.resolve("fp8", cuda=True, module=dg))
-    G.reset_applied()
-    try:
-        b = _budget(dg)
-        x, w = torch.randn(2, 8, 256).bfloat16(), torch.randn(2, 128, 256).bfloat16()
-        q = fp8.quant_tokens(x)  # the activation kernel already quantised: dequantised back
-        for inp in (x, q):
-            y = b.grouped_masked(inp, w, torch.tensor([8, 3], dtype=torch.int32), 5)
-            assert _rel(y[0], x[0].float() @ w[0].float().t()) < 0.08
-        assert dg.calls == ["m_grouped_fp8_gemm_nt_masked"]  # failed once, not retried
-        assert "m_grouped_fp8_gemm_nt_masked" in G.DEEP_GEMM_ERRORS
-        labels = G.ComputeBudget.applied
-        assert not any(k.startswith("deep_gemm.") for k in labels), labels
-        meta = precision_meta(labels)
-        assert meta["used"] == "bf16" and meta["bf16_fallbacks"] == 2
-        b.linear(torch.randn(4, 256).bfloat16(), torch.randn(128, 256).bfloat16())
-        assert precision_meta(G.ComputeBudget.applied)["used"] == "mixed"
-    finally:
-        fp8.set_current(fp8.BF16)
+    b = _budget(dg)
+    x, w = torch.randn(2, 8, 256).bfloat16(), torch.randn(2, 128, 256).bfloat16()
+    q = fp8.quant_tokens(x)  # the activation kernel already quantised: dequantised back
+    for inp in (x, q):
+        y = b.grouped_masked(inp, w, torch.tensor([8, 3], dtype=torch.int32), 5)
+        assert _rel(y[0], x[0].float() @ w[0].float().t()) < 0.08
+    assert dg.calls == ["m_grouped_fp8_gemm_nt_masked"]  # failed once, not retried
+    assert "m_grouped_fp8_gemm_nt_masked" in G.DEEP_GEMM_ERRORS
+    labels = b.applied
+    assert not any(k.startswith("deep_gemm.") for k in labels), labels
+    meta = precision_meta(labels, b.precision)
+    assert meta["used"] == "bf16" and meta["bf16_fallbacks"] == 2
+    b.linear(torch.randn(4, 256).bfloat16(), torch.randn(128, 256).bfloat16())
+    assert precision_meta(b.applied, b.precision)["used"] == "mixed"
 
 
 def test_probe_turns_a_jit_failure_into_a_bf16_loop():
@@ -245,11 +244,11 @@ def test_act_quant_hands_the_down_gemm_fp8_values_and_scales(fp8_run):
         backend=None,
         deepep_mode="low_latency",
         max_dispatch_tokens=0,
+        precision=fp8.resolve("fp8", cuda=True, module=fp8_run),
     )
-    K.reset_notes()
     K.bind("experts.act_quant")(ctx)
     q, s = step.mbs[0]["expert_act"]
-    assert q.dtype == F8 and s.shape == (2, 4, 2) and K.NOTES == {}
+    assert q.dtype == F8 and s.shape == (2, 4, 2) and ctx.log.notes == {}
     g, u = gu.float().chunk(2, -1)
     assert _rel(fp8.dequant((q, s)), torch.nn.functional.silu(g) * u) < 0.05
 

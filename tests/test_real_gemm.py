@@ -117,7 +117,7 @@ def _interp_model_experts_through_a_limited_budget():
         wt = torch.rand(6, 2, generator=g)
         got = M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"], gemm=b)
         assert torch.allclose(got, M.experts_weighted(h, idx, wt, lw["w13"], lw["w2"]), atol=1e-4)
-    assert G.ComputeBudget.applied.get("triton_persistent", 0) >= 1
+    assert budget.applied.get("triton_persistent", 0) >= 1
 
 
 def test_contiguous_tiles_never_span_experts():
@@ -354,14 +354,13 @@ def test_a_failing_deep_gemm_call_falls_back_to_triton_and_is_labelled_so(monkey
     dg = types.SimpleNamespace(bf16_gemm_nt=bf16_gemm_nt)
     monkeypatch.setattr(G, "matmul", lambda x, w, num_sms: x @ w.t())
     monkeypatch.setattr(G, "DEEP_GEMM_ERRORS", {})
-    G.reset_applied()
     b = G.ComputeBudget(100, mechanism="deep_gemm")
     b._dg = dg  # what __enter__ sets from deep_gemm_num_sms on a GPU
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
     for _ in range(3):
         assert torch.equal(b.linear(x, w), x @ w.t())
     assert len(calls) == 1 and "bf16_gemm_nt" in G.DEEP_GEMM_ERRORS
-    labels = G.ComputeBudget.applied
+    labels = b.applied
     assert not any(k.startswith("deep_gemm") for k in labels), labels
     assert sum(labels.values()) == 3
 
@@ -371,3 +370,18 @@ def test_expected_m_is_the_routings_mean_not_the_padded_rows():
     assert G.expected_rows(128, 8, 256, 32, 4096) == 128
     assert G.expected_rows(1, 1, 256, 2, 64) == 1
     assert G.expected_rows(1000, 8, 8, 4, 64) == 64  # clamped to the padded rows
+
+
+def test_grouped_error_of_an_expert_without_rows_is_zero_not_the_max_of_nothing():
+    from overlap_lab.real.check import grouped_max_abs_diff
+
+    y = torch.zeros(3, 4, 2)
+    ref = y.clone()
+    ref[1, 1, 0] = 0.5  # expert 1's second valid row
+    ref[2, 3, 1] = 9.0  # past expert 2's count: padding, never compared
+    assert grouped_max_abs_diff(y, ref, [0, 2, 3]) == [0.0, 0.5, 0.0]
+    flat = torch.zeros(5, 2)
+    fref = flat.clone()
+    fref[4, 0] = -0.25  # the last row: expert 2's segment [2, 5)
+    assert grouped_max_abs_diff(flat, fref, [0, 2, 3]) == [0.0, 0.0, 0.25]
+    assert grouped_max_abs_diff(flat[:0], fref[:0], [0, 0]) == [0.0, 0.0]

@@ -21,7 +21,7 @@ def test_mla_absorbed_equals_expanded(tiny):
     h = torch.randn(L, cfg.hidden, generator=g)
     pos = torch.arange(L)
     q_nope, q_pe, kv = M.mla_prepare(cfg, lw, h, pos)
-    a = M.mla_attend_expanded(cfg, lw, q_nope, q_pe, kv, pos)
+    a = M.mla_attend_expanded(cfg, lw, q_nope, q_pe, kv)
     b = M.mla_attend_absorbed(
         cfg, lw, q_nope, q_pe, kv[None], torch.zeros(L, dtype=torch.long), pos
     )
