@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.preset_files import builtin, pick
 
 ARCHS = ("hopper", "blackwell")
 
@@ -98,30 +99,14 @@ class GPU:
         return lat[link]
 
 
-def _builtin_gpus() -> dict[str, GPU]:
-    """The built-in presets: one YAML file per GPU in ``shared/presets/gpus/``, every value with
-    its source in a comment (a file of the same form is what ``--gpu-file`` reads)."""
-    from overlap_lab.shared.presets import builtin
-
-    order = ("h100", "h200", "h800", "b200")
-    found = builtin("gpus")
-    names = [n for n in order if n in found] + sorted(set(found) - set(order))
-    return {n: GPU(**found[n]) for n in names}
-
-
-GPUS: dict[str, GPU] = _builtin_gpus()
+#: The built-in presets: one YAML file per GPU in ``shared/presets/gpus/``, every value with its
+#: source in a comment (a file of the same form is what ``--gpu-file`` reads).
+GPUS: dict[str, GPU] = builtin("gpus", GPU, ("h100", "h200", "h800", "b200"))
 
 
 def get_gpu(name: str, **overrides) -> GPU:
     """A preset by name (case-insensitive), with fields replaced; validated again."""
-    key = name.lower()
-    if key not in GPUS:
-        raise ConfigError(f"unknown gpu {name!r}; choose from {', '.join(GPUS)}")
-    known = {f.name for f in dataclasses.fields(GPU)}
-    for k in overrides:
-        if k not in known:
-            raise ConfigError(f"unknown gpu field {k!r}; fields are {', '.join(sorted(known))}")
-    return dataclasses.replace(GPUS[key], **overrides)
+    return pick(GPUS, "gpu", name, overrides)
 
 
 @dataclass(frozen=True)

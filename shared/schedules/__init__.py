@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 
-__all__ = ["SCHEDULES", "MicroBatch", "ScheduleConfig", "build", "describe", "module"]
+__all__ = ["SCHEDULES", "ScheduleConfig", "build", "describe", "module"]
 
 SCHEDULES: dict[str, str] = {
     "serial": "overlap_lab.shared.schedules.serial",

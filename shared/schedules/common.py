@@ -1,8 +1,8 @@
-"""What every schedule module shares: its knobs and the micro-batch record it reports."""
+"""What every schedule module shares: its knobs."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import HOST_COSTS, HostCosts
@@ -89,29 +89,3 @@ class ScheduleConfig:
 
     def use_cuda_graph(self, mode: str) -> bool:
         return self.cuda_graph if self.cuda_graph is not None else mode == "decode"
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch as the schedule cut it: sequences [seq_lo, seq_hi), tokens [tok_lo, tok_hi).
-
-    ``split_seq`` is true when the two-chunk split cut a sequence, so this micro-batch holds only
-    part of sequence ``seq_hi - 1`` (first child) or ``seq_lo`` (second child).
-    """
-
-    index: int
-    seq_lo: int
-    seq_hi: int
-    tok_lo: int
-    tok_hi: int
-    padded_tokens: int
-    split_seq: bool = False
-
-    @property
-    def tokens(self) -> int:
-        return self.tok_hi - self.tok_lo
-
-    def as_meta(self) -> dict:
-        d = asdict(self)
-        d["tokens"] = self.tokens
-        return d

@@ -55,7 +55,7 @@ import math
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import HIGH_PRIORITY, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
     MAIN,
@@ -64,7 +64,7 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "DeepSeek-V3/R1 inference system overview; github.com/deepseek-ai/profile-data"
 SUMMARY = (

@@ -60,7 +60,7 @@ from dataclasses import replace
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import HIGH_PRIORITY, Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
@@ -71,7 +71,7 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "LightLLM lightllm/models/deepseek2/layer_infer/transformer_layer_infer.py (overlap_tpsp_token_forward, overlap_tpsp_context_forward)"
 SUMMARY = (

@@ -63,10 +63,10 @@ from overlap_lab.shared.program import (
     WaitStream,
 )
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
 SUMMARY = (

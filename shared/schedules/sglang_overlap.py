@@ -54,10 +54,10 @@ from overlap_lab.shared.ops_sched import (
     store_to_map_op,
 )
 from overlap_lab.shared.program import Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.trace import Trace, union
-from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
 SUMMARY = (

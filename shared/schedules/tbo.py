@@ -42,11 +42,11 @@ from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
 from overlap_lab.shared.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
 from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
-from overlap_lab.shared.workload import Workload, dense_layers, moe_layers
+from overlap_lab.shared.workload import MicroBatch, Workload, dense_layers, moe_layers
 
 UPSTREAM = "SGLang python/sglang/srt/two_batch_overlap.py, operations.py, operations_strategy.py"
 SUMMARY = (
