@@ -57,7 +57,10 @@ def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
     """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``)."""
     from overlap_lab.shared.lowering import host_wait_for_counts
 
-    return host_wait_for_counts(module(name).build(workload, gpu, cfg or ScheduleConfig()))
+    m = module(name)
+    if workload.parallel.pp > 1 and not getattr(m, "SUPPORTS_PP", False):
+        raise ConfigError(f"{name} runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    return host_wait_for_counts(m.build(workload, gpu, cfg or ScheduleConfig()))
 
 
 def describe() -> list[tuple[str, str, str]]:

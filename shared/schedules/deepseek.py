@@ -282,8 +282,6 @@ def forward_body(e: Emitter) -> None:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("deepseek runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = w.batch.mode
     deepep = system_deepep_mode(cfg, mode, "deepseek")
     meta: dict = {}

@@ -304,8 +304,6 @@ def forward_body(e: Emitter) -> None:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("lightllm runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = w.batch.mode
     deepep = system_deepep_mode(cfg, mode, "lightllm")
     mbs = split_decode(w, dp_max_decode_num(w, cfg)) if mode == "decode" else split_prefill(w)

@@ -302,8 +302,6 @@ def forward_body(
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("sbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     p = plan(gpu, cfg)
     mb = whole_batch(w)

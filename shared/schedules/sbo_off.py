@@ -30,7 +30,6 @@ the gate and top-k; with the same kernels that is the ``serial`` schedule.
 from __future__ import annotations
 
 from overlap_lab.shared.builder import program
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import whole_batch
 from overlap_lab.shared.program import (
@@ -77,10 +76,6 @@ def moe_layer(ops: dict[str, Op]) -> list[GpuInstr]:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError(
-            f"{SCHEDULE} runs one pipeline stage; use --schedule pp for --pp-size > 1"
-        )
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     mb = whole_batch(w)
     body = sbo.forward_body(w, gpu, mb, moe_layer, mode=mode, step=0)

@@ -239,8 +239,6 @@ def build(
     extra_streams: tuple[str, ...] = (),
     extra_meta: dict | None = None,
 ) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("tbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     if w.parallel.ep <= 1:
         # SGLang's server args refuse --enable-two-batch-overlap without an expert-parallel
         # all-to-all backend (--moe-a2a-backend deepep): there is no dispatch/combine to overlap

@@ -322,8 +322,6 @@ def _graph_mode(w: Workload, cfg: ScheduleConfig) -> bool:
 
 def _check(w: Workload) -> None:
     p = w.parallel
-    if p.pp > 1:
-        raise ConfigError("vllm-dbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     if p.ep // p.attn_tp < 2 or p.ep < 2:
         raise ConfigError(
             "vllm-dbo needs --data-parallel-size > 1 with expert parallelism (--ep >= 2 and "
