@@ -78,6 +78,13 @@ SUMMARY = (
     "LightLLM two-micro-batch overlap: hand-ordered ops on one stream, DeepEP LL hooks in decode, "
     "normal kernels on a comm stream per micro-batch in prefill, last combine deferred a layer"
 )
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "dp_peer_tokens",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 COMM_STREAMS = ("comm0", "comm1")
 

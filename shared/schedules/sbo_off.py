@@ -53,6 +53,12 @@ SUMMARY = (
     "SGLang's DeepEP MoE without SBO (what SBO is compared with): shared experts on the "
     "default-priority alt stream beside dispatch, routed experts and combine on main"
 )
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 SCHEDULE = "sbo-off"
 MAIN, ALT, COMM = sbo.MAIN, sbo.ALT, tbo.COMM

@@ -16,6 +16,12 @@ from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 
 def layer_sequence(

@@ -64,6 +64,22 @@ SUMMARY = (
     "CPU-GPU overlap scheduler: schedule/forward/copy streams, FutureMap, one host sync "
     "(copy_done) per iteration, host one step ahead; --disable-overlap-schedule for the serial loop"
 )
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "iterations",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+    "disable_overlap_schedule",
+    "disable_consecutive_prefill_overlap",
+    "spec_v2",
+    "grammar",
+    "return_logprob",
+    "iteration_modes",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "context_len",
+)
 
 #: SGLang turns the overlap scheduler off under pipeline parallelism (event_loop_pp runs).
 SUPPORTS_PP = False

@@ -53,6 +53,15 @@ SUMMARY = (
     "SGLang TBO: two micro-batches, sparse layers cut into stages at YIELDs and interleaved on "
     "one stream (DeepSeek decode 6 stages/delta 2, prefill 3/delta 0; Qwen3-MoE)"
 )
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "tbo_threshold",
+    "delta_stages",
+    "dp_ranks_disagree",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 MAIN, COMM = "main", "comm"
 
