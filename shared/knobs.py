@@ -47,7 +47,7 @@ class Knob:
         """The command-line spelling: ``comm_sms`` -> ``--comm-sms``."""
         return "--" + self.name.replace("_", "-")
 
-    @property
+    @functools.cached_property  # the checks run on every configuration built: resolve once
     def scalar(self) -> type:
         """The type of the value (of each element, for a tuple field), None stripped."""
         tp = self.type
@@ -58,7 +58,7 @@ class Knob:
             tp = typing.get_args(tp)[0]
         return tp
 
-    @property
+    @functools.cached_property
     def is_tuple(self) -> bool:
         tp = self.type
         args = [a for a in typing.get_args(tp) if a is not type(None)]
