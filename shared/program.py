@@ -35,7 +35,6 @@ from typing import Union
 from overlap_lab.shared.errors import ConfigError
 
 
-
 class _Vocabulary(enum.StrEnum):
     """A closed set of words of the IR. Members are their strings (``OpKind.COMM == "comm"``,
     ``str()`` and f-strings give the word), so comparisons, hashing, JSON and the text form are
