@@ -14,35 +14,80 @@ import dataclasses
 from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.knobs import Knob, knob, knobs
+from overlap_lab.shared.preset_files import builtin, pick
 
 ARCHS = ("hopper", "blackwell")
 
 
 @dataclass(frozen=True)
 class GPU:
-    """One GPU and its links. Bandwidths in GB/s (1e9 B/s) per direction, FLOP/s dense."""
+    """One GPU and its links. Bandwidths in GB/s (1e9 B/s) per direction, FLOP/s dense.
 
-    name: str
-    arch: str
-    num_sms: int
-    bf16_tflops: float  # dense (no 2:4 sparsity)
-    fp8_tflops: float  # dense
-    hbm_gbps: float
-    mem_gib: float
-    launch_us: float  # host cost of one kernel launch (CUDA driver + PyTorch dispatch)
-    graph_launch_us: float  # host cost of one cudaGraphLaunch
-    kernel_min_us: float  # GPU-side floor of any kernel (launch latency, ramp, tail)
-    nvlink_gbps: float  # nominal, per GPU, per direction
-    nvlink_lat_us: float
-    rdma_gbps: float  # one NIC per GPU, line rate
-    rdma_lat_us: float
-    pcie_gbps: float  # per direction
-    pcie_lat_us: float
-    sbo_comm_sms: int  # SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)
-    deepep_normal_sms: int  # DeepEP normal kernels (Buffer.num_sms)
-    nvlink_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
-    rdma_eff_gbps: float = 0.0  # achievable by DeepEP kernels; 0 = same as nominal
-    deepep_ll_recv_us: float = 0.0  # fixed cost of a DeepEP low-latency receive (preset files)
+    Every field is a knob record (``gpu_fields()``: help, unit, and ``lo..hi``, the range an
+    override from the command line may take); presets and files are checked by ``__post_init__``
+    below. The trailing comments repeat the help for the command line, which still reads them.
+    """
+
+    name: str = knob()
+    arch: str = knob(choices=ARCHS)
+    num_sms: int = knob(unit="SMs", lo=1, hi=1024)
+    bf16_tflops: float = knob(  # dense (no 2:4 sparsity)
+        help="dense (no 2:4 sparsity)", unit="TFLOP/s", lo=1, hi=1e5
+    )
+    fp8_tflops: float = knob(help="dense", unit="TFLOP/s", lo=1, hi=1e5)  # dense
+    hbm_gbps: float = knob(unit="GB/s", lo=10, hi=1e6)
+    mem_gib: float = knob(unit="GiB", lo=1, hi=1e5)
+    launch_us: float = knob(  # host cost of one kernel launch (CUDA driver + PyTorch dispatch)
+        help="host cost of one kernel launch (CUDA driver + PyTorch dispatch)",
+        unit="µs",
+        lo=0,
+        hi=1e4,
+    )
+    graph_launch_us: float = knob(  # host cost of one cudaGraphLaunch
+        help="host cost of one cudaGraphLaunch", unit="µs", lo=0, hi=1e4
+    )
+    kernel_min_us: float = knob(  # GPU-side floor of any kernel (launch latency, ramp, tail)
+        help="GPU-side floor of any kernel (launch latency, ramp, tail)", unit="µs", lo=0, hi=1e4
+    )
+    nvlink_gbps: float = knob(  # nominal, per GPU, per direction
+        help="nominal, per GPU, per direction", unit="GB/s", lo=1, hi=1e5
+    )
+    nvlink_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
+    rdma_gbps: float = knob(  # one NIC per GPU, line rate
+        help="one NIC per GPU, line rate", unit="GB/s", lo=1, hi=1e5
+    )
+    rdma_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
+    pcie_gbps: float = knob(help="per direction", unit="GB/s", lo=1, hi=1e5)  # per direction
+    pcie_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
+    sbo_comm_sms: int = knob(  # SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)
+        help="SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)",
+        unit="SMs",
+        lo=1,
+        hi=1023,
+    )
+    deepep_normal_sms: int = knob(  # DeepEP normal kernels (Buffer.num_sms)
+        help="DeepEP normal kernels (Buffer.num_sms)", unit="SMs", lo=1, hi=1023
+    )
+    nvlink_eff_gbps: float = knob(  # achievable by DeepEP kernels; 0 = same as nominal
+        0.0,
+        "achievable by DeepEP kernels; 0 = same as nominal",
+        unit="GB/s",
+        lo=1,
+        hi=1e5,
+        zero_ok=True,
+    )
+    rdma_eff_gbps: float = knob(  # achievable by DeepEP kernels; 0 = same as nominal
+        0.0,
+        "achievable by DeepEP kernels; 0 = same as nominal",
+        unit="GB/s",
+        lo=1,
+        hi=1e5,
+        zero_ok=True,
+    )
+    deepep_ll_recv_us: float = knob(  # fixed cost of a DeepEP low-latency receive (preset files)
+        0.0, "fixed cost of a DeepEP low-latency receive (preset files)", unit="µs"
+    )
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -98,30 +143,20 @@ class GPU:
         return lat[link]
 
 
-def _builtin_gpus() -> dict[str, GPU]:
-    """The built-in presets: one YAML file per GPU in ``shared/presets/gpus/``, every value with
-    its source in a comment (a file of the same form is what ``--gpu-file`` reads)."""
-    from overlap_lab.shared.presets import builtin
-
-    order = ("h100", "h200", "h800", "b200")
-    found = builtin("gpus")
-    names = [n for n in order if n in found] + sorted(set(found) - set(order))
-    return {n: GPU(**found[n]) for n in names}
-
-
-GPUS: dict[str, GPU] = _builtin_gpus()
+#: The built-in presets: one YAML file per GPU in ``shared/presets/gpus/``, every value with its
+#: source in a comment (a file of the same form is what ``--gpu-file`` reads).
+GPUS: dict[str, GPU] = builtin("gpus", GPU, ("h100", "h200", "h800", "b200"))
 
 
 def get_gpu(name: str, **overrides) -> GPU:
     """A preset by name (case-insensitive), with fields replaced; validated again."""
-    key = name.lower()
-    if key not in GPUS:
-        raise ConfigError(f"unknown gpu {name!r}; choose from {', '.join(GPUS)}")
-    known = {f.name for f in dataclasses.fields(GPU)}
-    for k in overrides:
-        if k not in known:
-            raise ConfigError(f"unknown gpu field {k!r}; fields are {', '.join(sorted(known))}")
-    return dataclasses.replace(GPUS[key], **overrides)
+    return pick(GPUS, "gpu", name, overrides)
+
+
+def gpu_fields() -> tuple[Knob, ...]:
+    """The GPU preset's field records (help, unit, override range), in field order: what a
+    command line turns into hardware-override options."""
+    return knobs(GPU)
 
 
 @dataclass(frozen=True)
@@ -130,15 +165,29 @@ class HostCosts:
 
     ESTIMATES, order of magnitude only, chosen from the scale of SGLang's event loop (Python
     scheduling and result processing dominate at large batch); they are placeholders to be replaced
-    by measurement (profiling the scheduler) and are never reported as measured.
+    by measurement (profiling the scheduler) and are never reported as measured. Every field is a
+    knob record (``host_cost_fields()``); the trailing comments repeat the help for the command
+    line, which still reads them.
     """
 
-    recv_requests_us: float = 10.0  # recv_requests + process_input_requests, idle queue
-    schedule_base_us: float = 100.0  # get_next_batch_to_run: fixed part
-    schedule_per_req_us: float = 2.0  # per running request (prepare_for_decode, req_to_token)
-    process_result_base_us: float = 50.0  # process_batch_result: fixed part
-    process_result_per_req_us: float = 5.0  # per request (append token, check finish, logprobs)
-    detokenizer_send_us: float = 20.0  # stream_output: pickling + ZMQ send to the detokenizer
+    recv_requests_us: float = knob(  # recv_requests + process_input_requests, idle queue
+        10.0, "recv_requests + process_input_requests, idle queue", unit="µs", lo=0, hi=1e6
+    )
+    schedule_base_us: float = knob(  # get_next_batch_to_run: fixed part
+        100.0, "get_next_batch_to_run: fixed part", unit="µs", lo=0, hi=1e6
+    )
+    schedule_per_req_us: float = knob(  # per running request (prepare_for_decode, req_to_token)
+        2.0, "per running request (prepare_for_decode, req_to_token)", unit="µs", lo=0, hi=1e6
+    )
+    process_result_base_us: float = knob(  # process_batch_result: fixed part
+        50.0, "process_batch_result: fixed part", unit="µs", lo=0, hi=1e6
+    )
+    process_result_per_req_us: float = knob(  # per request (append token, check finish, logprobs)
+        5.0, "per request (append token, check finish, logprobs)", unit="µs", lo=0, hi=1e6
+    )
+    detokenizer_send_us: float = knob(  # stream_output: pickling + ZMQ send to the detokenizer
+        20.0, "stream_output: pickling + ZMQ send to the detokenizer", unit="µs", lo=0, hi=1e6
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -153,3 +202,8 @@ class HostCosts:
 
 
 HOST_COSTS = HostCosts()
+
+
+def host_cost_fields() -> tuple[Knob, ...]:
+    """HostCosts' field records (help, unit µs, override range), in field order."""
+    return knobs(HostCosts)

@@ -30,10 +30,10 @@ from functools import lru_cache
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Coll, Flow, Op
-from overlap_lab.shared.schedules.common import MicroBatch
 from overlap_lab.shared.workload import (
     DTYPE_BYTES,
     Batch,
+    MicroBatch,
     Workload,
     dense_layers,
     moe_layers,

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import Coll, Flow, Op
-from overlap_lab.shared.schedules.common import MicroBatch
-from overlap_lab.shared.workload import ModelConfig, Workload
+from overlap_lab.shared.workload import MicroBatch, ModelConfig, Workload
 
 ACT = 2  # bf16 activations
 ID_BYTES = 8  # next_token_ids: int64

@@ -6,7 +6,8 @@ DeepSeek-V2/V3 (``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``), Qwen2-MoE/
 Mixtral field names are mapped below. A GPU file is YAML or JSON holding the fields of
 :class:`~overlap_lab.shared.hardware.GPU`. The built-in presets are such files, shipped inside the
 package (``shared/presets/models/*.yaml``, ``shared/presets/gpus/*.yaml``), each value with its
-source in a comment.
+source in a comment, and read by ``shared.preset_files`` (below the record types, so that
+``hardware`` and ``workload`` load their built-ins without importing this module).
 
 A file without a ``name`` takes its file name (``my-gpu.yaml`` -> ``my-gpu``), so every output
 says which hardware or model it was computed for.
@@ -14,49 +15,16 @@ says which hardware or model it was computed for.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU, get_gpu
+from overlap_lab.shared.preset_files import read_mapping
+from overlap_lab.shared.workload import ModelConfig, get_model
 
-PRESETS = Path(__file__).parent / "presets"
 SUFFIXES = (".yaml", ".yml", ".json")
-
-
-def read_mapping(path: str | Path) -> dict[str, Any]:
-    """A YAML or JSON file's top-level mapping (JSON is YAML, but its errors read better)."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            # libyaml's parser where PyYAML has it (the same safe subset, ~10x faster)
-            data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except (ValueError, ImportError) as e:
-        raise ConfigError(
-            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
-        ) from None
-    except Exception as e:  # yaml.YAMLError
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
-    return data
-
-
-def builtin(kind: str) -> dict[str, dict[str, Any]]:
-    """The built-in ``models`` or ``gpus`` presets as field mappings, by name, in file order."""
-    out = {}
-    for f in sorted((PRESETS / kind).glob("*.yaml")):
-        data = read_mapping(f)
-        out[data.get("name", f.stem)] = data
-    return out
 
 
 def _is_path(spec: str | Path) -> bool:
@@ -64,8 +32,6 @@ def _is_path(spec: str | Path) -> bool:
 
 
 def _fields_of(cls, data: dict[str, Any], what: str, path: Path):
-    import dataclasses
-
     known = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(data) - known)
     if bad:
@@ -78,10 +44,8 @@ def _fields_of(cls, data: dict[str, Any], what: str, path: Path):
         raise ConfigError(f"{path}: {e}") from None
 
 
-def load_gpu(spec: str | Path):
+def load_gpu(spec: str | Path) -> GPU:
     """A GPU preset by name, or a YAML/JSON file of GPU fields."""
-    from overlap_lab.shared.hardware import GPU, get_gpu
-
     if not _is_path(spec):
         return get_gpu(str(spec))
     p = Path(spec)
@@ -90,10 +54,8 @@ def load_gpu(spec: str | Path):
     return _fields_of(GPU, data, "gpu", p)
 
 
-def load_model(spec: str | Path):
+def load_model(spec: str | Path) -> ModelConfig:
     """A model preset by name, a YAML/JSON file of ModelConfig fields, or an HF config.json."""
-    from overlap_lab.shared.workload import ModelConfig, get_model
-
     if not _is_path(spec):
         return get_model(str(spec))
     p = Path(spec)

@@ -25,22 +25,59 @@ Events are single-assignment: each is recorded once per rank, and a wait waits f
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Literal, Union
+from typing import Union
 
 from overlap_lab.shared.errors import ConfigError
 
-OpKind = Literal["compute", "comm", "copy"]
-Role = Literal["send", "recv", "sendrecv"]
-LinkKind = Literal["nvlink", "rdma", "pcie"]
-OP_KINDS: tuple[str, ...] = ("compute", "comm", "copy")
-ROLES: tuple[str, ...] = ("send", "recv", "sendrecv")
-LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma", "pcie")
+
+class _Vocabulary(enum.StrEnum):
+    """A closed set of words of the IR. Members are their strings (``OpKind.COMM == "comm"``,
+    ``str()`` and f-strings give the word), so comparisons, hashing, JSON and the text form are
+    those of plain strings; ``of`` turns a word into a member once, when a record is built."""
+
+    def __repr__(self) -> str:  # records print as before: Flow(link='rdma', ...)
+        return repr(self._value_)
+
+    @classmethod
+    def of(cls, word: str, what: str):
+        """The member for ``word`` (a dict lookup: records are built by the hundred thousand)."""
+        member = cls._value2member_map_.get(word) if isinstance(word, str) else None
+        if member is None:
+            raise ConfigError(f"unknown {what} {word!r}; expected one of {', '.join(cls)}")
+        return member
+
+
+class OpKind(_Vocabulary):
+    """What runs an op: SMs (``compute``, ``comm``) or a copy engine (``copy``)."""
+
+    COMPUTE = "compute"
+    COMM = "comm"
+    COPY = "copy"
+
+
+class Role(_Vocabulary):
+    """An op's half of a collective: issue (``send``), completion (``recv``) or both."""
+
+    SEND = "send"
+    RECV = "recv"
+    SENDRECV = "sendrecv"
+
+
+class LinkKind(_Vocabulary):
+    """The fabric a flow crosses."""
+
+    NVLINK = "nvlink"
+    RDMA = "rdma"
+    PCIE = "pcie"
+
+
 #: Link kinds a flow with an explicit destination may cross (the network's ports; PCIe is local).
-NET_LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma")
+NET_LINK_KINDS: tuple[LinkKind, ...] = (LinkKind.NVLINK, LinkKind.RDMA)
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
 #: Op classes the cost model knows (``sim.cost.EFFICIENCY``).
 OP_CLASSES: tuple[str, ...] = (
@@ -65,9 +102,13 @@ GRIDS: tuple[str, ...] = ("persistent", "dynamic", "waved", "coresident")
 class Flow:
     """Bytes one rank pushes over one link kind toward ``dst`` (None: the symmetric mirror)."""
 
-    link: str
+    link: LinkKind
     nbytes: float
     dst: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.link.__class__ is not LinkKind:  # a plain word: checked and converted once
+            object.__setattr__(self, "link", LinkKind.of(self.link, "link kind"))
 
 
 @dataclass(frozen=True)
@@ -75,8 +116,12 @@ class Coll:
     """Membership of an op in a collective: ``key`` pairs issue and completion halves."""
 
     key: str
-    role: str
+    role: Role
     flows: tuple[Flow, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role.__class__ is not Role:
+            object.__setattr__(self, "role", Role.of(self.role, "collective role"))
 
 
 @dataclass(frozen=True)
@@ -97,7 +142,7 @@ class Op:
     """
 
     name: str
-    kind: str = "compute"
+    kind: OpKind = OpKind.COMPUTE
     layer: int | None = None
     mb: int | None = None
     step: int | None = None
@@ -112,6 +157,10 @@ class Op:
     ctas: int | None = None
     ctas_per_sm: int | None = None
     waits: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind.__class__ is not OpKind:
+            object.__setattr__(self, "kind", OpKind.of(self.kind, "op kind"))
 
 
 @dataclass(frozen=True)

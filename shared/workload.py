@@ -6,12 +6,11 @@ requests under DP attention). ``ops.py`` turns a Workload into per-op work.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.schedules.common import MicroBatch
+from overlap_lab.shared.preset_files import builtin, pick
 
 DTYPES = ("bf16", "fp8")
 DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -112,31 +111,17 @@ class ModelConfig:
         return self.n_group > 1
 
 
-def _builtin_models() -> dict[str, ModelConfig]:
-    """The built-in presets: one YAML file per model in ``shared/presets/models/``, each citing
-    the HuggingFace config it restates (a file of the same form is what ``--model-file`` reads;
-    a HuggingFace ``config.json`` is read directly too: ``shared.presets``)."""
-    from overlap_lab.shared.presets import builtin
-
-    order = ("deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b", "qwen3-235b-a22b")
-    found = builtin("models")
-    names = [n for n in order if n in found] + sorted(set(found) - set(order))
-    return {n: ModelConfig(**found[n]) for n in names}
-
-
-MODELS: dict[str, ModelConfig] = _builtin_models()
+#: The built-in presets: one YAML file per model in ``shared/presets/models/``, each citing the
+#: HuggingFace config it restates (a file of the same form is what ``--model-file`` reads; a
+#: HuggingFace ``config.json`` is read directly too: ``shared.presets``).
+MODELS: dict[str, ModelConfig] = builtin(
+    "models", ModelConfig, ("deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b", "qwen3-235b-a22b")
+)
 
 
 def get_model(name: str, **overrides) -> ModelConfig:
     """A preset by name (case-insensitive), with fields replaced; validated again."""
-    key = name.lower()
-    if key not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for k in overrides:
-        if k not in known:
-            raise ConfigError(f"unknown model field {k!r}; fields are {', '.join(sorted(known))}")
-    return dataclasses.replace(MODELS[key], **overrides)
+    return pick(MODELS, "model", name, overrides)
 
 
 def moe_layers(model: ModelConfig) -> range:
@@ -352,6 +337,32 @@ def pp_stage_layers(model: ModelConfig, pp: int) -> tuple[range, ...]:
         out.append(range(lo, hi))
         lo = hi
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the schedule cut it: sequences [seq_lo, seq_hi), tokens [tok_lo, tok_hi).
+
+    ``split_seq`` is true when the two-chunk split cut a sequence, so this micro-batch holds only
+    part of sequence ``seq_hi - 1`` (first child) or ``seq_lo`` (second child).
+    """
+
+    index: int
+    seq_lo: int
+    seq_hi: int
+    tok_lo: int
+    tok_hi: int
+    padded_tokens: int
+    split_seq: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.tok_hi - self.tok_lo
+
+    def as_meta(self) -> dict:
+        d = asdict(self)
+        d["tokens"] = self.tokens
+        return d
 
 
 def whole_batch(w: Workload) -> MicroBatch:

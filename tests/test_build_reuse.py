@@ -13,8 +13,7 @@ from hypothesis import given
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ops import MOE_OP_NAMES, layer_ops
-from overlap_lab.shared.schedules.common import MicroBatch
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.workload import Batch, MicroBatch, Parallel, Workload, get_model
 from tests.fuzz_helpers import fuzz_settings
 from tests.test_fuzz_program import mutated
 

@@ -1,5 +1,5 @@
-"""Docs live in the repository: no pointer to files outside it (issue 11, item 3), and every
-in-repo doc a module points to exists."""
+"""Docs live in the repository: no pointer to files outside it, no citation of the project's
+internal tracker in what users read, and every in-repo doc a module points to exists."""
 
 from __future__ import annotations
 
@@ -24,6 +24,21 @@ def test_no_pointer_outside_the_repository():
         for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
             if OUTSIDE.search(line) and "OUTSIDE" not in line and "for word in" not in line:
                 hits.append(f"{p.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+TRACKER = re.compile(r"\b(?:issue|ticket) #?\d+\b", re.IGNORECASE)
+
+
+def test_user_docs_cite_no_tracker():
+    """A reader of the docs has no access to the project's tracker: its numbers mean nothing."""
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in tracked(".md")
+        if p.parts[len(ROOT.parts)] in ("docs", "README.md")
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if TRACKER.search(line)
+    ]
     assert not hits, "\n".join(hits)
 
 

@@ -23,8 +23,15 @@ from overlap_lab.shared.ops import (
     traffic,
 )
 from overlap_lab.shared.program import HostThread, Launch, Program, RankProgram, parse, to_text
-from overlap_lab.shared.schedules.common import MicroBatch
-from overlap_lab.shared.workload import MODELS, Batch, ModelConfig, Parallel, Workload, whole_batch
+from overlap_lab.shared.workload import (
+    MODELS,
+    Batch,
+    MicroBatch,
+    ModelConfig,
+    Parallel,
+    Workload,
+    whole_batch,
+)
 
 H800 = GPUS["h800"]
 

@@ -3,7 +3,8 @@
 import pytest
 
 from overlap_lab.shared.builder import RankBuilder, program
-from overlap_lab.shared.program import Coll, Flow, Op, parse, to_text
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program import Coll, Flow, LinkKind, Op, OpKind, Role, parse, to_text
 from overlap_lab.shared.validate import ProgramError, issue_order, validate
 
 
@@ -94,7 +95,6 @@ G = Op("gemm", flops=1e9)
             one_thread(("wait", "main", "e"), ("launch", G, "main"), ("record", "e", "main")),
             "wait cycle",
         ),
-        (one_thread(("launch", Op("x", kind="bogus"), "main")), "unknown op kind"),
     ],
 )
 def test_validation_errors_name_the_instruction(prog, message):
@@ -146,3 +146,20 @@ def test_op_rewrites_keep_stream_priorities_and_reach_graph_bodies():
         assert [rp.priorities for rp in q.ranks] == [rp.priorities for rp in p.ranks]
         assert len(ops_of(q)) == len(ops_of(p))
     assert {op.sms for _, op in ops_of(narrow_sms(p, 66)) if op.kind == "compute"} == {66}
+
+
+def test_ir_words_are_checked_and_typed_once_at_construction():
+    """kind, role and link are enum members from the record's construction on, equal to their
+    words (so text, JSON and comparisons are unchanged); a word outside the IR is refused there."""
+    op = Op("x", kind="comm", coll=Coll("k", "send", (Flow("rdma", 1.0),)))
+    assert op.kind is OpKind.COMM and op.kind == "comm" and f"{op.kind}" == "comm"
+    assert op.coll.role is Role.SEND and op.coll.flows[0].link is LinkKind.RDMA
+    assert repr(op.coll.flows[0]) == "Flow(link='rdma', nbytes=1.0, dst=None)"
+    assert parse(to_text(one_thread(("launch", op, "main")))).ranks[0].threads[0].instrs[0].op == op
+    for make, message in (
+        (lambda: Op("x", kind="bogus"), "unknown op kind 'bogus'; expected one of compute, comm, copy"),
+        (lambda: Coll("k", "shout"), "unknown collective role 'shout'"),
+        (lambda: Flow("warp", 1.0), "unknown link kind 'warp'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            make()

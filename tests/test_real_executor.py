@@ -22,8 +22,7 @@ from overlap_lab.shared.builder import RankBuilder, program  # noqa: E402
 from overlap_lab.shared.hardware import get_gpu  # noqa: E402
 from overlap_lab.shared.ops import head_ops, layer_ops  # noqa: E402
 from overlap_lab.shared.program import Coll, Op, ops_of  # noqa: E402
-from overlap_lab.shared.schedules.common import MicroBatch  # noqa: E402
-from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
+from overlap_lab.shared.workload import Batch, MicroBatch, Parallel, Workload  # noqa: E402
 
 GPU = get_gpu("h100")
 

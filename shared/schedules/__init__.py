@@ -1,20 +1,46 @@
 """The schedules, one module per system; each exposes UPSTREAM (the upstream code it follows),
-SUMMARY and build(workload, gpu, cfg); docs/schedules.md states every schedule's rules.
+SUMMARY, KNOBS (the ScheduleConfig knobs it reads) and build(workload, gpu, cfg);
+docs/schedules.md states every schedule's rules.
 
 A schedule is a pure function from a frozen configuration to a Program: it reads no environment,
 probes no device and imports no torch.
+
+Schedules register through the Python entry point group ``overlap_lab.schedules`` (name ->
+module), the built-ins too (this project's pyproject.toml), so a schedule in a separate package
+is found once that package is installed. The built-ins come first in their own order (the order
+help texts list them in), other packages' schedules after, sorted by name. When the entry points
+of this project are not installed (running from a source tree without ``pip install -e .``), the
+built-in list below is used as it is.
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
+from types import ModuleType
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.knobs import Knob, knobs
+from overlap_lab.shared.schedules.common import ScheduleConfig
 
-__all__ = ["SCHEDULES", "MicroBatch", "ScheduleConfig", "build", "describe", "module"]
+__all__ = [
+    "GROUP",
+    "SCHEDULES",
+    "ScheduleConfig",
+    "available",
+    "build",
+    "describe",
+    "knobs_of",
+    "module",
+    "schedule_knobs",
+]
 
-SCHEDULES: dict[str, str] = {
+GROUP = "overlap_lab.schedules"
+#: This project's distribution (the one whose entry points are the built-ins).
+PROJECT = "overlap-lab"
+#: The built-in schedules in the order they are listed, with their modules: the fallback when
+#: the entry points are not installed, and the order the installed ones keep.
+BUILTINS: dict[str, str] = {
     "serial": "overlap_lab.shared.schedules.serial",
     "sglang-overlap": "overlap_lab.shared.schedules.sglang_overlap",
     "sbo-off": "overlap_lab.shared.schedules.sbo_off",
@@ -28,42 +54,84 @@ SCHEDULES: dict[str, str] = {
 }
 
 
+def _registry() -> tuple[dict[str, str], dict[str, str]]:
+    """(name -> module, name -> package that registered it), from the entry points."""
+    found: dict[str, str] = {}
+    package: dict[str, str] = {}
+    for ep in entry_points(group=GROUP):
+        dist = ep.dist.name if ep.dist is not None else "an unknown package"
+        if ep.name in found and found[ep.name] != ep.value:
+            raise ConfigError(
+                f"schedule {ep.name!r} is registered twice, by {package[ep.name]} and {dist}"
+            )
+        found[ep.name], package[ep.name] = ep.value, dist
+    if PROJECT not in package.values():  # a source tree: this project's entry points are absent
+        for name, mod in BUILTINS.items():
+            if name in found:
+                raise ConfigError(f"schedule {name!r} of {package[name]} shadows a built-in one")
+            found[name], package[name] = mod, PROJECT
+    names = [n for n in BUILTINS if n in found] + sorted(set(found) - set(BUILTINS))
+    return {n: found[n] for n in names}, package
+
+
+#: Schedule name -> module, built-ins first.
+SCHEDULES, _PACKAGE = _registry()
+
+
 def available() -> list[str]:
-    """Schedule names whose module is present (all of them once the project is complete)."""
-    out = []
-    for name, mod in SCHEDULES.items():
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        out.append(name)
-    return out
+    """Every registered schedule name, in listing order."""
+    return list(SCHEDULES)
 
 
-def module(name: str):
+def module(name: str) -> ModuleType:
+    """The module of schedule ``name``, checked to expose what a schedule must: a schedule of
+    another package that fails to import, or lacks a part, is one ConfigError naming it."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    where = f"schedule {name!r} ({SCHEDULES[name]}, package {_PACKAGE[name]})"
     try:
-        return importlib.import_module(SCHEDULES[name])
-    except ModuleNotFoundError as e:
-        if e.name == SCHEDULES[name]:
-            raise ConfigError(f"schedule {name!r} is not implemented yet") from None
-        raise
+        m = importlib.import_module(SCHEDULES[name])
+    except Exception as e:
+        raise ConfigError(f"{where} cannot be imported: {type(e).__name__}: {e}") from None
+    missing = [a for a in ("UPSTREAM", "SUMMARY", "KNOBS", "build") if not hasattr(m, a)]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}")
+    unknown = sorted(set(m.KNOBS) - {k.name for k in schedule_knobs()})
+    if unknown:
+        raise ConfigError(f"{where} declares unknown knobs {', '.join(unknown)}")
+    return m
 
 
 def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
-    """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``)."""
+    """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``).
+
+    A schedule runs one pipeline stage unless its module sets ``SUPPORTS_PP = True``; the others
+    are refused here for ``--pp-size > 1``.
+    """
     from overlap_lab.shared.lowering import host_wait_for_counts
 
-    return host_wait_for_counts(module(name).build(workload, gpu, cfg or ScheduleConfig()))
+    m = module(name)
+    if workload.parallel.pp > 1 and not getattr(m, "SUPPORTS_PP", False):
+        raise ConfigError(f"{name} runs one pipeline stage; use --schedule pp for --pp-size > 1")
+    return host_wait_for_counts(m.build(workload, gpu, cfg or ScheduleConfig()))
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(name, upstream reference, one-line summary) for every implemented schedule."""
+    """(name, upstream reference, one-line summary) for every schedule."""
     out = []
-    for name in available():
+    for name in SCHEDULES:
         m = module(name)
         out.append((name, m.UPSTREAM, m.SUMMARY))
     return out
+
+
+def schedule_knobs() -> tuple[Knob, ...]:
+    """Every ScheduleConfig knob record, in field order (the command line's option order)."""
+    return knobs(ScheduleConfig)
+
+
+def knobs_of(name: str) -> tuple[Knob, ...]:
+    """The knob records schedule ``name`` reads (its module's ``KNOBS``), in field order."""
+    own = set(module(name).KNOBS)
+    return tuple(k for k in schedule_knobs() if k.name in own)
+

@@ -1,85 +1,115 @@
-"""What every schedule module shares: its knobs and the micro-batch record it reports."""
+"""What every schedule module shares: its knobs, declared once as knob records."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import HOST_COSTS, HostCosts
+from overlap_lab.shared.hardware import GPU, HOST_COSTS, HostCosts
+from overlap_lab.shared.knobs import knob, validate_all
 
 DEEPEP_MODES = ("auto", "normal", "low_latency")
+MAX_TOKENS = 1 << 20  # tokens of one batch or sequence a knob may name
+MAX_SEQS = 1 << 16  # requests per GPU
+
+
+def _modes_fit_iterations(modes: tuple[str, ...], cfg: ScheduleConfig) -> str | None:
+    if len(modes) > cfg.iterations:
+        return f"lists {len(modes)} modes for --iterations {cfg.iterations}"
+    return None
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Knobs of the schedules; each schedule reads the ones that concern it.
+    """Knobs of the schedules; each schedule reads the ones that concern it (its ``KNOBS``).
 
-    None means "the system's own default" (taken from upstream or the hardware preset).
+    None means "the system's own default" (taken from upstream or the hardware preset). Every
+    field is a :func:`~overlap_lab.shared.knobs.knob`: its help, unit, range and validator are
+    declared here once (``schedules.schedule_knobs()``), and ``__post_init__`` runs each knob's
+    one validator. The trailing comments repeat each knob's help for the command line, which
+    still reads them from this source.
+
+    ``comm_sms`` is read by three schedules, with one meaning each (``resolve_comm_sms`` below resolves
+    and checks it against the GPU for all three): sbo and tbo+sbo, the SMs of DeepEP's
+    low-latency combine send (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS; default: the GPU preset's
+    ``sbo_comm_sms``); deepseek (prefill), the SMs of the communication partition (default: 24 of
+    an H800's 132, scaled); vllm-dbo (prefill), VLLM_DBO_COMM_SMS, capped at DeepEP's 20 (0: SM
+    control off).
     """
 
-    comm_sms: int | None = None  # SBO / DeepSeek communication SMs (default: GPU preset)
-    sbo_mode: int = 1  # SBO: 1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared
-    tbo_threshold: float = 0.48  # SGLang tbo_token_distribution_threshold
-    delta_stages: int | None = None  # TBO: None = the strategy's own (decode 2, prefill 0)
-    iterations: int = 4  # sglang-overlap / pp: scheduler iterations simulated
-    micro_batches: int | None = None  # pp: micro-batches in flight (None = pp_size)
-    deepep_mode: str = "auto"  # auto: low_latency for decode, normal for prefill (SGLang)
-    cuda_graph: bool | None = None  # None: decode uses CUDA graphs, prefill does not
-    dbo_decode_token_threshold: int = 32  # vLLM --dbo-decode-token-threshold
-    dbo_prefill_token_threshold: int = 512  # vLLM --dbo-prefill-token-threshold
-    host: HostCosts = HOST_COSTS  # host (CPU) costs of the scheduler loop
-    dp_ranks_disagree: bool = False  # TBO: some DP rank cannot split (or runs another mode)
-    dp_peer_tokens: tuple[int, ...] = ()  # vllm-dbo: other DP ranks' tokens (empty: as this)
+    comm_sms: int | None = knob(  # SBO / DeepSeek communication SMs (default: GPU preset)
+        None, "SBO / DeepSeek communication SMs (default: GPU preset)", unit="SMs", lo=0, hi=1023
+    )
+    sbo_mode: int = knob(  # SBO: 1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared
+        1, "SBO: 1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared", lo=1, hi=3
+    )
+    tbo_threshold: float = knob(  # SGLang tbo_token_distribution_threshold
+        0.48, "SGLang tbo_token_distribution_threshold", unit="fraction", lo=0.01, hi=0.5
+    )
+    delta_stages: int | None = knob(  # TBO: None = the strategy's own (decode 2, prefill 0)
+        None, "TBO: None = the strategy's own (decode 2, prefill 0)", unit="stages", lo=0, hi=16
+    )
+    iterations: int = knob(  # sglang-overlap / pp: scheduler iterations simulated
+        4, "sglang-overlap / pp: scheduler iterations simulated", unit="iterations", lo=1, hi=64
+    )
+    micro_batches: int | None = knob(  # pp: micro-batches in flight (None = pp_size)
+        None, "pp: micro-batches in flight (None = pp_size)", unit="micro-batches", lo=1, hi=64
+    )
+    deepep_mode: str = knob(  # auto: low_latency for decode, normal for prefill (SGLang)
+        "auto", "auto: low_latency for decode, normal for prefill (SGLang)", choices=DEEPEP_MODES
+    )
+    cuda_graph: bool | None = knob(  # None: decode uses CUDA graphs, prefill does not
+        None, "None: decode uses CUDA graphs, prefill does not"
+    )
+    dbo_decode_token_threshold: int = knob(  # vLLM --dbo-decode-token-threshold
+        32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
+    dbo_prefill_token_threshold: int = knob(  # vLLM --dbo-prefill-token-threshold
+        512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
+    host: HostCosts = knob(  # host (CPU) costs of the scheduler loop
+        HOST_COSTS, "host (CPU) costs of the scheduler loop", unit="µs"
+    )
+    dp_ranks_disagree: bool = knob(  # TBO: some DP rank cannot split (or runs another mode)
+        False, "TBO: some DP rank cannot split (or runs another mode)"
+    )
+    dp_peer_tokens: tuple[int, ...] = knob(  # vllm-dbo: other DP ranks' tokens (empty: as this)
+        (), "vllm-dbo: other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
     # sglang-overlap (SGLang's CPU-GPU overlap scheduler, docs/schedules.md):
-    disable_overlap_schedule: bool = False  # --disable-overlap-schedule (event_loop_normal)
-    disable_consecutive_prefill_overlap: bool = False  # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
-    spec_v2: bool = False  # the batches are spec-v2 (overlapped speculative decoding)
-    grammar: bool = False  # requests carry a grammar (structured output)
-    return_logprob: bool = False  # copy logprobs to the host with next_token_ids
-    iteration_modes: tuple[str, ...] = ()  # "prefill"/"decode" per iteration; last one repeats
-    max_running_requests: int | None = None  # FutureMap sizing (None: largest running batch)
-    chunked_prefill_size: int | None = 8192  # FutureMap sizing; None: chunked prefill off
-    context_len: int | None = None  # FutureMap sizing (None: longest sequence simulated)
+    disable_overlap_schedule: bool = knob(  # --disable-overlap-schedule (event_loop_normal)
+        False, "--disable-overlap-schedule (event_loop_normal)"
+    )
+    disable_consecutive_prefill_overlap: bool = knob(  # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
+        False, "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
+    )
+    spec_v2: bool = knob(  # the batches are spec-v2 (overlapped speculative decoding)
+        False, "the batches are spec-v2 (overlapped speculative decoding)"
+    )
+    grammar: bool = knob(  # requests carry a grammar (structured output)
+        False, "requests carry a grammar (structured output)"
+    )
+    return_logprob: bool = knob(  # copy logprobs to the host with next_token_ids
+        False, "copy logprobs to the host with next_token_ids"
+    )
+    iteration_modes: tuple[str, ...] = knob(  # "prefill"/"decode" per iteration; last one repeats
+        (),
+        '"prefill"/"decode" per iteration; last one repeats',
+        choices=("prefill", "decode"),
+        check=_modes_fit_iterations,
+    )
+    max_running_requests: int | None = knob(  # FutureMap sizing (None: largest running batch)
+        None, "FutureMap sizing (None: largest running batch)", unit="requests", lo=1, hi=MAX_SEQS
+    )
+    chunked_prefill_size: int | None = knob(  # FutureMap sizing; None: chunked prefill off
+        8192, "FutureMap sizing; None: chunked prefill off", unit="tokens", lo=1, hi=MAX_TOKENS
+    )
+    context_len: int | None = knob(  # FutureMap sizing (None: longest sequence simulated)
+        None, "FutureMap sizing (None: longest sequence simulated)", unit="tokens", lo=1, hi=1 << 24
+    )
 
     def __post_init__(self) -> None:
-        if self.comm_sms is not None and self.comm_sms < 0:
-            raise ConfigError(f"--comm-sms must be >= 0, got {self.comm_sms}")
-        if self.sbo_mode not in (1, 2, 3):
-            raise ConfigError(f"--sbo-mode must be 1, 2 or 3, got {self.sbo_mode}")
-        if not 0.0 < self.tbo_threshold <= 0.5:
-            raise ConfigError(f"--tbo-threshold must lie in (0, 0.5], got {self.tbo_threshold}")
-        if self.delta_stages is not None and self.delta_stages < 0:
-            raise ConfigError(f"--delta-stages must be >= 0, got {self.delta_stages}")
-        if not isinstance(self.dp_ranks_disagree, bool):
-            raise ConfigError(f"dp_ranks_disagree must be a bool, got {self.dp_ranks_disagree!r}")
-        if tuple(self.iteration_modes) != self.iteration_modes:
-            object.__setattr__(self, "iteration_modes", tuple(self.iteration_modes))
-        bad = [m for m in self.iteration_modes if m not in ("prefill", "decode")]
-        if bad:
-            raise ConfigError(f"--iteration-modes takes prefill/decode, got {bad[0]!r}")
-        if len(self.iteration_modes) > self.iterations:
-            raise ConfigError(
-                f"--iteration-modes lists {len(self.iteration_modes)} modes for "
-                f"--iterations {self.iterations}"
-            )
-        for knob in ("max_running_requests", "chunked_prefill_size", "context_len"):
-            v = getattr(self, knob)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                flag = "--" + knob.replace("_", "-")
-                raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
-        peers = self.dp_peer_tokens
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in peers):
-            raise ConfigError(f"--dp-peer-tokens must be non-negative integers, got {peers!r}")
-        if self.dbo_decode_token_threshold < 0 or self.dbo_prefill_token_threshold < 0:
-            raise ConfigError("--dbo-*-token-threshold must be >= 0")
-        if self.iterations < 1:
-            raise ConfigError(f"--iterations must be >= 1, got {self.iterations}")
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise ConfigError(f"--micro-batches must be >= 1, got {self.micro_batches}")
-        if self.deepep_mode not in DEEPEP_MODES:
-            raise ConfigError(
-                f"--deepep-mode must be one of {', '.join(DEEPEP_MODES)}, got {self.deepep_mode!r}"
-            )
+        validate_all(self)
 
     def resolved_deepep_mode(self, mode: str) -> str:
         """SGLang's `auto`: low-latency kernels for decode, normal kernels for prefill."""
@@ -91,27 +121,11 @@ class ScheduleConfig:
         return self.cuda_graph if self.cuda_graph is not None else mode == "decode"
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch as the schedule cut it: sequences [seq_lo, seq_hi), tokens [tok_lo, tok_hi).
-
-    ``split_seq`` is true when the two-chunk split cut a sequence, so this micro-batch holds only
-    part of sequence ``seq_hi - 1`` (first child) or ``seq_lo`` (second child).
-    """
-
-    index: int
-    seq_lo: int
-    seq_hi: int
-    tok_lo: int
-    tok_hi: int
-    padded_tokens: int
-    split_seq: bool = False
-
-    @property
-    def tokens(self) -> int:
-        return self.tok_hi - self.tok_lo
-
-    def as_meta(self) -> dict:
-        d = asdict(self)
-        d["tokens"] = self.tokens
-        return d
+def resolve_comm_sms(cfg: ScheduleConfig, gpu: GPU, *, default: int, least: int = 1) -> int:
+    """``--comm-sms`` or the schedule's own ``default``, checked against the GPU: the one check
+    of the knob beyond its range, for every schedule that reads it (its meaning per schedule: ScheduleConfig).
+    ``least`` is 0 where zero SMs means "no SM partition" (vllm-dbo), else 1."""
+    n = default if cfg.comm_sms is None else cfg.comm_sms
+    if not least <= n < gpu.num_sms:
+        raise ConfigError(f"--comm-sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}")
+    return n

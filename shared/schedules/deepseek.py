@@ -52,10 +52,9 @@ from __future__ import annotations
 
 import math
 
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import HIGH_PRIORITY, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
     MAIN,
@@ -64,12 +63,19 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "DeepSeek-V3/R1 inference system overview; github.com/deepseek-ai/profile-data"
 SUMMARY = (
     "DeepSeek's published overlap: prefill 2 micro-batches on 108 compute + 24 comm SMs (scaled), "
     "decode 5-stage ATTN-0/ATTN-1/SHARED/MLP pipeline with SM-free DeepEP LL hooks"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "comm_sms",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 #: DeepSeek's prefill profile: 24 of the H800's 132 SMs for DeepEP (DeepSeek's
@@ -84,15 +90,8 @@ ATTN = ATTN_0 + ATTN_1  # prefill's ATTN: MLA and the routing gate
 
 def comm_sms(gpu: GPU, cfg: ScheduleConfig) -> int:
     """Communication SMs of the prefill partition: 24 of an H800's 132, scaled to the GPU."""
-    if cfg.comm_sms is not None:
-        n = cfg.comm_sms
-        if not 0 < n < gpu.num_sms:
-            raise ConfigError(
-                f"deepseek prefill needs 0 < --comm-sms < {gpu.num_sms} (DeepEP normal kernels "
-                f"hold SMs), got {n}"
-            )
-        return n
-    return max(1, round(H800_COMM_SMS / H800_SMS * gpu.num_sms))
+    default = max(1, round(H800_COMM_SMS / H800_SMS * gpu.num_sms))
+    return resolve_comm_sms(cfg, gpu, default=default)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +281,6 @@ def forward_body(e: Emitter) -> None:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("deepseek runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = w.batch.mode
     deepep = system_deepep_mode(cfg, mode, "deepseek")
     meta: dict = {}

@@ -60,7 +60,7 @@ from dataclasses import replace
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import HIGH_PRIORITY, Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
@@ -71,12 +71,19 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "LightLLM lightllm/models/deepseek2/layer_infer/transformer_layer_infer.py (overlap_tpsp_token_forward, overlap_tpsp_context_forward)"
 SUMMARY = (
     "LightLLM two-micro-batch overlap: hand-ordered ops on one stream, DeepEP LL hooks in decode, "
     "normal kernels on a comm stream per micro-batch in prefill, last combine deferred a layer"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "dp_peer_tokens",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 COMM_STREAMS = ("comm0", "comm1")
@@ -304,8 +311,6 @@ def forward_body(e: Emitter) -> None:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("lightllm runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = w.batch.mode
     deepep = system_deepep_mode(cfg, mode, "lightllm")
     mbs = split_decode(w, dp_max_decode_num(w, cfg)) if mode == "decode" else split_prefill(w)

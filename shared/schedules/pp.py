@@ -44,12 +44,23 @@ from overlap_lab.shared.ops_pp import (
     pp_layer_split,
 )
 from overlap_lab.shared.program import Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import launch_all
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
 SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "iterations",
+    "micro_batches",
+    "return_logprob",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
+#: The one schedule that runs --pp-size > 1 (every other one is refused by ``schedules.build``).
+SUPPORTS_PP = True
 STREAMS = ("main", "pp_recv", "pp_send")
 
 

@@ -48,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from overlap_lab.shared.builder import program
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
 from overlap_lab.shared.program import (
@@ -63,15 +62,23 @@ from overlap_lab.shared.program import (
     WaitStream,
 )
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
 SUMMARY = (
     "SGLang SBO: inside each MoE layer, combine on an alt stream with few SMs against the down "
     "GEMM (1, block signals) or shared experts (2); shared experts in the dispatch hook (3)"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "comm_sms",
+    "sbo_mode",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 SIGNAL_BLOCK_M = 64  # Hopper: DeepGEMM's MIN_BLOCK_M, one int32 signal per 64-row block
@@ -130,10 +137,7 @@ class SboPlan:
 
 def comm_sms(gpu: GPU, cfg: ScheduleConfig) -> int:
     """cfg.comm_sms (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS) or the preset (3 Hopper, 32 Blackwell)."""
-    n = gpu.sbo_comm_sms if cfg.comm_sms is None else cfg.comm_sms
-    if not 1 <= n < gpu.num_sms:
-        raise ConfigError(f"--comm-sms must lie in 1..{gpu.num_sms - 1} on {gpu.name}, got {n}")
-    return n
+    return resolve_comm_sms(cfg, gpu, default=gpu.sbo_comm_sms)
 
 
 def plan(gpu: GPU, cfg: ScheduleConfig) -> SboPlan:
@@ -302,8 +306,6 @@ def forward_body(
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("sbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     p = plan(gpu, cfg)
     mb = whole_batch(w)

@@ -30,7 +30,6 @@ the gate and top-k; with the same kernels that is the ``serial`` schedule.
 from __future__ import annotations
 
 from overlap_lab.shared.builder import program
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import whole_batch
 from overlap_lab.shared.program import (
@@ -53,6 +52,12 @@ UPSTREAM = "SGLang python/sglang/srt/models/deepseek_v2.py (DeepseekV2MoE.forwar
 SUMMARY = (
     "SGLang's DeepEP MoE without SBO (what SBO is compared with): shared experts on the "
     "default-priority alt stream beside dispatch, routed experts and combine on main"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 SCHEDULE = "sbo-off"
@@ -77,10 +82,6 @@ def moe_layer(ops: dict[str, Op]) -> list[GpuInstr]:
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError(
-            f"{SCHEDULE} runs one pipeline stage; use --schedule pp for --pp-size > 1"
-        )
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     mb = whole_batch(w)
     body = sbo.forward_body(w, gpu, mb, moe_layer, mode=mode, step=0)

@@ -7,16 +7,21 @@ the step's result only after the step has finished: nothing overlaps but what on
 from __future__ import annotations
 
 from overlap_lab.shared.builder import ThreadBuilder, program
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
 from overlap_lab.shared.program import Launch, Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 
 def layer_sequence(
@@ -49,8 +54,6 @@ def launch_all(t: ThreadBuilder, ops: list[Op], stream: str, *, graph: str | Non
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("serial runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     mb = whole_batch(w)
     ops = forward_sequence(w, gpu, mb, deepep_mode=mode, step=0)

@@ -54,17 +54,35 @@ from overlap_lab.shared.ops_sched import (
     store_to_map_op,
 )
 from overlap_lab.shared.program import Op, Program
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.trace import Trace, union
-from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
 SUMMARY = (
     "CPU-GPU overlap scheduler: schedule/forward/copy streams, FutureMap, one host sync "
     "(copy_done) per iteration, host one step ahead; --disable-overlap-schedule for the serial loop"
 )
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "iterations",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+    "disable_overlap_schedule",
+    "disable_consecutive_prefill_overlap",
+    "spec_v2",
+    "grammar",
+    "return_logprob",
+    "iteration_modes",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "context_len",
+)
 
+#: SGLang turns the overlap scheduler off under pipeline parallelism (event_loop_pp runs).
+SUPPORTS_PP = False
 STREAMS_OVERLAP = ("schedule", "forward", "copy")
 STREAMS_NORMAL = ("schedule",)
 HOST_THREAD = "scheduler"
@@ -406,10 +424,6 @@ def _build_normal(
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError(
-            "SGLang turns the overlap scheduler off under pipeline parallelism; use --schedule pp"
-        )
     plan = plan_iterations(w, cfg)
     size = future_map_size(plan, cfg)
     overlap = not cfg.disable_overlap_schedule

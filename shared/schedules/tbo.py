@@ -42,16 +42,25 @@ from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
 from overlap_lab.shared.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
 from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
-from overlap_lab.shared.workload import Workload, dense_layers, moe_layers
+from overlap_lab.shared.workload import MicroBatch, Workload, dense_layers, moe_layers
 
 UPSTREAM = "SGLang python/sglang/srt/two_batch_overlap.py, operations.py, operations_strategy.py"
 SUMMARY = (
     "SGLang TBO: two micro-batches, sparse layers cut into stages at YIELDs and interleaved on "
     "one stream (DeepSeek decode 6 stages/delta 2, prefill 3/delta 0; Qwen3-MoE)"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "tbo_threshold",
+    "delta_stages",
+    "dp_ranks_disagree",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 MAIN, COMM = "main", "comm"
@@ -239,8 +248,6 @@ def build(
     extra_streams: tuple[str, ...] = (),
     extra_meta: dict | None = None,
 ) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("tbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     if w.parallel.ep <= 1:
         # SGLang's server args refuse --enable-two-batch-overlap without an expert-parallel
         # all-to-all backend (--moe-a2a-backend deepep): there is no dispatch/combine to overlap

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import GpuInstr, Op, Program
 from overlap_lab.shared.schedules import sbo, tbo
@@ -36,6 +35,17 @@ from overlap_lab.shared.workload import Workload
 UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
 SUMMARY = (
     "SGLang TBO + SBO: micro-batches interleaved by TBO, each one's MoE combine overlapped by SBO"
+)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "comm_sms",
+    "sbo_mode",
+    "tbo_threshold",
+    "delta_stages",
+    "dp_ranks_disagree",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
 )
 
 SCHEDULE = "tbo+sbo"
@@ -58,8 +68,6 @@ def make_lowering(w: Workload, gpu: GPU, p: sbo.SboPlan):
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
-    if w.parallel.pp > 1:
-        raise ConfigError("tbo+sbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     mode = cfg.resolved_deepep_mode(w.batch.mode)
     p = sbo.plan(gpu, cfg)
     split = tbo_split(w, cfg, mode)

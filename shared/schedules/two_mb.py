@@ -26,9 +26,9 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.ops import head_ops, layer_ops
 from overlap_lab.shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 MAIN = "main"
 

@@ -63,13 +63,23 @@ from overlap_lab.shared.program import (
     Wait,
     WaitStream,
 )
-from overlap_lab.shared.schedules.common import MicroBatch, ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.validate import issue_order
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
+KNOBS = (
+    "comm_sms",
+    "dbo_decode_token_threshold",
+    "dbo_prefill_token_threshold",
+    "dp_peer_tokens",
+    "deepep_mode",
+    "cuda_graph",
+    "host",
+)
 
 VLLM_DBO_COMM_SMS = 20  # vllm/envs.py: VLLM_DBO_COMM_SMS default "20"
 DEEPEP_HT_NUM_SMS = 20  # vLLM DeepEPHTAll2AllManager.num_sms ("This is the DeepEP default")
@@ -195,10 +205,8 @@ class _Dbo:
         self.ctxs = [_Ctx(i, self.rank.thread(THREADS[i])) for i in range(2)]
         self.comm_sms = 0
         if mode == "normal":
-            want = VLLM_DBO_COMM_SMS if cfg.comm_sms is None else cfg.comm_sms
+            want = resolve_comm_sms(cfg, gpu, default=VLLM_DBO_COMM_SMS, least=0)
             self.comm_sms = min(want, DEEPEP_HT_NUM_SMS)  # min(comm_sms, max_sms_used())
-            if self.comm_sms >= gpu.num_sms:
-                raise ConfigError(f"--comm-sms {self.comm_sms} must be below {gpu.num_sms} SMs")
 
     # -- SM control (SMControlContextManager): comm kernels hold comm_sms, DeepGEMM the rest ----
     def _sm(self, op: Op) -> Op:
@@ -322,8 +330,6 @@ def _graph_mode(w: Workload, cfg: ScheduleConfig) -> bool:
 
 def _check(w: Workload) -> None:
     p = w.parallel
-    if p.pp > 1:
-        raise ConfigError("vllm-dbo runs one pipeline stage; use --schedule pp for --pp-size > 1")
     if p.ep // p.attn_tp < 2 or p.ep < 2:
         raise ConfigError(
             "vllm-dbo needs --data-parallel-size > 1 with expert parallelism (--ep >= 2 and "

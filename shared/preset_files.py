@@ -1,0 +1,69 @@
+"""The preset files read into records: the one loader behind ``GPUS`` and ``MODELS``.
+
+It sits below ``hardware`` and ``workload`` (which hold the record types) and imports neither:
+each passes its own record class in. Reading a researcher's own file by path, and the
+HuggingFace ``config.json`` mapping, live above both in ``shared.presets``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+from overlap_lab.shared.errors import ConfigError
+
+PRESETS = Path(__file__).parent / "presets"
+
+T = TypeVar("T")
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML or JSON file's top-level mapping (JSON is YAML, but its errors read better)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            # libyaml's parser where PyYAML has it (the same safe subset, ~10x faster)
+            data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except (ValueError, ImportError) as e:
+        raise ConfigError(
+            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
+        ) from None
+    except Exception as e:  # yaml.YAMLError
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def builtin(kind: str, cls: type[T], order: tuple[str, ...]) -> dict[str, T]:
+    """The built-in ``models`` or ``gpus`` presets as ``cls`` records, by name: the names in
+    ``order`` first (the order help texts list them in), any other file after, sorted."""
+    found = {}
+    for f in sorted((PRESETS / kind).glob("*.yaml")):
+        data = read_mapping(f)
+        found[data.get("name", f.stem)] = data
+    names = [n for n in order if n in found] + sorted(set(found) - set(order))
+    return {n: cls(**found[n]) for n in names}
+
+
+def pick(table: dict[str, T], what: str, name: str, overrides: dict[str, Any]) -> T:
+    """The preset ``name`` of ``table`` (case-insensitive) with fields replaced, validated again
+    by the record's own ``__post_init__``; ``what`` names the kind in errors (gpu, model)."""
+    key = name.lower()
+    if key not in table:
+        raise ConfigError(f"unknown {what} {name!r}; choose from {', '.join(table)}")
+    known = {f.name for f in dataclasses.fields(table[key])}
+    for k in overrides:
+        if k not in known:
+            raise ConfigError(f"unknown {what} field {k!r}; fields are {', '.join(sorted(known))}")
+    return dataclasses.replace(table[key], **overrides)

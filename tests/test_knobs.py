@@ -1,0 +1,149 @@
+"""Knob records: every schedule knob, GPU field and host cost described once, with the help the
+command line shows, one validator per knob, and each schedule's declared KNOBS."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import GPU, HostCosts, get_gpu, gpu_fields, host_cost_fields
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build, knobs_of, schedule_knobs
+from overlap_lab.shared.schedules.common import resolve_comm_sms
+from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+
+HELP = Path(__file__).parent / "golden" / "cli_help" / "sim.txt"
+H800 = get_gpu("h800")
+
+
+def _shown(k, default) -> str:
+    rng = k.range_text()
+    if rng and k.is_tuple:
+        rng = "each " + rng
+    return f"{k.help} (default: {default})".strip() + (f" [{rng}]" if rng else "")
+
+
+@pytest.mark.parametrize(
+    "records, shown_default, skip",
+    [
+        (schedule_knobs(), None, ("host",)),
+        (host_cost_fields(), None, ()),
+        (gpu_fields(), "preset", ("name", "arch")),
+    ],
+    ids=["schedule", "host", "gpu"],
+)
+def test_records_hold_the_help_the_command_line_shows(records, shown_default, skip):
+    """`overlap-lab sim -h` (golden) shows each option as "HELP (default: D) [RANGE]": a command
+    line built from the records shows the same text."""
+    golden = " ".join(HELP.read_text().split())
+    for k in records:
+        if k.name in skip:
+            continue
+        default = shown_default if shown_default is not None else k.default
+        assert _shown(k, default) in golden, k.name
+
+
+def test_every_config_field_is_a_knob():
+    for cls, records in ((ScheduleConfig, schedule_knobs()), (GPU, gpu_fields())):
+        assert [f.name for f in dataclasses.fields(cls)] == [k.name for k in records]
+    assert [f.name for f in dataclasses.fields(HostCosts)] == [k.name for k in host_cost_fields()]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(comm_sms=-1), "--comm-sms must be an integer in 0..1023 or None, got -1"),
+        (dict(comm_sms=True), "--comm-sms must be an integer"),
+        (dict(sbo_mode=4), "--sbo-mode must be an integer in 1..3, got 4"),
+        (dict(tbo_threshold=0.6), "--tbo-threshold must be a number in 0.01..0.5"),
+        (dict(delta_stages=-1), "--delta-stages"),
+        (dict(iterations=0), "--iterations must be an integer in 1..64"),
+        (dict(micro_batches=0), "--micro-batches"),
+        (dict(deepep_mode="fast"), "--deepep-mode must be one of auto, normal, low_latency"),
+        (dict(cuda_graph="yes"), "--cuda-graph must be true or false or None"),
+        (dict(dbo_decode_token_threshold=-1), "--dbo-decode-token-threshold"),
+        (dict(dp_ranks_disagree=1), "--dp-ranks-disagree must be true or false"),
+        (dict(dp_peer_tokens=(4, -1)), "--dp-peer-tokens must be a list, each an integer"),
+        (dict(iteration_modes=("extend",)), "--iteration-modes must be a list, each one of"),
+        (dict(iterations=1, iteration_modes=("prefill", "decode")), "lists 2 modes for"),
+        (dict(max_running_requests=0), "--max-running-requests"),
+        (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
+        (dict(context_len=0), "--context-len"),
+        (dict(host=None), "--host must be a HostCosts"),
+    ],
+)
+def test_each_knob_has_one_validator(kw, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ScheduleConfig(**kw)
+
+
+def test_none_and_lists_where_a_knob_allows_them():
+    cfg = ScheduleConfig(chunked_prefill_size=None, dp_peer_tokens=[4, 8], iteration_modes=[])
+    assert cfg.dp_peer_tokens == (4, 8) and cfg.iteration_modes == ()
+    assert [k.name for k in schedule_knobs() if k.optional] == [
+        "comm_sms",
+        "delta_stages",
+        "micro_batches",
+        "cuda_graph",
+        "max_running_requests",
+        "chunked_prefill_size",
+        "context_len",
+    ]
+
+
+def test_comm_sms_is_checked_against_the_gpu_in_one_place():
+    cfg = ScheduleConfig(comm_sms=8)
+    assert resolve_comm_sms(cfg, H800, default=3) == 8
+    assert resolve_comm_sms(ScheduleConfig(), H800, default=3) == 3
+    assert resolve_comm_sms(ScheduleConfig(comm_sms=0), H800, default=20, least=0) == 0
+    for bad, least in ((132, 1), (0, 1), (132, 0)):
+        with pytest.raises(ConfigError, match=f"--comm-sms must lie in {least}..131 on h800"):
+            resolve_comm_sms(ScheduleConfig(comm_sms=bad), H800, default=3, least=least)
+
+
+#: A valid value other than the default for every knob.
+OTHER = dict(
+    comm_sms=8,
+    sbo_mode=2,
+    tbo_threshold=0.3,
+    delta_stages=1,
+    iterations=3,
+    micro_batches=3,
+    deepep_mode="auto",  # read by every schedule: nothing to vary
+    cuda_graph=False,
+    dbo_decode_token_threshold=1,
+    dbo_prefill_token_threshold=1,
+    host=HostCosts(schedule_base_us=7.0, process_result_base_us=9.0, recv_requests_us=3.0),
+    dp_ranks_disagree=True,
+    dp_peer_tokens=(3,),
+    disable_overlap_schedule=True,
+    disable_consecutive_prefill_overlap=True,
+    spec_v2=True,
+    grammar=True,
+    return_logprob=True,
+    iteration_modes=("prefill",),
+    max_running_requests=64,
+    chunked_prefill_size=None,
+    context_len=1 << 20,
+)
+
+
+def test_other_is_complete():
+    assert set(OTHER) == {k.name for k in schedule_knobs()}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_a_schedule_reads_no_knob_it_does_not_declare(name, mode):
+    """Changing a knob outside a schedule's KNOBS leaves its Program unchanged."""
+    batch = Batch.decode(16, kv_len=256) if mode == "decode" else Batch.prefill(2, extend_len=256)
+    par = Parallel(ep=8, pp=2 if name == "pp" else 1)
+    w = Workload(get_model("deepseek-v2-lite", num_layers=3), batch, par)
+    own = {k.name for k in knobs_of(name)}
+    assert own, name
+    base = build(name, w, H800)
+    for knob, value in OTHER.items():
+        if knob not in own:
+            assert build(name, w, H800, ScheduleConfig(**{knob: value})) == base, knob
