@@ -29,8 +29,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from overlap_lab.figures import WIDTHS, save_figure, timeline
 from overlap_lab.experiments.runner import Case, Experiment, kept_traces, main, stamp
+from overlap_lab.figures import WIDTHS, save_figure, timeline
 from overlap_lab.shared.hardware import HostCosts
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.sglang_overlap import overlap_report

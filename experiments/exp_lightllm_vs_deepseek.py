@@ -19,6 +19,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from overlap_lab.experiments.runner import (
+    Case,
+    Experiment,
+    kept_traces,
+    main,
+    middle_layer,
+    speedup,
+)
 from overlap_lab.figures import (
     WIDTHS,
     add_legend,
@@ -28,14 +36,6 @@ from overlap_lab.figures import (
     save_figure,
     series_style,
     timeline,
-)
-from overlap_lab.experiments.runner import (
-    Case,
-    Experiment,
-    kept_traces,
-    main,
-    middle_layer,
-    speedup,
 )
 from overlap_lab.shared.trace import Trace, intersect, length, union
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model

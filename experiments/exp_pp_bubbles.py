@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.figures import save_figure
 from overlap_lab.experiments.runner import Case, Experiment, main, md_table, stamp
+from overlap_lab.figures import save_figure
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace, length, union
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model

@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.figures import WIDTHS, layer_window, save_figure, series_style
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -28,6 +27,7 @@ from overlap_lab.experiments.runner import (
     speedup,
     stamp,
 )
+from overlap_lab.figures import WIDTHS, layer_window, save_figure, series_style
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import intersect, length, union

@@ -21,7 +21,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from overlap_lab.figures import clip, layer_window, save_figure, timeline
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -31,6 +30,7 @@ from overlap_lab.experiments.runner import (
     middle_layer,
     stamp,
 )
+from overlap_lab.figures import clip, layer_window, save_figure, timeline
 from overlap_lab.shared.program import Program, map_ops
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace, intersect, length, union

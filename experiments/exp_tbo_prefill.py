@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.experiments.runner import (
     Case,
     Experiment,
@@ -27,6 +26,7 @@ from overlap_lab.experiments.runner import (
     stamp,
     standard_metrics,
 )
+from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 

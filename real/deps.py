@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import os
 from functools import cache
 
 # import name -> distributions that provide it, best first
@@ -79,6 +80,11 @@ def probe() -> dict[str, dict]:
         out["torch"]["cuda"] = torch.version.cuda
         out["torch"]["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return out
+
+
+def interpreting() -> bool:
+    """Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1): the CPU tests' mode."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def available(mod: str) -> bool:

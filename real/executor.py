@@ -471,13 +471,12 @@ class RankRunner:
         self.gpu.timed.append((op, stream, start, end))
 
     def _can_poll_signals(self) -> bool:
-        from overlap_lab.real import gemm as G
-        from overlap_lab.real.deps import available
+        from overlap_lab.real.deps import available, interpreting
 
         if "sbo_signal" not in getattr(self.backend, "capabilities", ()):
             return False
         return self.deepep_mode == "low_latency" and (
-            (self.device.type == "cuda" and available("triton")) or G.interpreting()
+            (self.device.type == "cuda" and available("triton")) or interpreting()
         )
 
     def _polls(self, op: Op) -> bool:

@@ -103,7 +103,7 @@ def quant_tokens_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale, the scale straight into DeepGEMM's SM90 layout (MN-major, M padded to 4: the
     [..., M, K/128] view of a [..., K/128, align(M, 4)] buffer), so no second pass lays them out.
     ``x``: [M, K] or [B, M, K] (DeepEP's low-latency layout: per expert), K a multiple of 128."""
-    from overlap_lab.real.gemm import interpreting
+    from overlap_lab.real.deps import interpreting
 
     K = _check_k(x)
     kern = _quant_kernel(interpreting())
@@ -139,8 +139,7 @@ def _check_k(x: torch.Tensor) -> int:
 
 def _fused_here(x: torch.Tensor) -> bool:
     """The fused kernel runs on CUDA tensors, or anywhere under Triton's CPU interpreter."""
-    from overlap_lab.real.deps import available
-    from overlap_lab.real.gemm import interpreting
+    from overlap_lab.real.deps import available, interpreting
 
     return (x.is_cuda or interpreting()) and available("triton")
 

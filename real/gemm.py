@@ -28,23 +28,19 @@ tests run those checks in a child process. bf16 does not survive the interpreter
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from contextlib import contextmanager
 
 import torch
 
 from overlap_lab.real import fp8
+from overlap_lab.real.deps import interpreting
 from overlap_lab.real.runlog import RunLog
 
 _KERNELS: dict[bool, tuple] = {}
 
 # Tile sizes for the GPU (BF16, Hopper-sized registers); tests pass small ones to the interpreter.
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _kernels():

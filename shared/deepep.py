@@ -23,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from overlap_lab.shared.ops import expected_bytes
+from overlap_lab.shared.program import LinkKind
 from overlap_lab.shared.routing import Matrices
 from overlap_lab.shared.topology import Topology
 
-LINKS = ("nvlink", "rdma")
+LINKS = (LinkKind.NVLINK, LinkKind.RDMA)
 __all__ = ["LINKS", "byte_matrices", "expected_bytes"]
 
 

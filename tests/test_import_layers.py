@@ -18,8 +18,6 @@ import tomllib
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 #: rank of each layer by the subpackage a module sits in; any other module of ``overlap_lab``
@@ -32,16 +30,6 @@ APART = frozenset({"sim", "real"})
 #: The import cycle among shared/'s own modules that predates this test, the only one it
 #: tolerates (as an expected failure below). It is removed, with its test, when the shared/
 #: restructuring lands.
-KNOWN_SHARED_CYCLE = frozenset(
-    {
-        "overlap_lab.shared.hardware",
-        "overlap_lab.shared.presets",
-        "overlap_lab.shared.schedules.common",
-        "overlap_lab.shared.workload",
-    }
-)
-
-
 @cache
 def _modules() -> dict[str, Path]:
     """Every module of the installed namespace, by dotted name, from pyproject's package-dir."""
@@ -167,10 +155,5 @@ def test_layers_only_point_down():
 
 
 def test_no_import_cycles():
-    cycles = [" <-> ".join(sorted(c)) for c in _cycles() if c != KNOWN_SHARED_CYCLE]
+    cycles = [" <-> ".join(sorted(c)) for c in _cycles()]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
-
-
-@pytest.mark.xfail(strict=True, reason="shared/'s own cycle, until the shared/ restructuring")
-def test_no_import_cycle_in_shared():
-    assert KNOWN_SHARED_CYCLE not in _cycles()

@@ -40,7 +40,7 @@ def _check_against_torch(x: torch.Tensor) -> None:
 
 
 def _interp_quant_matches_torch() -> None:
-    from overlap_lab.real.gemm import interpreting
+    from overlap_lab.real.deps import interpreting
 
     assert interpreting() and fp8._fused_here(torch.zeros(1))
     g = torch.Generator().manual_seed(0)

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlap_lab.experiments import runner
-from overlap_lab.cli.main import main, parser
 from overlap_lab.cli.inputs import LIMITS
+from overlap_lab.cli.main import main, parser
+from overlap_lab.experiments import runner
 from tests.fuzz_helpers import fuzz_settings
 
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "2", "--ep", "8", "--batch", "4"]
@@ -171,8 +171,8 @@ def test_json_output_is_strict_json(capsys):
 
 
 def test_non_finite_results_refused_not_printed():
-    from overlap_lab.shared.errors import ConfigError
     from overlap_lab.cli.inputs import to_json
+    from overlap_lab.shared.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"busy_us\.x"):
         to_json({"busy_us": {"x": float("inf")}})

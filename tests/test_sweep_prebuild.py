@@ -149,13 +149,6 @@ def _with_op(p, op):
     return dataclasses.replace(p, ranks=(dataclasses.replace(rp, threads=threads),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="Op.kind, Coll.role and Flow.link are StrEnum members; the sweep's marshal encoder "
-    "must write them as their str values (marshal takes exact str only) until then a sweep "
-    "hashes the repr: slower, still exact",
-)
 def test_the_ranks_encoding_is_by_value_and_exact():
     from overlap_lab.shared.program import Op
 

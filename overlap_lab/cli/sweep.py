@@ -248,7 +248,18 @@ def _encoders():
         for cls in (P.Record, P.Wait, P.WaitStream, P.Host, P.Sync, P.Yield)
     }
     op_fields = [f.name for f in dataclasses.fields(P.Op)]
-    return P, simple, getter(P.Op), op_fields.index("coll"), getter(P.Flow)
+    kind_at, coll_at = op_fields.index("kind"), op_fields.index("coll")
+
+    op_fields_of = getter(P.Op)
+
+    def op_get(op):  # marshal writes exact strs only: the IR's words as str
+        v = op_fields_of(op)
+        return (*v[:kind_at], v[kind_at]._value_, *v[kind_at + 1 :])
+
+    def flow_get(f):
+        return (f.link._value_, f.nbytes, f.dst)
+
+    return P, simple, op_get, coll_at, flow_get
 
 
 def _ranks_bytes(ranks) -> bytes:
@@ -278,7 +289,7 @@ def _ranks_bytes(ranks) -> bytes:
             if any(type(f) is not P.Flow for f in fl):
                 raise TypeError("flow")
             e = flows_memo[id(fl)] = tuple([flow_get(f) for f in fl])
-        return (*v[:coll_at], (c.key, c.role, e), *v[coll_at + 1 :])
+        return (*v[:coll_at], (c.key, c.role._value_, e), *v[coll_at + 1 :])
 
     def ins_enc(ins) -> tuple:
         t = type(ins)

@@ -43,12 +43,12 @@ def _sbo_kernel():
     """SBO's signal-polling combine send, in the interpreter mode in force (see real/gemm.py)."""
     import importlib
 
-    from overlap_lab.real import gemm as G
     from overlap_lab.real.comm import _triton_emulated as K
+    from overlap_lab.real.deps import interpreting
 
-    if _SBO_MODE and _SBO_MODE[0] != G.interpreting():
+    if _SBO_MODE and _SBO_MODE[0] != interpreting():
         K = importlib.reload(K)
-    _SBO_MODE[:] = [G.interpreting()]
+    _SBO_MODE[:] = [interpreting()]
     return K.sbo_combine_kernel
 
 
@@ -177,12 +177,12 @@ class EmulatedBackend(LoopbackBackend):
         return super().low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
 
     def _sbo_send(self, x: torch.Tensor, sbo: dict) -> torch.Tensor:
-        from overlap_lab.real import gemm as G
+        from overlap_lab.real.deps import interpreting
 
         ctas = max(1, min(int(sbo["num_sms"]), self.device_sms))
         rec = {"kind": "ll_combine_sbo", "ctas": ctas, "polled": False}
         self._sbo_records.append(rec)
-        if x.device.type != "cuda" and not G.interpreting():
+        if x.device.type != "cuda" and not interpreting():
             return x
         E, Mx, H = x.shape
         wire = torch.empty_like(x)
