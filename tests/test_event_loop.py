@@ -19,10 +19,10 @@ def _program(name: str, batch: Batch):
     return schedules.build(name, Workload(MODEL, batch, Parallel(ep=8)), GPU)
 
 
-def _counted_run(program, monkeypatch, inline: bool, tie_seed: int | None = None):
+def _counted_run(program, monkeypatch, inline: bool, env=None):
     """The trace and the SimPy events of one run; ``inline=False`` drives the environment with
     a plain ``env.run()``, so every pass goes through its ``GRANT_PRIORITY`` event."""
-    eng = Engine(program, GPU, 0, tie_seed=tie_seed)
+    eng = Engine(program, GPU, 0, env=env)
     count = [0]
     step = eng.env.step
 
@@ -40,13 +40,13 @@ def _counted_run(program, monkeypatch, inline: bool, tie_seed: int | None = None
 
 @pytest.mark.parametrize("name", ["tbo", "sbo", "sglang-overlap", "deepseek"])
 @pytest.mark.parametrize("batch", [Batch.decode(64, kv_len=2048), Batch.prefill(2, extend_len=512)])
-def test_inline_passes_give_the_trace_of_pass_events(name, batch, monkeypatch):
+def test_inline_passes_give_the_trace_of_pass_events(name, batch, monkeypatch, tie_shuffled):
     p = _program(name, batch)  # every one of these schedules takes both batch kinds
     inline, n_inline = _counted_run(p, monkeypatch, True)
     evented, n_evented = _counted_run(p, monkeypatch, False)
     assert inline == evented
     assert n_inline < n_evented  # each instant with a pass saved its event
-    shuffled, _ = _counted_run(p, monkeypatch, True, tie_seed=7)
+    shuffled, _ = _counted_run(p, monkeypatch, True, env=tie_shuffled(7))
     assert shuffled == inline
 
 
