@@ -29,7 +29,7 @@ from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Op
 from overlap_lab.sim import cost
 from overlap_lab.sim.models import CostModel
-from overlap_lab.sim.simpy_fast import Scheduler
+from overlap_lab.sim.simpy_fast import InstantTimers
 
 _EPS = 1e-9
 #: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off). At
@@ -46,49 +46,17 @@ def _tol(t: float) -> float:
     return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
 
 
-#: ``Timers`` keeps the events of past instants until it holds this many (or twice what the last
-#: pruning kept) rather than give each event a callback that forgets it; then drops them at once.
-_AT_PRUNE = 64
-
-
-class Timers:
-    """Callbacks due at future instants, one SimPy event per instant rather than per caller.
-
-    Resources in lockstep (explicit ranks running the same kernels) set timers for the very same
-    instant; each would be its own SimPy event. Here the first caller for an instant schedules a
-    triggered event (SimPy's NORMAL priority, like ``env.timeout``) and later callers append their
-    callbacks to it, in call order, as separate timeouts would run in creation order. An event
-    that SimPy is processing (its ``callbacks`` are None) takes no more: a caller then gets a new
-    one, so a callback that keeps re-arming the same instant still costs one event each time and
-    stays inside the run's event budget (``sim.budget``)."""
+class Timers(InstantTimers):
+    """The timers of one environment (``sim.simpy_fast.InstantTimers``: one SimPy event per
+    instant) and the block scheduler's passes due at the end of the current instant."""
 
     def __init__(self, env: simpy.Environment):
-        self.env = env
-        self._scheduler = Scheduler(env)
-        self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
-        self._prune_at = _AT_PRUNE
+        super().__init__(env)
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
         self.passes: list | None = None
         #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
         #: itself once the instant's ordinary events are done, so they need no SimPy event
         self.inline_passes = False
-
-    def call_later(
-        self, delay: float, fn: Callable[[simpy.Event], None], now: float | None = None
-    ) -> None:
-        """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0). ``now``: the clock, from a
-        caller that has it at hand (a resource's ``_t`` after ``_advance``; saves reading it)."""
-        # the float SimPy itself computes for the event's time
-        when = (self.env.now if now is None else now) + delay
-        at = self._at
-        ev = at.get(when)
-        if ev is None or ev.callbacks is None:  # none yet, or processed (callbacks None)
-            if len(at) >= self._prune_at:  # drop instants already processed
-                self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
-                self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
-            at[when] = self._scheduler.schedule_timer(delay, [fn])
-            return
-        ev.callbacks.append(fn)
 
     def request_pass(self, gpu: Gpu) -> None:
         """Queue ``gpu``'s pass for the end of this instant. The first request of an instant
@@ -102,7 +70,7 @@ class Timers:
 
     def schedule_passes(self) -> None:
         """The SimPy event that runs the pending passes after every ordinary event of now."""
-        self._scheduler.schedule_timer(0, [lambda _e: self.run_passes()], GRANT_PRIORITY)
+        self.schedule(0, [lambda _e: self.run_passes()], GRANT_PRIORITY)
 
     def run_passes(self) -> None:
         """The block scheduler's passes of this instant, GPU by GPU in creation order."""

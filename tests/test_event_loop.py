@@ -61,7 +61,8 @@ def test_timers_share_an_instant_and_prune_past_ones():
     sweeps, so it stays bounded over a long run while pending instants are kept."""
     import simpy
 
-    from overlap_lab.sim.resources import _AT_PRUNE, timers
+    from overlap_lab.sim.resources import timers
+    from overlap_lab.sim.simpy_fast import AT_PRUNE
 
     env = simpy.Environment()
     t = timers(env)
@@ -86,4 +87,4 @@ def test_timers_share_an_instant_and_prune_past_ones():
     assert steps == 1001  # one event per instant, not per callback
     assert [i for _, i in seen if i >= 0] == list(range(1001))
     assert all(now == float(i) for now, i in seen if i >= 0)
-    assert max(sizes) <= _AT_PRUNE
+    assert max(sizes) <= AT_PRUNE

@@ -7,8 +7,7 @@ import itertools
 
 import simpy
 
-from overlap_lab.sim import resources
-from overlap_lab.sim.simpy_fast import Scheduler, nothing_due_now
+from overlap_lab.sim.simpy_fast import InstantTimers, run_steps
 
 
 def test_simpy_internals_are_what_simpy_fast_relies_on():
@@ -27,6 +26,9 @@ def test_simpy_internals_are_what_simpy_fast_relies_on():
     ev.callbacks.append(seen.append)
     env.step()
     assert seen == [ev] and ev.callbacks is None and ev.processed  # processed: callbacks None
+    env.timeout(2.5)
+    env.step()
+    assert env._now == env.now == 2.5  # the clock ``_now``
 
 
 def test_a_timer_is_the_event_and_queue_entry_of_env_schedule():
@@ -35,24 +37,26 @@ def test_a_timer_is_the_event_and_queue_entry_of_env_schedule():
     env = simpy.Environment()
     env.timeout(0.1 + 0.2)
     env.run()  # a clock whose sums round
-    s = Scheduler(env)
-    assert s._plain
+    t = InstantTimers(env)
+    assert t._plain
     fired = []
-    ev = s.schedule_timer(0.7, [lambda e: fired.append((env.now, e))])
+    t.call_later(0.7, lambda e: fired.append((env.now, e)))
     ref = env.event()
     ref._ok, ref._value = True, None
     env.schedule(ref, simpy.core.NORMAL, 0.7)
-    (w1, p1, id1, e1), (w2, p2, id2, e2) = sorted(env._queue, key=lambda x: x[2])
-    assert (w1, p1, e1) == (w2, p2, ev) and e2 is ref and id2 == id1 + 1
+    (w1, p1, id1, ev), (w2, p2, id2, e2) = sorted(env._queue, key=lambda x: x[2])
+    assert (w1, p1) == (w2, p2) and e2 is ref and id2 == id1 + 1
     assert w1 == env.now + 0.7
     assert set(vars(ev)) == set(vars(ref)) and (ev._ok, ev._value) == (True, None)
-    s.schedule_timer(0.0, [], priority=2)
-    assert env._queue[0][:2] == (env.now, 2)
+    t.call_later(0.7, lambda e: fired.append((env.now, e)))  # the same instant: the same event
+    assert len(env._queue) == 2
+    own = t.schedule(0.0, [], priority=2)
+    assert env._queue[0][:2] == (env.now, 2) and env._queue[0][3] is own
     env.run()
-    assert fired == [(w1, ev)] and ev.processed
+    assert fired == [(w1, ev), (w1, ev)] and ev.processed
 
 
-def test_a_subclass_or_instance_schedule_is_called():
+def test_a_subclass_or_instance_schedule_is_called(tie_shuffled):
     patched = simpy.Environment()
     calls = []
 
@@ -61,36 +65,54 @@ def test_a_subclass_or_instance_schedule_is_called():
         simpy.Environment.schedule(patched, *a, **kw)
 
     patched.schedule = schedule
-    s = Scheduler(patched)
-    assert not s._plain
-    s.schedule_timer(1.0, [])
-    assert len(calls) == 1
+    t = InstantTimers(patched)
+    assert not t._plain
+    t.call_later(1.0, lambda _e: None)
+    t.schedule(2.0, [], priority=1)
+    assert len(calls) == 2
     patched.run()
-    assert patched.now == 1.0
+    assert patched.now == 2.0
 
-
-def test_nothing_due_now_reads_the_head_of_the_queue():
-    env = simpy.Environment()
-    assert nothing_due_now(env, 1)
-    Scheduler(env).schedule_timer(0.0, [], priority=2)
-    assert nothing_due_now(env, 1) and not nothing_due_now(env, 2)
-    env.run()
-    env.timeout(1.0)
-    assert nothing_due_now(env, 2)  # later than now
-    env.run()
-
-
-def test_timers_share_an_instant(tie_shuffled):
-    env = simpy.Environment()
-    t = resources.timers(env)
-    fired = []
-    t.call_later(0.5, lambda _e: fired.append(1))
-    t.call_later(0.5, lambda _e: fired.append(2))
-    assert len(env._queue) == 1
-    env.run()
-    assert fired == [1, 2]
-    shuffled = tie_shuffled(3)
-    resources.timers(shuffled).call_later(1.0, lambda _e: fired.append(shuffled.now))
+    shuffled, fired = tie_shuffled(3), []
+    st = InstantTimers(shuffled)
+    assert not st._plain
+    st.call_later(1.0, lambda _e: fired.append(shuffled.now))
     assert isinstance(shuffled._queue[0][2], tuple)  # the subclass's key: its schedule ran
     shuffled.run()
-    assert fired[-1] == 1.0
+    assert fired == [1.0]
+
+
+class _Work:
+    def __init__(self, env: simpy.Environment, log: list):
+        self.env, self.log, self.passes = env, log, None
+
+    def run_passes(self) -> None:
+        self.passes = None
+        self.log.append(("work", self.env.now))
+
+
+def test_run_steps_runs_the_work_after_the_instants_events_of_its_priority():
+    env, log = simpy.Environment(), []
+    work = _Work(env, log)
+    t = InstantTimers(env)
+
+    def first(_e):
+        log.append(("first", env.now))
+        work.passes = []  # work pending at the end of this instant
+
+    t.call_later(1.0, first)
+    t.schedule(1.0, [lambda _e: log.append(("prio 1", env.now))], priority=1)
+    t.schedule(1.0, [lambda _e: log.append(("prio 3", env.now))], priority=3)
+    t.call_later(2.0, lambda _e: log.append(("later", env.now)))
+    assert run_steps(env, 100, work, 2)
+    assert log == [
+        ("first", 1.0),
+        ("prio 1", 1.0),
+        ("work", 1.0),  # before the priority 3 event of the same instant
+        ("prio 3", 1.0),
+        ("later", 2.0),
+    ]
+    env2 = simpy.Environment()
+    InstantTimers(env2).call_later(1.0, lambda _e: None)
+    assert not run_steps(env2, 0, _Work(env2, []), 2)  # steps ran out
+    assert run_steps(env2, 1, _Work(env2, []), 2)
