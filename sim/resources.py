@@ -194,7 +194,7 @@ class Fluid:
             if when != self._armed:  # else the pending timer, due then, serves
                 self._armed = when
                 self._gen += 1
-                self._timers.call_later(delay, partial(self._fire, self._gen), now)
+                self._timers.call_later(delay, partial(self._fire, self._gen))
         elif self._armed is not None:
             self._armed, self._due = None, []
             self._gen += 1
@@ -252,7 +252,7 @@ class Link(Fluid):
 
     def _finish(self, job: Flow) -> None:
         if self.latency > 0:
-            self._timers.call_later(self.latency, partial(_call, job.on_done), self._t)
+            self._timers.call_later(self.latency, partial(_call, job.on_done))
         else:
             self._after.append(job.on_done)
 
@@ -631,7 +631,7 @@ class Gpu(Fluid):
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
-                self._timers.call_later(rest, partial(_call, self.on_done, k), self._t)
+                self._timers.call_later(rest, partial(_call, self.on_done, k))
             else:
                 self._after.append(partial(self.on_done, k))
         else:

@@ -59,14 +59,10 @@ class InstantTimers:
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``AT_PRUNE``)
         self._prune_at = AT_PRUNE
 
-    def call_later(
-        self, delay: float, fn: Callable[[simpy.Event], None], now: float | None = None
-    ) -> None:
-        """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0). ``now``: the clock, from a
-        caller that has it at hand (saves reading it: this runs about once per event)."""
+    def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
+        """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
         env = self.env
-        # the float SimPy itself computes for the event's time
-        when = (env._now if now is None else now) + delay
+        when = env._now + delay  # the float SimPy itself computes for the event's time
         at = self._at
         ev = at.get(when)
         if ev is None or ev.callbacks is None:  # none yet, or processed (callbacks None)
