@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared.errors import ConfigError
@@ -35,6 +35,9 @@ from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
 from overlap_lab.shared.trace import Trace, no_gc
 from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
+
+if TYPE_CHECKING:
+    from overlap_lab.sim.models import CostModel, NetworkFactory
 
 __all__ = [
     "CompareRow",
@@ -315,6 +318,8 @@ def simulate(
     profile: Any = "auto",
     max_events: int | None = None,
     transform: Callable[[Program], Program] | None = None,
+    cost_model: CostModel | None = None,
+    network: NetworkFactory | None = None,
 ) -> Result:
     """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
 
@@ -328,7 +333,11 @@ def simulate(
     one, else roofline).
     ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
     ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
-    e.g. an SM cap on some kernels); the Result carries the rewritten Program."""
+    e.g. an SM cap on some kernels); the Result carries the rewritten Program.
+    ``cost_model`` (a ``sim.models.CostModel``) replaces the roofline and ``profile`` (which is
+    then not read); ``network`` (a ``sim.models.NetworkFactory``) replaces the max-min network
+    that carries explicit ranks' flows (docs/architecture.md, "Plugging in a cost model or a
+    network"). None: the defaults."""
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import SimulationStalled
 
@@ -340,7 +349,8 @@ def simulate(
         if isinstance(ranks, Ranks)
         else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
-    prof = _profile(profile, g.name)
+    prof = None if cost_model is not None else _profile(profile, g.name)
+    models = {"cost_model": cost_model, "network": network}
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
         w = _with_pp(w, PP_DEFAULT_STAGES)
@@ -352,13 +362,13 @@ def simulate(
     balanced = None
     try:
         if lowered is program:
-            trace = sim_run(program, g, profile=prof, max_events=max_events)
+            trace = sim_run(program, g, profile=prof, max_events=max_events, **models)
         else:
-            trace = _simulate_explicit(lowered, w, g, r, prof, max_events)
+            trace = _simulate_explicit(lowered, w, g, r, prof, max_events, models)
             if _is_balanced(r):
                 balanced = trace.step_time_us  # this run is the balanced one
             else:
-                balanced = sim_run(program, g, profile=prof).step_time_us
+                balanced = sim_run(program, g, profile=prof, **models).step_time_us
     except SimulationStalled as e:  # validation should have refused it: one line all the same
         raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
@@ -388,21 +398,39 @@ def _is_balanced(r: Ranks) -> bool:
     return parse_imbalance(r.imbalance).kind == "balanced" and r.dp_imbalance == 0
 
 
-def _simulate_explicit(lowered: Program, w: Workload, g: GPU, r: Ranks, prof, max_events) -> Trace:
+def _simulate_explicit(
+    lowered: Program,
+    w: Workload,
+    g: GPU,
+    r: Ranks,
+    prof,
+    max_events,
+    models: Mapping[str, Any] | None = None,
+) -> Trace:
     """Simulate every rank of the explicit ``lowered``: once for all when they cannot differ
-    (``shared.symmetry``), else each, with the network's grouping tolerance."""
+    (``shared.symmetry``), else each, with the network's grouping tolerance. ``models``: the
+    ``cost_model`` and ``network`` keywords of the run."""
     from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import Engine
 
+    models = models or {}
     red = reduce_program(lowered, w.parallel.gpus_per_node) if r.reduce else "reduce=False"
     if isinstance(red, Reduction):
-        quotient = sim_run(red.program, g, seed=r.seed, profile=prof, max_events=max_events)
+        quotient = sim_run(
+            red.program, g, seed=r.seed, profile=prof, max_events=max_events, **models
+        )
         return expand_trace(quotient, red)
     validate(lowered, g.num_sms)  # what is simulated: the explicit Program
     trace = Engine(
-        lowered, g, r.seed, net_group_tol=NET_GROUP_TOL, profile=prof, max_events=max_events
+        lowered,
+        g,
+        r.seed,
+        net_group_tol=NET_GROUP_TOL,
+        profile=prof,
+        max_events=max_events,
+        **models,
     ).run()
     trace.meta["reduction"] = f"not reduced: {red}"
     return trace
@@ -556,6 +584,8 @@ def compare(
     progress: bool = False,
     profile: Any = "auto",
     max_events: int | None = None,
+    cost_model: CostModel | None = None,
+    network: NetworkFactory | None = None,
     **ranks: Any,
 ) -> Comparison:
     """Simulate ``schedules`` on one workload and GPU and rank them like for like.
@@ -567,7 +597,8 @@ def compare(
     :data:`PP_DEFAULT_STAGES`) of the workload's EP size; its baseline is serial on the same
     ``stages × ep`` GPUs (EP ``stages × ep``, the same sequences per GPU), falling back to serial's
     per-GPU throughput at EP ``ep`` when that does not build. Every other schedule runs one
-    pipeline stage. A schedule that refuses the workload gets a row with its reason."""
+    pipeline stage. A schedule that refuses the workload gets a row with its reason.
+    ``cost_model`` and ``network`` go to every run, as in :func:`simulate`."""
     from tqdm import tqdm
 
     names = list(dict.fromkeys(s.strip() for s in schedules if s.strip()))
@@ -581,7 +612,17 @@ def compare(
     cfg = _as_config(config)
 
     def run(name: str, wl: Workload) -> Result:
-        return simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)
+        return simulate(
+            name,
+            wl,
+            g,
+            cfg,
+            profile=profile,
+            max_events=max_events,
+            cost_model=cost_model,
+            network=network,
+            **ranks,
+        )
 
     bar = tqdm(
         total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False

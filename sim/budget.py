@@ -23,6 +23,7 @@ import simpy
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.program import Launch, Program, iter_gpu_instrs
 from overlap_lab.sim.resources import GRANT_PRIORITY, timers
+from overlap_lab.sim.simpy_fast import run_steps
 
 PER_INSTR = 25
 PER_FLOW = 2
@@ -54,23 +55,14 @@ def run_budgeted(env: simpy.Environment, max_events: int) -> None:
     been processed. Each instant's round of passes counts against the budget as one event, so
     passes that keep requesting passes still stop."""
     t = timers(env)
-    queue, step = env._queue, env.step
     t.inline_passes = True
     try:
-        for _ in range(max_events):
-            if t.passes is not None and (
-                not queue or queue[0][0] > env._now or queue[0][1] > GRANT_PRIORITY
-            ):
-                t.run_passes()
-            elif queue:
-                step()
-            else:
-                return
+        done = run_steps(env, max_events, t, GRANT_PRIORITY)
     finally:
         t.inline_passes = False
         if t.passes is not None:  # left for a later ``env.run()``: back to their event
             t.schedule_passes()
-    if queue or t.passes is not None:
+    if not done:
         raise SimulationBudgetExceeded(
             f"the simulation needed more than {max_events} events (stopped at {env.now:.6g} µs); "
             "raise --max-events or simulate less"

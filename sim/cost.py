@@ -393,3 +393,28 @@ def grid(op: Op, limit: int) -> Grid:
     else:
         ctas = math.ceil(op.hbm_bytes / WAVED_CTA_BYTES)
     return Grid(kind, max(1, ctas), per_sm)
+
+
+class RooflineCostModel:
+    """The default ``sim.models.CostModel``: this module's roofline with per-class
+    efficiencies, ``profile``'s measured rows where they apply (``demand``), and the grids
+    above. Stateless but for the profile, so one instance may serve any number of runs."""
+
+    __slots__ = ("profile",)
+
+    def __init__(self, profile: Profile | None = None):
+        self.profile = profile
+
+    # the module's functions themselves (no method frame around them: ``key`` runs per launch)
+    key = staticmethod(cost_key)
+    grid = staticmethod(grid)
+    bandwidth_cap = staticmethod(bandwidth_cap)
+
+    def demand(self, op: Op, gpu: GPU, sms: int) -> KernelDemand:
+        return demand(op, gpu, sms, self.profile)
+
+    def hbm_bytes_per_us(self, gpu: GPU) -> float:
+        return hbm_bytes_per_us(gpu) * HBM_USABLE
+
+    def link(self, gpu: GPU, kind: str) -> tuple[float, float]:
+        return link_bytes_per_us(gpu, kind), link_latency_us(gpu, kind)

@@ -13,9 +13,11 @@ Per rank:
 - a ``sim.resources.Gpu`` (SMs and HBM) and one ``sim.resources.Link`` per link kind (its
   egress, used by symmetric flows and PCIe copies).
 
-Across ranks, flows with an explicit destination go through one ``sim.network.Network``: each
-crosses its source's egress and its destination's ingress port of its link kind, shared max-min
-fairly; an op's flows form one bundle, drawn as one span per link kind on the sender's link lane.
+Across ranks, flows with an explicit destination go through one network model (default
+``sim.network.Network``: each crosses its source's egress and its destination's ingress port of
+its link kind, shared max-min fairly); an op's flows form one bundle, drawn as one span per link
+kind on the sender's link lane. What kernels cost comes from a cost model (default
+``sim.cost.RooflineCostModel``); both are ``sim.models`` protocols the engine receives.
 
 Collectives: a send (or sendrecv) op starts its flows when it starts; a recv op makes no progress
 until every flow of its key addressed to its rank has arrived, then does its own work (DeepEP's
@@ -32,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import heapq
-import random
 from collections import defaultdict, deque
 from functools import partial
 
@@ -60,8 +60,9 @@ from overlap_lab.shared.trace import new_span as _span
 from overlap_lab.shared.validate import issue_order, validate
 from overlap_lab.sim import cost
 from overlap_lab.sim.budget import default_max_events, run_budgeted
+from overlap_lab.sim.models import CostModel, NetworkFactory
 from overlap_lab.sim.network import Network
-from overlap_lab.sim.resources import Gpu, Kernel, Link
+from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link
 
 #: Link kinds carried by the network model (per-rank egress and ingress ports); PCIe copies stay
 #: on each rank's own ``Link``.
@@ -70,27 +71,9 @@ _SINK_BITS = 24
 _SINK_MASK = (1 << _SINK_BITS) - 1
 #: Arrivals counted with numpy above this many flows at once (below, a dict is cheaper).
 _COUNT_WITH_NUMPY = 64
-
-
-class TieShuffledEnvironment(simpy.Environment):
-    """A SimPy environment that processes events of the same time and SimPy priority in a seeded
-    random order (and runs each event's callbacks in a seeded random order). The simulator's
-    result must not depend on that order; tests run Programs under it to prove so."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        self._rng = random.Random(seed)
-
-    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
-        key = (self._rng.random(), next(self._eid))
-        heapq.heappush(self._queue, (self._now + delay, priority, key, event))
-
-    def step(self) -> None:
-        if self._queue:
-            event = self._queue[0][3]
-            if event.callbacks and len(event.callbacks) > 1:
-                self._rng.shuffle(event.callbacks)
-        super().step()
+#: A network link kind's index: its position in ``NET_KINDS`` (the order of ``kinds`` given to
+#: the network model).
+_KIND_INDEX = {k: i for i, k in enumerate(NET_KINDS)}
 
 
 class SimulationStalled(RuntimeError):
@@ -104,14 +87,13 @@ class _Rank:
         self.gpu = Gpu(
             env,
             gpu,
-            engine.profile,
+            engine.cost_model,
             on_grant=partial(engine._begin, self),
             on_done=partial(engine._kernel_done, self),
-            costs=engine.costs,
+            cache=engine.costs,
         )
         self.links = {  # one rank's egress per link kind: symmetric flows and PCIe copies
-            k: Link(env, cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k))
-            for k in ("nvlink", "rdma", "pcie")
+            k: Link(env, *engine.cost_model.link(gpu, k)) for k in ("nvlink", "rdma", "pcie")
         }
         self.fired: set[str] = set()  # events recorded so far
         self.waited: dict[str, simpy.Event] = {}  # SimPy events of those waited on before firing
@@ -147,14 +129,28 @@ class Engine:
         net_group_tol: float = 0.0,
         profile=None,
         max_events: int | None = None,
-        tie_seed: int | None = None,
+        *,
+        cost_model: CostModel | None = None,
+        network: NetworkFactory | None = None,
+        env: simpy.Environment | None = None,
     ):
+        """``profile`` (a ``sim.profile.Profile``) feeds the default cost model and is not read
+        when ``cost_model`` is given; ``cost_model`` and ``network`` replace the defaults,
+        ``sim.cost.RooflineCostModel`` and ``sim.network.Network`` (``sim.models``). ``env``: a
+        fresh SimPy environment to run in (default ``simpy.Environment()``; tests pass one that
+        processes simultaneous events in a shuffled order)."""
         self.program, self.gpu, self.seed = program, gpu, seed
-        self.profile = profile  # sim.profile.Profile or None (the roofline alone)
+        self.profile = profile
+        self.cost_model = cost.RooflineCostModel(profile) if cost_model is None else cost_model
+        self._custom = {  # recorded in the trace's meta: which plugged models made it
+            name: getattr(m, "__name__", type(m).__name__)
+            for name, m in (("cost_model", cost_model), ("network", network))
+            if m is not None
+        }
         self.max_events = max_events or default_max_events(program)  # sim.budget
-        self.env = simpy.Environment() if tie_seed is None else TieShuffledEnvironment(tie_seed)
+        self.env = simpy.Environment() if env is None else env
         self.spans: list[Span] = []
-        self.costs: dict = {}  # sim.cost results by what they read (shared by every rank's GPU)
+        self.costs = CostCache()  # the cost model's answers (shared by every rank's GPU)
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
         self._arrived: set[tuple[str, int]] = set()  # collectives whose data is all in
@@ -169,10 +165,9 @@ class Engine:
                             dst = rp.rank if f.dst is None else f.dst
                             self._expected[(c.key, dst)] += parts
         self._implicit = 0
-        kinds = {
-            k: (cost.link_bytes_per_us(gpu, k), cost.link_latency_us(gpu, k)) for k in NET_KINDS
-        }
-        self.net = Network(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
+        kinds = {k: self.cost_model.link(gpu, k) for k in NET_KINDS}
+        make_net = Network if network is None else network
+        self.net = make_net(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
         self._sinks: dict[tuple[str, int], int] = {}
         self._sink_keys: list[tuple[str, int]] = []
         self._bundles: list[list] = []  # [rank, op, t0, {kind: flows left}]
@@ -201,8 +196,9 @@ class Engine:
             backend="sim",
             seed=self.seed,
         )
-        if self.profile is not None:
+        if self.profile is not None and "cost_model" not in self._custom:
             meta["profile"] = self.profile.name
+        meta.update(self._custom)  # a plugged model's class name
         # Trace stores its spans in canonical order (every field of a span in its key): the
         # order events were processed in is no part of the result
         return Trace(tuple(self.spans), meta)
@@ -318,7 +314,7 @@ class Engine:
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
-        op, rank, lane, now = k.op, r.rp.rank, r.lanes[k.stream], self.env._now
+        op, rank, lane, now = k.op, r.rp.rank, r.lanes[k.stream], self.env.now
         segs, spans = k.segments, self.spans
         if len(segs) == 1:  # its SMs never changed: one span
             t0, sms = segs[0]
@@ -415,7 +411,7 @@ class Engine:
     def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
         src, key = r.rp.rank, op.coll.key
-        sinks, sink_keys, kind_index = self._sinks, self._sink_keys, self.net.kind_index
+        sinks, sink_keys, kind_index = self._sinks, self._sink_keys, _KIND_INDEX
         b = len(self._bundles) << _SINK_BITS
         dsts = [src if f.dst is None else f.dst for f in flows]
         kinds = [kind_index[f.link] for f in flows]
@@ -485,9 +481,25 @@ class Engine:
 
 
 def simulate(
-    program: Program, gpu: GPU, *, seed: int = 0, profile=None, max_events: int | None = None
+    program: Program,
+    gpu: GPU,
+    *,
+    seed: int = 0,
+    profile=None,
+    max_events: int | None = None,
+    cost_model: CostModel | None = None,
+    network: NetworkFactory | None = None,
 ) -> Trace:
     """Validate ``program`` and simulate it on ``gpu`` (op durations from ``profile``, a
-    ``sim.profile.Profile``, where it has rows); deterministic for the same inputs."""
+    ``sim.profile.Profile``, where it has rows, or from ``cost_model``; flows with a destination
+    through ``network``: ``sim.models``); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
-    return Engine(program, gpu, seed, profile=profile, max_events=max_events).run()
+    return Engine(
+        program,
+        gpu,
+        seed,
+        profile=profile,
+        max_events=max_events,
+        cost_model=cost_model,
+        network=network,
+    ).run()

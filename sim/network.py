@@ -213,7 +213,6 @@ class Network:
         """``kinds``: link kind -> (bytes per µs per port, latency µs). ``on_done(tags, kinds)``
         is called with the tags and kind indices of the flows that arrive at the same time."""
         self.env, self.world, self.on_done, self.group_tol = env, world, on_done, group_tol
-        self.kind_index = {k: i for i, k in enumerate(kinds)}
         nk = len(kinds)
         bw = np.array([kinds[k][0] for k in kinds], dtype=np.float64)
         self.latency = np.array([kinds[k][1] for k in kinds], dtype=np.float64)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
-from heapq import heappush
 from operator import attrgetter
 
 import simpy
@@ -29,10 +28,10 @@ import simpy
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.program import Op
 from overlap_lab.sim import cost
+from overlap_lab.sim.models import CostModel
+from overlap_lab.sim.simpy_fast import InstantTimers
 
 _EPS = 1e-9
-_Event = simpy.Event
-_NORMAL = simpy.core.NORMAL
 #: Time tolerance (µs): a job predicted to end within it of now has ended (float round-off). At
 #: large clocks (above ~1e8 µs) a few ulps of the end time are wider and take over (``_tol``).
 _TIME_EPS = 1e-7
@@ -47,56 +46,17 @@ def _tol(t: float) -> float:
     return _TIME_EPS if t < _ULP_FROM else max(_TIME_EPS, 4 * math.ulp(t))
 
 
-#: ``Timers`` keeps the events of past instants until it holds this many (or twice what the last
-#: pruning kept) rather than give each event a callback that forgets it; then drops them at once.
-_AT_PRUNE = 64
-
-
-class Timers:
-    """Callbacks due at future instants, one SimPy event per instant rather than per caller.
-
-    Resources in lockstep (explicit ranks running the same kernels) set timers for the very same
-    instant; each would be its own SimPy event. Here the first caller for an instant schedules a
-    triggered event (SimPy's NORMAL priority, like ``env.timeout``) and later callers append their
-    callbacks to it, in call order, as separate timeouts would run in creation order. An event
-    that SimPy is processing (its ``callbacks`` are None) takes no more: a caller then gets a new
-    one, so a callback that keeps re-arming the same instant still costs one event each time and
-    stays inside the run's event budget (``sim.budget``)."""
+class Timers(InstantTimers):
+    """The timers of one environment (``sim.simpy_fast.InstantTimers``: one SimPy event per
+    instant) and the block scheduler's passes due at the end of the current instant."""
 
     def __init__(self, env: simpy.Environment):
-        self.env = env
-        #: SimPy's own ``schedule`` (not a subclass's, such as the tie-shuffling test one, nor
-        #: one set on the instance): a new instant's event goes straight onto the queue with the
-        #: entry ``schedule`` would push
-        self._plain = getattr(env.schedule, "__func__", None) is simpy.Environment.schedule
-        self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``_AT_PRUNE``)
-        self._prune_at = _AT_PRUNE
+        super().__init__(env)
         #: GPUs waiting for their block scheduler's pass at the end of this instant (``Gpu``)
         self.passes: list | None = None
         #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
         #: itself once the instant's ordinary events are done, so they need no SimPy event
         self.inline_passes = False
-
-    def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
-        """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
-        env = self.env
-        when = env._now + delay  # the float SimPy itself computes for the event's time
-        at = self._at
-        ev = at.get(when)
-        if ev is None or ev.callbacks is None:
-            if len(at) >= self._prune_at:  # drop instants already processed (callbacks None)
-                self._at = at = {w: e for w, e in at.items() if e.callbacks is not None}
-                self._prune_at = max(_AT_PRUNE, 2 * len(at))  # amortised: O(1) per call
-            ev = _Event.__new__(_Event)  # ``simpy.Event(env)`` without its __init__ call
-            ev.env, ev.callbacks = env, [fn]
-            ev._ok, ev._value = True, None  # triggered: processed when its time comes
-            if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
-                heappush(env._queue, (when, _NORMAL, next(env._eid), ev))
-            else:
-                env.schedule(ev, _NORMAL, delay)
-            at[when] = ev
-            return
-        ev.callbacks.append(fn)
 
     def request_pass(self, gpu: Gpu) -> None:
         """Queue ``gpu``'s pass for the end of this instant. The first request of an instant
@@ -110,10 +70,7 @@ class Timers:
 
     def schedule_passes(self) -> None:
         """The SimPy event that runs the pending passes after every ordinary event of now."""
-        ev = simpy.Event(self.env)
-        ev._ok, ev._value = True, None  # triggered; processed after the instant's others
-        ev.callbacks.append(lambda _e: self.run_passes())
-        self.env.schedule(ev, GRANT_PRIORITY)
+        self.schedule(0, [lambda _e: self.run_passes()], GRANT_PRIORITY)
 
     def run_passes(self) -> None:
         """The block scheduler's passes of this instant, GPU by GPU in creation order."""
@@ -146,6 +103,9 @@ class Fluid:
     def __init__(self, env: simpy.Environment):
         self.env = env
         self.jobs: list = []
+        #: the clock progress is up to date to: the time ``_advance`` last ran, so now wherever
+        #: code runs after it at the same instant (``_settle``, a pass, ``_finish``), where it
+        #: is read instead of the clock (``env.now`` is a property call; these run per event)
         self._t = 0.0
         self._gen = 0
         self._timers = timers(env)
@@ -157,7 +117,7 @@ class Fluid:
         raise NotImplementedError
 
     def _advance(self) -> None:
-        now = self.env._now
+        now = self.env.now
         dt = now - self._t
         for j in self.jobs:
             if j.rate > 0:
@@ -197,7 +157,7 @@ class Fluid:
                             self._finish(j)
                         done = [j for j in jobs if j.left <= eps * j.total and j.ready]
                     break
-        now = self.env._now
+        now = self._t
         first = _INF
         if len(jobs) == 1:
             self._rates()
@@ -332,7 +292,7 @@ class Kernel:
     fired: int = 0  # how many of ``op.waits`` have fired
     t0: float = 0.0  # when it got its first SMs
     segments: list = field(default_factory=list)  # (start, sms) each time its SMs change
-    ckey: int = -1  # the number ``Gpu.costs`` gives ``cost.cost_key(op)`` (what the model reads)
+    ckey: int = -1  # the number ``CostCache.numbers`` gives its cost key (what the model reads)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -372,6 +332,18 @@ def _rate(dur: float) -> float:
     return 1.0 / dur if dur > 0 else _INF
 
 
+@dataclass(eq=False, slots=True)
+class CostCache:
+    """The cost model's answers in one run, shared by every rank's ``Gpu`` (explicit ranks
+    launch the same kernel once per rank; layers repeat): each distinct question is asked once.
+    ``grids`` and ``demands`` are keyed by the small number ``numbers`` gives a cost key, so a
+    lookup hashes two ints, not the whole key again."""
+
+    numbers: dict[Hashable, int] = field(default_factory=dict)  # ``CostModel.key(op)`` -> number
+    grids: dict[tuple[int, int], cost.Grid] = field(default_factory=dict)  # (number, limit)
+    demands: dict[tuple[int, int], cost.KernelDemand] = field(default_factory=dict)  # (n, SMs)
+
+
 class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
@@ -392,21 +364,22 @@ class Gpu(Fluid):
         self,
         env: simpy.Environment,
         gpu: GPU,
-        profile=None,
+        model: CostModel | None = None,
         on_grant: Callable[[Kernel], None] = lambda k: None,
         on_done: Callable[[Kernel], None] = lambda k: None,
-        costs: dict | None = None,
+        cache: CostCache | None = None,
     ):
         """``on_grant(k)``: ``k`` holds its first SMs (the engine starts it); ``on_done(k)``: it
-        has ended. ``costs``: a cache of ``sim.cost.grid`` and ``sim.cost.demand`` that GPUs of
-        the same model and profile may share (it also numbers each ``cost.cost_key``)."""
+        has ended. ``model``: what kernels cost (default: ``cost.RooflineCostModel()``, the
+        roofline alone); ``cache``: its answers, which GPUs of the same model may share."""
         super().__init__(env)
         self.gpu = gpu
-        self.profile = profile  # sim.profile.Profile: measured durations (None: the roofline)
+        self.model = cost.RooflineCostModel() if model is None else model
         self.on_grant, self.on_done = on_grant, on_done
-        self.costs = {} if costs is None else costs
+        self.cache = CostCache() if cache is None else cache
+        self._key = self.model.key  # (bound once: it runs per launch)
         self.free = gpu.num_sms
-        self._hbm_usable = cost.hbm_bytes_per_us(gpu) * cost.HBM_USABLE  # what kernels may pull
+        self._hbm_usable = self.model.hbm_bytes_per_us(gpu)  # what kernels may pull together
         self.pending: list[Kernel] = []
         self._grant_due = False
         self.order = next(_GPU_ORDER)  # creation order: the order of passes within an instant
@@ -423,19 +396,19 @@ class Gpu(Fluid):
     def acquire(self, k: Kernel) -> None:
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
-        op, costs = k.op, self.costs
-        # the key's small number: the caches below hash (number, sms), not the whole key again
-        k.ckey = ck = costs.setdefault(cost.cost_key(op), len(costs))
-        gk = (ck, k.limit, "grid")  # demand keys are (ck, sms)
-        g = costs.get(gk)
+        op, cache = k.op, self.cache
+        numbers = cache.numbers
+        k.ckey = ck = numbers.setdefault(self._key(op), len(numbers))
+        gk = (ck, k.limit)
+        g = cache.grids.get(gk)
         if g is None:
-            g = costs[gk] = cost.grid(op, k.limit)
+            g = cache.grids[gk] = self.model.grid(op, k.limit)
         k.grid = g
         if g.ctas == 0:  # a hook: holds no SMs, needs none, so no rule orders it
             k.cohorts = 1
             k.staged.append(Cohort(k, 0, 0, 1))
-            k.segments.append((self.env._now, 0))
-            k.t0 = self.env._now
+            k.segments.append((self.env.now, 0))
+            k.t0 = self.env.now
             self.on_grant(k)
             return
         k.pending = g.ctas
@@ -498,7 +471,7 @@ class Gpu(Fluid):
             self._dispatch()
             if not self._cut():
                 break
-        now = self.env._now
+        now = self._t
         touched = self._touched
         for k in touched:  # each kernel's segments are its own: any order
             segs = k.segments
@@ -608,7 +581,7 @@ class Gpu(Fluid):
             if k not in self._unstarted:
                 self._unstarted.add(k)
                 self._granted.append(k)
-                k.t0 = self.env._now
+                k.t0 = self._t
 
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
@@ -651,10 +624,10 @@ class Gpu(Fluid):
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
             rest = (
-                k.t0 + self.gpu.kernel_min_us - self.env._now if k.op.flops or k.op.hbm_bytes else 0
+                k.t0 + self.gpu.kernel_min_us - self._t if k.op.flops or k.op.hbm_bytes else 0
             )
             if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
-                segs, now = k.segments, self.env._now
+                segs, now = k.segments, self._t
                 if segs and segs[-1][0] == now:
                     segs.pop()
                 segs.append((now, 0))
@@ -681,7 +654,7 @@ class Gpu(Fluid):
                 running.append(c)
         if not running:
             return
-        gpu, profile, costs = self.gpu, self.profile, self.costs
+        gpu = self.gpu
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel
@@ -690,17 +663,14 @@ class Gpu(Fluid):
             solo = (k.ckey, c.sms, c.per_wave)
             rate = self._solo.get(solo)
             if rate is None:
-                key = (k.ckey, c.sms or 1)
-                d = costs.get(key)
-                if d is None:
-                    d = costs[key] = cost.demand(k.op, gpu, c.sms or 1, profile)
+                d = self._demand(c)
                 dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
                 dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
                 rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
             c.rate = rate
             return
         demands = [self._demand(c) for c in running]
-        shares = cost.hbm_shares(demands, gpu)
+        shares = cost.water_fill([d.cap for d in demands], self._hbm_usable)
         shares = self._kernel_caps(running, shares, demands)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
@@ -708,11 +678,12 @@ class Gpu(Fluid):
             c.rate = _rate(cost.duration_us(d, s) * wave)
 
     def _demand(self, c: Cohort):
-        """``cost.demand`` of ``c``'s kernel on ``c``'s SMs, through the shared ``costs``."""
+        """The model's demand of ``c``'s kernel on ``c``'s SMs, through the shared cache."""
         key = (c.kernel.ckey, c.sms or 1)
-        d = self.costs.get(key)
+        demands = self.cache.demands
+        d = demands.get(key)
         if d is None:
-            d = self.costs[key] = cost.demand(c.kernel.op, self.gpu, c.sms or 1, self.profile)
+            d = demands[key] = self.model.demand(c.kernel.op, self.gpu, c.sms or 1)
         return d
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
@@ -730,7 +701,7 @@ class Gpu(Fluid):
         group_caps = {}
         for k, idx in by_kernel.items():
             if len(idx) > 1:
-                cap = cost.bandwidth_cap(k.op, self.gpu, sum(running[i].sms for i in idx))
+                cap = self.model.bandwidth_cap(k.op, self.gpu, sum(running[i].sms for i in idx))
                 if sum(shares[i] for i in idx) > cap:
                     group_caps[k] = cap
         if not group_caps:

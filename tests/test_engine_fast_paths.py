@@ -1,13 +1,11 @@
 """The event loop's fast paths give what the general paths give (issue 12): spans written as one
-``__dict__``, timer events pushed straight onto SimPy's queue, a pass that cut or grew nothing
-settled without a second ``_advance``."""
+``__dict__``, a pass that cut or grew nothing settled without a second ``_advance``."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import simpy
 
 from overlap_lab.shared import schedules
 from overlap_lab.shared.errors import ConfigError
@@ -15,7 +13,7 @@ from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.trace import Span, new_span
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import resources
-from overlap_lab.sim.engine import Engine, TieShuffledEnvironment
+from overlap_lab.sim.engine import Engine
 
 GPU = get_gpu("h800")
 MODEL = get_model("deepseek-v3", num_layers=4)
@@ -46,43 +44,6 @@ def test_new_span_is_checked_as_a_span():
         new_span(0, "stream:main", "gemm", "compute", 2.0, 1.0)
     with pytest.raises(ConfigError, match="kind"):
         new_span(0, "stream:main", "gemm", "nonsense", 1.0, 2.0)
-
-
-def test_timer_events_are_queued_as_env_schedule_queues_them():
-    """A new instant's event is the entry ``env.schedule`` pushes (time ``now + delay``, NORMAL,
-    the next event id); a subclass's ``schedule`` (tie shuffling) is still called."""
-    env = simpy.Environment()
-    env.timeout(0.1 + 0.2)
-    env.run()  # a clock whose sums round
-    assert env.now == 0.1 + 0.2 and not env._queue
-    t = resources.timers(env)
-    assert t._plain
-    t.call_later(0.7, lambda _e: None)
-    assert len(env._queue) == 1
-    when, prio, eid, _ev = env._queue[0]
-    assert (when, prio) == (env.now + 0.7, simpy.core.NORMAL)
-    ref = env.event()
-    ref._ok, ref._value = True, None  # triggered, as the timer's event is
-    env.schedule(ref, simpy.core.NORMAL, 0.7)
-    entry = next(e for e in env._queue if e[3] is ref)
-    assert entry[0] == when and entry[2] == eid + 1
-    fired = []
-    t.call_later(0.7, lambda _e: fired.append(env.now))  # the same instant: the same event
-    assert len(env._queue) == 2
-    env.run()
-    assert fired == [when]
-
-    patched = simpy.Environment()
-    patched.schedule = lambda *a, **kw: simpy.Environment.schedule(patched, *a, **kw)
-    assert not resources.timers(patched)._plain  # a schedule set on the instance is called
-
-    shuffled = TieShuffledEnvironment(3)
-    st = resources.timers(shuffled)
-    assert not st._plain
-    st.call_later(1.0, lambda _e: fired.append(shuffled.now))
-    assert isinstance(shuffled._queue[0][2], tuple)  # the subclass's key: its schedule ran
-    shuffled.run()
-    assert fired[-1] == 1.0
 
 
 @pytest.mark.parametrize("name", ["tbo", "sbo", "deepseek", "serial", "sglang-overlap"])

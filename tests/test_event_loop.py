@@ -19,10 +19,10 @@ def _program(name: str, batch: Batch):
     return schedules.build(name, Workload(MODEL, batch, Parallel(ep=8)), GPU)
 
 
-def _counted_run(program, monkeypatch, inline: bool, tie_seed: int | None = None):
+def _counted_run(program, monkeypatch, inline: bool, env=None):
     """The trace and the SimPy events of one run; ``inline=False`` drives the environment with
     a plain ``env.run()``, so every pass goes through its ``GRANT_PRIORITY`` event."""
-    eng = Engine(program, GPU, 0, tie_seed=tie_seed)
+    eng = Engine(program, GPU, 0, env=env)
     count = [0]
     step = eng.env.step
 
@@ -40,13 +40,13 @@ def _counted_run(program, monkeypatch, inline: bool, tie_seed: int | None = None
 
 @pytest.mark.parametrize("name", ["tbo", "sbo", "sglang-overlap", "deepseek"])
 @pytest.mark.parametrize("batch", [Batch.decode(64, kv_len=2048), Batch.prefill(2, extend_len=512)])
-def test_inline_passes_give_the_trace_of_pass_events(name, batch, monkeypatch):
+def test_inline_passes_give_the_trace_of_pass_events(name, batch, monkeypatch, tie_shuffled):
     p = _program(name, batch)  # every one of these schedules takes both batch kinds
     inline, n_inline = _counted_run(p, monkeypatch, True)
     evented, n_evented = _counted_run(p, monkeypatch, False)
     assert inline == evented
     assert n_inline < n_evented  # each instant with a pass saved its event
-    shuffled, _ = _counted_run(p, monkeypatch, True, tie_seed=7)
+    shuffled, _ = _counted_run(p, monkeypatch, True, env=tie_shuffled(7))
     assert shuffled == inline
 
 
@@ -61,7 +61,8 @@ def test_timers_share_an_instant_and_prune_past_ones():
     sweeps, so it stays bounded over a long run while pending instants are kept."""
     import simpy
 
-    from overlap_lab.sim.resources import _AT_PRUNE, timers
+    from overlap_lab.sim.resources import timers
+    from overlap_lab.sim.simpy_fast import AT_PRUNE
 
     env = simpy.Environment()
     t = timers(env)
@@ -86,4 +87,4 @@ def test_timers_share_an_instant_and_prune_past_ones():
     assert steps == 1001  # one event per instant, not per callback
     assert [i for _, i in seen if i >= 0] == list(range(1001))
     assert all(now == float(i) for now, i in seen if i >= 0)
-    assert max(sizes) <= _AT_PRUNE
+    assert max(sizes) <= AT_PRUNE

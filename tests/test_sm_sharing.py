@@ -158,9 +158,9 @@ def test_unknown_grid_is_refused():
 # ---- tie invariance -------------------------------------------------------------------------------
 
 
-def simulate_shuffled(p, gpu, tie_seed):
+def simulate_shuffled(p, gpu, env):
     validate(p, gpu.num_sms)
-    return Engine(p, gpu, tie_seed=tie_seed).run()
+    return Engine(p, gpu, env=env).run()
 
 
 _ops = st.builds(
@@ -207,10 +207,10 @@ def programs(draw):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.integers(0, 2**31))
-def test_simultaneous_events_in_any_order_give_the_same_trace(p, tie_seed):
+def test_simultaneous_events_in_any_order_give_the_same_trace(tie_shuffled, p, tie_seed):
     ref = simulate(p, GPU)
     check_all(p, ref, N)
-    assert simulate_shuffled(p, GPU, tie_seed) == ref
+    assert simulate_shuffled(p, GPU, tie_shuffled(tie_seed)) == ref
 
 
 def _schedule_cases():
@@ -230,7 +230,7 @@ def _schedule_cases():
 
 
 @pytest.mark.parametrize("gpu_name", ["h800", "b200"])
-def test_every_schedule_is_tie_invariant(gpu_name):
+def test_every_schedule_is_tie_invariant(gpu_name, tie_shuffled):
     gpu = get_gpu(gpu_name)
     checked = 0
     for name, w, cfg in _schedule_cases():
@@ -240,7 +240,8 @@ def test_every_schedule_is_tie_invariant(gpu_name):
             continue  # a combination the system refuses
         ref = simulate(p, gpu)
         for seed in (1, 2):
-            assert simulate_shuffled(p, gpu, seed) == ref, f"{name} {w.batch.mode} {cfg}"
+            shuffled = simulate_shuffled(p, gpu, tie_shuffled(seed))
+            assert shuffled == ref, f"{name} {w.batch.mode} {cfg}"
         checked += 1
     assert checked >= len(SCHEDULES) * 2
 

@@ -1,0 +1,126 @@
+"""The two models the engine takes from outside: what a kernel costs, and how flows cross ranks.
+
+``sim.engine.Engine`` (and ``overlap_lab.simulate``/``compare``) receive a ``CostModel`` and a
+``NetworkFactory``; None gives the defaults, ``sim.cost.RooflineCostModel`` (the roofline with
+per-class efficiencies, a calibration profile where it has rows, and the wave model of CTA
+grids) and ``sim.network.Network`` (per-rank ports shared max-min fairly). A learned predictor
+or another network model plugs in here without editing the engine (docs/architecture.md,
+"Plugging in a cost model or a network", has a worked example of each).
+
+What stays the engine's: the block scheduler (which kernel holds which SMs, whole waves of CTAs),
+the HBM water-fill among concurrent kernels, host launch costs, streams and events, and the
+per-rank links that carry symmetric flows (``dst=None``) and PCIe copies.
+
+Units throughout: µs, bytes, bytes per µs (B/µs), SMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import simpy
+
+    from overlap_lab.shared.hardware import GPU
+    from overlap_lab.shared.program import Op
+    from overlap_lab.sim.cost import Grid, KernelDemand
+
+
+class CostModel(Protocol):
+    """What a kernel costs: its CTA grid and what it asks of the GPU on a number of SMs.
+
+    The engine asks each distinct question once per run (answers are cached by ``key``, shared
+    by every rank), so a method may be slow, but must be a pure function of its arguments: the
+    same op (by ``key``), SMs and GPU must give the same answer, or runs stop being
+    deterministic. A kernel lasts (``sim.cost.duration_us``)
+
+        fixed_us + max(t_compute, nbytes / share)
+
+    where ``share`` is the HBM bandwidth (B/µs) the engine's water-fill grants it among the
+    kernels running beside it (at most ``cap``; a kernel alone gets ``min(cap, hbm_bytes_per_us)``),
+    times the fraction of the grid's CTAs in the wave it runs (whole waves: ``grid``). A kernel
+    with work (``op.flops`` or ``op.hbm_bytes`` above 0) also lasts at least
+    ``gpu.kernel_min_us`` from its first SMs (the engine's floor). A predictor of plain
+    durations returns ``KernelDemand(t_compute=us, nbytes=0, cap=0)``: HBM contention then no
+    longer slows the kernel.
+    """
+
+    def key(self, op: Op) -> Hashable:
+        """Every field of ``op`` that ``grid`` and ``demand`` read: two ops with equal keys must
+        cost the same. Called once per kernel launch (it keys the cache)."""
+        ...
+
+    def grid(self, op: Op, limit: int) -> Grid:
+        """The CTA grid of ``op`` allowed at most ``limit`` SMs: its kind (``persistent``,
+        ``dynamic``, ``waved``, ``coresident``), CTAs and CTAs per SM (``sim.cost.Grid``; 0 CTAs:
+        a hook that holds no SMs). Called the first time a key is launched with a limit."""
+        ...
+
+    def demand(self, op: Op, gpu: GPU, sms: int) -> KernelDemand:
+        """What the whole of ``op`` asks of ``gpu`` on ``sms`` SMs (>= 1): ``t_compute`` (µs at
+        its compute roof), ``nbytes`` (HBM bytes it moves), ``cap`` (B/µs: the most HBM
+        bandwidth it can use there) and ``fixed_us`` (µs on top, not shared). Called whenever
+        the engine re-rates a kernel on an SM count it has not asked about for that key."""
+        ...
+
+    def bandwidth_cap(self, op: Op, gpu: GPU, sms: int) -> float:
+        """The most HBM bandwidth (B/µs) ``op`` can pull on ``sms`` SMs in all: the cap the
+        engine holds a kernel's cohorts to together when it runs as several at once (a waved
+        kernel's big cohort and its straggler CTAs)."""
+        ...
+
+    def hbm_bytes_per_us(self, gpu: GPU) -> float:
+        """The HBM bandwidth (B/µs) all kernels of ``gpu`` together may pull (the pool the
+        water-fill splits). Called once per GPU when the engine is built."""
+        ...
+
+    def link(self, gpu: GPU, kind: str) -> tuple[float, float]:
+        """Link ``kind`` (``nvlink``, ``rdma``, ``pcie``) of ``gpu``: (bytes per µs of one
+        rank's port, latency in µs from a flow's last byte leaving to its arrival). Called once
+        per kind when the engine is built: per-rank links and the network's ports."""
+        ...
+
+
+class NetworkModel(Protocol):
+    """Flows between ranks: what the engine sends, and the arrivals it is told of.
+
+    The engine sends every flow with an explicit destination (explicit ranks, ``Flow.dst`` set)
+    here; a collective op's flows leave together, in one ``send``, when its kernel starts."""
+
+    def send(
+        self,
+        src: int,
+        dsts: list[int],
+        kinds: list[int],
+        nbytes: list[float],
+        tags: list[int],
+    ) -> None:
+        """Start flows from rank ``src``, flow ``i`` to rank ``dsts[i]`` over the link kind of
+        index ``kinds[i]`` (into the ``kinds`` the model was built with), ``nbytes[i]`` (>= 0)
+        bytes, named ``tags[i]``. Each flow must be reported once, through ``on_done``, at the
+        simulated time its last byte has arrived (latency included); never from inside ``send``
+        (schedule a SimPy event, even of delay 0)."""
+        ...
+
+
+class NetworkFactory(Protocol):
+    """Builds the network of one run: ``sim.network.Network`` itself is one (its class)."""
+
+    def __call__(
+        self,
+        env: simpy.Environment,
+        world: int,
+        kinds: dict[str, tuple[float, float]],
+        on_done: Callable[[np.ndarray, np.ndarray], None],
+        group_tol: float,
+    ) -> NetworkModel:
+        """The network of ``world`` ranks on ``env``. ``kinds``: link kind (``nvlink``, then
+        ``rdma``) -> (bytes per µs of one rank's egress or ingress port, latency µs), from the
+        cost model's ``link``; a kind's index is its position. ``on_done(tags, kinds)``: int64
+        arrays of the tags and kind indices of flows arriving now (one call may report many).
+        ``group_tol``: how far the run lets arrivals be grouped (0 exact; the API's explicit
+        ranks use 0.02), which a model may ignore. Called once, when the engine is built."""
+        ...
