@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "simulate": "overlap_lab.api",
     "compare": "overlap_lab.api",
+    "lower_ranks": "overlap_lab.api",
     "workload": "overlap_lab.api",
     "model": "overlap_lab.api",
     "gpu": "overlap_lab.api",

@@ -11,7 +11,7 @@ rank) takes proportionally longer.
 
 ``bench_plan`` is the CPU half of ``overlap-lab calibrate --device cuda``: which Programs to run
 (a serial Program per token count, every compute op narrowed to each SM budget); the GPU half
-runs them with the real executor (``experiments.calibrate.measure_on_gpu``) and hands the traces
+runs them with the real executor (``overlap_lab.calibrate.measure_on_gpu``) and hands the traces
 back here. Only compute ops become rows: communication is the link model's.
 """
 

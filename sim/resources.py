@@ -654,7 +654,6 @@ class Gpu(Fluid):
                 running.append(c)
         if not running:
             return
-        gpu = self.gpu
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel

@@ -48,7 +48,7 @@ def build(workload, gpu, cfg):
 
 def _cli(*args: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("overlap-lab")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "overlap_lab.experiments.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "overlap_lab.cli"]
     return subprocess.run(
         [*cmd, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
     )
