@@ -59,8 +59,8 @@ def _print_summary(res: dict) -> None:
     per = f" per iteration ({it} simulated)" if it > 1 else ""
     print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
     print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
-    print(f"  communication    {res['comm_us'] / it / 1e3:10.3f} ms{per}")
-    print(f"  exposed comm     {res['exposed_comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(f"  communication    {res['comm_us'] / 1e3:10.3f} ms{per}")
+    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms{per}")
     print(
         f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
         f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
@@ -79,7 +79,7 @@ def _print_summary(res: dict) -> None:
     if "straggler_cost_us" in res:
         steps = [r["window_us"] for r in res["per_rank"]]
         print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
-        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms")
+        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms{per}")
         print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
     for mb in res["micro_batches"]:
         cut = ", splits a sequence" if mb.get("split_seq") else ""
@@ -92,7 +92,7 @@ def _print_summary(res: dict) -> None:
     for note in res.get("notes", []):
         print(f"  note: {note}")
     for lane, busy in sorted(res["busy_us"].items()):
-        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
+        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
 
 
 def cmd_sim(args) -> int:

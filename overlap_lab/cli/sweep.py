@@ -61,17 +61,33 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 
-#: the metric columns, in order (``max/min_rank_step_us``: the slowest and fastest rank)
+#: what produced each row, from the case's own inputs (never copied from a duplicate's owner):
+#: the GPU's full name (overrides included, ``h800+hbm-gbps=2000``), the model and its layer
+#: count, the calibration profile op durations came from (``roofline``: none)
+PROVENANCE = ("gpu_name", "model_name", "model_layers", "profile_name")
+#: the metric columns, in order; every time is per iteration unless its name ends in
+#: ``_window_us`` (docs/metrics.md). ``step_time_us`` is ``iteration_us``, as in ``sim --json``;
+#: ``max/min_rank_window_us``: the slowest and fastest rank; ``cost_sources``: how many ops took
+#: their duration from the profile, the roofline and the link model
 METRICS = (
+    "iterations",
+    "window_us",
+    "iteration_us",
     "step_time_us",
+    "tokens",
+    "tokens_per_s_gpu",
+    "comm_us",
     "exposed_comm_us",
     "comm_only_us",
     "compute_kernel_us",
-    "sm_utilisation",
-    "max_rank_step_us",
-    "min_rank_step_us",
+    "sm_compute",
+    "sm_comm",
+    "sm_idle",
+    "max_rank_window_us",
+    "min_rank_window_us",
     "num_ops",
     "num_spans",
+    "cost_sources",
 )
 TAIL = ("sim_key", "error")
 #: `sim` options that are not knobs of a simulation
@@ -504,22 +520,54 @@ def _lower_watched(c: _Inputs):
     return (schedule, lowered, c.gpu, tol, profile, args), reads
 
 
-def metrics(trace, program, gpu) -> dict[str, Any]:
-    """The metric columns of one simulated trace."""
-    from overlap_lab.metrics import compute_kernel_us
+def metrics(trace, program, gpu, workload, profile=None) -> dict[str, Any]:
+    """The metric columns of one simulated trace: :func:`overlap_lab.metrics.measure`'s
+    definitions, so that a row and ``overlap-lab sim`` agree number for number."""
+    from overlap_lab.api import _one_of_alike
+    from overlap_lab.metrics import compute_kernel_us, measure
     from overlap_lab.shared.program import num_ops
+    from overlap_lab.sim.calibrate import cost_sources
 
+    m = measure(trace, program, workload, gpu.num_sms)
     per_rank = trace.per_rank_step_us()
+    rank = min(trace.ranks, default=0)
+    counts: dict[str, int] = {}
+    for by in cost_sources(_one_of_alike(program, trace), gpu, profile).values():
+        for src, n in by.items():
+            counts[src] = counts.get(src, 0) + n
+    alike = 1 if _one_of_alike(program, trace) is program else len(program.ranks)
     return {
-        "step_time_us": trace.step_time_us,
-        "exposed_comm_us": trace.exposed_comm_us(),
-        "comm_only_us": trace.comm_only_us(),
-        "compute_kernel_us": compute_kernel_us(trace),
-        "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
-        "max_rank_step_us": max(per_rank.values(), default=0.0),
-        "min_rank_step_us": min(per_rank.values(), default=0.0),
+        "iterations": m.iterations,
+        "window_us": m.window_us,
+        "iteration_us": m.iteration_us,
+        "step_time_us": m.iteration_us,
+        "tokens": m.tokens,
+        "tokens_per_s_gpu": m.tokens_per_s_gpu,
+        "comm_us": m.comm_us,
+        "exposed_comm_us": m.exposed_comm_us,
+        "comm_only_us": trace.comm_only_us(rank) / m.iterations,
+        "compute_kernel_us": compute_kernel_us(trace, rank) / m.iterations,
+        "sm_compute": m.sm_compute,
+        "sm_comm": m.sm_comm,
+        "sm_idle": m.sm_idle,
+        "max_rank_window_us": max(per_rank.values(), default=0.0),
+        "min_rank_window_us": min(per_rank.values(), default=0.0),
         "num_ops": num_ops(program),
         "num_spans": len(trace.spans),
+        "cost_sources": ";".join(f"{k}={n * alike}" for k, n in sorted(counts.items())),
+    }
+
+
+def provenance(case: _Inputs) -> dict[str, Any]:
+    """The :data:`PROVENANCE` columns of one case, from its checked inputs."""
+    from overlap_lab.sim.calibrate import profile_name
+
+    w = case.workload
+    return {
+        "gpu_name": case.gpu.name,
+        "model_name": w.model.name,
+        "model_layers": w.model.num_layers,
+        "profile_name": profile_name(case.profile),
     }
 
 
@@ -546,6 +594,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
 
     try:
         case = _inputs(knobs)
+        out.update(provenance(case))
         ikey = _input_key(case)
         known = _known.lookup(ikey, case)
         if known is not None:  # a case this worker built had the same inputs: no build
@@ -577,7 +626,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
             trace = api._simulate_explicit(
                 program, args.workload, gpu, case.ranks, profile, max_events
             )
-        out.update(metrics(trace, program, gpu))
+        out.update(metrics(trace, program, gpu, case.workload, profile))
     except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     return out
@@ -690,7 +739,7 @@ def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: s
 
 
 def _columns(spec: Spec) -> list[str]:
-    return ["case", *spec.knobs, *METRICS, *TAIL]
+    return ["case", *spec.knobs, *PROVENANCE, *METRICS, *TAIL]
 
 
 def _cell(v: Any) -> str:
@@ -780,6 +829,7 @@ def run_sweep(
 
     def write(res: dict, owner: Mapping[str, Any] | None = None) -> None:
         row = {"case": res["case"], **spec.cases[res["case"]]}
+        row.update({p: res.get(p, "") for p in PROVENANCE})
         src = owner if owner is not None else res
         row.update({m: src.get(m, "") for m in METRICS})
         row.update(sim_key=res["sim_key"], error=res["error"] or "")
