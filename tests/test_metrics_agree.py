@@ -66,3 +66,24 @@ def test_compare_table_prints_the_apis_per_iteration_numbers():
         cols = lines[row.schedule]
         assert float(cols[3]) == pytest.approx(m.iteration_us / 1e3, abs=1e-3)
         assert float(cols[7]) == pytest.approx(m.exposed_comm_us / 1e3, abs=1e-3)
+
+
+def test_sweep_rows_say_what_produced_them(tmp_path):
+    """A row names the GPU as simulated (overrides included), the model with its layers and the
+    source of its op durations, and splits SM time instead of adding comm to compute."""
+    out = tmp_path / "s.csv"
+    spec = {
+        "base": {"layers": 3, "ep": 8, "batch": 16, "schedule": "serial"},
+        "grid": {"hbm_gbps": [None, 2000.0], "profile": ["auto", "roofline"]},
+    }
+    run_sweep(spec, out, processes=1, progress=False)
+    rows = read_rows(out)
+    assert "sm_utilisation" not in rows[0]
+    assert [r["gpu_name"] for r in rows] == ["h800"] * 2 + ["h800+hbm-gbps=2000"] * 2
+    assert {r["model_name"] for r in rows} == {"deepseek-v3"}
+    assert {r["model_layers"] for r in rows} == {"3"}
+    assert [r["profile_name"] for r in rows[:2]] == ["h800-published", "roofline"]
+    assert all(re.fullmatch(r"(\w+=\d+;)*\w+=\d+", r["cost_sources"]) for r in rows)
+    for r in rows:
+        split = float(r["sm_compute"]) + float(r["sm_comm"]) + float(r["sm_idle"])
+        assert split == pytest.approx(1.0)
