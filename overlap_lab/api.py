@@ -18,6 +18,7 @@ YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab
 from __future__ import annotations
 
 import dataclasses
+import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -585,8 +586,14 @@ def compare(
     def run(name: str, wl: Workload) -> Result:
         return simulate(name, wl, g, cfg, profile=profile, max_events=max_events, **ranks)
 
+    # in a terminal the bar is erased when done; written to a file (stderr redirected, often
+    # with stdout) its last state is kept and ends its line, so the table starts on its own
     bar = tqdm(
-        total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
+        total=len(names) + 1,
+        desc="simulating",
+        unit="schedule",
+        disable=not progress,
+        leave=not sys.stderr.isatty(),
     )
     base = run("serial", w1)
     bar.update()

@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return inputs.closed_stdout()
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        print(f"overlap-lab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:  # writing the outputs failed after the checks (disk full, say)
         print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
         return 2

@@ -31,8 +31,10 @@ Rows stream to a CSV file as cases finish (one row per case: ``case`` index, eve
 spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
 the rows are the same whatever the backend or the order cases finished in), flushed row by row,
 so an interrupted
-sweep run again on the same file skips the cases it has (a torn last line is dropped) and reuses
-their results for duplicates. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
+sweep run again on the same file skips the cases it has (a torn last row is dropped, even one
+cut inside a quoted field) and reuses their results for duplicates. One sweep writes a file at a
+time (a lock file beside it); Ctrl-C stops the workers and keeps the rows written; worker and
+manager processes die with a killed parent. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
 and become a Parquet file (pyarrow) when the sweep completes.
 
 The sweep lives in the command line's package, with its subcommand (``overlap-lab sweep SPEC``,
@@ -45,14 +47,18 @@ same options mean on the command line. Below the command line it would need thos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
 import hashlib
+import io
 import itertools
 import json
 import marshal
 import os
+import re
+import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -647,8 +653,33 @@ class _LocalClaims:
 _worker_claims = None
 
 
+def _orphan_proof() -> None:
+    """In a child process of the sweep (a pool worker, the manager): die with the parent, and
+    leave Ctrl-C to it.
+
+    Killed parent (SIGKILL): Linux's ``PR_SET_PDEATHSIG`` sends this process SIGTERM, whose
+    default action ends it without a word, instead of a worker finishing its case and printing
+    a BrokenPipe traceback into the terminal and the manager living on. A parent already gone
+    before the call is seen by ``getppid`` changing. Ctrl-C reaches the whole process group:
+    the parent stops the pool, so the children ignore SIGINT rather than each printing its
+    KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except (OSError, AttributeError):  # no prctl: the liveness check below still runs
+            pass
+    if os.getppid() != parent or parent == 1:
+        os._exit(0)
+
+
 def _init_worker(owners, known=None) -> None:
     global _worker_claims, _known
+    _orphan_proof()
     _worker_claims = owners
     if known is not None:
         _known = _KnownKeys(known)
@@ -670,14 +701,22 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processe
         for index, knobs in todo:
             yield run_case(index, knobs, claims)
         return
-    from multiprocessing import Manager, Pool
+    from multiprocessing import Pool
+    from multiprocessing.managers import SyncManager
 
-    with Manager() as manager:
-        shared = known = None
-        if owners is not None:
+    manager = None
+    shared = known = None
+    if owners is not None:  # the claims workers share: a manager process, orphan-proof too
+        manager = SyncManager()
+        manager.start(_orphan_proof)
+    try:
+        if manager is not None:
             shared, known = manager.dict(owners), manager.dict()
         with Pool(processes, initializer=_init_worker, initargs=(shared, known)) as pool:
             yield from pool.imap_unordered(_pool_case, _spread(todo), chunksize=1)
+    finally:
+        if manager is not None:
+            manager.shutdown()
 
 
 def _spread(todo: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
@@ -752,16 +791,72 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _complete(raw: bytes) -> tuple[int, list[list[str]]]:
+    """The records of a sweep CSV that were written whole, and the byte length they span.
+
+    Rows are written by one ``csv.writer`` and flushed one by one, so a record is whole exactly
+    when writing it again gives back its bytes; the first that does not (an interrupted write:
+    a missing newline, a quoted field cut after a newline inside it) and anything after it is
+    torn. Only the last record can be: an interrupted run appends nothing after it."""
+    lines = re.findall(r"[^\n]*\n|[^\n]+", raw.decode(errors="replace"))
+    consumed = 0
+
+    def feed():
+        nonlocal consumed
+        for line in lines:
+            consumed += 1
+            yield line
+
+    records: list[list[str]] = []
+    end = done = 0
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    try:
+        for rec in csv.reader(feed()):
+            text = "".join(lines[done:consumed])
+            buf.seek(0)
+            buf.truncate()
+            writer.writerow(rec)
+            if buf.getvalue() != text:
+                break
+            records.append(rec)
+            end += len(text.encode())
+            done = consumed
+    except csv.Error:  # a NUL byte or the like in the torn tail
+        pass
+    return end, records
+
+
 def read_rows(path: str | Path) -> list[dict[str, str]]:
-    """The complete rows of a sweep CSV (a torn last line of an interrupted run is left out)."""
+    """The complete rows of a sweep CSV (a torn last row of an interrupted run is left out)."""
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
-    if not text.endswith("\n"):
-        text = text[: text.rfind("\n") + 1]
-    rows = list(csv.DictReader(text.splitlines()))
-    return [r for r in rows if None not in r and None not in r.values()]
+    _, records = _complete(path.read_bytes())
+    if not records:
+        return []
+    head, rows = records[0], records[1:]
+    return [dict(zip(head, r)) for r in rows if len(r) == len(head)]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``'s lock file (``<out>.lock``, beside it) while a sweep
+    writes it: a second sweep on the same file would append duplicate and interleaved rows, so
+    it is refused. The lock goes with the process (flock), so a killed sweep leaves none; the
+    empty file stays, as removing it could race with a sweep taking it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"sweep: another sweep is writing {path}; wait for it or choose another --out"
+            ) from None
+        yield
 
 
 def _open_csv(path: Path, columns: list[str]) -> tuple[Any, list[dict[str, str]]]:
@@ -772,8 +867,8 @@ def _open_csv(path: Path, columns: list[str]) -> tuple[Any, list[dict[str, str]]
         head = raw.split(b"\n", 1)[0].decode().rstrip("\r")
         if next(csv.reader([head])) != columns:
             raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
-        cut = raw.rfind(b"\n") + 1
-        if cut < len(raw):  # torn last line: drop it before appending
+        cut, _ = _complete(raw)
+        if cut < len(raw):  # a torn last row: drop it before appending
             with open(path, "rb+") as f:
                 f.truncate(cut)
         done = read_rows(path)
@@ -804,12 +899,42 @@ def run_sweep(
     many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
     what deduplication saves). Returns counts: cases, done before, simulated,
     duplicates, errors."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
+    if processes < 1:
+        raise ConfigError(f"sweep: --processes must be at least 1, got {processes}")
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
-    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     out = Path(out)
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    with _locked(csv_path):
+        stats = _run_locked(spec, csv_path, processes, backend, address, progress, limit, dedupe)
+    if parquet and len(read_rows(csv_path)) == len(spec.cases):
+        to_parquet(csv_path, out)
+        csv_path.unlink()
+    return stats
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def _run_locked(
+    spec: Spec,
+    csv_path: Path,
+    processes: int,
+    backend: str,
+    address: str | None,
+    progress: bool,
+    limit: int | None,
+    dedupe: bool,
+) -> dict[str, int]:
+    """:func:`run_sweep` with the output's lock held."""
+    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     columns = _columns(spec)
     f, done_rows = _open_csv(csv_path, columns)
     done = {int(r["case"]) for r in done_rows}
@@ -822,6 +947,8 @@ def run_sweep(
     todo = [(i, c) for i, c in enumerate(spec.cases) if i not in done]
     if limit is not None:
         todo = todo[:limit]
+    # no more workers than cases to run or CPUs to run them on
+    processes = max(1, min(processes, len(todo), _cpus()))
     stats = {"cases": len(spec.cases), "done_before": len(done), "simulated": 0, "duplicates": 0}
     stats["errors"] = 0
     writer = csv.writer(f, lineterminator="\n")
@@ -867,11 +994,10 @@ def run_sweep(
                     bar.update()
             bar.update()
     finally:
-        bar.close()
+        bar.close()  # before anything else is printed: the bar's line is finished
+        if hasattr(stream, "close"):
+            stream.close()  # the pool and the manager stop here, also on Ctrl-C
         f.close()
-    if parquet and len(read_rows(csv_path)) == len(spec.cases):
-        to_parquet(csv_path, out)
-        csv_path.unlink()
     return stats
 
 
@@ -919,15 +1045,23 @@ def add_parser(sub) -> None:
 def cmd_sweep(args) -> int:
     spec = load_spec(args.spec)
     out = Path(args.out) if args.out else Path(args.spec).with_suffix(".csv")
-    stats = run_sweep(
-        spec,
-        out,
-        processes=args.processes,
-        backend=args.backend,
-        address=args.address,
-        progress=not args.no_progress,
-        limit=args.limit,
-    )
+    try:
+        stats = run_sweep(
+            spec,
+            out,
+            processes=args.processes,
+            backend=args.backend,
+            address=args.address,
+            progress=not args.no_progress,
+            limit=args.limit,
+        )
+    except KeyboardInterrupt:  # the rows written so far stay: running again resumes
+        kept = len(read_rows(out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out))
+        print(
+            f"overlap-lab sweep: interrupted; {kept} rows kept in {out}, run again to resume",
+            file=sys.stderr,
+        )
+        return 130
     print(
         f"{out}: {stats['cases']} cases, {stats['done_before']} done before, "
         f"{stats['simulated']} simulated, {stats['duplicates']} duplicates, "
