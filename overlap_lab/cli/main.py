@@ -256,11 +256,36 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub)
     add_sweep(sub)
+    _add_plugins(sub)
     return inputs.apply_limits(p)
+
+
+#: Entry point group of subcommands that live above the command line (``experiments``): each
+#: entry is a function that adds its subparser to the ``overlap-lab`` subparsers.
+PLUGINS = "overlap_lab.commands"
+
+
+def _add_plugins(sub) -> None:
+    """Add the subcommands of the :data:`PLUGINS` entry points, by name. One that fails to load
+    or register is one line on stderr; the other commands work all the same."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=PLUGINS), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except Exception as e:  # noqa: BLE001 - any failure of a plugin is its own
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(
+                f"overlap-lab: error: command {ep.name!r} ({ep.value}) is broken: "
+                f"{type(e).__name__}: {first}",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # as typed: what the results files record (provenance)
+    args.command_line = ["overlap-lab", *(sys.argv[1:] if argv is None else argv)]
     try:
         inputs.check_args(args)  # every option, alone and together, before anything runs
         if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
