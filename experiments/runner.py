@@ -17,9 +17,11 @@ on each simulated trace, and how to draw and describe the results::
 :func:`run` simulates the cases (in parallel: a ``multiprocessing`` pool, results in case order
 whatever the pool does), writes ``results/<name>.json`` (rows, the exact command, date, git
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
-file back and draws the figure and the notes from it: plots read files.
+file back and draws the figure and the notes from it: plots read files. The results file also
+names the tool and its version, and the profile each GPU's op durations came from.
 
-Run them with ``python -m overlap_lab.experiments [NAME ...]`` or
+Run them with ``overlap-lab experiments [NAME ...]``, ``python -m overlap_lab.experiments
+[NAME ...]`` or
 ``python -m overlap_lab.experiments.exp_<name>``. Results go to ``--out`` (default
 ``./overlap-lab-results/`` in the working directory, never inside the installed package); the
 repository's committed results are written with ``--out experiments/results``.
@@ -49,7 +51,7 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.trace import Trace, provenance
 from overlap_lab.shared.workload import Workload
 
 #: Where results go unless ``--out`` says otherwise: the working directory, never the install.
@@ -199,6 +201,8 @@ def run(
     doc = {
         "experiment": exp.name,
         "title": exp.title,
+        "tool": "overlap-lab",
+        "version": provenance(None)["version"],
         "command": command or f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),

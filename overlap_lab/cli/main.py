@@ -115,7 +115,7 @@ def cmd_sim(args) -> int:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result.trace.to_chrome(out / "trace.json")
+        result.trace.to_chrome(out / "trace.json", provenance=_provenance(args, result))
         fig = out / f"timeline.{args.figure_format}"
         save_timeline(
             result.trace,
@@ -133,6 +133,27 @@ def cmd_sim(args) -> int:
         for f in res.get("files", []):
             print(f"  wrote {f}")
     return 0
+
+
+def _provenance(args, result) -> dict:
+    """What a written trace records of its run: the version, the command line as typed and the
+    full inputs as simulated (the model with its layers, the GPU with its overrides, the batch
+    and layout, every schedule knob, the ranks and the profile the durations came from)."""
+    from overlap_lab.shared.trace import provenance
+    from overlap_lab.sim.calibrate import profile_name
+
+    w = result.workload
+    inputs = {
+        "schedule": result.schedule,
+        "model": w.model,
+        "batch": w.batch,
+        "parallel": w.parallel,
+        "gpu": result.gpu,
+        "knobs": result.config,
+        "ranks": ranks_from(args),
+        "profile": profile_name(result.profile),
+    }
+    return provenance(getattr(args, "command_line", None), inputs)
 
 
 def _title(result) -> str:
@@ -208,8 +229,12 @@ def cmd_compare(args) -> int:
             title=_title(table.baseline).split(": ", 1)[1],
         )
         files.append(fig)
-        for n, tr in table.traces().items():
-            tr.to_chrome(out / f"trace_{n.replace('+', '_')}.json")
+        for row in table.rows:
+            if row.result is not None:
+                row.result.trace.to_chrome(
+                    out / f"trace_{row.schedule.replace('+', '_')}.json",
+                    provenance=_provenance(args, row.result),
+                )
     if args.json:
         print(inputs.to_json({"results": table.as_dicts()}))
         return 0

@@ -60,7 +60,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -891,8 +891,14 @@ def run_sweep(
     progress: bool = True,
     limit: int | None = None,
     dedupe: bool = True,
+    command: Sequence[str] | None = None,
 ) -> dict[str, int]:
     """Run the cases of ``spec`` not yet in ``out`` and append their rows as they finish.
+
+    Beside ``out``, ``<out>.provenance.json`` records what produced it: the tool's version,
+    ``command`` (the command line as typed; None from Python) and the full inputs (the spec's
+    knobs and cases, and the default of every knob a case leaves out); each row names its own
+    GPU, model and profile (:data:`PROVENANCE`).
 
     ``backend``: ``local`` (``processes`` worker processes; 1 runs here) or ``ray`` (a Ray
     cluster: ``address``, else ``RAY_ADDRESS``, else a local Ray). ``limit`` stops after that
@@ -909,11 +915,25 @@ def run_sweep(
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
     with _locked(csv_path):
+        _write_provenance(out, spec, command)
         stats = _run_locked(spec, csv_path, processes, backend, address, progress, limit, dedupe)
     if parquet and len(read_rows(csv_path)) == len(spec.cases):
         to_parquet(csv_path, out)
         csv_path.unlink()
     return stats
+
+
+def _write_provenance(out: Path, spec: Spec, command: Sequence[str] | None) -> Path:
+    """``<out>.provenance.json`` (see :func:`run_sweep`); the same sweep writes the same bytes."""
+    from overlap_lab.shared.trace import provenance
+
+    doc = provenance(
+        command,
+        {"knobs": list(spec.knobs), "cases": list(spec.cases), "defaults": defaults()},
+    )
+    path = out.with_name(out.name + ".provenance.json")
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path
 
 
 def _cpus() -> int:
@@ -1054,6 +1074,7 @@ def cmd_sweep(args) -> int:
             address=args.address,
             progress=not args.no_progress,
             limit=args.limit,
+            command=getattr(args, "command_line", None),
         )
     except KeyboardInterrupt:  # the rows written so far stay: running again resumes
         kept = len(read_rows(out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out))
