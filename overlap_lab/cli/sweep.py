@@ -34,8 +34,8 @@ so an interrupted
 sweep run again on the same file skips the cases it has (a torn last row is dropped, even one
 cut inside a quoted field) and reuses their results for duplicates. One sweep writes a file at a
 time (a lock file beside it); Ctrl-C stops the workers and keeps the rows written; worker and
-manager processes die with a killed parent. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
-and become a Parquet file (pyarrow) when the sweep completes.
+manager processes die with a killed parent. With a ``.parquet`` output the rows stream to
+``<out>.partial.csv`` and become a Parquet file (pyarrow) when the sweep completes.
 
 The sweep lives in the command line's package, with its subcommand (``overlap-lab sweep SPEC``,
 at the end), because a spec's keys are ``sim``'s options: each case is parsed, checked and turned
@@ -1077,7 +1077,8 @@ def cmd_sweep(args) -> int:
             command=getattr(args, "command_line", None),
         )
     except KeyboardInterrupt:  # the rows written so far stay: running again resumes
-        kept = len(read_rows(out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out))
+        partial = out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out
+        kept = len(read_rows(partial))
         print(
             f"overlap-lab sweep: interrupted; {kept} rows kept in {out}, run again to resume",
             file=sys.stderr,
