@@ -537,11 +537,12 @@ def metrics(trace, program, gpu, workload, profile=None) -> dict[str, Any]:
     m = measure(trace, program, workload, gpu.num_sms)
     per_rank = trace.per_rank_step_us()
     rank = min(trace.ranks, default=0)
+    one = _one_of_alike(program, trace)  # a reduced run: rank 0's ops stand for every rank's
+    alike = 1 if one is program else len(program.ranks)
     counts: dict[str, int] = {}
-    for by in cost_sources(_one_of_alike(program, trace), gpu, profile).values():
+    for by in cost_sources(one, gpu, profile).values():
         for src, n in by.items():
             counts[src] = counts.get(src, 0) + n
-    alike = 1 if _one_of_alike(program, trace) is program else len(program.ranks)
     return {
         "iterations": m.iterations,
         "window_us": m.window_us,
@@ -653,33 +654,32 @@ class _LocalClaims:
 _worker_claims = None
 
 
-def _orphan_proof() -> None:
-    """In a child process of the sweep (a pool worker, the manager): die with the parent, and
-    leave Ctrl-C to it.
+def _orphan_proof(parent: int) -> None:
+    """In a child process of the sweep (a pool worker, the manager): die with the sweep (pid
+    ``parent``), and leave Ctrl-C to it.
 
     Killed parent (SIGKILL): Linux's ``PR_SET_PDEATHSIG`` sends this process SIGTERM, whose
     default action ends it without a word, instead of a worker finishing its case and printing
     a BrokenPipe traceback into the terminal and the manager living on. A parent already gone
-    before the call is seen by ``getppid`` changing. Ctrl-C reaches the whole process group:
-    the parent stops the pool, so the children ignore SIGINT rather than each printing its
-    KeyboardInterrupt traceback."""
+    before the call is seen by ``getppid`` no longer being it. Ctrl-C reaches the whole process
+    group: the parent stops the pool, so the children ignore SIGINT rather than each printing
+    its KeyboardInterrupt traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         try:
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        except (OSError, AttributeError):  # no prctl: the liveness check below still runs
+        except (OSError, AttributeError):  # no prctl: the check below still runs
             pass
-    if os.getppid() != parent or parent == 1:
+    if os.getppid() != parent:
         os._exit(0)
 
 
-def _init_worker(owners, known=None) -> None:
+def _init_worker(parent: int, owners, known=None) -> None:
     global _worker_claims, _known
-    _orphan_proof()
+    _orphan_proof(parent)
     _worker_claims = owners
     if known is not None:
         _known = _KnownKeys(known)
@@ -708,11 +708,12 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processe
     shared = known = None
     if owners is not None:  # the claims workers share: a manager process, orphan-proof too
         manager = SyncManager()
-        manager.start(_orphan_proof)
+        manager.start(_orphan_proof, (os.getpid(),))
     try:
         if manager is not None:
             shared, known = manager.dict(owners), manager.dict()
-        with Pool(processes, initializer=_init_worker, initargs=(shared, known)) as pool:
+        init = (os.getpid(), shared, known)
+        with Pool(processes, initializer=_init_worker, initargs=init) as pool:
             yield from pool.imap_unordered(_pool_case, _spread(todo), chunksize=1)
     finally:
         if manager is not None:
