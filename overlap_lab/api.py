@@ -249,8 +249,12 @@ class Result:
             out["straggler_cost_window_us"] = m.window_us - self.balanced_window_us
             out["straggler_cost_us"] = out["straggler_cost_window_us"] / m.iterations
         report = getattr(schedule_module(self.schedule), "report", None)
-        if report is not None:
-            out["report"] = report(self.trace, self.program)
+        if report is not None:  # its totals over the window say so, as every key here does
+            rep = report(self.trace, self.program)
+            out["report"] = {
+                (f"{k[:-3]}_window_us" if k in _REPORT_WINDOW_TOTALS else k): v
+                for k, v in rep.items()
+            }
         self._provenance(out)
         return out
 
@@ -280,6 +284,11 @@ class Result:
             out["cost_sources"] = {
                 c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
             }
+
+
+#: Keys of a schedule's own ``report`` (sglang-overlap's) that sum over the whole window: in the
+#: JSON they are named ``*_window_us`` (the rest are per iteration or per event)
+_REPORT_WINDOW_TOTALS = frozenset({"total_us", "gpu_idle_us", "forward_gap_us", "host_blocked_us"})
 
 
 def _one_of_alike(program: Program, trace: Trace) -> Program:
