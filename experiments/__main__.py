@@ -1,6 +1,6 @@
-"""``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``: run
-the declared experiments (all, or those named) and write their results into ``--out`` (default
-``./overlap-lab-results/``)."""
+"""``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``
+(also ``overlap-lab experiments ...``): run the declared experiments (all, or those named) and
+write their results into ``--out`` (default ``./overlap-lab-results/``)."""
 
 from overlap_lab.experiments.runner import main
 

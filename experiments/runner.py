@@ -17,9 +17,11 @@ on each simulated trace, and how to draw and describe the results::
 :func:`run` simulates the cases (in parallel: a ``multiprocessing`` pool, results in case order
 whatever the pool does), writes ``results/<name>.json`` (rows, the exact command, date, git
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
-file back and draws the figure and the notes from it: plots read files.
+file back and draws the figure and the notes from it: plots read files. The results file also
+names the tool and its version, and the profile each GPU's op durations came from.
 
-Run them with ``python -m overlap_lab.experiments [NAME ...]`` or
+Run them with ``overlap-lab experiments [NAME ...]``, ``python -m overlap_lab.experiments
+[NAME ...]`` or
 ``python -m overlap_lab.experiments.exp_<name>``. Results go to ``--out`` (default
 ``./overlap-lab-results/`` in the working directory, never inside the installed package); the
 repository's committed results are written with ``--out experiments/results``.
@@ -27,6 +29,7 @@ repository's committed results are written with ``--out experiments/results``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -48,7 +51,7 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import Program
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.trace import Trace, provenance
 from overlap_lab.shared.workload import Workload
 
 #: Where results go unless ``--out`` says otherwise: the working directory, never the install.
@@ -198,6 +201,8 @@ def run(
     doc = {
         "experiment": exp.name,
         "title": exp.title,
+        "tool": "overlap-lab",
+        "version": provenance(None)["version"],
         "command": command or f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),
@@ -377,15 +382,8 @@ def declared() -> dict[str, Experiment]:
     return found
 
 
-def main(
-    argv: Sequence[str] | None = None,
-    *,
-    prog: str = "python -m overlap_lab.experiments",
-    default: Sequence[str] = (),
-) -> int:
-    """``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
-    ``default``: the names run when none is given (all when empty)."""
-    ap = inputs.OneLineParser(prog=prog, description="Run declared experiments.")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The runner's options, on its own parser or on ``overlap-lab experiments``."""
     ap.add_argument("names", nargs="*", help="experiments to run (default: all declared)")
     ap.add_argument("--list", action="store_true", help="list the declared experiments")
     ap.add_argument(
@@ -407,7 +405,23 @@ def main(
         help="calibration profile: a file, h800-published or roofline; auto: the preset's "
         "built-in one (h800 -> h800-published), else roofline (default: auto)",
     )
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = "python -m overlap_lab.experiments",
+    default: Sequence[str] = (),
+) -> int:
+    """``python -m overlap_lab.experiments [NAME ...] [--list] [--processes N] [--out DIR] [--draw]``;
+    ``default``: the names run when none is given (all when empty)."""
+    ap = inputs.OneLineParser(prog=prog, description="Run declared experiments.")
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    return _guarded(ap, args, argv, prog, default)
+
+
+def _guarded(ap, args, argv, prog, default) -> int:
     try:
         return _main(ap, args, argv, prog, default)
     except ConfigError as e:
@@ -415,6 +429,27 @@ def main(
         return 2
     except BrokenPipeError:
         return inputs.closed_stdout()
+
+
+def register(sub) -> None:
+    """``overlap-lab experiments``: this runner as a subcommand of the command line, registered
+    through the ``overlap_lab.commands`` entry point group (pyproject.toml), since the command
+    line sits below the experiments and may not import them."""
+    s = sub.add_parser(
+        "experiments",
+        help="run declared experiments and write their results",
+        description="Run declared experiments (all, or those named) and write their results, "
+        "figures and notes into --out.",
+    )
+    add_arguments(s)
+    s.set_defaults(func=partial(_command, s))
+
+
+def _command(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The handler of ``overlap-lab experiments``: the runner, with the command line recorded
+    as typed (``overlap-lab experiments ...``)."""
+    typed = list(getattr(args, "command_line", None) or ["overlap-lab", "experiments"])
+    return _guarded(ap, args, typed[2:], "overlap-lab experiments", ())
 
 
 def _main(ap, args, argv, prog, default) -> int:

@@ -18,6 +18,7 @@ YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab
 from __future__ import annotations
 
 import dataclasses
+import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -214,7 +215,8 @@ class Result:
 
     def _as_dict(self) -> dict[str, Any]:
         w, meta, m = self.workload, self.program.meta, self.metrics
-        busy = self.trace.busy_us()
+        # per iteration, as every time without "window" in its name (docs/metrics.md)
+        busy = {k: v / m.iterations for k, v in self.trace.busy_us().items()}
         out: dict[str, Any] = {
             "schedule": self.schedule,
             "model": w.model.name,
@@ -247,10 +249,15 @@ class Result:
                 out["reduction"] = self.trace.meta["reduction"]
         if self.balanced_window_us is not None:
             out["balanced_window_us"] = self.balanced_window_us
-            out["straggler_cost_us"] = m.window_us - self.balanced_window_us
+            out["straggler_cost_window_us"] = m.window_us - self.balanced_window_us
+            out["straggler_cost_us"] = out["straggler_cost_window_us"] / m.iterations
         report = getattr(schedule_module(self.schedule), "report", None)
-        if report is not None:
-            out["report"] = report(self.trace, self.program)
+        if report is not None:  # its totals over the window say so, as every key here does
+            rep = report(self.trace, self.program)
+            out["report"] = {
+                (f"{k[:-3]}_window_us" if k in _REPORT_WINDOW_TOTALS else k): v
+                for k, v in rep.items()
+            }
         self._provenance(out)
         return out
 
@@ -280,6 +287,11 @@ class Result:
             out["cost_sources"] = {
                 c: {src: k * n for src, k in by.items()} for c, by in out["cost_sources"].items()
             }
+
+
+#: Keys of a schedule's own ``report`` (sglang-overlap's) that sum over the whole window: in the
+#: JSON they are named ``*_window_us`` (the rest are per iteration or per event)
+_REPORT_WINDOW_TOTALS = frozenset({"total_us", "gpu_idle_us", "forward_gap_us", "host_blocked_us"})
 
 
 def _one_of_alike(program: Program, trace: Trace) -> Program:
@@ -542,7 +554,7 @@ class Comparison:
                 )
                 continue
             m = res.metrics
-            exposed = m.exposed_comm_us / m.iterations / 1e3
+            exposed = m.exposed_comm_us / 1e3
             lines.append(
                 f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
                 f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
@@ -624,8 +636,14 @@ def compare(
             **ranks,
         )
 
+    # in a terminal the bar is erased when done; written to a file (stderr redirected, often
+    # with stdout) its last state is kept and ends its line, so the table starts on its own
     bar = tqdm(
-        total=len(names) + 1, desc="simulating", unit="schedule", disable=not progress, leave=False
+        total=len(names) + 1,
+        desc="simulating",
+        unit="schedule",
+        disable=not progress,
+        leave=not sys.stderr.isatty(),
     )
     base = run("serial", w1)
     bar.update()

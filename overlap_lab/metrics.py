@@ -16,9 +16,11 @@ for different schedules; the numbers here do not:
   completes divided by its ``pp`` stages, since every stage holds a slice of the layers.
 - ``tokens_per_s_gpu`` = ``tokens / window_us``, and ``tokens_per_s_node`` that times
   ``gpus_per_node``: throughput at equal GPU count, what compare ranks by.
-- ``comm_us``: wall time with communication in flight (DeepEP/NCCL kernels or link transfers) on
-  rank 0; ``exposed_comm_us`` the part of it with no compute kernel running on that rank; the
-  rest is hidden.
+- ``comm_window_us``: wall time of the window with communication in flight (DeepEP/NCCL kernels
+  or link transfers) on rank 0; ``exposed_comm_window_us`` the part of it with no compute kernel
+  running on that rank; the rest is hidden. ``comm_us`` and ``exposed_comm_us`` are the same per
+  iteration (divided by ``iterations``): every time without ``window`` in its name is per
+  iteration, so a number means one thing whatever the schedule's window.
 - SM time on rank 0, as fractions of ``num_sms × window_us``: ``sm_compute`` (compute kernels'
   SMs × duration), ``sm_comm`` (communication kernels' SMs; hooks that wait on traffic hold
   none), ``sm_idle`` the rest. Their first two add up to what used to be printed as "SM
@@ -48,6 +50,8 @@ class Metrics:
     gpus: int
     comm_us: float
     exposed_comm_us: float
+    comm_window_us: float
+    exposed_comm_window_us: float
     sm_compute: float
     sm_comm: float
     sm_idle: float
@@ -107,6 +111,7 @@ def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metric
     rank = min(trace.ranks, default=0)
     tps = tokens / window * 1e6 if window > 0 else 0.0
     comp, comm, idle = sm_time(trace, num_sms, rank)
+    comm_window, exposed_window = comm_us(trace, rank), trace.exposed_comm_us(rank)
     return Metrics(
         iterations=iters,
         window_us=window,
@@ -115,8 +120,10 @@ def measure(trace: Trace, program: Program, w: Workload, num_sms: int) -> Metric
         tokens_per_s_gpu=tps,
         tokens_per_s_node=tps * w.parallel.gpus_per_node,
         gpus=w.parallel.world,
-        comm_us=comm_us(trace, rank),
-        exposed_comm_us=trace.exposed_comm_us(rank),
+        comm_us=comm_window / iters,
+        exposed_comm_us=exposed_window / iters,
+        comm_window_us=comm_window,
+        exposed_comm_window_us=exposed_window,
         sm_compute=comp,
         sm_comm=comm,
         sm_idle=idle,

@@ -59,12 +59,39 @@ class KernelClass:
             raise ConfigError(f"kernel class {self.name!r}: bad pattern ({e})") from None
 
 
+#: The simulator's own op names, as the schedules emit them (``shared/ops.py``,
+#: ``shared/ops_sched.py``, ``shared/ops_pp.py``), so that ``analyze`` of a trace this tool wrote
+#: names its ops instead of calling them all ``other``. Each pattern is anchored to the whole name,
+#: so no library's kernel name matches one by accident; tests/test_trace_provenance.py checks that
+#: every op every schedule emits falls in one of them.
+OWN_CLASSES: tuple[KernelClass, ...] = (
+    KernelClass(r"^attn\.\w+$", "attention", "compute"),
+    KernelClass(r"^(gate|select_experts)$", "router", "compute"),
+    KernelClass(r"^dispatch(_[ab])?$", "dispatch", "comm"),
+    KernelClass(r"^combine(_[ab])?$", "combine", "comm"),
+    KernelClass(r"^experts(\.[\w.]+)?$", "routed_experts", "compute"),
+    KernelClass(r"^shared_experts$", "shared_experts", "compute"),
+    KernelClass(r"^mlp$", "dense_mlp", "compute"),
+    KernelClass(r"^pp_(send|recv)_\w+$", "pp_send_recv", "comm"),
+    KernelClass(r"^(embed|logits|output)$", "embed_logits", "compute"),
+    KernelClass(r"^sample$", "sampling", "compute"),
+    KernelClass(r"^comm_(prepare|postprocess)_\w+$", "comm_prepare", "compute"),
+    KernelClass(
+        r"^(seq_lens_\w+|req_to_token_\w+|write_req_to_token_pool_triton|out_cache_loc_cast|"
+        r"resolve_future|store_to_map)$",
+        "batch_metadata",
+        "compute",
+    ),
+    KernelClass(r"^(d2h|h2d)(_\w+)?$", "memcpy", "copy"),
+)
+
 #: Built-in kernel classes, in match order. Sources: kernel names as they appear in
 #: torch.profiler traces of each library (symbol namespaces of DeepEP ``deep_ep::`` and DeepSeek's
 #: internal ``dpsk::ep::``, DeepGEMM ``deep_gemm::`` / ``dpsk::grouped_gemm``, FlashMLA
 #: ``flash_fwd_splitkv_mla`` / ``flash::``, FlashInfer ``flashinfer::``, NCCL ``ncclDevKernel`` /
 #: ``ncclKernel``, Triton's generated ``triton_`` names, cuBLAS's ``sm90_xmma`` / ``cutlass``).
 BUILTIN_CLASSES: tuple[KernelClass, ...] = (
+    *OWN_CLASSES,
     KernelClass(r"memcpy|memset", "memcpy", "copy"),
     KernelClass(r"(deep_ep|dpsk::ep)::\w*ll\b|internode_ll|low_latency", "deepep_ll", "comm"),
     KernelClass(r"deep_ep::|dpsk::ep::", "deepep_normal", "comm"),

@@ -23,7 +23,7 @@ import gzip
 import json
 import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -553,9 +553,13 @@ class Trace:
 
     # -- Chrome trace JSON -------------------------------------------------------------------
 
-    def to_chrome(self, path: str | Path | None = None) -> dict[str, Any]:
+    def to_chrome(
+        self, path: str | Path | None = None, *, provenance: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The Chrome Trace Event JSON of this trace; written to ``path`` too when given
-        (``.gz`` suffix: gzip). Deterministic: same trace, same bytes. Events with equal
+        (``.gz`` suffix: gzip). ``provenance`` (:func:`provenance`: the tool's version, the
+        command line, the full inputs) goes into ``otherData`` with the meta, so that a trace
+        file says what produced it. Deterministic: same trace, same bytes. Events with equal
         ``args`` share one dict (every rank's copy of an op, all the events of ranks alike,
         :meth:`_replicated`): the document is for writing out, not for editing in place."""
         events: list[dict[str, Any]] = []
@@ -591,7 +595,9 @@ class Trace:
         doc = {
             "traceEvents": events + slices,
             "displayTimeUnit": "ns",
-            "otherData": _jsonable(self.meta),
+            "otherData": _jsonable(
+                self.meta if provenance is None else {**self.meta, "provenance": provenance}
+            ),
         }
         if path is not None:
             path = Path(path)
@@ -647,6 +653,28 @@ class Trace:
         if foreign:
             spans = spans + _spans_from_profiler(doc, foreign, rank, num_sms, meta)
         return cls(spans, meta)
+
+
+def provenance(
+    command: Sequence[str] | None, inputs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """What produced a results file: the tool and its installed version, the command line as
+    typed (None: called from Python) and the full ``inputs`` (model, GPU with its overrides,
+    schedule knobs, profile name, ...), as JSON values. No date, host or path of its own: the
+    same command on the same inputs writes the same bytes (a byte-identity check of two runs
+    compares their files whole)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("overlap-lab")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        v = "unknown"
+    return {
+        "tool": "overlap-lab",
+        "version": v,
+        "command": None if command is None else [str(c) for c in command],
+        "inputs": _jsonable(dict(inputs or {})),
+    }
 
 
 def save_json(trace: Trace, path: str | Path) -> Path:

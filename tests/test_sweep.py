@@ -69,11 +69,11 @@ def test_sweep_rows_and_duplicates(tmp_path):
     assert all(float(r["step_time_us"]) > 0 for r in rows.values())
     # the same rows as simulating every case on its own
     for i in (1, 5, 8):
-        _, program, gpu, tol, profile, _ = lower_case(load_spec(SPEC).cases[i])
+        _, program, gpu, tol, profile, args = lower_case(load_spec(SPEC).cases[i])
         from overlap_lab.sim.engine import Engine
 
         trace = Engine(program, gpu, 0, net_group_tol=tol, profile=profile).run()
-        m = sweep.metrics(trace, program, gpu)
+        m = sweep.metrics(trace, program, gpu, args.workload, profile)
         assert {k: rows[i][k] for k in METRICS} == {k: sweep._cell(v) for k, v in m.items()}
 
 

@@ -59,8 +59,8 @@ def _print_summary(res: dict) -> None:
     per = f" per iteration ({it} simulated)" if it > 1 else ""
     print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
     print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
-    print(f"  communication    {res['comm_us'] / it / 1e3:10.3f} ms{per}")
-    print(f"  exposed comm     {res['exposed_comm_us'] / it / 1e3:10.3f} ms{per}")
+    print(f"  communication    {res['comm_us'] / 1e3:10.3f} ms{per}")
+    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms{per}")
     print(
         f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
         f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
@@ -79,7 +79,7 @@ def _print_summary(res: dict) -> None:
     if "straggler_cost_us" in res:
         steps = [r["window_us"] for r in res["per_rank"]]
         print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
-        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms")
+        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms{per}")
         print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
     for mb in res["micro_batches"]:
         cut = ", splits a sequence" if mb.get("split_seq") else ""
@@ -92,7 +92,7 @@ def _print_summary(res: dict) -> None:
     for note in res.get("notes", []):
         print(f"  note: {note}")
     for lane, busy in sorted(res["busy_us"].items()):
-        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
+        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
 
 
 def cmd_sim(args) -> int:
@@ -115,7 +115,7 @@ def cmd_sim(args) -> int:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result.trace.to_chrome(out / "trace.json")
+        result.trace.to_chrome(out / "trace.json", provenance=_provenance(args, result))
         fig = out / f"timeline.{args.figure_format}"
         save_timeline(
             result.trace,
@@ -133,6 +133,27 @@ def cmd_sim(args) -> int:
         for f in res.get("files", []):
             print(f"  wrote {f}")
     return 0
+
+
+def _provenance(args, result) -> dict:
+    """What a written trace records of its run: the version, the command line as typed and the
+    full inputs as simulated (the model with its layers, the GPU with its overrides, the batch
+    and layout, every schedule knob, the ranks and the profile the durations came from)."""
+    from overlap_lab.shared.trace import provenance
+    from overlap_lab.sim.calibrate import profile_name
+
+    w = result.workload
+    inputs = {
+        "schedule": result.schedule,
+        "model": w.model,
+        "batch": w.batch,
+        "parallel": w.parallel,
+        "gpu": result.gpu,
+        "knobs": result.config,
+        "ranks": ranks_from(args),
+        "profile": profile_name(result.profile),
+    }
+    return provenance(getattr(args, "command_line", None), inputs)
 
 
 def _title(result) -> str:
@@ -208,8 +229,12 @@ def cmd_compare(args) -> int:
             title=_title(table.baseline).split(": ", 1)[1],
         )
         files.append(fig)
-        for n, tr in table.traces().items():
-            tr.to_chrome(out / f"trace_{n.replace('+', '_')}.json")
+        for row in table.rows:
+            if row.result is not None:
+                row.result.trace.to_chrome(
+                    out / f"trace_{row.schedule.replace('+', '_')}.json",
+                    provenance=_provenance(args, row.result),
+                )
     if args.json:
         print(inputs.to_json({"results": table.as_dicts()}))
         return 0
@@ -256,11 +281,36 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub)
     add_sweep(sub)
+    _add_plugins(sub)
     return inputs.apply_limits(p)
+
+
+#: Entry point group of subcommands that live above the command line (``experiments``): each
+#: entry is a function that adds its subparser to the ``overlap-lab`` subparsers.
+PLUGINS = "overlap_lab.commands"
+
+
+def _add_plugins(sub) -> None:
+    """Add the subcommands of the :data:`PLUGINS` entry points, by name. One that fails to load
+    or register is one line on stderr; the other commands work all the same."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=PLUGINS), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except Exception as e:  # noqa: BLE001 - any failure of a plugin is its own
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(
+                f"overlap-lab: error: command {ep.name!r} ({ep.value}) is broken: "
+                f"{type(e).__name__}: {first}",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # as typed: what the results files record (provenance)
+    args.command_line = ["overlap-lab", *(sys.argv[1:] if argv is None else argv)]
     try:
         inputs.check_args(args)  # every option, alone and together, before anything runs
         if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
@@ -273,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return inputs.closed_stdout()
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        print(f"overlap-lab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:  # writing the outputs failed after the checks (disk full, say)
         print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
         return 2

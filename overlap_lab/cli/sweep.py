@@ -31,9 +31,11 @@ Rows stream to a CSV file as cases finish (one row per case: ``case`` index, eve
 spec, the metrics, ``sim_key`` and ``error``; cases with one ``sim_key`` were simulated once and
 the rows are the same whatever the backend or the order cases finished in), flushed row by row,
 so an interrupted
-sweep run again on the same file skips the cases it has (a torn last line is dropped) and reuses
-their results for duplicates. With a ``.parquet`` output the rows stream to ``<out>.partial.csv``
-and become a Parquet file (pyarrow) when the sweep completes.
+sweep run again on the same file skips the cases it has (a torn last row is dropped, even one
+cut inside a quoted field) and reuses their results for duplicates. One sweep writes a file at a
+time (a lock file beside it); Ctrl-C stops the workers and keeps the rows written; worker and
+manager processes die with a killed parent. With a ``.parquet`` output the rows stream to
+``<out>.partial.csv`` and become a Parquet file (pyarrow) when the sweep completes.
 
 The sweep lives in the command line's package, with its subcommand (``overlap-lab sweep SPEC``,
 at the end), because a spec's keys are ``sim``'s options: each case is parsed, checked and turned
@@ -45,33 +47,53 @@ same options mean on the command line. Below the command line it would need thos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
 import hashlib
+import io
 import itertools
 import json
 import marshal
 import os
+import re
+import signal
 import sys
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 
-#: the metric columns, in order (``max/min_rank_step_us``: the slowest and fastest rank)
+#: what produced each row, from the case's own inputs (never copied from a duplicate's owner):
+#: the GPU's full name (overrides included, ``h800+hbm-gbps=2000``), the model and its layer
+#: count, the calibration profile op durations came from (``roofline``: none)
+PROVENANCE = ("gpu_name", "model_name", "model_layers", "profile_name")
+#: the metric columns, in order; every time is per iteration unless its name ends in
+#: ``_window_us`` (docs/metrics.md). ``step_time_us`` is ``iteration_us``, as in ``sim --json``;
+#: ``max/min_rank_window_us``: the slowest and fastest rank; ``cost_sources``: how many ops took
+#: their duration from the profile, the roofline and the link model
 METRICS = (
+    "iterations",
+    "window_us",
+    "iteration_us",
     "step_time_us",
+    "tokens",
+    "tokens_per_s_gpu",
+    "comm_us",
     "exposed_comm_us",
     "comm_only_us",
     "compute_kernel_us",
-    "sm_utilisation",
-    "max_rank_step_us",
-    "min_rank_step_us",
+    "sm_compute",
+    "sm_comm",
+    "sm_idle",
+    "max_rank_window_us",
+    "min_rank_window_us",
     "num_ops",
     "num_spans",
+    "cost_sources",
 )
 TAIL = ("sim_key", "error")
 #: `sim` options that are not knobs of a simulation
@@ -515,22 +537,55 @@ def _lower_watched(c: _Inputs):
     return (schedule, lowered, c.gpu, tol, profile, args), reads
 
 
-def metrics(trace, program, gpu) -> dict[str, Any]:
-    """The metric columns of one simulated trace."""
-    from overlap_lab.metrics import compute_kernel_us
+def metrics(trace, program, gpu, workload, profile=None) -> dict[str, Any]:
+    """The metric columns of one simulated trace: :func:`overlap_lab.metrics.measure`'s
+    definitions, so that a row and ``overlap-lab sim`` agree number for number."""
+    from overlap_lab.api import _one_of_alike
+    from overlap_lab.metrics import compute_kernel_us, measure
     from overlap_lab.shared.program import num_ops
+    from overlap_lab.sim.calibrate import cost_sources
 
+    m = measure(trace, program, workload, gpu.num_sms)
     per_rank = trace.per_rank_step_us()
+    rank = min(trace.ranks, default=0)
+    one = _one_of_alike(program, trace)  # a reduced run: rank 0's ops stand for every rank's
+    alike = 1 if one is program else len(program.ranks)
+    counts: dict[str, int] = {}
+    for by in cost_sources(one, gpu, profile).values():
+        for src, n in by.items():
+            counts[src] = counts.get(src, 0) + n
     return {
-        "step_time_us": trace.step_time_us,
-        "exposed_comm_us": trace.exposed_comm_us(),
-        "comm_only_us": trace.comm_only_us(),
-        "compute_kernel_us": compute_kernel_us(trace),
-        "sm_utilisation": trace.sm_utilisation(gpu.num_sms),
-        "max_rank_step_us": max(per_rank.values(), default=0.0),
-        "min_rank_step_us": min(per_rank.values(), default=0.0),
+        "iterations": m.iterations,
+        "window_us": m.window_us,
+        "iteration_us": m.iteration_us,
+        "step_time_us": m.iteration_us,
+        "tokens": m.tokens,
+        "tokens_per_s_gpu": m.tokens_per_s_gpu,
+        "comm_us": m.comm_us,
+        "exposed_comm_us": m.exposed_comm_us,
+        "comm_only_us": trace.comm_only_us(rank) / m.iterations,
+        "compute_kernel_us": compute_kernel_us(trace, rank) / m.iterations,
+        "sm_compute": m.sm_compute,
+        "sm_comm": m.sm_comm,
+        "sm_idle": m.sm_idle,
+        "max_rank_window_us": max(per_rank.values(), default=0.0),
+        "min_rank_window_us": min(per_rank.values(), default=0.0),
         "num_ops": num_ops(program),
         "num_spans": len(trace.spans),
+        "cost_sources": ";".join(f"{k}={n * alike}" for k, n in sorted(counts.items())),
+    }
+
+
+def provenance(case: _Inputs) -> dict[str, Any]:
+    """The :data:`PROVENANCE` columns of one case, from its checked inputs."""
+    from overlap_lab.sim.calibrate import profile_name
+
+    w = case.workload
+    return {
+        "gpu_name": case.gpu.name,
+        "model_name": w.model.name,
+        "model_layers": w.model.num_layers,
+        "profile_name": profile_name(case.profile),
     }
 
 
@@ -557,6 +612,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
 
     try:
         case = _inputs(knobs)
+        out.update(provenance(case))
         ikey = _input_key(case)
         known = _known.lookup(ikey, case)
         if known is not None:  # a case this worker built had the same inputs: no build
@@ -588,7 +644,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
             trace = api._simulate_explicit(
                 program, args.workload, gpu, case.ranks, profile, max_events
             )
-        out.update(metrics(trace, program, gpu))
+        out.update(metrics(trace, program, gpu, case.workload, profile))
     except Exception as e:  # noqa: BLE001 - a failing case is a row, the sweep goes on
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     return out
@@ -609,8 +665,32 @@ class _LocalClaims:
 _worker_claims = None
 
 
-def _init_worker(owners, known=None) -> None:
+def _orphan_proof(parent: int) -> None:
+    """In a child process of the sweep (a pool worker, the manager): die with the sweep (pid
+    ``parent``), and leave Ctrl-C to it.
+
+    Killed parent (SIGKILL): Linux's ``PR_SET_PDEATHSIG`` sends this process SIGTERM, whose
+    default action ends it without a word, instead of a worker finishing its case and printing
+    a BrokenPipe traceback into the terminal and the manager living on. A parent already gone
+    before the call is seen by ``getppid`` no longer being it. Ctrl-C reaches the whole process
+    group: the parent stops the pool, so the children ignore SIGINT rather than each printing
+    its KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except (OSError, AttributeError):  # no prctl: the check below still runs
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _init_worker(parent: int, owners, known=None) -> None:
     global _worker_claims, _known
+    _orphan_proof(parent)
     _worker_claims = owners
     if known is not None:
         _known = _KnownKeys(known)
@@ -632,14 +712,23 @@ def _local(todo: list[tuple[int, dict]], owners: dict[str, int] | None, processe
         for index, knobs in todo:
             yield run_case(index, knobs, claims)
         return
-    from multiprocessing import Manager, Pool
+    from multiprocessing import Pool
+    from multiprocessing.managers import SyncManager
 
-    with Manager() as manager:
-        shared = known = None
-        if owners is not None:
+    manager = None
+    shared = known = None
+    if owners is not None:  # the claims workers share: a manager process, orphan-proof too
+        manager = SyncManager()
+        manager.start(_orphan_proof, (os.getpid(),))
+    try:
+        if manager is not None:
             shared, known = manager.dict(owners), manager.dict()
-        with Pool(processes, initializer=_init_worker, initargs=(shared, known)) as pool:
+        init = (os.getpid(), shared, known)
+        with Pool(processes, initializer=_init_worker, initargs=init) as pool:
             yield from pool.imap_unordered(_pool_case, _spread(todo), chunksize=1)
+    finally:
+        if manager is not None:
+            manager.shutdown()
 
 
 def _spread(todo: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
@@ -701,7 +790,7 @@ def _ray(todo: list[tuple[int, dict]], owners: dict[str, int] | None, address: s
 
 
 def _columns(spec: Spec) -> list[str]:
-    return ["case", *spec.knobs, *METRICS, *TAIL]
+    return ["case", *spec.knobs, *PROVENANCE, *METRICS, *TAIL]
 
 
 def _cell(v: Any) -> str:
@@ -714,16 +803,72 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _complete(raw: bytes) -> tuple[int, list[list[str]]]:
+    """The records of a sweep CSV that were written whole, and the byte length they span.
+
+    Rows are written by one ``csv.writer`` and flushed one by one, so a record is whole exactly
+    when writing it again gives back its bytes; the first that does not (an interrupted write:
+    a missing newline, a quoted field cut after a newline inside it) and anything after it is
+    torn. Only the last record can be: an interrupted run appends nothing after it."""
+    lines = re.findall(r"[^\n]*\n|[^\n]+", raw.decode(errors="replace"))
+    consumed = 0
+
+    def feed():
+        nonlocal consumed
+        for line in lines:
+            consumed += 1
+            yield line
+
+    records: list[list[str]] = []
+    end = done = 0
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    try:
+        for rec in csv.reader(feed()):
+            text = "".join(lines[done:consumed])
+            buf.seek(0)
+            buf.truncate()
+            writer.writerow(rec)
+            if buf.getvalue() != text:
+                break
+            records.append(rec)
+            end += len(text.encode())
+            done = consumed
+    except csv.Error:  # a NUL byte or the like in the torn tail
+        pass
+    return end, records
+
+
 def read_rows(path: str | Path) -> list[dict[str, str]]:
-    """The complete rows of a sweep CSV (a torn last line of an interrupted run is left out)."""
+    """The complete rows of a sweep CSV (a torn last row of an interrupted run is left out)."""
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
-    if not text.endswith("\n"):
-        text = text[: text.rfind("\n") + 1]
-    rows = list(csv.DictReader(text.splitlines()))
-    return [r for r in rows if None not in r and None not in r.values()]
+    _, records = _complete(path.read_bytes())
+    if not records:
+        return []
+    head, rows = records[0], records[1:]
+    return [dict(zip(head, r)) for r in rows if len(r) == len(head)]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``'s lock file (``<out>.lock``, beside it) while a sweep
+    writes it: a second sweep on the same file would append duplicate and interleaved rows, so
+    it is refused. The lock goes with the process (flock), so a killed sweep leaves none; the
+    empty file stays, as removing it could race with a sweep taking it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"sweep: another sweep is writing {path}; wait for it or choose another --out"
+            ) from None
+        yield
 
 
 def _open_csv(path: Path, columns: list[str]) -> tuple[Any, list[dict[str, str]]]:
@@ -734,8 +879,8 @@ def _open_csv(path: Path, columns: list[str]) -> tuple[Any, list[dict[str, str]]
         head = raw.split(b"\n", 1)[0].decode().rstrip("\r")
         if next(csv.reader([head])) != columns:
             raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
-        cut = raw.rfind(b"\n") + 1
-        if cut < len(raw):  # torn last line: drop it before appending
+        cut, _ = _complete(raw)
+        if cut < len(raw):  # a torn last row: drop it before appending
             with open(path, "rb+") as f:
                 f.truncate(cut)
         done = read_rows(path)
@@ -758,20 +903,70 @@ def run_sweep(
     progress: bool = True,
     limit: int | None = None,
     dedupe: bool = True,
+    command: Sequence[str] | None = None,
 ) -> dict[str, int]:
     """Run the cases of ``spec`` not yet in ``out`` and append their rows as they finish.
+
+    Beside ``out``, ``<out>.provenance.json`` records what produced it: the tool's version,
+    ``command`` (the command line as typed; None from Python) and the full inputs (the spec's
+    knobs and cases, and the default of every knob a case leaves out); each row names its own
+    GPU, model and profile (:data:`PROVENANCE`).
 
     ``backend``: ``local`` (``processes`` worker processes; 1 runs here) or ``ray`` (a Ray
     cluster: ``address``, else ``RAY_ADDRESS``, else a local Ray). ``limit`` stops after that
     many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
     what deduplication saves). Returns counts: cases, done before, simulated,
     duplicates, errors."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
+    if processes < 1:
+        raise ConfigError(f"sweep: --processes must be at least 1, got {processes}")
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
-    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     out = Path(out)
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    with _locked(csv_path):
+        _write_provenance(out, spec, command)
+        stats = _run_locked(spec, csv_path, processes, backend, address, progress, limit, dedupe)
+    if parquet and len(read_rows(csv_path)) == len(spec.cases):
+        to_parquet(csv_path, out)
+        csv_path.unlink()
+    return stats
+
+
+def _write_provenance(out: Path, spec: Spec, command: Sequence[str] | None) -> Path:
+    """``<out>.provenance.json`` (see :func:`run_sweep`); the same sweep writes the same bytes."""
+    from overlap_lab.shared.trace import provenance
+
+    doc = provenance(
+        command,
+        {"knobs": list(spec.knobs), "cases": list(spec.cases), "defaults": defaults()},
+    )
+    path = out.with_name(out.name + ".provenance.json")
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def _run_locked(
+    spec: Spec,
+    csv_path: Path,
+    processes: int,
+    backend: str,
+    address: str | None,
+    progress: bool,
+    limit: int | None,
+    dedupe: bool,
+) -> dict[str, int]:
+    """:func:`run_sweep` with the output's lock held."""
+    _known.by_input.clear()  # one sweep's table (workers fork from here): no growth across sweeps
     columns = _columns(spec)
     f, done_rows = _open_csv(csv_path, columns)
     done = {int(r["case"]) for r in done_rows}
@@ -784,6 +979,8 @@ def run_sweep(
     todo = [(i, c) for i, c in enumerate(spec.cases) if i not in done]
     if limit is not None:
         todo = todo[:limit]
+    # no more workers than cases to run or CPUs to run them on
+    processes = max(1, min(processes, len(todo), _cpus()))
     stats = {"cases": len(spec.cases), "done_before": len(done), "simulated": 0, "duplicates": 0}
     stats["errors"] = 0
     writer = csv.writer(f, lineterminator="\n")
@@ -791,6 +988,7 @@ def run_sweep(
 
     def write(res: dict, owner: Mapping[str, Any] | None = None) -> None:
         row = {"case": res["case"], **spec.cases[res["case"]]}
+        row.update({p: res.get(p, "") for p in PROVENANCE})
         src = owner if owner is not None else res
         row.update({m: src.get(m, "") for m in METRICS})
         row.update(sim_key=res["sim_key"], error=res["error"] or "")
@@ -828,11 +1026,10 @@ def run_sweep(
                     bar.update()
             bar.update()
     finally:
-        bar.close()
+        bar.close()  # before anything else is printed: the bar's line is finished
+        if hasattr(stream, "close"):
+            stream.close()  # the pool and the manager stop here, also on Ctrl-C
         f.close()
-    if parquet and len(read_rows(csv_path)) == len(spec.cases):
-        to_parquet(csv_path, out)
-        csv_path.unlink()
     return stats
 
 
@@ -880,15 +1077,25 @@ def add_parser(sub) -> None:
 def cmd_sweep(args) -> int:
     spec = load_spec(args.spec)
     out = Path(args.out) if args.out else Path(args.spec).with_suffix(".csv")
-    stats = run_sweep(
-        spec,
-        out,
-        processes=args.processes,
-        backend=args.backend,
-        address=args.address,
-        progress=not args.no_progress,
-        limit=args.limit,
-    )
+    try:
+        stats = run_sweep(
+            spec,
+            out,
+            processes=args.processes,
+            backend=args.backend,
+            address=args.address,
+            progress=not args.no_progress,
+            limit=args.limit,
+            command=getattr(args, "command_line", None),
+        )
+    except KeyboardInterrupt:  # the rows written so far stay: running again resumes
+        partial = out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out
+        kept = len(read_rows(partial))
+        print(
+            f"overlap-lab sweep: interrupted; {kept} rows kept in {out}, run again to resume",
+            file=sys.stderr,
+        )
+        return 130
     print(
         f"{out}: {stats['cases']} cases, {stats['done_before']} done before, "
         f"{stats['simulated']} simulated, {stats['duplicates']} duplicates, "
