@@ -120,6 +120,20 @@ def _program_for(args, schedule: str):
     return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, ranks_from(args)), w, gpu
 
 
+def _sizes(text: str, mode: str) -> tuple[int, ...]:
+    """--sizes, each within what one workload may hold: a decode size is a batch of that many
+    sequences, a prefill size one sequence of that many tokens (``calibrate.sized_workload``);
+    beyond, building the batch overflows or exhausts memory before anything runs."""
+    from overlap_lab.calibrate import parse_ints
+    from overlap_lab.cli.inputs import MAX_SEQS, MAX_TOKENS
+
+    sizes = parse_ints(text, "--sizes")
+    limit, what = (MAX_SEQS, "sequences") if mode == "decode" else (MAX_TOKENS, "tokens")
+    if max(sizes) > limit:
+        raise ConfigError(f"--sizes: {max(sizes)} is beyond {limit} ({what} per rank in {mode})")
+    return sizes
+
+
 def cmd_calibrate(args) -> int:
     from datetime import UTC, datetime
 
@@ -133,7 +147,7 @@ def cmd_calibrate(args) -> int:
             w,
             gpu,
             config_from(args),
-            sizes=parse_ints(args.sizes, "--sizes"),
+            sizes=_sizes(args.sizes, w.batch.mode),
             budgets=parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,),
             repeats=args.repeats,
         )
