@@ -153,8 +153,11 @@ def run_on_gpu(
     from overlap_lab.shared.hardware import get_gpu
 
     g = get_gpu(gpu)
+    from overlap_lab.outdir import mark
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mark(out_dir)  # sim, validate, analyze may write there after the run
     props = torch.cuda.get_device_properties(0)
     deps = probe()
     summaries = {}

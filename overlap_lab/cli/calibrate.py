@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.cli.inputs import add_force_option
 from overlap_lab.cli.options import (
     config_from,
     gpu_from,
@@ -54,11 +55,13 @@ def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
 
 
 def _out_dir(args) -> Path | None:
+    """The figure folder, checked and made as sim's (``inputs.check_out_dir``); None for ''."""
     if not args.out:
         return None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    from overlap_lab.cli.inputs import check_out_dir
+
+    check_out_dir(args.out, mine_only=not args.force)
+    return Path(args.out)
 
 
 def _load_trace(path: str, mapping_path: str | None = None, program: Program | None = None):
@@ -223,6 +226,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--map", default=None, help="JSON kernel-class mapping, tried before built-ins")
     s.add_argument("--rank", type=int, default=None, help="rank to analyze (default: the first)")
     s.add_argument("--out", default="overlap-lab-out", help="directory for the timeline ('' none)")
+    add_force_option(s)
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_analyze)
@@ -252,6 +256,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--predict", default=None, help="also predict this schedule from the profile")
     s.add_argument("--map", default=None, help="kernel mapping with 'op' entries (foreign traces)")
     s.add_argument("--out", default="overlap-lab-out", help="directory for the figure ('' none)")
+    add_force_option(s)
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true")
     workload_options(s)
