@@ -45,7 +45,13 @@ def test_the_tools_own_folder_is_reused(tmp_path: Path, capsys) -> None:
 
 
 def test_outputs_written_before_the_marker_are_recognised(tmp_path: Path) -> None:
-    for name in ("trace.json", "timeline.png", "compare.png", "trace_tbo.json", "serial.trace.json"):
+    for name in (
+        "trace.json",
+        "timeline.png",
+        "compare.png",
+        "trace_tbo.json",
+        "serial.trace.json",
+    ):
         (tmp_path / name).write_text("")
     assert main([*SIM, "--out", str(tmp_path)]) == 0
 
