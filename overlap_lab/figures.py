@@ -770,8 +770,9 @@ def compare_timelines(
         path = _check_suffix(path)
     r = 0 if rank is None else rank
     win = parse_window(window)
-    if win.kind == "auto":
-        win = Window("layers", 0, 1)
+    if win.kind == "auto":  # the first two MoE layers of each, as many as all panels have
+        n = min(len(_window_layers(t, r)) for t in traces.values())
+        win = Window("layers", 0, min(1, n - 1)) if n else Window("step")
     if win.kind == "layers":
         what = (
             f"MoE layers {int(win.lo)}-{int(win.hi)}"

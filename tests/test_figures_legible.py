@@ -120,3 +120,11 @@ def test_default_compare_figure_fits_a_page(tmp_path: Path) -> None:
     assert main(["compare", "--out", str(tmp_path)]) == 0
     w, h = png_size(tmp_path / "compare.png")
     assert w == 2100 and h <= 2800, (w, h)
+
+
+def test_compare_auto_window_takes_the_layers_every_panel_has() -> None:
+    one = make_trace(layers=2)  # one MoE layer
+    fig = compare_timelines({"a": one, "b": make_trace()}, None)
+    assert "MoE layer 0 of each schedule" in fig.axes[0].get_title(loc="left")
+    plain = Trace([Span(0, "stream:main", "k", "compute", 0, 5)])
+    assert compare_timelines({"plain": plain}, None) is not None  # no layers: the whole step
