@@ -12,10 +12,15 @@ What a reader of a paper needs, and how this module gives it:
 - **Time units by scale** (µs, ms, s) on the axis and in titles.
 - **Lanes in one fixed order** (:func:`lane_key`: host threads, then streams in the order the
   schedules name them, then links), the same in every panel; only lanes with spans in the window
-  are drawn; a lane's overflow rows (``stream:main #2``: spans that overlap in time on one lane,
-  e.g. concurrent flows on one link) are explained in the legend.
+  are drawn; a stream's overflow rows (``stream:main #2``: spans that overlap in time on one
+  lane) follow it in numeric order and are explained in the legend. A link's concurrent flows
+  (SBO's combine, one per chunk) stay in the link's one row: each flow shows where it outlasts
+  the earlier ones, every other one hatched (:func:`flow_pieces`), so the row shows the chunks
+  completing one after another instead of sixteen rows of the same bar.
 - **Windows**: :func:`parse_window` reads ``auto``, ``step`` (the whole window), ``layers:A-B``
-  (MoE layers A..B of the first step) and ``T0-T1`` (ms); ``rank`` picks the rank.
+  (MoE layers A..B of the first step) and ``T0-T1`` (ms); ``rank`` picks the rank. A window the
+  trace does not reach (layers it lacks, times past its end) is refused, not drawn empty.
+- **One time unit per figure**: the panels of a compare figure and their titles share the unit.
 - **Widths** of one and two paper columns (:data:`WIDTHS`: 3.3 and 7 inches); PDF and SVG are
   vector, with no dates inside (same trace, same bytes).
 - **Series that coincide stay visible**: :data:`SERIES_STYLES` gives markers and line styles
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace, Track
+from overlap_lab.shared.trace import Span, Trace, Track, union
 
 # ---------------------------------------------------------------------------------------------
 # Categories and colours
@@ -116,6 +121,9 @@ KIND_CATEGORY: dict[str, str] = {
     "comm": "other comm",
 }
 MB_HATCHES: tuple[str, ...] = ("", "////", "\\\\\\\\", "xxx", "...", "ooo")
+#: Hatch of every other concurrent flow of a link row (:func:`flow_pieces`), apart from the
+#: micro-batch hatches.
+FLOW_HATCH = "---"
 SUFFIXES = (".png", ".pdf", ".svg")
 #: Figure widths in inches: one column and two columns of a two-column paper.
 WIDTHS: dict[str, float] = {"single": 3.3, "double": 7.0}
@@ -182,9 +190,10 @@ def time_unit(span_us: float) -> tuple[str, float]:
     return "µs", 1.0
 
 
-def fmt_time(us: float) -> str:
-    """A duration with a unit chosen by its size: ``850 µs``, ``55.3 ms``, ``2.68 s``."""
-    unit, scale = time_unit(us)
+def fmt_time(us: float, unit: tuple[str, float] | None = None) -> str:
+    """A duration with a unit chosen by its size: ``850 µs``, ``55.3 ms``, ``2.68 s``; or in
+    ``unit`` (from :func:`time_unit`), so that the numbers of one figure compare at a glance."""
+    unit, scale = unit or time_unit(us)
     v = us / scale
     return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
 
@@ -233,6 +242,9 @@ def parse_window(text: str | Window | tuple[float, float] | None) -> Window:
         raise ConfigError(
             f"--window takes auto, step, layers:A-B, layers:N or T0-T1 (ms), got {text!r}"
         ) from None
+
+
+_MOE_CATEGORIES = frozenset({"dispatch", "combine", "routed experts", "shared experts"})
 
 
 def moe_layers_of(trace: Trace, rank: int = 0) -> list[int]:
@@ -291,15 +303,48 @@ def whole_window(trace: Trace) -> bool:
 
 
 def resolve_window(trace: Trace, window: Any, rank: int = 0) -> tuple[float, float]:
-    """The (t0, t1) in µs that ``window`` (see :func:`parse_window`) selects on ``trace``."""
+    """The (t0, t1) in µs that ``window`` (see :func:`parse_window`) selects on ``trace``;
+    ConfigError for layers the trace lacks or times it does not reach (a figure of nothing, or
+    of the whole step titled with layers it does not have, would mislead)."""
     w = parse_window(window)
     if w.kind == "time":
+        check_time_window(w, [trace])
         return (w.lo, w.hi)
     if w.kind == "step" or (w.kind == "auto" and whole_window(trace)):
         return _extent(trace)
     if w.kind == "layers":
+        n = len(_window_layers(trace, rank))
+        if w.hi >= n and trace.spans:
+            has = f"MoE layers 0-{n - 1}" if n > 1 else "MoE layer 0" if n else "no layer numbers"
+            lo, hi = int(w.lo), int(w.hi)
+            raise ConfigError(
+                f"--window layers:{lo}-{hi}: the trace (rank {rank}) has {has}"
+                + ("; use step or T0-T1 (ms)" if not n else "")
+            )
         return moe_window(trace, layers=int(w.hi - w.lo) + 1, rank=rank, first=int(w.lo))
     return moe_window(trace, layers=2, rank=rank)
+
+
+def check_time_window(w: Window, traces: Iterable[Trace]) -> None:
+    """A T0-T1 window must reach into at least one of ``traces`` (a panel set)."""
+    extents = [_extent(t) for t in traces if t.spans]
+    if extents and not any(w.lo < b and w.hi > a for a, b in extents):
+        a, b = min(e[0] for e in extents), max(e[1] for e in extents)
+        raise ConfigError(
+            f"--window {w.lo / 1e3:g}-{w.hi / 1e3:g}: outside the trace, which runs from "
+            f"{a / 1e3:.4g} to {b / 1e3:.4g} ms"
+        )
+
+
+def _window_layers(trace: Trace, rank: int) -> list[int]:
+    """The layers ``layers:A-B`` counts on ``rank`` (as :func:`moe_window` picks them): the MoE
+    layers of the first step, else its layers with spans."""
+    spans = [s for s in trace.spans if s.rank == rank and s.layer is not None]
+    steps = sorted({s.step for s in spans if s.step is not None})
+    if steps:
+        spans = [s for s in spans if s.step == steps[0]]
+    moe = {s.layer for s in spans if op_category(s) in _MOE_CATEGORIES}
+    return sorted(moe or {s.layer for s in spans})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,14 +378,81 @@ def lane_key(lane: str) -> tuple:
     return (group, known, name)
 
 
+_SUB_ROW = re.compile(r" #(\d+)$")
+
+
+def track_key(t: Track) -> tuple:
+    """:func:`lane_key`, then the overflow row by number (``#2`` before ``#10``)."""
+    m = _SUB_ROW.search(t.name)
+    return (lane_key(t.lane), int(m.group(1)) if m else 1)
+
+
 def visible_tracks(trace: Trace, rank: int, t0: float, t1: float) -> list[Track]:
-    """The tracks of ``rank`` with a span inside [t0, t1], in :func:`lane_key` order; overflow
-    rows are computed on the window, so a lane gets a second row only if spans overlap there."""
+    """The rows of ``rank`` with a span inside [t0, t1], in :func:`track_key` order; overflow
+    rows are computed on the window, so a stream gets a second row only if spans overlap there.
+    A link's overflow rows are its concurrent flows: they are merged into the link's one row
+    (drawn by :func:`flow_pieces`)."""
     inside = Trace(
         [s for s in trace.spans if s.rank == rank and s.end > t0 and s.start < t1], trace.meta
     )
-    tracks = list(inside.tracks(rank))
-    return sorted(tracks, key=lambda t: (lane_key(t.lane), t.name))
+    rows: list[Track] = []
+    links: dict[str, list[Span]] = {}
+    for t in inside.tracks(rank):
+        if t.lane.startswith("link:"):
+            links.setdefault(t.lane, []).extend(t.spans)
+        else:
+            rows.append(t)
+    rows += [Track(lane, lane, tuple(sp)) for lane, sp in links.items()]
+    return sorted(rows, key=track_key)
+
+
+def flow_pieces(spans: Iterable[Span]) -> list[tuple[Span, int, float, float]]:
+    """(span, flow, start, end) of what shows of each span of one link row.
+
+    Overlapping spans are concurrent flows: flow k is the k-th that runs at once (each span takes
+    the lowest flow free at its start, as :meth:`Trace.tracks` assigns sub-tracks). Flow k shows
+    where no lower flow runs, so staggered chunks read as pieces in the order they complete."""
+    ends: list[float] = []
+    flows: list[list[Span]] = []
+    for s in sorted(spans, key=lambda s: (s.start, s.end)):
+        k = next((i for i, e in enumerate(ends) if e <= s.start), len(ends))
+        if k == len(ends):
+            ends.append(s.end)
+            flows.append([])
+        ends[k] = s.end
+        flows[k].append(s)
+    out: list[tuple[Span, int, float, float]] = []
+    cover: list[tuple[float, float]] = []  # union of the lower flows, sorted and disjoint
+    for k, flow in enumerate(flows):
+        for s in flow:
+            for a, b in _minus((s.start, s.end), cover):
+                out.append((s, k, a, b))
+            if s.start == s.end:
+                out.append((s, k, s.start, s.end))
+        cover = union([*cover, *((s.start, s.end) for s in flow)])
+    return out
+
+
+def _minus(iv: tuple[float, float], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``iv`` less the sorted, disjoint intervals ``cover``."""
+    import bisect
+
+    a, b = iv
+    out = []
+    i = max(0, bisect.bisect_right(cover, (a, float("inf"))) - 1)
+    for c, d in cover[i:]:
+        if c >= b:
+            break
+        if d <= a:
+            continue
+        if c > a:
+            out.append((a, c))
+        a = max(a, d)
+        if a >= b:
+            break
+    if a < b:
+        out.append((a, b))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,12 +524,15 @@ def timeline(
     (panels of different schedules side by side). ``seen`` collects (category, mb) drawn, for a
     shared legend."""
     st = _style(width)
-    t0, t1 = resolve_window(trace, window, rank)
+    # (t0, t1): the caller's cut (a panel of a set, checked against the set), drawn as given
+    t0, t1 = (
+        map(float, window) if isinstance(window, tuple) else resolve_window(trace, window, rank)
+    )
     if t1 <= t0:
         raise ConfigError(f"timeline window must have t0 < t1, got ({t0}, {t1})")
     tracks = visible_tracks(trace, rank, t0, t1)
     if ax is None:
-        fig = _figure(len(tracks), st, legend=len(legend_handles(_seen_in(trace, rank, t0, t1))))
+        fig = _figure(len(tracks), st, legend=legend_handles(_seen_in(trace, rank, t0, t1)))
         ax = fig.add_subplot(1, 1, 1)
     span_us = t1 - t0
     unit, scale = time_unit(span_us)
@@ -428,19 +543,25 @@ def timeline(
     us_per_pt = span_us / (0.8 * st.width * 72)
     for row, track in enumerate(tracks):
         y = len(tracks) - 1 - row
-        groups: dict[tuple[str, int | None], list[tuple[float, float]]] = {}
-        for s in track.spans:
-            a, b = max(s.start, t0), min(s.end, t1)
-            if b <= a and not (s.start == s.end and t0 <= s.start <= t1):
+        groups: dict[tuple[str, int | None, int], list[tuple[float, float]]] = {}
+        if track.lane.startswith("link:"):
+            pieces = flow_pieces(track.spans)
+        else:
+            pieces = [(s, 0, s.start, s.end) for s in track.spans]
+        for s, flow, start, end in pieces:
+            a, b = max(start, t0), min(end, t1)
+            if b <= a and not (start == end and t0 <= start <= t1):
                 continue
             cat = op_category(s, op_class)
             # at least half a point wide, so that short kernels of a long window stay visible
-            groups.setdefault((cat, s.mb), []).append(
+            groups.setdefault((cat, s.mb, flow % 2), []).append(
                 ((a - x0) / scale, max(b - a, 0.5 * us_per_pt) / scale)
             )
+            if flow:
+                drawn.add(("#flows", None))
             text = _label(s.op)
             if labels and len(text) * st.font * 0.55 * us_per_pt < 0.92 * (b - a):
-                hatched = bool(mb_hatch(s.mb))
+                hatched = bool(mb_hatch(s.mb)) or flow % 2 == 1
                 face, ink = CATEGORY_COLORS[cat]
                 ax.text(
                     ((a + b) / 2 - x0) / scale,
@@ -455,9 +576,9 @@ def timeline(
                     if hatched
                     else None,
                 )
-        for (cat, mb), bars in sorted(
+        for (cat, mb, odd), bars in sorted(
             groups.items(),
-            key=lambda kv: (list(CATEGORY_COLORS).index(kv[0][0]), _mb_key(kv[0][1])),
+            key=lambda kv: (list(CATEGORY_COLORS).index(kv[0][0]), _mb_key(kv[0][1]), kv[0][2]),
         ):
             ax.broken_barh(
                 bars,
@@ -465,7 +586,7 @@ def timeline(
                 facecolors=CATEGORY_COLORS[cat][0],
                 edgecolors="white",  # the hatch colour; no outline (it would whiten thin bars)
                 linewidth=0,
-                hatch=mb_hatch(mb) or None,
+                hatch=(mb_hatch(mb) + (FLOW_HATCH if odd else "")) or None,
             )
             drawn.add((cat, mb))
     ax.set_yticks(range(len(tracks)))
@@ -493,7 +614,7 @@ def legend_handles(seen: Iterable[tuple[str, int | None]]) -> list[Any]:
 
     seen = set(seen)
     cats = [c for c in CATEGORY_COLORS if any(c == s[0] for s in seen)]
-    mbs = sorted({mb for cat, mb in seen if mb is not None and cat != "#overflow"})
+    mbs = sorted({mb for cat, mb in seen if mb is not None and not cat.startswith("#")})
     handles = [Patch(facecolor=CATEGORY_COLORS[c][0], label=c) for c in cats]
     if len(mbs) > 1:
         handles += [
@@ -502,13 +623,16 @@ def legend_handles(seen: Iterable[tuple[str, int | None]]) -> list[Any]:
             )
             for mb in mbs
         ]
-    if any(c == "#overflow" for c, _ in seen):
+    if any(c == "#flows" for c, _ in seen):
+        face = CATEGORY_COLORS["link transfer"][0]
         handles.append(
             Patch(
-                facecolor="none",
-                edgecolor="none",
-                label="lane #2, #3: spans overlapping on one lane",
+                facecolor=face, edgecolor="white", hatch=FLOW_HATCH, label="alternate link chunks"
             )
+        )
+    if any(c == "#overflow" for c, _ in seen):
+        handles.append(
+            Patch(facecolor="none", edgecolor="none", label="#2: overlapping on one lane")
         )
     return handles
 
@@ -519,7 +643,7 @@ def add_legend(fig: Any, seen: Iterable[tuple[str, int | None]], st: _Style | No
     handles = legend_handles(seen)
     if not handles:
         return
-    ncol = max(1, min(len(handles), st.ncol))
+    ncol = _legend_ncol(handles, st)
     fig.legend(
         handles=handles,
         loc="outside lower center",
@@ -529,6 +653,15 @@ def add_legend(fig: Any, seen: Iterable[tuple[str, int | None]], st: _Style | No
         handlelength=1.2 if st.width < 5 else 1.4,
         columnspacing=0.8 if st.width < 5 else 1.0,
     )
+
+
+def _legend_ncol(handles: list[Any], st: _Style) -> int:
+    """Legend columns that fit the width with the longest label (a fixed count clips a long
+    label off a one-column figure)."""
+    longest = max((len(h.get_label()) for h in handles), default=1)
+    handle = (1.2 if st.width < 5 else 1.4) + (0.8 if st.width < 5 else 1.0) + 0.8  # em
+    col_in = (handle + longest * 0.56) * st.font / 72
+    return max(1, min(len(handles), int((st.width - 0.15) / col_in)))
 
 
 def save_timeline(
@@ -576,7 +709,7 @@ def save_timeline(
         sum(rows),
         st,
         titles=sum(h.count("\n") + 1 for h in heads if h),
-        legend=len(legend_handles(items)),
+        legend=legend_handles(items),
         panels=len(ranks),
     )
     axes = fig.subplots(
@@ -621,22 +754,25 @@ def compare_timelines(
     st = _style(width)
     heads: dict[str, str] = {}
     if hasattr(traces, "rows") and hasattr(traces, "traces"):
-        for row in traces.rows:
-            if row.result is not None:
-                m = row.result.metrics
-                heads[row.schedule] = (
-                    f"{row.schedule}: {fmt_time(m.iteration_us)}/iter, "
-                    f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x serial)"
-                )
+        done = [row for row in traces.rows if row.result is not None]
+        unit = time_unit(max((row.result.metrics.iteration_us for row in done), default=0.0))
+        for row in done:
+            m = row.result.metrics
+            heads[row.schedule] = (
+                f"{row.schedule}: {fmt_time(m.iteration_us, unit)}/iter, "
+                f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x serial)"
+            )
         traces = traces.traces()
     if not traces:
         raise ConfigError("compare_timelines needs at least one trace")
+    step_unit = time_unit(max(t.step_time_us for t in traces.values()))
     if path is not None:
         path = _check_suffix(path)
     r = 0 if rank is None else rank
     win = parse_window(window)
-    if win.kind == "auto":
-        win = Window("layers", 0, 1)
+    if win.kind == "auto":  # the first two MoE layers of each, as many as all panels have
+        n = min(len(_window_layers(t, r)) for t in traces.values())
+        win = Window("layers", 0, min(1, n - 1)) if n else Window("step")
     if win.kind == "layers":
         what = (
             f"MoE layers {int(win.lo)}-{int(win.hi)}"
@@ -645,20 +781,25 @@ def compare_timelines(
         )
         what += " of each schedule, each drawn from 0"
         title = f"{title}\n{what}" if title else what
-    cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
+    if win.kind == "time":  # one window for all: refused only where no panel reaches it
+        check_time_window(win, traces.values())
+        cuts = {n: (win.lo, win.hi) for n in traces}
+    else:
+        cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
     span = max(b - a for a, b in cuts.values())
     rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}
     titles = {}
     for i, (name, tr) in enumerate(traces.items()):
-        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us)}")
+        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us, step_unit)}")
         titles[name] = st.wrap(f"{title}\n{head}" if i == 0 and title else head)
     items = set().union(*(_seen_in(t, r, cuts[n][0], cuts[n][0] + span) for n, t in traces.items()))
     fig = _figure(
         sum(rows.values()),
         st,
         titles=sum(h.count("\n") + 1 for h in titles.values()),
-        legend=len(legend_handles(items)),
+        legend=legend_handles(items),
         panels=len(rows),
+        compact=True,
     )
     axes = fig.subplots(
         len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values())
@@ -783,36 +924,49 @@ def default_title(trace: Trace, rank: int = 0) -> str:
     return " · ".join(parts)
 
 
-def _figure(rows: float, st: _Style, *, titles: int = 1, legend: int = 0, panels: int = 1) -> Any:
+def _figure(
+    rows: float,
+    st: _Style,
+    *,
+    titles: int = 1,
+    legend: list[Any] = (),
+    panels: int = 1,
+    compact: bool = False,
+) -> Any:
     """A figure sized for ``rows`` lane rows, ``titles`` title lines, ``panels`` x axes (one
-    with tick labels) and a legend of ``legend`` entries below."""
+    with tick labels) and the ``legend`` handles below. ``compact`` (a compare figure: ten
+    schedules on one page width) packs rows and titles tighter: a row still holds a 6-pt label."""
     import math
 
     from matplotlib.figure import Figure
 
     pt = 1 / 72
-    row_in = 0.15 if st.width < 5 else 0.2
+    row_in = (0.11 if st.width < 5 else 0.125) if compact else (0.15 if st.width < 5 else 0.2)
     height = (
-        titles * (st.font + 1) * 1.5 * pt
+        titles * (st.font + 1) * (1.3 if compact else 1.5) * pt
         + row_in * max(rows, 1)
-        + 0.12 * panels
+        + (0.06 if compact else 0.12) * panels
         + 3.2 * st.font * pt  # the x axis's tick labels and label
-        + math.ceil(legend / st.ncol) * st.font * 1.6 * pt
+        + (math.ceil(len(legend) / _legend_ncol(legend, st)) if legend else 0) * st.font * 1.6 * pt
         + 0.1
     )
     return Figure(figsize=(st.width, height), layout="constrained")
 
 
 def _seen_in(trace: Trace, rank: int, t0: float, t1: float) -> set[tuple[str, int | None]]:
-    """The (category, micro-batch) pairs a timeline of that window draws, for sizing its legend."""
+    """The (category, micro-batch) pairs a timeline of that window draws, and its notes (overflow
+    rows, link flows), for sizing its legend."""
     op_class = trace.meta.get("op_class") if isinstance(trace.meta.get("op_class"), dict) else None
     out = {
         (op_category(s, op_class), s.mb)
         for s in trace.spans
         if s.rank == rank and s.end >= t0 and s.start <= t1
     }
-    if any(t.name != t.lane for t in visible_tracks(trace, rank, t0, t1)):
-        out.add(("#overflow", None))
+    for t in visible_tracks(trace, rank, t0, t1):
+        if t.name != t.lane:
+            out.add(("#overflow", None))
+        elif t.lane.startswith("link:") and any(k for _, k, _, _ in flow_pieces(t.spans)):
+            out.add(("#flows", None))
     return out
 
 

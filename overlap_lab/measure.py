@@ -43,9 +43,18 @@ def check_on_cpu(
     """Each schedule of ``names`` against serial on the CPU (``ranks`` > 1: through that many
     gloo processes, against one process), on the tiny ``model``'s own workloads. The report:
     device, model, tolerance, backend, the differences (``max_rel_diff_vs_serial``, or
-    ``max_rel_diff_vs_one_process`` with ``ranks``), errors, skipped schedules and ``ok``."""
-    from overlap_lab.real.check import DEFAULT_TOLERANCE, check_equivalence, default_workloads
+    ``max_rel_diff_vs_one_process`` with ``ranks``), errors, skipped schedules, ``unsplit`` (the
+    schedules that ran one micro-batch on some workload, so checked less than a split) and
+    ``ok``."""
+    from overlap_lab.real.check import (
+        DEFAULT_TOLERANCE,
+        check_equivalence,
+        default_workloads,
+        split_config,
+        unsplit_runs,
+    )
 
+    cfg = split_config(cfg)  # the tiny workloads reach vllm-dbo's split path
     tol = tolerance or DEFAULT_TOLERANCE
     workloads = default_workloads(model, ep=max(2, ranks))
     out: dict = {"device": "cpu", "model": model, "tolerance": tol}
@@ -67,6 +76,7 @@ def check_on_cpu(
             max_rel_diff_vs_one_process=diffs,
             errors=errors,
             skipped=skipped,
+            unsplit=unsplit_runs(names, workloads, gpu=gpu, cfg=cfg),
         )
         ok = not errors and all(v <= tol for v in diffs.values())
     else:
@@ -76,6 +86,7 @@ def check_on_cpu(
             max_rel_diff_vs_serial=cr.max_rel_diff_vs_serial,
             errors=cr.errors,
             skipped=cr.skipped,
+            unsplit=cr.unsplit,
         )
         ok = cr.ok
     out["ok"] = ok
@@ -142,8 +153,11 @@ def run_on_gpu(
     from overlap_lab.shared.hardware import get_gpu
 
     g = get_gpu(gpu)
+    from overlap_lab.outdir import mark
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mark(out_dir)  # sim, validate, analyze may write there after the run
     props = torch.cuda.get_device_properties(0)
     deps = probe()
     summaries = {}

@@ -44,6 +44,51 @@ def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
 PP_SIZES = (2, 3)  # pipeline stages the pp schedule is checked with
 
 
+def split_config(cfg=None):
+    """``cfg`` with vLLM's DBO token thresholds lowered to 1 where they are at their defaults.
+
+    The check's workloads have 4 to 32 tokens, all under the defaults (32 decode, 512 prefill
+    tokens): vllm-dbo would take its unsplit path on every one of them and its check would compare
+    serial with itself. Thresholds the caller set are kept (its unsplit runs are then reported).
+    """
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+    cfg = cfg or ScheduleConfig()
+    default = ScheduleConfig()
+    lowered = {
+        k: 1
+        for k in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold")
+        if getattr(cfg, k) == getattr(default, k)
+    }
+    return replace(cfg, **lowered)
+
+
+def unsplit_runs(names: list[str], workloads: list, *, gpu: str = "h100", cfg=None) -> dict:
+    """{schedule: "k of n workloads: why"} for the schedules whose Program fell back to one
+    micro-batch on some workload (``fallback_reason``): their check did not cover the split path
+    there, which a bare "ok" would hide."""
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.errors import ConfigError
+    from overlap_lab.shared.hardware import get_gpu
+
+    g = get_gpu(gpu)
+    out: dict[str, str] = {}
+    for name in names:
+        reasons, total = [], 0
+        for w in workloads:
+            for wv in workload_variants(name, w):
+                try:
+                    meta = S.build(name, wv, g, cfg).meta
+                except ConfigError:
+                    continue
+                total += 1
+                if meta.get("fallback_reason"):
+                    reasons.append(meta["fallback_reason"])
+        if reasons:
+            out[name] = f"{len(reasons)} of {total} workloads: {reasons[0]}"
+    return out
+
+
 def pp_variants(w) -> list:
     """Copies of ``w`` with pp = 2, 3 (no more stages than the model has layers)."""
     if w.parallel.pp > 1:
@@ -107,6 +152,7 @@ class CheckResult:
     max_rel_diff_vs_serial: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    unsplit: dict[str, str] = field(default_factory=dict)  # schedule: which runs did not split
     tolerance: float = DEFAULT_TOLERANCE
 
     @property
@@ -129,6 +175,8 @@ def check_equivalence(
 
     A schedule that refuses a workload with ConfigError is skipped for it (reported in
     ``skipped``); a hazard (an unordered read) or a kernel error is an error for that schedule.
+    ``cfg`` goes through :func:`split_config` (the tiny workloads must reach vllm-dbo's split
+    path); the runs that still fell back to one micro-batch are reported in ``unsplit``.
     """
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.hardware import get_gpu
@@ -136,7 +184,8 @@ def check_equivalence(
     names = schedule_names or S.available()
     workloads = workloads or default_workloads()
     g = get_gpu(gpu)
-    res = CheckResult(tolerance=tolerance)
+    cfg = split_config(cfg)
+    res = CheckResult(tolerance=tolerance, unsplit=unsplit_runs(names, workloads, gpu=gpu, cfg=cfg))
     with one_thread():
         _check(names, workloads, g, cfg, seed, res)
     return res

@@ -151,8 +151,8 @@ def load_mapping(path: str | Path | None) -> Mapping:
         raise ConfigError(f"no such mapping file: {p}")
     try:
         doc = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"mapping {p.name}: not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read
+        raise ConfigError(f"mapping {p.name}: not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(doc, list):
         raise ConfigError(f"mapping {p.name}: expected a list of {{pattern, class, kind}}")
     user = []

@@ -627,27 +627,34 @@ class Trace:
         doc = _read_json(src)
         if isinstance(doc, list):
             doc = {"traceEvents": doc}
-        events = doc.get("traceEvents")
+        events = doc.get("traceEvents") if isinstance(doc, dict) else None
         if not isinstance(events, list):
             raise ConfigError("not a Chrome trace: no traceEvents list")
         names: dict[tuple[Any, Any], str] = {}
-        for e in events:
-            if e.get("ph") == "M" and e.get("name") == "thread_name":
-                names[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
         ours: list[Span] = []
-        foreign: list[dict[str, Any]] = []
-        for e in events:
-            if e.get("ph") != "X":
-                continue
-            args = e.get("args") or {}
-            if "lane" in args and "kind" in args:
-                ours.append(_span_from_ours(e, args))
-            elif e.get("cat") in _PROFILER_CATS:
-                foreign.append(e)
-            elif "kind" in args and (e.get("pid"), e.get("tid")) in names:
-                ours.append(
-                    _span_from_ours(e, {**args, "lane": _lane_of(names[(e["pid"], e["tid"])])})
-                )
+        foreign: list[tuple[int, dict[str, Any]]] = []
+        with _event_errors() as at:
+            for at.i, e in enumerate(events):
+                at.event = e
+                if not isinstance(e, dict):
+                    raise ValueError("not a JSON object")
+                if e.get("ph") == "M" and e.get("name") == "thread_name":
+                    names[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name", ""))
+            for at.i, e in enumerate(events):
+                at.event = e
+                if e.get("ph") != "X":
+                    continue
+                args = e.get("args") or {}
+                if not isinstance(args, dict):
+                    raise ValueError("args is not a JSON object")
+                if "lane" in args and "kind" in args:
+                    ours.append(_span_from_ours(e, args))
+                elif e.get("cat") in _PROFILER_CATS:
+                    foreign.append((at.i, e))
+                elif "kind" in args and (e.get("pid"), e.get("tid")) in names:
+                    ours.append(
+                        _span_from_ours(e, {**args, "lane": _lane_of(names[(e["pid"], e["tid"])])})
+                    )
         meta = dict(doc.get("otherData") or {}) if ours else {}
         spans = ours
         if foreign:
@@ -741,20 +748,77 @@ def _slice_event(s: Span, tid: int, shared: dict[tuple, dict[str, Any]]) -> dict
     }
 
 
+#: The largest time an imported event may carry, in µs from the trace's origin (about 11.6 days):
+#: far beyond any step, and small enough that a kernel's duration added to it is not lost to
+#: rounding (at 1e300 every sum and difference is, and the reports come out infinite).
+MAX_IMPORT_US = 1e12
+
+
+class _event_errors:
+    """Turns the KeyError/ValueError/TypeError/OverflowError of a malformed event into one
+    ConfigError naming the event (its index and name): the command line prints it as one line.
+    ``i`` and ``event`` are set by the loop reading the events."""
+
+    i: int = 0
+    event: Any = None
+
+    def __enter__(self) -> _event_errors:
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if exc is None or not isinstance(exc, (KeyError, ValueError, TypeError, OverflowError)):
+            return
+        why = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
+        name = self.event.get("name") if isinstance(self.event, dict) else None
+        raise ConfigError(f"trace event {self.i} ({name!r}): {why}") from None
+
+
+def _number(x: Any, field: str) -> float:
+    """``x`` as a finite float (JSON numbers, or their text as some writers leave them)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+        raise ValueError(f"{field} {x!r} is not a number")
+    try:
+        t = float(x)
+    except ValueError:
+        raise ValueError(f"{field} {x!r} is not a number") from None
+    if t != t or t in (float("inf"), float("-inf")):
+        raise ValueError(f"{field} {x!r} is not a finite number")
+    return t
+
+
+def _time(x: Any, field: str) -> float:
+    """``x`` as a time in µs from the trace's origin, within MAX_IMPORT_US of it."""
+    t = _number(x, field)
+    if abs(t) > MAX_IMPORT_US:
+        raise ValueError(f"{field} {x!r} lies more than {MAX_IMPORT_US:.0e} us from the origin")
+    return t
+
+
+def _int(x: Any, field: str) -> int:
+    """``x`` as an integer (a pid, rank, SM count): ``int`` would also take 2.7 or True."""
+    if isinstance(x, bool) or not isinstance(x, (int, str)):
+        raise ValueError(f"{field} {x!r} is not an integer")
+    try:
+        return int(x)
+    except ValueError:
+        raise ValueError(f"{field} {x!r} is not an integer") from None
+
+
 def _span_from_ours(e: dict[str, Any], args: dict[str, Any]) -> Span:
-    start = float(e["ts"])
-    end = float(args["end"]) if "end" in args else start + float(e.get("dur", 0.0))
+    start = _time(e["ts"], "ts")
+    dur = e.get("dur", 0.0)
+    end = _time(args["end"], "end") if "end" in args else _time(start + _time(dur, "dur"), "ts+dur")
     return Span(
-        rank=int(e.get("pid", 0)),
+        rank=_int(e.get("pid", 0), "pid"),
         lane=str(args["lane"]),
         op=str(e.get("name", "")),
         kind=str(args["kind"]),
         start=start,
         end=end,
-        sms=int(args.get("sms", 0)),
-        mb=_opt_int(args.get("mb")),
-        layer=_opt_int(args.get("layer")),
-        step=_opt_int(args.get("step")),
+        sms=_int(args.get("sms", 0), "sms"),
+        mb=_opt_int(args.get("mb"), "mb"),
+        layer=_opt_int(args.get("layer"), "layer"),
+        step=_opt_int(args.get("step"), "step"),
     )
 
 
@@ -763,8 +827,8 @@ def _lane_of(track_name: str) -> str:
     return m.group(1) if m else track_name
 
 
-def _opt_int(x: Any) -> int | None:
-    return None if x is None else int(x)
+def _opt_int(x: Any, field: str) -> int | None:
+    return None if x is None else _int(x, field)
 
 
 def profiler_kind(name: str, cat: str = "kernel") -> str:
@@ -778,49 +842,56 @@ def profiler_kind(name: str, cat: str = "kernel") -> str:
 
 def _spans_from_profiler(
     doc: dict[str, Any],
-    events: list[dict[str, Any]],
+    events: list[tuple[int, dict[str, Any]]],
     rank: int | None,
     num_sms: int | None,
     meta: dict,
 ) -> list[Span]:
-    if rank is None:
-        dist = doc.get("distributedInfo") or {}
-        rank = dist.get("rank")
-    sms_by_device: dict[Any, int] = {}
-    for p in doc.get("deviceProperties") or []:
-        if "numSms" in p:
-            sms_by_device[p.get("id")] = int(p["numSms"])
-    origin = min(float(e["ts"]) for e in events)
-    meta.setdefault("backend", "torch.profiler")
-    meta["time_origin_us"] = origin
-    out = []
-    for e in events:
-        args = e.get("args") or {}
-        device = args.get("device", 0)
-        r = rank if rank is not None else int(device or 0)
-        n = num_sms if num_sms is not None else sms_by_device.get(device)
-        sms = 0
-        grid = args.get("grid")
-        if n and isinstance(grid, list) and grid:
-            blocks = 1
-            for g in grid:
-                blocks *= int(g)
-            sms = min(blocks, n)
-        if n and "num_sms" not in meta:
-            meta["num_sms"] = n
-        name = str(e.get("name", ""))
-        start = float(e["ts"]) - origin
-        out.append(
-            Span(
-                rank=int(r),
-                lane=f"stream:{args.get('stream', e.get('tid', 0))}",
-                op=name,
-                kind=profiler_kind(name, str(e.get("cat", "kernel"))),
-                start=start,
-                end=start + float(e.get("dur", 0.0)),
-                sms=sms,
+    """Spans of the profiler's GPU events ``(index in traceEvents, event)``."""
+    with _event_errors() as at:
+        at.i, at.event = -1, None
+        if rank is None:
+            dist = doc.get("distributedInfo") or {}
+            rank = dist.get("rank") if isinstance(dist, dict) else None
+        sms_by_device: dict[Any, int] = {}
+        for p in doc.get("deviceProperties") or []:
+            if isinstance(p, dict) and "numSms" in p:
+                sms_by_device[p.get("id")] = _int(p["numSms"], "deviceProperties numSms")
+        starts = []
+        for at.i, at.event in events:
+            starts.append(_number(at.event["ts"], "ts"))  # absolute (Kineto: epoch-based)
+        origin = min(starts)
+        meta.setdefault("backend", "torch.profiler")
+        meta["time_origin_us"] = origin
+        out = []
+        for (at.i, e), ts in zip(events, starts):
+            at.event = e
+            args = e.get("args") or {}
+            device = args.get("device", 0)
+            r = rank if rank is not None else (device or 0)
+            n = num_sms if num_sms is not None else sms_by_device.get(device)
+            sms = 0
+            grid = args.get("grid")
+            if n and isinstance(grid, list) and grid:
+                blocks = 1
+                for g in grid:
+                    blocks *= _int(g, "grid")
+                sms = min(blocks, n)
+            if n and "num_sms" not in meta:
+                meta["num_sms"] = n
+            name = str(e.get("name", ""))
+            start = _time(ts - origin, "ts")
+            out.append(
+                Span(
+                    rank=_int(r, "rank"),
+                    lane=f"stream:{args.get('stream', e.get('tid', 0))}",
+                    op=name,
+                    kind=profiler_kind(name, str(e.get("cat", "kernel"))),
+                    start=start,
+                    end=_time(start + _time(e.get("dur", 0.0), "dur"), "ts+dur"),
+                    sms=sms,
+                )
             )
-        )
     return out
 
 
@@ -835,8 +906,8 @@ def _read_json(src: str | Path | dict | list) -> Any:
         raw = gzip.decompress(raw)
     try:
         return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read
+        raise ConfigError(f"{path}: not JSON ({type(e).__name__}: {e})") from None
 
 
 def _jsonable(x: Any) -> Any:

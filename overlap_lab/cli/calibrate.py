@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.cli.inputs import add_force_option
 from overlap_lab.cli.options import (
     config_from,
     gpu_from,
@@ -54,11 +55,13 @@ def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
 
 
 def _out_dir(args) -> Path | None:
+    """The figure folder, checked and made as sim's (``inputs.check_out_dir``); None for ''."""
     if not args.out:
         return None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    from overlap_lab.cli.inputs import check_out_dir
+
+    check_out_dir(args.out, mine_only=not args.force)
+    return Path(args.out)
 
 
 def _load_trace(path: str, mapping_path: str | None = None, program: Program | None = None):
@@ -120,6 +123,20 @@ def _program_for(args, schedule: str):
     return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, ranks_from(args)), w, gpu
 
 
+def _sizes(text: str, mode: str) -> tuple[int, ...]:
+    """--sizes, each within what one workload may hold: a decode size is a batch of that many
+    sequences, a prefill size one sequence of that many tokens (``calibrate.sized_workload``);
+    beyond, building the batch overflows or exhausts memory before anything runs."""
+    from overlap_lab.calibrate import parse_ints
+    from overlap_lab.cli.inputs import MAX_SEQS, MAX_TOKENS
+
+    sizes = parse_ints(text, "--sizes")
+    limit, what = (MAX_SEQS, "sequences") if mode == "decode" else (MAX_TOKENS, "tokens")
+    if max(sizes) > limit:
+        raise ConfigError(f"--sizes: {max(sizes)} is beyond {limit} ({what} per rank in {mode})")
+    return sizes
+
+
 def cmd_calibrate(args) -> int:
     from datetime import UTC, datetime
 
@@ -133,7 +150,7 @@ def cmd_calibrate(args) -> int:
             w,
             gpu,
             config_from(args),
-            sizes=parse_ints(args.sizes, "--sizes"),
+            sizes=_sizes(args.sizes, w.batch.mode),
             budgets=parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,),
             repeats=args.repeats,
         )
@@ -209,6 +226,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--map", default=None, help="JSON kernel-class mapping, tried before built-ins")
     s.add_argument("--rank", type=int, default=None, help="rank to analyze (default: the first)")
     s.add_argument("--out", default="overlap-lab-out", help="directory for the timeline ('' none)")
+    add_force_option(s)
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_analyze)
@@ -238,6 +256,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--predict", default=None, help="also predict this schedule from the profile")
     s.add_argument("--map", default=None, help="kernel mapping with 'op' entries (foreign traces)")
     s.add_argument("--out", default="overlap-lab-out", help="directory for the figure ('' none)")
+    add_force_option(s)
     s.add_argument("--figure-format", default="png", choices=("png", "pdf", "svg"))
     s.add_argument("--json", action="store_true")
     workload_options(s)

@@ -276,7 +276,7 @@ def check_args(args) -> None:
         return
     _check_ranks(args)
     if getattr(args, "out", None):
-        check_out_dir(args.out)
+        check_out_dir(args.out, mine_only=not getattr(args, "force", False))
 
 
 def _check_names(args, cmd: str) -> None:
@@ -470,11 +470,38 @@ def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
         )
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
-    """An output folder that exists as a writable folder or can be made under one."""
+def add_force_option(s: argparse.ArgumentParser) -> None:
+    """--force: write into an --out folder that holds files the tool did not write (refused
+    without it: :func:`check_out_dir`). Not among the sim options a sweep spec may set."""
+    s.add_argument(
+        "--force", action="store_true", help="write into --out even if it holds other files"
+    )
+
+
+def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> None:
+    """An output folder that exists as a writable folder or can be made under one, never a
+    filesystem root. With ``mine_only`` (sim, compare, analyze, validate without --force) it must
+    also be new, empty or hold only what the tool wrote (:mod:`overlap_lab.outdir`), and it is
+    marked as the tool's now, before anything runs. Without it (the experiments' results folder,
+    which keeps other runs' files that ``--draw`` reads; a folder written into with --force) the
+    folder is written into as it is and left unmarked."""
+    from overlap_lab import outdir
+
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a folder")
+    if outdir.is_root(p):
+        raise ConfigError(f"--out {out}: a filesystem root; give a folder for the outputs")
+    if mine_only and p.is_dir():
+        try:
+            foreign = outdir.foreign_files(p)
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot list it ({e.strerror})") from None
+        if foreign:
+            raise ConfigError(
+                f"--out {out}: holds files overlap-lab did not write ({foreign[0]}, ...); "
+                "give a new or empty folder, or --force to write there anyway"
+            )
     probe = p
     while not probe.exists():
         if probe.parent == probe:
@@ -486,8 +513,11 @@ def check_out_dir(out: str | os.PathLike) -> None:
         raise ConfigError(f"--out {out}: folder {probe} is not writable")
     try:  # make it and write into it now: what os.access cannot tell (/proc, read-only mounts)
         p.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=p):
-            pass
+        if mine_only:
+            outdir.mark(p)
+        else:
+            with tempfile.TemporaryFile(dir=p):
+                pass
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
 

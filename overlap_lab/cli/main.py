@@ -252,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sim", help="simulate one schedule and write its trace and timeline")
     add_sim_options(s)
+    inputs.add_force_option(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("show", help="print the Program's text form")
@@ -269,6 +270,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--out", default="overlap-lab-out", help="directory for the stacked figure and traces"
     )
+    inputs.add_force_option(s)
     s.add_argument("--json", action="store_true")
     figure_options(s)
     workload_options(s)

@@ -125,6 +125,8 @@ def _run_cpu(args) -> int:
             print(f"{name:16s} ERROR {e}")
         for name, e in out.get("skipped", {}).items():
             print(f"{name:16s} skipped for a workload: {e}")
+        for name, e in out.get("unsplit", {}).items():
+            print(f"{name:16s} ran unsplit on {e}")
     return 0 if out["ok"] else 1
 
 
