@@ -10,11 +10,10 @@ Values marked "estimate" are order-of-magnitude placeholders to be replaced by m
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.knobs import Knob, knob, knobs
+from overlap_lab.shared.knobs import Knob, knob, knobs, validate_all
 from overlap_lab.shared.preset_files import builtin, pick
 
 ARCHS = ("hopper", "blackwell")
@@ -86,29 +85,17 @@ class GPU:
         zero_ok=True,
     )
     deepep_ll_recv_us: float = knob(
-        0.0, "fixed cost of a DeepEP low-latency receive (preset files)", unit="µs"
+        0.0,
+        "fixed cost of a DeepEP low-latency receive (preset files)",
+        unit="µs",
+        lo=0,
+        hi=1e4,
     )
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"gpu {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("name", "arch") or f.name.endswith("_eff_gbps"):
-                continue
-            may_be_zero = f.name.endswith(("_us",))  # costs and latencies may be switched off
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not (v >= 0 if may_be_zero else v > 0)
-            ):
-                need = "a number >= 0" if may_be_zero else "a positive number"
-                raise ConfigError(f"gpu {self.name}: {f.name} must be {need}, got {v!r}")
-        if self.nvlink_eff_gbps < 0 or self.rdma_eff_gbps < 0:
-            raise ConfigError(f"gpu {self.name}: effective link bandwidths must be >= 0")
-        for f in ("num_sms", "sbo_comm_sms", "deepep_normal_sms"):
-            if not isinstance(getattr(self, f), int):
-                raise ConfigError(f"gpu {self.name}: {f} must be an integer")
+        """Each field against its record (type and range: the same table that checks the
+        command line's overrides), then what one field alone cannot say."""
+        validate_all(self, f"gpu {self.name}")
         for f in ("sbo_comm_sms", "deepep_normal_sms"):
             if getattr(self, f) >= self.num_sms:
                 raise ConfigError(
@@ -189,9 +176,7 @@ class HostCosts:
     )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
-                raise ConfigError(f"host cost {f.name} must be >= 0, got {getattr(self, f.name)}")
+        validate_all(self, "host costs")
 
     def schedule_us(self, num_reqs: int) -> float:
         return self.schedule_base_us + self.schedule_per_req_us * num_reqs

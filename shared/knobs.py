@@ -107,16 +107,22 @@ class Knob:
             return v in self.choices
         return isinstance(v, tp) if isinstance(tp, type) else True
 
-    def validate(self, value: Any, owner: Any = None) -> None:
-        """Refuse a value outside the knob's type, range or choices, or its ``check``."""
+    def refusal(self, value: Any, owner: Any = None) -> str | None:
+        """Why a value is refused (``must be ..., got ...``; None: accepted), without the knob's
+        name, so that an option, a preset file and an API call can each name it their way."""
         if value is None and self.optional:
-            return
+            return None
         items = value if self.is_tuple and isinstance(value, tuple) else (value,)
         if (self.is_tuple and not isinstance(value, tuple)) or not all(map(self._fits, items)):
-            raise ConfigError(f"{self.flag} must be {self.expects()}, got {value!r}")
-        why = self.check(value, owner) if self.check else None
+            return f"must be {self.expects()}, got {value!r}"
+        return self.check(value, owner) if self.check else None
+
+    def validate(self, value: Any, owner: Any = None, *, label: str | None = None) -> None:
+        """Refuse a value outside the knob's type, range or choices, or its ``check``; the
+        message names it as ``label`` (default: its option, ``--comm-sms``)."""
+        why = self.refusal(value, owner)
         if why:
-            raise ConfigError(f"{self.flag} {why}")
+            raise ConfigError(f"{label or self.flag} {why}")
 
 
 _UnionType = type(int | None)
@@ -156,12 +162,13 @@ def knobs(cls: type) -> tuple[Knob, ...]:
     )
 
 
-def validate_all(record: Any) -> None:
+def validate_all(record: Any, owner: str | None = None) -> None:
     """Run every knob's validator on a configuration record (its ``__post_init__`` calls this);
-    a list given for a tuple knob is stored as a tuple first."""
+    a list given for a tuple knob is stored as a tuple first. ``owner`` (``gpu h800``) names a
+    refused field ``gpu h800: hbm_gbps`` (a preset's field) instead of by its option."""
     for k in knobs(type(record)):
         v = getattr(record, k.name)
         if k.is_tuple and isinstance(v, list):
             v = tuple(v)
             object.__setattr__(record, k.name, v)
-        k.validate(v, record)
+        k.validate(v, record, label=f"{owner}: {k.name}" if owner else None)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.preset_files import read_capped
 from overlap_lab.shared.schedules import schedule_knobs
 
 # ---- per-option limits ---------------------------------------------------------------------------
@@ -427,13 +428,9 @@ def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
         raise ConfigError(f"routing file {path}: is a directory")
     if not p.is_file():
         raise ConfigError(f"routing file {path}: no such file")
-    if p.stat().st_size > MAX_ROUTING_FILE_BYTES:
-        raise ConfigError(f"routing file {path}: larger than {MAX_ROUTING_FILE_BYTES >> 20} MiB")
+    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
     try:
-        raw = p.read_bytes()
         text = raw.decode("utf-8")
-    except OSError as e:
-        raise ConfigError(f"routing file {path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
     if "\x00" in text:
