@@ -57,3 +57,29 @@ def test_knob_schedules_are_the_schedules_declared_knobs():
     assert inputs.KNOB_SCHEDULES == expect
     assert inputs.KNOB_SCHEDULES["micro_batches"] == ("pp",)
     assert "comm_sms" in inputs.KNOB_SCHEDULES and "serial" not in inputs.KNOB_SCHEDULES["comm_sms"]
+
+
+SMALL = ["sim", "--out", "", "--model", "deepseek-v2-lite", "--layers", "2", "--ep", "8"]
+
+
+def test_every_ranged_option_states_its_unit():
+    parser = options.subcommand_parser("sim")
+    helps = {a.dest: " ".join((a.help or "").split()) for a in parser._actions}
+    groups = (("", schedule_knobs()), ("host_", host_cost_fields()), ("", gpu_fields()))
+    for prefix, records in groups:
+        for k in records:
+            if k.unit and k.lo is not None:
+                assert f" {k.unit}]" in helps[prefix + k.name], k.name
+    assert "[1..100000 GB/s]" in helps["rdma_gbps"]
+
+
+def test_a_value_typed_in_another_unit_is_warned_about_in_one_line(capsys):
+    """--rdma-gbps 400 (Gb/s typed, GB/s meant) was taken silently."""
+    from overlap_lab.cli.main import main
+
+    inputs._WARNED.clear()
+    assert main([*SMALL, "--rdma-gbps", "400"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: --rdma-gbps 400 GB/s" in err and "Gb/s" in err, err
+    assert main([*SMALL, "--rdma-gbps", "100", "--nvlink-lat-us", "1"]) == 0
+    assert capsys.readouterr().err == ""

@@ -39,6 +39,7 @@ class Limit:
     open_hi: bool = False
     zero_ok: bool = False  # 0 allowed besides lo..hi (0 = "off" / "same as nominal")
     is_list: bool = False  # a comma-separated list, each value within the range
+    unit: str = ""  # what the number counts or measures, shown in the option's help
 
     def text(self) -> str:
         def num(v):
@@ -71,7 +72,7 @@ def _record_limits() -> dict[str, Limit]:
         for k in records:
             if k.scalar in (int, float) and k.lo is not None and k.hi is not None:
                 out[prefix + k.name] = Limit(
-                    k.scalar, k.lo, k.hi, zero_ok=k.zero_ok, is_list=k.is_tuple
+                    k.scalar, k.lo, k.hi, zero_ok=k.zero_ok, is_list=k.is_tuple, unit=k.unit
                 )
     return out
 
@@ -165,7 +166,8 @@ def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if lim is None or not a.option_strings or a.nargs == 0:
             continue
         a.type = limited(lim, is_list=lim.is_list)
-        a.help = f"{a.help or ''} [{'each ' if lim.is_list else ''}{lim.text()}]".strip()
+        unit = f" {lim.unit}" if lim.unit else ""
+        a.help = f"{a.help or ''} [{'each ' if lim.is_list else ''}{lim.text()}{unit}]".strip()
         if a.dest in ("nvlink_gbps", "rdma_gbps"):
             a.help += (
                 f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
@@ -236,7 +238,15 @@ def _given(args, dest: str) -> bool:
 
 
 def check_args(args) -> None:
-    """Check a parsed ``overlap-lab`` command line as a whole; fill the mode defaults."""
+    """Check a parsed ``overlap-lab`` command line as a whole; fill the mode defaults. Values
+    that pass but look like a unit mix-up are warned about last, once every check has passed (a
+    refusal stays one line)."""
+    typed = {k.name: getattr(args, k.name, None) for k in gpu_fields()}  # before derived ones
+    _check_args(args)
+    warn_implausible(typed)
+
+
+def _check_args(args) -> None:
     cmd = getattr(args, "command", None)
     if cmd not in ("sim", "show", "compare", "run"):
         if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
@@ -354,6 +364,48 @@ def _check_hardware(args) -> None:
         v = getattr(args, dest, None)
         if v is not None and v >= num_sms:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
+
+
+#: A value more than this many times the fastest built-in preset's is warned about.
+IMPLAUSIBLE = 2.0
+_WARNED: set[str] = set()
+
+
+@functools.cache
+def _fastest_presets() -> dict[str, tuple[float, str]]:
+    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
+    from overlap_lab.shared.hardware import GPUS
+
+    out = {}
+    for k in gpu_fields():
+        if k.scalar in (int, float):
+            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
+            if getattr(GPUS[name], k.name) > 0:
+                out[k.name] = (getattr(GPUS[name], k.name), name)
+    return out
+
+
+def warn_implausible(values: dict[str, float | None]) -> None:
+    """One line on stderr for each hardware option given (``values``: GPU field -> the value
+    typed, None: not given) above ``IMPLAUSIBLE`` times the fastest built-in preset's value:
+    such a value is taken, but is most likely typed in another unit (``--rdma-gbps 400`` for a
+    400 Gb/s NIC, which is 50 GB/s). Each is said once per run (a sweep checks every case)."""
+    import sys
+
+    units = {k.name: k.unit for k in gpu_fields()}
+    for field, (top, name) in _fastest_presets().items():
+        v = values.get(field)
+        if v is None or v <= IMPLAUSIBLE * top:
+            continue
+        unit = units[field]
+        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
+        msg = (
+            f"overlap-lab: warning: {_flag(field)} {v:g} {unit} is over {IMPLAUSIBLE:g}x the "
+            f"fastest built-in GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
+        )
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            print(msg, file=sys.stderr)
 
 
 #: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
