@@ -129,3 +129,11 @@ def test_a_large_regular_file_is_refused_unread(tmp_path):
         f.truncate((16 << 20) + 1)
     with pytest.raises(ConfigError, match="larger than 16 MiB"):
         load_model(p)
+
+
+@pytest.mark.parametrize("knob, value", [("deepep_ll_recv_us", float("inf")), ("num_sms", 100000)])
+def test_a_sweep_spec_value_is_checked_by_the_same_range(knob, value):
+    from overlap_lab.cli import sweep
+
+    with pytest.raises(ConfigError, match=f"sweep: {knob}="):
+        sweep._convert(sweep._knob_actions()[knob], value)
