@@ -93,9 +93,10 @@ class GPU:
     )
 
     def __post_init__(self) -> None:
-        """Each field against its record (type and range: the same table that checks the
-        command line's overrides), then what one field alone cannot say."""
-        validate_all(self, f"gpu {self.name}")
+        """Each field's type and sign, then what one field alone cannot say. The ranges of the
+        records hold for presets, files and options (``preset_files``, the command line); a
+        record built in code may go beyond them (the simulator must cope)."""
+        validate_all(self, f"gpu {self.name}", ranged=False)
         for f in ("sbo_comm_sms", "deepep_normal_sms"):
             if getattr(self, f) >= self.num_sms:
                 raise ConfigError(
@@ -176,7 +177,7 @@ class HostCosts:
     )
 
     def __post_init__(self) -> None:
-        validate_all(self, "host costs")
+        validate_all(self, "host costs", ranged=False)
 
     def schedule_us(self, num_reqs: int) -> float:
         return self.schedule_base_us + self.schedule_per_req_us * num_reqs

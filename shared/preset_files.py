@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.knobs import knobs
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -89,9 +90,24 @@ def builtin(kind: str, cls: type[T], order: tuple[str, ...]) -> dict[str, T]:
     found = {}
     for f in sorted((PRESETS / kind).glob("*.yaml")):
         data = read_mapping(f)
-        found[data.get("name", f.stem)] = data
+        found[data.get("name", f.stem)] = (data, f)
     names = [n for n in order if n in found] + sorted(set(found) - set(order))
-    return {n: cls(**found[n]) for n in names}
+    return {n: from_file(cls, *found[n]) for n in names}
+
+
+def from_file(cls: type[T], data: dict[str, Any], path: str | Path) -> T:
+    """The ``cls`` record of a file's fields, each held to its knob record's range first (the
+    range its option has: a record built in code is checked for type and sign alone), so that
+    a value out of range is one line naming the file, the field and the range."""
+    records = {k.name: k for k in knobs(cls)}
+    for name, value in data.items():
+        why = records[name].refusal(value) if name in records else None
+        if why:
+            raise ConfigError(f"{path}: {name} {why}")
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def pick(table: dict[str, T], what: str, name: str, overrides: dict[str, Any]) -> T:

@@ -21,7 +21,7 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU, get_gpu, gpu_fields
-from overlap_lab.shared.preset_files import note, read_mapping
+from overlap_lab.shared.preset_files import from_file, note, read_mapping
 from overlap_lab.shared.workload import ModelConfig, get_model, model_file_fields
 
 SUFFIXES = (".yaml", ".yml", ".json")
@@ -47,10 +47,7 @@ def _fields_of(cls, data: dict[str, Any], what: str, path: Path, required, defau
             f"{path}: {what} field{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing "
             "(docs/models-and-gpus.md lists the fields a file must give)"
         )
-    try:
-        record = cls(**data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    record = from_file(cls, data, path)
     if defaulted:
         note(
             f"{path}: took the default "

@@ -78,9 +78,10 @@ class ModelConfig:
     attn_dtype: str = knob("bf16", "attention and KV cache", choices=DTYPES)
 
     def __post_init__(self) -> None:
-        """Each field against its record (type and range), then the fields against each other."""
+        """Each field's type and sign (its range: presets and files, ``preset_files``), then
+        the fields against each other."""
         m = f"model {self.name}"
-        validate_all(self, m)
+        validate_all(self, m, ranged=False)
         if self.first_k_dense > self.num_layers:
             raise ConfigError(f"{m}: first_k_dense={self.first_k_dense} > {self.num_layers} layers")
         if self.top_k > self.num_experts:
