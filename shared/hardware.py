@@ -10,11 +10,10 @@ Values marked "estimate" are order-of-magnitude placeholders to be replaced by m
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.knobs import Knob, knob, knobs
+from overlap_lab.shared.knobs import Knob, knob, knobs, validate_all
 from overlap_lab.shared.preset_files import builtin, pick
 
 ARCHS = ("hopper", "blackwell")
@@ -26,50 +25,50 @@ class GPU:
 
     Every field is a knob record (``gpu_fields()``: help, unit, and ``lo..hi``, the range an
     override from the command line may take); presets and files are checked by ``__post_init__``
-    below. The trailing comments repeat the help for the command line, which still reads them.
+    below.
     """
 
     name: str = knob()
     arch: str = knob(choices=ARCHS)
     num_sms: int = knob(unit="SMs", lo=1, hi=1024)
-    bf16_tflops: float = knob(  # dense (no 2:4 sparsity)
+    bf16_tflops: float = knob(
         help="dense (no 2:4 sparsity)", unit="TFLOP/s", lo=1, hi=1e5
     )
-    fp8_tflops: float = knob(help="dense", unit="TFLOP/s", lo=1, hi=1e5)  # dense
+    fp8_tflops: float = knob(help="dense", unit="TFLOP/s", lo=1, hi=1e5)
     hbm_gbps: float = knob(unit="GB/s", lo=10, hi=1e6)
     mem_gib: float = knob(unit="GiB", lo=1, hi=1e5)
-    launch_us: float = knob(  # host cost of one kernel launch (CUDA driver + PyTorch dispatch)
+    launch_us: float = knob(
         help="host cost of one kernel launch (CUDA driver + PyTorch dispatch)",
         unit="µs",
         lo=0,
         hi=1e4,
     )
-    graph_launch_us: float = knob(  # host cost of one cudaGraphLaunch
+    graph_launch_us: float = knob(
         help="host cost of one cudaGraphLaunch", unit="µs", lo=0, hi=1e4
     )
-    kernel_min_us: float = knob(  # GPU-side floor of any kernel (launch latency, ramp, tail)
+    kernel_min_us: float = knob(
         help="GPU-side floor of any kernel (launch latency, ramp, tail)", unit="µs", lo=0, hi=1e4
     )
-    nvlink_gbps: float = knob(  # nominal, per GPU, per direction
+    nvlink_gbps: float = knob(
         help="nominal, per GPU, per direction", unit="GB/s", lo=1, hi=1e5
     )
     nvlink_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
-    rdma_gbps: float = knob(  # one NIC per GPU, line rate
+    rdma_gbps: float = knob(
         help="one NIC per GPU, line rate", unit="GB/s", lo=1, hi=1e5
     )
     rdma_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
-    pcie_gbps: float = knob(help="per direction", unit="GB/s", lo=1, hi=1e5)  # per direction
+    pcie_gbps: float = knob(help="per direction", unit="GB/s", lo=1, hi=1e5)
     pcie_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
-    sbo_comm_sms: int = knob(  # SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)
+    sbo_comm_sms: int = knob(
         help="SGLang SBO communication SMs (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS)",
         unit="SMs",
         lo=1,
         hi=1023,
     )
-    deepep_normal_sms: int = knob(  # DeepEP normal kernels (Buffer.num_sms)
+    deepep_normal_sms: int = knob(
         help="DeepEP normal kernels (Buffer.num_sms)", unit="SMs", lo=1, hi=1023
     )
-    nvlink_eff_gbps: float = knob(  # achievable by DeepEP kernels; 0 = same as nominal
+    nvlink_eff_gbps: float = knob(
         0.0,
         "achievable by DeepEP kernels; 0 = same as nominal",
         unit="GB/s",
@@ -77,7 +76,7 @@ class GPU:
         hi=1e5,
         zero_ok=True,
     )
-    rdma_eff_gbps: float = knob(  # achievable by DeepEP kernels; 0 = same as nominal
+    rdma_eff_gbps: float = knob(
         0.0,
         "achievable by DeepEP kernels; 0 = same as nominal",
         unit="GB/s",
@@ -85,30 +84,19 @@ class GPU:
         hi=1e5,
         zero_ok=True,
     )
-    deepep_ll_recv_us: float = knob(  # fixed cost of a DeepEP low-latency receive (preset files)
-        0.0, "fixed cost of a DeepEP low-latency receive (preset files)", unit="µs"
+    deepep_ll_recv_us: float = knob(
+        0.0,
+        "fixed cost of a DeepEP low-latency receive (preset files)",
+        unit="µs",
+        lo=0,
+        hi=1e4,
     )
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"gpu {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("name", "arch") or f.name.endswith("_eff_gbps"):
-                continue
-            may_be_zero = f.name.endswith(("_us",))  # costs and latencies may be switched off
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not (v >= 0 if may_be_zero else v > 0)
-            ):
-                need = "a number >= 0" if may_be_zero else "a positive number"
-                raise ConfigError(f"gpu {self.name}: {f.name} must be {need}, got {v!r}")
-        if self.nvlink_eff_gbps < 0 or self.rdma_eff_gbps < 0:
-            raise ConfigError(f"gpu {self.name}: effective link bandwidths must be >= 0")
-        for f in ("num_sms", "sbo_comm_sms", "deepep_normal_sms"):
-            if not isinstance(getattr(self, f), int):
-                raise ConfigError(f"gpu {self.name}: {f} must be an integer")
+        """Each field's type and sign, then what one field alone cannot say. The ranges of the
+        records hold for presets, files and options (``preset_files``, the command line); a
+        record built in code may go beyond them (the simulator must cope)."""
+        validate_all(self, f"gpu {self.name}", ranged=False)
         for f in ("sbo_comm_sms", "deepep_normal_sms"):
             if getattr(self, f) >= self.num_sms:
                 raise ConfigError(
@@ -166,33 +154,30 @@ class HostCosts:
     ESTIMATES, order of magnitude only, chosen from the scale of SGLang's event loop (Python
     scheduling and result processing dominate at large batch); they are placeholders to be replaced
     by measurement (profiling the scheduler) and are never reported as measured. Every field is a
-    knob record (``host_cost_fields()``); the trailing comments repeat the help for the command
-    line, which still reads them.
+    knob record (``host_cost_fields()``).
     """
 
-    recv_requests_us: float = knob(  # recv_requests + process_input_requests, idle queue
+    recv_requests_us: float = knob(
         10.0, "recv_requests + process_input_requests, idle queue", unit="µs", lo=0, hi=1e6
     )
-    schedule_base_us: float = knob(  # get_next_batch_to_run: fixed part
+    schedule_base_us: float = knob(
         100.0, "get_next_batch_to_run: fixed part", unit="µs", lo=0, hi=1e6
     )
-    schedule_per_req_us: float = knob(  # per running request (prepare_for_decode, req_to_token)
+    schedule_per_req_us: float = knob(
         2.0, "per running request (prepare_for_decode, req_to_token)", unit="µs", lo=0, hi=1e6
     )
-    process_result_base_us: float = knob(  # process_batch_result: fixed part
+    process_result_base_us: float = knob(
         50.0, "process_batch_result: fixed part", unit="µs", lo=0, hi=1e6
     )
-    process_result_per_req_us: float = knob(  # per request (append token, check finish, logprobs)
+    process_result_per_req_us: float = knob(
         5.0, "per request (append token, check finish, logprobs)", unit="µs", lo=0, hi=1e6
     )
-    detokenizer_send_us: float = knob(  # stream_output: pickling + ZMQ send to the detokenizer
+    detokenizer_send_us: float = knob(
         20.0, "stream_output: pickling + ZMQ send to the detokenizer", unit="µs", lo=0, hi=1e6
     )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
-                raise ConfigError(f"host cost {f.name} must be >= 0, got {getattr(self, f.name)}")
+        validate_all(self, "host costs", ranged=False)
 
     def schedule_us(self, num_reqs: int) -> float:
         return self.schedule_base_us + self.schedule_per_req_us * num_reqs

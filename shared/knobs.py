@@ -93,7 +93,7 @@ class Knob:
             what = f"a list, each {what}"
         return what + (" or None" if self.optional else "")
 
-    def _fits(self, v: Any) -> bool:
+    def _fits(self, v: Any, ranged: bool = True) -> bool:
         tp = self.scalar
         if tp is bool:
             return isinstance(v, bool)
@@ -102,21 +102,38 @@ class Knob:
                 return False
             if self.zero_ok and v == 0:
                 return True
+            if not ranged:  # the sign alone: positive where the range starts above 0
+                return self.lo is None or (v > 0 if self.lo > 0 else v >= 0)
             return (self.lo is None or v >= self.lo) and (self.hi is None or v <= self.hi)
         if self.choices:
             return v in self.choices
         return isinstance(v, tp) if isinstance(tp, type) else True
 
-    def validate(self, value: Any, owner: Any = None) -> None:
-        """Refuse a value outside the knob's type, range or choices, or its ``check``."""
+    def refusal(self, value: Any, owner: Any = None, *, ranged: bool = True) -> str | None:
+        """Why a value is refused (``must be ..., got ...``; None: accepted), without the knob's
+        name, so that an option, a preset file and an API call can each name it their way.
+        ``ranged=False`` checks the type and sign alone: a record built in code may explore a
+        value outside what a person may type or a file may hold (the simulator must cope)."""
         if value is None and self.optional:
-            return
+            return None
         items = value if self.is_tuple and isinstance(value, tuple) else (value,)
-        if (self.is_tuple and not isinstance(value, tuple)) or not all(map(self._fits, items)):
-            raise ConfigError(f"{self.flag} must be {self.expects()}, got {value!r}")
-        why = self.check(value, owner) if self.check else None
+        fits = all(self._fits(v, ranged) for v in items)
+        if (self.is_tuple and not isinstance(value, tuple)) or not fits:
+            if not ranged and self.lo is not None:
+                sign = "a positive" if self.lo > 0 else "a non-negative"
+                what = sign + (" integer" if self.scalar is int else " number")
+                return f"must be {what}, got {value!r}"
+            return f"must be {self.expects()}, got {value!r}"
+        return self.check(value, owner) if self.check else None
+
+    def validate(
+        self, value: Any, owner: Any = None, *, label: str | None = None, ranged: bool = True
+    ) -> None:
+        """Refuse a value outside the knob's type, range or choices, or its ``check``; the
+        message names it as ``label`` (default: its option, ``--comm-sms``)."""
+        why = self.refusal(value, owner, ranged=ranged)
         if why:
-            raise ConfigError(f"{self.flag} {why}")
+            raise ConfigError(f"{label or self.flag} {why}")
 
 
 _UnionType = type(int | None)
@@ -156,12 +173,15 @@ def knobs(cls: type) -> tuple[Knob, ...]:
     )
 
 
-def validate_all(record: Any) -> None:
+def validate_all(record: Any, owner: str | None = None, *, ranged: bool = True) -> None:
     """Run every knob's validator on a configuration record (its ``__post_init__`` calls this);
-    a list given for a tuple knob is stored as a tuple first."""
+    a list given for a tuple knob is stored as a tuple first. ``owner`` (``gpu h800``) names a
+    refused field ``gpu h800: hbm_gbps`` (a preset's field) instead of by its option;
+    ``ranged=False``: type and sign alone (:meth:`Knob.refusal`)."""
     for k in knobs(type(record)):
         v = getattr(record, k.name)
         if k.is_tuple and isinstance(v, list):
             v = tuple(v)
             object.__setattr__(record, k.name, v)
-        k.validate(v, record)
+        k.validate(v, record, label=f"{owner}: {k.name}" if owner else None, ranged=ranged)
+

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, get_gpu
-from overlap_lab.shared.preset_files import read_mapping
-from overlap_lab.shared.workload import ModelConfig, get_model
+from overlap_lab.shared.hardware import GPU, get_gpu, gpu_fields
+from overlap_lab.shared.preset_files import from_file, note, read_mapping
+from overlap_lab.shared.workload import ModelConfig, get_model, model_file_fields
 
 SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -31,42 +31,62 @@ def _is_path(spec: str | Path) -> bool:
     return isinstance(spec, Path) or str(spec).endswith(SUFFIXES) or "/" in str(spec)
 
 
-def _fields_of(cls, data: dict[str, Any], what: str, path: Path):
-    known = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(data) - known)
+def _fields_of(cls, data: dict[str, Any], what: str, path: Path, required, defaulted):
+    """The record of a file's fields: unknown and missing fields, and values out of their knob
+    range, are one-line errors naming the field and the file; the defaults it took that change
+    the result are said in one note on stderr."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    bad = sorted(set(data) - set(known))
     if bad:
         raise ConfigError(
             f"{path}: unknown {what} field {bad[0]!r}; fields are {', '.join(sorted(known))}"
         )
-    try:
-        return cls(**data)
-    except TypeError as e:  # a required field missing
-        raise ConfigError(f"{path}: {e}") from None
+    missing = [f for f in required if f not in data]
+    if missing:
+        raise ConfigError(
+            f"{path}: {what} field{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing "
+            "(docs/models-and-gpus.md lists the fields a file must give)"
+        )
+    record = from_file(cls, data, path)
+    if defaulted:
+        note(
+            f"{path}: took the default "
+            + ", ".join(f"{f}={getattr(record, f)!r}" for f in defaulted)
+        )
+    return record
 
 
 def load_gpu(spec: str | Path) -> GPU:
-    """A GPU preset by name, or a YAML/JSON file of GPU fields."""
+    """A GPU preset by name, or a YAML/JSON file of GPU fields (every field without a default;
+    ``name`` defaults to the file name)."""
     if not _is_path(spec):
         return get_gpu(str(spec))
     p = Path(spec)
-    data = read_mapping(p)
+    data = read_mapping(p, "gpu file")
     data.setdefault("name", p.stem)
-    return _fields_of(GPU, data, "gpu", p)
+    records = gpu_fields()
+    required = [k.name for k in records if k.default is dataclasses.MISSING]
+    defaulted = [k.name for k in records if k.name not in data and k.name not in required]
+    return _fields_of(GPU, data, "gpu", p, required, defaulted)
 
 
 def load_model(spec: str | Path) -> ModelConfig:
-    """A model preset by name, a YAML/JSON file of ModelConfig fields, or an HF config.json."""
+    """A model preset by name, a YAML/JSON file of ModelConfig fields (``model_file_fields``
+    says which it must give), or an HF config.json."""
     if not _is_path(spec):
         return get_model(str(spec))
     p = Path(spec)
-    data = read_mapping(p)
-    if "hidden_size" in data or "architectures" in data or "model_type" in data:
+    data = read_mapping(p, "model file")
+    hf = "hidden_size" in data or "architectures" in data or "model_type" in data
+    if hf:
         try:
             data = from_hf_config(data, default_name=_hf_name(data, p))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{p}: HF config field missing or malformed: {e}") from None
     data.setdefault("name", p.stem)
-    return _fields_of(ModelConfig, data, "model", p)
+    required, defaulted = model_file_fields(data)
+    # an HF config's defaults are its architecture's, applied by the mapping: nothing to say
+    return _fields_of(ModelConfig, data, "model", p, required, () if hf else defaulted)
 
 
 def _hf_name(data: dict[str, Any], p: Path) -> str:
@@ -74,6 +94,13 @@ def _hf_name(data: dict[str, Any], p: Path) -> str:
     if p.stem == "config" and p.parent.name not in ("", "."):
         return p.parent.name.lower()
     return data.get("_name_or_path", p.stem).rsplit("/", 1)[-1].lower() or p.stem
+
+
+def _need(hf: dict[str, Any], key: str, name: str) -> Any:
+    """A field of an HF config that has no safe default (the experts and top-k of a MoE)."""
+    if hf.get(key) is None:
+        raise ConfigError(f"HF config of {name}: missing {key} (a MoE config gives it)")
+    return hf[key]
 
 
 def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
@@ -116,8 +143,8 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
             qk_nope_dim=int(hf["qk_nope_head_dim"]),
             qk_rope_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
-            num_experts=int(hf.get("n_routed_experts") or 1),
-            top_k=int(hf.get("num_experts_per_tok") or 1),
+            num_experts=int(_need(hf, "n_routed_experts", default_name)),
+            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
             expert_inter=moe_inter,
             num_shared_experts=int(hf.get("n_shared_experts") or 0),
             dense_inter=int(hf["intermediate_size"]),
@@ -131,7 +158,7 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
     if mt == "mixtral" or hf.get("num_local_experts"):
         out.update(
             num_experts=int(hf["num_local_experts"]),
-            top_k=int(hf.get("num_experts_per_tok") or 2),
+            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
             expert_inter=int(hf["intermediate_size"]),
             dense_inter=int(hf["intermediate_size"]),
             first_k_dense=0,
@@ -152,7 +179,7 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
         expert = int(hf["moe_intermediate_size"])
         out.update(
             num_experts=int(hf["num_experts"]),
-            top_k=int(hf.get("num_experts_per_tok") or 1),
+            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
             expert_inter=expert,
             dense_inter=int(hf.get("intermediate_size") or expert),
             first_k_dense=len(dense),

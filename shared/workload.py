@@ -10,9 +10,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.knobs import knob, validate_all
 from overlap_lab.shared.preset_files import builtin, pick
 
 DTYPES = ("bf16", "fp8")
+ATTENTIONS = ("mla", "gqa")
+#: Model field ranges: every published MoE fits far inside them, and the op costs they yield stay
+#: far from floating-point trouble (a model file is checked against them as options are).
+MAX_LAYERS = 1000
+MAX_WIDTH = 1 << 20
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_EXPERTS = 1 << 16
 DTYPE_BYTES = {"bf16": 2, "fp8": 1}
 
 
@@ -20,12 +29,6 @@ def _positive(owner: str, **values: int) -> None:
     for k, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{owner}: {k} must be a positive integer, got {v!r}")
-
-
-def _non_negative(owner: str, **values: int) -> None:
-    for k, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{owner}: {k} must be a non-negative integer, got {v!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -42,58 +45,56 @@ class ModelConfig:
     ``expert_inter`` each form one dense MLP of width ``num_shared_experts * expert_inter``.
     """
 
-    name: str
-    num_layers: int
-    first_k_dense: int
-    hidden: int
-    vocab: int
-    attention: str  # "mla" | "gqa"
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int = 0  # GQA
-    q_lora_rank: int = 0  # MLA; 0: no q down-projection
-    kv_lora_rank: int = 0  # MLA latent width
-    qk_nope_dim: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
-    num_experts: int = 1
-    top_k: int = 1
-    expert_inter: int = 1
-    num_shared_experts: int = 0
-    dense_inter: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    gemm_dtype: str = "bf16"
-    attn_dtype: str = "bf16"
+    name: str = knob(help="the name every output calls the model by")
+    num_layers: int = knob(help="decoder layers", unit="layers", lo=1, hi=MAX_LAYERS)
+    first_k_dense: int = knob(
+        help="leading layers with a dense MLP (first_k_dense_replace)",
+        unit="layers",
+        lo=0,
+        hi=MAX_LAYERS,
+    )
+    hidden: int = knob(help="hidden size", unit="elements", lo=1, hi=MAX_WIDTH)
+    vocab: int = knob(help="vocabulary size", unit="tokens", lo=1, hi=1 << 24)
+    attention: str = knob(help="attention kind", choices=ATTENTIONS)
+    num_heads: int = knob(help="attention heads", unit="heads", lo=1, hi=MAX_HEADS)
+    num_kv_heads: int = knob(help="GQA kv heads (MLA: num_heads)", unit="heads", lo=1, hi=MAX_HEADS)
+    head_dim: int = knob(0, "GQA head width (0 for MLA)", unit="elements", lo=0, hi=MAX_HEAD_DIM)
+    q_lora_rank: int = knob(
+        0, "MLA q down-projection width; 0: plain q", unit="elements", lo=0, hi=MAX_WIDTH
+    )
+    kv_lora_rank: int = knob(0, "MLA latent width", unit="elements", lo=0, hi=MAX_WIDTH)
+    qk_nope_dim: int = knob(0, "MLA", unit="elements", lo=0, hi=MAX_HEAD_DIM)
+    qk_rope_dim: int = knob(0, "MLA", unit="elements", lo=0, hi=MAX_HEAD_DIM)
+    v_head_dim: int = knob(0, "MLA", unit="elements", lo=0, hi=MAX_HEAD_DIM)
+    num_experts: int = knob(1, "routed experts", unit="experts", lo=1, hi=MAX_EXPERTS)
+    top_k: int = knob(1, "experts per token", unit="experts", lo=1, hi=MAX_EXPERTS)
+    expert_inter: int = knob(1, "expert MLP width", unit="elements", lo=1, hi=MAX_WIDTH)
+    num_shared_experts: int = knob(0, "shared experts", unit="experts", lo=0, hi=MAX_EXPERTS)
+    dense_inter: int = knob(1, "dense MLP width", unit="elements", lo=1, hi=MAX_WIDTH)
+    n_group: int = knob(1, "expert groups (1: no group-limited routing)", lo=1, hi=MAX_EXPERTS)
+    topk_group: int = knob(1, "groups a token may route to", lo=1, hi=MAX_EXPERTS)
+    qk_norm: bool = knob(False, "Qwen3: RMSNorm on q and k per head")
+    gemm_dtype: str = knob("bf16", "GEMM weights and inputs", choices=DTYPES)
+    attn_dtype: str = knob("bf16", "attention and KV cache", choices=DTYPES)
 
     def __post_init__(self) -> None:
+        """Each field's type and sign (its range: presets and files, ``preset_files``), then
+        the fields against each other."""
         m = f"model {self.name}"
-        _positive(m, num_layers=self.num_layers, hidden=self.hidden, vocab=self.vocab)
-        _positive(m, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
-        _positive(m, num_experts=self.num_experts, top_k=self.top_k, dense_inter=self.dense_inter)
-        _positive(m, expert_inter=self.expert_inter, n_group=self.n_group)
-        _positive(m, topk_group=self.topk_group)
-        _non_negative(m, first_k_dense=self.first_k_dense, shared=self.num_shared_experts)
+        validate_all(self, m, ranged=False)
         if self.first_k_dense > self.num_layers:
             raise ConfigError(f"{m}: first_k_dense={self.first_k_dense} > {self.num_layers} layers")
         if self.top_k > self.num_experts:
             raise ConfigError(f"{m}: top_k={self.top_k} > num_experts={self.num_experts}")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ConfigError(f"{m}: need n_group | num_experts and topk_group <= n_group")
-        for f in ("gemm_dtype", "attn_dtype"):
-            if getattr(self, f) not in DTYPES:
-                raise ConfigError(f"{m}: {f} must be one of {DTYPES}, got {getattr(self, f)!r}")
         if self.attention == "mla":
-            _non_negative(m, q_lora_rank=self.q_lora_rank)
             _positive(m, kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim)
             _positive(m, qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim)
-        elif self.attention == "gqa":
+        else:
             _positive(m, head_dim=self.head_dim)
             if self.num_heads % self.num_kv_heads:
                 raise ConfigError(f"{m}: num_kv_heads must divide num_heads")
-        else:
-            raise ConfigError(f"{m}: attention must be 'mla' or 'gqa', got {self.attention!r}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """DeepSeek's first_k_dense_replace: layers below it use a dense MLP."""
@@ -109,6 +110,33 @@ class ModelConfig:
     def group_limited(self) -> bool:
         """DeepSeek-V3's node-limited routing: top-k inside the best topk_group of n_group."""
         return self.n_group > 1
+
+
+def model_file_fields(data: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, defaulted) ModelConfig fields of a model file's mapping ``data``: the fields it
+    must give, missing ones first, and the defaults it took that change the model.
+
+    A file gives every field that sets the work of the model: its layers and widths, its
+    attention (MLA's latent and head widths, or GQA's head width), its experts (``num_experts``,
+    ``top_k``, ``expert_inter``) and, when it has dense layers, ``dense_inter``: a default there
+    would be another model (top-1 routing of a top-8 model). Defaults that describe a variant
+    (no shared experts, no expert groups, bf16, no q down-projection) are taken and said.
+    """
+    required = [
+        "num_layers", "first_k_dense", "hidden", "vocab", "attention", "num_heads",
+        "num_kv_heads", "num_experts", "top_k", "expert_inter",
+    ]  # fmt: skip
+    if data.get("attention") == "mla":
+        required += ["kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"]
+        variant = ["q_lora_rank"]
+    else:
+        required += ["head_dim"]
+        variant = []
+    if data.get("first_k_dense"):
+        required.append("dense_inter")
+    variant += ["num_shared_experts", "n_group", "topk_group", "qk_norm"]
+    variant += ["gemm_dtype", "attn_dtype"]
+    return tuple(required), tuple(f for f in variant if f not in data)
 
 
 #: The built-in presets: one YAML file per model in ``shared/presets/models/``, each citing the

@@ -80,7 +80,7 @@ def refused(capsys, *argv, fragment: str = "", fn=main) -> str:
         (["--schedule", "pp", "--pp-size", "61"], "1..16"),
         (["--sbo-mode", "2"], "applies to --schedule sbo or tbo+sbo only"),
         (["--schedule", "nope"], "unknown schedule"),
-        (["--comm-sms", "1000"], "below the GPU's 132 SMs"),
+        (["--schedule", "sbo", "--comm-sms", "1000"], "below the GPU's 132 SMs"),
         (["--max-events", "0"], "--max-events"),
         (["--max-events", "1"], "more than 1 events"),
         (["--schedule", "pp", "--ranks", "explicit"], "does not apply to --schedule pp"),

@@ -52,7 +52,8 @@ def test_a_knob_the_build_does_not_read_skips_the_build(builds):
 
 
 def test_a_schedule_knob_the_build_does_not_read_skips_the_build(builds):
-    """--comm-sms is not in inputs.KNOB_SCHEDULES: serial's builds show they do not read it."""
+    """serial does not read --comm-sms (it is in inputs.KNOB_SCHEDULES for the four that do):
+    its cases merge."""
     claims = sweep._LocalClaims({})
     cases = [
         {**BASE, "schedule": s, "batch": 16, "comm_sms": c}

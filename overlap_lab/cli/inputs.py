@@ -13,6 +13,7 @@ message says what is allowed.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.preset_files import read_capped
+from overlap_lab.shared.schedules import schedule_knobs
 
 # ---- per-option limits ---------------------------------------------------------------------------
 
@@ -33,7 +37,9 @@ class Limit:
     lo: float
     hi: float
     open_hi: bool = False
-    zero_ok: bool = False  # floats: 0 allowed besides lo..hi (0 = "off" / "same as nominal")
+    zero_ok: bool = False  # 0 allowed besides lo..hi (0 = "off" / "same as nominal")
+    is_list: bool = False  # a comma-separated list, each value within the range
+    unit: str = ""  # what the number counts or measures, shown in the option's help
 
     def text(self) -> str:
         def num(v):
@@ -52,18 +58,38 @@ MAX_TOKENS = 1 << 20  # tokens of one sequence (KV, extend or prefix)
 MAX_SEQS = 1 << 16  # sequences per GPU
 _I, _F = int, float
 
-#: Option destination -> its limit. Hardware ranges bracket every real device with a wide margin
-#: and keep simulated times far from floating-point trouble.
+
+
+def _record_limits() -> dict[str, Limit]:
+    """The limits of the schedule knobs, host costs (``host_`` options) and GPU fields: their
+    knob records' ranges, declared once where the field is (the configuration checks the same)."""
+    out = {}
+    for prefix, records in (
+        ("", schedule_knobs()),
+        ("host_", host_cost_fields()),
+        ("", gpu_fields()),
+    ):
+        for k in records:
+            if k.scalar in (int, float) and k.lo is not None and k.hi is not None:
+                out[prefix + k.name] = Limit(
+                    k.scalar, k.lo, k.hi, zero_ok=k.zero_ok, is_list=k.is_tuple, unit=k.unit
+                )
+    return out
+
+
+#: Option destination -> its limit: the workload's and ``run``'s here, every knob's from its
+#: record. Hardware ranges bracket every real device with a wide margin and keep simulated times
+#: far from floating-point trouble.
 LIMITS: dict[str, Limit] = {
     # workload and parallelism
     "batch": Limit(_I, 1, MAX_SEQS),
     "kv_len": Limit(_I, 1, MAX_TOKENS),
-    "kv_lens": Limit(_I, 1, MAX_TOKENS),
+    "kv_lens": Limit(_I, 1, MAX_TOKENS, is_list=True),
     "tokens_per_seq": Limit(_I, 1, 64),
     "extend_len": Limit(_I, 1, MAX_TOKENS),
-    "extend_lens": Limit(_I, 1, MAX_TOKENS),
+    "extend_lens": Limit(_I, 1, MAX_TOKENS, is_list=True),
     "prefix_len": Limit(_I, 0, MAX_TOKENS),
-    "prefix_lens": Limit(_I, 0, MAX_TOKENS),
+    "prefix_lens": Limit(_I, 0, MAX_TOKENS, is_list=True),
     "layers": Limit(_I, 1, 1000),
     "ep": Limit(_I, 1, 1024),
     "gpus_per_node": Limit(_I, 1, 72),
@@ -72,52 +98,12 @@ LIMITS: dict[str, Limit] = {
     "seed": Limit(_I, 0, 2**32 - 1),
     "dp_imbalance": Limit(_F, 0, 1, open_hi=True),
     "max_events": Limit(_I, 1, 10**10),
-    # schedule knobs
-    "comm_sms": Limit(_I, 0, 1023),
-    "sbo_mode": Limit(_I, 1, 3),
-    "tbo_threshold": Limit(_F, 0.01, 0.5),
-    "delta_stages": Limit(_I, 0, 16),
-    "iterations": Limit(_I, 1, 64),
-    "micro_batches": Limit(_I, 1, 64),
-    "dbo_decode_token_threshold": Limit(_I, 0, MAX_TOKENS),
-    "dbo_prefill_token_threshold": Limit(_I, 0, MAX_TOKENS),
-    "dp_peer_tokens": Limit(_I, 0, MAX_TOKENS),
-    "max_running_requests": Limit(_I, 1, MAX_SEQS),
-    "chunked_prefill_size": Limit(_I, 1, MAX_TOKENS),
-    "context_len": Limit(_I, 1, 1 << 24),
-    # hardware overrides
-    "num_sms": Limit(_I, 1, 1024),
-    "bf16_tflops": Limit(_F, 1, 1e5),
-    "fp8_tflops": Limit(_F, 1, 1e5),
-    "hbm_gbps": Limit(_F, 10, 1e6),
-    "mem_gib": Limit(_F, 1, 1e5),
-    "launch_us": Limit(_F, 0, 1e4),
-    "graph_launch_us": Limit(_F, 0, 1e4),
-    "kernel_min_us": Limit(_F, 0, 1e4),
-    "nvlink_gbps": Limit(_F, 1, 1e5),
-    "nvlink_lat_us": Limit(_F, 0, 1e4),
-    "rdma_gbps": Limit(_F, 1, 1e5),
-    "rdma_lat_us": Limit(_F, 0, 1e4),
-    "pcie_gbps": Limit(_F, 1, 1e5),
-    "pcie_lat_us": Limit(_F, 0, 1e4),
-    "sbo_comm_sms": Limit(_I, 1, 1023),
-    "deepep_normal_sms": Limit(_I, 1, 1023),
-    "nvlink_eff_gbps": Limit(_F, 1, 1e5, zero_ok=True),
-    "rdma_eff_gbps": Limit(_F, 1, 1e5, zero_ok=True),
     # `run`
     "warmup": Limit(_I, 0, 1000),
     "repeats": Limit(_I, 1, 10000),
     "tolerance": Limit(_F, 1e-12, 1),
 }
-for _f in (
-    "recv_requests_us",
-    "schedule_base_us",
-    "schedule_per_req_us",
-    "process_result_base_us",
-    "process_result_per_req_us",
-    "detokenizer_send_us",
-):
-    LIMITS["host_" + _f] = Limit(_F, 0, 1e6)
+LIMITS.update(_record_limits())
 #: `run` (CPU equivalence check and GPU) sizes: the real executor allocates them.
 RUN_LIMITS = {"batch": 4096, "ranks": 16}
 
@@ -179,14 +165,9 @@ def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         lim = LIMITS.get(a.dest)
         if lim is None or not a.option_strings or a.nargs == 0:
             continue
-        is_list = a.dest.endswith("s") and a.dest in (
-            "kv_lens",
-            "extend_lens",
-            "prefix_lens",
-            "dp_peer_tokens",
-        )
-        a.type = limited(lim, is_list=is_list)
-        a.help = f"{a.help or ''} [{'each ' if is_list else ''}{lim.text()}]".strip()
+        a.type = limited(lim, is_list=lim.is_list)
+        unit = f" {lim.unit}" if lim.unit else ""
+        a.help = f"{a.help or ''} [{'each ' if lim.is_list else ''}{lim.text()}{unit}]".strip()
         if a.dest in ("nvlink_gbps", "rdma_gbps"):
             a.help += (
                 f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
@@ -218,32 +199,32 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 
 DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq")
 PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
-#: Schedule knobs read by only some schedules: giving one to none of them is refused.
-KNOB_SCHEDULES = {
-    "sbo_mode": ("sbo", "tbo+sbo"),
-    "tbo_threshold": ("tbo", "tbo+sbo"),
-    "delta_stages": ("tbo", "tbo+sbo"),
-    "dp_ranks_disagree": ("tbo", "tbo+sbo"),
-    "iterations": ("sglang-overlap", "pp"),
-    "micro_batches": ("pp", "tbo", "tbo+sbo"),
-    "dbo_decode_token_threshold": ("vllm-dbo",),
-    "dbo_prefill_token_threshold": ("vllm-dbo",),
-    "dp_peer_tokens": ("lightllm", "vllm-dbo"),
-    "return_logprob": ("sglang-overlap", "pp"),
-    **{
-        k: ("sglang-overlap",)
-        for k in (
-            "disable_overlap_schedule",
-            "disable_consecutive_prefill_overlap",
-            "spec_v2",
-            "grammar",
-            "iteration_modes",
-            "max_running_requests",
-            "chunked_prefill_size",
-            "context_len",
-        )
-    },
-}
+
+
+@functools.cache  # imports every schedule module: once, and only when a command is checked
+def knob_schedules() -> dict[str, tuple[str, ...]]:
+    """Schedule knobs read by only some schedules -> those schedules (from each schedule's
+    declared ``KNOBS``, in knob order): giving one to none of them is refused."""
+    from overlap_lab.shared.schedules import SCHEDULES, knobs_of
+
+    readers: dict[str, list[str]] = {}
+    for name in SCHEDULES:
+        for k in knobs_of(name):
+            readers.setdefault(k.name, []).append(name)
+    return {
+        k.name: tuple(readers.get(k.name, ()))
+        for k in schedule_knobs()
+        if len(readers.get(k.name, ())) < len(SCHEDULES)
+    }
+
+
+def __getattr__(name: str):
+    """``KNOB_SCHEDULES`` (:func:`knob_schedules`), computed on first use."""
+    if name == "KNOB_SCHEDULES":
+        return knob_schedules()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
 MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
 
@@ -257,7 +238,15 @@ def _given(args, dest: str) -> bool:
 
 
 def check_args(args) -> None:
-    """Check a parsed ``overlap-lab`` command line as a whole; fill the mode defaults."""
+    """Check a parsed ``overlap-lab`` command line as a whole; fill the mode defaults. Values
+    that pass but look like a unit mix-up are warned about last, once every check has passed (a
+    refusal stays one line)."""
+    typed = {k.name: getattr(args, k.name, None) for k in gpu_fields()}  # before derived ones
+    _check_args(args)
+    warn_implausible(typed)
+
+
+def _check_args(args) -> None:
     cmd = getattr(args, "command", None)
     if cmd not in ("sim", "show", "compare", "run"):
         if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
@@ -332,7 +321,7 @@ def _check_mode_options(args) -> None:
 
 
 def _check_knobs(args, names: list[str]) -> None:
-    for dest, owners in KNOB_SCHEDULES.items():
+    for dest, owners in knob_schedules().items():
         v = getattr(args, dest, None)
         if v is None or v == () or v is False:
             continue
@@ -375,6 +364,48 @@ def _check_hardware(args) -> None:
         v = getattr(args, dest, None)
         if v is not None and v >= num_sms:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
+
+
+#: A value more than this many times the fastest built-in preset's is warned about.
+IMPLAUSIBLE = 2.0
+_WARNED: set[str] = set()
+
+
+@functools.cache
+def _fastest_presets() -> dict[str, tuple[float, str]]:
+    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
+    from overlap_lab.shared.hardware import GPUS
+
+    out = {}
+    for k in gpu_fields():
+        if k.scalar in (int, float):
+            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
+            if getattr(GPUS[name], k.name) > 0:
+                out[k.name] = (getattr(GPUS[name], k.name), name)
+    return out
+
+
+def warn_implausible(values: dict[str, float | None]) -> None:
+    """One line on stderr for each hardware option given (``values``: GPU field -> the value
+    typed, None: not given) above ``IMPLAUSIBLE`` times the fastest built-in preset's value:
+    such a value is taken, but is most likely typed in another unit (``--rdma-gbps 400`` for a
+    400 Gb/s NIC, which is 50 GB/s). Each is said once per run (a sweep checks every case)."""
+    import sys
+
+    units = {k.name: k.unit for k in gpu_fields()}
+    for field, (top, name) in _fastest_presets().items():
+        v = values.get(field)
+        if v is None or v <= IMPLAUSIBLE * top:
+            continue
+        unit = units[field]
+        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
+        msg = (
+            f"overlap-lab: warning: {_flag(field)} {v:g} {unit} is over {IMPLAUSIBLE:g}x the "
+            f"fastest built-in GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
+        )
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            print(msg, file=sys.stderr)
 
 
 #: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
@@ -449,13 +480,9 @@ def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
         raise ConfigError(f"routing file {path}: is a directory")
     if not p.is_file():
         raise ConfigError(f"routing file {path}: no such file")
-    if p.stat().st_size > MAX_ROUTING_FILE_BYTES:
-        raise ConfigError(f"routing file {path}: larger than {MAX_ROUTING_FILE_BYTES >> 20} MiB")
+    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
     try:
-        raw = p.read_bytes()
         text = raw.decode("utf-8")
-    except OSError as e:
-        raise ConfigError(f"routing file {path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
     if "\x00" in text:

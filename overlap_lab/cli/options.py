@@ -7,24 +7,22 @@ functions that turn parsed options into the API's records (:func:`workload_from`
 (whose spec keys are ``sim``'s options) build from this one place; it never imports
 :mod:`overlap_lab.cli.main`, so the subcommands can use it without an import cycle.
 
-Schedule knobs are the fields of ScheduleConfig and hardware overrides the fields of the GPU
-preset, both turned into options here so that a knob added to either is on the command line at
-once.
+Schedule knobs, host costs and hardware overrides are built from the knob records
+(``shared.knobs``: ``schedule_knobs()``, ``host_cost_fields()``, ``gpu_fields()``), flag, parser
+and help alike, so that a knob added to a configuration is on the command line at once and its
+help is what the record says, not what the class source happens to read like.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-import re
-import types
 import typing
 
 from overlap_lab.cli import inputs
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, GPUS, HostCosts
-from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
+from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, gpu_fields, host_cost_fields
+from overlap_lab.shared.knobs import Knob
+from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, schedule_knobs
 from overlap_lab.shared.workload import MODELS, Workload
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
 
@@ -64,23 +62,8 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _option_type(tp):
-    """A parser for a dataclass field annotation: scalars, optionals and comma-separated tuples."""
-    if isinstance(tp, str):
-        tp = eval(tp, {"HostCosts": object}, {})  # annotations are strings (PEP 563)
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _option_type(args[0]) if len(args) == 1 else None
-    if typing.get_origin(tp) is tuple:
-        inner = typing.get_args(tp)[0]
-        if inner is int:
-            return _int_list
-        if inner is str:
-            return lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
-        return None
-    if tp is bool:
-        return _bool
-    return tp if tp in (int, float, str) else None
+def _str_list(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
 def _bool(s: str) -> bool:
@@ -91,36 +74,44 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
-@functools.cache  # reading the source is most of building the parser
-def _field_comments(cls) -> dict[str, str]:
-    """The trailing ``# comment`` of each field in the class source: the option's help."""
-    import inspect
-
-    out = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
+def _option_type(k: Knob) -> typing.Callable[[str], typing.Any] | None:
+    """The parser of a knob's value as typed (None: the knob is no option, e.g. ``host``)."""
+    tp = k.scalar
+    if k.is_tuple:
+        return {int: _int_list, str: _str_list}.get(tp)
+    if tp is bool:
+        return _bool
+    return tp if tp in (int, float, str) else None
 
 
-def _add_dataclass_options(group, cls, *, skip=(), prefix="") -> None:
-    notes = _field_comments(cls)
-    for f in dataclasses.fields(cls):
-        parse = _option_type(f.type)
-        if f.name in skip or parse is None:
+def _add_knob_options(
+    group, records: tuple[Knob, ...], *, prefix: str = "", shown_default: str | None = None
+) -> None:
+    """One option per knob record: its flag, parser and help come from the record alone, so a
+    knob added to a configuration is on the command line at once (ranges: ``inputs.LIMITS``)."""
+    for k in records:
+        parse = _option_type(k)
+        if parse is None:
             continue
-        default = "preset" if cls is GPU else f.default
+        default = shown_default if shown_default is not None else k.default
         kw = dict(nargs="?", const=True) if parse is _bool else {}
         group.add_argument(
-            flag(prefix + f.name),
-            dest=prefix + f.name,
+            flag(prefix + k.name),
+            dest=prefix + k.name,
             type=parse,
             default=None,
-            metavar=f.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
-            help=f"{notes.get(f.name, '')} (default: {default})".strip(),
+            metavar=k.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
+            help=f"{k.help} (default: {default})".strip(),
             **kw,
         )
+
+
+#: The GPU fields that are no hardware override (a GPU is chosen by --gpu / --gpu-file).
+_GPU_IDENTITY = ("name", "arch")
+
+
+def _gpu_overrides() -> tuple[Knob, ...]:
+    return tuple(k for k in gpu_fields() if k.name not in _GPU_IDENTITY)
 
 
 def workload_options(p: argparse.ArgumentParser) -> None:
@@ -183,14 +174,16 @@ def workload_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pipeline stages (default: 1; pp: 2)",
     )
-    _add_dataclass_options(p.add_argument_group("schedule knobs"), ScheduleConfig)
-    _add_dataclass_options(
-        p.add_argument_group("host costs of the scheduler loop (µs)"), HostCosts, prefix="host_"
+    _add_knob_options(p.add_argument_group("schedule knobs"), schedule_knobs())
+    _add_knob_options(
+        p.add_argument_group("host costs of the scheduler loop (µs)"),
+        host_cost_fields(),
+        prefix="host_",
     )
-    _add_dataclass_options(
+    _add_knob_options(
         p.add_argument_group("hardware overrides (fields of the GPU preset)"),
-        GPU,
-        skip=("name", "arch"),
+        _gpu_overrides(),
+        shown_default="preset",
     )
     inputs.add_guard_options(p)
 
@@ -297,11 +290,12 @@ def workload_from(args) -> Workload:
     )
 
 
-def _overrides(args, cls, skip=(), prefix="") -> dict:
+def _overrides(args, records: tuple[Knob, ...], prefix: str = "") -> dict[str, typing.Any]:
+    """The knobs of ``records`` given on the command line (None: left out), by field name."""
     return {
-        f.name: getattr(args, prefix + f.name)
-        for f in dataclasses.fields(cls)
-        if f.name not in skip and getattr(args, prefix + f.name, None) is not None
+        k.name: getattr(args, prefix + k.name)
+        for k in records
+        if getattr(args, prefix + k.name, None) is not None
     }
 
 
@@ -311,13 +305,13 @@ def gpu_from(args) -> GPU:
     from overlap_lab import api
 
     spec = getattr(args, "gpu_file", None) or args.gpu
-    return api.gpu(spec, **_overrides(args, GPU, skip=("name", "arch")))
+    return api.gpu(spec, **_overrides(args, _gpu_overrides()))
 
 
 def config_from(args) -> ScheduleConfig:
     """The schedule knobs and host costs given (the rest: ScheduleConfig's defaults)."""
-    kw = _overrides(args, ScheduleConfig)
-    host = _overrides(args, HostCosts, prefix="host_")
+    kw = _overrides(args, schedule_knobs())
+    host = _overrides(args, host_cost_fields(), prefix="host_")
     if host:
         kw["host"] = HostCosts(**host)
     return ScheduleConfig(**kw)

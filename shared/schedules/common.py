@@ -26,8 +26,7 @@ class ScheduleConfig:
     None means "the system's own default" (taken from upstream or the hardware preset). Every
     field is a :func:`~overlap_lab.shared.knobs.knob`: its help, unit, range and validator are
     declared here once (``schedules.schedule_knobs()``), and ``__post_init__`` runs each knob's
-    one validator. The trailing comments repeat each knob's help for the command line, which
-    still reads them from this source.
+    one validator; the command line builds its options from these records.
 
     ``comm_sms`` is read by three schedules, with one meaning each (``resolve_comm_sms`` below resolves
     and checks it against the GPU for all three): sbo and tbo+sbo, the SMs of DeepEP's
@@ -37,74 +36,74 @@ class ScheduleConfig:
     control off).
     """
 
-    comm_sms: int | None = knob(  # SBO / DeepSeek communication SMs (default: GPU preset)
+    comm_sms: int | None = knob(
         None, "SBO / DeepSeek communication SMs (default: GPU preset)", unit="SMs", lo=0, hi=1023
     )
-    sbo_mode: int = knob(  # SBO: 1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared
+    sbo_mode: int = knob(
         1, "SBO: 1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared", lo=1, hi=3
     )
-    tbo_threshold: float = knob(  # SGLang tbo_token_distribution_threshold
+    tbo_threshold: float = knob(
         0.48, "SGLang tbo_token_distribution_threshold", unit="fraction", lo=0.01, hi=0.5
     )
-    delta_stages: int | None = knob(  # TBO: None = the strategy's own (decode 2, prefill 0)
+    delta_stages: int | None = knob(
         None, "TBO: None = the strategy's own (decode 2, prefill 0)", unit="stages", lo=0, hi=16
     )
-    iterations: int = knob(  # sglang-overlap / pp: scheduler iterations simulated
+    iterations: int = knob(
         4, "sglang-overlap / pp: scheduler iterations simulated", unit="iterations", lo=1, hi=64
     )
-    micro_batches: int | None = knob(  # pp: micro-batches in flight (None = pp_size)
+    micro_batches: int | None = knob(
         None, "pp: micro-batches in flight (None = pp_size)", unit="micro-batches", lo=1, hi=64
     )
-    deepep_mode: str = knob(  # auto: low_latency for decode, normal for prefill (SGLang)
+    deepep_mode: str = knob(
         "auto", "auto: low_latency for decode, normal for prefill (SGLang)", choices=DEEPEP_MODES
     )
-    cuda_graph: bool | None = knob(  # None: decode uses CUDA graphs, prefill does not
+    cuda_graph: bool | None = knob(
         None, "None: decode uses CUDA graphs, prefill does not"
     )
-    dbo_decode_token_threshold: int = knob(  # vLLM --dbo-decode-token-threshold
+    dbo_decode_token_threshold: int = knob(
         32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
     )
-    dbo_prefill_token_threshold: int = knob(  # vLLM --dbo-prefill-token-threshold
+    dbo_prefill_token_threshold: int = knob(
         512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
     )
-    host: HostCosts = knob(  # host (CPU) costs of the scheduler loop
+    host: HostCosts = knob(
         HOST_COSTS, "host (CPU) costs of the scheduler loop", unit="µs"
     )
-    dp_ranks_disagree: bool = knob(  # TBO: some DP rank cannot split (or runs another mode)
+    dp_ranks_disagree: bool = knob(
         False, "TBO: some DP rank cannot split (or runs another mode)"
     )
-    dp_peer_tokens: tuple[int, ...] = knob(  # vllm-dbo: other DP ranks' tokens (empty: as this)
+    dp_peer_tokens: tuple[int, ...] = knob(
         (), "vllm-dbo: other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
     )
     # sglang-overlap (SGLang's CPU-GPU overlap scheduler, docs/schedules.md):
-    disable_overlap_schedule: bool = knob(  # --disable-overlap-schedule (event_loop_normal)
+    disable_overlap_schedule: bool = knob(
         False, "--disable-overlap-schedule (event_loop_normal)"
     )
-    disable_consecutive_prefill_overlap: bool = knob(  # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
+    disable_consecutive_prefill_overlap: bool = knob(
         False, "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
     )
-    spec_v2: bool = knob(  # the batches are spec-v2 (overlapped speculative decoding)
+    spec_v2: bool = knob(
         False, "the batches are spec-v2 (overlapped speculative decoding)"
     )
-    grammar: bool = knob(  # requests carry a grammar (structured output)
+    grammar: bool = knob(
         False, "requests carry a grammar (structured output)"
     )
-    return_logprob: bool = knob(  # copy logprobs to the host with next_token_ids
+    return_logprob: bool = knob(
         False, "copy logprobs to the host with next_token_ids"
     )
-    iteration_modes: tuple[str, ...] = knob(  # "prefill"/"decode" per iteration; last one repeats
+    iteration_modes: tuple[str, ...] = knob(
         (),
         '"prefill"/"decode" per iteration; last one repeats',
         choices=("prefill", "decode"),
         check=_modes_fit_iterations,
     )
-    max_running_requests: int | None = knob(  # FutureMap sizing (None: largest running batch)
+    max_running_requests: int | None = knob(
         None, "FutureMap sizing (None: largest running batch)", unit="requests", lo=1, hi=MAX_SEQS
     )
-    chunked_prefill_size: int | None = knob(  # FutureMap sizing; None: chunked prefill off
+    chunked_prefill_size: int | None = knob(
         8192, "FutureMap sizing; None: chunked prefill off", unit="tokens", lo=1, hi=MAX_TOKENS
     )
-    context_len: int | None = knob(  # FutureMap sizing (None: longest sequence simulated)
+    context_len: int | None = knob(
         None, "FutureMap sizing (None: longest sequence simulated)", unit="tokens", lo=1, hi=1 << 24
     )
 
