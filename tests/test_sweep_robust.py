@@ -175,3 +175,31 @@ def test_compare_finishes_its_bar_before_the_table(tmp_path):
     lines = both.read_bytes().decode().split("\n")  # read_text would turn \r into \n
     head = next(i for i, ln in enumerate(lines) if "decode on h800" in ln)
     assert lines[head].startswith("deepseek-v3 decode on h800"), lines[head]
+
+
+def test_spec_shapes_that_crashed_are_one_line_errors(tmp_path):
+    """`cases: [5]` raised AttributeError and a truncated JSON spec JSONDecodeError."""
+    from overlap_lab.cli.sweep import load_spec
+    from overlap_lab.shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cases\[0\] must be a mapping"):
+        load_spec({"cases": [5]})
+    with pytest.raises(ConfigError, match="grid must be a mapping"):
+        load_spec({"grid": [1, 2]})
+    bad = tmp_path / "spec.json"
+    bad.write_text('{"grid": {"batch": [16, 3')
+    with pytest.raises(ConfigError, match="invalid JSON") as e:
+        load_spec(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_a_huge_grid_is_refused_before_it_is_expanded():
+    """A grid multiplying out to 1e8 cases filled 6 GB in 21 s; it is counted first."""
+    from overlap_lab.cli.sweep import MAX_CASES, load_spec
+    from overlap_lab.shared.errors import ConfigError
+
+    grid = {"batch": list(range(1, 101)), "kv-len": list(range(1, 101)),
+            "ep": [8] * 100, "seed": list(range(100))}  # fmt: skip
+    with pytest.raises(ConfigError, match="100,000,000 cases"):
+        load_spec({"grid": grid})
+    assert len(load_spec({"grid": {"batch": [16, 32]}}).cases) == 2 <= MAX_CASES

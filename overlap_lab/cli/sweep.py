@@ -56,6 +56,7 @@ import io
 import itertools
 import json
 import marshal
+import math
 import os
 import re
 import signal
@@ -172,36 +173,80 @@ def _normalise(knobs: Mapping[str, Any], actions: Mapping[str, argparse.Action],
     return out
 
 
+#: The most cases one spec may expand to. Counted from the grid's sizes before anything is
+#: expanded, so a grid that multiplies out to 1e8 cases is refused at once instead of filling
+#: memory (each expanded case is a dict of its knobs, ~1 KB); 100,000 cases take hours to
+#: simulate on a workstation, so a larger study is several specs (or a Ray cluster's sweeps).
+MAX_CASES = 100_000
+
+
+def _read_spec(path: Path) -> Any:
+    """A spec file's document: read with the input size cap, one-line errors for bad JSON/YAML."""
+    from overlap_lab.shared.preset_files import read_capped
+
+    if not path.is_file():
+        raise ConfigError(f"sweep: no such spec file {path}")
+    try:
+        text = read_capped(path, "sweep spec").decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"sweep: {path}: not a UTF-8 text file") from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"sweep: {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or type(e).__name__
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"sweep: {path}: invalid YAML ({problem}{where})") from None
+
+
 def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
     """Read and expand a spec (a YAML/JSON file, or the mapping itself); every value is checked
-    by its option's own parser before any simulation starts."""
+    by its option's own parser before any simulation starts, once per distinct value."""
     if not isinstance(src, Mapping):
-        path = Path(src)
-        if not path.is_file():
-            raise ConfigError(f"sweep: no such spec file {path}")
-        text = path.read_text()
-        if path.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            try:
-                doc = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"sweep: {path}: invalid YAML ({e})") from None
-        src = doc or {}
+        src = _read_spec(Path(src)) or {}
     if not isinstance(src, Mapping):
         raise ConfigError("sweep: the spec must be a mapping with base, grid and/or cases")
     extra = set(src) - {"base", "grid", "cases"}
     if extra:
         raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
+    for key in ("base", "grid"):
+        if not isinstance(src.get(key) or {}, Mapping):
+            raise ConfigError(f"sweep: {key} must be a mapping of knob: value")
+    raw_cases = src.get("cases") or []
+    if not isinstance(raw_cases, list):
+        raise ConfigError("sweep: cases must be a list of mappings of knob: value")
+    for i, c in enumerate(raw_cases):
+        if not isinstance(c, Mapping):
+            raise ConfigError(f"sweep: cases[{i}] must be a mapping of knob: value, got {c!r:.40}")
     actions = _knob_actions()
     base = _normalise(src.get("base") or {}, actions, "base")
     grid = _normalise(src.get("grid") or {}, actions, "grid")
     for k, v in grid.items():
         if not isinstance(v, list) or not v:
             raise ConfigError(f"sweep: grid {k} needs a non-empty list of values")
-    listed = [_normalise(c, actions, "cases") for c in (src.get("cases") or [])]
+    count = math.prod(len(v) for v in grid.values()) if grid or not raw_cases else 0
+    count += len(raw_cases)
+    if count > MAX_CASES:
+        raise ConfigError(
+            f"sweep: the spec expands to {count:,} cases, more than {MAX_CASES:,}: "
+            "split it into several specs"
+        )
+    listed = [_normalise(c, actions, "cases") for c in raw_cases]
+    for k, v in base.items():
+        _convert(actions[k], v)
+    for k, values in grid.items():
+        for v in values:
+            _convert(actions[k], v)
+    for c in listed:
+        for k, v in c.items():
+            _convert(actions[k], v)
     knobs = list(base)
     for k in [*grid, *(k for c in listed for k in c)]:
         if k not in knobs:
@@ -211,14 +256,10 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
     cases = []
     if grid or not listed:
         for values in itertools.product(*grid.values()):
-            cases.append({**base, **dict(zip(grid, values))})
-    cases += [{**base, **c} for c in listed]
-    checked = []
-    for c in cases:
-        for k, v in c.items():
-            _convert(actions[k], v)
-        checked.append({k: c.get(k) for k in knobs})
-    return Spec(tuple(knobs), tuple(checked))
+            c = {**base, **dict(zip(grid, values))}
+            cases.append({k: c.get(k) for k in knobs})
+    cases += [{k: {**base, **c}.get(k) for k in knobs} for c in listed]
+    return Spec(tuple(knobs), tuple(cases))
 
 
 # ---------------------------------------------------------------------------------------------
