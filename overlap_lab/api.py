@@ -206,7 +206,7 @@ class Result:
 
     @property
     def fallback_reason(self) -> str | None:
-        return self.program.meta.get("fallback_reason")
+        return self.program.meta.fallback_reason
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
@@ -229,7 +229,7 @@ class Result:
             **m.as_dict(),
             "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
             "busy_us": busy,
-            "micro_batches": meta.get("micro_batches", []),
+            "micro_batches": meta.micro_batches or [],
             "num_ops": num_ops(self.program),
             "notes": list(self.notes),
         }
@@ -241,9 +241,9 @@ class Result:
             "imbalance",
             "dp_tokens",
         ):
-            if key in meta:
-                out[key] = meta[key]
-        if not self.program.symmetric and meta.get("ranks") == "explicit":
+            if meta.reported(key):
+                out[key] = getattr(meta, key)
+        if not self.program.symmetric and meta.ranks == "explicit":
             out["per_rank"] = self._per_rank(busy)
             if "reduction" in self.trace.meta:  # simulated once for all ranks, or why not
                 out["reduction"] = self.trace.meta["reduction"]
@@ -397,8 +397,8 @@ def simulate(
             op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
         )
         metrics = measure(trace, lowered, w, g.num_sms)
-    if lowered.meta.get("fallback_reason"):
-        notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
+    if lowered.meta.fallback_reason:
+        notes.append(f"ran unsplit: {lowered.meta.fallback_reason}")
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 

@@ -238,7 +238,7 @@ def reduce_program(
         )
     except _Ambiguous as e:
         return str(e.args[0])
-    meta = dict(program.meta)
+    meta = program.meta
     quotient = Program(
         (RankProgram(0, r0.streams, threads, r0.priorities),),
         world=world,
