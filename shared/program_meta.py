@@ -96,11 +96,15 @@ class ProgramMeta:
 
     def fault(self) -> str | None:
         """Why this record is no report a Program can carry (a field of the wrong type, an
-        ``extra`` key that shadows a field), or None."""
+        ``extra`` key that shadows a field, an ``order`` that is not the reported keys), or
+        None."""
         if not isinstance(self.extra, Mapping):
             return f"extra must be a mapping, got {type(self.extra).__name__}"
         if clash := _FIELDS.intersection(self.extra):
             return f"extra repeats the field(s) {sorted(clash)}"
+        have = {f for f in _FIELD_ORDER if getattr(self, f) is not None} | set(self.extra)
+        if not have <= set(self.order) <= have | _FIELDS:
+            return f"order {list(self.order)} is not the reported keys {sorted(have)}"
         for name, kinds in _KINDS.items():
             v = getattr(self, name)
             if v is not None and not isinstance(v, kinds):

@@ -230,6 +230,7 @@ def test_wait_cycle_still_rejected():
         ({"schedule": "x"}, "meta must be a ProgramMeta, got dict"),  # the bare dict, built in code
         (ProgramMeta(comm_sms="3"), "meta: comm_sms must be int, got '3'"),
         (ProgramMeta(extra={"schedule": "x"}), r"extra repeats the field\(s\) \['schedule'\]"),
+        (ProgramMeta(schedule="x", order=("y",)), r"meta: order \['y'\] is not the reported keys"),
     ],
 )
 def test_meta_not_a_record_in_code(meta, match):
