@@ -287,7 +287,7 @@ def routing_layer(tokens_per_rank: int = 65536, compiled: bool = True) -> dict:
 
     if not compiled:
         routing._compiled = False
-    loop = routing._compiled_race_loop()
+    loop = routing.compiled_race_loop()
     w = Workload(get_model("deepseek-v3"), Batch.prefill(1, extend_len=1), Parallel(ep=32))
     routing_for(w, "zipf:1.2").layer(0).topk  # noqa: B018 - loads (or compiles) the loop
     w = Workload(

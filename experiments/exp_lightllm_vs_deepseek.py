@@ -110,8 +110,8 @@ def measure(trace, program, case) -> dict:
         "layer_time_us": t1 - t0,
         "layer_comm_only_us": layer_only,
         "layer_comm_only_by": {k: round(v, 3) for k, v in who.items()},
-        "micro_batches": program.meta.get("micro_batches"),
-        "comm_sms": program.meta.get("comm_sms"),
+        "micro_batches": program.meta.micro_batches,
+        "comm_sms": program.meta.comm_sms,
     }
 
 

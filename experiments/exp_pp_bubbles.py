@@ -67,7 +67,7 @@ def measure(trace, program, case) -> dict:
         # decode tokens per second per GPU: a lane of pp GPUs (one per stage) finishes
         # TOKENS tokens per micro-batch iteration; whole window, fill and drain included
         "tokens_per_s_per_gpu": g_total * TOKENS / trace.step_time_us * 1e6 / pp,
-        "layer_split": program.meta["layer_split"],
+        "layer_split": program.meta.extra["layer_split"],
     }
 
 

@@ -68,8 +68,8 @@ def measure(trace, program, case) -> dict:
     others = union((s.start, s.end) for s in spans if s.op != "shared_experts")
     return {
         "preset_comm_sms": get_gpu(case.gpu).sbo_comm_sms,
-        "upstream": program.meta.get("sbo_upstream"),
-        "overlaps": program.meta.get("sbo_overlaps"),
+        "upstream": program.meta.sbo_upstream,
+        "overlaps": program.meta.sbo_overlaps,
         "step_time_us": trace.step_time_us,
         "exposed_comm_us": trace.exposed_comm_us(),
         "layer_us": t1 - t0,

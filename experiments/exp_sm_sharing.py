@@ -162,7 +162,7 @@ def measure(trace, program, case) -> dict:
         "layer_attn_core_us": sum(
             min(s.end, t1) - max(s.start, t0) for s in comp if s.op == "attn.core"
         ),
-        "comm_sms": program.meta.get("comm_sms"),
+        "comm_sms": program.meta.comm_sms,
     }
 
 

@@ -61,8 +61,8 @@ def measure(trace, program, case) -> dict:
     return {
         **standard_metrics(trace, program, case),
         "kernels": sum(1 for s in trace.spans if s.lane.startswith("stream:")),
-        "micro_batches": program.meta.get("micro_batches"),
-        "fallback_reason": program.meta.get("fallback_reason"),
+        "micro_batches": program.meta.micro_batches,
+        "fallback_reason": program.meta.fallback_reason,
     }
 
 

@@ -58,8 +58,9 @@ def cases():
 
 
 def measure(trace, program, case) -> dict:
-    meta = ("micro_batches", "two_chunk", "fallback_reason", "deep_gemm_sms")
-    return {**standard_metrics(trace, program, case), **{k: program.meta.get(k) for k in meta}}
+    keys = ("micro_batches", "two_chunk", "fallback_reason", "deep_gemm_sms")
+    meta = program.meta.as_dict()
+    return {**standard_metrics(trace, program, case), **{k: meta.get(k) for k in keys}}
 
 
 def clip(trace, case):

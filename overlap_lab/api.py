@@ -48,7 +48,9 @@ __all__ = [
     "compare",
     "gpu",
     "model",
+    "resolve_profile",
     "simulate",
+    "simulate_explicit",
     "workload",
 ]
 
@@ -206,7 +208,7 @@ class Result:
 
     @property
     def fallback_reason(self) -> str | None:
-        return self.program.meta.get("fallback_reason")
+        return self.program.meta.fallback_reason
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
@@ -229,7 +231,7 @@ class Result:
             **m.as_dict(),
             "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
             "busy_us": busy,
-            "micro_batches": meta.get("micro_batches", []),
+            "micro_batches": meta.micro_batches or [],
             "num_ops": num_ops(self.program),
             "notes": list(self.notes),
         }
@@ -241,9 +243,9 @@ class Result:
             "imbalance",
             "dp_tokens",
         ):
-            if key in meta:
-                out[key] = meta[key]
-        if not self.program.symmetric and meta.get("ranks") == "explicit":
+            if meta.reported(key):
+                out[key] = getattr(meta, key)
+        if not self.program.symmetric and meta.ranks == "explicit":
             out["per_rank"] = self._per_rank(busy)
             if "reduction" in self.trace.meta:  # simulated once for all ranks, or why not
                 out["reduction"] = self.trace.meta["reduction"]
@@ -361,7 +363,7 @@ def simulate(
         if isinstance(ranks, Ranks)
         else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
-    prof = None if cost_model is not None else _profile(profile, g.name)
+    prof = None if cost_model is not None else resolve_profile(profile, g.name)
     models = {"cost_model": cost_model, "network": network}
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
@@ -376,7 +378,7 @@ def simulate(
         if lowered is program:
             trace = sim_run(program, g, profile=prof, max_events=max_events, **models)
         else:
-            trace = _simulate_explicit(lowered, w, g, r, prof, max_events, models)
+            trace = simulate_explicit(lowered, w, g, r, prof, max_events, models)
             if _is_balanced(r):
                 balanced = trace.step_time_us  # this run is the balanced one
             else:
@@ -397,8 +399,8 @@ def simulate(
             op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
         )
         metrics = measure(trace, lowered, w, g.num_sms)
-    if lowered.meta.get("fallback_reason"):
-        notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
+    if lowered.meta.fallback_reason:
+        notes.append(f"ran unsplit: {lowered.meta.fallback_reason}")
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 
@@ -410,7 +412,7 @@ def _is_balanced(r: Ranks) -> bool:
     return parse_imbalance(r.imbalance).kind == "balanced" and r.dp_imbalance == 0
 
 
-def _simulate_explicit(
+def simulate_explicit(
     lowered: Program,
     w: Workload,
     g: GPU,
@@ -421,7 +423,8 @@ def _simulate_explicit(
 ) -> Trace:
     """Simulate every rank of the explicit ``lowered``: once for all when they cannot differ
     (``shared.symmetry``), else each, with the network's grouping tolerance. ``models``: the
-    ``cost_model`` and ``network`` keywords of the run."""
+    ``cost_model`` and ``network`` keywords of the run. Public so a sweep simulates a case's
+    explicit ranks as :func:`simulate` does."""
     from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
     from overlap_lab.shared.validate import validate
     from overlap_lab.sim import simulate as sim_run
@@ -448,8 +451,9 @@ def _simulate_explicit(
     return trace
 
 
-def _profile(spec: Any, gpu_name: str):
-    """The calibration profile ``spec`` names for the GPU ``gpu_name`` (None: roofline alone)."""
+def resolve_profile(spec: Any, gpu_name: str):
+    """The calibration profile ``spec`` names for the GPU ``gpu_name`` (None: roofline alone),
+    loaded once per name: a sweep resolves it once for all its cases, as :func:`simulate` does."""
     from overlap_lab.sim.profile import Profile
 
     if spec is None or isinstance(spec, Profile):

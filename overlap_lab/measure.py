@@ -210,7 +210,7 @@ def run_on_gpu(
             graph_replay_step_time_us=tr.meta.get("graph_replay_step_time_us"),
             eager_step_time_us=tr.meta.get("eager_step_time_us"),
         )
-        if prog.meta.get("pp_size", 1) > 1:  # in-process stages: not a pipeline's timing
+        if (prog.meta.pp_size or 1) > 1:  # in-process stages: not a pipeline's timing
             s["note"] = (
                 "pp: every pipeline stage runs in this one process on one GPU; its times are "
                 "not those of one stage per GPU (do not compare them with other schedules)"

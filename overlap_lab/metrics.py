@@ -63,12 +63,11 @@ class Metrics:
 def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
     """(iterations of one rank in the window, tokens one GPU completes through the model)."""
     meta = program.meta
-    schedule = meta.get("schedule")
-    if schedule == "pp":
-        g = int(meta.get("iterations", 1)) * len(meta.get("micro_batches") or [None])
-        pp = int(meta.get("pp_size", w.parallel.pp))
+    if meta.schedule == "pp":
+        g = int(meta.extra.get("iterations", 1)) * len(meta.micro_batches or [None])
+        pp = int(meta.pp_size or w.parallel.pp)
         return g, g * w.batch.num_tokens // pp
-    its = meta.get("iterations")
+    its = meta.extra.get("iterations")
     if isinstance(its, list) and its:
         return len(its), sum(int(it["num_tokens"]) for it in its)
     return 1, w.batch.num_tokens

@@ -229,7 +229,7 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
                 try:
                     out = execute(prog, wv, weights=weights, seed=seed)
                     d = max(compare_steps(states, ref) for states in out.outputs.values())
-                    if prog.meta.get("pp_size", 1) > 1:
+                    if (prog.meta.pp_size or 1) > 1:
                         check_pp_outputs(out.outputs)
                 except (HazardError, KeyError, RuntimeError, AssertionError) as e:
                     res.errors[name] = f"{type(e).__name__}: {e}"

@@ -331,7 +331,7 @@ class RankRunner:
         self.rp, self.program, self.weights, self.backend = rp, program, weights, backend
         self.device, self.world, self.host_spin = torch.device(device), world, host_spin
         self.layout = K.BatchLayout.of(workload.batch)
-        self.mbs = {m["index"]: m for m in program.meta.get("micro_batches", [])}
+        self.mbs = {m["index"]: m for m in program.meta.micro_batches or ()}
         if not self.mbs:
             n = self.layout.num_tokens
             self.mbs = {
@@ -356,7 +356,7 @@ class RankRunner:
             split_seq=False,
         )
         self.max_dispatch = max(m["padded_tokens"] for m in self.mbs.values())
-        mode = program.meta.get("deepep_mode") or (
+        mode = program.meta.deepep_mode or (
             "low_latency" if workload.batch.mode == "decode" else "normal"
         )
         self.deepep_mode = mode
@@ -1000,7 +1000,7 @@ def _setup_notes(program: Program, su: Setup) -> dict:
         notes["cuda_graphs"] = "CPU: graph bodies run op by op"
     if not su.cuda:
         notes["timing"] = "none: CPU spans are host wall-clock of ordered execution"
-    if program.meta.get("pp_size", 1) > 1:
+    if (program.meta.pp_size or 1) > 1:
         notes["pp_in_one_process"] = (
             "every pipeline stage runs in this one process (one device): not the timing of one "
             "stage per GPU"
@@ -1079,12 +1079,12 @@ def execute(
     violations = [v for r in su.runners if r.tracker for v in r.tracker.violations]
     if violations and su.check_hazards:
         raise HazardError(
-            f"{len(violations)} unordered read(s) in schedule {program.meta.get('schedule')!r}:\n  "
+            f"{len(violations)} unordered read(s) in schedule {program.meta.schedule!r}:\n  "
             + "\n  ".join(violations[:10])
         )
     trace, tmeta, run_meta = timing(su, runs)
     em = ExecMeta(
-        program=dict(program.meta),
+        program=program.meta.as_dict(),
         backend=dict(su.backend.describe()),
         device=str(su.device),
         dtype=str(su.dtype).replace("torch.", ""),

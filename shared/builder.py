@@ -19,6 +19,7 @@ from overlap_lab.shared.program import (
     WaitStream,
     Yield,
 )
+from overlap_lab.shared.program_meta import ProgramMeta
 
 
 @dataclass
@@ -93,4 +94,10 @@ class RankBuilder:
 
 
 def program(ranks: list[RankBuilder], world: int, symmetric: bool = True, **meta) -> Program:
-    return Program(tuple(r.build() for r in ranks), world=world, symmetric=symmetric, meta=meta)
+    """The Program of ``ranks``; the keywords are the schedule's report (``ProgramMeta``)."""
+    return Program(
+        tuple(r.build() for r in ranks),
+        world=world,
+        symmetric=symmetric,
+        meta=ProgramMeta.from_dict(meta),
+    )

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Union
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.program_meta import ProgramMeta
 
 
 class _Vocabulary(enum.StrEnum):
@@ -264,7 +265,7 @@ class Program:
     ranks: tuple[RankProgram, ...]
     world: int = 1
     symmetric: bool = True
-    meta: dict = field(default_factory=dict, compare=True, hash=False)
+    meta: ProgramMeta = field(default_factory=ProgramMeta, compare=True, hash=False)
 
     def rank(self, r: int) -> RankProgram:
         for rp in self.ranks:
@@ -397,7 +398,7 @@ def to_text(program: Program) -> str:
     head = f"program world={program.world} symmetric={str(program.symmetric).lower()}"
     lines = [head]
     if program.meta:
-        lines.append("meta " + json.dumps(program.meta, sort_keys=True))
+        lines.append("meta " + json.dumps(program.meta.as_dict(), sort_keys=True))
     for rp in program.ranks:
         prio = dict(rp.priorities)
         decl = ",".join(f"{s}@{prio[s]}" if prio.get(s, 0) != 0 else s for s in rp.streams)
@@ -538,7 +539,7 @@ class _Parser:
     """The text form, line by line; every error becomes one ParseError naming its line."""
 
     def __init__(self) -> None:
-        self.world, self.symmetric, self.meta = 1, True, {}
+        self.world, self.symmetric, self.meta = 1, True, ProgramMeta()
         self.header = self.meta_seen = False
         self.ranks: list[RankProgram] = []
         self.rank: dict | None = None
@@ -574,7 +575,7 @@ class _Parser:
                 raise ValueError(f"meta is not JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(meta, dict):
                 raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
-            self.meta, self.meta_seen = meta, True
+            self.meta, self.meta_seen = ProgramMeta.from_dict(meta), True
             return
         toks = shlex.split(s)
         verb = toks[0]

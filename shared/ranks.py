@@ -72,8 +72,7 @@ def expand_ranks(program: Program, w: Workload, gpu: GPU, routing: Routing) -> P
     with no_gc():  # tens of thousands of acyclic objects (see shared.trace.no_gc)
         ranks = tuple(lw.rank(r) for r in range(ep))
         alike = lw.alike()
-    meta = dict(program.meta)
-    meta.update(
+    meta = program.meta.merged(
         ranks="explicit",
         imbalance=str(routing.cfg.imbalance),
         routing_seed=routing.cfg.seed,
@@ -103,7 +102,7 @@ class _Lowering:
         self.topo = Topology(p.ep, min(p.gpus_per_node, p.ep))
         n = w.batch.num_tokens
         self.mbs = {m["index"]: (m["tok_lo"], m["tok_hi"], m["padded_tokens"])
-                    for m in program.meta.get("micro_batches", [])}  # fmt: skip
+                    for m in program.meta.micro_batches or ()}  # fmt: skip
         self.whole = (0, n, n)
         self._bytes: dict[tuple, tuple] = {}
         self._flows: dict[tuple, tuple[Flow, ...]] = {}  # one rank's flows: shared by its ops

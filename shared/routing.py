@@ -319,7 +319,7 @@ class LayerRouting:
         )
         key = int(rng.bit_generator.random_raw())  # the layer's stream of race numbers
         topk = np.empty((n, k), dtype=ids)
-        if _compiled_race_loop() is not None:  # the loop writes the rows, counts the load
+        if compiled_race_loop() is not None:  # the loop writes the rows, counts the load
             load = np.zeros(e, dtype=np.int64)
             race.draw(key, 0, n, into=topk, load=load)
             return topk, load
@@ -596,7 +596,7 @@ class _Race:
         writes the ids (row per token: the caller's table, no transposed copy) and counts the
         experts taken; the return value is then ``into.T`` and, without numba, neither is
         touched."""
-        loop = _compiled_race_loop()
+        loop = compiled_race_loop()
         if loop is None:
             return self._merge(np.uint64(key), lo, hi)
         out = np.empty((hi - lo, self.k), dtype=np.intp) if into is None else into
@@ -816,8 +816,9 @@ def _compiled_loops() -> dict | None:
     return _compiled or None
 
 
-def _compiled_race_loop():
-    """The compiled :func:`_race_loop`, None without numba."""
+def compiled_race_loop():
+    """The compiled :func:`_race_loop`, None without numba (a benchmark loads it before its
+    clock starts)."""
     loops = _compiled_loops()
     return loops["race"] if loops else None
 

@@ -238,7 +238,7 @@ def reduce_program(
         )
     except _Ambiguous as e:
         return str(e.args[0])
-    meta = dict(program.meta)
+    meta = program.meta
     quotient = Program(
         (RankProgram(0, r0.streams, threads, r0.priorities),),
         world=world,
@@ -283,7 +283,7 @@ def _whole_kinds(rp: RankProgram) -> frozenset[str]:
 def expand_trace(trace: Trace, red: Reduction) -> Trace:
     """The quotient run's ``trace`` as the explicit run's: rank 0's spans on every rank, with
     per-flow link spans merged into one span per op and link kind, as the network draws them.
-    The other ranks' copies are made when read (:meth:`Trace._replicated`): the per-rank
+    The other ranks' copies are made when read (:meth:`Trace.replicated`): the per-rank
     figures and the Chrome export read rank 0's spans alone."""
     spans: list[Span] = []
     groups: dict[tuple, list[Span]] = defaultdict(list)
@@ -306,4 +306,4 @@ def expand_trace(trace: Trace, red: Reduction) -> Trace:
     meta.update(symmetric=False, world=red.world, reduction=f"reduced: {red.why}")
     if not spans:
         return Trace((), meta)
-    return Trace._replicated(tuple(spans), tuple(range(red.world)), meta)
+    return Trace.replicated(tuple(spans), tuple(range(red.world)), meta)

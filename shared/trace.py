@@ -249,7 +249,7 @@ def _none_last(x: int | None) -> tuple[int, int]:
 
 class _Spans:
     """:attr:`Trace.spans` (a dataclass field with this descriptor as its default, ``()``): the
-    tuple as stored, or, for a Trace whose ranks are alike (:meth:`Trace._replicated`), built on
+    tuple as stored, or, for a Trace whose ranks are alike (:meth:`Trace.replicated`), built on
     first read. Every per-rank query of such a Trace reads the model rank's spans alone, so a
     run whose ranks were simulated once (``shared.symmetry``) copies its spans to every rank
     only where something reads them all."""
@@ -284,7 +284,7 @@ class Trace:
         object.__setattr__(self, "spans", spans)
 
     @classmethod
-    def _replicated(
+    def replicated(
         cls, model: tuple[Span, ...], ranks: tuple[int, ...], meta: dict[str, Any]
     ) -> Trace:
         """The Trace in which every rank of ``ranks`` runs ``model`` (rank ``ranks[0]``'s spans,
@@ -561,7 +561,7 @@ class Trace:
         command line, the full inputs) goes into ``otherData`` with the meta, so that a trace
         file says what produced it. Deterministic: same trace, same bytes. Events with equal
         ``args`` share one dict (every rank's copy of an op, all the events of ranks alike,
-        :meth:`_replicated`): the document is for writing out, not for editing in place."""
+        :meth:`replicated`): the document is for writing out, not for editing in place."""
         events: list[dict[str, Any]] = []
         slices: list[dict[str, Any]] = []
         memo: dict[int, tuple[list[str], list[dict]]] = {}  # model rank -> names, slices

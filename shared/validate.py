@@ -43,6 +43,7 @@ from overlap_lab.shared.program import (
     Yield,
     _instr_text,
 )
+from overlap_lab.shared.program_meta import ProgramMeta
 
 
 class ProgramError(ConfigError):
@@ -167,8 +168,10 @@ def _validate(program: Program, num_sms: int | None) -> None:
 
 
 def _check_program(program: Program) -> None:
-    if not isinstance(program.meta, dict):
-        raise ProgramError(f"meta must be a mapping, got {type(program.meta).__name__}")
+    if not isinstance(program.meta, ProgramMeta):
+        raise ProgramError(f"meta must be a ProgramMeta, got {type(program.meta).__name__}")
+    if fault := program.meta.fault():
+        raise ProgramError(f"meta: {fault}")
     if not program.ranks:
         raise ProgramError("the program has no ranks")
     w = program.world

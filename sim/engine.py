@@ -187,7 +187,7 @@ class Engine:
             if gc_on:
                 gc.enable()
         self._check_finished()
-        meta = dict(self.program.meta)
+        meta = self.program.meta.as_dict()
         meta.update(
             gpu=self.gpu.name,
             num_sms=self.gpu.num_sms,

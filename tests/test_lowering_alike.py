@@ -10,6 +10,7 @@ import gc
 
 import pytest
 
+# symmetry._certified tested directly: whether the lowering's certificate holds
 from overlap_lab.shared import symmetry
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ranks import expand_ranks

@@ -163,3 +163,22 @@ def test_ir_words_are_checked_and_typed_once_at_construction():
     ):
         with pytest.raises(ConfigError, match=message):
             make()
+
+
+def test_meta_record_gives_back_the_report_key_for_key():
+    """``as_dict`` is the dict the schedule reported, in its order and with its ``None``s (the
+    text form and traces stay byte-identical); the text form reads it back as an equal record."""
+    from overlap_lab.shared.program_meta import ProgramMeta
+
+    report = {"strategy": "x", "schedule": "tbo", "deep_gemm_sms": None, "micro_batches": []}
+    m = ProgramMeta.from_dict(report)
+    assert list(m.as_dict().items()) == list(report.items())
+    assert m.schedule == "tbo" and m.extra == {"strategy": "x", "deep_gemm_sms": None}
+    assert m.reported("deep_gemm_sms") and not m.reported("fallback_reason")
+    assert m.fallback_reason is None and m.fault() is None
+    merged = m.merged(fallback_reason="why", schedule="tbo+sbo")
+    assert list(merged.as_dict()) == [*report, "fallback_reason"]  # as dict.update orders them
+    assert merged.schedule == "tbo+sbo" and m.schedule == "tbo"
+    p = program([RankBuilder(0, ("main",))], world=1, **report)
+    assert p.meta == m and parse(to_text(p)).meta == m
+    assert ProgramMeta(comm_sms=3).as_dict() == {"comm_sms": 3} and not ProgramMeta()

@@ -84,7 +84,7 @@ def test_two_chunk_workload_really_splits_a_sequence(workloads):
     if "tbo" not in S.available():
         pytest.skip("tbo not implemented yet")
     prog = S.build("tbo", workloads[3], GPU)
-    assert any(m["split_seq"] for m in prog.meta["micro_batches"])
+    assert any(m["split_seq"] for m in prog.meta.micro_batches)
 
 
 def test_unordered_cross_stream_read_is_caught(weights):

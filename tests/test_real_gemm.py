@@ -288,6 +288,7 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # the private kernel modules themselves: what is compiled is their Triton source
     import overlap_lab.real._triton_gemm as TG
     import overlap_lab.real.comm._triton_emulated as TE
 

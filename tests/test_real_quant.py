@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# fp8._fused_here tested directly: when the fused Triton quantisation is taken
 from overlap_lab.real import fp8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

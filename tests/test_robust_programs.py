@@ -15,6 +15,7 @@ from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import ParseError, parse, to_text
+from overlap_lab.shared.program_meta import ProgramMeta
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.validate import ProgramError, validate
 from overlap_lab.sim import simulate
@@ -224,17 +225,20 @@ def test_wait_cycle_still_rejected():
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("meta", "match"),
     [
-        "meta [1]",  # meta that is not a mapping, built in code
+        ({"schedule": "x"}, "meta must be a ProgramMeta, got dict"),  # the bare dict, built in code
+        (ProgramMeta(comm_sms="3"), "meta: comm_sms must be int, got '3'"),
+        (ProgramMeta(extra={"schedule": "x"}), r"extra repeats the field\(s\) \['schedule'\]"),
+        (ProgramMeta(schedule="x", order=("y",)), r"meta: order \['y'\] is not the reported keys"),
     ],
 )
-def test_meta_not_a_mapping_in_code(bad):
+def test_meta_not_a_record_in_code(meta, match):
     import dataclasses
 
     p = parse(HEAD + OK_OP)
-    p = dataclasses.replace(p, meta=[1])
-    with pytest.raises(ProgramError, match="meta must be a mapping"):
+    p = dataclasses.replace(p, meta=meta)
+    with pytest.raises(ProgramError, match=match):
         validate(p)
 
 

@@ -14,6 +14,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
+# internals tested directly: the race (_Race), its counter-based draws (_bits, _uniform,
+# _exponential) and the numba switch (_compiled), against the dense sampler and numpy
 from overlap_lab.shared import routing as routing_mod
 from overlap_lab.shared.routing import Imbalance, LayerRouting, RoutingConfig, _Race
 
@@ -233,7 +235,7 @@ def test_compiled_loop_draws_the_numpy_ids(cfg, monkeypatch):
         monkeypatch.setattr(routing_mod, "_compiled", False)
         numpy_ids = race.draw(key, 500, 3500)
         monkeypatch.setattr(routing_mod, "_compiled", None)
-        assert routing_mod._compiled_race_loop() is not None
+        assert routing_mod.compiled_race_loop() is not None
         assert (race.draw(key, 500, 3500) == numpy_ids).all(), key
 
 

@@ -50,7 +50,7 @@ def prefill_w(n=4, ep=32, model=V3, extend_len=4096, **kw):
 )
 def test_prefill_sm_split_scales_24_of_132(gpu, comm, compute):
     p = build("deepseek", prefill_w(), gpu)
-    assert (p.meta["comm_sms"], p.meta["compute_sms"]) == (comm, compute)
+    assert (p.meta.comm_sms, p.meta.compute_sms) == (comm, compute)
     for ins in iter_gpu_instrs(main_thread(p).instrs):
         if not isinstance(ins, Launch):
             continue
@@ -66,7 +66,7 @@ def test_prefill_sm_split_scales_24_of_132(gpu, comm, compute):
 def test_comm_sms_override_and_its_bounds():
     assert comm_sms(H800, ScheduleConfig(comm_sms=16)) == 16
     p = build("deepseek", prefill_w(), H800, ScheduleConfig(comm_sms=16))
-    assert (p.meta["comm_sms"], p.meta["compute_sms"]) == (16, 116)
+    assert (p.meta.comm_sms, p.meta.compute_sms) == (16, 116)
     for bad in (0, 132):
         with pytest.raises(ConfigError, match="comm-sms"):
             build("deepseek", prefill_w(), H800, ScheduleConfig(comm_sms=bad))
@@ -75,7 +75,7 @@ def test_comm_sms_override_and_its_bounds():
 def test_decode_computes_on_all_sms_and_hooks_hold_none_in_flight():
     p = build("deepseek", decode_w(), H800)
     assert p.rank(0).streams == ("main",)
-    assert "comm_sms" not in p.meta
+    assert not p.meta.reported("comm_sms")
     ops = [op for _, op in ops_of(p)]
     assert all(op.sms is None for op in ops if op.kind == "compute")
     # every send is followed (on the one stream) by computation before its receive hook
@@ -87,7 +87,7 @@ def test_decode_computes_on_all_sms_and_hooks_hold_none_in_flight():
             assert ops[j].layer == op.layer and ops[j].coll.role == "recv"
             assert any(o.kind == "compute" for o in ops[i + 1 : j])
     graphs = [i for i in main_thread(p).instrs if isinstance(i, Graph)]
-    assert len(graphs) == 1 and p.meta["cuda_graph"] is True
+    assert len(graphs) == 1 and p.meta.cuda_graph is True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,8 +159,8 @@ def test_decode_split_balances_kv_tokens(kv, want):
 
 def test_decode_single_request_runs_unsplit_with_reason():
     p = build("deepseek", decode_w(1, ep=8, model=LITE), H800)
-    assert len(p.meta["micro_batches"]) == 1
-    assert "cannot be split" in p.meta["fallback_reason"]
+    assert len(p.meta.micro_batches) == 1
+    assert "cannot be split" in p.meta.fallback_reason
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_prefill_three_prompts_cut_the_middle_one_unevenly_in_tokens():
 def test_prefill_one_token_runs_unsplit_with_reason():
     w = Workload(LITE, Batch.prefill(1, extend_len=1), Parallel(ep=8))
     p = build("deepseek", w, H800)
-    assert len(p.meta["micro_batches"]) == 1 and "cannot be split" in p.meta["fallback_reason"]
+    assert len(p.meta.micro_batches) == 1 and "cannot be split" in p.meta.fallback_reason
     check_simulated(p, H800)
 
 

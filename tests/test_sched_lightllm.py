@@ -66,8 +66,8 @@ def test_decode_split_pads_to_the_dp_wide_max():
     assert [mb.tokens for mb in mbs] == [3, 3]
     # the DP maximum comes from the other ranks' decode tokens (all_reduce MAX upstream)
     p = build("lightllm", decode_w(6), H800, ScheduleConfig(dp_peer_tokens=(4, 10, 7)))
-    assert p.meta["max_decode_num"] == 10
-    assert [m["padded_tokens"] for m in p.meta["micro_batches"]] == [5, 5]
+    assert p.meta.extra["max_decode_num"] == 10
+    assert [m["padded_tokens"] for m in p.meta.micro_batches] == [5, 5]
     with pytest.raises(ConfigError, match="max_decode_num"):
         split_decode(decode_w(6), max_decode_num=5)
 
@@ -177,7 +177,7 @@ def test_decode_is_one_stream_in_one_cuda_graph_with_ll_hooks():
             assert op.coll.role == "recv"  # the hook's receive kernel
         if op.kind == "compute":
             assert op.sms is None  # no SM partition
-    assert p.meta["deepep_mode"] == "low_latency"
+    assert p.meta.deepep_mode == "low_latency"
 
 
 def test_decode_hooks_run_later_with_compute_in_between():
@@ -203,9 +203,9 @@ def test_one_communication_group_per_micro_batch():
             keys[op.mb].add(op.coll.key)
     assert keys[0] and keys[1] and not keys[0] & keys[1]
     assert all(".mb0." in k for k in keys[0]) and all(".mb1." in k for k in keys[1])
-    assert [g["group"] for g in p.meta["comm_groups"]] == [0, 1]
+    assert [g["group"] for g in p.meta.extra["comm_groups"]] == [0, 1]
     pp = build("lightllm", prefill_w(), H800)
-    assert [g["stream"] for g in pp.meta["comm_groups"]] == ["comm0", "comm1"]
+    assert [g["stream"] for g in pp.meta.extra["comm_groups"]] == ["comm0", "comm1"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,8 +307,8 @@ def test_prefill_comm_kernels_hold_deepep_sms_compute_unpartitioned():
                 assert ins.stream == f"comm{op.mb}"
             elif op.name in ("dispatch_b", "combine_b"):
                 assert op.sms == 0 and ins.stream == f"comm{op.mb}"
-    assert p.meta["deepep_mode"] == "normal"
-    assert "comm_sms" not in p.meta  # LightLLM does not partition SMs
+    assert p.meta.deepep_mode == "normal"
+    assert not p.meta.reported("comm_sms")  # LightLLM does not partition SMs
 
 
 def test_prefill_post_layer_waits_mb1_combine_before_its_logits():
@@ -366,9 +366,9 @@ def test_explicit_deepep_mode_other_than_the_systems_is_refused():
 
 def test_meta_reports_micro_batches_and_padding():
     p = build("lightllm", decode_w(5), H800)
-    assert [m["padded_tokens"] for m in p.meta["micro_batches"]] == [3, 3]
-    assert [m["tokens"] for m in p.meta["micro_batches"]] == [3, 2]
-    assert p.meta["schedule"] == "lightllm" and p.meta["cuda_graph"] is True
+    assert [m["padded_tokens"] for m in p.meta.micro_batches] == [3, 3]
+    assert [m["tokens"] for m in p.meta.micro_batches] == [3, 2]
+    assert p.meta.schedule == "lightllm" and p.meta.cuda_graph is True
 
 
 @pytest.mark.parametrize("case", ["decode", "prefill"])

@@ -163,7 +163,7 @@ def test_process_result_blocks_the_host_on_the_forward():
     names = [(type(it.instr).__name__, getattr(it.instr, "name", "")) for it in issue_order(rp)]
     syncs = [i for i, n in enumerate(names) if n[0] == "Sync"]
     assert syncs and all(names[i + 1] == ("Host", "process_result") for i in syncs)
-    assert p.meta["overlap_schedule"] is False
+    assert p.meta.extra["overlap_schedule"] is False
 
 
 # -- micro-batches ------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_micro_batch_count_and_round_robin(pp, M):
     rounds = 2
     p = pp_prog(wl(pp), iterations=rounds, micro_batches=M)
     m = M or pp
-    assert len(p.meta["micro_batches"]) == m
+    assert len(p.meta.micro_batches) == m
     for rp in p.ranks:
         fwd = [op for _, op in launches(rp) if op.layer is not None and op.name == "attn.core"]
         first_layer = min(op.layer for op in fwd)

@@ -63,9 +63,9 @@ def test_comm_sms_from_the_preset_and_overridable():
 
 def test_meta_reports_the_partition():
     m = build("sbo", _w(), H800).meta
-    assert (m["comm_sms"], m["compute_sms"], m["sbo_mode"]) == (3, 129, 1)
-    assert m["sbo_overlaps"] == ["combine<->down_gemm", "dispatch<->shared_experts"]
-    assert m["sbo_upstream"] is True
+    assert (m.comm_sms, m.compute_sms, m.sbo_mode) == (3, 129, 1)
+    assert m.sbo_overlaps == ["combine<->down_gemm", "dispatch<->shared_experts"]
+    assert m.sbo_upstream is True
 
 
 # -- signals and chunks ------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_mode2_shared_on_main_while_combine_on_alt():
     assert (wait.stream, wait.event) == ("alt", ins[rec].event)
     ops = {i.op.name: i.op for i in ins if isinstance(i, Launch)}
     assert ops["shared_experts"].sms == 116 and ops["combine_a"].sms == 32
-    assert build("sbo", _w(), B200, ScheduleConfig(sbo_mode=2)).meta["sbo_upstream"]
+    assert build("sbo", _w(), B200, ScheduleConfig(sbo_mode=2)).meta.sbo_upstream
 
 
 def test_mode3_shared_in_the_dispatch_hook_one_stream():
@@ -179,12 +179,12 @@ def test_mode3_shared_in_the_dispatch_hook_one_stream():
     ]
     assert _names(ins, "alt") == [] and not any(isinstance(i, (Record, Wait)) for i in ins)
     assert main[main.index("experts") + 1 : main.index("experts") + 3] == ["combine_a", "combine_b"]
-    assert p.meta["sbo_overlaps"] == ["dispatch<->shared_experts"]
+    assert p.meta.sbo_overlaps == ["dispatch<->shared_experts"]
 
 
 def test_upstream_flags_what_sglang_does_not_run():
-    assert not build("sbo", _w(), H800, ScheduleConfig(sbo_mode=2)).meta["sbo_upstream"]
-    assert not build("sbo", _w(), B200, ScheduleConfig(sbo_mode=3)).meta["sbo_upstream"]
+    assert not build("sbo", _w(), H800, ScheduleConfig(sbo_mode=2)).meta.sbo_upstream
+    assert not build("sbo", _w(), B200, ScheduleConfig(sbo_mode=3)).meta.sbo_upstream
 
 
 # -- scope -------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_dense_layers_untouched_and_op_counts_match():
 def test_prefill_normal_kernels_fall_back():
     w = _w(Batch.prefill(2, extend_len=512))
     p = build("sbo", w, H800)
-    assert "low-latency" in p.meta["fallback_reason"] and p.meta["schedule"] == "sbo"
+    assert "low-latency" in p.meta.fallback_reason and p.meta.schedule == "sbo"
     assert [o.name for _, o in ops_of(p)] == [o.name for _, o in ops_of(build("serial", w, H800))]
 
 

@@ -87,8 +87,8 @@ def test_no_sm_limits_and_default_priority_streams():
     layer = [i.op for i in _layer(p) if isinstance(i, Launch)]
     assert all(o.sms is None for o in layer if o.kind == "compute")
     assert all(not o.waits for o in layer)
-    assert "sbo_mode" not in p.meta and "comm_sms" not in p.meta
-    assert p.meta["schedule"] == "sbo-off" and "fallback_reason" not in p.meta
+    assert not p.meta.reported("sbo_mode") and not p.meta.reported("comm_sms")
+    assert p.meta.schedule == "sbo-off" and not p.meta.reported("fallback_reason")
 
 
 @pytest.mark.parametrize("batch", [Batch.decode(64), Batch.prefill(2, extend_len=512)])
@@ -107,7 +107,7 @@ def test_prefill_normal_kernels_on_deepep_high_priority_comm_stream():
     on = {i.op.name: i.stream for i in _layer(p) if isinstance(i, Launch)}
     assert (on["dispatch_a"], on["combine_a"], on["shared_experts"]) == ("comm", "comm", "alt")
     assert (on["dispatch_b"], on["combine_b"], on["experts"]) == ("main", "main", "main")
-    assert p.meta["deepep_mode"] == "normal"
+    assert p.meta.deepep_mode == "normal"
 
 
 @pytest.mark.parametrize("gpu", [H800, B200], ids=["h800", "b200"])

@@ -231,7 +231,7 @@ def test_normal_loop_processes_each_batch_before_the_next():
         nxt = index(ins, lambda i, s=step: isinstance(i, Host) and i.step == s + 1)
         assert sync < nxt
     assert not any(i.op.name in ("resolve_future", "store_to_map") for i in launches(p))
-    assert p.meta["overlap"] is False
+    assert p.meta.extra["overlap"] is False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_future_map_sizing_as_upstream():
     assert s.future_buffer_len == s.future_limit + 2 * 128
     assert FutureMapSize.of(64, None, 4096).future_limit == 64 * 3
     p = prog(decode_w(8), iterations=3, max_running_requests=32, context_len=10000)
-    fm = p.meta["future_map"]
+    fm = p.meta.extra["future_map"]
     assert fm["max_num_chunks"] == 2  # ceil(10000 / 8192)
     assert fm["future_limit"] == 32 * 5 and fm["future_buffer_len"] == 32 * 7
     with pytest.raises(ConfigError, match="max-running-requests"):
@@ -255,7 +255,7 @@ def test_future_map_sizing_as_upstream():
 
 def test_future_map_placeholders_resolved_by_the_next_decode():
     p = prog(prefill_w(2), iterations=5, iteration_modes=("prefill", "prefill", "decode"))
-    slots = p.meta["future_map"]["slots"]
+    slots = p.meta.extra["future_map"]["slots"]
     assert slots[0] == {"step": 0, "alloc": [1, 3], "resolves": []}  # slot 0 is never used
     assert slots[1] == {"step": 1, "alloc": [3, 5], "resolves": []}  # prefills resolve nothing
     assert slots[2]["resolves"] == [0, 1] and slots[2]["alloc"] == [5, 9]  # decode of 4 reqs
@@ -314,7 +314,7 @@ def test_consecutive_prefill_switch_processes_last_batch_first():
     assert _process_pos(ins_on, 0) < _launch_pos(ins_on, 1)  # forced serial
     assert _process_pos(ins_off, 0) > _launch_pos(ins_off, 1)  # default: overlapped
     assert _process_pos(ins_on, 1) > _launch_pos(ins_on, 2)  # decode after prefill: overlapped
-    loop = {r["step"]: r for r in on.meta["loop"]}
+    loop = {r["step"]: r for r in on.meta.extra["loop"]}
     assert "consecutive prefill" in loop[1]["forced_serial"]
     assert loop[2]["forced_serial"] is None and loop[0]["forced_serial"] is None
 
@@ -345,7 +345,7 @@ def test_grammar_delays_sampling_until_the_last_result_is_processed():
         assert ins[sample - 1] == WaitStream("forward", "schedule")
         assert _process_pos(ins, step - 1) < sample
         assert ins[sample + 1].op.name == "store_to_map"
-    assert p.meta["loop"][0]["delayed_sample"] is True
+    assert p.meta.extra["loop"][0]["delayed_sample"] is True
 
 
 def test_refusals():

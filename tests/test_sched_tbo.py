@@ -181,7 +181,7 @@ def test_decode_graph_holds_both_micro_batches():
     assert len(graphs) == 1
     mbs = {i.op.mb for i in graphs[0].body if isinstance(i, Launch)}
     assert mbs == {0, 1}
-    assert p.meta["cuda_graph"] is True
+    assert p.meta.cuda_graph is True
 
 
 def test_decode_everything_on_one_stream():
@@ -193,9 +193,10 @@ def test_decode_everything_on_one_stream():
 def test_meta_reports_the_split_and_knobs():
     p = build("tbo", _w(Batch.decode(7)), H800)
     m = p.meta
-    assert m["schedule"] == "tbo" and m["delta_stages"] == 2 and m["strategy"] == "deepseek-decode"
-    assert [mb["tokens"] for mb in m["micro_batches"]] == [3, 4]
-    assert "fallback_reason" not in m
+    assert m.schedule == "tbo" and m.extra["delta_stages"] == 2
+    assert m.extra["strategy"] == "deepseek-decode"
+    assert [mb["tokens"] for mb in m.micro_batches] == [3, 4]
+    assert not m.reported("fallback_reason")
 
 
 def test_delta_stages_override():
@@ -214,7 +215,7 @@ def test_delta_stages_override():
 def test_prefill_limits_deep_gemm_in_sparse_layers_only():
     p = build("tbo", _w(Batch.prefill(2, extend_len=1024)), H800)
     limit = H800.num_sms - H800.deepep_normal_sms
-    assert p.meta["deep_gemm_sms"] == limit == 112  # DeepEP default Buffer.num_sms = 20
+    assert p.meta.extra["deep_gemm_sms"] == limit == 112  # DeepEP default Buffer.num_sms = 20
     for _, op in ops_of(p):
         deep_gemm = op.dtype == "fp8" and op.op_class in ("gemm", "grouped_gemm")
         if op.layer is not None and op.layer >= DSV3.first_k_dense and deep_gemm:
@@ -240,7 +241,7 @@ def test_prefill_normal_deepep_runs_on_the_comm_stream():
         if isinstance(i, Launch) and i.op.name == "dispatch_b":
             assert isinstance(ins[k - 1], Wait) and ins[k - 1].stream == "main"
             assert ins[k - 1].event.endswith("dispatch_a.done")
-    assert p.meta["cuda_graph"] is False
+    assert p.meta.cuda_graph is False
 
 
 # -- Qwen3-MoE -------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def test_prefill_normal_deepep_runs_on_the_comm_stream():
 def test_qwen3_decode_five_stages_no_merge_no_shared():
     q = get_model("qwen3-30b-a3b")
     p = build("tbo", _w(Batch.decode(64), model=q), H800)
-    assert p.meta["strategy"] == "qwen3-moe-decode"
+    assert p.meta.extra["strategy"] == "qwen3-moe-decode"
     ops = _main_ops(p)
     assert not any(n == "shared_experts" for _, _, n in ops)
     # B's first stage comes after A's stage 2 = [dispatch_a] (delta 2)
@@ -279,8 +280,8 @@ def test_qwen3_decode_five_stages_no_merge_no_shared():
 @pytest.mark.parametrize("schedule", ["tbo", "tbo+sbo"])
 def test_refusals_run_unsplit_and_say_why(batch, cfg, reason, schedule):
     p = build(schedule, _w(batch), H800, cfg)
-    assert reason in p.meta["fallback_reason"]
-    assert len(p.meta["micro_batches"]) == 1 and p.meta["schedule"] == schedule
+    assert reason in p.meta.fallback_reason
+    assert len(p.meta.micro_batches) == 1 and p.meta.schedule == schedule
     assert {op.mb for _, op in ops_of(p)} == {0}
 
 
@@ -296,7 +297,7 @@ def test_tbo_sbo_streams_the_combine_of_each_micro_batch():
     assert all(o.name == "combine_a" and o.sms == 3 and o.waits for o in alt)
     down = [i.op for i in ins if isinstance(i, Launch) and i.op.name.startswith("experts.down.")]
     assert down and all(o.sms == H800.num_sms - 3 for o in down)
-    assert p.meta["sbo_overlaps"] == ["combine<->down_gemm"] and p.meta["comm_sms"] == 3
+    assert p.meta.sbo_overlaps == ["combine<->down_gemm"] and p.meta.comm_sms == 3
 
 
 def test_tbo_sbo_keeps_tbo_stage_order():
@@ -323,7 +324,7 @@ def test_tbo_sbo_combine_b_sync_rule():
 def test_tbo_sbo_prefill_is_plain_tbo_with_a_reason():
     w = _w(Batch.prefill(2, extend_len=1024))
     p = build("tbo+sbo", w, H800)
-    assert "sbo_inactive_reason" in p.meta and "fallback_reason" not in p.meta
+    assert p.meta.reported("sbo_inactive_reason") and not p.meta.reported("fallback_reason")
     assert _main_ops(p) == _main_ops(build("tbo", w, H800))
 
 

@@ -150,7 +150,7 @@ def test_defaults_are_vllms():
 def test_all_dp_ranks_must_agree():
     w = wl(Batch.decode(64), ep=4)
     p = dbo(w, dp_peer_tokens=(64, 16, 64))
-    assert "DP rank 2 has 16 tokens" in p.meta["fallback_reason"]
+    assert "DP rank 2 has 16 tokens" in p.meta.fallback_reason
     assert [t.name for t in p.ranks[0].threads] == ["main"]
 
 
@@ -168,9 +168,9 @@ def test_abort_when_a_second_micro_batch_would_be_empty():
     assert is_last_ubatch_empty(40, 80) and not is_last_ubatch_empty(41, 80)
     w = wl(Batch.decode(40), ep=2)
     p = dbo(w, dp_peer_tokens=(100,))
-    assert "second micro-batch would be empty" in p.meta["fallback_reason"]
+    assert "second micro-batch would be empty" in p.meta.fallback_reason
     # the unsplit graph-captured step is still DP-padded (synced cudagraph mode)
-    assert p.meta["micro_batches"][0]["padded_tokens"] == 100
+    assert p.meta.micro_batches[0]["padded_tokens"] == 100
 
 
 def test_prefill_split_can_cut_a_sequence():
@@ -192,7 +192,7 @@ def test_requires_dp_with_ep():
 
 def test_high_throughput_uses_the_comm_stream_and_sm_control():
     p = dbo(wl(Batch.prefill(2, extend_len=1024)))
-    assert p.ranks[0].streams == ("main", "comm") and p.meta["comm_sms"] == 20
+    assert p.ranks[0].streams == ("main", "comm") and p.meta.comm_sms == 20
     # the HT kernels run on DeepEP's Buffer comm_stream (getStreamFromPool(true)); main is vLLM's
     assert p.ranks[0].priority("comm") == HIGH_PRIORITY and p.ranks[0].priority("main") == 0
     for _, ins in issued_launches(p):
@@ -201,7 +201,7 @@ def test_high_throughput_uses_the_comm_stream_and_sm_control():
             assert ins.stream == "comm" and op.sms == 20
         elif op.op_class in ("gemm", "grouped_gemm") and op.mb is not None:
             assert ins.stream == "main" and op.sms == GPU.num_sms - 20
-    assert dbo(wl(Batch.prefill(2, extend_len=1024)), comm_sms=8).meta["comm_sms"] == 8
+    assert dbo(wl(Batch.prefill(2, extend_len=1024)), comm_sms=8).meta.comm_sms == 8
 
 
 def test_decode_replays_one_graph_from_one_thread():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+# sweep._cell tested directly: how a metric becomes a CSV cell
 from overlap_lab.cli import sweep
 from overlap_lab.cli.main import main
 from overlap_lab.cli.sweep import (

@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 
+# internals tested directly: the sweep's input keys, read watching, byte keys and row order
 from overlap_lab.cli import sweep
 from overlap_lab.cli.sweep import lower_case, sim_key
 

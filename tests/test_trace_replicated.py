@@ -1,4 +1,4 @@
-"""A replicated Trace (``Trace._replicated``: a reduced explicit run, ``shared.symmetry``) must be
+"""A replicated Trace (``Trace.replicated``: a reduced explicit run, ``shared.symmetry``) must be
 the Trace of all its spans: the same spans in the same order, the same per-rank figures, and the
 same Chrome export byte for byte, though it works them out on the model rank and copies the other
 ranks' spans only when they are read."""
@@ -78,7 +78,7 @@ def test_replicated_trace_pickles_and_rejects_a_wrong_model():
     assert back == plain and back.busy_us() == plain.busy_us()
     s = Span(1, "stream:main", "x", "compute", 0.0, 1.0)
     with pytest.raises(ValueError):
-        Trace._replicated((s,), (0, 1), {})  # the model's spans must be the first rank's
+        Trace.replicated((s,), (0, 1), {})  # the model's spans must be the first rank's
     assert Trace().spans == () and Trace.__dataclass_fields__["spans"].default == ()
 
 

@@ -424,7 +424,7 @@ def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> 
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
-    profile = api._profile(getattr(args, "profile", "auto"), gpu.name)
+    profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu.name)
     return _Inputs(args, w, gpu, cfg, ranks_from(args), profile)
 
 
@@ -682,7 +682,7 @@ def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) 
                 max_events=max_events,
             ).run()
         else:  # as api.simulate: ranks that cannot differ are simulated once
-            trace = api._simulate_explicit(
+            trace = api.simulate_explicit(
                 program, args.workload, gpu, case.ranks, profile, max_events
             )
         out.update(metrics(trace, program, gpu, case.workload, profile))

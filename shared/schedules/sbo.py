@@ -312,7 +312,7 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
     if mode != "low_latency":
         base = serial.build(w, gpu, cfg)
         reason = "SBO overlaps DeepEP's low-latency combine; this batch uses the normal kernels"
-        meta = dict(base.meta, schedule=schedule, fallback_reason=reason, **p.meta())
+        meta = base.meta.merged(schedule=schedule, fallback_reason=reason, **p.meta())
         return replace(base, meta=meta)
     signals = signal_count(w, gpu, mb.padded_tokens)
     body = forward_body(w, gpu, mb, lambda ops: moe_layer(p, ops, signals), mode=mode, step=0)

@@ -54,6 +54,7 @@ from overlap_lab.shared.ops_sched import (
     store_to_map_op,
 )
 from overlap_lab.shared.program import Op, Program
+from overlap_lab.shared.program_meta import ProgramMeta
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 from overlap_lab.shared.trace import Trace, union
@@ -520,12 +521,12 @@ def overlap_report(
     copies from the program). With ``baseline`` (a trace of the same iterations under
     ``--disable-overlap-schedule``) the report adds the speed-up and each prefill's TTFT cost.
     """
-    meta = program.meta if program is not None else trace.meta
-    if meta.get("schedule") != "sglang-overlap":
+    meta = program.meta if program is not None else ProgramMeta.from_dict(trace.meta)
+    if meta.schedule != "sglang-overlap":
         raise ConfigError("overlap_report needs a trace of the sglang-overlap schedule")
-    iters = meta["iterations"]
+    iters = meta.extra["iterations"]
     deferred, drained = {}, set()
-    for row in meta.get("loop", []):
+    for row in meta.extra.get("loop", []):
         for p in row["processes"]:
             if row["step"] is None:
                 drained.add(p["step"])
@@ -571,7 +572,7 @@ def overlap_report(
     )
     busy = sum(b - a for a, b in gpu)
     report = {
-        "overlap": meta.get("overlap", True),
+        "overlap": meta.extra.get("overlap", True),
         "total_us": end - start,
         "iterations": rows,
         "steady_period_us": median(r["period_us"] for r in rows[1:] or rows),

@@ -234,7 +234,7 @@ def tbo_body(
 def unsplit(w: Workload, gpu: GPU, cfg: ScheduleConfig, schedule: str, split: TboSplit) -> Program:
     """SGLang's refusal: the batch runs through the normal (non-TBO) forward, unsplit."""
     base = serial.build(w, gpu, cfg)
-    meta = dict(base.meta, schedule=schedule, fallback_reason=split.fallback_reason)
+    meta = base.meta.merged(schedule=schedule, fallback_reason=split.fallback_reason)
     return replace(base, meta=meta)
 
 

@@ -73,9 +73,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
     split = tbo_split(w, cfg, mode)
     if split.micro_batches is None:  # TBO refused: the normal forward, with SBO where it applies
         base = sbo.build(w, gpu, cfg, schedule=SCHEDULE)
-        meta = dict(base.meta, fallback_reason=split.fallback_reason)
-        if "fallback_reason" in base.meta:
-            meta["sbo_inactive_reason"] = base.meta["fallback_reason"]
+        meta = base.meta.merged(fallback_reason=split.fallback_reason)
+        if base.meta.fallback_reason is not None:
+            meta = meta.merged(sbo_inactive_reason=base.meta.fallback_reason)
         return replace(base, meta=meta)
     if mode != "low_latency":
         reason = "SBO overlaps DeepEP's low-latency combine; this batch uses the normal kernels"
