@@ -219,7 +219,9 @@ class Result:
         busy = {k: v / m.iterations for k, v in self.trace.busy_us().items()}
         out: dict[str, Any] = {
             "schedule": self.schedule,
-            "model": w.model.name,
+            "model": w.model.label,  # a cut model says so: deepseek-v3[8 of 61 layers]
+            "layers": w.model.num_layers,
+            "model_layers_total": w.model.layers_total or w.model.num_layers,
             "gpu": self.gpu.name,
             "mode": w.batch.mode,
             "batch": w.batch.num_seqs,
@@ -387,7 +389,7 @@ def simulate(
     with no_gc():  # every rank's ops and spans walked (see shared.trace.no_gc)
         trace.meta.update(
             schedule=schedule,
-            model=w.model.name,
+            model=w.model.label,
             mode=w.batch.mode,
             batch=w.batch.num_seqs,
             tokens=w.batch.num_tokens,
@@ -541,7 +543,7 @@ class Comparison:
             f"{'tok/s/node':>12}{'vs serial':>10}{'exposed comm':>14}  note"
         )
         lines = [
-            f"{w.model.name} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
+            f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
             f"({w.batch.num_tokens} tokens) per GPU, EP {w.parallel.ep}, "
             f"{w.parallel.gpus_per_node} GPUs per node",
             head,
