@@ -34,6 +34,7 @@ from overlap_lab.shared.program import Program, num_ops, ops_of
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
+from overlap_lab.shared.schedules.fallbacks import fallback_notes
 from overlap_lab.shared.trace import Trace, no_gc
 from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
 
@@ -190,8 +191,8 @@ class Ranks:
 class Result:
     """One simulated schedule: its inputs as run, the Program, the Trace and the Metrics.
 
-    ``notes`` say what the run changed or fell back to (pp's default stage count, an unsplit
-    fallback), in words a table can print."""
+    ``notes`` say what the run changed or fell back to (pp's default stage count, and every
+    fallback the schedule recorded: ``shared.schedules.fallbacks``), in words a table can print."""
 
     schedule: str
     workload: Workload
@@ -399,8 +400,7 @@ def simulate(
             op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
         )
         metrics = measure(trace, lowered, w, g.num_sms)
-    if lowered.meta.get("fallback_reason"):
-        notes.append(f"ran unsplit: {lowered.meta['fallback_reason']}")
+    notes += fallback_notes(lowered.meta, trace)  # every fallback the schedule recorded
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 
