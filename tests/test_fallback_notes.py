@@ -1,9 +1,12 @@
 """Every fallback a schedule takes is a note: in ``Result.notes`` (the JSON's ``notes``), in the
-``sim`` summary and in ``compare``'s note column."""
+``sim`` summary and in ``compare``'s note column; and the docs say what DeepSeek's schedule does
+with one prefill request."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from overlap_lab.cli.main import main
 from overlap_lab.shared.schedules.fallbacks import fallback_notes
 from overlap_lab.shared.trace import Span, Trace
 
+ROOT = Path(__file__).parents[1]
 LITE = dict(model_spec="deepseek-v2-lite", layers=3, ep=8)
 
 
@@ -80,3 +84,13 @@ def test_sim_summary_and_compare_column_print_the_notes(capsys, tmp_path):
     row = next(line for line in table.text().splitlines() if line.startswith("lightllm"))
     assert row.endswith(empty)
 
+
+def test_deepseek_splits_one_prefill_request_as_the_docs_say():
+    w = api.workload(**LITE, mode="prefill", batch=1, extend_len=8192)
+    res = api.simulate("deepseek", w)
+    split = [mb["tokens"] for mb in res.as_dict()["micro_batches"]]
+    assert split == [5792, 2400] and not res.notes
+    docs = (ROOT / "docs" / "schedules.md").read_text()
+    section = docs[docs.index("## deepseek") : docs.index("## pp")]
+    assert "5792 + 2400" in section and "same prompt may be split" in section
+    assert not re.search(r"one-request batch runs unsplit", section)
