@@ -34,6 +34,7 @@ from overlap_lab.shared.program import Program, num_ops, ops_of
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
+from overlap_lab.shared.schedules.fallbacks import fallback_notes
 from overlap_lab.shared.trace import Trace, no_gc
 from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
 
@@ -192,8 +193,8 @@ class Ranks:
 class Result:
     """One simulated schedule: its inputs as run, the Program, the Trace and the Metrics.
 
-    ``notes`` say what the run changed or fell back to (pp's default stage count, an unsplit
-    fallback), in words a table can print."""
+    ``notes`` say what the run changed or fell back to (pp's default stage count, and every
+    fallback the schedule recorded: ``shared.schedules.fallbacks``), in words a table can print."""
 
     schedule: str
     workload: Workload
@@ -221,7 +222,9 @@ class Result:
         busy = {k: v / m.iterations for k, v in self.trace.busy_us().items()}
         out: dict[str, Any] = {
             "schedule": self.schedule,
-            "model": w.model.name,
+            "model": w.model.label,  # a cut model says so: deepseek-v3[8 of 61 layers]
+            "layers": w.model.num_layers,
+            "model_layers_total": w.model.layers_total or w.model.num_layers,
             "gpu": self.gpu.name,
             "mode": w.batch.mode,
             "batch": w.batch.num_seqs,
@@ -389,7 +392,7 @@ def simulate(
     with no_gc():  # every rank's ops and spans walked (see shared.trace.no_gc)
         trace.meta.update(
             schedule=schedule,
-            model=w.model.name,
+            model=w.model.label,
             mode=w.batch.mode,
             batch=w.batch.num_seqs,
             tokens=w.batch.num_tokens,
@@ -399,8 +402,7 @@ def simulate(
             op_class={op.name: op.op_class for _, op in ops_of(_one_of_alike(lowered, trace))},
         )
         metrics = measure(trace, lowered, w, g.num_sms)
-    if lowered.meta.fallback_reason:
-        notes.append(f"ran unsplit: {lowered.meta.fallback_reason}")
+    notes += fallback_notes(lowered.meta, trace)  # every fallback the schedule recorded
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 
@@ -545,7 +547,7 @@ class Comparison:
             f"{'tok/s/node':>12}{'vs serial':>10}{'exposed comm':>14}  note"
         )
         lines = [
-            f"{w.model.name} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
+            f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
             f"({w.batch.num_tokens} tokens) per GPU, EP {w.parallel.ep}, "
             f"{w.parallel.gpus_per_node} GPUs per node",
             head,

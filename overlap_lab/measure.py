@@ -176,7 +176,7 @@ def run_on_gpu(
             host_spin=False,  # the real Python launch overhead IS the host time: not twice
             meta=dict(
                 schedule=name,
-                model=w.model.name,
+                model=w.model.label,
                 gpu=g.name,
                 device_name=props.name,
                 num_sms=props.multi_processor_count,

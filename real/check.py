@@ -82,8 +82,8 @@ def unsplit_runs(names: list[str], workloads: list, *, gpu: str = "h100", cfg=No
                 except ConfigError:
                     continue
                 total += 1
-                if meta.get("fallback_reason"):
-                    reasons.append(meta["fallback_reason"])
+                if meta.fallback_reason:
+                    reasons.append(meta.fallback_reason)
         if reasons:
             out[name] = f"{len(reasons)} of {total} workloads: {reasons[0]}"
     return out

@@ -76,6 +76,11 @@ class ModelConfig:
     qk_norm: bool = knob(False, "Qwen3: RMSNorm on q and k per head")
     gemm_dtype: str = knob("bf16", "GEMM weights and inputs", choices=DTYPES)
     attn_dtype: str = knob("bf16", "attention and KV cache", choices=DTYPES)
+    #: Set by ``with_layers``: a model cut to fewer layers remembers how many the full one has, so
+    #: every output can say what was simulated (``label``). None: the model is not cut.
+    layers_total: int | None = knob(
+        None, "the full model's layers when cut (None: not cut)", unit="layers", lo=1, hi=MAX_LAYERS
+    )
 
     def __post_init__(self) -> None:
         """Each field's type and sign (its range: presets and files, ``preset_files``), then
@@ -84,6 +89,8 @@ class ModelConfig:
         validate_all(self, m, ranged=False)
         if self.first_k_dense > self.num_layers:
             raise ConfigError(f"{m}: first_k_dense={self.first_k_dense} > {self.num_layers} layers")
+        if self.layers_total is not None and self.layers_total < self.num_layers:
+            raise ConfigError(f"{m}: layers_total={self.layers_total} < {self.num_layers} layers")
         if self.top_k > self.num_experts:
             raise ConfigError(f"{m}: top_k={self.top_k} > num_experts={self.num_experts}")
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
@@ -101,6 +108,14 @@ class ModelConfig:
         if not 0 <= layer < self.num_layers:
             raise ConfigError(f"model {self.name}: layer {layer} outside 0..{self.num_layers - 1}")
         return layer >= self.first_k_dense
+
+    @property
+    def label(self) -> str:
+        """The name every output shows: a cut model says so (``deepseek-v3[8 of 61 layers]``), so
+        a truncated run is never read as the full model's; an uncut model keeps its plain name."""
+        if self.layers_total is None:
+            return self.name
+        return f"{self.name}[{self.num_layers} of {self.layers_total} layers]"
 
     @property
     def shared_inter(self) -> int:
@@ -411,4 +426,8 @@ def with_layers(cfg, num_layers: int | None):
             f"--layers must lie in 1..{cfg.num_layers} for {cfg.name}, got {num_layers}"
         )
     dense = min(cfg.first_k_dense, 1 if num_layers > 1 else 0)
-    return replace(cfg, num_layers=num_layers, first_k_dense=dense)
+    # a config that can remember its full depth does (ModelConfig.layers_total; cutting twice
+    # keeps the first full count); others (the real executor's) are cut alone
+    total = {"layers_total": getattr(cfg, "layers_total", None) or cfg.num_layers}
+    extra = total if "layers_total" in getattr(cfg, "__dataclass_fields__", {}) else {}
+    return replace(cfg, num_layers=num_layers, first_k_dense=dense, **extra)

@@ -21,8 +21,8 @@ def test_vllm_dbo_splits_every_check_workload() -> None:
     cfg = split_config(None)
     for w in default_workloads():
         meta = S.build("vllm-dbo", w, get_gpu("h100"), cfg).meta
-        assert not meta.get("fallback_reason"), meta.get("fallback_reason")
-        assert len(meta["micro_batches"]) == 2
+        assert not meta.fallback_reason, meta.fallback_reason
+        assert len(meta.micro_batches) == 2
 
 
 def test_check_reports_no_unsplit_vllm_dbo() -> None:

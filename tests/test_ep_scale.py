@@ -16,6 +16,7 @@ from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.ops import layer_ops, whole_batch
 from overlap_lab.shared.program import Flow, Launch
 from overlap_lab.shared.ranks import expand_ranks
+
 # LayerRouting._popularity and _rng tested directly: the load follows the drawn popularity
 from overlap_lab.shared.routing import (
     Imbalance,

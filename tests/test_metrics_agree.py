@@ -83,7 +83,7 @@ def test_sweep_rows_say_what_produced_them(tmp_path):
     rows = read_rows(out)
     assert "sm_utilisation" not in rows[0]
     assert [r["gpu_name"] for r in rows] == ["h800"] * 2 + ["h800+hbm-gbps=2000"] * 2
-    assert {r["model_name"] for r in rows} == {"deepseek-v3"}
+    assert {r["model_name"] for r in rows} == {"deepseek-v3[3 of 61 layers]"}
     assert {r["model_layers"] for r in rows} == {"3"}
     assert [r["profile_name"] for r in rows[:2]] == ["h800-published", "roofline"]
     assert all(re.fullmatch(r"(\w+=\d+;)*\w+=\d+", r["cost_sources"]) for r in rows)

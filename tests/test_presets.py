@@ -174,7 +174,7 @@ def test_cli_model_and_gpu_files_carry_their_names(tmp_path, capsys):
     ]
     assert main(args) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["model"] == "mixtral-8x7b" and res["gpu"] == "lab-gpu"
+    assert res["model"] == "mixtral-8x7b[3 of 32 layers]" and res["gpu"] == "lab-gpu"
     assert main([*args, "--hbm-gbps", "1000"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu"] == "lab-gpu+hbm-gbps=1000"
 

@@ -174,7 +174,7 @@ def test_compare_finishes_its_bar_before_the_table(tmp_path):
     assert code == 0
     lines = both.read_bytes().decode().split("\n")  # read_text would turn \r into \n
     head = next(i for i, ln in enumerate(lines) if "decode on h800" in ln)
-    assert lines[head].startswith("deepseek-v3 decode on h800"), lines[head]
+    assert lines[head].startswith("deepseek-v3[3 of 61 layers] decode on h800"), lines[head]
 
 
 def test_spec_shapes_that_crashed_are_one_line_errors(tmp_path):

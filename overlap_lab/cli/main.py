@@ -161,7 +161,7 @@ def _title(result) -> str:
     w = result.workload
     lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
     return (
-        f"{result.schedule}: {w.model.name} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
+        f"{result.schedule}: {w.model.label} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
         f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
     )
 

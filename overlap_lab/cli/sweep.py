@@ -624,7 +624,7 @@ def provenance(case: _Inputs) -> dict[str, Any]:
     w = case.workload
     return {
         "gpu_name": case.gpu.name,
-        "model_name": w.model.name,
+        "model_name": w.model.label,  # a cut model says so: deepseek-v3[8 of 61 layers]
         "model_layers": w.model.num_layers,
         "profile_name": profile_name(case.profile),
     }
