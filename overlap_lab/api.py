@@ -96,6 +96,10 @@ def gpu(spec: str | Path | GPU = "h800", **overrides: Any) -> GPU:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ConfigError(f"unknown gpu field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+    for link in ("nvlink", "rdma"):  # as the command line: DeepEP's rate follows the line rate
+        nominal, eff = overrides.get(f"{link}_gbps"), f"{link}_eff_gbps"
+        if nominal is not None and eff not in overrides and getattr(g, eff) > 0:
+            overrides[eff] = getattr(g, eff) * nominal / getattr(g, f"{link}_gbps")
     changed = {k: v for k, v in overrides.items() if getattr(g, k) != v}
     if not changed:
         return g
@@ -275,6 +279,9 @@ class Result:
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
         out["cost_sources"] = cost_sources(one, self.gpu, self.profile)
+        dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
+        if dropped and dropped not in out.setdefault("notes", []):
+            out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
         if one is not p:
             n = len(p.ranks)
             out["cost_sources"] = {

@@ -176,7 +176,7 @@ def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None
     bound that matters where a class row's shape is not the op's: DeepGEMM's grouped rows (1-8
     groups, compute-bound) read as a throughput for a decode expert GEMM over many groups with
     few rows each, which is bound by reading every group's weights. None: no row applies."""
-    m = profile.lookup(op, sms)
+    m = profile.lookup(op, sms, gpu)
     if m is None:
         return None
     ref = solo_duration_us(op, gpu, m.sms)
@@ -188,7 +188,7 @@ def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None
 def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
     """Duration of ``op`` alone on ``sms`` SMs from the profile (None: no row applies): the
     measured time on the measured SMs, carried to others by the wave model."""
-    m = profile.lookup(op, sms)
+    m = profile.lookup(op, sms, gpu)
     if m is None:
         return None
     floor = op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)
@@ -205,7 +205,7 @@ def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
     if profile is None:
         return "roofline"
     sms = op.sms if op.sms else gpu.num_sms
-    return "profile" if profile.lookup(op, sms) is not None else "roofline"
+    return "profile" if profile.lookup(op, sms, gpu) is not None else "roofline"
 
 
 def is_deepep_ll_recv(op: Op) -> bool:
