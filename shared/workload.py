@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.knobs import knob
 from overlap_lab.shared.preset_files import builtin, pick
 
 DTYPES = ("bf16", "fp8")
@@ -66,9 +67,18 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     gemm_dtype: str = "bf16"
     attn_dtype: str = "bf16"
+    mtp: int = knob(  # multi-token-prediction modules (HF num_nextn_predict_layers)
+        0,
+        "multi-token-prediction modules (HF num_nextn_predict_layers); they run in decode "
+        "steps with more than one token per sequence (0: off)",
+        unit="modules",
+        lo=0,
+        hi=8,
+    )
 
     def __post_init__(self) -> None:
         m = f"model {self.name}"
+        _non_negative(m, mtp=self.mtp)
         _positive(m, num_layers=self.num_layers, hidden=self.hidden, vocab=self.vocab)
         _positive(m, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
         _positive(m, num_experts=self.num_experts, top_k=self.top_k, dense_inter=self.dense_inter)

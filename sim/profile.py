@@ -58,7 +58,14 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import DENSE_OP_NAMES, HEAD_OP_NAMES, MOE_OP_NAMES, PART_OP_NAMES
+from overlap_lab.shared.ops import (
+    DENSE_OP_NAMES,
+    HEAD_OP_NAMES,
+    MOE_OP_NAMES,
+    MTP_HEAD_NAMES,
+    MTP_OP_NAMES,
+    PART_OP_NAMES,
+)
 from overlap_lab.shared.ops_sched import SCHED_OP_NAMES
 from overlap_lab.shared.program import Op
 
@@ -88,7 +95,7 @@ _COMM_OPS = frozenset(
     {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
 )  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
 PROFILED_OPS: frozenset[str] = (
-    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES + PART_OP_NAMES) | SCHED_OP_NAMES)
+    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES + PART_OP_NAMES + MTP_OP_NAMES + MTP_HEAD_NAMES) | SCHED_OP_NAMES)
     - _COMM_OPS
     - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
 )
