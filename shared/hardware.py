@@ -88,13 +88,16 @@ class GPU:
     deepep_ll_recv_us: float = knob(  # fixed cost of a DeepEP low-latency receive (preset files)
         0.0, "fixed cost of a DeepEP low-latency receive (preset files)", unit="µs"
     )
+    deepep_release: str = knob(  # DeepEP release of the normal kernels: v1 or v2
+        "v1", "DeepEP release of the normal kernels: v1 or v2"
+    )
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ConfigError(f"gpu {self.name}: arch must be one of {ARCHS}, got {self.arch!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "arch") or f.name.endswith("_eff_gbps"):
+            if f.name in ("name", "arch", "deepep_release") or f.name.endswith("_eff_gbps"):
                 continue
             may_be_zero = f.name.endswith(("_us",))  # costs and latencies may be switched off
             if (
@@ -104,6 +107,10 @@ class GPU:
             ):
                 need = "a number >= 0" if may_be_zero else "a positive number"
                 raise ConfigError(f"gpu {self.name}: {f.name} must be {need}, got {v!r}")
+        if self.deepep_release not in ("v1", "v2"):
+            raise ConfigError(
+                f"gpu {self.name}: deepep_release must be v1 or v2, got {self.deepep_release!r}"
+            )
         if self.nvlink_eff_gbps < 0 or self.rdma_eff_gbps < 0:
             raise ConfigError(f"gpu {self.name}: effective link bandwidths must be >= 0")
         for f in ("num_sms", "sbo_comm_sms", "deepep_normal_sms"):
