@@ -95,7 +95,11 @@ _COMM_OPS = frozenset(
     {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
 )  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
 PROFILED_OPS: frozenset[str] = (
-    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES + PART_OP_NAMES + MTP_OP_NAMES + MTP_HEAD_NAMES) | SCHED_OP_NAMES)
+    (
+        frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES)
+        | frozenset(PART_OP_NAMES + MTP_OP_NAMES + MTP_HEAD_NAMES)
+        | SCHED_OP_NAMES
+    )
     - _COMM_OPS
     - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
 )
@@ -210,9 +214,7 @@ class Profile:
             return self.for_gpu(gpu)[0].lookup(op, sms)
         if op.kind != "compute":
             return None
-        from overlap_lab.sim.cost import grid_kind  # cost imports this module for types only
-
-        kind = grid_kind(op)
+        kind = _grid_kind(op)
         for key in self.keys_for(op):
             for unit in SIZE_UNITS:
                 counts = [
@@ -222,12 +224,20 @@ class Profile:
                 ]
                 if not counts:
                     continue
-                near = min(counts, key=lambda s: (abs(math.log(s / max(sms, 1))), -s))
-                for g in (kind, None):
-                    c = self._curves.get((key, op.dtype, unit, near, g))
-                    us = None if c is None else _evaluate(c, op, unit)
-                    if us is not None:
-                        return Match(us, near, key)
+                # the nearest SM count whose rows span the op's size, else the nearest whose rows
+                # apply at all: a kernel's cohorts on fewer SMs (a waved kernel's last wave) must
+                # read the same row as the kernel, not a row of another size on closer SMs
+                by_near = sorted(set(counts), key=lambda s: (abs(math.log(s / max(sms, 1))), -s))
+                x = op_size(op, unit)
+                for inside in (True, False):
+                    for near in by_near:
+                        for g in (kind, None):
+                            c = self._curves.get((key, op.dtype, unit, near, g))
+                            if c is None or (inside and not c.sizes[0] <= x <= c.sizes[-1]):
+                                continue
+                            us = _evaluate(c, op, unit)
+                            if us is not None:
+                                return Match(us, near, key)
         return None
 
     def invalidated(self, gpu: GPU) -> dict[str, tuple[Any, Any]]:
@@ -296,6 +306,19 @@ class Profile:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         return p
+
+
+def _grid_kind(op: Op) -> str:
+    """The op's grid as a row's ``grid`` names it: its own (``Op.grid``), else ``persistent``
+    for the persistent classes (``sim.cost.PERSISTENT_CLASSES``: attention and FP8 GEMMs, the
+    kernels rows are measured for), else ``waved``. Here, not ``sim.cost.grid_kind``: the cost
+    model imports this module."""
+    if op.grid is not None:
+        return op.grid
+    persistent = op.op_class == "attention" or (
+        op.op_class in ("gemm", "grouped_gemm") and op.dtype == "fp8"
+    )
+    return "persistent" if persistent else "waved"
 
 
 def op_size(op: Op, unit: str) -> float:

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _sources(res) -> dict[str, int]:
     d = res.as_dict()
-    return {s: sum(c.get(s, 0) for c in d["cost_sources"].values()) for s in ("profile", "roofline")}
+    by = d["cost_sources"].values()
+    return {s: sum(c.get(s, 0) for c in by) for s in ("profile", "roofline")}
 
 
 def _wl(**kw):
@@ -95,7 +96,8 @@ def _wave_errors() -> dict[tuple[int, int, int, int], float]:
     """Relative error of the wave model carrying each 132-SM FP8 row to 108 and 66 SMs."""
     g = get_gpu("h200")
     rows = [json.loads(t) for t in h200_measured.RAW.read_text().splitlines()]
-    base = {(r["M"], r["N"], r["K"]): r for r in rows if r["kind"] == "fp8_gemm_nt" and r["sms"] == 132}
+    fp8 = [r for r in rows if r["kind"] == "fp8_gemm_nt"]
+    base = {(r["M"], r["N"], r["K"]): r for r in fp8 if r["sms"] == 132}
     out = {}
     for r in rows:
         if r["kind"] != "fp8_gemm_nt" or r["sms"] == 132:

@@ -124,7 +124,8 @@ def test_ubatch0_runs_first_and_every_op_once():
     per_mb = [sum(1 for n in names if n[2] == m) for m in (0, 1)]
     moe = LITE.num_layers - LITE.first_k_dense
     w = wl(Batch.decode(64))
-    dense_ops, moe_ops = (len(layer_ops(w, GPU, L, whole_batch(w))) for L in (0, LITE.first_k_dense))
+    mb = whole_batch(w)
+    dense_ops, moe_ops = (len(layer_ops(w, GPU, L, mb)) for L in (0, LITE.first_k_dense))
     assert per_mb == [1 + dense_ops * LITE.first_k_dense + moe_ops * moe] * 2
 
 

@@ -263,7 +263,8 @@ def lower_combine_b(p: SboPlan, combine_b: Op, experts: Op) -> list[GpuInstr]:
 def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
     """One MoE layer as DeepseekV2MoE.forward_deepep issues it with SBO on."""
     shared = parts(ops, "shared_experts")  # the input quantisation, then the MLP
-    body = launches(op for k in ("comm_prepare_attn", "attn.prepare", "attn.core") for op in parts(ops, k))
+    attn = ("comm_prepare_attn", "attn.prepare", "attn.core")
+    body = launches(op for k in attn for op in parts(ops, k))
     body += launches(ops[k] for k in ("comm_prepare_mlp", "gate", "select_experts"))
     body.append(Launch(ops["dispatch_a"], MAIN))  # LL send: the traffic is in flight from here
     if p.shared_in_dispatch_hook:  # _deepep_dispatch_hook: shared experts while dispatch flies

@@ -53,7 +53,8 @@ def mla_decode_flops(batch: int, kv: int, s_q: int, heads: int) -> float:
 
 
 def _cite(line: int, what: str) -> str:
-    return f"h200-measured-rows.jsonl line {line} ({DATE}; {SOFTWARE['DeepGEMM'] if 'GEMM' in what else SOFTWARE['FlashMLA']}, {SOFTWARE['torch']}): {what}"
+    lib = SOFTWARE["DeepGEMM"] if "GEMM" in what else SOFTWARE["FlashMLA"]
+    return f"h200-measured-rows.jsonl line {line} ({DATE}; {lib}, {SOFTWARE['torch']}): {what}"
 
 
 def build() -> dict:
@@ -63,7 +64,8 @@ def build() -> dict:
         if r["kind"] in ("fp8_gemm_nt", "bf16_gemm_nt"):
             dtype = r["kind"].split("_")[0]
             flops = 2.0 * r["M"] * r["N"] * r["K"]
-            what = f"DeepGEMM {dtype} GEMM M={r['M']} N×K={r['N']}×{r['K']} on {r['sms']} SMs: {r['us']} µs"
+            what = (f"DeepGEMM {dtype} GEMM M={r['M']} N×K={r['N']}×{r['K']} "
+                    f"on {r['sms']} SMs: {r['us']} µs")  # fmt: skip
             rows.append({"op": "gemm", "dtype": dtype, "size": r["M"], "sms": r["sms"],
                          "us": r["us"], "flops": flops, "source": _cite(i, what)})  # fmt: skip
         elif r["kind"] == "flash_mla_decode":
