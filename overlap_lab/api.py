@@ -356,7 +356,7 @@ def simulate(
         if isinstance(ranks, Ranks)
         else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
-    prof = None if cost_model is not None else _profile(profile, g.name)
+    prof = None if cost_model is not None else _profile(profile, g)
     models = {"cost_model": cost_model, "network": network}
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
@@ -443,7 +443,7 @@ def _simulate_explicit(
     return trace
 
 
-def _profile(spec: Any, gpu_name: str):
+def _profile(spec: Any, gpu_name: str | GPU):
     """The calibration profile ``spec`` names for the GPU ``gpu_name`` (None: roofline alone)."""
     from overlap_lab.sim.profile import Profile
 
@@ -453,7 +453,7 @@ def _profile(spec: Any, gpu_name: str):
 
 
 @lru_cache(maxsize=16)
-def _load_profile(spec: str, gpu_name: str):
+def _load_profile(spec: str, gpu_name: str | GPU):
     from overlap_lab.sim.profile import load_profile, resolve
 
     return load_profile(resolve(spec, gpu_name))

@@ -47,6 +47,7 @@ H800 benchmarks); ``roofline`` names no profile at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from bisect import bisect_left
@@ -458,15 +459,38 @@ def load_profile(spec: str | Path | None) -> Profile | None:
 DEFAULTS: dict[str, str] = {"h800": "h800-published", "h200": "h200-measured"}
 
 
-def default_profile(gpu_name: str) -> str:
+def default_profile(gpu: str | GPU) -> str:
     """The profile ``--profile auto`` picks: the built-in one of the preset, else the roofline.
 
     A preset with overridden fields keeps its preset's name before a ``+``
     (``h800+rdma-gbps=50.001``, ``overlap_lab.api.gpu``): it keeps the preset's profile, whose
-    rows the changed fields invalidate one by one (``Profile.for_gpu``), not all at once."""
-    return DEFAULTS.get(gpu_name.split("+", 1)[0].lower(), ROOFLINE)
+    rows the changed fields invalidate one by one (``Profile.for_gpu``), not all at once. A GPU
+    of another name (a renamed copy of a preset from ``--gpu-file``), given as a ``GPU``, takes
+    the built-in profile whose measured configuration (header ``gpu``) it equals field by field."""
+    name = gpu if isinstance(gpu, str) else gpu.name
+    base = name.split("+", 1)[0].lower()
+    if base in DEFAULTS:
+        return DEFAULTS[base]
+    if isinstance(gpu, GPU) and base not in _preset_names():
+        for builtin in BUILTIN:
+            ref = _measured_on(builtin)
+            if ref and all(getattr(gpu, k, None) == v for k, v in ref):
+                return builtin
+    return ROOFLINE
 
 
-def resolve(spec: str | None, gpu_name: str) -> str:
-    """``auto``/None -> the preset's default; anything else as given."""
-    return default_profile(gpu_name) if spec in (None, "auto") else spec
+@functools.cache
+def _measured_on(builtin: str) -> tuple[tuple[str, Any], ...]:
+    """The measured configuration (header ``gpu``) of a built-in profile, read once."""
+    return load_profile(builtin).gpu
+
+
+def _preset_names() -> frozenset[str]:
+    from overlap_lab.shared.hardware import GPUS
+
+    return frozenset(GPUS)
+
+
+def resolve(spec: str | None, gpu: str | GPU) -> str:
+    """``auto``/None -> the GPU's default (``default_profile``); anything else as given."""
+    return default_profile(gpu) if spec in (None, "auto") else spec

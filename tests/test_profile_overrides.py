@@ -122,3 +122,16 @@ def test_wave_model_against_h200_sm_rows_or_the_doc_says_where_not():
     for (m, n, k, sms), e in errs.items():
         miss = abs(e) > 0.10
         assert miss == ((str(m), str(n), str(k), str(sms)) in listed), (m, n, k, sms, e)
+
+
+def test_a_renamed_copy_of_a_preset_keeps_its_profile(tmp_path):
+    """A GPU file equal to the h800 preset but for its name (and its links) takes
+    h800-published: the rows' measured configuration, not the name, decides."""
+    fields = dict(get_gpu("h800").__dict__, name="my-h800", rdma_gbps=25.0)
+    path = tmp_path / "my-h800.json"
+    path.write_text(json.dumps(fields))
+    base = ol.simulate("serial", _wl(), "h800")
+    mine = ol.simulate("serial", _wl(), ol.gpu(path))
+    assert mine.as_dict()["profile"] == "h800-published"
+    assert _sources(mine) == _sources(base)
+    assert default_profile("h100") == "roofline"  # another preset keeps its own default
