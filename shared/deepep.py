@@ -73,8 +73,8 @@ RELEASES: dict[str, Release] = {
             "153 GB/s counts the rank's own 1/8: 153 x 7/8 = 134 GB/s over the links; RDMA 46 GB/s "
             "within the 43-58 of the table (the h800 preset's rdma_eff_gbps)",
             "the V1 tables' SM count: Buffer.set_num_sms(24) in the V1 README's example and "
-            "num_sms = 24 in tests/test_intranode.py and test_internode.py, whose tuning prints "
-            "'SMs 24' (e.g. DeepEP issues #60, #155, #493)",
+            "num_sms = 24 in V1's tests/test_intranode.py and tests/test_internode.py, whose "
+            "tuning runs and prints 'SMs 24' only",
             "the V2 README: 'For V3-like legacy training, SM usage reduced from 24 to 4 - 6'",
         ),
         "V1 publishes no table below 24 SMs (its tuning runs at 24 only): below 24 the rate "
