@@ -100,6 +100,10 @@ def gpu(spec: str | Path | GPU = "h800", **overrides: Any) -> GPU:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ConfigError(f"unknown gpu field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+    for link in ("nvlink", "rdma"):  # as the command line: DeepEP's rate follows the line rate
+        nominal, eff = overrides.get(f"{link}_gbps"), f"{link}_eff_gbps"
+        if nominal is not None and eff not in overrides and getattr(g, eff) > 0:
+            overrides[eff] = getattr(g, eff) * nominal / getattr(g, f"{link}_gbps")
     changed = {k: v for k, v in overrides.items() if getattr(g, k) != v}
     if not changed:
         return g
@@ -287,6 +291,9 @@ class Result:
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
         out["cost_sources"] = cost_sources(one, self.gpu, self.profile)
+        dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
+        if dropped and dropped not in out.setdefault("notes", []):
+            out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
         if one is not p:
             n = len(p.ranks)
             out["cost_sources"] = {
@@ -366,7 +373,7 @@ def simulate(
         if isinstance(ranks, Ranks)
         else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
-    prof = None if cost_model is not None else resolve_profile(profile, g.name)
+    prof = None if cost_model is not None else resolve_profile(profile, g)
     models = {"cost_model": cost_model, "network": network}
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
@@ -453,21 +460,22 @@ def simulate_explicit(
     return trace
 
 
-def resolve_profile(spec: Any, gpu_name: str):
-    """The calibration profile ``spec`` names for the GPU ``gpu_name`` (None: roofline alone),
-    loaded once per name: a sweep resolves it once for all its cases, as :func:`simulate` does."""
+def resolve_profile(spec: Any, gpu: str | GPU):
+    """The calibration profile ``spec`` names for ``gpu`` (None: roofline alone); ``auto`` picks
+    the built-in profile whose measured configuration the GPU matches, so a renamed copy of a
+    preset keeps it. Loaded once per (spec, GPU): a sweep resolves it once for all its cases."""
     from overlap_lab.sim.profile import Profile
 
     if spec is None or isinstance(spec, Profile):
         return spec
-    return _load_profile(str(spec), gpu_name)
+    return _load_profile(str(spec), gpu)
 
 
 @lru_cache(maxsize=16)
-def _load_profile(spec: str, gpu_name: str):
+def _load_profile(spec: str, gpu: str | GPU):
     from overlap_lab.sim.profile import load_profile, resolve
 
-    return load_profile(resolve(spec, gpu_name))
+    return load_profile(resolve(spec, gpu))
 
 
 def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:

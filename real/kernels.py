@@ -877,6 +877,28 @@ def noop(ctx: KernelCtx) -> None:
     return None
 
 
+#: The attention half's own GEMMs and the quantisation kernels in front of FP8 GEMMs
+#: (``shared.ops.PARTS``): the simulator times each; this backend computes them inside the op of
+#: their key (``attn.prepare``, ``attn.core``, ``shared_experts``, ``mlp``, whose FP8 GEMMs
+#: quantise their own inputs: real/fp8.py), so here each is an empty kernel that says so.
+FOLDED_OPS: dict[str, str] = {
+    "attn.quant": "attn.prepare",
+    "attn.uk_quant": "attn.prepare",
+    "attn.absorb_k": "attn.prepare",
+    "attn.uv_quant": "attn.core",
+    "attn.absorb_v": "attn.core",
+    "attn.o_quant": "attn.core",
+    "attn.o_proj": "attn.core",
+    "shared_experts.quant": "shared_experts",
+    "mlp.quant": "mlp",
+}
+
+
+@register(*FOLDED_OPS)
+def folded(ctx: KernelCtx) -> None:
+    note(ctx, f"computed inside {FOLDED_OPS[ctx.op.name]} on this backend")
+
+
 # ----------------------------------------------------------------------------------------------
 # Point to point (pipeline parallelism, shared/schedules/pp.py): a micro-batch's tensors move
 # between the in-process ranks of one Program through the mailbox, keyed by the collective's key

@@ -20,6 +20,8 @@ transpose of dispatch's, scaled by the per-copy size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from overlap_lab.shared.ops import expected_bytes
@@ -28,7 +30,91 @@ from overlap_lab.shared.routing import Matrices
 from overlap_lab.shared.topology import Topology
 
 LINKS = (LinkKind.NVLINK, LinkKind.RDMA)
-__all__ = ["LINKS", "byte_matrices", "expected_bytes"]
+__all__ = [
+    "LINKS",
+    "RELEASES",
+    "Release",
+    "byte_matrices",
+    "deepep_normal_fraction",
+    "deepep_normal_rate",
+    "expected_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Release:
+    """What one DeepEP release's normal (high-throughput) kernels reach, and on how many SMs.
+
+    ``gbps``: the over-the-link rate per GPU and direction its published table shows on H800 +
+    CX7 (the figure the h800 preset's ``*_eff_gbps`` carry). ``saturating_sms``: the fewest SMs
+    that table (or README row) reached it with. Below that the kernel's channels, not the link,
+    bound it: the model takes the rate proportional to the SMs (a channel is a fixed pair of SMs
+    moving its share of the tokens), which is an assumption where the release publishes no row
+    below that count (each ``notes`` says where)."""
+
+    name: str
+    date: str
+    gbps: dict[str, float]
+    saturating_sms: dict[str, int]
+    sources: tuple[str, ...]
+    notes: str = ""
+
+
+RELEASES: dict[str, Release] = {
+    "v1": Release(
+        "v1",
+        "2025-02",
+        {"nvlink": 134.0, "rdma": 46.0},
+        {"nvlink": 24, "rdma": 24},
+        (
+            "DeepEP docs/legacy.md (V1 README), 'Normal kernels with NVLink and RDMA forwarding': "
+            "H800 + CX7, 4096 tokens, intranode EP 8 153 GB/s dispatch / 158 combine (NVLink), "
+            "internode EP 16/32/64 43/58/51 GB/s dispatch (RDMA)",
+            "153 GB/s counts the rank's own 1/8: 153 x 7/8 = 134 GB/s over the links; RDMA 46 GB/s "
+            "within the 43-58 of the table (the h800 preset's rdma_eff_gbps)",
+            "the V1 tables' SM count: Buffer.set_num_sms(24) in the V1 README's example and "
+            "num_sms = 24 in V1's tests/test_intranode.py and tests/test_internode.py, whose "
+            "tuning runs and prints 'SMs 24' only",
+            "the V2 README: 'For V3-like legacy training, SM usage reduced from 24 to 4 - 6'",
+        ),
+        "V1 publishes no table below 24 SMs (its tuning runs at 24 only): below 24 the rate "
+        "proportional to the SMs is this model's assumption.",
+    ),
+    "v2": Release(
+        "v2",
+        "2026-04",
+        {"nvlink": 134.0, "rdma": 46.0},
+        {"nvlink": 6, "rdma": 6},
+        (
+            "DeepEP README (EPv2, github.com/deepseek-ai/DeepEP PR #605 'Introducing EPv2', "
+            "2026-04), Performance: SM90 CX7 EP 8 x 4: 61 GB/s dispatch / 61 combine (RDMA, "
+            "logical: own node included) on 6 SMs, i.e. 61 x 3/4 = 46 GB/s over the NIC; EP 8 x 2: "
+            "90 / 81 GB/s on 12 SMs (90 x 1/2 = 45 over the NIC)",
+            "NVLink on SM90 has no V2 row; SM100 EP 8 reaches 643 GB/s (logical) on 24 SMs "
+            "(its 'Min #SM' row), 643 x 7/8 / 24 = 23 GB/s per SM over the links, so H800's 134 "
+            "GB/s needs 6 SMs at that rate (an estimate carried from SM100)",
+        ),
+        "the RDMA row's 6 SMs is V2's analytic choice at EP 32 (get_theoretical_num_sms); the "
+        "NVLink figure is an estimate from the SM100 row.",
+    ),
+}
+
+
+def deepep_normal_fraction(release: str, sms: int, link: str) -> float:
+    """The share of the link rate a normal DeepEP kernel on ``sms`` SMs reaches (1 at or above
+    the release's saturating SM count, proportional below it)."""
+    r = RELEASES[release]
+    return min(1.0, max(sms, 0) / r.saturating_sms[str(link)])
+
+
+def deepep_normal_rate(release: str, sms: int, link: str, link_gbps: float | None = None) -> float:
+    """GB/s per GPU and direction that DeepEP ``release``'s normal kernels move over ``link``
+    (``nvlink`` or ``rdma``) holding ``sms`` SMs: the link's achievable rate (``link_gbps``,
+    default the release's published H800 + CX7 figure) where the kernel holds enough SMs,
+    proportionally less below. DeepSeek's prefill on V1 with 8 communication SMs thus moves RDMA
+    traffic at 46 x 8/24 = 15 GB/s, a third of what its 24 SMs reach."""
+    base = RELEASES[release].gbps[str(link)] if link_gbps is None else link_gbps
+    return base * deepep_normal_fraction(release, sms, link)
 
 
 def byte_matrices(

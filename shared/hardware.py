@@ -91,6 +91,9 @@ class GPU:
         lo=0,
         hi=1e4,
     )
+    deepep_release: str = knob(
+        "v1", "DeepEP release of the normal kernels: v1 or v2", choices=("v1", "v2")
+    )
 
     def __post_init__(self) -> None:
         """Each field's type and sign, then what one field alone cannot say. The ranges of the

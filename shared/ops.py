@@ -24,6 +24,7 @@ Conventions and simplifications, stated once:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -43,7 +44,12 @@ from overlap_lab.shared.workload import (
 __all__ = [
     "DENSE_OP_NAMES",
     "HEAD_OP_NAMES",
+    "KEY_OF",
     "MOE_OP_NAMES",
+    "MTP_HEAD_NAMES",
+    "MTP_OP_NAMES",
+    "PARTS",
+    "PART_OP_NAMES",
     "AttnWork",
     "Work",
     "attn_work",
@@ -51,16 +57,38 @@ __all__ = [
     "dense_layers",
     "dispatch_bytes_per_copy",
     "expected_dest_ranks",
+    "expand_keys",
     "experts_work",
     "head_ops",
     "layer_ops",
     "ll_num_sms",
     "moe_layers",
     "moe_tokens",
+    "mtp_ops",
+    "mtp_passes",
+    "parts",
+    "quant",
     "traffic",
     "whole_batch",
 ]
 
+#: Ops a schedule launches where it names one of the keys below (``parts``), in this order: the
+#: attention half's own GEMMs and the quantisation kernels in front of each FP8 GEMM. They run
+#: back to back on the stream of their key in every upstream schedule (SGLang's
+#: ``op_prepare_attn`` / ``op_core_attn`` and DeepSeek's ATTN stages each hold them all), so the
+#: schedules keep naming the key and launch its parts. Parts absent for a model (no absorbed
+#: projections under GQA, no quantisation with BF16 GEMMs) are skipped.
+PARTS: dict[str, tuple[str, ...]] = {
+    "attn.prepare": ("attn.quant", "attn.prepare", "attn.uk_quant", "attn.absorb_k"),
+    "attn.core": ("attn.core", "attn.uv_quant", "attn.absorb_v", "attn.o_quant", "attn.o_proj"),
+    "shared_experts": ("shared_experts.quant", "shared_experts"),
+    "mlp": ("mlp.quant", "mlp"),
+}
+#: The key each part is launched for (a key's own op maps to itself).
+KEY_OF: dict[str, str] = {p: k for k, ps in PARTS.items() for p in ps}
+PART_OP_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys(n for ps in PARTS.values() for n in ps if n not in PARTS)
+)
 MOE_OP_NAMES: tuple[str, ...] = (
     "comm_prepare_attn",
     "attn.prepare",
@@ -89,6 +117,21 @@ HEAD_OP_NAMES: tuple[str, ...] = ("embed", "logits", "sample", "d2h")
 
 ACT = 2  # activations are bf16
 FP8_SCALE_BLOCK = 128  # DeepEP / DeepGEMM: one fp32 scale per 128 fp8 values of a token
+
+
+def parts(ops: Mapping[str, Op], key: str) -> list[Op]:
+    """The ops a schedule launches for ``key``, in order (:data:`PARTS`; a key without parts is
+    itself)."""
+    return [ops[k] for k in PARTS.get(key, (key,)) if k in ops]
+
+
+def expand_keys(keys: Iterable) -> list:
+    """``keys`` with every key that has parts replaced by its parts (non-string items, such as
+    TBO's YIELD, pass through)."""
+    out: list = []
+    for k in keys:
+        out.extend(PARTS[k] if isinstance(k, str) and k in PARTS else (k,))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +171,17 @@ def rmsnorm(rows: float, width: int, residual: bool = False) -> Work:
 def elementwise(rows: float, width: int, reads: int, writes: int, flops_per: float = 1.0) -> Work:
     """A memory-bound pass over ``rows x width`` bf16 values."""
     return Work(flops_per * rows * width, (reads + writes) * rows * width * ACT)
+
+
+def quant(rows: float, width: int) -> Work:
+    """Per-token-group FP8 quantisation of a bf16 activation (SGLang's
+    ``per_token_group_quant_fp8`` in front of every block-scaled DeepGEMM GEMM): reads the bf16
+    values, writes fp8 values and one fp32 scale per 128; about 4 FLOPs a value (abs, group max,
+    scale, cast). Memory-bound."""
+    if rows <= 0 or width <= 0:
+        return Work()
+    scales = math.ceil(width / FP8_SCALE_BLOCK) * 4
+    return Work(4.0 * rows * width, rows * (width * (ACT + 1) + scales))
 
 
 def mlp(rows: float, hidden: int, inter: int, wbytes: int) -> Work:
@@ -182,8 +236,8 @@ def attn_work(batch: Batch, tok_lo: int, tok_hi: int) -> AttnWork:
 
 def mla_prepare(w: Workload, rows: int) -> Work:
     """q down/up projection (or q_proj without q_lora), kv_a (down) projection with its norm,
-    RoPE and the KV-cache write; decode adds the W_UK absorption (q_nope -> latent), prefill
-    the kv_b up-projection of the new tokens (non-absorbed MHA path)."""
+    RoPE and the KV-cache write; prefill adds the kv_b up-projection of the new tokens
+    (non-absorbed MHA path). Decode's W_UK absorption is an op of its own (``mla_absorb_k``)."""
     m, h = w.model, w.heads_per_rank
     wb, kvb = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype]
     dqk, lat = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
@@ -196,24 +250,41 @@ def mla_prepare(w: Workload, rows: int) -> Work:
     rope = elementwise(rows, (h + 1) * m.qk_rope_dim, reads=1, writes=1, flops_per=6.0)
     cache_write = Work(0.0, rows * lat * kvb)
     if w.batch.mode == "decode":
-        extra = bmm(rows, h, m.qk_nope_dim, m.kv_lora_rank, wb)
-    else:
-        extra = gemm(rows, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
+        return q + kv + rope + cache_write
+    extra = gemm(rows, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
     return q + kv + rope + cache_write + extra
 
 
+def mla_absorb_k(w: Workload, rows: int) -> Work:
+    """Decode's W_UK absorption: q_nope -> latent, one GEMM per head batched over the heads
+    (DeepGEMM's masked grouped FP8 GEMM in SGLang with DeepGEMM, ``torch.bmm`` otherwise)."""
+    m = w.model
+    return bmm(rows, w.heads_per_rank, m.qk_nope_dim, m.kv_lora_rank, DTYPE_BYTES[m.gemm_dtype])
+
+
+def mla_absorb_v(w: Workload, rows: int) -> Work:
+    """Decode's W_UV: the attention's latent output -> v per head, batched over the heads."""
+    m = w.model
+    return bmm(rows, w.heads_per_rank, m.kv_lora_rank, m.v_head_dim, DTYPE_BYTES[m.gemm_dtype])
+
+
+def o_proj(w: Workload, rows: int) -> Work:
+    """o_proj: the heads' values -> hidden, an FP8 GEMM (DeepGEMM) for FP8 checkpoints."""
+    m = w.model
+    width = w.heads_per_rank * (m.v_head_dim if m.attention == "mla" else m.head_dim)
+    return gemm(rows, width, m.hidden, DTYPE_BYTES[m.gemm_dtype])
+
+
 def mla_core(w: Workload, aw: AttnWork, rows: int) -> Work:
-    """Core attention + W_UV / o_proj. Decode: absorbed MLA (MQA over the kv_lora+rope latent,
-    read once per piece for all heads). Prefill: MHA with causal attention over prefix+extend,
-    the cached prefix latents up-projected by kv_b first."""
+    """Core attention (W_UV and o_proj are ops of their own). Decode: absorbed MLA (MQA over the
+    kv_lora+rope latent, read once per piece for all heads: FlashMLA). Prefill: MHA with causal
+    attention over prefix+extend, the cached prefix latents up-projected by kv_b first."""
     m, h = w.model, w.heads_per_rank
     wb, kvb = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype]
     dqk, lat = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
-    o_proj = gemm(rows, h * m.v_head_dim, m.hidden, wb)
     if w.batch.mode == "decode":
         qo = aw.q_tokens * h * (lat + m.kv_lora_rank) * ACT
-        core = Work(2.0 * h * aw.pairs * (lat + m.kv_lora_rank), aw.ctx_tokens * lat * kvb + qo)
-        return core + bmm(rows, h, m.kv_lora_rank, m.v_head_dim, wb) + o_proj
+        return Work(2.0 * h * aw.pairs * (lat + m.kv_lora_rank), aw.ctx_tokens * lat * kvb + qo)
     up = gemm(aw.cached_tokens, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
     up = up + Work(0.0, aw.cached_tokens * lat * kvb)
     qo = aw.q_tokens * h * (dqk + m.v_head_dim) * ACT
@@ -221,7 +292,7 @@ def mla_core(w: Workload, aw: AttnWork, rows: int) -> Work:
         2.0 * h * aw.pairs * (dqk + m.v_head_dim),
         aw.ctx_tokens * h * (dqk + m.v_head_dim) * ACT + qo,
     )
-    return up + core + o_proj
+    return up + core
 
 
 def gqa_prepare(w: Workload, rows: int) -> Work:
@@ -236,12 +307,11 @@ def gqa_prepare(w: Workload, rows: int) -> Work:
 
 def gqa_core(w: Workload, aw: AttnWork, rows: int) -> Work:
     """Causal attention (QK^T and PV: 4*d FLOPs per pair per q head; K and V read once per
-    piece per kv head) + o_proj."""
+    piece per kv head); o_proj is an op of its own."""
     m, hq, hkv = w.model, w.heads_per_rank, w.kv_heads_per_rank
-    wb, kvb, d = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype], m.head_dim
+    kvb, d = DTYPE_BYTES[m.attn_dtype], m.head_dim
     kv_read = aw.ctx_tokens * 2 * hkv * d * kvb
-    core = Work(4.0 * hq * d * aw.pairs, kv_read + 2 * aw.q_tokens * hq * d * ACT)
-    return core + gemm(rows, hq * d, m.hidden, wb)
+    return Work(4.0 * hq * d * aw.pairs, kv_read + 2 * aw.q_tokens * hq * d * ACT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,26 +473,49 @@ class _Maker:
 
 
 def _attention_ops(w: Workload, mb: MicroBatch, mk: _Maker) -> dict[str, Op]:
+    """The attention half's ops in launch order (``PARTS`` of ``attn.prepare``/``attn.core``).
+
+    With FP8 GEMMs every GEMM input is quantised by a kernel of its own first (``*quant``):
+    the hidden states (and, with q_lora, the normed q latent) before the fused q_a/kv_a and q_b
+    projections (``attn.quant``: two launches, one op), q_nope before W_UK, the latent output
+    before W_UV and the heads' values before o_proj."""
     m, rows = w.model, mb.padded_tokens
     aw = attn_work(w.batch, mb.tok_lo, mb.tok_hi)
+    fp8, h = m.gemm_dtype == "fp8", w.heads_per_rank
+    absorbed = m.attention == "mla" and w.batch.mode == "decode"
     if m.attention == "mla":
         prep, core = mla_prepare(w, rows), mla_core(w, aw, rows)
     else:
         prep, core = gqa_prepare(w, rows), gqa_core(w, aw, rows)
-    return {
-        "comm_prepare_attn": mk("comm_prepare_attn", rmsnorm(rows, m.hidden, residual=True)),
-        "attn.prepare": mk("attn.prepare", prep, dtype=m.gemm_dtype, op_class="gemm"),
-        # prefill attention (FlashAttention-3, varlen causal) hands tiles to its persistent CTAs
-        # from an atomic counter (DynamicPersistentTileScheduler): CTAs that start late take what
-        # is left. Decode attention (FlashMLA) splits the work statically per SM part.
-        "attn.core": mk(
-            "attn.core",
-            core,
-            dtype=m.attn_dtype,
-            op_class="attention",
-            grid="dynamic" if w.batch.mode == "prefill" else None,
-        ),
-    }
+    gemm_kw = dict(dtype=m.gemm_dtype, op_class="gemm")
+    out = {"comm_prepare_attn": mk("comm_prepare_attn", rmsnorm(rows, m.hidden, residual=True))}
+    if fp8:
+        q_in = quant(rows, m.hidden) + (quant(rows, m.q_lora_rank) if m.q_lora_rank else Work())
+        out["attn.quant"] = mk("attn.quant", q_in)
+    out["attn.prepare"] = mk("attn.prepare", prep, **gemm_kw)
+    if absorbed:
+        if fp8:
+            out["attn.uk_quant"] = mk("attn.uk_quant", quant(rows, h * m.qk_nope_dim))
+        out["attn.absorb_k"] = mk("attn.absorb_k", mla_absorb_k(w, rows), **gemm_kw)
+    # prefill attention (FlashAttention-3, varlen causal) hands tiles to its persistent CTAs
+    # from an atomic counter (DynamicPersistentTileScheduler): CTAs that start late take what
+    # is left. Decode attention (FlashMLA) splits the work statically per SM part.
+    out["attn.core"] = mk(
+        "attn.core",
+        core,
+        dtype=m.attn_dtype,
+        op_class="attention",
+        grid="dynamic" if w.batch.mode == "prefill" else None,
+    )
+    if absorbed:
+        if fp8:
+            out["attn.uv_quant"] = mk("attn.uv_quant", quant(rows, h * m.kv_lora_rank))
+        out["attn.absorb_v"] = mk("attn.absorb_v", mla_absorb_v(w, rows), **gemm_kw)
+    width = h * (m.v_head_dim if m.attention == "mla" else m.head_dim)
+    if fp8:
+        out["attn.o_quant"] = mk("attn.o_quant", quant(rows, width))
+    out["attn.o_proj"] = mk("attn.o_proj", o_proj(w, rows), **gemm_kw)
+    return out
 
 
 def _comm_pair(w: Workload, gpu: GPU, mk: _Maker, what: str, rows: int, mode: str):
@@ -470,6 +563,9 @@ def _moe_ops(w: Workload, gpu: GPU, mb: MicroBatch, mk: _Maker, mode: str) -> di
     )
     ops.update(_comm_pair(w, gpu, mk, "combine", rows, mode))
     shared = mlp(rows, m.hidden, m.shared_inter, wb)  # zero work without shared experts (Qwen3)
+    if m.gemm_dtype == "fp8" and m.shared_inter > 0:  # gate_up's and down's inputs
+        sq = quant(rows, m.hidden) + quant(rows, m.shared_inter)
+        ops["shared_experts.quant"] = mk("shared_experts.quant", sq)
     ops["shared_experts"] = mk("shared_experts", shared, dtype=m.gemm_dtype, op_class="gemm")
     ops["output"] = mk("output", elementwise(rows, m.hidden, reads=2, writes=1))
     ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
@@ -480,6 +576,57 @@ def _postprocess(w: Workload, rows: int) -> Work:
     """Residual add of the layer output. With attn_tp > 1 SGLang also gathers the scattered
     tokens here (an all-gather over the attention-TP group): not modeled as traffic yet."""
     return elementwise(rows, w.model.hidden, reads=2, writes=1)
+
+
+#: The multi-token-prediction module's own ops (DeepSeek-V3 §2.2; SGLang's
+#: ``DeepseekModelNextN``): embed the tokens, RMSNorm the embeddings and the main model's last
+#: hidden states (``enorm``, ``hnorm``), project their concatenation back to the hidden size
+#: (``eh_proj``), one transformer layer (launched as layer ``num_layers + pass``, its ops named as
+#: every layer's), then the shared head (final norm + lm_head) and the draft token's argmax.
+MTP_OP_NAMES: tuple[str, ...] = ("mtp.embed", "mtp.norm", "mtp.eh_proj")
+MTP_HEAD_NAMES: tuple[str, ...] = ("mtp.logits", "mtp.sample")
+
+
+def mtp_passes(w: Workload) -> int:
+    """How many times a decode step runs the MTP module: once per draft token it proposes
+    (``tokens_per_seq - 1``: the step verifies the previous step's drafts and proposes as many
+    new ones, SGLang's EAGLE worker reusing DeepSeek-V3's one module for every draft step), when
+    the model has a module (``ModelConfig.mtp``); 0 in prefill or with one token per sequence."""
+    b = w.batch
+    if w.model.mtp <= 0 or b.mode != "decode" or b.tokens_per_seq <= 1:
+        return 0
+    return b.tokens_per_seq - 1
+
+
+def mtp_ops(
+    w: Workload, gpu: GPU, mb: MicroBatch, *, deepep_mode: str = "auto", step: int | None = None
+) -> list[Op]:
+    """The MTP module's ops for one micro-batch after the main model's sample, in launch order
+    (empty when :func:`mtp_passes` is 0). Every pass runs over the micro-batch's tokens (the draft
+    extend after verification holds up to ``tokens_per_seq`` tokens per sequence; later draft
+    steps, one token per sequence, are charged the same: an upper bound). The layer is a MoE
+    layer (DeepSeek-V3's MTP block), with its own collectives (layer ``num_layers + pass``)."""
+    passes = mtp_passes(w)
+    if not passes:
+        return []
+    _check_mb(w, mb)
+    mode = _resolve_mode(w, deepep_mode)
+    m, rows = w.model, mb.padded_tokens
+    out: list[Op] = []
+    for k in range(passes):
+        layer = m.num_layers + k
+        mk = _Maker(layer, mb, step)
+        out.append(mk("mtp.embed", Work(0.0, 2 * rows * m.hidden * ACT)))
+        out.append(mk("mtp.norm", rmsnorm(rows, m.hidden) + rmsnorm(rows, m.hidden)))
+        eh = gemm(rows, 2 * m.hidden, m.hidden, DTYPE_BYTES["bf16"])  # not quantised in V3
+        out.append(mk("mtp.eh_proj", eh, op_class="gemm"))
+        template = _layer_template(w, gpu, mb, mode, m.num_layers >= m.first_k_dense, step)
+        out.extend(_stamp(template, layer, mb, step).values())
+        logits = rmsnorm(rows, m.hidden) + gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
+        out.append(mk("mtp.logits", logits, op_class="gemm"))
+        argmax = Work(2.0 * rows * m.vocab, rows * m.vocab * 4 + rows * 8)
+        out.append(mk("mtp.sample", argmax, op_class="sampling"))
+    return out
 
 
 def layer_ops(
@@ -500,6 +647,11 @@ def layer_ops(
     mode = _resolve_mode(w, deepep_mode)
     _check_mb(w, mb)
     template = _layer_template(w, gpu, mb, mode, w.model.is_moe_layer(layer), step)
+    return _stamp(template, layer, mb, step)
+
+
+def _stamp(template: tuple, layer: int, mb: MicroBatch, step: int | None) -> dict[str, Op]:
+    """A layer template's ops with ``layer`` and its collectives' keys stamped on."""
     prefix = f"s{step}.L{layer}.mb{mb.index}."
     out = {}
     for name, kw, coll in template:
@@ -531,6 +683,9 @@ def _layer_template(
         ops["comm_prepare_mlp"] = mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True))
         # Dense MLP computed whole on each rank (SGLang's moe_dense_tp_size=1 under DP attention).
         dense = mlp(rows, m.hidden, m.dense_inter, DTYPE_BYTES[m.gemm_dtype])
+        if m.gemm_dtype == "fp8":  # gate_up's and down's inputs
+            dq = quant(rows, m.hidden) + quant(rows, m.dense_inter)
+            ops["mlp.quant"] = mk("mlp.quant", dq)
         ops["mlp"] = mk("mlp", dense, dtype=m.gemm_dtype, op_class="gemm")
         ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
     lead = mk.key("")

@@ -151,6 +151,7 @@ def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
             first_k_dense=int(hf.get("first_k_dense_replace") or 0),
             n_group=int(hf.get("n_group") or 1),
             topk_group=int(hf.get("topk_group") or 1),
+            mtp=int(hf.get("num_nextn_predict_layers") or 0),  # DeepSeek-V3's MTP module
         )
         return out
     head_dim = int(hf.get("head_dim") or out["hidden"] // heads)

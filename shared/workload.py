@@ -81,6 +81,14 @@ class ModelConfig:
     layers_total: int | None = knob(
         None, "the full model's layers when cut (None: not cut)", unit="layers", lo=1, hi=MAX_LAYERS
     )
+    mtp: int = knob(
+        0,
+        "multi-token-prediction modules (HF num_nextn_predict_layers); they run in decode "
+        "steps with more than one token per sequence (0: off)",
+        unit="modules",
+        lo=0,
+        hi=8,
+    )
 
     def __post_init__(self) -> None:
         """Each field's type and sign (its range: presets and files, ``preset_files``), then

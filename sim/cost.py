@@ -176,7 +176,7 @@ def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None
     bound that matters where a class row's shape is not the op's: DeepGEMM's grouped rows (1-8
     groups, compute-bound) read as a throughput for a decode expert GEMM over many groups with
     few rows each, which is bound by reading every group's weights. None: no row applies."""
-    m = profile.lookup(op, sms)
+    m = profile.lookup(op, sms, gpu)
     if m is None:
         return None
     ref = solo_duration_us(op, gpu, m.sms)
@@ -188,7 +188,7 @@ def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None
 def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
     """Duration of ``op`` alone on ``sms`` SMs from the profile (None: no row applies): the
     measured time on the measured SMs, carried to others by the wave model."""
-    m = profile.lookup(op, sms)
+    m = profile.lookup(op, sms, gpu)
     if m is None:
         return None
     floor = op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)
@@ -205,7 +205,7 @@ def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
     if profile is None:
         return "roofline"
     sms = op.sms if op.sms else gpu.num_sms
-    return "profile" if profile.lookup(op, sms) is not None else "roofline"
+    return "profile" if profile.lookup(op, sms, gpu) is not None else "roofline"
 
 
 def is_deepep_ll_recv(op: Op) -> bool:
@@ -220,8 +220,30 @@ def is_deepep_ll_recv(op: Op) -> bool:
     )
 
 
+def channel_time_us(op: Op, gpu: GPU) -> float:
+    """How long a DeepEP normal kernel's channels need to move its flows on the SMs it holds
+    (``shared.deepep.deepep_normal_rate`` of the GPU's ``deepep_release``): the links' rate where
+    it holds enough SMs, proportionally less below. A sendrecv kernel cannot finish before
+    this (nor before its data arrives: ``sim.resources``), so with too few SMs its span outlasts
+    the link time. 0 for every other op."""
+    c = op.coll
+    if op.kind != "comm" or c is None or c.role != "sendrecv" or not op.sms:
+        return 0.0
+    from overlap_lab.shared.deepep import deepep_normal_fraction
+
+    per_link: dict[str, float] = {}
+    for f in c.flows:
+        per_link[f.link] = per_link.get(f.link, 0.0) + f.nbytes
+    t = 0.0
+    for link, nbytes in per_link.items():
+        frac = deepep_normal_fraction(gpu.deepep_release, op.sms, link)
+        if frac < 1.0:
+            t = max(t, nbytes / (link_bytes_per_us(gpu, link) * frac))
+    return t
+
+
 def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
-    t_c = compute_time_us(op, gpu, sms)
+    t_c = max(compute_time_us(op, gpu, sms), channel_time_us(op, gpu))
     if op.flops > 0 or op.hbm_bytes > 0:
         t_c = max(t_c, gpu.kernel_min_us)
     cap = 0.0

@@ -46,6 +46,8 @@ H800 benchmarks); ``roofline`` names no profile at all.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from bisect import bisect_left
@@ -56,12 +58,36 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.ops import DENSE_OP_NAMES, HEAD_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import (
+    DENSE_OP_NAMES,
+    HEAD_OP_NAMES,
+    MOE_OP_NAMES,
+    MTP_HEAD_NAMES,
+    MTP_OP_NAMES,
+    PART_OP_NAMES,
+)
 from overlap_lab.shared.ops_sched import SCHED_OP_NAMES
 from overlap_lab.shared.program import Op
 
 FORMAT = "overlap-lab-profile/1"
 HEADER_KEYS: tuple[str, ...] = ("format", "device", "date", "software", "source", "rows")
+#: Optional header keys: ``notes`` (free text) and ``gpu``, the GPU fields of the configuration
+#: the rows were measured on (``{"num_sms": 132, "hbm_gbps": 3350, ...}``), which rows' ``depends``
+#: name.
+OPTIONAL_HEADER_KEYS: tuple[str, ...] = ("notes", "gpu")
+#: GPU fields a row's duration may depend on. The SM count is not among them: a row names the SMs
+#: it ran on and the wave model carries it to others (``sim.cost.profile_factor``); links and
+#: host costs are never a compute kernel's. The peak TFLOP/s stand for the clock and the SMs'
+#: tensor throughput (a GPU field has no clock of its own).
+DEPENDABLE: tuple[str, ...] = ("hbm_gbps", "bf16_tflops", "fp8_tflops", "num_sms", "arch")
+
+
+def default_depends(dtype: str) -> tuple[str, ...]:
+    """What a compute kernel's measured time depends on when its row does not say: the memory
+    bandwidth it streams at and the tensor peak (clock) of its dtype."""
+    return ("hbm_gbps", "fp8_tflops" if dtype == "fp8" else "bf16_tflops")
+
 SIZE_UNITS: tuple[str, ...] = ("tokens", "flops")
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
 #: Op classes a row may name (communication and copies are the link model's).
@@ -70,14 +96,20 @@ _COMM_OPS = frozenset(
     {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
 )  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
 PROFILED_OPS: frozenset[str] = (
-    (frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES) | SCHED_OP_NAMES)
+    (
+        frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES)
+        | frozenset(PART_OP_NAMES + MTP_OP_NAMES + MTP_HEAD_NAMES)
+        | SCHED_OP_NAMES
+    )
     - _COMM_OPS
     - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
 )
 #: Names accepted by ``--profile`` besides a path.
 ROOFLINE = "roofline"
-BUILTIN: tuple[str, ...] = ("h800-published",)
-_ROW_KEYS = frozenset({"op", "dtype", "size", "size_unit", "sms", "us", "flops", "source"})
+BUILTIN: tuple[str, ...] = ("h800-published", "h200-measured")
+_ROW_KEYS = frozenset(
+    {"op", "dtype", "size", "size_unit", "sms", "us", "flops", "source", "depends", "grid"}
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,15 @@ class Row:
     size_unit: str = "tokens"
     flops: float = 0.0
     source: str = ""
+    #: GPU fields the duration depends on (None: ``default_depends(dtype)``); an override of one
+    #: of them (``--hbm-gbps``) invalidates the row, any other override keeps it.
+    depends: tuple[str, ...] | None = None
+    #: The kernel's grid kind when the row holds only for one (``sim.cost.grid_kind``: FlashMLA's
+    #: decode split is ``persistent``, FlashAttention-3's prefill ``dynamic``); None: any.
+    grid: str | None = None
+
+    def depends_on(self) -> tuple[str, ...]:
+        return self.depends if self.depends is not None else default_depends(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -127,12 +168,16 @@ class Profile:
     source: str
     rows: tuple[Row, ...]
     notes: str = ""
+    #: GPU fields of the configuration the rows were measured on (header ``gpu``); empty: not
+    #: stated, so no override can be checked against them and every row is kept.
+    gpu: tuple[tuple[str, Any], ...] = ()
     _curves: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _for_gpu: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         groups: dict[tuple, list[Row]] = defaultdict(list)
         for r in self.rows:
-            groups[(r.op, r.dtype, r.size_unit, r.sms)].append(r)
+            groups[(r.op, r.dtype, r.size_unit, r.sms, r.grid)].append(r)
         for key, rows in groups.items():
             by_size: dict[float, list[Row]] = defaultdict(list)
             for r in rows:
@@ -162,21 +207,74 @@ class Profile:
     def keys_for(self, op: Op) -> tuple[str, ...]:
         return (op.name, op.op_class)
 
-    def lookup(self, op: Op, sms: int) -> Match | None:
+    def lookup(self, op: Op, sms: int, gpu: GPU | None = None) -> Match | None:
         """The op's duration from the rows, at the measured SM count nearest ``sms`` (the caller
-        carries it to ``sms`` by the wave model: ``sim.cost.profile_factor``); None when no row applies."""
+        carries it to ``sms`` by the wave model: ``sim.cost.profile_factor``); None when no row
+        applies. With ``gpu``, only the rows that GPU keeps (:meth:`for_gpu`) are searched."""
+        if gpu is not None and self.gpu:
+            return self.for_gpu(gpu)[0].lookup(op, sms)
         if op.kind != "compute":
             return None
+        kind = _grid_kind(op)
         for key in self.keys_for(op):
             for unit in SIZE_UNITS:
-                counts = [s for (o, d, u, s) in self._curves if (o, d, u) == (key, op.dtype, unit)]
+                counts = [
+                    s
+                    for (o, d, u, s, g) in self._curves
+                    if (o, d, u) == (key, op.dtype, unit) and g in (None, kind)
+                ]
                 if not counts:
                     continue
-                near = min(counts, key=lambda s: (abs(math.log(s / max(sms, 1))), -s))
-                us = _evaluate(self._curves[(key, op.dtype, unit, near)], op, unit)
-                if us is not None:
-                    return Match(us, near, key)
+                # the nearest SM count whose rows span the op's size, else the nearest whose rows
+                # apply at all: a kernel's cohorts on fewer SMs (a waved kernel's last wave) must
+                # read the same row as the kernel, not a row of another size on closer SMs
+                by_near = sorted(set(counts), key=lambda s: (abs(math.log(s / max(sms, 1))), -s))
+                x = op_size(op, unit)
+                for inside in (True, False):
+                    for near in by_near:
+                        for g in (kind, None):
+                            c = self._curves.get((key, op.dtype, unit, near, g))
+                            if c is None or (inside and not c.sizes[0] <= x <= c.sizes[-1]):
+                                continue
+                            us = _evaluate(c, op, unit)
+                            if us is not None:
+                                return Match(us, near, key)
         return None
+
+    def invalidated(self, gpu: GPU) -> dict[str, tuple[Any, Any]]:
+        """The GPU fields the rows may depend on whose value on ``gpu`` differs from the measured
+        configuration's: field -> (measured, now)."""
+        out = {}
+        for k, v in self.gpu:
+            now = getattr(gpu, k, None)
+            if now is not None and now != v:
+                out[k] = (v, now)
+        return out
+
+    def for_gpu(self, gpu: GPU) -> tuple[Profile, str | None]:
+        """The profile with only the rows ``gpu`` keeps: a row is dropped when a field it
+        depends on (``Row.depends_on``) differs from the measured configuration (``--hbm-gbps``
+        drops every row; ``--rdma-gbps`` or ``--sbo-comm-sms`` none, since no compute row depends
+        on links or on the communication SMs). Also a one-line note saying what was dropped and
+        why (None: every row kept)."""
+        hit = self._for_gpu.get(gpu)
+        if hit is not None:
+            return hit
+        changed = self.invalidated(gpu)
+        kept = tuple(r for r in self.rows if not set(r.depends_on()) & set(changed))
+        if len(kept) == len(self.rows):
+            out: tuple[Profile, str | None] = (self, None)
+        else:
+            why = ", ".join(f"{k} {a:g} -> {b:g}" if isinstance(a, (int, float)) else
+                            f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items()))  # fmt: skip
+            note = (
+                f"profile {self.name}: {len(self.rows) - len(kept)} of {len(self.rows)} rows "
+                f"dropped ({why} on {gpu.name}); those ops fall back to the roofline"
+            )
+            sub = dataclasses.replace(self, rows=kept, gpu=(), _curves={}, _for_gpu={})
+            out = (sub, note)
+        self._for_gpu[gpu] = out
+        return out
 
     def to_json(self) -> dict[str, Any]:
         rows = []
@@ -188,6 +286,10 @@ class Profile:
                 d["flops"] = r.flops
             if r.source:
                 d["source"] = r.source
+            if r.depends is not None:
+                d["depends"] = list(r.depends)
+            if r.grid is not None:
+                d["grid"] = r.grid
             rows.append(d)
         return {
             "format": FORMAT,
@@ -196,6 +298,7 @@ class Profile:
             "software": dict(self.software),
             "source": self.source,
             **({"notes": self.notes} if self.notes else {}),
+            **({"gpu": dict(self.gpu)} if self.gpu else {}),
             "rows": rows,
         }
 
@@ -204,6 +307,19 @@ class Profile:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         return p
+
+
+def _grid_kind(op: Op) -> str:
+    """The op's grid as a row's ``grid`` names it: its own (``Op.grid``), else ``persistent``
+    for the persistent classes (``sim.cost.PERSISTENT_CLASSES``: attention and FP8 GEMMs, the
+    kernels rows are measured for), else ``waved``. Here, not ``sim.cost.grid_kind``: the cost
+    model imports this module."""
+    if op.grid is not None:
+        return op.grid
+    persistent = op.op_class == "attention" or (
+        op.op_class in ("gemm", "grouped_gemm") and op.dtype == "fp8"
+    )
+    return "persistent" if persistent else "waved"
 
 
 def op_size(op: Op, unit: str) -> float:
@@ -271,9 +387,17 @@ def _row(name: str, i: int, d: Any) -> Row:
     sms = d["sms"]
     if isinstance(sms, bool) or not isinstance(sms, int) or sms <= 0:
         raise ConfigError(f"{where}: sms must be a positive integer, got {sms!r}")
+    depends = d.get("depends")
+    if depends is not None:
+        if not isinstance(depends, list) or any(x not in DEPENDABLE for x in depends):
+            raise ConfigError(f"{where}: depends must list GPU fields among {DEPENDABLE}")
+        depends = tuple(depends)
+    g = d.get("grid")
+    if g is not None and g not in ("persistent", "dynamic", "waved"):
+        raise ConfigError(f"{where}: grid must be persistent, dynamic or waved, got {g!r}")
     return Row(
         op, d["dtype"], float(d["size"]), sms, float(d["us"]), unit, float(d.get("flops", 0.0)),
-        str(d.get("source", "")),
+        str(d.get("source", "")), depends, g,
     )  # fmt: skip
 
 
@@ -295,7 +419,10 @@ def from_json(doc: Any, name: str = "<profile>") -> Profile:
         raise ConfigError(f"profile {name}: header 'software' must map library to version")
     if "notes" in doc and not isinstance(doc["notes"], str):
         raise ConfigError(f"profile {name}: header 'notes' must be a string")
-    unknown = set(doc) - set(HEADER_KEYS) - {"notes"}
+    ref = doc.get("gpu", {})
+    if not isinstance(ref, dict) or any(k not in DEPENDABLE for k in ref):
+        raise ConfigError(f"profile {name}: header 'gpu' must map GPU fields among {DEPENDABLE}")
+    unknown = set(doc) - set(HEADER_KEYS) - set(OPTIONAL_HEADER_KEYS)
     if unknown:
         raise ConfigError(f"profile {name}: unknown header field {sorted(unknown)[0]!r}")
     if not isinstance(doc["rows"], list) or not doc["rows"]:
@@ -303,8 +430,9 @@ def from_json(doc: Any, name: str = "<profile>") -> Profile:
     rows = tuple(_row(name, i, d) for i, d in enumerate(doc["rows"]))
     software = {str(k): str(v) for k, v in doc["software"].items()}
     return Profile(
-        name, doc["device"], doc["date"], software, doc["source"], rows, doc.get("notes", "")
-    )
+        name, doc["device"], doc["date"], software, doc["source"], rows, doc.get("notes", ""),
+        tuple(sorted(ref.items())),
+    )  # fmt: skip
 
 
 def load_profile(spec: str | Path | None) -> Profile | None:
@@ -327,11 +455,42 @@ def load_profile(spec: str | Path | None) -> Profile | None:
     return from_json(doc, p.name)
 
 
-def default_profile(gpu_name: str) -> str:
-    """The profile ``--profile auto`` picks: the built-in one of the preset, else the roofline."""
-    return {"h800": "h800-published"}.get(gpu_name.lower(), ROOFLINE)
+#: The built-in profile ``--profile auto`` picks per GPU preset.
+DEFAULTS: dict[str, str] = {"h800": "h800-published", "h200": "h200-measured"}
 
 
-def resolve(spec: str | None, gpu_name: str) -> str:
-    """``auto``/None -> the preset's default; anything else as given."""
-    return default_profile(gpu_name) if spec in (None, "auto") else spec
+def default_profile(gpu: str | GPU) -> str:
+    """The profile ``--profile auto`` picks: the built-in one of the preset, else the roofline.
+
+    A preset with overridden fields keeps its preset's name before a ``+``
+    (``h800+rdma-gbps=50.001``, ``overlap_lab.api.gpu``): it keeps the preset's profile, whose
+    rows the changed fields invalidate one by one (``Profile.for_gpu``), not all at once. A GPU
+    of another name (a renamed copy of a preset from ``--gpu-file``), given as a ``GPU``, takes
+    the built-in profile whose measured configuration (header ``gpu``) it equals field by field."""
+    name = gpu if isinstance(gpu, str) else gpu.name
+    base = name.split("+", 1)[0].lower()
+    if base in DEFAULTS:
+        return DEFAULTS[base]
+    if isinstance(gpu, GPU) and base not in _preset_names():
+        for builtin in BUILTIN:
+            ref = _measured_on(builtin)
+            if ref and all(getattr(gpu, k, None) == v for k, v in ref):
+                return builtin
+    return ROOFLINE
+
+
+@functools.cache
+def _measured_on(builtin: str) -> tuple[tuple[str, Any], ...]:
+    """The measured configuration (header ``gpu``) of a built-in profile, read once."""
+    return load_profile(builtin).gpu
+
+
+def _preset_names() -> frozenset[str]:
+    from overlap_lab.shared.hardware import GPUS
+
+    return frozenset(GPUS)
+
+
+def resolve(spec: str | None, gpu: str | GPU) -> str:
+    """``auto``/None -> the GPU's default (``default_profile``); anything else as given."""
+    return default_profile(gpu) if spec in (None, "auto") else spec

@@ -103,3 +103,41 @@ def check_simulated(p: Program, gpu) -> None:
     assert step >= max(busy.values()) - 1e-6
     assert step <= sum(s.end - s.start for s in trace.spans) + 1e-6
     return trace
+
+
+def _keyify(item):
+    """``item`` with every op name that is a part of a key (``shared.ops.PARTS``) replaced by
+    the key: tuples element-wise, ``stream:name`` strings by their name."""
+    from overlap_lab.shared.ops import KEY_OF
+
+    if isinstance(item, tuple):
+        return tuple(_keyify(x) for x in item)
+    if isinstance(item, str):
+        head, sep, name = item.rpartition(":")
+        return head + sep + KEY_OF.get(name, name) if name in KEY_OF else item
+    return item
+
+
+def collapse(items) -> list:
+    """A launch sequence with each key's parts folded back into the key they run for: the order
+    the schedules name (attn.quant, attn.prepare, attn.uk_quant, attn.absorb_k -> attn.prepare).
+    Consecutive entries of one key collapse into one."""
+    out: list = []
+    last_changed = False
+    for it in items:
+        k = _keyify(it)
+        changed = k != it or (isinstance(it, (str, tuple)) and _is_key(it))
+        if out and out[-1] == k and (changed or last_changed):
+            last_changed = last_changed or changed
+            continue
+        out.append(k)
+        last_changed = changed
+    return out
+
+
+def _is_key(item) -> bool:
+    from overlap_lab.shared.ops import PARTS
+
+    if isinstance(item, tuple):
+        return any(_is_key(x) for x in item)
+    return isinstance(item, str) and item.rpartition(":")[2] in PARTS

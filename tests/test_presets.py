@@ -37,6 +37,7 @@ DEEPSEEK_V3 = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
     "vocab_size": 129280,
+    "num_nextn_predict_layers": 1,
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
 }
 QWEN3_30B = {

@@ -12,7 +12,7 @@ import pytest
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.ops import DENSE_OP_NAMES, KEY_OF, MOE_OP_NAMES
 from overlap_lab.shared.program import Graph, Launch, Record, Sync, Wait, iter_gpu_instrs, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.lightllm import split_decode, split_prefill
@@ -20,6 +20,7 @@ from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.sched_helpers import (
     check_golden,
     check_simulated,
+    collapse,
     layer_window,
     main_thread,
     moe_mid_layer,
@@ -131,13 +132,13 @@ DECODE_WINDOW = [
 def test_decode_layer_order_is_upstreams():
     p = build("lightllm", decode_w(), H800)
     L = moe_mid_layer(V3)
-    got = [(op.mb, op.layer - L, op.name) for _, op in layer_window(p, L)]
+    got = collapse([(op.mb, op.layer - L, op.name) for _, op in layer_window(p, L)])
     assert got == DECODE_WINDOW
 
 
 def test_decode_first_moe_layer_has_no_pending_hook():
     p = build("lightllm", decode_w(), H800)
-    seq = [(op.mb, op.layer, op.name) for _, op in ops_of(p)]
+    seq = collapse([(op.mb, op.layer, op.name) for _, op in ops_of(p)])
     first = V3.first_k_dense
     # dense layers set no hook: the first MoE window runs 0.attn, 0.gate, then 0.shared directly
     i = seq.index((0, first, "gate"))
@@ -150,7 +151,7 @@ def test_decode_first_moe_layer_has_no_pending_hook():
 
 def test_decode_post_layer_flushes_the_deferred_combine_before_mb1_logits():
     p = build("lightllm", decode_w(), H800)
-    seq = [(op.mb, op.layer, op.name) for _, op in ops_of(p)]
+    seq = collapse([(op.mb, op.layer, op.name) for _, op in ops_of(p)])
     last = V3.num_layers - 1
     i0 = seq.index((0, None, "logits"))
     assert seq[i0 + 1 : i0 + 5] == [
@@ -285,7 +286,7 @@ def _instr_key(ins, L):
 def test_prefill_layer_order_events_and_streams_are_upstreams():
     p = build("lightllm", prefill_w(), H800)
     L = moe_mid_layer(V3)
-    got = [_instr_key(ins, L) for ins in layer_window(p, L, instrs=True)]
+    got = collapse([_instr_key(ins, L) for ins in layer_window(p, L, instrs=True)])
     want = [
         tuple(x.format(L=L, p=L - 1) if isinstance(x, str) else x for x in row)
         for row in PREFILL_WINDOW
@@ -346,7 +347,7 @@ def test_every_op_of_every_layer_once_per_micro_batch(w):
     for mb in (0, 1):
         for L in range(w.model.num_layers):
             names = MOE_OP_NAMES if w.model.is_moe_layer(L) else DENSE_OP_NAMES
-            got = {n for (m, layer, n) in counts if m == mb and layer == L}
+            got = {KEY_OF.get(n, n) for (m, layer, n) in counts if m == mb and layer == L}
             kernels = {n for n in got if n.startswith("experts.")}  # grouped_fused_moe_ep's
             assert (got - kernels) | ({"experts"} if kernels else set()) == set(names)
         assert {n for (m, layer, n) in counts if m == mb and layer is None} >= {

@@ -28,7 +28,7 @@ from overlap_lab.shared.schedules.sbo import (
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
-from tests.sched_helpers import layer_instrs
+from tests.sched_helpers import collapse, layer_instrs
 
 GOLDEN = Path(__file__).parent / "golden"
 H800, B200 = get_gpu("h800"), get_gpu("b200")
@@ -45,7 +45,9 @@ def _layer(p, layer=L):
 
 
 def _names(instrs, stream=None):
-    return [i.op.name for i in instrs if isinstance(i, Launch) and stream in (None, i.stream)]
+    return collapse(
+        [i.op.name for i in instrs if isinstance(i, Launch) and stream in (None, i.stream)]
+    )
 
 
 # -- SM partition ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from overlap_lab.shared.schedules.tbo import (
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
+from tests.sched_helpers import collapse
 
 GOLDEN = Path(__file__).parent / "golden"
 H800 = get_gpu("h800")
@@ -49,12 +50,17 @@ def _instrs(p):
 
 
 def _main_ops(p, layers=None):
-    """(mb, layer, name) of every op launched on main, in issue order."""
-    return [
-        (i.op.mb, i.op.layer, i.op.name)
-        for i in _instrs(p)
-        if isinstance(i, Launch) and i.stream == "main" and (layers is None or i.op.layer in layers)
-    ]
+    """(mb, layer, name) of every op launched on main, in issue order, each key's parts folded
+    into the key (``tests.sched_helpers.collapse``)."""
+    return collapse(
+        [
+            (i.op.mb, i.op.layer, i.op.name)
+            for i in _instrs(p)
+            if isinstance(i, Launch)
+            and i.stream == "main"
+            and (layers is None or i.op.layer in layers)
+        ]
+    )
 
 
 def _check_golden(name: str, text: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.ops import KEY_OF, layer_ops, whole_batch
 from overlap_lab.shared.program import HIGH_PRIORITY, Graph, Launch, Yield, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.vllm_dbo import decide, is_last_ubatch_empty, split
@@ -44,12 +45,12 @@ def dbo(w, **kw):
 
 
 def label(op) -> str:
-    p = 1 - op.mb
-    if op.name in A0:
+    p, name = 1 - op.mb, KEY_OF.get(op.name, op.name)  # a key's parts count as the key
+    if name in A0:
         return f"A0_{p}"
-    if op.name in A1:
+    if name in A1:
         return f"A1_{p}"
-    return NAMES[op.name].format(p)
+    return NAMES[name].format(p)
 
 
 def issued_launches(p):
@@ -122,7 +123,10 @@ def test_ubatch0_runs_first_and_every_op_once():
     assert len(names) == len(set(names))
     per_mb = [sum(1 for n in names if n[2] == m) for m in (0, 1)]
     moe = LITE.num_layers - LITE.first_k_dense
-    assert per_mb == [1 + 6 * LITE.first_k_dense + 14 * moe] * 2
+    w = wl(Batch.decode(64))
+    mb = whole_batch(w)
+    dense_ops, moe_ops = (len(layer_ops(w, GPU, L, mb)) for L in (0, LITE.first_k_dense))
+    assert per_mb == [1 + dense_ops * LITE.first_k_dense + moe_ops * moe] * 2
 
 
 # -- thresholds, DP agreement, padding, abort ---------------------------------------------------

@@ -328,14 +328,14 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
         "--profile",
         default="auto",
         help=f"measured kernel durations: a profile file, {', '.join(BUILTIN)}, or {ROOFLINE} "
-        "(analytic only); auto: the GPU's built-in profile (h800 -> h800-published), else "
-        f"{ROOFLINE} (default: auto)",
+        "(analytic only); auto: the GPU's built-in profile (h800 -> h800-published, "
+        f"h200 -> h200-measured), else {ROOFLINE} (default: auto)",
     )
 
 
 def profile_from(args, gpu: GPU) -> Profile | None:
     """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
-    return load_profile(resolve(getattr(args, "profile", "auto"), gpu.name))
+    return load_profile(resolve(getattr(args, "profile", "auto"), gpu))
 
 
 def add_sim_options(s: argparse.ArgumentParser) -> None:

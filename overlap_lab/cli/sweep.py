@@ -424,7 +424,7 @@ def _inputs(knobs: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> 
             w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
         )
     args.workload = w  # run_case simulates explicit ranks as api.simulate does
-    profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu.name)
+    profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu)
     return _Inputs(args, w, gpu, cfg, ranks_from(args), profile)
 
 

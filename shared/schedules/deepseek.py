@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 
 from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import mtp_ops
 from overlap_lab.shared.program import HIGH_PRIORITY, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.two_mb import (
@@ -278,6 +279,9 @@ def forward_body(e: Emitter) -> None:
     assert not e.hooks, f"hooks left pending after the last layer: {sorted(e.hooks)}"
     for i in mbs:
         e.launch(e.head(i)["sample"])
+    for i in mbs:  # the MTP draft forward after the verify, per micro-batch (none without MTP)
+        for op in mtp_ops(e.w, e.gpu, e.mbs[i], deepep_mode=e.deepep_mode, step=e.step):
+            e.launch(e._narrow(op))
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:

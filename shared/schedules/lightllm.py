@@ -59,6 +59,7 @@ from dataclasses import replace
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.ops import mtp_ops
 from overlap_lab.shared.program import HIGH_PRIORITY, Op, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
@@ -308,6 +309,9 @@ def forward_body(e: Emitter) -> None:
     assert not e.hooks, f"hooks left pending after the post layer: {sorted(e.hooks)}"
     for i in range(len(e.mbs)):
         e.launch(e.head(i)["sample"])
+    for i in range(len(e.mbs)):  # the MTP draft forward after the verify (none without MTP)
+        for op in mtp_ops(e.w, e.gpu, e.mbs[i], deepep_mode=e.deepep_mode, step=e.step):
+            e.launch(e._narrow(op))
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 
 from overlap_lab.shared.builder import program
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
 from overlap_lab.shared.program import (
     Coll,
     Flow,
@@ -262,20 +262,21 @@ def lower_combine_b(p: SboPlan, combine_b: Op, experts: Op) -> list[GpuInstr]:
 
 def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
     """One MoE layer as DeepseekV2MoE.forward_deepep issues it with SBO on."""
-    shared = ops["shared_experts"]
-    body = launches(ops[k] for k in ("comm_prepare_attn", "attn.prepare", "attn.core"))
+    shared = parts(ops, "shared_experts")  # the input quantisation, then the MLP
+    attn = ("comm_prepare_attn", "attn.prepare", "attn.core")
+    body = launches(op for k in attn for op in parts(ops, k))
     body += launches(ops[k] for k in ("comm_prepare_mlp", "gate", "select_experts"))
     body.append(Launch(ops["dispatch_a"], MAIN))  # LL send: the traffic is in flight from here
     if p.shared_in_dispatch_hook:  # _deepep_dispatch_hook: shared experts while dispatch flies
-        body.append(Launch(shared, MAIN))
+        body += launches(shared)
     body.append(Launch(ops["dispatch_b"], MAIN))  # the receive hook
     body += lower_experts(p, ops["experts"], signals)
     if p.shared_after_down:  # _pre_combine_hook, DeepGEMM limited to the compute SMs
-        body.append(Launch(replace(shared, sms=p.compute_sms), MAIN))
+        body += launches(replace(op, sms=p.compute_sms) for op in shared)
     body += lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
     body += lower_combine_b(p, ops["combine_b"], ops["experts"])
     if not (p.shared_in_dispatch_hook or p.shared_after_down):
-        body.append(Launch(shared, MAIN))  # not reached by modes 1-3; kept for completeness
+        body += launches(shared)  # not reached by modes 1-3; kept for completeness
     body += launches(ops[k] for k in ("output", "comm_postprocess_layer"))
     return body
 
@@ -302,6 +303,7 @@ def forward_body(
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
         body += moe(ops) if w.model.is_moe_layer(layer) else launches(ops.values())
     body += launches([head["logits"], head["sample"]])
+    body += launches(mtp_ops(w, gpu, mb, deepep_mode=mode, step=step))  # the MTP draft forward
     return body
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from overlap_lab.shared.builder import program
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import whole_batch
+from overlap_lab.shared.ops import parts, whole_batch
 from overlap_lab.shared.program import (
     HIGH_PRIORITY,
     GpuInstr,
@@ -69,11 +69,10 @@ def moe_layer(ops: dict[str, Op]) -> list[GpuInstr]:
     """One MoE layer as forward_deepep issues it with SBO off."""
     shared = ops["shared_experts"]
     done = f"s{shared.step}.L{shared.layer}.mb{shared.mb}.shared_done"
-    body: list[GpuInstr] = launches(
-        ops[k] for k in ("comm_prepare_attn", "attn.prepare", "attn.core", "comm_prepare_mlp")
-    )
+    keys = ("comm_prepare_attn", "attn.prepare", "attn.core", "comm_prepare_mlp")
+    body: list[GpuInstr] = launches(op for k in keys for op in parts(ops, k))
     body += [Launch(ops["gate"], MAIN), WaitStream(ALT, MAIN)]
-    body += [Launch(shared, ALT), Record(done, ALT)]
+    body += [*(Launch(op, ALT) for op in parts(ops, "shared_experts")), Record(done, ALT)]
     for key in ROUTED:
         body += tbo.lower_op(key, ops)
     body.append(Wait(MAIN, done))

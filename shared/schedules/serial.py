@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from overlap_lab.shared.builder import ThreadBuilder, program
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, whole_batch
 from overlap_lab.shared.program import Launch, Op, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
@@ -37,10 +37,13 @@ def layer_sequence(
 def forward_sequence(
     w: Workload, gpu: GPU, mb: MicroBatch, *, deepep_mode: str, step: int | None = None
 ) -> list[Op]:
-    """embed, every layer, logits, sample: one forward pass of one micro-batch in order."""
+    """embed, every layer, logits, sample: one forward pass of one micro-batch in order; then,
+    in a decode step that verifies draft tokens, the MTP module proposing the next ones
+    (``shared.ops.mtp_ops``: SGLang's EAGLE worker runs the draft forward after the verify)."""
     head = head_ops(w, gpu, mb, step=step)
     body = layer_sequence(w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step)
-    return [head["embed"], *body, head["logits"], head["sample"]]
+    mtp = mtp_ops(w, gpu, mb, deepep_mode=deepep_mode, step=step)
+    return [head["embed"], *body, head["logits"], head["sample"], *mtp]
 
 
 def launch_all(t: ThreadBuilder, ops: list[Op], stream: str, *, graph: str | None) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from overlap_lab.shared.builder import program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
 from overlap_lab.shared.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import ScheduleConfig
@@ -195,8 +195,11 @@ def micro_batch_operations(
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
         if strategy.limit_deep_gemm:
             ops = {k: limit_deep_gemm(op, deep_gemm_sms(gpu)) for k, op in ops.items()}
-        for key in strategy.operations:
-            out.append(YIELD if key is YIELD else lower(key, ops))
+        for key in expand_keys(strategy.operations):  # keys with parts launch each
+            if key is YIELD:
+                out.append(YIELD)
+            elif key in ops:  # a part the model has (no quantisation with BF16 GEMMs)
+                out.append(lower(key, ops))
     return out
 
 
@@ -228,6 +231,7 @@ def tbo_body(
         for instrs in stage:
             body += instrs
     body += launches([head["logits"], head["sample"]])
+    body += launches(mtp_ops(w, gpu, whole, deepep_mode=mode, step=step))  # the draft, unsplit
     return body, strategy, delta
 
 

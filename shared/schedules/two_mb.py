@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from overlap_lab.shared.builder import program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops
+from overlap_lab.shared.ops import head_ops, layer_ops, parts
 from overlap_lab.shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
@@ -118,8 +118,12 @@ class Emitter:
         if not self.has(i):
             return
         ops = self.ops(i, layer)
-        for name in names:
-            self.body.append(Launch(ops[name], stream))
+        done: set[str] = set()  # ``names`` may list a key's parts besides the key (every op)
+        for name in names:  # a key with parts launches each (``shared.ops.PARTS``)
+            for op in parts(ops, name):
+                if op.name not in done:
+                    done.add(op.name)
+                    self.body.append(Launch(op, stream))
 
     def launch(self, op: Op, stream: str = MAIN) -> None:
         self.body.append(Launch(op, stream))

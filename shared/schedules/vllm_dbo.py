@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops
+from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, parts
 from overlap_lab.shared.program import (
     HIGH_PRIORITY,
     Graph,
@@ -243,7 +243,8 @@ class _Dbo:
                     self._launch(c, op)
                 continue
             for k in ("comm_prepare_attn", "attn.prepare", "attn.core"):  # A0, A1 (attention)
-                self._launch(c, ops[k])
+                for op in parts(ops, k):
+                    self._launch(c, op)
             for k in ("comm_prepare_mlp", "gate", "select_experts"):  # A1 (MoE gate)
                 self._launch(c, ops[k])
             if self.mode == "low_latency":
@@ -266,7 +267,8 @@ class _Dbo:
         # FusedMoEModularKernel._finalize -> DeepEPLLPrepareAndFinalize._finalize
         self._maybe_run_recv_hook(c)  # the other thread's D recv
         self._launch(c, ops["combine_a"])  # C send
-        self._launch(c, ops["shared_experts"])  # S, overlapped with the combine in flight
+        for op in parts(ops, "shared_experts"):  # S, overlapped with the combine in flight
+            self._launch(c, op)
         self._register_recv_hook(c, ops["combine_b"])
         c.log.append("yield")
         yield  # dbo_yield
@@ -289,7 +291,8 @@ class _Dbo:
         self._launch(c, ops["experts"])
         yield from self._yield_compute_to_comm(c)  # HT _finalize, before buffer.combine
         self._launch(c, ops["combine_a"], "comm")
-        self._launch(c, ops["shared_experts"])  # dbo_switch_to_compute; shared experts
+        for op in parts(ops, "shared_experts"):  # dbo_switch_to_compute; shared experts
+            self._launch(c, op)
         self._launch(c, ops["combine_b"], "comm")  # receiver: switch_to_comm, output.copy_
         ev = c.event("comm_done")  # dbo_yield_and_switch_from_comm_to_compute
         c.t.record(ev, "comm")
@@ -348,9 +351,13 @@ def _head_whole(w: Workload, gpu: GPU, padded: int, step: int) -> dict[str, Op]:
 
 def _finish(t: ThreadBuilder, w: Workload, gpu: GPU, cfg: ScheduleConfig, padded: int, step: int):
     head = _head_whole(w, gpu, padded, step)
-    for k in ("logits", "sample", "d2h"):
-        if k in head:
-            t.launch(head[k], "main")
+    for k in ("logits", "sample"):
+        t.launch(head[k], "main")
+    n, mode = w.batch.num_tokens, cfg.resolved_deepep_mode(w.batch.mode)
+    whole = MicroBatch(0, 0, w.batch.num_seqs, 0, n, padded)
+    for op in mtp_ops(w, gpu, whole, deepep_mode=mode, step=step):  # the MTP drafter, after
+        t.launch(op, "main")  # sampling (vLLM's propose_draft_token_ids)
+    t.launch(head["d2h"], "main")
     t.record("step_done", "main")
     t.sync("step_done")
     t.host("process_result", cfg.host.process_result_us(w.batch.num_seqs), step=step)

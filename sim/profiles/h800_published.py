@@ -23,6 +23,11 @@ from pathlib import Path
 
 DEEPGEMM = "DeepGEMM README (2025-03-25, commit 8002b769)"
 SMS = 132  # H800 SXM; DeepGEMM's persistent kernels use every SM by default
+#: The configuration the rows hold for: the h800 preset's fields a compute row may depend on
+#: (``sim.profile.DEPENDABLE``). An override of one (``--hbm-gbps``) drops the rows depending on
+#: it; any other override (links, communication SMs, a renamed copy) keeps them all.
+GPU_FIELDS = {"arch": "hopper", "num_sms": SMS, "hbm_gbps": 3350.0, "bf16_tflops": 989.4,
+              "fp8_tflops": 1978.9}  # fmt: skip
 
 #: dense FP8 GEMMs: (N, K) -> {M: TFLOP/s}
 NORMAL: dict[tuple[int, int], dict[int, int]] = {
@@ -79,6 +84,7 @@ def build() -> dict:
         "source": "DeepSeek's published isolated H800 kernel benchmarks (github.com/deepseek-ai/"
         "DeepGEMM README); see overlap_lab/sim/profiles/h800_published.py",
         "notes": " ".join(__doc__.split("\n\n", 2)[2].split()),
+        "gpu": GPU_FIELDS,
         "rows": rows,
     }
 

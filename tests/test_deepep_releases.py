@@ -1,0 +1,59 @@
+"""DeepEP releases: the normal kernels' throughput as a function of the SMs they hold, per
+release, and what it does to DeepSeek's prefill partition (24 communication SMs of 132)."""
+
+from __future__ import annotations
+
+import pytest
+
+import overlap_lab as ol
+from overlap_lab.shared.deepep import RELEASES, deepep_normal_rate
+from overlap_lab.shared.hardware import GPU, get_gpu
+from overlap_lab.shared.knobs import knobs
+
+
+def _prefill():
+    return ol.workload("deepseek-v3", mode="prefill", batch=2, extend_len=4096, layers=4, ep=32)
+
+
+def _step(comm_sms: int, release: str = "v1") -> float:
+    g = ol.gpu("h800", deepep_release=release)
+    return ol.simulate("deepseek", _prefill(), g, {"comm_sms": comm_sms}).metrics.iteration_us
+
+
+def test_rate_follows_the_sms_per_release():
+    assert deepep_normal_rate("v1", 24, "rdma") == pytest.approx(46.0)
+    assert deepep_normal_rate("v1", 8, "rdma") == pytest.approx(46.0 * 8 / 24)
+    assert deepep_normal_rate("v1", 64, "nvlink") == pytest.approx(134.0)
+    assert deepep_normal_rate("v2", 6, "rdma") == pytest.approx(46.0)
+    assert deepep_normal_rate("v2", 3, "rdma", link_gbps=50.0) == pytest.approx(25.0)
+    for r in RELEASES.values():
+        assert r.sources and r.date
+
+
+def test_deepseek_prefill_on_v1_is_slower_with_8_comm_sms_than_24():
+    assert _step(8) > _step(24)
+
+
+def test_v2_needs_few_sms():
+    assert _step(8, "v2") <= _step(24, "v2")
+
+
+def test_the_trace_shows_the_slow_kernel():
+    """At 8 SMs the dispatch kernel outlasts its data: the span is the channels' time."""
+    g = ol.gpu("h800")
+    spans = {}
+    for sms in (8, 24):
+        res = ol.simulate("deepseek", _prefill(), g, {"comm_sms": sms})
+        kern = [s for s in res.trace.spans if s.op == "dispatch_a" and s.layer == 2]
+        stream = [s.duration for s in kern if s.lane.startswith("stream:")]
+        link = [s.duration for s in kern if s.lane == "link:rdma"]
+        spans[sms] = (max(stream), max(link))
+    assert spans[8][1] == pytest.approx(spans[24][1])  # the same bytes cross RDMA as fast
+    assert spans[8][0] == pytest.approx(3 * spans[8][1], rel=0.01)  # 8 of V1's 24 SMs
+    assert spans[24][0] == pytest.approx(spans[24][1], rel=0.01)
+
+
+def test_release_is_a_gpu_knob_the_preset_names():
+    assert "deepep_release" in {k.name for k in knobs(GPU)}
+    assert get_gpu("h800").deepep_release == "v1"
+    assert ol.gpu("h800", deepep_release="v2").name == "h800+deepep-release=v2"
