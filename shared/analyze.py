@@ -65,7 +65,10 @@ class KernelClass:
 #: so no library's kernel name matches one by accident; tests/test_trace_provenance.py checks that
 #: every op every schedule emits falls in one of them.
 OWN_CLASSES: tuple[KernelClass, ...] = (
+    # the per-token FP8 quantisation kernels in front of FP8 GEMMs (attn.quant, mlp.quant, ...)
+    KernelClass(r"^[\w.]+\.(\w+_)?quant$", "fp8_quant", "compute"),
     KernelClass(r"^attn\.\w+$", "attention", "compute"),
+    KernelClass(r"^mtp\.\w+$", "mtp", "compute"),
     KernelClass(r"^(gate|select_experts)$", "router", "compute"),
     KernelClass(r"^dispatch(_[ab])?$", "dispatch", "comm"),
     KernelClass(r"^combine(_[ab])?$", "combine", "comm"),
