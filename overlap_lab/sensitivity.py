@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_DESIGN",
+    "EXPERIMENT_DESIGN",
     "INPUTS",
     "Design",
     "Input",
@@ -54,8 +55,10 @@ __all__ = [
     "ScheduleRange",
     "Sensitivity",
     "design_from",
+    "paired",
     "perturbed_gpu",
     "sensitivity",
+    "step_times",
 ]
 
 
@@ -216,7 +219,7 @@ class Design:
     :data:`INPUTS` entry with ``varied``)."""
 
     oat: bool = True
-    lhs: int = 6
+    lhs: int = 4
     seed: int = 0
     inputs: tuple[str, ...] | None = None
 
@@ -644,3 +647,56 @@ def input_table(inputs: Iterable[Input] = INPUTS) -> str:
             f"{'yes' if i.varied else 'no'} |"
         )
     return "\n".join(lines)
+
+
+#: The design the experiments attach to their claims: each of the inputs that move decode and
+#: prefill the most, alone at both ends of its range (8 re-runs per case).
+EXPERIMENT_DESIGN = Design(oat=True, lhs=0, inputs=("hbm", "bf16_rate", "rdma", "profile"))
+
+
+def step_times(
+    program: Program,
+    gpu: GPU | str,
+    design: Design = EXPERIMENT_DESIGN,
+    *,
+    profile: Any = "auto",
+) -> tuple[float, ...]:
+    """The window of an already built and validated symmetric ``program`` at each point of
+    ``design`` (not the nominal one): what an experiment's ``measure`` stores to say how sure
+    each of its rows is, at the cost of one simulation per point."""
+    from overlap_lab import api
+    from overlap_lab.sim.cost import RooflineCostModel
+    from overlap_lab.sim.engine import Engine
+
+    g = api.gpu(gpu)
+    inner = RooflineCostModel(api._profile(profile, g.name))
+    return tuple(
+        Engine(program, g, 0, cost_model=PerturbedCostModel(inner, g, p)).run().step_time_us
+        for p in design.points()
+    )
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> float:
+    """Share of points (paired, the same perturbation for both) at which time ``a`` is below
+    time ``b`` (ties half)."""
+    return sum(1.0 if x < y else 0.5 if x == y else 0.0 for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def design_meta(design: Design = EXPERIMENT_DESIGN) -> dict[str, Any]:
+    """What an experiment's results file records of the design its rows were re-run over."""
+    return {
+        "design": design.describe(),
+        "inputs": [i.name for i in design.varied()],
+        "points": [dict(p.factors) for p in design.points()],
+    }
+
+
+def design_sentence(meta: Mapping[str, Any]) -> str:
+    """The design of :func:`design_meta` in words, for an experiment's notes."""
+    n = len(meta["points"]) + 1
+    ins = ", ".join(f"`{i}`" for i in meta["inputs"])
+    return (
+        f"{n} points: the nominal run and {meta['design']}, each of {ins} alone at both ends "
+        "of its range (`overlap_lab.sensitivity.EXPERIMENT_DESIGN`; ranges and sources in "
+        "docs/uncertainty.md)"
+    )

@@ -267,7 +267,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="DESIGN",
         help="re-run over perturbed costs and print each schedule's range, wins and the "
         "schedules it is not separated from (docs/uncertainty.md); DESIGN: e.g. "
-        "lhs=8,seed=1,oat=0,inputs=hbm+rdma (default: one-at-a-time + lhs=6, seed 0)",
+        "lhs=8,seed=1,oat=0,inputs=hbm+rdma (default: one-at-a-time + lhs=4, seed 0)",
     )
     s.set_defaults(func=cmd_compare)
 
