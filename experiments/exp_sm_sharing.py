@@ -265,6 +265,18 @@ def _ms(x: float) -> str:
     return f"{x / 1e3:.1f}"
 
 
+def _ahead(r: dict, rows: list[dict]) -> str:
+    """Row ``r``'s share of points ahead of its reference, or that they tie at every point."""
+    ref = next(
+        o for o in rows if o["part"] == r["part"] and o["gpu"] == r["gpu"] and o["variant"] == r["ahead_of"]
+    )
+    mine = [r["step_time_us"], *r["step_time_points_us"]]
+    theirs = [ref["step_time_us"], *ref["step_time_points_us"]]
+    if mine == theirs:
+        return "equal at every point"
+    return f"{100 * r['ahead_share']:.0f} %"
+
+
 def notes(doc: dict) -> str:
     split, systems, sbo = _rows(doc, "split"), _rows(doc, "systems"), _rows(doc, "sbo")
     by = {r["variant"]: r for r in split}
@@ -449,14 +461,15 @@ def notes(doc: dict) -> str:
         md_table(
             ["part", "GPU", "variant", "reference", "ahead at"],
             [
-                [r["part"], r["gpu"], r["variant"], r["ahead_of"], f"{100 * r['ahead_share']:.0f} %"]
+                [r["part"], r["gpu"], r["variant"], r["ahead_of"], _ahead(r, doc["rows"])]
                 for r in doc["rows"]
                 if "ahead_of" in r
             ],
         ),
         "",
-        "A share strictly between 0 and 100 % marks a comparison the model does not settle: "
-        "moving one input within its range swaps the two.",
+        "Ties count half. A share strictly between 0 and 100 % (other than a tie at every "
+        "point) marks a comparison the model does not settle: moving one input within its "
+        "range swaps the two.",
     ]
     return "\n".join(out)
 
