@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -38,7 +38,6 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 
 if TYPE_CHECKING:
-    from overlap_lab.api import Comparison, Ranks, Result
     from overlap_lab.shared.program import Op, Program
     from overlap_lab.shared.workload import Workload
     from overlap_lab.sim.cost import Grid, KernelDemand
@@ -506,9 +505,22 @@ class Sensitivity:
 # Running a design
 
 
+class Compared(Protocol):
+    """What :func:`sensitivity` reads of an ``overlap_lab.api.Comparison`` (a protocol, so this
+    module need not import the API that calls it): its rows, each with a schedule and a Result
+    (``program``, ``workload``, ``metrics``) or None, and its baseline Result (``gpu``)."""
+
+    rows: tuple[Any, ...]
+    baseline: Any
+
+#: ``(program, workload, cost_model) -> window µs``: how one Program is simulated again.
+Rerun = Callable[["Program", "Workload", "CostModel"], float]
+
+
 @dataclass(frozen=True)
 class _Run:
-    """What one schedule's re-runs need: its lowered Program, workload and ranks."""
+    """What one schedule's re-runs need: its lowered Program and workload, and the iterations
+    and tokens of its window (fixed by the Program: only the window's length changes)."""
 
     schedule: str
     program: Program
@@ -518,22 +530,24 @@ class _Run:
 
 
 def sensitivity(
-    comparison: Comparison,
+    comparison: Compared,
     design: Design | bool | str | Mapping[str, Any] = True,
     *,
     cost_model: CostModel | None = None,
     network: NetworkFactory | None = None,
     profile: Any = "auto",
-    ranks: Ranks | None = None,
     max_events: int | None = None,
+    rerun: Rerun | None = None,
 ) -> Sensitivity:
     """Re-run ``comparison``'s schedules at every point of ``design`` and summarise.
 
-    ``cost_model``, ``network``, ``profile``, ``ranks`` and ``max_events``: what the comparison
-    ran with (:func:`overlap_lab.compare` passes its own); the perturbed cost model wraps
-    ``cost_model``, or the default roofline with ``profile``'s rows. The comparison's Programs
-    are re-simulated as they are, so only costs change between points."""
-    from overlap_lab import api
+    ``cost_model``, ``network``, ``profile`` and ``max_events``: what the comparison ran with
+    (:func:`overlap_lab.compare` passes its own); the perturbed cost model wraps ``cost_model``,
+    or the default roofline with ``profile``'s rows. The comparison's Programs are re-simulated
+    as they are, so only costs change between points. ``rerun(program, workload, cost_model)``
+    gives a Program's window under a cost model: ``compare`` passes its explicit-ranks path
+    when the comparison simulated every rank; the default runs the engine on the Program as the
+    symmetric runs do."""
     from overlap_lab.sim.cost import RooflineCostModel
 
     d = design_from(design)
@@ -544,8 +558,7 @@ def sensitivity(
     if cost_model is not None:
         inner = cost_model
     else:
-        inner = RooflineCostModel(api._profile(profile, g.name))
-    r = ranks if ranks is not None else api.Ranks()
+        inner = RooflineCostModel(_load_profile(profile, g.name))
     done = [row for row in comparison.rows if row.result is not None]
     runs = [_run_of(row.schedule, row.result) for row in done]
     points = d.points()
@@ -553,14 +566,17 @@ def sensitivity(
     its = {row.schedule: [row.result.metrics.iteration_us] for row in done}
     tps = {row.schedule: [row.result.metrics.tokens_per_s_gpu] for row in done}
     # The comparison's traces and Programs are a large live heap; every full collection the
-    # re-runs trigger would walk it again (most of the time of a point, measured). Frozen, they
-    # are skipped; the re-runs' own garbage is still collected.
+    # re-runs trigger would walk it again. Frozen, they are skipped; the re-runs' own garbage
+    # is still collected.
     gc.freeze()
     try:
         for p in points:
             cm = PerturbedCostModel(inner, g, p)
             for run in runs:
-                window = _window(run, g, r, cm, network, max_events)
+                if rerun is not None:
+                    window = rerun(run.program, run.workload, cm)
+                else:
+                    window = _window(run.program, g, cm, network, max_events)
                 its[run.schedule].append(window / run.iterations)
                 tps[run.schedule].append(run.tokens / window * 1e6 if window > 0 else 0.0)
     finally:
@@ -575,30 +591,35 @@ def sensitivity(
     )
 
 
-def _run_of(schedule: str, res: Result) -> _Run:
+def _run_of(schedule: str, res: Any) -> _Run:
+    """``res``: an ``overlap_lab.api.Result``."""
     iters, tokens = iterations_and_tokens(res.program, res.workload)
     return _Run(schedule, res.program, res.workload, iters, tokens)
 
 
 def _window(
-    run: _Run,
+    program: Program,
     g: GPU,
-    r: Ranks,
     cm: CostModel,
     network: NetworkFactory | None,
     max_events: int | None,
 ) -> float:
-    """The simulated window of ``run``'s Program under ``cm`` (validated already: the nominal
-    run checked this same Program)."""
-    from overlap_lab import api
+    """The simulated window of a symmetric run's ``program`` under ``cm`` (validated already:
+    the nominal run checked this same Program; seed 0, as that run)."""
     from overlap_lab.sim.engine import Engine
 
-    p = run.program
-    if r.mode == "explicit":  # every rank, as the nominal run simulated them
-        models = {"cost_model": cm, "network": network}
-        return api._simulate_explicit(p, run.workload, g, r, None, max_events, models).step_time_us
-    engine = Engine(p, g, 0, max_events=max_events, cost_model=cm, network=network)
-    return engine.run().step_time_us  # seed 0, as the nominal symmetric run
+    engine = Engine(program, g, 0, max_events=max_events, cost_model=cm, network=network)
+    return engine.run().step_time_us
+
+
+def _load_profile(spec: Any, gpu_name: str) -> Any:
+    """The calibration profile ``spec`` names for ``gpu_name`` (a Profile passes through; None:
+    roofline alone), as ``overlap_lab.simulate`` resolves it."""
+    from overlap_lab.sim.profile import Profile, load_profile, resolve
+
+    if spec is None or isinstance(spec, Profile):
+        return spec
+    return load_profile(resolve(str(spec), gpu_name))
 
 
 def _ranges(
@@ -664,12 +685,12 @@ def step_times(
     """The window of an already built and validated symmetric ``program`` at each point of
     ``design`` (not the nominal one): what an experiment's ``measure`` stores to say how sure
     each of its rows is, at the cost of one simulation per point."""
-    from overlap_lab import api
+    from overlap_lab.shared.presets import load_gpu
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.engine import Engine
 
-    g = api.gpu(gpu)
-    inner = RooflineCostModel(api._profile(profile, g.name))
+    g = gpu if isinstance(gpu, GPU) else load_gpu(gpu)
+    inner = RooflineCostModel(_load_profile(profile, g.name))
     return tuple(
         Engine(program, g, 0, cost_model=PerturbedCostModel(inner, g, p)).run().step_time_us
         for p in design.points()

@@ -123,19 +123,30 @@ def test_compare_carries_it_and_prints_it(small):
     json.dumps(c.sensitivity.as_dict())
 
 
-def test_explicit_ranks_are_rerun_explicitly():
+def test_explicit_ranks_are_rerun_explicitly(monkeypatch):
+    """A comparison of every rank is re-run the same way (reduced or with the network's grouping
+    tolerance), not as one symmetric Program."""
+    calls = []
+    real = ol.api._simulate_explicit
+
+    def counted(lowered, w, g, r, prof, max_events, models=None):
+        calls.append((lowered, (models or {}).get("cost_model")))
+        return real(lowered, w, g, r, prof, max_events, models)
+
+    monkeypatch.setattr(ol.api, "_simulate_explicit", counted)
     w = ol.workload("deepseek-v3", mode="decode", batch=32, ep=16, layers=3)
+    design = Design(oat=False, lhs=2, inputs=("hbm",))
     c = ol.compare(
-        ["serial", "tbo"], w, "h800", ranks="explicit", imbalance="zipf:1.2",
-        sensitivity=Design(oat=False, lhs=1, inputs=("hbm",)),
+        ["serial", "tbo"], w, "h800", ranks="explicit", imbalance="zipf:1.2", sensitivity=design
     )
-    s = sensitivity(
-        c, Design(oat=False, lhs=1, inputs=("hbm",)), ranks=ol.Ranks("explicit", "zipf:1.2")
-    )
-    assert s == c.sensitivity
-    # explicit, as the nominal run: a symmetric re-run of the explicit Program would differ
+    s = c.sensitivity
     for sched, its in s.iteration_us.items():
         assert its[0] == c[sched].result.metrics.iteration_us
+        assert len(its) == 3 and its[1] != its[0]  # perturbed
+    reruns = [p for p, cm in calls if isinstance(cm, PerturbedCostModel)]
+    assert len(reruns) == 2 * 2  # 2 points x 2 schedules
+    programs = {id(row.result.program) for row in c.rows}
+    assert all(id(p) in programs for p in reruns)  # each the comparison's explicit Program
 
 
 def test_docs_table_is_the_inputs():
