@@ -106,8 +106,12 @@ def simulate_collective(ep: int, tokens: int, mode: str, what: str, seed: int = 
     return time, routing.layer(0).matrices()
 
 
+#: Tokens per rank of DeepEP's README tables: normal kernels, low-latency kernels.
+NORMAL_TOKENS, LL_TOKENS = 4096, 128
+
+
 def normal_row(ep: int, seed: int = 0) -> dict:
-    tokens = 4096
+    tokens = NORMAL_TOKENS
     out = {"ep": ep}
     for what, bytes_per in (("dispatch", HIDDEN * 2 * FP8_FACTOR), ("combine", HIDDEN * 2)):
         t, m = simulate_collective(ep, tokens, "normal", what, seed)
@@ -124,7 +128,7 @@ def normal_row(ep: int, seed: int = 0) -> dict:
 
 
 def low_latency_row(ep: int, seed: int = 0) -> dict:
-    tokens = 128
+    tokens = LL_TOKENS
     out = {"ep": ep}
     pub = LOW_LATENCY[ep]
     msg = {"dispatch": HIDDEN + HIDDEN / 128 * 4 + 16, "combine": HIDDEN * 2}
@@ -139,9 +143,9 @@ def low_latency_row(ep: int, seed: int = 0) -> dict:
 
 def cases():
     for ep in NORMAL:
-        yield Case({"kernels": "normal", "ep": ep}, "deepep-normal", _workload(ep, 4096), "h800")
+        yield Case({"kernels": "normal", "ep": ep}, "deepep-normal", _workload(ep, NORMAL_TOKENS), "h800")
     for ep in LOW_LATENCY:
-        yield Case({"kernels": "low_latency", "ep": ep}, "deepep-ll", _workload(ep, 128), "h800")
+        yield Case({"kernels": "low_latency", "ep": ep}, "deepep-ll", _workload(ep, LL_TOKENS), "h800")
 
 
 def mean_row(kind: str, ep: int, seeds: tuple[int, ...] = SEEDS) -> dict:
@@ -207,7 +211,7 @@ Source: {doc["source"]}. Model: explicit ranks, seeded uniform routing (each row
 preset NVLink {gpu["nvlink_eff_gbps"]:g} GB/s, RDMA {gpu["rdma_eff_gbps"]:g} GB/s over the links,
 low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/hardware.py`).
 
-## Normal kernels (4096 tokens per rank), bottleneck bandwidth
+## Normal kernels ({doc["normal_tokens"]} tokens per rank), bottleneck bandwidth
 
 {
         md_table(
@@ -286,7 +290,13 @@ EXPERIMENT = Experiment(
     figure=plot,
     notes=to_markdown,
     summary=to_markdown,
-    meta={"source": SOURCE, "seeds": list(SEEDS), "tolerance": TOLERANCE},
+    meta={
+        "source": SOURCE,
+        "seeds": list(SEEDS),
+        "tolerance": TOLERANCE,
+        "normal_tokens": NORMAL_TOKENS,
+        "low_latency_tokens": LL_TOKENS,
+    },
 )
 
 if __name__ == "__main__":

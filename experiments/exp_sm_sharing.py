@@ -1,4 +1,4 @@
-"""How kernels share the SMs decides which schedule wins (issue 8).
+"""How kernels share the SMs decides which schedule wins.
 
 Three questions, each answered by the block-level SM model (sim/cost.py, docs/sm-sharing.md):
 
@@ -10,6 +10,10 @@ Three questions, each answered by the block-level SM model (sim/cost.py, docs/sm
 2. LightLLM's order against DeepSeek's on that prefill.
 3. TBO against TBO+SBO in decode (DeepSeek-V3 cut to 4 layers, 128 requests per GPU, 4K context,
    EP32) on H800 and B200, SBO modes 1-3.
+
+How sure: every case is re-run with the inputs of ``overlap_lab.sensitivity.EXPERIMENT_DESIGN``
+at both ends of their ranges (only costs vary); the notes end with the share of those points at
+which each comparison keeps its order.
 
 Run: ``python -m overlap_lab.experiments sm_sharing`` (a few minutes on 2 cores).
 """
@@ -31,6 +35,13 @@ from overlap_lab.experiments.runner import (
     stamp,
 )
 from overlap_lab.figures import clip, layer_window, save_figure, timeline
+from overlap_lab.sensitivity import (
+    EXPERIMENT_DESIGN,
+    design_meta,
+    design_sentence,
+    paired,
+    step_times,
+)
 from overlap_lab.shared.program import Program, map_ops
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.trace import Trace, intersect, length, union
@@ -79,8 +90,9 @@ def capped(program: Program, sms: int) -> Program:
     )
 
 
+PUBLISHED = "108/24 (published)"
 VARIANTS = {
-    "108/24 (published)": None,
+    PUBLISHED: None,
     "uncapped, persistent GEMMs": uncapped,
     "uncapped, waved GEMMs": uncapped_waved,
     "uncapped, waved GEMMs, comm stream at default priority": uncapped_waved_flat,
@@ -163,7 +175,32 @@ def measure(trace, program, case) -> dict:
             min(s.end, t1) - max(s.start, t0) for s in comp if s.op == "attn.core"
         ),
         "comm_sms": program.meta.comm_sms,
+        # the same Program under each perturbation of EXPERIMENT_DESIGN (only costs vary)
+        "step_time_points_us": list(step_times(program, case.gpu)),
     }
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    """Each row's share of the design's points (nominal included) at which it is faster than
+    its part's reference: the published 108/24 split, DeepSeek's schedule, or TBO on the same
+    GPU (``ahead_of``, ``ahead_share``)."""
+
+    def times(r: dict) -> list[float]:
+        return [r["step_time_us"], *r["step_time_points_us"]]
+
+    ref = {
+        "split": next(r for r in rows if r["part"] == "split" and r["variant"] == PUBLISHED),
+        "systems": next(r for r in rows if r["part"] == "systems" and r["variant"] == "deepseek"),
+    }
+    for r in rows:
+        base = ref.get(r["part"]) or next(
+            o for o in rows if o["part"] == "sbo" and o["gpu"] == r["gpu"] and o["variant"] == "tbo"
+        )
+        if base is r:
+            continue
+        r["ahead_of"] = base["variant"]
+        r["ahead_share"] = paired(times(r), times(base))
+    return rows
 
 
 def cut(trace: Trace, case: Case) -> Trace:
@@ -226,6 +263,18 @@ def figure(doc: dict, path: Path) -> None:
 
 def _ms(x: float) -> str:
     return f"{x / 1e3:.1f}"
+
+
+def _ahead(r: dict, rows: list[dict]) -> str:
+    """Row ``r``'s share of points ahead of its reference, or that they tie at every point."""
+    ref = next(
+        o for o in rows if o["part"] == r["part"] and o["gpu"] == r["gpu"] and o["variant"] == r["ahead_of"]
+    )
+    mine = [r["step_time_us"], *r["step_time_points_us"]]
+    theirs = [ref["step_time_us"], *ref["step_time_points_us"]]
+    if mine == theirs:
+        return "equal at every point"
+    return f"{100 * r['ahead_share']:.0f} %"
 
 
 def notes(doc: dict) -> str:
@@ -401,6 +450,27 @@ def notes(doc: dict) -> str:
         "to run DeepEP's default `Buffer.num_sms` = 20.",
         "",
     ]
+    out += [
+        "",
+        "## How sure",
+        "",
+        f"Each case re-run at {design_sentence(doc['sensitivity'])}, both sides of a comparison "
+        "perturbed alike. Share of the points at which each variant is faster than its "
+        "reference:",
+        "",
+        md_table(
+            ["part", "GPU", "variant", "reference", "ahead at"],
+            [
+                [r["part"], r["gpu"], r["variant"], r["ahead_of"], _ahead(r, doc["rows"])]
+                for r in doc["rows"]
+                if "ahead_of" in r
+            ],
+        ),
+        "",
+        "Ties count half. A share strictly between 0 and 100 % (other than a tie at every "
+        "point) marks a comparison the model does not settle: moving one input within its "
+        "range swaps the two.",
+    ]
     return "\n".join(out)
 
 
@@ -409,10 +479,12 @@ EXPERIMENT = Experiment(
     title="How kernels share the SMs: DeepSeek's 108/24 split, LightLLM vs DeepSeek, TBO vs TBO+SBO",
     cases=cases,
     measure=measure,
+    derive=derive,
     clip=cut,
     figure=figure,
     notes=notes,
     meta={
+        "sensitivity": design_meta(EXPERIMENT_DESIGN),
         "model": "deepseek-v3",
         "prefill": f"{PROMPTS} x {CONTEXT} tokens per GPU, EP{PREFILL_EP}, h800",
         "decode": f"{DECODE_BATCH} requests, {CONTEXT} context, {DECODE_LAYERS} layers, "

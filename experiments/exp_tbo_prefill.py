@@ -28,6 +28,7 @@ from overlap_lab.experiments.runner import (
 )
 from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
 from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_prefill"
@@ -68,6 +69,10 @@ def clip(trace, case):
 
 
 def derive(rows: list[dict]) -> list[dict]:
+    """The throughput change over serial, and the share of each step with communication
+    exposed (what the notes quote)."""
+    for r in rows:
+        r["exposed_comm_share"] = r["exposed_comm_us"] / r["step_time_us"]
     return speedup(
         rows,
         over={"schedule": "serial"},
@@ -162,7 +167,8 @@ def notes(doc: dict) -> str:
         r["throughput_change"] for r in rows if r["schedule"] == "tbo" and r["kind"] == "4K prompts"
     ]
     ref = serial[str([4096] * 4)] if str([4096] * 4) in serial else next(iter(serial.values()))
-    exposed_share = 100 * ref["exposed_comm_us"] / ref["step_time_us"]
+    exposed_share = 100 * ref["exposed_comm_share"]
+    mixed = next(r for r in rows if r["kind"] == "mixed")
     return f"""# TBO prefill gain
 
 {stamp(doc)}  ·  DeepSeek-V3 on {GPU}, EP{EP},
@@ -180,17 +186,12 @@ sparse layers under TBO, no CUDA graph.
   {get_gpu(GPU).deepep_normal_sms} SMs are reserved even when no communication is running), and each kernel works on half
   the tokens. Kernels SGLang does not cap (attention, the router GEMM, elementwise kernels) share
   the SMs with DeepEP's kernels by the block scheduler's rules (docs/sm-sharing.md).
-- What changed (issue 8): DeepEP's SMs are now its default `Buffer.num_sms` (20, not DeepSeek's
-  24), and SMs are shared by rule rather than by event order, at the granularity of thread
-  blocks. The previous gains were 49-52 % for batches of 4K prompts and 49 % for one 4K prompt.
-  Balanced batches now gain slightly more: more SMs are left for DeepGEMM (112), and the uncapped
-  prefill attention (FlashAttention-3's dynamic tile scheduler) spreads onto SMs as DeepEP frees
-  them. Single prompts cut by the two-chunk split gain less; that case has not been analysed
-  further.
 - A single long prompt is still split (two-chunk: SGLang cuts the sequence at half the tokens), so
   TBO helps it nearly as much as a batch of prompts (the second half attends over the first, so
-  the two halves' attention is unequal); the mixed batch's balanced split would leave 12000 of
-  16000 tokens on one side (over 1 - 0.48), so the two-chunk split is used there too.
+  the two halves' attention is unequal); the mixed batch's balanced split on sequence
+  boundaries would leave {mixed["extend_lens"][0]} of {mixed["tokens_per_gpu"]} tokens on one side
+  (more than 1 - {doc["tbo_threshold"]} of them: SGLang's `tbo_token_distribution_threshold`),
+  so the two-chunk split is used there too.
 
 ## Where it disagrees with published numbers, and why
 - The model's gain is larger than the prefill gains published for TBO (tens of percent): in the
@@ -214,7 +215,7 @@ EXPERIMENT = Experiment(
     clip=clip,
     figure=figure,
     notes=notes,
-    meta={"gpu": GPU, "ep": EP},
+    meta={"gpu": GPU, "ep": EP, "tbo_threshold": ScheduleConfig().tbo_threshold},
 )
 
 if __name__ == "__main__":

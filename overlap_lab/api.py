@@ -533,6 +533,9 @@ class Comparison:
     rows: tuple[CompareRow, ...]
     baseline: Result
     iterations: int
+    #: the same comparison over perturbed costs (``compare(..., sensitivity=...)``;
+    #: ``overlap_lab.sensitivity.Sensitivity``), or None
+    sensitivity: Any = None
 
     def __getitem__(self, schedule: str) -> CompareRow:
         for row in self.rows:
@@ -597,6 +600,8 @@ class Comparison:
         lines.append("")
         for n in notes:
             lines += textwrap.wrap(n, 100, subsequent_indent="  ")
+        if self.sensitivity is not None:
+            lines.append(self.sensitivity.text())
         return "\n".join(lines)
 
 
@@ -612,6 +617,7 @@ def compare(
     max_events: int | None = None,
     cost_model: CostModel | None = None,
     network: NetworkFactory | None = None,
+    sensitivity: Any = None,
     **ranks: Any,
 ) -> Comparison:
     """Simulate ``schedules`` on one workload and GPU and rank them like for like.
@@ -624,7 +630,11 @@ def compare(
     ``stages × ep`` GPUs (EP ``stages × ep``, the same sequences per GPU), falling back to serial's
     per-GPU throughput at EP ``ep`` when that does not build. Every other schedule runs one
     pipeline stage. A schedule that refuses the workload gets a row with its reason.
-    ``cost_model`` and ``network`` go to every run, as in :func:`simulate`."""
+    ``cost_model`` and ``network`` go to every run, as in :func:`simulate`.
+    ``sensitivity``: a design (``overlap_lab.sensitivity.Design``, True for the default one, or
+    its command-line form ``"lhs=8,seed=1"``) to re-run the comparison over perturbed costs;
+    the Comparison then carries the ranges (``Comparison.sensitivity``; docs/uncertainty.md).
+    """
     from tqdm import tqdm
 
     names = list(dict.fromkeys(s.strip() for s in schedules if s.strip()))
@@ -683,7 +693,31 @@ def compare(
         speedup = res.metrics.tokens_per_s_gpu / ref.metrics.tokens_per_s_gpu
         rows.append(CompareRow(n, res, speedup, label, note))
     bar.close()
-    return Comparison(tuple(rows), base, cfg.iterations)
+    table = Comparison(tuple(rows), base, cfg.iterations)
+    if sensitivity is None or sensitivity is False:
+        return table
+    from overlap_lab.sensitivity import sensitivity as over_design
+
+    r = ranks.get("ranks")
+    rest = {k: v for k, v in ranks.items() if k != "ranks"}
+    rk = r if isinstance(r, Ranks) else Ranks(r or "symmetric", **rest)
+    models = {"network": network}
+
+    def explicit(p: Program, wl: Workload, cm: CostModel) -> float:
+        """Every rank again, as the nominal run simulated them (reduced where it could be)."""
+        run = {**models, "cost_model": cm}
+        return _simulate_explicit(p, wl, g, rk, None, max_events, run).step_time_us
+
+    s = over_design(
+        table,
+        sensitivity,
+        cost_model=cost_model,
+        network=network,
+        profile=profile,
+        max_events=max_events,
+        rerun=explicit if rk.mode == "explicit" else None,
+    )
+    return replace(table, sensitivity=s)
 
 
 def _pp_baseline(res: Result, base: Result, run) -> tuple[Result, str, str]:

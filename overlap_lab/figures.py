@@ -1005,3 +1005,43 @@ def _extent(trace: Trace) -> tuple[float, float]:
 
 def _mb_key(mb: int | None) -> int:
     return -1 if mb is None else mb
+
+
+# ---------------------------------------------------------------------------------------------
+# Sensitivity: each schedule's range over perturbed costs
+
+
+def sensitivity_ranges(
+    sens: Any, path: str | Path, *, title: str = "", width: str | float | None = "single"
+) -> Path:
+    """Each schedule's throughput per GPU over a sensitivity design (``overlap_lab.sensitivity
+    .Sensitivity``) as a bar from its lowest to its highest point, the nominal run marked and
+    the share of points it wins written beside it. Throughput, not time per iteration, so that
+    pp (more GPUs, micro-batch iterations) sits on the same axis; bars that overlap are the
+    schedules the design does not separate."""
+    st = _style(width)
+    ranges = sorted(sens.ranges, key=lambda r: r.nominal_tps)
+    fig = _figure(len(ranges) * 1.4, st, titles=1 if title else 0)
+    ax = fig.add_subplot(1, 1, 1)
+    ys = range(len(ranges))
+    for y, r in zip(ys, ranges, strict=True):
+        ax.plot([r.lo_tps, r.hi_tps], [y, y], lw=4, color="#9ecae1", solid_capstyle="butt")
+        ax.plot([r.nominal_tps], [y], "|", color="#08519c", ms=10, mew=1.5)
+        ax.annotate(
+            f" {100 * r.wins:.0f} %",
+            (r.hi_tps, y),
+            va="center",
+            fontsize=st.font - 1,
+        )
+    ax.set_yticks(list(ys), [r.schedule for r in ranges], fontsize=st.font)
+    ax.set_xlabel(
+        f"tokens/s per GPU over {len(sens.points) + 1} points (| nominal; % wins)", fontsize=st.font
+    )
+    ax.tick_params(labelsize=st.font)
+    ax.grid(axis="x", alpha=0.3)
+    ax.margins(x=0.12)
+    if title:
+        ax.set_title(st.wrap(title), fontsize=st.font, loc="left")
+    out = _check_suffix(path)
+    _save(fig, out)
+    return out

@@ -212,8 +212,17 @@ def cmd_compare(args) -> int:
         ranks=ranks_from(args),
         profile=args.profile,
         max_events=args.max_events,
+        sensitivity=args.sensitivity,
     )
     files = []
+    if args.out and table.sensitivity is not None:  # the ranges figure (docs/uncertainty.md)
+        from overlap_lab.figures import sensitivity_ranges
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        files.append(Path(args.out) / f"sensitivity.{args.figure_format}")
+        sensitivity_ranges(
+            table.sensitivity, files[-1], title=_title(table.baseline).split(": ", 1)[1]
+        )
     if args.out:
         from overlap_lab.figures import compare_timelines
 
@@ -236,7 +245,8 @@ def cmd_compare(args) -> int:
                     provenance=_provenance(args, row.result),
                 )
     if args.json:
-        print(inputs.to_json({"results": table.as_dicts()}))
+        sens = {} if table.sensitivity is None else {"sensitivity": table.sensitivity.as_dict()}
+        print(inputs.to_json({"results": table.as_dicts(), **sens}))
         return 0
     print(table.text())
     for f in files:
@@ -276,6 +286,16 @@ def parser() -> argparse.ArgumentParser:
     workload_options(s)
     rank_options(s)
     add_profile_option(s)
+    s.add_argument(
+        "--sensitivity",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="DESIGN",
+        help="re-run over perturbed costs and print each schedule's range, wins and the "
+        "schedules it is not separated from (docs/uncertainty.md); DESIGN: e.g. "
+        "lhs=8,seed=1,oat=0,inputs=hbm+rdma (default: one-at-a-time + lhs=4, seed 0)",
+    )
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("run", help="run a schedule with the real executor (GPU, or --device cpu)")
