@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from overlap_lab.shared.program import ops_of
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = "gpu_validation: no CUDA GPU found; nothing was run (--device cpu for the dry run)"
 NOT_COMPARABLE = {
@@ -201,14 +203,30 @@ class Context:
         be.dispatch_fp8 = True  # the simulator models DeepEP's FP8 dispatch
         return be
 
-    def measure(self, program, w):
+    def measure(self, program, w, *, device_time: bool = False, warmup: int | None = None,
+                repeats: int | None = None):  # fmt: skip
+        """The executor's run of ``program`` (its trace). ``device_time`` (calibration): on a
+        GPU under torch.profiler, each op's spans scaled to its kernels' device time
+        (``overlap_lab.calibrate.device_timed``), so no launch gap enters a profile row; on the
+        CPU there are no kernel records and the spans stay host wall-clock (meta says which)."""
         from overlap_lab.real.executor import execute
 
-        return execute(
-            program, w, weights=self.weights, backend=self.backend(), device=self.device,
-            seed=self.opts.seed, check_hazards=False, warmup=self.opts.warmup,
-            repeats=self.opts.repeats, cuda_graphs=True,
-        ).trace  # fmt: skip
+        def run():
+            return execute(
+                program, w, weights=self.weights, backend=self.backend(), device=self.device,
+                seed=self.opts.seed, check_hazards=False,
+                warmup=self.opts.warmup if warmup is None else warmup,
+                repeats=self.opts.repeats if repeats is None else repeats, cuda_graphs=True,
+            ).trace  # fmt: skip
+
+        if device_time and self.device == "cuda":
+            from overlap_lab.calibrate import device_timed
+
+            return device_timed(run)[0]
+        tr = run()
+        if device_time:
+            tr.meta["device_time"] = None  # no kernel records: the spans are the durations
+        return tr
 
 
 def loop_precision(model_dtype: str, device: str):
@@ -264,6 +282,46 @@ def predict(ctx: Context, name: str, w, profile):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
+def own_rows(ctx: Context, name: str, profile, prog, w, measured) -> tuple:
+    """``profile`` plus class rows for the compute ops of ``prog`` that serial does not run and
+    a profile cannot name (SBO's and LightLLM's split expert kernels: no roofline rows in a
+    validation), measured in a run of ``prog`` itself: on a GPU a short extra run under
+    torch.profiler (device time; the timed run stays unprofiled), on the CPU the measured run's
+    spans. Returns (profile, {class: [op names]} of the rows added)."""
+    from overlap_lab.calibrate import unprofiled_rows, with_rows
+    from overlap_lab.sim.profile import PROFILED_OPS
+
+    names = {op.name for _, op in ops_of(prog) if op.kind == "compute"} - PROFILED_OPS
+    if not names:
+        return profile, {}
+    tr = measured
+    if ctx.device == "cuda":
+        tr = ctx.measure(prog, w, device_time=True, warmup=1, repeats=1)
+    rows = unprofiled_rows([(tr, prog)], num_sms=ctx.device_sms,
+                           source=f"gpu_validation: {name}'s own run")  # fmt: skip
+    if not rows:
+        return profile, {}
+    classes = {r["op"] for r in rows}
+    own: dict[str, list[str]] = {}
+    for _, op in ops_of(prog):
+        if op.name in names and op.op_class in classes:
+            own.setdefault(op.op_class, set()).add(op.name)
+    return with_rows(profile, rows), {c: sorted(n) for c, n in sorted(own.items())}
+
+
+def roofline_ops(ctx: Context, name: str, w, profile) -> list[str]:
+    """Compute ops of ``name``'s simulated Program that no profile row times (the roofline
+    does): a validation should have none."""
+    from overlap_lab.shared.schedules import build
+    from overlap_lab.sim.cost import duration_source
+
+    prog = build(name, w, ctx.gpu)
+    return sorted(
+        {op.name for _, op in ops_of(prog)
+         if op.kind == "compute" and duration_source(op, ctx.gpu, profile) == "roofline"}
+    )  # fmt: skip
+
+
 def comparison(measured, predicted, measured_step_us: float) -> dict:
     """``overlap_lab.validate.compare`` (the simulator's validation), against the step time the
     run reports (graph replay where captured), with each op's error summarised per op name."""
@@ -317,7 +375,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
         for s in sizes:  # isolated op durations at the token counts the schedules run
             ws = ctx.workload(mode, s, half=s != size)
             p = S.build("serial", ws, ctx.gpu)
-            calib.append((p, ctx.measure(p, ws)))
+            calib.append((p, ctx.measure(p, ws, device_time=True)))
         profile = calibrate_profile(ctx, calib, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
         case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
@@ -325,6 +383,12 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
         return case
     case["calibration_seconds"] = round(time.time() - t, 1)
     case["profile_rows"] = len(profile.rows)
+    dt = [tr.meta.get("device_time") for _, tr in calib]
+    case["calibration_durations"] = (
+        "kernel device time (torch.profiler records mapped to ops; graph replays where the op "
+        "ran in one)" if all(dt) else "CUDA-event / host spans (no kernel records on this device)"
+    )
+    case["calibration_device_time"] = dt
     case_dir = work / f"{mode}_{size}"
     case_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -337,7 +401,9 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             prog = S.build(name, wv, ctx.gpu)
             meas = ctx.measure(prog, wv)
             wp = prediction_workload(wv, meas.meta)
-            pred, sources = predict(ctx, name, wp, profile)
+            prof, own = own_rows(ctx, name, profile, prog, wv, meas)
+            pred, sources = predict(ctx, name, wp, prof)
+            missing = roofline_ops(ctx, name, wp, prof)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)
@@ -359,6 +425,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
             "predicted_gemm_dtype": wp.model.gemm_dtype,
             "deep_gemm_errors": m.get("deep_gemm_errors"),
             "cost_sources": sources,
+            "rows_from_own_run": own,
+            "roofline_ops": missing,
             "comparable": name not in NOT_COMPARABLE,
             "note": NOT_COMPARABLE.get(name),
             "seconds": round(time.time() - t, 1),
@@ -415,6 +483,103 @@ def summarize(cases: dict) -> dict:
     return out
 
 
+#: The loop's targets (the verdict line): step time, ranking ties, exposed communication.
+TARGETS = {"median_step": 0.05, "max_step": 0.10, "tie": 0.02, "exposed_rel": 0.10,
+           "exposed_abs_us": 50.0}  # fmt: skip
+
+
+def _tied(a: float, b: float, tie: float) -> bool:
+    return abs(a - b) <= tie * min(abs(a), abs(b))
+
+
+def discordant_pairs(pred: dict[str, float], meas: dict[str, float], tie: float) -> list:
+    """Pairs of schedules ordered one way by the prediction and the other way by the
+    measurement, each side's order counting only where its two step times differ by more than
+    ``tie`` (relative to the faster): schedules within ``tie`` are tied, never discordant."""
+    out = []
+    names = sorted(set(pred) & set(meas))
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if _tied(pred[a], pred[b], tie) or _tied(meas[a], meas[b], tie):
+                continue
+            if (pred[a] < pred[b]) != (meas[a] < meas[b]):
+                out.append((a, b))
+    return out
+
+
+def verdict(cases: dict, targets: dict = TARGETS) -> dict:
+    """PASS/FAIL of the loop over every comparable run of every case: median and max
+    |step-time error|, the ranking per case (ties within ``tie``), and exposed communication
+    within ``exposed_rel`` or ``exposed_abs_us``. No comparable run: FAIL."""
+    errs, exposed, bad_rank, cases_ranked = [], [], {}, 0
+    for key, case in cases.items():
+        runs = {n: r for n, r in case.get("runs", {}).items()
+                if "comparison" in r and r.get("comparable", True)}  # fmt: skip
+        if not runs:
+            continue
+        pred, meas = {}, {}
+        for n, r in runs.items():
+            st, ex = r["comparison"]["step_time_us"], r["comparison"]["exposed_comm_us"]
+            pred[n], meas[n] = st["predicted"], st["measured"]
+            e = st["rel_error"]
+            errs.append((abs(e if e is not None else float("inf")), f"{key}/{n}"))
+            d = abs(ex["predicted"] - ex["measured"])
+            lim = max(targets["exposed_rel"] * abs(ex["measured"]), targets["exposed_abs_us"])
+            exposed.append((d <= lim, d, d / ex["measured"] if ex["measured"] else None,
+                            f"{key}/{n}"))  # fmt: skip
+        cases_ranked += 1
+        dis = discordant_pairs(pred, meas, targets["tie"])
+        if dis:
+            bad_rank[key] = dis
+    if not errs:
+        return {"pass": False, "reason": "no comparable run", "runs": 0}
+    med = statistics.median(e for e, _ in errs)
+    worst = max(errs)
+    ex_ok = sum(ok for ok, *_ in exposed)
+    ex_worst = max(exposed, key=lambda x: x[1])
+    checks = {
+        "median_step": med <= targets["median_step"],
+        "max_step": worst[0] <= targets["max_step"],
+        "ranking": not bad_rank,
+        "exposed_comm": ex_ok == len(exposed),
+    }
+    return {
+        "pass": all(checks.values()), "checks": checks, "runs": len(errs),
+        "median_abs_step_error": med, "max_abs_step_error": worst[0], "worst_run": worst[1],
+        "cases_ranked": cases_ranked, "ranking_discordant": bad_rank,
+        "exposed_ok": ex_ok, "exposed_worst": {"run": ex_worst[3], "abs_us": ex_worst[1],
+                                               "rel": ex_worst[2]},
+        "targets": dict(targets),
+    }  # fmt: skip
+
+
+def verdict_line(v: dict, *, dry_run: bool = False) -> str:
+    """One line: PASS/FAIL with the numbers behind each check (the loop prints it last)."""
+    head = "VERDICT" + (" (CPU dry run: meaningless numbers)" if dry_run else "")
+    if v.get("reason"):
+        return f"{head} FAIL: {v['reason']}"
+    t, c = v["targets"], v["checks"]
+
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "MISSED"
+
+    ew = v["exposed_worst"]
+    rel = "" if ew["rel"] is None else f", {ew['rel']:.1%}"
+    ranked = v["cases_ranked"] - len(v["ranking_discordant"])
+    dis = "; ".join(f"{k}: " + ", ".join(f"{a}/{b}" for a, b in p)
+                    for k, p in sorted(v["ranking_discordant"].items()))  # fmt: skip
+    return (
+        f"{head} {'PASS' if v['pass'] else 'FAIL'}: "
+        f"median |step error| {v['median_abs_step_error']:.1%} (<= {t['median_step']:.0%} "
+        f"{mark(c['median_step'])}); max {v['max_abs_step_error']:.1%} {v['worst_run']} "
+        f"(<= {t['max_step']:.0%} {mark(c['max_step'])}); ranking the same in {ranked}/"
+        f"{v['cases_ranked']} cases, ties within {t['tie']:.0%} ({mark(c['ranking'])}"
+        f"{'; discordant ' + dis if dis else ''}); exposed comm within {t['exposed_rel']:.0%} "
+        f"or {t['exposed_abs_us']:.0f} us in {v['exposed_ok']}/{v['runs']} runs (worst "
+        f"{ew['run']}: {ew['abs_us']:.1f} us{rel}; {mark(c['exposed_comm'])})"
+    )
+
+
 def table(report: dict) -> str:
     """The predicted-vs-measured table (markdown)."""
     lines = []
@@ -455,16 +620,30 @@ def table(report: dict) -> str:
                 f"{r['measured_step_source']} | {'' if err is None else f'{err:+.1%}'} | "
                 f"{ex['predicted']:.1f} / "
                 f"{ex['measured']:.1f} | {'' if po is None else f'{po:.1%}'} | "
-                f"{sources_text(r['cost_sources'])} | "
+                f"{sources_text(r['cost_sources'])}{_rows_text(r)} | "
                 f"{'excluded: one GPU' if not r['comparable'] else ''} |"
             )
     lines.append("")
+    for key, case in report["cases"].items():
+        if case.get("calibration_durations"):
+            lines.append(f"- {key}: profile rows from {case['calibration_durations']}")
     for key, s in report.get("summary", {}).items():
         lines.append(f"- {key}: median |step error| {s['median_abs_step_error']:.1%}; ranking "
                      f"{'the same' if s['same_ranking'] else 'DIFFERS'} (predicted "
                      f"{', '.join(s['ranking_predicted'])}; measured "
                      f"{', '.join(s['ranking_measured'])})")  # fmt: skip
+    if report.get("verdict"):
+        lines += ["", verdict_line(report["verdict"], dry_run=not report["timing_meaningful"])]
     return "\n".join(lines) + "\n"
+
+
+def _rows_text(r: dict) -> str:
+    """Which classes took rows measured in the schedule's own run, and which ops the roofline
+    still times (the validation's gaps)."""
+    own = "; ".join(f"{c} from own run ({', '.join(n)})" for c, n in (r.get("rows_from_own_run")
+                                                                      or {}).items())  # fmt: skip
+    roof = r.get("roofline_ops")
+    return (f"; {own}" if own else "") + (f"; ROOFLINE: {', '.join(roof)}" if roof else "")
 
 
 def _step_figure(report: dict, path: Path) -> None:
@@ -528,6 +707,7 @@ def run_validation(opts) -> dict:
         time limit still leaves what it measured) and once at the end."""
         report["complete"] = final
         report["summary"] = summarize(cases)
+        report["verdict"] = verdict(cases)
         report["seconds"] = round(time.time() - t0, 1)
         (work / "results.json").write_text(
             json.dumps(report, indent=2, sort_keys=True, default=str) + "\n"
@@ -568,9 +748,34 @@ def run_validation(opts) -> dict:
         save(True)
         report["archive"] = str(archive)
         report["table"] = table(report)
+        report["results"] = write_results(report, opts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def results_stem(report: dict) -> str:
+    """``gpu_<device>``: the device's preset (``cpu`` for a dry run), ``_fp8`` where the GEMMs
+    ran FP8 (a BF16 and an FP8 loop on one device keep both files)."""
+    dev = report["preset"] if report["timing_meaningful"] else "cpu"
+    gp = ((report.get("precision") or {}).get("gemm") or {}).get("executor_and_simulator")
+    return f"gpu_{dev}" + ("_fp8" if gp == "fp8" else "")
+
+
+def write_results(report: dict, opts) -> list[str]:
+    """``<results>/gpu_<device>.{json,md}`` (results.json and table.md of the archive): by
+    default only for a GPU run (into experiments/results); a dry run writes them only where
+    ``--results`` says."""
+    if opts.results is None and not report["timing_meaningful"]:
+        return []
+    d = Path(opts.results) if opts.results else ROOT / "experiments" / "results"
+    d.mkdir(parents=True, exist_ok=True)
+    stem = results_stem(report)
+    keep = {k: v for k, v in report.items() if k not in ("table", "archive", "results")}
+    js, md = d / f"{stem}.json", d / f"{stem}.md"
+    js.write_text(json.dumps(keep, indent=2, sort_keys=True, default=str) + "\n")
+    md.write_text(table(report))
+    return [str(js), str(md)]
 
 
 def parse(argv: list[str] | None = None):
@@ -592,6 +797,9 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--pytest", action="store_true", help="run the GPU tests first")
     p.add_argument("--pytest-timeout-s", type=float, default=150.0)
     p.add_argument("--no-figures", action="store_true")
+    p.add_argument("--results", default=None,
+                   help="folder for gpu_<device>.{json,md} (default: experiments/results on a "
+                   "GPU; a dry run writes them only here)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "overlap-lab-out" / "gpu_validation"))
     p.add_argument(
         "--name", default=None, help="archive name (default gpu_validation_<dev>_<modes>)"
@@ -618,13 +826,14 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_GPU)
         return 2
     report = run_validation(opts)
-    print(report["table"])
-    print(f"wrote {report['archive']}")
+    print(report["table"].rstrip("\n").rpartition("\n")[0])  # the verdict goes last
+    print(f"wrote {report['archive']}" + "".join(f", {f}" for f in report.get("results") or ()))
     bad = [
         f"{k}/{n}" for k, c in report["cases"].items() for n, r in c["runs"].items() if "error" in r
     ]
     if bad:
         print(f"errors in: {', '.join(bad)} (see results.json in the archive)")
+    print(verdict_line(report["verdict"], dry_run=not report["timing_meaningful"]))
     pyt = report["pytest_gpu"].get("status")
     return 0 if not bad and pyt in ("ok", "not run") else 1
 
