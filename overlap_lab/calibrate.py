@@ -176,7 +176,8 @@ def unprofiled_rows(
         names = sorted({n for _, _, n in ms})
         row = {"op": cls, "dtype": dt, "size": tokens, "sms": sms,
                "us": sum(u for u, _, _ in ms) / len(ms),
-               "source": f"{source}: mean of {len(ms)} measurement(s) of {', '.join(names)}"}  # fmt: skip
+               "source": f"{source}: mean of {len(ms)} measurement(s) of "
+               f"{', '.join(names)}"}  # fmt: skip
         if all(f > 0 for _, f, _ in ms):
             row["flops"] = sum(f for _, f, _ in ms) / len(ms)
         rows.append(row)
