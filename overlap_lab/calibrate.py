@@ -163,6 +163,8 @@ def unprofiled_rows(
         for (rank, *rest), op in program_ops(prog).items():
             if op.kind != "compute" or op.name in PROFILED_OPS or op.tokens <= 0:
                 continue
+            if op.flops <= 0 and op.hbm_bytes <= 0:  # no work: the simulator gives it no time
+                continue
             if op.op_class not in PROFILED_CLASSES:
                 continue
             m = found.get((rank, *rest)) or found.get((first, *rest))

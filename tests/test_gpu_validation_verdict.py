@@ -63,6 +63,16 @@ def test_ranking_counts_ties_within_two_percent():
     assert "discordant decode_32: a/b" in GV.verdict_line(v)
 
 
+def test_the_communication_only_case_has_its_own_five_percent_target():
+    runs = dict(a=_run(100, 100), b=_run(200, 200))
+    ok = GV.verdict(_cases(**runs, **{GV.COMM_ONLY: _run(104, 100, ok=False)}))
+    assert ok["pass"] and ok["checks"]["comm_only"] and ok["runs"] == 2
+    assert "comm-only |step error| decode_32 4.0% (<= 5% ok)" in GV.verdict_line(ok)
+    bad = GV.verdict(_cases(**runs, **{GV.COMM_ONLY: _run(94, 100, ok=False)}))
+    assert not bad["pass"] and bad["checks"]["comm_only"] is False
+    assert "comm_only" not in GV.verdict(_cases(**runs))["checks"]  # not run: not judged
+
+
 def test_excluded_runs_do_not_count_and_no_run_fails():
     v = GV.verdict(_cases(a=_run(100, 100), pp=_run(900, 100, ok=False)))
     assert v["pass"] and v["runs"] == 1

@@ -14,6 +14,12 @@ The byte counts reach the kernels as a device tensor ([local, nvlink, rdma, mess
 ``EPBackend._account``) and the delay is computed in the kernel, so no launch needs a host read;
 ``launches`` reads the records back after the run.
 
+Byte counts: by default this rank's routing (``EPBackend._account``). With
+:meth:`EmulatedBackend.plan_links` (the validation loop) each send takes the bytes the
+Program's own flows carry, in issue order (``shared.links.program_sends``), so the arrival is the
+simulator's for the same bytes (``shared.links.arrival_us``; its balanced expectation, without
+DeepEP's 16-byte LL message header); the data path still moves this routing's rows.
+
 Unverified on a GPU yet (see real/README.md): that 32-warp CTAs land one per SM, and the
 resolution of %globaltimer. Fidelity limits: no link contention or incast, one rank's view.
 """
@@ -24,7 +30,7 @@ import math
 
 import torch
 
-from overlap_lab.real.comm.base import Pending
+from overlap_lab.real.comm.base import Pending, _to_device
 from overlap_lab.real.comm.bytes import ByteCount, message_bytes
 from overlap_lab.real.comm.loopback import LoopbackBackend
 
@@ -75,6 +81,45 @@ class EmulatedBackend(LoopbackBackend):
         self._retired: list[torch.Tensor] = []
         self._launches: list[dict] = []
         self._sbo_records: list[dict] = []
+        self._plan: dict[str, list[dict[str, float]]] = {}  # "dispatch"/"combine" -> bytes
+        self._plan_pos: dict[str, int] = {}
+        self._stats_cache: dict[tuple, torch.Tensor] = {}
+
+    def plan_links(self, program, rank: int | None = None) -> None:
+        """Time each send by the bytes ``program``'s flows carry (``shared.links``), the k-th
+        dispatch (combine) of a run taking the k-th in the Program's issue order; every run
+        (warm-up, eager, timed) starts over (``reset_run``). The data path is unchanged."""
+        from overlap_lab.shared.links import program_sends
+
+        self._plan = {}
+        for s in program_sends(program, rank):
+            self._plan.setdefault(s.what, []).append(dict(s.nbytes))
+        self._plan_pos = {}
+
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._plan_pos = {}
+
+    def _planned_stats(self, nb: dict[str, float], device) -> torch.Tensor:
+        """The device tensor of planned bytes, made once per distinct count (first in an eager
+        run, never under graph capture, which forbids host-to-device copies) and kept: a
+        captured graph keeps reading its address."""
+        key = (round(nb["nvlink"]), round(nb["rdma"]), str(device))
+        t = self._stats_cache.get(key)
+        if t is None:
+            t = self._stats_cache[key] = _to_device(
+                torch.tensor([0, key[0], key[1], 0], dtype=torch.int64), device
+            )
+        return t
+
+    def _planned(self, kind: str) -> dict[str, float] | None:
+        what = "dispatch" if "dispatch" in kind else "combine"
+        plan = self._plan.get(what)
+        if not plan:
+            return None
+        i = self._plan_pos.get(what, 0)
+        self._plan_pos[what] = i + 1
+        return plan[i % len(plan)]
 
     def default_grid(self, kind: str) -> int:
         """DeepEP's own CTA count: low-latency ``ceil(E / ceil(E / SMs))``, normal ``num_sms``."""
@@ -110,9 +155,16 @@ class EmulatedBackend(LoopbackBackend):
         back from the device here, after the run, never on the hot path)."""
         out = []
         for rec in self._launches:
+            r = {k: v for k, v in rec.items() if k not in ("stats", "planned")}
+            if rec.get("planned") is not None:  # the Program's bytes, as the simulator's
+                nb = rec["planned"]
+                r.update(remote_bytes=nb["nvlink"] + nb["rdma"], bytes=dict(nb),
+                         delay_us=self.link.arrival_us(nb), bytes_from="program")  # fmt: skip
+                out.append(r)
+                continue
             b = ByteCount(*(int(v) for v in rec["stats"].tolist()))
-            r = {k: v for k, v in rec.items() if k != "stats"}
-            r.update(remote_bytes=b.remote, delay_us=self.link.arrival_us(b))
+            r.update(remote_bytes=b.remote, bytes={"nvlink": b.nvlink, "rdma": b.rdma},
+                     delay_us=self.link.arrival_us(b), bytes_from="routing")  # fmt: skip
             out.append(r)
         return out
 
@@ -137,7 +189,11 @@ class EmulatedBackend(LoopbackBackend):
     def _link(self, kind, stats, max_bytes, device, *, hook_split):
         """Launch the send kernel now (grid = DeepEP's CTAs) with the byte counts as a device
         tensor; with ``hook_split`` return the receive kernel as the hook's wait."""
-        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats}
+        planned = self._planned(kind)
+        if planned is not None:  # [local, nvlink, rdma, messages] of the Program's flows
+            stats = self._planned_stats(planned, device)
+            max_bytes = max(max_bytes, math.ceil(planned["nvlink"]) + math.ceil(planned["rdma"]))
+        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats, "planned": planned}
         self._launches.append(rec)
         if torch.device(device).type != "cuda":  # the CPU runs the data path only
             return []
