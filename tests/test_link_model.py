@@ -98,3 +98,26 @@ def test_routing_bytes_remain_the_default():
                       hidden=w.model.hidden, device_sms=132)  # fmt: skip
     execute(S.build("serial", w, g), w, backend=be)
     assert {r["bytes_from"] for r in be.launches} == {"routing"}
+
+
+@pytest.mark.parametrize("schedule,mode", [("serial", "decode"), ("sbo", "decode"),
+                                           ("tbo", "prefill"), ("serial", "prefill")])  # fmt: skip
+def test_every_emulated_transfer_counts_its_flight_from_its_ops_start(schedule, mode):
+    """The loopback data path is not DeepEP's work: the emulated flight starts at the op's start
+    (a stamp before the data path), so the data path runs inside the modelled flight. Every
+    transfer takes its own op's stamp (none left over, none shared); off, none does."""
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+
+    g = get_gpu("h200")
+    w = _w(mode, 2, 8)
+    for on in (True, False):
+        be = make_backend("emulated", rank=0, world=2, num_experts=w.model.num_experts,
+                          hidden=w.model.hidden, device_sms=132)  # fmt: skip
+        be.arrival_from_op_start = on
+        execute(S.build(schedule, w, g), w, backend=be)
+        assert be.launches and {r["from"] for r in be.launches} == (
+            {"op start"} if on else {"send kernel"}
+        )
+        assert be._t_start is None

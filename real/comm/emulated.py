@@ -27,6 +27,7 @@ resolution of %globaltimer. Fidelity limits: no link contention or incast, one r
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -39,10 +40,10 @@ RECV_LIMIT_NS = 100_000_000  # a receive waits at most 100 ms for its send's sta
 
 
 def _kernels():
-    """(send_kernel, recv_kernel); triton imported on first use."""
+    """(send_kernel, recv_kernel, stamp_kernel); triton imported on first use."""
     from overlap_lab.real.comm import _triton_emulated as K
 
-    return K.send_kernel, K.recv_kernel
+    return K.send_kernel, K.recv_kernel, K.stamp_kernel
 
 
 def _sbo_kernel():
@@ -84,6 +85,23 @@ class EmulatedBackend(LoopbackBackend):
         self._plan: dict[str, list[dict[str, float]]] = {}  # "dispatch"/"combine" -> bytes
         self._plan_pos: dict[str, int] = {}
         self._stats_cache: dict[tuple, torch.Tensor] = {}
+        self.arrival_from_op_start = True  # see _op_start
+        self._t_start: torch.Tensor | None = None
+
+    def _op_start(self, device) -> None:
+        """Stamp the op's start on the device (a one-thread kernel), once per op: the send
+        kernel then counts the modelled flight from there, so the mirror data path (index math,
+        the rows' gather: work DeepEP's own kernels do while sending) runs inside the modelled
+        flight time instead of adding to it, and shows only where it is longer. Off
+        (``arrival_from_op_start = False``): the flight starts at the send kernel."""
+        if not self.arrival_from_op_start or self._t_start is not None:
+            return
+        if torch.device(device).type != "cuda":  # the CPU times nothing: bookkeeping only
+            self._t_start = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
+            return
+        t = torch.empty(1, dtype=torch.int64, device=device)
+        _kernels()[2][(1,)](t, num_warps=1)
+        self._t_start = t
 
     def plan_links(self, program, rank: int | None = None) -> None:
         """Time each send by the bytes ``program``'s flows carry (``shared.links``), the k-th
@@ -99,6 +117,7 @@ class EmulatedBackend(LoopbackBackend):
     def reset_run(self) -> None:
         super().reset_run()
         self._plan_pos = {}
+        self._t_start = None
 
     def _planned_stats(self, nb: dict[str, float], device) -> torch.Tensor:
         """The device tensor of planned bytes, made once per distinct count (first in an eager
@@ -193,11 +212,13 @@ class EmulatedBackend(LoopbackBackend):
         if planned is not None:  # [local, nvlink, rdma, messages] of the Program's flows
             stats = self._planned_stats(planned, device)
             max_bytes = max(max_bytes, math.ceil(planned["nvlink"]) + math.ceil(planned["rdma"]))
-        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats, "planned": planned}
+        t_start, self._t_start = self._t_start, None  # this op's stamp, used once
+        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats, "planned": planned,
+               "from": "op start" if t_start is not None else "send kernel"}  # fmt: skip
         self._launches.append(rec)
         if torch.device(device).type != "cuda":  # the CPU runs the data path only
             return []
-        send_kernel, recv_kernel = _kernels()
+        send_kernel, recv_kernel, _ = _kernels()
         words = max(1, max_bytes // 4)
         src, dst = self._buffers(words, device)
         t_arrive = torch.full((1,), _UNSET, dtype=torch.int64, device=device)
@@ -211,8 +232,10 @@ class EmulatedBackend(LoopbackBackend):
             1.0 / L.nvlink_gbps,
             L.rdma_lat_us * 1e3,
             1.0 / L.rdma_gbps,
+            t_start if t_start is not None else t_arrive,
             SPIN=not hook_split,
             BLOCK=1024,
+            HAS_START=t_start is not None,
             num_warps=32,
         )
         if not hook_split:
@@ -228,6 +251,7 @@ class EmulatedBackend(LoopbackBackend):
         the wire buffer, so the combine's output is what the signalled GEMM wrote. On a GPU the
         kernel can run while the GEMM does; under the CPU interpreter it runs after it. Plain
         CPU (no interpreter): the signal cannot be polled; the data path runs as without SBO."""
+        self._op_start(x.device)
         if sbo is not None and handle.get("layout") == "fixed":
             x = self._sbo_send(x, sbo)
         return super().low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
