@@ -856,6 +856,8 @@ def run_validation(opts) -> dict:
         report["archive"] = str(archive)
         report["table"] = table(report)
         report["results"] = write_results(report, opts)
+        if opts.kernels:
+            report["results"] += write_kernel_table(report, opts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
@@ -885,6 +887,25 @@ def write_results(report: dict, opts) -> list[str]:
     return [str(js), str(md)]
 
 
+def write_kernel_table(report: dict, opts) -> list[str]:
+    """``--kernels``: ``overlap-lab kernels``' table for this device (``real.kernel_table``)
+    into ``<results>/kernels_<device>.{json,md}``; its goal line is kept in the report."""
+    from overlap_lab.real.kernel_table import kernel_table, table_text
+
+    kt = kernel_table(opts.device)
+    text = table_text(kt)
+    report["kernels_goal"] = text.rstrip().rpartition("\n")[2]
+    if opts.results is None and not report["timing_meaningful"]:
+        return []
+    d = Path(opts.results) if opts.results else ROOT / "experiments" / "results"
+    d.mkdir(parents=True, exist_ok=True)
+    stem = "kernels_" + (report["preset"] if report["timing_meaningful"] else "cpu")
+    js, md = d / f"{stem}.json", d / f"{stem}.md"
+    js.write_text(json.dumps(kt, indent=2, sort_keys=True) + "\n")
+    md.write_text(text)
+    return [str(js), str(md)]
+
+
 def parse(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -907,6 +928,9 @@ def parse(argv: list[str] | None = None):
                    default="program",
                    help="bytes the emulated link times: the Program's flows (the simulator's, "
                    "default) or this run's routing")  # fmt: skip
+    p.add_argument("--kernels", action="store_true",
+                   help="also write the kernel table (overlap-lab kernels) as "
+                   "kernels_<device>.{json,md} beside the results")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     p.add_argument("--results", default=None,
                    help="folder for gpu_<device>.{json,md} (default: experiments/results on a "
@@ -944,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if bad:
         print(f"errors in: {', '.join(bad)} (see results.json in the archive)")
+    if report.get("kernels_goal"):
+        print(f"kernels: {report['kernels_goal']}")
     print(verdict_line(report["verdict"], dry_run=not report["timing_meaningful"]))
     pyt = report["pytest_gpu"].get("status")
     return 0 if not bad and pyt in ("ok", "not run") else 1

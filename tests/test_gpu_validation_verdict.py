@@ -87,7 +87,7 @@ def test_dry_run_prints_the_verdict_last_and_times_every_op_from_a_measurement(t
     rc = GV.main(
         ["--device", "cpu", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "res"),
          "--name", "dry", "--modes", "decode", "--batches", "4", "--schedules",
-         "serial,sbo,lightllm", "--repeats", "1", "--warmup", "0", "--no-figures"]
+         "serial,sbo,lightllm", "--repeats", "1", "--warmup", "0", "--no-figures", "--kernels"]
     )  # fmt: skip
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -105,3 +105,5 @@ def test_dry_run_prints_the_verdict_last_and_times_every_op_from_a_measurement(t
     assert "experts.down.0" in runs["sbo"]["rows_from_own_run"]["grouped_gemm"]
     assert "experts.gate_up" in runs["lightllm"]["rows_from_own_run"]["grouped_gemm"]
     assert report["verdict"]["runs"] == 3
+    assert (tmp_path / "res" / "kernels_cpu.json").is_file()
+    assert lines[-2].startswith("kernels: GOAL ")
