@@ -107,3 +107,18 @@ def test_dry_run_prints_the_verdict_last_and_times_every_op_from_a_measurement(t
     assert report["verdict"]["runs"] == 3
     assert (tmp_path / "res" / "kernels_cpu.json").is_file()
     assert lines[-2].startswith("kernels: GOAL ")
+
+
+def test_results_of_two_commands_merge_and_the_verdict_covers_both(tmp_path):
+    base = {"preset": "h200", "model": "deepseek-v3", "layers": 4, "ep": 32,
+            "timing_meaningful": True, "precision": {"gemm": {"executor_and_simulator": "bf16"}}}
+    path = tmp_path / "gpu_h200.json"
+    first = dict(base, cases=_cases(a=_run(100, 100), b=_run(200, 200)), commands=["decode"])
+    path.write_text(json.dumps(first))
+    second = dict(base, cases={"prefill_4096": {"runs": {"a": _run(150, 100)}}},
+                  commands=["prefill"])  # fmt: skip
+    out = GV.merged(second, path)
+    assert set(out["cases"]) == {"decode_32", "prefill_4096"}
+    assert out["verdict"]["runs"] == 3 and out["merged_commands"] == [["decode"], ["prefill"]]
+    other = dict(second, precision={"gemm": {"executor_and_simulator": "fp8"}})
+    assert GV.merged(other, path) is other  # another precision: not merged
