@@ -938,7 +938,7 @@ def write_kernel_table(report: dict, opts) -> list[str]:
         return []
     d = Path(opts.results) if opts.results else ROOT / "experiments" / "results"
     d.mkdir(parents=True, exist_ok=True)
-    stem = "kernels_" + (report["preset"] if report["timing_meaningful"] else "cpu")
+    stem = "kernels" + results_stem(report)[3:]  # kernels_<device>[_fp8]: deep_gemm loaded
     js, md = d / f"{stem}.json", d / f"{stem}.md"
     js.write_text(json.dumps(kt, indent=2, sort_keys=True) + "\n")
     md.write_text(text)
