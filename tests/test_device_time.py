@@ -154,3 +154,25 @@ def test_with_device_time_scales_an_ops_spans_to_its_kernel_time():
     assert got[("mlp", 50.0)] == pytest.approx(40.0)  # no device time: kept
     assert got[("launch", 0.0)] == pytest.approx(5.0)
     assert "mlp" in tr.meta["spans_source"]
+
+
+def test_calibration_runs_take_the_device_time_of_their_profile(chrome, monkeypatch):
+    """overlap_lab.calibrate.device_timed: the run's trace (CUDA-event spans with launch gaps)
+    comes back with each op's spans summing to its kernels' device time, from the profiler's
+    trace (here the recorded one, standing in for torch.profiler)."""
+    import overlap_lab.device_time as DT
+    from overlap_lab.calibrate import device_timed
+
+    km = map_kernels(chrome)
+    ops = sorted(km.ops)
+    spans = [Span(0, "stream:main", op, "compute", 1000.0 * i, 1000.0 * i + 900.0, 0, mb, layer, 0)
+             for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
+    run_trace = Trace(spans, {"spans_source": "eager pass"})
+    monkeypatch.setattr(DT, "profile_device_time", lambda fn: (fn(), chrome))
+    out, summary = device_timed(lambda: run_trace)
+    got = {(s.op, s.layer, s.mb): s.duration for s in out.spans}
+    for op in ops:
+        assert got[op] == pytest.approx(km.ops[op].replay_us)
+    assert summary["ops_timed"] == len(ops) == summary["ops_from_replay"]
+    assert out.meta["device_time"]["replay_unmatched"] == [0]
+    assert out.meta["spans_source"].startswith("device time")
