@@ -381,29 +381,30 @@ def predict(ctx: Context, name: str, w, profile, transform=None):
 
 
 def own_rows(ctx: Context, name: str, profile, prog, w, measured) -> tuple:
-    """``profile`` plus class rows for the compute ops of ``prog`` that serial does not run and
-    a profile cannot name (SBO's and LightLLM's split expert kernels: no roofline rows in a
-    validation), measured in a run of ``prog`` itself: on a GPU a short extra run under
-    torch.profiler (device time; the timed run stays unprofiled), on the CPU the measured run's
-    spans. Returns (profile, {class: [op names]} of the rows added)."""
+    """``profile`` plus rows for the compute ops of ``prog`` that it cannot time (no roofline
+    rows in a validation): class rows for names a profile cannot carry (SBO's and LightLLM's
+    split expert kernels), name rows for known names serial does not run (SGLang's
+    overlap-scheduler ops), measured in a run of ``prog`` itself: on a GPU a short extra run
+    under torch.profiler (device time; the timed run stays unprofiled), on the CPU the measured
+    run's spans. Ops whose kernels took no time (bound as no-ops in the executor) stay on the
+    roofline and are listed. Returns (profile, {row key: [op names]} of the rows added)."""
     from overlap_lab.calibrate import unprofiled_rows, with_rows
-    from overlap_lab.sim.profile import PROFILED_OPS
 
-    names = {op.name for _, op in ops_of(prog) if op.kind == "compute"} - PROFILED_OPS
+    names = set(roofline_ops(ctx, prog, profile))
     if not names:
         return profile, {}
     tr = measured
     if ctx.device == "cuda":
         tr = ctx.measure(prog, w, device_time=True, warmup=1, repeats=1)
-    rows = unprofiled_rows([(tr, prog)], num_sms=ctx.device_sms,
+    rows = unprofiled_rows([(tr, prog)], num_sms=ctx.device_sms, names=names,
                            source=f"gpu_validation: {name}'s own run")  # fmt: skip
     if not rows:
         return profile, {}
-    classes = {r["op"] for r in rows}
-    own: dict[str, list[str]] = {}
+    keys = {r["op"] for r in rows}
+    own: dict[str, set[str]] = {}
     for _, op in ops_of(prog):
-        if op.name in names and op.op_class in classes:
-            own.setdefault(op.op_class, set()).add(op.name)
+        if op.name in names and (op.name in keys or op.op_class in keys):
+            own.setdefault(op.name if op.name in keys else op.op_class, set()).add(op.name)
     return with_rows(profile, rows), {c: sorted(n) for c, n in sorted(own.items())}
 
 
@@ -761,8 +762,9 @@ def _note(name: str, r: dict) -> str:
 def _rows_text(r: dict) -> str:
     """Which classes took rows measured in the schedule's own run, and which ops the roofline
     still times (the validation's gaps)."""
-    own = "; ".join(f"{c} from own run ({', '.join(n)})" for c, n in (r.get("rows_from_own_run")
-                                                                      or {}).items())  # fmt: skip
+    own = ", ".join(c if n == [c] else f"{c} ({', '.join(n)})"
+                    for c, n in (r.get("rows_from_own_run") or {}).items())  # fmt: skip
+    own = f"rows from its own run: {own}" if own else ""
     roof = r.get("roofline_ops")
     return (f"; {own}" if own else "") + (f"; ROOFLINE: {', '.join(roof)}" if roof else "")
 

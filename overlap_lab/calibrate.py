@@ -21,7 +21,7 @@ machine without a GPU; only :func:`measure_on_gpu` needs one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -140,7 +140,11 @@ def device_timed(run: Callable[[], Trace]) -> tuple[Trace, dict]:
 
 
 def unprofiled_rows(
-    pairs: Sequence[tuple[Trace, Program]], *, num_sms: int, source: str
+    pairs: Sequence[tuple[Trace, Program]],
+    *,
+    num_sms: int,
+    source: str,
+    names: Collection[str] | None = None,
 ) -> list[dict]:
     """Profile rows, keyed by op CLASS, for the compute ops of ``pairs`` whose names a profile
     row cannot carry (outside ``sim.profile.PROFILED_OPS``: SBO's split down GEMMs
@@ -150,7 +154,11 @@ def unprofiled_rows(
     its class (``sim.profile.Profile.keys_for``), and accepts only known names; ops that have
     a name row (serial's) never reach the class row. Rows of one (class, dtype, tokens, SMs)
     pool into a mean duration and mean FLOPs (a throughput where every op has FLOPs), as
-    ``sim.calibrate.profile_from_trace`` pools name rows."""
+    ``sim.calibrate.profile_from_trace`` pools name rows.
+    ``names``: the ops to give rows (default: every compute op outside PROFILED_OPS); a name
+    inside PROFILED_OPS (an op serial does not run, e.g. SGLang's overlap-scheduler ops) gets a
+    row under its own name. Ops without work, or whose kernels took no time (bound as no-ops
+    in the executor), get none."""
     from collections import defaultdict
 
     from overlap_lab.sim.calibrate import measured_ops, program_ops
@@ -161,17 +169,20 @@ def unprofiled_rows(
         found = measured_ops(trace)
         first = trace.ranks[0] if trace.ranks else 0
         for (rank, *rest), op in program_ops(prog).items():
-            if op.kind != "compute" or op.name in PROFILED_OPS or op.tokens <= 0:
+            if op.kind != "compute" or op.tokens <= 0:
+                continue
+            if (op.name not in names) if names is not None else (op.name in PROFILED_OPS):
                 continue
             if op.flops <= 0 and op.hbm_bytes <= 0:  # no work: the simulator gives it no time
                 continue
-            if op.op_class not in PROFILED_CLASSES:
+            named = op.name in PROFILED_OPS
+            if not named and op.op_class not in PROFILED_CLASSES:
                 continue
             m = found.get((rank, *rest)) or found.get((first, *rest))
             if m is None or m.us <= 0:
                 continue
             sms = round(m.sms) if m.sms > 0 else (op.sms or num_sms)
-            key = (op.op_class, op.dtype, float(op.tokens), int(sms))
+            key = (op.name if named else op.op_class, op.dtype, float(op.tokens), int(sms))
             groups[key].append((m.us, op.flops, op.name))
     rows = []
     for (cls, dt, tokens, sms), ms in sorted(groups.items()):

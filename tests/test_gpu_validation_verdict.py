@@ -122,3 +122,37 @@ def test_results_of_two_commands_merge_and_the_verdict_covers_both(tmp_path):
     assert out["verdict"]["runs"] == 3 and out["merged_commands"] == [["decode"], ["prefill"]]
     other = dict(second, precision={"gemm": {"executor_and_simulator": "fp8"}})
     assert GV.merged(other, path) is other  # another precision: not merged
+
+
+def test_own_run_rows_name_known_ops_and_class_the_split_ones():
+    """Rows for ops serial does not run: a known name (SGLang's overlap-scheduler ops) under
+    its own name, a split expert kernel under its class; both then time the op in the
+    simulator (no roofline left), and ops without work get no row."""
+    pytest.importorskip("simpy")
+    from overlap_lab.calibrate import unprofiled_rows, with_rows
+    from overlap_lab.real import model as M
+    from overlap_lab.shared import schedules as S
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.program import ops_of
+    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.sim import simulate as sim_run
+    from overlap_lab.sim.calibrate import profile_from_trace
+    from overlap_lab.sim.cost import duration_source
+
+    g = get_gpu("h100")
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[40] * 6), Parallel(ep=2))
+    serial = S.build("serial", w, g)
+    prof = profile_from_trace(sim_run(serial, g), serial, num_sms=g.num_sms)
+    for name, want in (("sglang-overlap", "req_to_token_gather"), ("sbo", "grouped_gemm")):
+        prog = S.build(name, w, g)
+        before = {op.name for _, op in ops_of(prog)
+                  if op.kind == "compute" and (op.flops > 0 or op.hbm_bytes > 0)
+                  and duration_source(op, g, prof) == "roofline"}  # fmt: skip
+        assert before, name
+        rows = unprofiled_rows([(sim_run(prog, g), prog)], num_sms=g.num_sms, source="t",
+                               names=before)  # fmt: skip
+        assert want in {r["op"] for r in rows}
+        p2 = with_rows(prof, rows)
+        left = {op.name for _, op in ops_of(prog) if op.name in before
+                and duration_source(op, g, p2) == "roofline"}  # fmt: skip
+        assert left == set(), (name, left)
