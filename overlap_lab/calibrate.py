@@ -8,6 +8,11 @@ op is timed by its own CUDA events; the median of ``--repeats`` runs becomes the
 ``sim.calibrate.profile_from_trace`` takes the rows. The header records the device, the date and
 the versions of torch, CUDA and the kernel libraries found.
 
+Each op's duration is the sum of its kernels' device times (torch.profiler's CUPTI records,
+mapped to ops by ``overlap_lab.device_time``), not its CUDA-event span: an event span holds the
+launch gaps between an op's kernels, which the simulator charges itself (a launch per op where a
+run is eager, one per graph where it is replayed), so a profile from spans would count them twice.
+
 A library beside the API, not part of the command line: :func:`calibrate_on_device` takes the
 workload, GPU and sizes as values (``overlap_lab.cli.calibrate`` parses them from the options).
 torch and ``overlap_lab.real`` are imported inside the functions, so this module imports on a
@@ -16,7 +21,7 @@ machine without a GPU; only :func:`measure_on_gpu` needs one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -80,8 +85,11 @@ def measure_on_gpu(
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,
+    device_time: bool = True,
 ) -> list[tuple[Trace, Program]]:
-    """Run each case with the real executor on the CUDA device; (median trace, Program) each."""
+    """Run each case with the real executor on the CUDA device; (median trace, Program) each.
+    ``device_time``: each op's spans scaled to its kernels' device time (the module docstring);
+    False keeps the CUDA-event spans."""
     try:
         import torch
     except ImportError as e:
@@ -94,19 +102,108 @@ def measure_on_gpu(
     out = []
     for c in cases:
         w = workload_of(c.tokens)
-        res = execute(
-            c.program,
-            w,
-            backend=comm_backend("emulated", w, gpu),
-            device="cuda",
-            seed=seed,
-            warmup=warmup,
-            repeats=repeats,
-            host_spin=False,  # the real Python overhead is the host time: not counted twice
-            cuda_graphs=False,
-        )
-        out.append((res.trace, c.program))
+
+        def run(c=c, w=w):
+            return execute(
+                c.program,
+                w,
+                backend=comm_backend("emulated", w, gpu),
+                device="cuda",
+                seed=seed,
+                warmup=warmup,
+                repeats=repeats,
+                host_spin=False,  # the real Python overhead is the host time: not counted twice
+                cuda_graphs=False,
+            ).trace
+
+        out.append((device_timed(run)[0] if device_time else run(), c.program))
     return out
+
+
+def device_timed(run: Callable[[], Trace]) -> tuple[Trace, dict]:
+    """``run()`` (an executor run on a CUDA device, returning its trace) under torch.profiler:
+    the trace with each op's stream spans scaled to its kernels' device time
+    (``overlap_lab.device_time``), and a summary of the mapping (also in the trace's meta
+    ``device_time``): per-run kernel totals, replay kernels matched and unmatched."""
+    from overlap_lab.device_time import map_kernels, op_device_us, profile_device_time
+    from overlap_lab.device_time import with_device_time
+
+    trace, chrome = profile_device_time(run)
+    km = map_kernels(chrome)
+    times = op_device_us(km)
+    out = with_device_time(trace, times)
+    summary = {k: v for k, v in km.as_dict().items() if k != "ops"}
+    summary["ops_timed"] = len(times)
+    summary["ops_from_replay"] = sum(1 for t in km.ops.values() if t.replay_us is not None)
+    out.meta["device_time"] = summary
+    return out, summary
+
+
+def unprofiled_rows(
+    pairs: Sequence[tuple[Trace, Program]],
+    *,
+    num_sms: int,
+    source: str,
+    names: Collection[str] | None = None,
+) -> list[dict]:
+    """Profile rows, keyed by op CLASS, for the compute ops of ``pairs`` whose names a profile
+    row cannot carry (outside ``sim.profile.PROFILED_OPS``: SBO's split down GEMMs
+    ``experts.down.<k>`` and its ``experts.gate_up``, LightLLM's ``experts.scatter`` /
+    ``gate_up`` / ``act_quant`` / ``down.<k>`` / ``gather``), measured in the given runs of the
+    Programs that emit them. Why class rows: the simulator looks an op up by its name, then by
+    its class (``sim.profile.Profile.keys_for``), and accepts only known names; ops that have
+    a name row (serial's) never reach the class row. Rows of one (class, dtype, tokens, SMs)
+    pool into a mean duration and mean FLOPs (a throughput where every op has FLOPs), as
+    ``sim.calibrate.profile_from_trace`` pools name rows.
+    ``names``: the ops to give rows (default: every compute op outside PROFILED_OPS); a name
+    inside PROFILED_OPS (an op serial does not run, e.g. SGLang's overlap-scheduler ops) gets a
+    row under its own name. Ops without work, or whose kernels took no time (bound as no-ops
+    in the executor), get none."""
+    from collections import defaultdict
+
+    from overlap_lab.sim.calibrate import measured_ops, program_ops
+    from overlap_lab.sim.profile import PROFILED_CLASSES, PROFILED_OPS
+
+    groups: dict[tuple[str, str, float, int], list[tuple[float, float, str]]] = defaultdict(list)
+    for trace, prog in pairs:
+        found = measured_ops(trace)
+        first = trace.ranks[0] if trace.ranks else 0
+        for (rank, *rest), op in program_ops(prog).items():
+            if op.kind != "compute" or op.tokens <= 0:
+                continue
+            if (op.name not in names) if names is not None else (op.name in PROFILED_OPS):
+                continue
+            if op.flops <= 0 and op.hbm_bytes <= 0:  # no work: the simulator gives it no time
+                continue
+            named = op.name in PROFILED_OPS
+            if not named and op.op_class not in PROFILED_CLASSES:
+                continue
+            m = found.get((rank, *rest)) or found.get((first, *rest))
+            if m is None or m.us <= 0:
+                continue
+            sms = round(m.sms) if m.sms > 0 else (op.sms or num_sms)
+            key = (op.name if named else op.op_class, op.dtype, float(op.tokens), int(sms))
+            groups[key].append((m.us, op.flops, op.name))
+    rows = []
+    for (cls, dt, tokens, sms), ms in sorted(groups.items()):
+        names = sorted({n for _, _, n in ms})
+        row = {"op": cls, "dtype": dt, "size": tokens, "sms": sms,
+               "us": sum(u for u, _, _ in ms) / len(ms),
+               "source": f"{source}: mean of {len(ms)} measurement(s) of "
+               f"{', '.join(names)}"}  # fmt: skip
+        if all(f > 0 for _, f, _ in ms):
+            row["flops"] = sum(f for _, f, _ in ms) / len(ms)
+        rows.append(row)
+    return rows
+
+
+def with_rows(profile: Profile, rows: Sequence[dict], name: str | None = None) -> Profile:
+    """``profile`` plus ``rows`` (a new Profile; the rows checked as any profile's)."""
+    from overlap_lab.sim.profile import from_json
+
+    doc = profile.to_json()
+    doc["rows"] = [*doc["rows"], *rows]
+    return from_json(doc, name or profile.name)
 
 
 def software_versions() -> dict[str, str]:

@@ -303,6 +303,7 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     blocks = {"BM": 64, "BN": 128, "BK": 64}
     link = dict(src="*i32", dst="*i32", stats="*i64", t_arrive="*i64")
     link |= {k: "fp32" for k in ("nv_lat_ns", "nv_ns_per_byte", "rd_lat_ns", "rd_ns_per_byte")}
+    link |= {"t_start": "*i64"}
     cases = [
         (TG.persistent_mm, {**ab, **mm}, {**blocks, "GM": 8}, 8),
         (
@@ -317,7 +318,9 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
             blocks,
             8,
         ),  # fmt: skip
-        (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024}, 32),
+        (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024, "HAS_START": False}, 32),
+        (TE.send_kernel, link, {"SPIN": False, "BLOCK": 1024, "HAS_START": True}, 32),
+        (TE.stamp_kernel, {"t_start": "*i64"}, {}, 1),
         (
             TE.sbo_combine_kernel,
             {

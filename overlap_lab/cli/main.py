@@ -303,6 +303,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub)
     add_sweep(sub)
+    __import__("overlap_lab.cli.kernels", fromlist=["add_parser"]).add_parser(sub)
     _add_plugins(sub)
     return inputs.apply_limits(p)
 

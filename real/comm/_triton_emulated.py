@@ -16,16 +16,26 @@ def _now():
 
 
 @triton.jit
+def stamp_kernel(t_start):
+    """The op's start time (before its data path), for the send kernel to count from."""
+    tl.store(t_start, _now())
+
+
+@triton.jit
 def send_kernel(
-    src, dst, stats, t_arrive, nv_lat_ns, nv_ns_per_byte, rd_lat_ns, rd_ns_per_byte,
-    SPIN: tl.constexpr, BLOCK: tl.constexpr,
+    src, dst, stats, t_arrive, nv_lat_ns, nv_ns_per_byte, rd_lat_ns, rd_ns_per_byte, t_start,
+    SPIN: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
 ):  # fmt: skip
     """Move this rank's remote bytes through HBM and stamp the modelled arrival time; with SPIN,
     hold the SMs until then. ``stats`` = [local, nvlink, rdma, messages] bytes on the device
-    (no host sync); delay = max over links of α + bytes/β (LinkParams.arrival_us)."""
+    (no host sync); delay = max over links of α + bytes/β (LinkParams.arrival_us), counted from
+    ``t_start`` (the op's start, stamped before its data path) with HAS_START, else from now."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    t0 = _now()
+    if HAS_START:
+        t0 = tl.load(t_start)
+    else:
+        t0 = _now()
     nv = tl.load(stats + 1)
     rd = tl.load(stats + 2)
     d_nv = tl.where(nv > 0, nv_lat_ns + nv.to(tl.float32) * nv_ns_per_byte, 0.0)

@@ -174,6 +174,11 @@ class EPBackend:
 
     # -- what subclasses implement -------------------------------------------------------------
 
+    def _op_start(self, device) -> None:
+        """Called first thing in every dispatch and combine, before its data path: the emulated
+        backend stamps the time there, so its modelled arrival counts from the op's start
+        (real.comm.emulated). Nothing here."""
+
     def _exchange_start(self, chunks: list[list[torch.Tensor]], kind: str) -> Pending:
         """Send ``chunks[p]`` (a list of row tensors, same row count) to rank p; returns the
         received rows per tensor (concatenated in source-rank order) once waited. ``kind`` is
@@ -268,6 +273,7 @@ class EPBackend:
     ) -> DispatchResult:
         if previous_event is not None:
             previous_event.current_stream_wait()
+        self._op_start(x.device)
         per, W = self.experts_per_rank, self.world
         dst = torch.where(topk_idx >= 0, topk_idx // per, torch.full_like(topk_idx, W))
         hit = torch.zeros(x.shape[0], W + 1, dtype=torch.bool, device=x.device)
@@ -311,6 +317,7 @@ class EPBackend:
         """Rows back to their senders, summed per token (the receiver already weighted them)."""
         if previous_event is not None:
             previous_event.current_stream_wait()
+        self._op_start(x.device)
         chunks, lo = [], 0
         for n in handle["recv_counts"]:
             chunks.append([x[lo : lo + n]])
@@ -345,6 +352,7 @@ class EPBackend:
         """Returns (recv_x [E_local, max*world, H], recv_count [E_local], handle, event, hook)."""
         assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
         assert num_experts == self.num_experts
+        self._op_start(x.device)
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
             raise ValueError(
                 f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
@@ -406,6 +414,7 @@ class EPBackend:
     ):
         """Returns (combined_x [N, H], event, hook): Σ_k w[t, k] · expert_k(x_t) per token."""
         assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
+        self._op_start(x.device)
         self._account("ll_combine", handle["send_counts_dev"])
         rows = x[handle["recv_expert"], handle["recv_pos"]]
         chunks, lo = [], 0

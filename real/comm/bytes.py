@@ -121,15 +121,22 @@ class LinkParams:
     rdma_lat_us: float = 5.0
     gpus_per_node: int = 8
 
-    def arrival_us(self, b: ByteCount) -> float:
-        """Modelled time from send to arrival of the last byte: links run in parallel, each
-        α + bytes/β; zero for purely local traffic."""
-        t = 0.0
-        if b.nvlink:
-            t = max(t, self.nvlink_lat_us + b.nvlink / (self.nvlink_gbps * 1e3))
-        if b.rdma:
-            t = max(t, self.rdma_lat_us + b.rdma / (self.rdma_gbps * 1e3))
-        return t
+    def arrival_us(self, b: ByteCount | dict) -> float:
+        """Modelled time from send to arrival of the last byte: the simulator's link model
+        (``shared.links.arrival_us``: links in parallel, each α + bytes/β; zero for purely
+        local traffic), on a ByteCount or bytes per link kind."""
+        from overlap_lab.shared.links import arrival_us
+
+        nb = b if isinstance(b, dict) else {"nvlink": b.nvlink, "rdma": b.rdma}
+        return arrival_us(nb, *self.links())
+
+    def links(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(bytes per µs, latency µs) per link kind, as ``shared.links.gpu_links`` gives them
+        for a GPU preset (1 GB/s = 1e3 bytes/µs)."""
+        return (
+            {"nvlink": self.nvlink_gbps * 1e3, "rdma": self.rdma_gbps * 1e3},
+            {"nvlink": self.nvlink_lat_us, "rdma": self.rdma_lat_us},
+        )
 
     def as_meta(self) -> dict:
         return dict(self.__dict__)

@@ -14,6 +14,12 @@ The byte counts reach the kernels as a device tensor ([local, nvlink, rdma, mess
 ``EPBackend._account``) and the delay is computed in the kernel, so no launch needs a host read;
 ``launches`` reads the records back after the run.
 
+Byte counts: by default this rank's routing (``EPBackend._account``). With
+:meth:`EmulatedBackend.plan_links` (the validation loop) each send takes the bytes the
+Program's own flows carry, in issue order (``shared.links.program_sends``), so the arrival is the
+simulator's for the same bytes (``shared.links.arrival_us``; its balanced expectation, without
+DeepEP's 16-byte LL message header); the data path still moves this routing's rows.
+
 Unverified on a GPU yet (see real/README.md): that 32-warp CTAs land one per SM, and the
 resolution of %globaltimer. Fidelity limits: no link contention or incast, one rank's view.
 """
@@ -21,10 +27,11 @@ resolution of %globaltimer. Fidelity limits: no link contention or incast, one r
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
-from overlap_lab.real.comm.base import Pending
+from overlap_lab.real.comm.base import Pending, _to_device
 from overlap_lab.real.comm.bytes import ByteCount, message_bytes
 from overlap_lab.real.comm.loopback import LoopbackBackend
 
@@ -33,10 +40,10 @@ RECV_LIMIT_NS = 100_000_000  # a receive waits at most 100 ms for its send's sta
 
 
 def _kernels():
-    """(send_kernel, recv_kernel); triton imported on first use."""
+    """(send_kernel, recv_kernel, stamp_kernel); triton imported on first use."""
     from overlap_lab.real.comm import _triton_emulated as K
 
-    return K.send_kernel, K.recv_kernel
+    return K.send_kernel, K.recv_kernel, K.stamp_kernel
 
 
 def _sbo_kernel():
@@ -75,6 +82,63 @@ class EmulatedBackend(LoopbackBackend):
         self._retired: list[torch.Tensor] = []
         self._launches: list[dict] = []
         self._sbo_records: list[dict] = []
+        self._plan: dict[str, list[dict[str, float]]] = {}  # "dispatch"/"combine" -> bytes
+        self._plan_pos: dict[str, int] = {}
+        self._stats_cache: dict[tuple, torch.Tensor] = {}
+        self.arrival_from_op_start = True  # see _op_start
+        self._t_start: torch.Tensor | None = None
+
+    def _op_start(self, device) -> None:
+        """Stamp the op's start on the device (a one-thread kernel), once per op: the send
+        kernel then counts the modelled flight from there, so the mirror data path (index math,
+        the rows' gather: work DeepEP's own kernels do while sending) runs inside the modelled
+        flight time instead of adding to it, and shows only where it is longer. Off
+        (``arrival_from_op_start = False``): the flight starts at the send kernel."""
+        if not self.arrival_from_op_start or self._t_start is not None:
+            return
+        if torch.device(device).type != "cuda":  # the CPU times nothing: bookkeeping only
+            self._t_start = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
+            return
+        t = torch.empty(1, dtype=torch.int64, device=device)
+        _kernels()[2][(1,)](t, num_warps=1)
+        self._t_start = t
+
+    def plan_links(self, program, rank: int | None = None) -> None:
+        """Time each send by the bytes ``program``'s flows carry (``shared.links``), the k-th
+        dispatch (combine) of a run taking the k-th in the Program's issue order; every run
+        (warm-up, eager, timed) starts over (``reset_run``). The data path is unchanged."""
+        from overlap_lab.shared.links import program_sends
+
+        self._plan = {}
+        for s in program_sends(program, rank):
+            self._plan.setdefault(s.what, []).append(dict(s.nbytes))
+        self._plan_pos = {}
+
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._plan_pos = {}
+        self._t_start = None
+
+    def _planned_stats(self, nb: dict[str, float], device) -> torch.Tensor:
+        """The device tensor of planned bytes, made once per distinct count (first in an eager
+        run, never under graph capture, which forbids host-to-device copies) and kept: a
+        captured graph keeps reading its address."""
+        key = (round(nb["nvlink"]), round(nb["rdma"]), str(device))
+        t = self._stats_cache.get(key)
+        if t is None:
+            t = self._stats_cache[key] = _to_device(
+                torch.tensor([0, key[0], key[1], 0], dtype=torch.int64), device
+            )
+        return t
+
+    def _planned(self, kind: str) -> dict[str, float] | None:
+        what = "dispatch" if "dispatch" in kind else "combine"
+        plan = self._plan.get(what)
+        if not plan:
+            return None
+        i = self._plan_pos.get(what, 0)
+        self._plan_pos[what] = i + 1
+        return plan[i % len(plan)]
 
     def default_grid(self, kind: str) -> int:
         """DeepEP's own CTA count: low-latency ``ceil(E / ceil(E / SMs))``, normal ``num_sms``."""
@@ -110,9 +174,16 @@ class EmulatedBackend(LoopbackBackend):
         back from the device here, after the run, never on the hot path)."""
         out = []
         for rec in self._launches:
+            r = {k: v for k, v in rec.items() if k not in ("stats", "planned")}
+            if rec.get("planned") is not None:  # the Program's bytes, as the simulator's
+                nb = rec["planned"]
+                r.update(remote_bytes=nb["nvlink"] + nb["rdma"], bytes=dict(nb),
+                         delay_us=self.link.arrival_us(nb), bytes_from="program")  # fmt: skip
+                out.append(r)
+                continue
             b = ByteCount(*(int(v) for v in rec["stats"].tolist()))
-            r = {k: v for k, v in rec.items() if k != "stats"}
-            r.update(remote_bytes=b.remote, delay_us=self.link.arrival_us(b))
+            r.update(remote_bytes=b.remote, bytes={"nvlink": b.nvlink, "rdma": b.rdma},
+                     delay_us=self.link.arrival_us(b), bytes_from="routing")  # fmt: skip
             out.append(r)
         return out
 
@@ -137,11 +208,17 @@ class EmulatedBackend(LoopbackBackend):
     def _link(self, kind, stats, max_bytes, device, *, hook_split):
         """Launch the send kernel now (grid = DeepEP's CTAs) with the byte counts as a device
         tensor; with ``hook_split`` return the receive kernel as the hook's wait."""
-        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats}
+        planned = self._planned(kind)
+        if planned is not None:  # [local, nvlink, rdma, messages] of the Program's flows
+            stats = self._planned_stats(planned, device)
+            max_bytes = max(max_bytes, math.ceil(planned["nvlink"]) + math.ceil(planned["rdma"]))
+        t_start, self._t_start = self._t_start, None  # this op's stamp, used once
+        rec = {"kind": kind, "ctas": self.grid(kind), "stats": stats, "planned": planned,
+               "from": "op start" if t_start is not None else "send kernel"}  # fmt: skip
         self._launches.append(rec)
         if torch.device(device).type != "cuda":  # the CPU runs the data path only
             return []
-        send_kernel, recv_kernel = _kernels()
+        send_kernel, recv_kernel, _ = _kernels()
         words = max(1, max_bytes // 4)
         src, dst = self._buffers(words, device)
         t_arrive = torch.full((1,), _UNSET, dtype=torch.int64, device=device)
@@ -155,8 +232,10 @@ class EmulatedBackend(LoopbackBackend):
             1.0 / L.nvlink_gbps,
             L.rdma_lat_us * 1e3,
             1.0 / L.rdma_gbps,
+            t_start if t_start is not None else t_arrive,
             SPIN=not hook_split,
             BLOCK=1024,
+            HAS_START=t_start is not None,
             num_warps=32,
         )
         if not hook_split:
@@ -172,6 +251,7 @@ class EmulatedBackend(LoopbackBackend):
         the wire buffer, so the combine's output is what the signalled GEMM wrote. On a GPU the
         kernel can run while the GEMM does; under the CPU interpreter it runs after it. Plain
         CPU (no interpreter): the signal cannot be polled; the data path runs as without SBO."""
+        self._op_start(x.device)
         if sbo is not None and handle.get("layout") == "fixed":
             x = self._sbo_send(x, sbo)
         return super().low_latency_combine(x, topk_idx, topk_weights, handle, **kw)

@@ -73,6 +73,7 @@ class LoopbackBackend(EPBackend):
         this rank sends to expert p * E_local + e."""
         assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
         assert num_experts == self.num_experts
+        self._op_start(x.device)
         N, k = topk_idx.shape
         if N > num_max_dispatch_tokens_per_rank:
             raise ValueError(
@@ -142,6 +143,7 @@ class LoopbackBackend(EPBackend):
                 return_recv_hook=return_recv_hook,
             )
         assert not (async_finish and return_recv_hook), "DeepEP: async_finish xor recv hook"
+        self._op_start(x.device)
         per, Mx, H = x.shape
         dest, valid, n, k = handle["dest"], handle["valid"], handle["n"], handle["k"]
         dev = x.device

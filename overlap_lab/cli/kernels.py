@@ -1,0 +1,54 @@
+"""``overlap-lab kernels --device cuda|cpu``: the executor's kernels against the device's best on
+the same shapes (``real.kernel_table``), as a table and, with ``--out``, a JSON file and its
+markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from overlap_lab.shared.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    """Register ``kernels`` on the CLI's subparsers."""
+    s = sub.add_parser(
+        "kernels",
+        help="the executor's kernels against the device's best on the same shapes",
+        description="Time every op class the executor runs (GEMM, grouped GEMM, attention, "
+        "elementwise) against the device's best kernel on the same shapes (cuBLAS torch.mm / "
+        "bmm, SDPA is_causal, a device-to-device copy for bandwidth); the goal is at least 0.7 "
+        "of the best for every class. --device cpu is a dry run on tiny shapes.",
+    )
+    s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    s.add_argument("--out", default=None,
+                   help="JSON file to write (the markdown table beside it, .md)")  # fmt: skip
+    s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
+    s.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    s.set_defaults(func=cmd_kernels)
+
+
+def cmd_kernels(args) -> int:
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("kernels needs torch") from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("kernels --device cuda needs a CUDA GPU; none is visible "
+                          "(--device cpu for the dry run)")  # fmt: skip
+    if args.repeats < 1 or args.warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    from overlap_lab.real.kernel_table import kernel_table, table_text
+
+    report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)
+    text = table_text(report)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        out.with_suffix(".md").write_text(text)
+        text = text.rstrip("\n")
+        head, _, goal = text.rpartition("\n")
+        text = f"{head}\nwrote {out}, {out.with_suffix('.md')}\n{goal}\n"
+    print(text, end="")
+    return 0

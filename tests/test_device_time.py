@@ -1,0 +1,178 @@
+"""Per-op device time from a recorded torch.profiler trace (overlap_lab.device_time).
+
+The fixture is a real trace of the GPU validation loop (tests/data/README.md): layer 1 of a
+decode-128 serial run, two eager runs and one graph replay. The numbers asserted here were read
+off the whole trace by the same mapping; the structural checks (every replay kernel finds its op,
+the per-op sums add up to the run totals, launch gaps excluded) would fail on a wrong mapping.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from overlap_lab.device_time import (
+    load_chrome,
+    map_kernels,
+    op_device_us,
+    parse_range,
+    split_runs,
+    with_device_time,
+)
+from overlap_lab.shared.trace import Span, Trace
+
+FIXTURE = Path(__file__).parent / "data" / "h200_decode128_serial_layer1.trace.json.gz"
+LAYER1_OPS = {
+    "attn.core", "attn.prepare", "combine_a", "combine_b", "comm_postprocess_layer",
+    "comm_prepare_attn", "comm_prepare_mlp", "dispatch_a", "dispatch_b", "experts", "gate",
+    "output", "select_experts", "shared_experts",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chrome() -> dict:
+    return load_chrome(FIXTURE)
+
+
+def test_range_names_are_the_executors():
+    assert parse_range("experts.L1.mb0") == ("experts", 1, 0)
+    assert parse_range("embed.LNone.mb0") == ("embed", None, 0)
+    assert parse_range("experts.down.2.L3.mb-1") == ("experts.down.2", 3, -1)
+    assert parse_range("ProfilerStep#3") is None
+    assert parse_range("graph:decode") is None
+
+
+def test_fixture_splits_into_two_eager_runs_and_one_replay(chrome):
+    runs, unattributed = split_runs(chrome)
+    assert [r.replay for r in runs] == [False, False, True]
+    assert unattributed == 0
+    for r in runs[:2]:
+        assert {op for op, _, _ in r.ops} == LAYER1_OPS
+    assert len(runs[2].graph_kernels) == 197
+
+
+def test_every_replay_kernel_maps_to_an_op(chrome):
+    km = map_kernels(chrome)
+    assert km.replay_matched == (197,) and km.replay_unmatched == (0,)
+    assert {op for op, _, _ in km.ops} == LAYER1_OPS
+    # per-op sums add up to the run totals: nothing counted twice or lost
+    assert sum(t.replay_us for t in km.ops.values()) == pytest.approx(km.replay_device_us[0])
+    assert sum(
+        t.eager_us for t in km.ops.values()
+    ) == pytest.approx(sum(km.eager_step_device_us) / 2, rel=2e-3)  # medians of 2 runs
+    # read off the whole trace (replay 2 of 6; median of the last two eager runs)
+    t = km.ops[("experts", 1, 0)]
+    assert t.replay_us == pytest.approx(1080.542, abs=1e-3)
+    assert t.eager_us == pytest.approx(1082.302, abs=1e-3)
+    assert km.ops[("attn.core", 1, 0)].eager_us == pytest.approx(824.604, abs=1e-3)
+    assert km.ops[("attn.core", 1, 0)].kernels == 16
+
+
+def test_compute_ops_take_the_same_device_time_eager_and_replayed(chrome):
+    """The same kernels: within 5 % per compute op. The emulated receive (dispatch_b) spins until
+    the modelled arrival, so its device time is a wait, not work: it differs."""
+    km = map_kernels(chrome)
+    for (name, _, _), t in km.ops.items():
+        if name in ("dispatch_b",):
+            continue
+        assert t.replay_us == pytest.approx(t.eager_us, rel=0.05, abs=1.0), name
+    b = km.ops[("dispatch_b", 1, 0)]
+    assert b.replay_us > 3 * b.eager_us
+
+
+def test_launch_gaps_are_not_device_time(chrome):
+    """An op's range on the host is longer than its kernels' device time (Python and launch
+    overhead between small kernels): the CUDA-event span would include those gaps."""
+    runs, _ = split_runs(chrome)
+    km = map_kernels(chrome)
+    ranges = {}
+    for e in chrome["traceEvents"]:
+        if e.get("cat") == "user_annotation":
+            ranges.setdefault(parse_range(e["name"]), []).append(e["dur"])
+    prep = km.ops[("attn.prepare", 1, 0)]  # 65 small kernels
+    assert prep.kernels == 65
+    assert min(ranges[("attn.prepare", 1, 0)]) > 2 * prep.eager_us
+    assert len(runs) == 3
+
+
+def test_replay_kernels_interleaved_across_streams_still_find_their_ops(chrome):
+    """Device order of a multi-stream replay may interleave the ops' kernels: the same-name
+    queue keeps every kernel with its op (moving the replay's first kernel to the end changes
+    nothing)."""
+    ch = copy.deepcopy(chrome)
+    ev = ch["traceEvents"]
+    graph = next(e for e in ev if e.get("name") == "cudaGraphLaunch")["args"]["correlation"]
+    ks = sorted(
+        (e for e in ev if e.get("cat") == "kernel" and e["args"]["correlation"] == graph),
+        key=lambda e: e["ts"],
+    )
+    names = [k["name"] for k in ks]
+    distinct = next(i for i in range(1, len(ks)) if names[i] not in names[:i])
+    ks[0]["ts"], ks[distinct]["ts"] = ks[distinct]["ts"], ks[0]["ts"]
+    a, b = map_kernels(chrome), map_kernels(ch)
+    assert b.replay_unmatched == (0,)
+    assert op_device_us(a) == pytest.approx(op_device_us(b))
+
+
+def test_a_trace_without_replays_uses_eager_device_time():
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "gate.L0.mb0", "ts": 0, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 100, "dur": 7.0,
+         "args": {"correlation": 1, "stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 60, "dur": 5,
+         "args": {"correlation": 2}},  # outside every range
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 120, "dur": 3.0,
+         "args": {"correlation": 2, "stream": 7}},
+        {"ph": "X", "cat": "user_annotation", "name": "gate.L0.mb0", "ts": 200, "dur": 50},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 210, "dur": 5,
+         "args": {"correlation": 3}},  # Triton launches through the driver API
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 300, "dur": 9.0,
+         "args": {"correlation": 3, "stream": 7}},
+    ]  # fmt: skip
+    km = map_kernels({"traceEvents": ev})
+    t = km.ops[("gate", 0, 0)]
+    assert (t.eager_runs, t.replays, t.source) == (2, 0, "eager")
+    assert t.us == pytest.approx(8.0)  # median of 7 and 9
+    assert km.unattributed_kernels == 1
+
+
+def test_with_device_time_scales_an_ops_spans_to_its_kernel_time():
+    spans = [
+        Span(0, "stream:s", "gate", "compute", 0.0, 30.0, 0, 0, 0, 0),
+        Span(0, "stream:s", "gate", "compute", 40.0, 50.0, 0, 0, 0, 0),
+        Span(0, "stream:s", "mlp", "compute", 50.0, 90.0, 0, 0, 0, 0),
+        Span(0, "host:main", "launch", "host", 0.0, 5.0),
+    ]
+    tr = with_device_time(Trace(spans, {}), {("gate", 0, 0): 20.0})
+    got = {(s.op, s.start): s.duration for s in tr.spans}
+    assert got[("gate", 0.0)] == pytest.approx(15.0)
+    assert got[("gate", 40.0)] == pytest.approx(5.0)
+    assert got[("mlp", 50.0)] == pytest.approx(40.0)  # no device time: kept
+    assert got[("launch", 0.0)] == pytest.approx(5.0)
+    assert "mlp" in tr.meta["spans_source"]
+
+
+def test_calibration_runs_take_the_device_time_of_their_profile(chrome, monkeypatch):
+    """overlap_lab.calibrate.device_timed: the run's trace (CUDA-event spans with launch gaps)
+    comes back with each op's spans summing to its kernels' device time, from the profiler's
+    trace (here the recorded one, standing in for torch.profiler)."""
+    import overlap_lab.device_time as DT
+    from overlap_lab.calibrate import device_timed
+
+    km = map_kernels(chrome)
+    ops = sorted(km.ops)
+    spans = [Span(0, "stream:main", op, "compute", 1000.0 * i, 1000.0 * i + 900.0, 0, mb, layer, 0)
+             for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
+    run_trace = Trace(spans, {"spans_source": "eager pass"})
+    monkeypatch.setattr(DT, "profile_device_time", lambda fn: (fn(), chrome))
+    out, summary = device_timed(lambda: run_trace)
+    got = {(s.op, s.layer, s.mb): s.duration for s in out.spans}
+    for op in ops:
+        assert got[op] == pytest.approx(km.ops[op].replay_us)
+    assert summary["ops_timed"] == len(ops) == summary["ops_from_replay"]
+    assert out.meta["device_time"]["replay_unmatched"] == [0]
+    assert out.meta["spans_source"].startswith("device time")

@@ -1,0 +1,123 @@
+"""One link model on both sides: the emulated backend's arrival time for a communication-only
+Program (dispatch and combine, no compute) equals the simulator's predicted link time of the same
+collectives, decode (low-latency kernels) and prefill (normal kernels), over NVLink and RDMA."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.links import arrival_us, gpu_links, program_sends
+from overlap_lab.shared.workload import Batch, Parallel, Workload
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("simpy")
+
+
+def _w(mode: str, ep: int, gpus_per_node: int) -> Workload:
+    from overlap_lab.real import model as M
+
+    mc = M.get_model_config("tiny-mla")
+    b = Batch.decode(kv_lens=[40] * 6) if mode == "decode" else Batch.prefill(extend_lens=[20, 9])
+    return Workload(mc, b, Parallel(ep=ep, gpus_per_node=gpus_per_node))
+
+
+def test_arrival_is_latency_plus_bytes_over_bandwidth_links_in_parallel():
+    bw, lat = {"nvlink": 100.0, "rdma": 10.0}, {"nvlink": 1.0, "rdma": 3.0}
+    assert arrival_us({"nvlink": 1000.0, "rdma": 0.0}, bw, lat) == pytest.approx(11.0)
+    assert arrival_us({"nvlink": 1000.0, "rdma": 50.0}, bw, lat) == pytest.approx(11.0)
+    assert arrival_us({"nvlink": 1000.0, "rdma": 500.0}, bw, lat) == pytest.approx(53.0)
+    assert arrival_us({}, bw, lat) == 0.0  # local only: no link time
+    g = get_gpu("h200")
+    b, la = gpu_links(g)
+    assert b["nvlink"] == g.nvlink_eff_gbps * 1e3 and la["rdma"] == g.rdma_lat_us
+
+
+def test_the_emulated_link_model_is_the_simulators():
+    from overlap_lab.real.comm.bytes import ByteCount, LinkParams
+
+    g = get_gpu("h200")
+    lp = LinkParams.from_gpu(g)
+    nb = {"nvlink": 3.5e6, "rdma": 1.25e7}
+    assert lp.arrival_us(nb) == arrival_us(nb, *gpu_links(g))
+    assert lp.arrival_us(ByteCount(0, 3_500_000, 12_500_000, 0)) == arrival_us(nb, *gpu_links(g))
+
+
+@pytest.mark.parametrize(
+    "mode,ep,gpn", [("decode", 2, 8), ("decode", 4, 2), ("prefill", 4, 2), ("prefill", 2, 1)]
+)
+def test_comm_only_program_emulated_arrival_equals_simulated_link_time(mode, ep, gpn):
+    """(a) of the communication-only case: per collective, the delay the emulated backend
+    computes (what its kernels hold until) equals the simulator's link span, to 1e-9."""
+    from overlap_lab.experiments.gpu_validation import comm_program
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.bytes import LinkParams
+    from overlap_lab.real.executor import execute
+    from overlap_lab.sim import simulate
+
+    g = get_gpu("h200")
+    w = _w(mode, ep, gpn)
+    prog = comm_program(w, g)
+    sends = program_sends(prog)
+    assert sends and [s.what for s in sends] == ["dispatch", "combine"] * (len(sends) // 2)
+    # the simulator: each collective's link spans (one per link kind), the longest
+    tr = simulate(prog, g)
+    link: dict[tuple, float] = {}
+    for s in tr.spans:
+        if s.lane.startswith("link:") and s.rank == (tr.ranks[0] if tr.ranks else 0):
+            k = (s.op, s.layer, s.mb)
+            link[k] = max(link.get(k, 0.0), s.duration)
+    predicted = [link[(s.op.name, s.op.layer, s.op.mb)] for s in sends]
+    # the executor with the emulated backend, fed the Program's bytes
+    be = make_backend("emulated", rank=0, world=ep, num_experts=w.model.num_experts,
+                      hidden=w.model.hidden, link=LinkParams.from_gpu(g),
+                      device_sms=132)  # fmt: skip
+    be.plan_links(prog)
+    execute(prog, w, backend=be, warmup=1, repeats=1)
+    runs = be.launches[-len(sends):]  # the last run's transfers
+    assert [r["kind"].split("_")[1] for r in runs] == [s.what for s in sends]
+    assert all(r["bytes_from"] == "program" for r in runs)
+    kinds = {r["kind"] for r in runs}
+    assert kinds == ({"ll_dispatch", "ll_combine"} if mode == "decode"
+                     else {"normal_dispatch", "normal_combine"})  # fmt: skip
+    emulated = [r["delay_us"] for r in runs]
+    assert all(p > 0 for p in predicted)
+    assert emulated == pytest.approx(predicted, rel=1e-9, abs=0)
+    used = {k for s in sends for k, b in s.nbytes.items() if b > 0}
+    assert used == ({"rdma"} if gpn == 1 else {"nvlink", "rdma"} if ep > gpn else {"nvlink"})
+
+
+def test_routing_bytes_remain_the_default():
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+
+    g = get_gpu("h200")
+    w = _w("decode", 2, 8)
+    be = make_backend("emulated", rank=0, world=2, num_experts=w.model.num_experts,
+                      hidden=w.model.hidden, device_sms=132)  # fmt: skip
+    execute(S.build("serial", w, g), w, backend=be)
+    assert {r["bytes_from"] for r in be.launches} == {"routing"}
+
+
+@pytest.mark.parametrize("schedule,mode", [("serial", "decode"), ("sbo", "decode"),
+                                           ("tbo", "prefill"), ("serial", "prefill")])  # fmt: skip
+def test_every_emulated_transfer_counts_its_flight_from_its_ops_start(schedule, mode):
+    """The loopback data path is not DeepEP's work: the emulated flight starts at the op's start
+    (a stamp before the data path), so the data path runs inside the modelled flight. Every
+    transfer takes its own op's stamp (none left over, none shared); off, none does."""
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.executor import execute
+    from overlap_lab.shared import schedules as S
+
+    g = get_gpu("h200")
+    w = _w(mode, 2, 8)
+    for on in (True, False):
+        be = make_backend("emulated", rank=0, world=2, num_experts=w.model.num_experts,
+                          hidden=w.model.hidden, device_sms=132)  # fmt: skip
+        be.arrival_from_op_start = on
+        execute(S.build(schedule, w, g), w, backend=be)
+        assert be.launches and {r["from"] for r in be.launches} == (
+            {"op start"} if on else {"send kernel"}
+        )
+        assert be._t_start is None
