@@ -39,7 +39,6 @@ from overlap_lab.sensitivity import (
     paired,
     step_times,
 )
-from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_decode"

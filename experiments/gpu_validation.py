@@ -688,7 +688,7 @@ def verdict_line(v: dict, *, dry_run: bool = False) -> str:
         f"or {t['exposed_abs_us']:.0f} us in {v['exposed_ok']}/{v['runs']} runs (worst "
         f"{ew['run']}: {ew['abs_us']:.1f} us{rel}; {mark(c['exposed_comm'])})"
         + (
-            f"; comm-only |step error| "
+            "; comm-only |step error| "
             + ", ".join(f"{k} {e:.1%}" for k, e in sorted(v["comm_only_abs_error"].items()))
             + f" (<= {t['comm_only']:.0%} {mark(c['comm_only'])})"
             if "comm_only" in c else ""

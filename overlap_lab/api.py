@@ -22,7 +22,6 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -464,18 +463,9 @@ def resolve_profile(spec: Any, gpu: str | GPU):
     """The calibration profile ``spec`` names for ``gpu`` (None: roofline alone); ``auto`` picks
     the built-in profile whose measured configuration the GPU matches, so a renamed copy of a
     preset keeps it. Loaded once per (spec, GPU): a sweep resolves it once for all its cases."""
-    from overlap_lab.sim.profile import Profile
+    from overlap_lab.sim.profile import profile_for
 
-    if spec is None or isinstance(spec, Profile):
-        return spec
-    return _load_profile(str(spec), gpu)
-
-
-@lru_cache(maxsize=16)
-def _load_profile(spec: str, gpu: str | GPU):
-    from overlap_lab.sim.profile import load_profile, resolve
-
-    return load_profile(resolve(spec, gpu))
+    return profile_for(spec, gpu)
 
 
 def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
@@ -706,7 +696,7 @@ def compare(
     def explicit(p: Program, wl: Workload, cm: CostModel) -> float:
         """Every rank again, as the nominal run simulated them (reduced where it could be)."""
         run = {**models, "cost_model": cm}
-        return _simulate_explicit(p, wl, g, rk, None, max_events, run).step_time_us
+        return simulate_explicit(p, wl, g, rk, None, max_events, run).step_time_us
 
     s = over_design(
         table,

@@ -125,8 +125,12 @@ def device_timed(run: Callable[[], Trace]) -> tuple[Trace, dict]:
     the trace with each op's stream spans scaled to its kernels' device time
     (``overlap_lab.device_time``), and a summary of the mapping (also in the trace's meta
     ``device_time``): per-run kernel totals, replay kernels matched and unmatched."""
-    from overlap_lab.device_time import map_kernels, op_device_us, profile_device_time
-    from overlap_lab.device_time import with_device_time
+    from overlap_lab.device_time import (
+        map_kernels,
+        op_device_us,
+        profile_device_time,
+        with_device_time,
+    )
 
     trace, chrome = profile_device_time(run)
     km = map_kernels(chrome)

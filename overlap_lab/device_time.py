@@ -124,8 +124,8 @@ class KernelMap:
     def as_dict(self) -> dict[str, Any]:
         return {
             "ops": {
-                f"{o}.L{l}.mb{m}": dataclasses.asdict(t) | {"us": t.us, "source": t.source}
-                for (o, l, m), t in sorted(self.ops.items(), key=lambda kv: str(kv[0]))
+                f"{o}.L{layer}.mb{m}": dataclasses.asdict(t) | {"us": t.us, "source": t.source}
+                for (o, layer, m), t in sorted(self.ops.items(), key=lambda kv: str(kv[0]))
             },
             "eager_step_device_us": list(self.eager_step_device_us),
             "replay_device_us": list(self.replay_device_us),

@@ -549,6 +549,7 @@ def sensitivity(
     when the comparison simulated every rank; the default runs the engine on the Program as the
     symmetric runs do."""
     from overlap_lab.sim.cost import RooflineCostModel
+    from overlap_lab.sim.profile import profile_for
 
     d = design_from(design)
     if d is None:
@@ -558,7 +559,7 @@ def sensitivity(
     if cost_model is not None:
         inner = cost_model
     else:
-        inner = RooflineCostModel(_load_profile(profile, g.name))
+        inner = RooflineCostModel(profile_for(profile, g))
     done = [row for row in comparison.rows if row.result is not None]
     runs = [_run_of(row.schedule, row.result) for row in done]
     points = d.points()
@@ -610,16 +611,6 @@ def _window(
 
     engine = Engine(program, g, 0, max_events=max_events, cost_model=cm, network=network)
     return engine.run().step_time_us
-
-
-def _load_profile(spec: Any, gpu_name: str) -> Any:
-    """The calibration profile ``spec`` names for ``gpu_name`` (a Profile passes through; None:
-    roofline alone), as ``overlap_lab.simulate`` resolves it."""
-    from overlap_lab.sim.profile import Profile, load_profile, resolve
-
-    if spec is None or isinstance(spec, Profile):
-        return spec
-    return load_profile(resolve(str(spec), gpu_name))
 
 
 def _ranges(
@@ -688,9 +679,10 @@ def step_times(
     from overlap_lab.shared.presets import load_gpu
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.engine import Engine
+    from overlap_lab.sim.profile import profile_for
 
     g = gpu if isinstance(gpu, GPU) else load_gpu(gpu)
-    inner = RooflineCostModel(_load_profile(profile, g.name))
+    inner = RooflineCostModel(profile_for(profile, g))
     return tuple(
         Engine(program, g, 0, cost_model=PerturbedCostModel(inner, g, p)).run().step_time_us
         for p in design.points()

@@ -494,3 +494,18 @@ def _preset_names() -> frozenset[str]:
 def resolve(spec: str | None, gpu: str | GPU) -> str:
     """``auto``/None -> the GPU's default (``default_profile``); anything else as given."""
     return default_profile(gpu) if spec in (None, "auto") else spec
+
+
+def profile_for(spec: Any, gpu: str | GPU) -> Profile | None:
+    """The calibration profile ``spec`` names for ``gpu`` (a Profile passes through; None:
+    roofline alone); ``auto`` picks the built-in profile whose measured configuration the GPU
+    matches, so a renamed copy of a preset keeps it. Loaded once per (spec, GPU): a sweep, a
+    comparison and its sensitivity design resolve it once for all their runs."""
+    if spec is None or isinstance(spec, Profile):
+        return spec
+    return _loaded(str(spec), gpu)
+
+
+@functools.lru_cache(maxsize=16)
+def _loaded(spec: str, gpu: str | GPU) -> Profile | None:
+    return load_profile(resolve(spec, gpu))

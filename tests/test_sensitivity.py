@@ -63,7 +63,7 @@ def test_design_from_strings_and_refusals():
 def test_nominal_point_reproduces_the_run(small):
     """The wrapper at factors 1 is the wrapped model: same window to the last bit."""
     g = small.baseline.gpu
-    inner = RooflineCostModel(ol.api._profile("auto", g.name))
+    inner = RooflineCostModel(ol.api.resolve_profile("auto", g))
     for row in small.rows:
         cm = PerturbedCostModel(inner, g, Point("nominal", ()))
         t = Engine(row.result.program, g, 0, cost_model=cm).run()
@@ -127,7 +127,7 @@ def test_explicit_ranks_are_rerun_explicitly(monkeypatch):
     """A comparison of every rank is re-run the same way (reduced or with the network's grouping
     tolerance), not as one symmetric Program."""
     calls = []
-    real = ol.api._simulate_explicit
+    real = api.simulate_explicit
 
     def counted(lowered, w, g, r, prof, max_events, models=None):
         calls.append((lowered, (models or {}).get("cost_model")))
