@@ -127,13 +127,13 @@ def test_explicit_ranks_are_rerun_explicitly(monkeypatch):
     """A comparison of every rank is re-run the same way (reduced or with the network's grouping
     tolerance), not as one symmetric Program."""
     calls = []
-    real = api.simulate_explicit
+    real = ol.api.simulate_explicit
 
     def counted(lowered, w, g, r, prof, max_events, models=None):
         calls.append((lowered, (models or {}).get("cost_model")))
         return real(lowered, w, g, r, prof, max_events, models)
 
-    monkeypatch.setattr(ol.api, "_simulate_explicit", counted)
+    monkeypatch.setattr(ol.api, "simulate_explicit", counted)
     w = ol.workload("deepseek-v3", mode="decode", batch=32, ep=16, layers=3)
     design = Design(oat=False, lhs=2, inputs=("hbm",))
     c = ol.compare(
