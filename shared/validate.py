@@ -496,7 +496,6 @@ def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
     pred: list[list[int]] | None = None
     ancestors: dict[int, set[int] | _RankAncestors] = {}
     by_rank: dict[int, tuple[dict[int, int], dict[int, int]] | None] = {}
-    by_rank_nodes: dict[int, list[int]] = {}
 
     def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
         if b not in ancestors:
@@ -523,19 +522,23 @@ def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
         outside = [p for p in pred[end] if p != start]  # its data's senders, its signals
         if not outside:
             continue
-        anc = anc_of(start, rank)
-        if isinstance(anc, _RankAncestors):
-            lo = anc.first_outside(start, pos)
+        if rank not in by_rank:
+            by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+        if by_rank[rank] is None:
+            # too many nodes for bitsets: only the holder's direct senders on its rank count
+            # (each ancestor question is a search of its own)
+            anc: set[int] | _RankAncestors | _Before = _Before(start, pred, pos)
+            lo, deep = 0, False
         else:
-            mine = _rank_nodes(rank, info, pos, by_rank_nodes)
-            lo = min((pos[n] for n in mine if n not in anc and n != start), default=None)
-        if lo is None:
-            continue
+            anc = anc_of(start, rank)
+            lo, deep = anc.first_outside(start, pos), True
+            if lo is None:
+                continue
         own = _precedence(info, start)
         worst = None
-        for b in _blockers(outside, rank, start, anc, pred, info, pos, lo, starts):
+        for b in _blockers(outside, rank, start, anc, pred, info, pos, lo, starts, deep):
             prec = _precedence(info, b)
-            if prec < own and _ready_by(b, anc, pred, info):
+            if prec < own and _ready_by(b, anc if deep else anc_of(start, rank), pred, info):
                 # whenever the holder can start, this launch is already pending ahead of it in
                 # the block scheduler's order, and is served first: not at risk
                 continue
@@ -577,21 +580,17 @@ def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
             )
 
 
-def _rank_nodes(rank: int, info, pos, memo: dict[int, list[int]]) -> list[int]:
-    """The nodes of ``rank`` (memoised per rank)."""
-    nodes = memo.get(rank)
-    if nodes is None:
-        nodes = memo[rank] = [n for n, (_it, rp, _k) in enumerate(info) if rp.rank == rank]
-    return nodes
-
-
-def _blockers(outside, rank, start, anc, pred, info, pos, lo: int, starts) -> list[int]:
+def _blockers(
+    outside, rank, start, anc, pred, info, pos, lo: int, starts, deep: bool = True
+) -> list[int]:
     """Launch starts of ``rank`` not ordered before the holder ``start`` (not in ``anc``) that
     the holder's end depends on through ``outside`` (its senders' and signals' nodes, on any
-    rank). A node of ``rank`` ordered before the holder is not searched past (all it depends
-    on is ordered before the holder too), and nor is any node earlier than ``lo`` in the
-    topological order ``pos`` (the first node of ``rank`` not ordered before the holder): no
-    path from a blocker passes through it."""
+    rank). The search goes back through other ranks' nodes and its own rank's records, waits
+    and host instructions; it stops at its own rank's nodes ordered before the holder (all they
+    depend on is too) and at its own rank's launches (the first kernel met on a chain is the one
+    that may find no SMs: a kernel behind it cannot start before it), and at any node earlier
+    than ``lo`` in the topological order ``pos`` (the first node of ``rank`` not ordered before
+    the holder): no path from a blocker passes through it. Not ``deep``: ``outside`` only."""
     stack = [p for p in outside if pos[p] >= lo]
     seen = set(stack)
     out = []
@@ -600,8 +599,11 @@ def _blockers(outside, rank, start, anc, pred, info, pos, lo: int, starts) -> li
         if info[q][1].rank == rank:
             if q == start or q in anc:
                 continue
-            if q in starts:
-                out.append(q)
+            if q in starts or q - 1 in starts:  # a launch's start, or its end (the next node)
+                out.append(q if q in starts else q - 1)
+                continue
+        if not deep:
+            continue
         for p in pred[q]:
             if p not in seen and pos[p] >= lo:
                 seen.add(p)
@@ -702,6 +704,23 @@ class _RankAncestors:
     def __contains__(self, q: int) -> bool:
         i = self._local.get(q)
         return i is not None and (self._bits >> i) & 1 == 1
+
+
+class _Before:
+    """The nodes ordered before node ``b`` (``in`` only), each found by a search of its own
+    (``_reaches``, remembered): for ranks too large for ``_rank_ancestor_bits``, where most
+    questions are about the few nodes near ``b``."""
+
+    __slots__ = ("_b", "_pred", "_pos", "_memo")
+
+    def __init__(self, b: int, pred, pos):
+        self._b, self._pred, self._pos, self._memo = b, pred, pos, {}
+
+    def __contains__(self, q: int) -> bool:
+        r = self._memo.get(q)
+        if r is None:
+            r = self._memo[q] = q != self._b and _reaches(q, self._b, self._pred, self._pos)
+        return r
 
 
 def _ancestors(b: int, pred, info, rank: int) -> set[int]:
