@@ -49,6 +49,43 @@ class ProgramError(ConfigError):
     """A Program that no interpreter may run; the message points at the faulty instruction."""
 
 
+class BuildBudgetExceeded(ConfigError):
+    """A Program larger than building and simulating one may take (``check_build_budget``)."""
+
+
+#: The most GPU items (launches, records, waits, inside graphs too) plus host instructions a
+#: Program may hold by default. Validating and simulating cost about linearly in them (a run
+#: takes a few to ~100 SimPy events and a few hundred bytes of trace each): the largest
+#: Programs the schedules emit for realistic cases (DeepSeek-V3, 61 layers, TBO+SBO at 4,096
+#: tokens per rank: ~61,500 instructions; explicit ranks: that per rank) stay well within it,
+#: and SBO at 65,536 decode tokens (8,192 down-GEMM launches per layer, ~950,000 instructions,
+#: minutes and gigabytes to simulate) is refused at once.
+MAX_INSTRUCTIONS = 600_000
+
+
+def count_instructions(program: Program) -> int:
+    """Host instructions plus the GPU items of every graph body (``check_build_budget``)."""
+    n = 0
+    for rp in program.ranks:
+        for th in rp.threads:
+            for ins in th.instrs:
+                n += len(ins.body) if isinstance(ins, Graph) else 1
+    return n
+
+
+def check_build_budget(program: Program, max_instructions: int | None = None) -> None:
+    """Raise BuildBudgetExceeded (one line, as ``--max-events`` does) when ``program`` holds more
+    than ``max_instructions`` instructions (default ``MAX_INSTRUCTIONS``): the budget of building
+    a Program, checked before any rule that walks it."""
+    budget = MAX_INSTRUCTIONS if max_instructions is None else max_instructions
+    n = count_instructions(program)
+    if n > budget:
+        raise BuildBudgetExceeded(
+            f"the Program has {n} instructions, more than its build budget of {budget}; "
+            "simulate less (fewer layers, a smaller batch or fewer explicit ranks)"
+        )
+
+
 @dataclass(frozen=True)
 class Issued:
     """One instruction in issue order: where it comes from and what it is."""
@@ -124,8 +161,12 @@ def _parts(it: Issued):
     return [(None, it.instr)]
 
 
-def validate(program: Program, num_sms: int | None = None) -> None:
+def validate(
+    program: Program, num_sms: int | None = None, max_instructions: int | None = None
+) -> None:
     """Raise ProgramError naming the first faulty instruction; return None if the Program is sound.
+    A Program above its build budget (``max_instructions``, ``check_build_budget``) is refused
+    first, with BuildBudgetExceeded.
 
     ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
     receiving op starving a same-rank send of SMs.
@@ -138,6 +179,7 @@ def validate(program: Program, num_sms: int | None = None) -> None:
     ref = _SOUND.get(key)
     if ref is not None and ref() is program:
         return
+    check_build_budget(program, max_instructions)
     _validate(program, num_sms)
     try:
         _SOUND[key] = weakref.ref(program, lambda _r, k=key: _SOUND.pop(k, None))
