@@ -377,7 +377,8 @@ def test_accepted_extremes_finish_within_the_budget(host_exp, bytes_exp):
 @pytest.mark.parametrize("ranks", ["symmetric", "explicit"])
 @pytest.mark.parametrize("schedule", ["tbo", "sglang-overlap", "deepseek"])
 def test_default_event_budget_has_a_margin_of_five(capsys, schedule, ranks):
-    """Each run fits in a fifth of its default budget (the default is about 7x the need)."""
+    """Each run fits in a fifth of its default budget (the default bounds what a run can need,
+    sim/budget.py; these schedules need about a seventh of it or less)."""
     from overlap_lab.sim.budget import SimulationBudgetExceeded, default_max_events
 
     code, text, err = _show(capsys, "--schedule", schedule, "--ranks", ranks, *SMALL)
