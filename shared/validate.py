@@ -537,7 +537,7 @@ def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
     nodes: it bounds every search for ancestors."""
     pred: list[list[int]] | None = None
     ancestors: dict[int, set[int] | _RankAncestors] = {}
-    by_rank: dict[int, tuple[dict[int, int], dict[int, int]] | None] = {}
+    by_rank: dict[int, tuple[dict[int, int], dict[int, int], list[int]] | None] = {}
 
     def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
         if b not in ancestors:

@@ -61,10 +61,12 @@ def test_default_budget_lets_small_kernels_run_beside_large_waved_ones():
 def test_default_budget_counts_cohorts_only_beside_other_streams():
     """A kernel alone on its rank's one stream is one cohort whatever its grid; beside another
     stream's kernels each of its waves of one SM may be a cohort of its own."""
-    one = parse(f"program world=1 symmetric=true\nrank 0 streams=a\n  thread t\n"
-                f"    launch a big {BIG}\n    launch a small {SMALL}\n")
-    two = parse(str(one).replace("launch a small", "launch b small").replace(
-        "streams=a", "streams=a,b"))
+    text = (
+        "program world=1 symmetric=true\nrank 0 streams=a\n  thread t\n"
+        f"    launch a big {BIG}\n    launch a small {SMALL}\n"
+    )
+    one = parse(text)
+    two = parse(text.replace("launch a small", "launch b small").replace("=a\n", "=a,b\n"))
     base = default_max_events(one)
     assert default_max_events(one, H200.num_sms, grid) == base
     n_big = grid(one.ranks[0].threads[0].instrs[0].op, H200.num_sms)

@@ -265,7 +265,8 @@ def sound_program(draw) -> str:
                     op += f" flow={draw(st.sampled_from(['nvlink', 'rdma']))}:{dst}:1e6"
             body.append(op)
             if draw(st.integers(0, 3)) == 0:
-                body.append(f"wait {draw(st.sampled_from(streams))} {draw(st.sampled_from(EVENTS))}")
+                ev = draw(st.sampled_from(EVENTS))
+                body.append(f"wait {draw(st.sampled_from(streams))} {ev}")
             if draw(st.integers(0, 5)) == 0:
                 a, b = draw(st.sampled_from(streams)), draw(st.sampled_from(streams))
                 body.append(f"wait_stream {a} {b}")
