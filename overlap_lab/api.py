@@ -35,6 +35,7 @@ from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
 from overlap_lab.shared.schedules.fallbacks import fallback_notes
 from overlap_lab.shared.trace import Trace, no_gc
+from overlap_lab.shared.validate import check_build_budget
 from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
 
 if TYPE_CHECKING:
@@ -381,6 +382,7 @@ def simulate(
     program = build_schedule(schedule, w, g, cfg)
     if transform is not None:
         program = transform(program)
+    check_build_budget(program)  # before explicit lowering multiplies it by the ranks
     lowered = lower_ranks(program, w, g, r)
     balanced = None
     try:

@@ -50,6 +50,43 @@ class ProgramError(ConfigError):
     """A Program that no interpreter may run; the message points at the faulty instruction."""
 
 
+class BuildBudgetExceeded(ConfigError):
+    """A Program larger than building and simulating one may take (``check_build_budget``)."""
+
+
+#: The most GPU items (launches, records, waits, inside graphs too) plus host instructions a
+#: Program may hold by default. Validating and simulating cost about linearly in them (a run
+#: takes a few to ~100 SimPy events and a few hundred bytes of trace each): the largest
+#: Programs the schedules emit for realistic cases (DeepSeek-V3, 61 layers, TBO+SBO at 4,096
+#: tokens per rank: ~61,500 instructions; explicit ranks: that per rank) stay well within it,
+#: and SBO at 65,536 decode tokens (8,192 down-GEMM launches per layer, ~950,000 instructions,
+#: minutes and gigabytes to simulate) is refused at once.
+MAX_INSTRUCTIONS = 600_000
+
+
+def count_instructions(program: Program) -> int:
+    """Host instructions plus the GPU items of every graph body (``check_build_budget``)."""
+    n = 0
+    for rp in program.ranks:
+        for th in rp.threads:
+            for ins in th.instrs:
+                n += len(ins.body) if isinstance(ins, Graph) else 1
+    return n
+
+
+def check_build_budget(program: Program, max_instructions: int | None = None) -> None:
+    """Raise BuildBudgetExceeded (one line, as ``--max-events`` does) when ``program`` holds more
+    than ``max_instructions`` instructions (default ``MAX_INSTRUCTIONS``): the budget of building
+    a Program, checked before any rule that walks it."""
+    budget = MAX_INSTRUCTIONS if max_instructions is None else max_instructions
+    n = count_instructions(program)
+    if n > budget:
+        raise BuildBudgetExceeded(
+            f"the Program has {n} instructions, more than its build budget of {budget}; "
+            "simulate less (fewer layers, a smaller batch or fewer explicit ranks)"
+        )
+
+
 @dataclass(frozen=True)
 class Issued:
     """One instruction in issue order: where it comes from and what it is."""
@@ -125,8 +162,12 @@ def _parts(it: Issued):
     return [(None, it.instr)]
 
 
-def validate(program: Program, num_sms: int | None = None) -> None:
+def validate(
+    program: Program, num_sms: int | None = None, max_instructions: int | None = None
+) -> None:
     """Raise ProgramError naming the first faulty instruction; return None if the Program is sound.
+    A Program above its build budget (``max_instructions``, ``check_build_budget``) is refused
+    first, with BuildBudgetExceeded.
 
     ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
     receiving op starving a same-rank send of SMs.
@@ -139,6 +180,7 @@ def validate(program: Program, num_sms: int | None = None) -> None:
     ref = _SOUND.get(key)
     if ref is not None and ref() is program:
         return
+    check_build_budget(program, max_instructions)
     _validate(program, num_sms)
     try:
         _SOUND[key] = weakref.ref(program, lambda _r, k=key: _SOUND.pop(k, None))
@@ -278,6 +320,21 @@ def _op_fault(op: Op, num_sms, sends, rank_ids, flow_faults: dict | None = None)
         v = getattr(op, f)
         if v is not None and v < 1:
             return f"{f} must be at least 1, got {v}"
+    if _coresident(op) and op.ctas is not None:
+        # all CTAs of a coresident kernel are resident at once, on at most ``sms`` SMs
+        need = _resident_sms(op)
+        if op.sms == 0:
+            return f"{op.name} has ctas={op.ctas} but sms=0 (a hook runs no CTAs)"
+        if op.sms is not None and need > op.sms:
+            return (
+                f"{op.name} needs {need} SMs for its {op.ctas} coresident CTAs "
+                f"({_per_sm(op)} per SM) but sms={op.sms}"
+            )
+        if num_sms is not None and need > num_sms:
+            return (
+                f"{op.name} needs {need} SMs for its {op.ctas} coresident CTAs "
+                f"({_per_sm(op)} per SM) but the GPU has {num_sms}"
+            )
     c = op.coll
     if c is None:
         return None
@@ -315,15 +372,38 @@ def _flows_fault(flows: tuple, rank_ids, memo: dict | None) -> str | None:
     return None
 
 
+def _coresident(op: Op) -> bool:
+    """Whether the op's CTAs must all be resident at once (``sim.cost.grid_kind``: its own
+    ``grid``, else every communication kernel)."""
+    return op.grid == "coresident" or (op.grid is None and op.kind == "comm")
+
+
+def _per_sm(op: Op) -> int:
+    """CTAs per SM of a coresident kernel (``sim.cost.grid``: 1 unless the op says)."""
+    return op.ctas_per_sm or 1
+
+
+def _resident_sms(op: Op) -> int:
+    """SMs an op with an explicit ``ctas`` needs to hold all of them at once."""
+    return -(-op.ctas // _per_sm(op))
+
+
 def _hold(op: Op, num_sms: int) -> int:
-    """SMs an op may hold while it waits for data (compute kernels grow up to their limit)."""
-    return num_sms if op.sms is None else op.sms
+    """SMs an op may hold while it waits for data: compute kernels grow up to their limit, and
+    never past the SMs their explicit CTAs fill (the block scheduler gives no SM without a CTA
+    for it; per-SM CTAs of a compute kernel are not known here, so one per SM, the most)."""
+    limit = num_sms if op.sms is None else op.sms
+    if op.ctas is not None and limit:
+        limit = min(limit, _resident_sms(op) if _coresident(op) else op.ctas)
+    return limit
 
 
 def _need(op: Op, num_sms: int) -> int:
-    """SMs an op needs free before it can start (comm kernels: all of theirs)."""
+    """SMs an op needs free before it can start (coresident kernels: all of theirs)."""
     limit = num_sms if op.sms is None else op.sms
-    return limit if op.kind == "comm" else min(1, limit)
+    if not _coresident(op):
+        return min(1, limit)
+    return min(limit, _resident_sms(op)) if op.ctas is not None and limit else limit
 
 
 def _check_cycles(program: Program, orders, num_sms) -> None:
@@ -341,6 +421,7 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
     # rank -> (precedence, op): precedence is (stream priority, node), the block scheduler's order
     launches: dict[int, list[tuple[tuple[int, int], Op]]] = defaultdict(list)
     recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
+    waiters: list[tuple[int, int, str, int, Op, str]] = []  # kernels polling signals, likewise
     flow_srcs: dict[tuple[str, int], list[tuple[int, Op, int]]] = defaultdict(list)
     gpu_types = (Launch, Record, Wait, WaitStream)
     for rp in program.ranks:
@@ -392,6 +473,8 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
                     # a kernel that consumes signals while it runs cannot end before they fire
                     if op.waits:
                         pending += [(end, ev) for ev in op.waits]
+                        if not (op.coll and op.coll.role != "send"):
+                            waiters.append((g, end, "", rp.rank, op, stream))
                     c = op.coll
                     if c is not None:
                         if c.role != "recv":
@@ -437,14 +520,17 @@ def _check_cycles(program: Program, orders, num_sms) -> None:
             )
         )
     if num_sms is not None:
-        _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos)
+        _check_starvation(recvs + waiters, succ, info, num_sms, launches, pos)
 
 
-def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> None:
-    """A receiving op holds its SMs until its data is there (a compute kernel up to its limit).
-    Such an op is *at risk* when a same-rank op sending it data is not ordered before it, unless
-    that sender precedes it in the block scheduler's order and everything the sender's start waits
-    on is ordered before the receiver's start (the sender is then pending, and served, first). For
+def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
+    """A receiving op holds its SMs until its data is there (a compute kernel up to its limit),
+    and a kernel that polls signals holds them until its last signal. Such an op is *at risk*
+    when its data or signals depend, on any rank and through any chain of collectives, on a
+    launch of its own rank that is not ordered before it (that launch may find no free SMs),
+    unless that launch precedes it in the block scheduler's order and everything the launch's
+    start waits on is ordered before the holder's start (it is then pending, and served, first).
+    For
     each at-risk receiver, the SMs it holds, plus the largest at-risk hold of each other stream of
     its rank (a stream runs one op at a time), plus the most that a competing launch needs to
     start must fit in the GPU. A launch competes with the sender when the block scheduler serves
@@ -454,7 +540,7 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
     nodes: it bounds every search for ancestors."""
     pred: list[list[int]] | None = None
     ancestors: dict[int, set[int] | _RankAncestors] = {}
-    by_rank: dict[int, tuple[dict[int, int], dict[int, int]] | None] = {}
+    by_rank: dict[int, tuple[dict[int, int], dict[int, int], list[int]] | None] = {}
 
     def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
         if b not in ancestors:
@@ -468,29 +554,43 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
         return ancestors[b]
 
     risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
-    for start, _end, key, rank, op, stream in recvs:
+    starts = {p[1] for ls in launches.values() for p, _o in ls}
+    for start, end, _key, rank, op, stream in holders:
         hold = _hold(op, num_sms)
         if hold == 0:
             continue
-        for src, _sop, sstart in flow_srcs.get((key, rank), ()):
-            if src == start or info[src][1].rank != rank:
+        if pred is None:
+            pred = [[] for _ in succ]
+            for a, out in enumerate(succ):
+                for b in out:
+                    pred[b].append(a)
+        outside = [p for p in pred[end] if p != start]  # its data's senders, its signals
+        if not outside:
+            continue
+        if rank not in by_rank:
+            by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+        if by_rank[rank] is None:
+            # too many nodes for bitsets: only the holder's direct senders on its rank count
+            # (each ancestor question is a search of its own)
+            anc: set[int] | _RankAncestors | _Before = _Before(start, pred, pos)
+            lo, deep = 0, False
+        else:
+            anc = anc_of(start, rank)
+            lo, deep = anc.first_outside(start, pos), True
+            if lo is None:
                 continue
-            if pred is None:
-                pred = [[] for _ in succ]
-                for a, out in enumerate(succ):
-                    for b in out:
-                        pred[b].append(a)
-            if _reaches(src, start, pred, pos):
+        own = _precedence(info, start)
+        worst = None
+        for b in _blockers(outside, rank, start, anc, pred, info, pos, lo, starts, deep):
+            prec = _precedence(info, b)
+            if prec < own and _ready_by(b, anc if deep else anc_of(start, rank), pred, info):
+                # whenever the holder can start, this launch is already pending ahead of it in
+                # the block scheduler's order, and is served first: not at risk
                 continue
-            sender = _precedence(info, sstart)
-            if sender < _precedence(info, start):
-                anc = anc_of(start, rank)
-                if _ready_by(sstart, anc, pred, info):
-                    # whenever the receiver can start, the sender is already pending ahead of it
-                    # in the block scheduler's order, and is served first: not at risk
-                    continue
-            risks.append((rank, stream, hold, start, op, sender))
-            break
+            if worst is None or prec > worst:
+                worst = prec
+        if worst is not None:
+            risks.append((rank, stream, hold, start, op, worst))
     by_need: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
     widest: dict[tuple[int, str], int] = {}
     for rank, stream, hold, *_ in risks:
@@ -517,12 +617,43 @@ def _check_starvation(recvs, flow_srcs, succ, info, num_sms, launches, pos) -> N
                     it,
                     rp,
                     f"SM starvation: {op.name} and the other streams' receivers may hold {held} "
-                    f"of the {num_sms} SMs while waiting for data from a same-rank op not ordered "
-                    f"before them, and {needer} needs {need} SMs to start; order the sender "
-                    "first or leave it SMs",
+                    f"of the {num_sms} SMs while waiting for data or signals that depend on a "
+                    f"same-rank op not ordered before them, and {needer} needs {need} SMs to "
+                    "start; order the sender first or leave it SMs",
                     k,
                 )
             )
+
+
+def _blockers(
+    outside, rank, start, anc, pred, info, pos, lo: int, starts, deep: bool = True
+) -> list[int]:
+    """Launch starts of ``rank`` not ordered before the holder ``start`` (not in ``anc``) that
+    the holder's end depends on through ``outside`` (its senders' and signals' nodes, on any
+    rank). The search goes back through other ranks' nodes and its own rank's records, waits
+    and host instructions; it stops at its own rank's nodes ordered before the holder (all they
+    depend on is too) and at its own rank's launches (the first kernel met on a chain is the one
+    that may find no SMs: a kernel behind it cannot start before it), and at any node earlier
+    than ``lo`` in the topological order ``pos`` (the first node of ``rank`` not ordered before
+    the holder): no path from a blocker passes through it. Not ``deep``: ``outside`` only."""
+    stack = [p for p in outside if pos[p] >= lo]
+    seen = set(stack)
+    out = []
+    while stack:
+        q = stack.pop()
+        if info[q][1].rank == rank:
+            if q == start or q in anc:
+                continue
+            if q in starts or q - 1 in starts:  # a launch's start, or its end (the next node)
+                out.append(q if q in starts else q - 1)
+                continue
+        if not deep:
+            continue
+        for p in pred[q]:
+            if p not in seen and pos[p] >= lo:
+                seen.add(p)
+                stack.append(p)
+    return out
 
 
 def _launches_by_need(launches, num_sms: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -576,11 +707,13 @@ def _precedence(info, node: int) -> tuple[int, int]:
 MAX_BITSET_NODES = 20_000
 
 
-def _rank_ancestor_bits(rank: int, pred, info, pos) -> tuple[dict[int, int], dict[int, int]] | None:
+def _rank_ancestor_bits(
+    rank: int, pred, info, pos
+) -> tuple[dict[int, int], dict[int, int], list[int]] | None:
     """For every node of ``rank``: the bitset of its ancestors through that rank's own nodes (the
     sets ``_ancestors`` finds), bit ``i`` standing for the rank's ``i``-th node in the
     topological order ``pos``, so one pass in that order builds them all: (node -> bit, node ->
-    bitset), or None above MAX_BITSET_NODES."""
+    bitset, the nodes in that order), or None above MAX_BITSET_NODES."""
     nodes = [n for n, (_it, rp, _k) in enumerate(info) if rp.rank == rank]
     if len(nodes) > MAX_BITSET_NODES:
         return None
@@ -594,21 +727,45 @@ def _rank_ancestor_bits(rank: int, pred, info, pos) -> tuple[dict[int, int], dic
             if i is not None:
                 b |= bits[p] | (1 << i)
         bits[n] = b
-    return local, bits
+    return local, bits, nodes
 
 
 class _RankAncestors:
     """The ancestors of one node as ``_ancestors`` returns them (``in`` only), read from the
     rank's bitsets."""
 
-    __slots__ = ("_local", "_bits")
+    __slots__ = ("_local", "_bits", "_nodes")
 
     def __init__(self, table, b: int):
-        self._local, self._bits = table[0], table[1][b]
+        self._local, self._bits, self._nodes = table[0], table[1][b], table[2]
+
+    def first_outside(self, b: int, pos) -> int | None:
+        """The least topological position ``pos`` of a node of the rank that is neither ``b``
+        nor one of its ancestors (None: there is none): the lowest clear bit."""
+        full = self._bits | (1 << self._local[b])
+        z = ((~full) & (full + 1)).bit_length() - 1
+        return pos[self._nodes[z]] if z < len(self._nodes) else None
 
     def __contains__(self, q: int) -> bool:
         i = self._local.get(q)
         return i is not None and (self._bits >> i) & 1 == 1
+
+
+class _Before:
+    """The nodes ordered before node ``b`` (``in`` only), each found by a search of its own
+    (``_reaches``, remembered): for ranks too large for ``_rank_ancestor_bits``, where most
+    questions are about the few nodes near ``b``."""
+
+    __slots__ = ("_b", "_pred", "_pos", "_memo")
+
+    def __init__(self, b: int, pred, pos):
+        self._b, self._pred, self._pos, self._memo = b, pred, pos, {}
+
+    def __contains__(self, q: int) -> bool:
+        r = self._memo.get(q)
+        if r is None:
+            r = self._memo[q] = q != self._b and _reaches(q, self._b, self._pred, self._pos)
+        return r
 
 
 def _ancestors(b: int, pred, info, rank: int) -> set[int]:

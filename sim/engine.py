@@ -147,7 +147,9 @@ class Engine:
             for name, m in (("cost_model", cost_model), ("network", network))
             if m is not None
         }
-        self.max_events = max_events or default_max_events(program)  # sim.budget
+        self.max_events = max_events or default_max_events(  # sim.budget
+            program, gpu.num_sms, self.cost_model.grid
+        )
         self.env = simpy.Environment() if env is None else env
         self.spans: list[Span] = []
         self.costs = CostCache()  # the cost model's answers (shared by every rank's GPU)

@@ -390,6 +390,7 @@ class Gpu(Fluid):
         self._granting_now = False
         self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
         self._solo: dict[tuple, float] = {}  # a cohort's rate alone, by what it reads (``_rates``)
+        self._solo_t: dict[tuple[int, int], float] = {}  # a kernel's time alone (``_solo_us``)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -622,10 +623,9 @@ class Gpu(Fluid):
         k.held -= c.sms
         k.cohorts -= 1
         if k.pending == 0 and k.cohorts == 0:
-            # the launch-to-finish floor is the kernel's, however its CTAs were dispatched
-            rest = (
-                k.t0 + self.gpu.kernel_min_us - self._t if k.op.flops or k.op.hbm_bytes else 0
-            )
+            # the launch-to-finish floor is the kernel's, however its CTAs were dispatched, and
+            # so is its time alone: sharing never makes a kernel faster (``_solo_us``)
+            rest = k.t0 + self._solo_us(k) - self._t if k.op.flops or k.op.hbm_bytes else 0
             if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
                 segs, now = k.segments, self._t
                 if segs and segs[-1][0] == now:
@@ -645,6 +645,47 @@ class Gpu(Fluid):
         ):
             self._grant_due = True  # ``_request_grant``, inline
             self._timers.request_pass(self)
+
+    def _solo_us(self, k: Kernel) -> float:
+        """``k``'s duration alone on this GPU from its first SMs (``cost.solo_duration_us``,
+        through this GPU's cost model), at least the launch-to-finish floor.
+
+        The fluid model splits a kernel's CTAs into cohorts wherever SMs change hands, and a
+        cohort's rate follows the SMs it holds; beside a competitor the last, partial wave can
+        then land on more SMs than alone (a memory-bound kernel's tail wave on few SMs pulls
+        less HBM), which made a kernel end slightly earlier beside another kernel than alone.
+        No mechanism of the hardware makes it faster, so its end is held to this floor."""
+        key = (k.ckey, k.limit)
+        t = self._solo_t.get(key)
+        if t is None:
+            g, usable = k.grid, self._hbm_usable
+
+            def whole(n: int) -> float:
+                d = self._demand_on(k, n)
+                return cost.duration_us(d, min(d.cap, usable))
+
+            t = 0.0
+            if g.ctas:
+                s = k.limit
+                slots = s * g.per_sm
+                if g.kind == "coresident":  # one wave, every CTA resident
+                    t = whole(g.sms_needed)
+                else:  # whole waves, then a last partial wave on the SMs its CTAs need
+                    waves, rest = divmod(g.ctas, slots)
+                    t = waves * slots / g.ctas * whole(s) if waves else 0.0
+                    if rest:
+                        t += rest / g.ctas * whole(math.ceil(rest / g.per_sm))
+            t = self._solo_t[key] = max(t, self.gpu.kernel_min_us)
+        return t
+
+    def _demand_on(self, k: Kernel, sms: int):
+        """The model's demand of ``k`` on ``sms`` SMs, through the shared cache."""
+        key = (k.ckey, sms or 1)
+        demands = self.cache.demands
+        d = demands.get(key)
+        if d is None:
+            d = demands[key] = self.model.demand(k.op, self.gpu, sms or 1)
+        return d
 
     def _rates(self) -> None:
         eps, running = _EPS, []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from overlap_lab.shared.program import Graph, Launch, Program, Record, Wait
+from overlap_lab.shared.program import Graph, Launch, Program, Record, Wait, WaitStream
 from overlap_lab.shared.trace import Trace
 from overlap_lab.shared.validate import issue_order
+from overlap_lab.sim.cost import solo_duration_us
 
 EPS = 1e-6
 
@@ -97,3 +98,61 @@ def check_all(program: Program, trace: Trace, num_sms: int) -> None:
     no_stream_overlap(trace)
     sm_never_above(trace, num_sms)
     waits_respected(program, trace)
+
+
+def _solo(op, gpu) -> float:
+    """What a kernel takes alone on its SMs (0 for what no SM runs: copies, hooks)."""
+    if op.kind == "copy" or op.sms == 0 or not (op.flops or op.hbm_bytes):
+        return 0.0
+    return solo_duration_us(op, gpu)
+
+
+def never_faster_than_alone(program: Program, trace: Trace, gpu) -> None:
+    """Every kernel runs, from its first SMs to its end, at least as long as it takes alone."""
+    for rp in program.ranks:
+        by_stream = defaultdict(list)
+        for it in issue_order(rp):
+            for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
+                if isinstance(ins, Launch):
+                    by_stream[ins.stream].append(ins.op)
+        for stream, ops in by_stream.items():
+            ran = kernels_on(trace, rp.rank, f"stream:{stream}")
+            for op, (name, start, end) in zip(ops, ran):
+                assert name == op.name, (stream, name, op.name)
+                solo = _solo(op, gpu)
+                assert end - start >= solo * (1 - 1e-9) - EPS, (
+                    f"rank {rp.rank} {stream}: {op.name} took {end - start} µs, alone {solo} µs"
+                )
+
+
+def critical_path_us(program: Program, gpu) -> float:
+    """A lower bound of the step time: the longest chain of kernels alone (``_solo``) through
+    stream order, event waits and signals, ignoring host, launch and network time (they can
+    only add). Waits whose record is issued later by another thread are resolved by repeating
+    the pass until the event times settle (the Program is acyclic)."""
+    fired: dict[tuple[int, str], float] = {}
+    for _ in range(1000):
+        before = dict(fired)
+        longest = 0.0
+        for rp in program.ranks:
+            ready: dict[str, float] = defaultdict(float)
+            for it in issue_order(rp):
+                for ins in it.instr.body if isinstance(it.instr, Graph) else (it.instr,):
+                    if isinstance(ins, Launch):
+                        op = ins.op
+                        start = ready[ins.stream]
+                        end = start + _solo(op, gpu)
+                        for ev in op.waits:
+                            end = max(end, fired.get((rp.rank, ev), 0.0))
+                        ready[ins.stream] = end
+                        longest = max(longest, end)
+                    elif isinstance(ins, Record):
+                        fired[(rp.rank, ins.event)] = ready[ins.stream]
+                    elif isinstance(ins, Wait):
+                        t = fired.get((rp.rank, ins.event), 0.0)
+                        ready[ins.stream] = max(ready[ins.stream], t)
+                    elif isinstance(ins, WaitStream):
+                        ready[ins.stream] = max(ready[ins.stream], ready[ins.other])
+        if fired == before:
+            return longest
+    return longest

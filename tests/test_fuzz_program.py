@@ -11,6 +11,7 @@ Counts: OVERLAP_LAB_FUZZ_EXAMPLES (see tests/fuzz_helpers.py); outcomes are tall
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from functools import cache
@@ -21,13 +22,14 @@ from hypothesis import strategies as st
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import ParseError, parse
+from overlap_lab.shared.program import GRIDS, ParseError, parse
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build
 from overlap_lab.shared.validate import ProgramError, validate
 from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim.budget import SimulationBudgetExceeded
 from overlap_lab.sim.engine import Engine
 from tests.fuzz_helpers import fuzz_settings
+from tests.invariants import critical_path_us, never_faster_than_alone
 
 GPU = get_gpu("h800")
 GOLDEN = Path(__file__).parent / "golden"
@@ -144,7 +146,11 @@ def random_program(draw) -> str:
         f"symmetric={draw(st.sampled_from(['true', 'false']))}"
     ]
     for r in range(draw(st.integers(1, 2))):
-        lines.append(f"rank {r} streams={','.join(STREAMS[: draw(st.integers(1, 3))])}")
+        streams = [
+            s + draw(st.sampled_from(["", "", "@-1", "@1"]))
+            for s in STREAMS[: draw(st.integers(1, 3))]
+        ]
+        lines.append(f"rank {r} streams={','.join(streams)}")
         for t in range(draw(st.integers(1, 2))):
             lines.append(f"  thread t{t}")
             in_graph = False
@@ -169,6 +175,19 @@ def random_program(draw) -> str:
                     op = f"launch {s} op{draw(st.integers(0, 9))} flops={draw(num)} hbm_bytes={draw(num)}"
                     if draw(st.booleans()):
                         op += f" kind=comm sms={draw(st.sampled_from(['0', '4', '24', '132']))}"
+                    elif draw(st.booleans()):
+                        op += f" sms={draw(st.sampled_from(['1', '8', '66', '132']))}"
+                    if draw(st.integers(0, 3)) == 0:
+                        op += f" op_class={draw(st.sampled_from(['gemm', 'attention']))}"
+                    if draw(st.integers(0, 3)) == 0:
+                        op += f" grid={draw(st.sampled_from(GRIDS))}"
+                    if draw(st.integers(0, 2)) == 0:
+                        op += f" ctas={draw(st.sampled_from(['1', '3', '132', '264', '1000']))}"
+                        if draw(st.booleans()):
+                            op += f" ctas_per_sm={draw(st.sampled_from(['1', '2', '8']))}"
+                    if draw(st.integers(0, 3)) == 0:
+                        evs = draw(st.lists(st.sampled_from(EVENTS), min_size=1, max_size=2))
+                        op += " waits='" + json.dumps(evs) + "'"
                     if draw(st.booleans()):
                         role = draw(st.sampled_from(["send", "recv", "sendrecv"]))
                         op += f" coll=k{draw(st.integers(0, 1))}:{role}"
@@ -200,8 +219,69 @@ def random_program(draw) -> str:
     return "\n".join(lines) + "\n"
 
 
-def outcome(text: str) -> str:
-    """Run one text through parse → validate → simulate; the outcome, or an AssertionError."""
+@st.composite
+def sound_program(draw) -> str:
+    """A well-formed Program of competing kernels (finite work, declared streams, each event
+    recorded once): stream priorities, grids, CTAs, SM limits, signals polled while running,
+    collectives within and across ranks. Most validate; the rest must be refused cleanly."""
+    # work small enough that a run stays within the suite's event budget: beside other
+    # streams a waved kernel can take an event per wave (``sim.budget``)
+    flops = st.sampled_from(["0", "1e6", "3e7", "3e8", "1e9", "2e10"])
+    nbytes = st.sampled_from(["0", "1e6", "3e7", "3e8"])
+    ranks = draw(st.integers(1, 2))
+    symmetric = ranks == 1 and draw(st.booleans())
+    lines = [f"program world={ranks} symmetric={'true' if symmetric else 'false'}"]
+    for r in range(ranks):
+        streams = STREAMS[: draw(st.integers(1, 3))]
+        decl = [s + draw(st.sampled_from(["", "", "@-1", "@1"])) for s in streams]
+        lines.append(f"rank {r} streams={','.join(decl)}")
+        lines.append("  thread t")
+        events = [f"e{i}" for i in range(draw(st.integers(0, 3)))]
+        body = []
+        for _ in range(draw(st.integers(1, 8))):
+            s = draw(st.sampled_from(streams))
+            op = f"launch {s} k{len(body)} flops={draw(flops)} hbm_bytes={draw(nbytes)}"
+            op += f" op_class={draw(st.sampled_from(['gemm', 'attention', 'elementwise']))}"
+            op += f" dtype={draw(st.sampled_from(['bf16', 'fp8']))}"
+            if draw(st.integers(0, 2)) == 0:
+                op += f" kind=comm sms={draw(st.sampled_from(['0', '4', '24', '66']))}"
+            elif draw(st.booleans()):
+                op += f" sms={draw(st.sampled_from(['1', '8', '66', '132']))}"
+            if draw(st.integers(0, 3)) == 0:
+                op += f" grid={draw(st.sampled_from(GRIDS))}"
+            if draw(st.integers(0, 2)) == 0:
+                op += f" ctas={draw(st.sampled_from(['1', '3', '24', '132', '1000']))}"
+                if draw(st.booleans()):
+                    op += f" ctas_per_sm={draw(st.sampled_from(['1', '2', '8']))}"
+            if events and draw(st.integers(0, 4)) == 0:
+                evs = draw(st.lists(st.sampled_from(events), min_size=1, max_size=2, unique=True))
+                op += " waits='" + json.dumps(evs) + "'"
+            if draw(st.integers(0, 3)) == 0:
+                key = f"c{draw(st.integers(0, 1))}"
+                role = draw(st.sampled_from(["send", "recv", "sendrecv"]))
+                op += f" coll={key}:{role}"
+                if role != "recv":
+                    dst = "sym" if symmetric else str(draw(st.integers(0, ranks - 1)))
+                    op += f" flow={draw(st.sampled_from(['nvlink', 'rdma']))}:{dst}:1e6"
+            body.append(op)
+            if draw(st.integers(0, 3)) == 0:
+                ev = draw(st.sampled_from(EVENTS))
+                body.append(f"wait {draw(st.sampled_from(streams))} {ev}")
+            if draw(st.integers(0, 5)) == 0:
+                a, b = draw(st.sampled_from(streams)), draw(st.sampled_from(streams))
+                body.append(f"wait_stream {a} {b}")
+        for ev in events:  # recorded once each, somewhere in the thread
+            at = draw(st.integers(0, len(body)))
+            body.insert(at, f"record {ev} {draw(st.sampled_from(streams))}")
+        body = [b for b in body if not b.startswith("wait ") or b.split()[2] in events]
+        lines += ["    " + b for b in body]
+    return "\n".join(lines) + "\n"
+
+
+def outcome(text: str, check_timing: bool = False) -> str:
+    """Run one text through parse → validate → simulate; the outcome, or an AssertionError.
+    ``check_timing``: a simulated Program also has no kernel faster than alone and a step time
+    at least its critical path (``tests.invariants``)."""
     try:
         program = parse(text)
     except ParseError as e:
@@ -223,6 +303,10 @@ def outcome(text: str) -> str:
         raise AssertionError(f"accepted Program fails: {type(e).__name__}: {e}\n{text}") from None
     for s in trace.spans:
         assert s.start <= s.end < float("inf"), (s, text)
+    if check_timing:
+        never_faster_than_alone(program, trace, GPU)
+        bound = critical_path_us(program, GPU)
+        assert trace.step_time_us >= bound * (1 - 1e-9) - 1e-6, (trace.step_time_us, bound, text)
     return "simulated"
 
 
@@ -235,7 +319,15 @@ def test_mutated_programs_end_cleanly(text):
 @fuzz_settings(300)
 @given(random_program())
 def test_random_programs_end_cleanly(text):
-    OUTCOMES["random " + outcome(text)] += 1
+    OUTCOMES["random " + outcome(text, check_timing=True)] += 1
+
+
+@fuzz_settings(300)
+@given(sound_program())
+def test_sound_programs_simulate_no_kernel_faster_than_alone(text):
+    """A validated Program simulates to completion, no kernel faster than alone, and a step
+    time at least its critical path."""
+    OUTCOMES["sound " + outcome(text, check_timing=True)] += 1
 
 
 def test_sources_are_valid_programs():

@@ -409,3 +409,15 @@ def test_every_name_is_case_insensitive(capsys):
                           "--schedule", "SGLang-Overlap", "--deepep-mode", "LOW_LATENCY")  # fmt: skip
     assert code == 0, err
     assert "symmetric=false" in out.splitlines()[0]
+
+
+def test_a_programs_fault_is_one_line_on_the_command_line(capsys):
+    """A workload whose attention work leaves the Program's range printed the instructions
+    around the fault (a listing for a schedule's author, which the API keeps): one line here."""
+    from overlap_lab.cli.main import main
+
+    argv = ["sim", "--mode", "prefill", "--extend-len", "1048576", "--batch", "64",
+            "--allow-oversubscribe", "--layers", "4", "--out", ""]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be finite numbers" in err, err

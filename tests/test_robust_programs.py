@@ -219,6 +219,75 @@ def test_receiver_holding_every_sm_starves_its_sender():
     assert simulate(parse(text.replace("sendrecv", "sendrecv sms=100")), H800).step_time_us > 0
 
 
+CROSS_RANK_STARVATION = """program world=2 symmetric=false
+rank 0 streams=a
+  thread t
+    launch a r0 kind=comm sms=8 coll=g6:recv
+    launch a s0 kind=comm sms=8 coll=g7:send flow=rdma:1:1024.0
+rank 1 streams=a,b
+  thread t
+    launch a r1 kind=comm sms=132 coll=g7:recv
+    launch b s1 kind=comm sms=8 coll=g6:send flow=rdma:0:1024.0
+"""
+
+
+def _stalls(text: str) -> bool:
+    """Whether the Program, run without validation, stops with work left."""
+    from overlap_lab.sim.engine import SimulationStalled
+
+    try:
+        Engine(parse(text), H800, max_events=10_000).run()
+    except SimulationStalled:
+        return True
+    return False
+
+
+def test_receiver_starving_a_sender_through_another_rank_is_refused():
+    """Rank 1's receive holds all 132 SMs waiting for rank 0, whose send waits for rank 1's
+    send, which cannot get SMs: a chain the same-rank rule did not follow."""
+    assert _stalls(CROSS_RANK_STARVATION)
+    _check(CROSS_RANK_STARVATION, "s1 needs 8 SMs", where="rank 1, thread t, instruction 0")
+    ok = CROSS_RANK_STARVATION.replace("sms=132", "sms=124")
+    validate(parse(ok), 132)
+    assert simulate(parse(ok), H800).step_time_us > 0
+
+
+def test_kernel_polling_a_signal_that_waits_for_its_sms_is_refused():
+    """A kernel that polls a signal holds its SMs until it fires; the signal's producer, on
+    another stream and not ordered before it, then never gets an SM."""
+    text = (
+        "program world=1 symmetric=true\nrank 0 streams=x,y\n  thread main\n"
+        """    launch x a flops=1e9 op_class=gemm waits='["e"]'\n"""
+        "    launch y b flops=1e9\n"
+        "    record e y\n"
+    )
+    assert _stalls(text)
+    _check(text, "b needs 1 SMs", where="rank 0, thread main, instruction 0")
+    validate(parse(text.replace("gemm waits", "gemm sms=131 waits")), 132)
+
+
+@pytest.mark.parametrize(
+    "op, fragment",
+    [
+        ("kind=comm ctas=1000", "needs 1000 SMs for its 1000 coresident CTAs"),
+        ("kind=comm flops=1e9 sms=1 ctas=132", "needs 132 SMs for its 132 coresident CTAs"),
+        ("grid=coresident ctas=266 ctas_per_sm=2", "needs 133 SMs"),
+        ("kind=comm sms=0 ctas=4", "sms=0"),
+    ],
+)
+def test_coresident_ctas_that_cannot_all_be_resident_are_refused(op, fragment):
+    """A coresident kernel starts only when all its CTAs are resident: ``ctas`` (over
+    ``ctas_per_sm``) beyond its ``sms`` or the GPU can never start, or contradicts ``sms``."""
+    _check(HEAD + f"    launch main k {op}\n", fragment, where="rank 0, thread main")
+
+
+def test_coresident_ctas_within_sms_run_on_those_sms():
+    text = HEAD + "    launch main k kind=comm flops=1e9 sms=8 ctas=16 ctas_per_sm=2\n"
+    validate(parse(text), 132)
+    trace = simulate(parse(text), H800)
+    assert {s.sms for s in trace.spans if s.op == "k"} == {8}
+
+
 def test_wait_cycle_still_rejected():
     text = HEAD + "    wait main ev\n    record ev main\n"
     _check(text, "wait cycle", where="rank 0, thread main, instruction 0")
@@ -312,7 +381,8 @@ def test_accepted_extremes_finish_within_the_budget(host_exp, bytes_exp):
 @pytest.mark.parametrize("ranks", ["symmetric", "explicit"])
 @pytest.mark.parametrize("schedule", ["tbo", "sglang-overlap", "deepseek"])
 def test_default_event_budget_has_a_margin_of_five(capsys, schedule, ranks):
-    """Each run fits in a fifth of its default budget (the default is about 7x the need)."""
+    """Each run fits in a fifth of its default budget (the default bounds what a run can need,
+    sim/budget.py; these schedules need about a seventh of it or less)."""
     from overlap_lab.sim.budget import SimulationBudgetExceeded, default_max_events
 
     code, text, err = _show(capsys, "--schedule", schedule, "--ranks", ranks, *SMALL)

@@ -295,3 +295,18 @@ def test_a_dynamic_persistent_kernel_shares_its_late_work_among_all_its_ctas():
     stat = dataclasses.replace(WAVED, grid="persistent")
     _, tr2 = run(lambda t: t.launch(hold, "b").host("h", 1.0).launch(stat, "a"))
     assert one(tr2, "stream:a")[1] == pytest.approx(h1 + t132, rel=1e-6)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h800", "h200"])
+def test_waved_kernel_beside_a_one_sm_kernel_is_not_faster_than_alone(gpu):
+    """Beside a one-SM kernel the big memory-bound kernel's last, partial wave landed on ~107
+    SMs instead of ~26 alone, pulling more HBM, and the kernel ended before its time alone."""
+    g = get_gpu(gpu)
+    text = (
+        "program world=1 symmetric=true\nrank 0 streams=a,b\n  thread t\n"
+        "    launch b small hbm_bytes=1e6 sms=1\n    launch a big hbm_bytes=1e9\n"
+    )
+    p = parse(text)
+    (_, start, end), = kernels_on(simulate(p, g), 0, "stream:a")
+    alone = cost.solo_duration_us(p.ranks[0].threads[0].instrs[1].op, g)
+    assert end - start >= alone * (1 - 1e-12)

@@ -191,7 +191,8 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="simulation budget in SimPy events (default: 100000 + 25 per instruction + 2 per "
-        "flow of the Program, about 7 times what a run needs)",
+        "flow of the Program, + 2 per cohort a kernel can run as beside other streams' kernels: "
+        "a bound on what a run can need, not an estimate)",
     )
 
 

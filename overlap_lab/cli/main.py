@@ -41,6 +41,7 @@ from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.schedules import build as build_schedule
+from overlap_lab.shared.validate import ProgramError
 
 #: The schedules `compare` runs by default: all of them.
 DEFAULT_COMPARE = tuple(SCHEDULES)
@@ -342,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         msg = str(e).strip()
+        if isinstance(e, ProgramError):
+            # a built-in schedule's Program: the instructions listed under the first line point
+            # a schedule's author at the fault (the API keeps them); a user typed options
+            msg = msg.splitlines()[0]
         print(f"overlap-lab: error: {msg}", file=sys.stderr)
         return 2
     except BrokenPipeError:
