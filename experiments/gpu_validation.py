@@ -323,7 +323,7 @@ def comm_only(prog):
                                      for th in rp.threads))  # fmt: skip
         for rp in prog.ranks
     )
-    return dc.replace(prog, ranks=ranks, meta={**prog.meta, "schedule": COMM_ONLY})
+    return dc.replace(prog, ranks=ranks, meta=prog.meta.merged(schedule=COMM_ONLY))
 
 
 def loop_precision(model_dtype: str, device: str):
