@@ -373,10 +373,13 @@ def prefill_attention(
     memory-efficient) take as their own causal alignment: neither builds a dense [T, L] mask,
     which would rule out the flash kernel. On CUDA a narrower V (MLA: 128 against q/k 192) is
     zero-padded to q's head size so the flash kernel, which takes one head size, stays
-    eligible; the padding's output columns are dropped. The math kernel (the CPU) builds the
-    mask itself."""
+    eligible; the padding's output columns are dropped. The fused kernels take 4-D [batch,
+    heads, T, d] inputs only (a 3-D call runs the math kernel), so a 3-D [heads, T, d] call gets
+    a batch of one. The math kernel (the CPU) builds the mask itself."""
     from torch.nn.attention.bias import causal_lower_right
 
+    if q.dim() == 3:
+        return prefill_attention(q[None], k[None], v[None], scale=scale)[0]
     T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     if T > L:
         raise ValueError(f"{T} queries over {L} keys: the queries are the last keys' positions")

@@ -33,6 +33,7 @@ class _SdpaMasks(torch.overrides.TorchFunctionMode):
         if func is SDPA:
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             assert type(mask) is not torch.Tensor, "a dense mask on the prefill path"
+            assert all(t.dim() == 4 for t in args[:3]), "the fused kernels take 4-D inputs only"
             self.seen.append((type(mask).__name__, bool(kwargs.get("is_causal", False))))
         return func(*args, **kwargs)
 
