@@ -8,7 +8,9 @@
 
 Argument parsing and handlers live here (``--profile`` itself in :mod:`overlap_lab.cli.options`);
 the work is in library modules (``sim.profile``, ``shared.analyze``, :mod:`overlap_lab.calibrate`,
-:mod:`overlap_lab.validate`) that the real executor calls too.
+:mod:`overlap_lab.validate`) that the real executor calls too. What each command writes records
+what produced it (``shared.trace.provenance``): the ``--json`` output, ``predicted_trace.json``,
+and ``<profile>.provenance.json`` beside a profile; a file read is named by its SHA-256.
 """
 
 from __future__ import annotations
