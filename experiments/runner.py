@@ -18,7 +18,9 @@ on each simulated trace, and how to draw and describe the results::
 whatever the pool does), writes ``results/<name>.json`` (rows, the exact command, date, git
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files. The results file also
-names the tool and its version, and the profile each GPU's op durations came from.
+names the tool and its version, and the profile each GPU's op durations came from; its
+``provenance`` (``shared.trace.provenance``: no date, no commit, so the same command records the
+same) holds the command line and every case's full inputs (:func:`case_inputs`).
 
 Run them with ``overlap-lab experiments [NAME ...]``, ``python -m overlap_lab.experiments
 [NAME ...]`` or
@@ -162,13 +164,15 @@ def run(
     processes: int | None = None,
     *,
     out: Path = RESULTS,
-    command: str | None = None,
+    command: str | Sequence[str] | None = None,
     profile: str = "auto",
     commit: str | None = None,
 ) -> Path:
     """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
     process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
-    ``commit`` is the repository state to record (default: now). Returns the JSON path."""
+    ``command`` is the command line as typed (a list, or one string split at spaces; None:
+    called from Python); ``commit`` the repository state to record (default: now). Returns the
+    JSON path."""
     from tqdm import tqdm
 
     cases = list(exp.cases())
@@ -198,22 +202,28 @@ def run(
     rows = [row for row, _ in results]
     if exp.derive is not None:
         rows = exp.derive(rows)
+    typed = command.split() if isinstance(command, str) else command
+    profiles = (
+        {"profiles": {g: _profile_name(profile, g) for g in sorted({c.gpu for c in cases})}}
+        if exp.simulate is None
+        else {}
+    )
+    prov = provenance(
+        typed, {"experiment": exp.name, "profile": profile, **profiles, **case_inputs(cases)}
+    )
     doc = {
         "experiment": exp.name,
         "title": exp.title,
-        "tool": "overlap-lab",
-        "version": provenance(None)["version"],
-        "command": command or f"python -m overlap_lab.experiments {exp.name}",
+        "tool": prov["tool"],
+        "version": prov["version"],
+        "command": " ".join(typed) if typed else f"python -m overlap_lab.experiments {exp.name}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),
         "presets": presets(cases),
-        **(
-            {"profiles": {g: _profile_name(profile, g) for g in sorted({c.gpu for c in cases})}}
-            if exp.simulate is None
-            else {}
-        ),
+        **profiles,
         **dict(exp.meta),
         "rows": rows,
+        "provenance": prov,
         "traces": {c.keep: _stored(t) for c, (_, t) in zip(cases, results, strict=True) if c.keep},
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -291,6 +301,51 @@ def presets(cases: Sequence[Case]) -> dict[str, Any]:
     }
 
 
+def case_inputs(cases: Sequence[Case]) -> dict[str, Any]:
+    """Every case's full inputs for the results file's provenance: ``cases`` in case order, each
+    its schedule, sweep coordinates, batch, layout, GPU preset, every knob, the transform (by
+    its qualified name) and the trace it keeps; its model a key into ``models`` and its GPU one
+    into ``gpus``, which hold each once, as simulated. Models are keyed by content, not name: two
+    cuts of one model are two entries (``presets`` keeps one per name, for the figures)."""
+    models: dict[str, Any] = {}
+    out = []
+    for c in cases:
+        m = c.workload.model
+        key = next((k for k, v in models.items() if v == m), None)
+        if key is None:
+            key, n = m.label, 2
+            while key in models:
+                key, n = f"{m.label}#{n}", n + 1
+            models[key] = m
+        out.append(
+            {
+                "schedule": c.schedule,
+                "params": dict(c.params),
+                "model": key,
+                "batch": c.workload.batch,
+                "parallel": c.workload.parallel,
+                "gpu": c.gpu,
+                "knobs": c.cfg,
+                "transform": _callable_name(c.transform),
+                "keep": c.keep,
+            }
+        )
+    gpus = {g: get_gpu(g) for g in sorted({c.gpu for c in cases})}
+    return {"models": models, "gpus": gpus, "cases": out}
+
+
+def _callable_name(f: Callable | None) -> str | None:
+    """A case's transform in words: its qualified name, a ``partial`` with its arguments
+    (``exp_sm_sharing.capped(sms=112)``), so the record says which what-if ran."""
+    if f is None:
+        return None
+    if isinstance(f, partial):
+        args = [repr(a) for a in f.args] + [f"{k}={v!r}" for k, v in f.keywords.items()]
+        return f"{_callable_name(f.func)}({', '.join(args)})"
+    name = getattr(f, "__qualname__", type(f).__qualname__)
+    return f"{getattr(f, '__module__', None) or type(f).__module__}.{name}"
+
+
 def _stored(trace: Trace) -> dict[str, Any]:
     """A kept trace as Chrome trace JSON, with only its scalar meta (schedule, gpu, ...)."""
     meta = {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))}
@@ -298,7 +353,8 @@ def _stored(trace: Trace) -> dict[str, Any]:
 
 
 def _dumps(doc: dict[str, Any]) -> str:
-    """JSON with one-space indents, except the kept traces' events: one line each."""
+    """JSON with one-space indents, except the kept traces' events and the provenance's cases:
+    one line each (a case's batch lists every sequence's KV length)."""
     events: list[str] = []
 
     def mark(e: Any) -> str:
@@ -309,7 +365,12 @@ def _dumps(doc: dict[str, Any]) -> str:
         k: {**v, "traceEvents": [mark(e) for e in v["traceEvents"]]}
         for k, v in doc.get("traces", {}).items()
     }
-    text = json.dumps({**doc, "traces": traces}, indent=1) + "\n"
+    doc = {**doc, "traces": traces}
+    prov = doc.get("provenance")
+    if isinstance(prov, dict) and isinstance(prov.get("inputs", {}).get("cases"), list):
+        inputs = {**prov["inputs"], "cases": [mark(c) for c in prov["inputs"]["cases"]]}
+        doc["provenance"] = {**prov, "inputs": inputs}
+    text = json.dumps(doc, indent=1) + "\n"
     return re.sub(r'"@@event(\d+)@@"', lambda m: events[int(m.group(1))], text)
 
 
@@ -462,7 +523,7 @@ def _main(ap, args, argv, prog, default) -> int:
     unknown = [n for n in names if n not in exps]
     if unknown:
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
-    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    command = [*prog.split(), *(argv if argv is not None else sys.argv[1:])]
     commit = git_commit()  # once: the files this command writes must not make the next "dirty"
     inputs.check_out_dir(args.out)  # before any experiment runs
     for name in names:

@@ -11,6 +11,7 @@ machine without them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,12 @@ def run_on_gpu(
     warmup: int,
     repeats: int,
     out_dir: str | Path,
+    command: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run each schedule of ``names`` on ``w`` on the CUDA device; write its measured trace
-    (Chrome JSON) and timeline under ``out_dir``; the summary of each (the keys of `sim`, plus
-    backend and device), by schedule."""
+    (Chrome JSON, with :func:`run_provenance`'s record of ``command`` in ``otherData``) and
+    timeline under ``out_dir``; the summary of each (the keys of `sim`, plus backend and
+    device), by schedule."""
     import torch
 
     from overlap_lab.real.check import workload_variants
@@ -188,7 +191,11 @@ def run_on_gpu(
             ),
         )
         tr = res.trace
-        tr.to_chrome(out_dir / f"{name}.trace.json")
+        prov = run_provenance(
+            name, wv, g, cfg, backend=backend, seed=seed, warmup=warmup, repeats=repeats,
+            command=command,
+        )  # fmt: skip
+        tr.to_chrome(out_dir / f"{name}.trace.json", provenance=prov)
         try:
             from overlap_lab.figures import save_timeline
 
@@ -217,6 +224,46 @@ def run_on_gpu(
             )
         summaries[name] = s
     return summaries
+
+
+def workload_inputs(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> dict[str, Any]:
+    """One workload on one GPU as a provenance record's inputs: the model (its layers
+    included), the batch, the layout, the GPU (overrides included) and every knob. One function
+    for the measured run and every command that simulates or reads a workload (``sim``,
+    ``compare``, ``calibrate``, ``validate``), so a measured trace and its prediction name their
+    inputs under the same keys."""
+    return {"model": w.model, "batch": w.batch, "parallel": w.parallel, "gpu": gpu, "knobs": cfg}
+
+
+def run_provenance(
+    name: str,
+    w: Workload,
+    gpu: GPU,
+    cfg: ScheduleConfig | None,
+    *,
+    backend: str,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    command: Sequence[str] | None,
+) -> dict[str, Any]:
+    """The provenance record of one measured run (``shared.trace.provenance``): the command line
+    and the inputs as run (the workload after ``workload_variants``, the GPU preset, every knob,
+    the backend asked for, seed, warmup and repeats), with the keys of `sim`'s record where they
+    mean the same, so that a measured trace and its prediction can be matched input by input.
+    What the machine turned out to be (device, driver, library versions) is measured, not an
+    input: the trace's meta holds it."""
+    from overlap_lab.shared.trace import provenance
+
+    inputs = {
+        "schedule": name,
+        **workload_inputs(w, gpu, cfg if cfg is not None else ScheduleConfig()),
+        "backend": backend,
+        "seed": seed,
+        "warmup": warmup,
+        "repeats": repeats,
+    }
+    return provenance(command, inputs)
 
 
 def _driver() -> str | None:

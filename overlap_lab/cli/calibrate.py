@@ -8,7 +8,9 @@
 
 Argument parsing and handlers live here (``--profile`` itself in :mod:`overlap_lab.cli.options`);
 the work is in library modules (``sim.profile``, ``shared.analyze``, :mod:`overlap_lab.calibrate`,
-:mod:`overlap_lab.validate`) that the real executor calls too.
+:mod:`overlap_lab.validate`) that the real executor calls too. What each command writes records
+what produced it (``shared.trace.provenance``): the ``--json`` output, ``predicted_trace.json``,
+and ``<profile>.provenance.json`` beside a profile; a file read is named by its SHA-256.
 """
 
 from __future__ import annotations
@@ -74,6 +76,42 @@ def _load_trace(path: str, mapping_path: str | None = None, program: Program | N
     return trace
 
 
+def _file_input(path: str | None) -> dict[str, str] | None:
+    """A file a command read, for its provenance record: the path as typed and the SHA-256 of
+    its bytes, so that the record names the trace (or mapping, or profile) itself and not only
+    where it was; None for an option not given. Reading twice is the price: a trace read once
+    more is cheap beside analysing it."""
+    if path is None:
+        return None
+    import hashlib
+
+    return {"path": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+
+
+def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``shared.trace.provenance`` of this command line as typed (None: called from Python)."""
+    from overlap_lab.shared.trace import provenance
+
+    return provenance(getattr(args, "command_line", None), inputs)
+
+
+def _workload_inputs(args) -> dict[str, Any]:
+    """The workload, GPU, knobs and ranks the options name, under `sim`'s keys."""
+    from overlap_lab.measure import workload_inputs
+
+    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
+    return {**workload_inputs(w, gpu, cfg), "ranks": ranks_from(args)}
+
+
+def _write_beside(path: Path, record: dict[str, Any]) -> Path:
+    """``<path>.provenance.json``, as a sweep writes beside its CSV: the profile format admits no
+    header of its own for it, and a profile must load in any version that reads the format.
+    Sorted keys, no date: the same command writes the same bytes."""
+    side = path.with_name(path.name + ".provenance.json")
+    side.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return side
+
+
 #: Kernel classes as the timeline's colour families read them (``figures.op_family``).
 FIGURE_LABELS = {
     "deepep_normal": "DeepEP dispatch/combine",
@@ -107,7 +145,8 @@ def cmd_analyze(args) -> int:
         save_timeline(shown, fig, rank=a.rank, labels=False, title=f"{args.trace}, rank {a.rank}")
         res["files"] = [str(fig)]
     if args.json:
-        print(json.dumps(res, sort_keys=True))
+        inputs = {"trace": _file_input(args.trace), "map": _file_input(args.map), "rank": a.rank}
+        print(json.dumps({**res, "provenance": _provenance(args, inputs)}, sort_keys=True))
         return 0
     sys.stdout.write(to_text(a))
     for f in res.get("files", []):
@@ -146,19 +185,29 @@ def cmd_calibrate(args) -> int:
         from overlap_lab.calibrate import calibrate_on_device, parse_ints
 
         w, gpu = workload_from(args), gpu_from(args)
+        sizes = _sizes(args.sizes, w.batch.mode)
+        budgets = parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,)
+        inputs = {
+            "device": args.device,
+            **_workload_inputs(args),
+            "sizes": sizes,
+            "sm_budgets": budgets,
+            "repeats": args.repeats,
+        }
         profile = calibrate_on_device(
-            w,
-            gpu,
-            config_from(args),
-            sizes=_sizes(args.sizes, w.batch.mode),
-            budgets=parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,),
-            repeats=args.repeats,
+            w, gpu, config_from(args), sizes=sizes, budgets=budgets, repeats=args.repeats
         )
     else:
         from overlap_lab.sim.calibrate import profile_from_trace
 
         program, _, gpu = _program_for(args, args.schedule)
         trace = _load_trace(args.from_trace, args.map, program)
+        inputs = {
+            "from_trace": _file_input(args.from_trace),
+            "map": _file_input(args.map),
+            "schedule": args.schedule,
+            **_workload_inputs(args),
+        }
         meta = trace.meta
         profile = profile_from_trace(
             trace,
@@ -173,7 +222,8 @@ def cmd_calibrate(args) -> int:
             source=f"{args.from_trace} (schedule {args.schedule})",
         )
     path = profile.save(args.out)
-    print(f"wrote {path}: {len(profile.rows)} rows from {profile.source}")
+    side = _write_beside(path, _provenance(args, inputs))
+    print(f"wrote {path}: {len(profile.rows)} rows from {profile.source} (provenance: {side})")
     return 0
 
 
@@ -185,6 +235,21 @@ def cmd_validate(args) -> int:
     profile = None if args.profile == "from-trace" else load_profile(args.profile)
     v, predicted, profile = V.validate(measured, program, gpu, profile, getattr(args, "seed", 0))
     res: dict[str, Any] = {"schedule": args.schedule, "profile": profile.name, **v.to_json()}
+    named = args.profile in ("from-trace", ROOFLINE, *BUILTIN)  # else a file: its bytes count
+    prov = _provenance(
+        args,
+        {
+            "trace": _file_input(args.trace),
+            "map": _file_input(args.map),
+            "schedule": args.schedule,
+            "predict": args.predict,
+            **_workload_inputs(args),
+            "profile": profile.name,  # the one the prediction used (from-trace: the trace's)
+            "profile_given": args.profile,
+            "profile_file": None if named else _file_input(args.profile),
+            "seed": getattr(args, "seed", 0),
+        },
+    )
     extra = {}
     if args.predict:
         other, _, _ = _program_for(args, args.predict)
@@ -199,10 +264,10 @@ def cmd_validate(args) -> int:
     out = _out_dir(args)
     if out is not None:
         fig = V.figure(measured, predicted, out / f"validate.{args.figure_format}", extra)
-        predicted.to_chrome(out / "predicted_trace.json")
+        predicted.to_chrome(out / "predicted_trace.json", provenance=prov)
         res["files"] = [str(fig), str(out / "predicted_trace.json")]
     if args.json:
-        print(json.dumps(res, sort_keys=True))
+        print(json.dumps({**res, "provenance": prov}, sort_keys=True))
         return 0
     print(f"validate {args.trace}: schedule {args.schedule}, profile {profile.name}")
     sys.stdout.write(V.to_text(v))

@@ -1,6 +1,8 @@
 """``overlap-lab kernels --device cuda|cpu``: the executor's kernels against the device's best on
 the same shapes (``real.kernel_table``), as a table and, with ``--out``, a JSON file and its
-markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it)."""
+markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
+JSON file's ``provenance`` (``shared.trace.provenance``) records the version, the command line
+and the options; the shapes are the version's own (``real.kernel_table.SHAPES``)."""
 
 from __future__ import annotations
 
@@ -43,9 +45,13 @@ def cmd_kernels(args) -> int:
     report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)
     text = table_text(report)
     if args.out:
+        from overlap_lab.shared.trace import provenance
+
+        inputs = {"device": args.device, "repeats": args.repeats, "warmup": args.warmup}
+        prov = provenance(getattr(args, "command_line", None), inputs)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        out.write_text(json.dumps({**report, "provenance": prov}, indent=2, sort_keys=True) + "\n")
         out.with_suffix(".md").write_text(text)
         text = text.rstrip("\n")
         head, _, goal = text.rpartition("\n")

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from overlap_lab.cli import inputs
 from overlap_lab.cli.calibrate import cost_comments, register_calibration_commands
@@ -37,11 +38,17 @@ from overlap_lab.cli.options import (
     workload_options,
 )
 from overlap_lab.cli.run import cmd_run
+from overlap_lab.measure import workload_inputs
 from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.validate import ProgramError
+
+if TYPE_CHECKING:
+    from overlap_lab.shared.hardware import GPU
+    from overlap_lab.shared.schedules import ScheduleConfig
+    from overlap_lab.shared.workload import Workload
 
 #: The schedules `compare` runs by default: all of them.
 DEFAULT_COMPARE = tuple(SCHEDULES)
@@ -127,8 +134,8 @@ def cmd_sim(args) -> int:
             title=_title(result),
         )
         res["files"] = [str(out / "trace.json"), str(fig)]
-    if args.json:
-        print(inputs.to_json(res))
+    if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
+        print(inputs.to_json({**res, "provenance": _provenance(args, result)}))
     else:
         _print_summary(res)
         for f in res.get("files", []):
@@ -137,22 +144,38 @@ def cmd_sim(args) -> int:
 
 
 def _provenance(args, result) -> dict:
-    """What a written trace records of its run: the version, the command line as typed and the
-    full inputs as simulated (the model with its layers, the GPU with its overrides, the batch
-    and layout, every schedule knob, the ranks and the profile the durations came from)."""
+    """What a written trace and ``sim --json`` record of their run: the version, the command
+    line as typed and the full inputs as simulated (the model with its layers, the GPU with its
+    overrides, the batch and layout, every schedule knob, the ranks and the profile the durations
+    came from), so that a results file alone says how to reproduce it."""
     from overlap_lab.shared.trace import provenance
     from overlap_lab.sim.calibrate import profile_name
 
-    w = result.workload
     inputs = {
         "schedule": result.schedule,
-        "model": w.model,
-        "batch": w.batch,
-        "parallel": w.parallel,
-        "gpu": result.gpu,
-        "knobs": result.config,
+        **workload_inputs(result.workload, result.gpu, result.config),
         "ranks": ranks_from(args),
         "profile": profile_name(result.profile),
+    }
+    return provenance(getattr(args, "command_line", None), inputs)
+
+
+def _compare_provenance(
+    args: argparse.Namespace, names: list[str], w: Workload, gpu: GPU, cfg: ScheduleConfig
+) -> dict[str, Any]:
+    """``compare --json``'s record: the schedules compared and the one workload they share (the
+    trace files record each schedule's own run, as ``sim``'s does)."""
+    from overlap_lab.shared.trace import provenance
+    from overlap_lab.sim.calibrate import profile_name
+    from overlap_lab.sim.profile import profile_for
+
+    inputs = {
+        "schedules": names,
+        **workload_inputs(w, gpu, cfg),
+        "ranks": ranks_from(args),
+        "profile": profile_name(profile_for(args.profile, gpu)),
+        "pp_stages": args.pp_size,
+        "sensitivity": args.sensitivity,
     }
     return provenance(getattr(args, "command_line", None), inputs)
 
@@ -247,7 +270,8 @@ def cmd_compare(args) -> int:
                 )
     if args.json:
         sens = {} if table.sensitivity is None else {"sensitivity": table.sensitivity.as_dict()}
-        print(inputs.to_json({"results": table.as_dicts(), **sens}))
+        prov = _compare_provenance(args, names, w, gpu, cfg)
+        print(inputs.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:

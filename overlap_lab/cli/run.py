@@ -6,11 +6,12 @@ defaults below) into the arguments of :mod:`overlap_lab.measure` and prints what
 schedule, model, gpu, mode, batch, workload (the GPU run's, built by :func:`cmd_run` like `sim`'s),
 prefix_len, ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance.
 
-- GPU: run the schedule, write the measured trace (Chrome JSON) and a timeline figure under
+- GPU: run the schedule, write the measured trace (Chrome JSON, its ``otherData.provenance``
+  the command line and the inputs: ``measure.run_provenance``) and a timeline figure under
   ``out``, print the summary (the keys of `sim`, plus backend and device).
 - ``--device cpu --check``: the equivalence check for every schedule (or the one named); with
-  ``--json`` prints ``{"max_rel_diff_vs_serial": {schedule: diff}, ...}``; exit 1 if any
-  difference exceeds the tolerance or a schedule fails (an unordered read counts).
+  ``--json`` prints ``{"max_rel_diff_vs_serial": {schedule: diff}, ..., "provenance": ...}``;
+  exit 1 if any difference exceeds the tolerance or a schedule fails (an unordered read counts).
 - ``--device cpu --ranks N``: the same through N gloo processes with EP over them; schedules
   that refuse a workload or whose Program is not symmetric (``pp``) are listed in ``skipped``,
   a failing rank in ``errors`` (exit 1), never a traceback.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json as _json
 import sys
+from typing import Any
 
 from overlap_lab.cli import inputs
 from overlap_lab.cli.options import config_from, flag, subcommand_parser, workload_from
@@ -104,8 +106,9 @@ def _run_cpu(args) -> int:
     if model != _opt(args, "model"):
         _say(f"note: the CPU check runs {model} (scaled down), not {_opt(args, 'model')}")
     ranks = int(_opt(args, "ranks"))
+    names = schedules_to_run(_opt(args, "schedule"))
     out = check_on_cpu(
-        schedules_to_run(_opt(args, "schedule")),
+        names,
         model=model,
         gpu=_opt(args, "gpu"),
         ranks=ranks,
@@ -115,7 +118,8 @@ def _run_cpu(args) -> int:
     )
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
-    if _opt(args, "json"):
+    if _opt(args, "json"):  # the check writes no file: this JSON, redirected, is its record
+        out = {**out, "provenance": _check_provenance(args, names, model, tol)}
         print(_json.dumps(out, indent=2, sort_keys=True))
     else:
         for name, d in out[key].items():
@@ -128,6 +132,27 @@ def _run_cpu(args) -> int:
         for name, e in out.get("unsplit", {}).items():
             print(f"{name:16s} ran unsplit on {e}")
     return 0 if out["ok"] else 1
+
+
+def _check_provenance(args, names: list[str], model: str, tolerance: float) -> dict[str, Any]:
+    """The CPU check's record (``shared.trace.provenance``): the schedules, the tiny model it
+    ran, the GPU preset its costs assume, ranks, seed, tolerance and knobs as given; the
+    workloads are the check's own (``real.check.default_workloads``), fixed by the model."""
+    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.schedules import ScheduleConfig
+    from overlap_lab.shared.trace import provenance
+
+    cfg = _opt(args, "cfg")
+    inputs = {
+        "schedules": names,
+        "model": model,
+        "gpu": get_gpu(_opt(args, "gpu")),
+        "ranks": int(_opt(args, "ranks")),
+        "seed": _opt(args, "seed"),
+        "tolerance": tolerance,
+        "knobs": cfg if cfg is not None else ScheduleConfig(),
+    }
+    return provenance(getattr(args, "command_line", None), inputs)
 
 
 def _run_gpu(args) -> int:
@@ -148,6 +173,7 @@ def _run_gpu(args) -> int:
         warmup=_opt(args, "warmup"),
         repeats=_opt(args, "repeats"),
         out_dir=_opt(args, "out"),
+        command=getattr(args, "command_line", None),
     )
     if _opt(args, "json"):
         print(
