@@ -38,8 +38,8 @@ from overlap_lab.cli.options import (
     workload_options,
 )
 from overlap_lab.cli.run import cmd_run
-from overlap_lab.measure import workload_inputs
 from overlap_lab.cli.sweep import add_parser as add_sweep
+from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.schedules import build as build_schedule
