@@ -160,9 +160,9 @@ def derive(rows: list[dict]) -> list[dict]:
             # the two bounds the notes hold the loops to, and how far overlap is from its own
             r["overlap_bound_us"] = max(r["gpu_us"], r["host_us"])
             r["normal_bound_us"] = r["gpu_us"] + r["host_us"]
-            r["overlap_bound_error"] = abs(r["overlap_us"] - r["overlap_bound_us"]) / r[
-                "overlap_bound_us"
-            ]
+            r["overlap_bound_error"] = (
+                abs(r["overlap_us"] - r["overlap_bound_us"]) / r["overlap_bound_us"]
+            )
         elif r["sweep"] == "ttft":
             r["ttft_cost_us"] = r["ttft_overlap_us"] - r["ttft_normal_us"]
             r["ttft_cost_iterations"] = r["ttft_cost_us"] / r["iteration_us"]

@@ -143,9 +143,13 @@ def low_latency_row(ep: int, seed: int = 0) -> dict:
 
 def cases():
     for ep in NORMAL:
-        yield Case({"kernels": "normal", "ep": ep}, "deepep-normal", _workload(ep, NORMAL_TOKENS), "h800")
+        yield Case(
+            {"kernels": "normal", "ep": ep}, "deepep-normal", _workload(ep, NORMAL_TOKENS), "h800"
+        )
     for ep in LOW_LATENCY:
-        yield Case({"kernels": "low_latency", "ep": ep}, "deepep-ll", _workload(ep, LL_TOKENS), "h800")
+        yield Case(
+            {"kernels": "low_latency", "ep": ep}, "deepep-ll", _workload(ep, LL_TOKENS), "h800"
+        )
 
 
 def mean_row(kind: str, ep: int, seeds: tuple[int, ...] = SEEDS) -> dict:

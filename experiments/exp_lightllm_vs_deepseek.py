@@ -275,7 +275,10 @@ def notes(doc: dict) -> str:
     slower = [r["slower_than_deepseek"] for r in big]
     shown = at[("decode", SHOW_DECODE, "lightllm")]
     one_lt, one_ds = at[("prefill", pre[0], "lightllm")], at[("prefill", pre[0], "deepseek")]
-    p_lt, p_ds = at[("prefill", SHOW_PREFILL, "lightllm")], at[("prefill", SHOW_PREFILL, "deepseek")]
+    p_lt, p_ds = (
+        at[("prefill", SHOW_PREFILL, "lightllm")],
+        at[("prefill", SHOW_PREFILL, "deepseek")],
+    )
     gpu = doc["presets"]["gpus"][GPU]
     sure_dec = [r for r in big if r["deepseek_ahead_share"] == 1.0]
     return f"""# LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?

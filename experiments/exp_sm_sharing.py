@@ -268,7 +268,9 @@ def _ms(x: float) -> str:
 def _ahead(r: dict, rows: list[dict]) -> str:
     """Row ``r``'s share of points ahead of its reference, or that they tie at every point."""
     ref = next(
-        o for o in rows if o["part"] == r["part"] and o["gpu"] == r["gpu"] and o["variant"] == r["ahead_of"]
+        o
+        for o in rows
+        if o["part"] == r["part"] and o["gpu"] == r["gpu"] and o["variant"] == r["ahead_of"]
     )
     mine = [r["step_time_us"], *r["step_time_points_us"]]
     theirs = [ref["step_time_us"], *ref["step_time_points_us"]]

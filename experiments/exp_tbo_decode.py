@@ -223,18 +223,18 @@ def notes(doc: dict) -> str:
         cells = [n]
         for e in eps:
             by = {r["schedule"]: r for r in rows if r["ep"] == e and r["tokens_per_gpu"] == n}
-            cells += [f"{by['serial']['step_time_us'] / 1e3:.1f}", cell(by["tbo"]), cell(by["tbo+sbo"])]
+            cells += [
+                f"{by['serial']['step_time_us'] / 1e3:.1f}",
+                cell(by["tbo"]),
+                cell(by["tbo+sbo"]),
+            ]
         tab.append(cells)
     be = {e: next(r["break_even_tokens"] for r in rows if r["ep"] == e) for e in eps}
     at = {(r["ep"], r["tokens_per_gpu"], r["schedule"]): r for r in rows}
     small = {s: at[(ep, 32, s)] for s in SCHEDULES}
     big = {s: at[(ep, 256, s)] for s in SCHEDULES}
     mid = at[(ep, 128, "tbo+sbo")]
-    flips = [
-        r
-        for r in rows
-        if r["schedule"] == "tbo" and 0 < r["ahead_of_serial_share"] < 1
-    ]
+    flips = [r for r in rows if r["schedule"] == "tbo" and 0 < r["ahead_of_serial_share"] < 1]
     flip_text = (
         ", ".join(
             f"EP{r['ep']} at {r['tokens_per_gpu']} ({100 * r['ahead_of_serial_share']:.0f} % of "

@@ -319,8 +319,9 @@ def comm_only(prog):
         return out
 
     ranks = tuple(
-        dc.replace(rp, threads=tuple(dc.replace(th, instrs=tuple(body(th.instrs)))
-                                     for th in rp.threads))  # fmt: skip
+        dc.replace(
+            rp, threads=tuple(dc.replace(th, instrs=tuple(body(th.instrs))) for th in rp.threads)
+        )  # fmt: skip
         for rp in prog.ranks
     )
     return dc.replace(prog, ranks=ranks, meta=prog.meta.merged(schedule=COMM_ONLY))
@@ -485,7 +486,9 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, d
     dt = [tr.meta.get("device_time") for _, tr in calib]
     case["calibration_durations"] = (
         "kernel device time (torch.profiler records mapped to ops; graph replays where the op "
-        "ran in one)" if all(dt) else "CUDA-event / host spans (no kernel records on this device)"
+        "ran in one)"
+        if all(dt)
+        else "CUDA-event / host spans (no kernel records on this device)"
     )
     case["calibration_device_time"] = dt
     case_dir = work / f"{mode}_{size}"
@@ -691,7 +694,8 @@ def verdict_line(v: dict, *, dry_run: bool = False) -> str:
             "; comm-only |step error| "
             + ", ".join(f"{k} {e:.1%}" for k, e in sorted(v["comm_only_abs_error"].items()))
             + f" (<= {t['comm_only']:.0%} {mark(c['comm_only'])})"
-            if "comm_only" in c else ""
+            if "comm_only" in c
+            else ""
         )
     )
 

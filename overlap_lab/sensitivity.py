@@ -149,8 +149,7 @@ INPUTS: tuple[Input, ...] = (
     ),
     Input(
         "deepep_fixed",
-        "DeepEP's fixed costs: the low-latency receive's fixed part (11 us) and the link "
-        "latencies",
+        "DeepEP's fixed costs: the low-latency receive's fixed part (11 us) and the link latencies",
         0.5,
         1.5,
         "fit",
@@ -255,9 +254,7 @@ class Design:
                 u = (rng.permutation(n) + rng.random(n)) / n
                 cols[i.name] = i.lo + u * (i.hi - i.lo)
             for k in range(n):
-                pts.append(
-                    Point(f"lhs {k}", tuple((i.name, float(cols[i.name][k])) for i in ins))
-                )
+                pts.append(Point(f"lhs {k}", tuple((i.name, float(cols[i.name][k])) for i in ins)))
         return tuple(pts)
 
     def describe(self) -> str:
@@ -512,6 +509,7 @@ class Compared(Protocol):
 
     rows: tuple[Any, ...]
     baseline: Any
+
 
 #: ``(program, workload, cost_model) -> window µs``: how one Program is simulated again.
 Rerun = Callable[["Program", "Workload", "CostModel"], float]

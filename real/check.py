@@ -248,4 +248,3 @@ def grouped_max_abs_diff(y, ref, counts: list[int]) -> list[float]:
         lo += n
         out.append(float((a.float() - b.float()).abs().max()) if n else 0.0)
     return out
-

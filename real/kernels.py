@@ -515,7 +515,9 @@ def attn_core(ctx: KernelCtx) -> None:
         for s, r0, r, p in pieces:  # this piece's r queries are the last of its p + r keys
             kv = cache[s, : p + r]
             if cfg.attention == "mla":
-                outs.append(M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv))
+                outs.append(
+                    M.mla_attend_expanded(cfg, lw, q[0][r0 : r0 + r], q[1][r0 : r0 + r], kv)
+                )
             else:
                 outs.append(M.gqa_attend(cfg, q[0][r0 : r0 + r], kv))
             ctx.log.count_kernel("attention", M.causal_variant(r, p + r))

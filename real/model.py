@@ -482,9 +482,7 @@ def _required_params(fn) -> list[str] | None:
     except (TypeError, ValueError):  # a C function without a text signature
         return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [
-        n for n, p in sig.parameters.items() if p.kind in kinds and p.default is p.empty
-    ]
+    return [n for n, p in sig.parameters.items() if p.kind in kinds and p.default is p.empty]
 
 
 def _takes(fn, name: str) -> bool:

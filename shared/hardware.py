@@ -31,9 +31,7 @@ class GPU:
     name: str = knob()
     arch: str = knob(choices=ARCHS)
     num_sms: int = knob(unit="SMs", lo=1, hi=1024)
-    bf16_tflops: float = knob(
-        help="dense (no 2:4 sparsity)", unit="TFLOP/s", lo=1, hi=1e5
-    )
+    bf16_tflops: float = knob(help="dense (no 2:4 sparsity)", unit="TFLOP/s", lo=1, hi=1e5)
     fp8_tflops: float = knob(help="dense", unit="TFLOP/s", lo=1, hi=1e5)
     hbm_gbps: float = knob(unit="GB/s", lo=10, hi=1e6)
     mem_gib: float = knob(unit="GiB", lo=1, hi=1e5)
@@ -43,19 +41,13 @@ class GPU:
         lo=0,
         hi=1e4,
     )
-    graph_launch_us: float = knob(
-        help="host cost of one cudaGraphLaunch", unit="µs", lo=0, hi=1e4
-    )
+    graph_launch_us: float = knob(help="host cost of one cudaGraphLaunch", unit="µs", lo=0, hi=1e4)
     kernel_min_us: float = knob(
         help="GPU-side floor of any kernel (launch latency, ramp, tail)", unit="µs", lo=0, hi=1e4
     )
-    nvlink_gbps: float = knob(
-        help="nominal, per GPU, per direction", unit="GB/s", lo=1, hi=1e5
-    )
+    nvlink_gbps: float = knob(help="nominal, per GPU, per direction", unit="GB/s", lo=1, hi=1e5)
     nvlink_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
-    rdma_gbps: float = knob(
-        help="one NIC per GPU, line rate", unit="GB/s", lo=1, hi=1e5
-    )
+    rdma_gbps: float = knob(help="one NIC per GPU, line rate", unit="GB/s", lo=1, hi=1e5)
     rdma_lat_us: float = knob(unit="µs", lo=0, hi=1e4)
     pcie_gbps: float = knob(help="per direction", unit="GB/s", lo=1, hi=1e5)
     pcie_lat_us: float = knob(unit="µs", lo=0, hi=1e4)

@@ -184,4 +184,3 @@ def validate_all(record: Any, owner: str | None = None, *, ranged: bool = True) 
             v = tuple(v)
             object.__setattr__(record, k.name, v)
         k.validate(v, record, label=f"{owner}: {k.name}" if owner else None, ranged=ranged)
-

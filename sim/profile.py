@@ -88,6 +88,7 @@ def default_depends(dtype: str) -> tuple[str, ...]:
     bandwidth it streams at and the tensor peak (clock) of its dtype."""
     return ("hbm_gbps", "fp8_tflops" if dtype == "fp8" else "bf16_tflops")
 
+
 SIZE_UNITS: tuple[str, ...] = ("tokens", "flops")
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
 #: Op classes a row may name (communication and copies are the link model's).

@@ -11,7 +11,20 @@ from pathlib import Path
 import pytest
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_help"
-COMMANDS = ["", "sim", "show", "schedules", "compare", "run", "analyze", "calibrate", "validate", "sweep", "experiments", "kernels"]
+COMMANDS = [
+    "",
+    "sim",
+    "show",
+    "schedules",
+    "compare",
+    "run",
+    "analyze",
+    "calibrate",
+    "validate",
+    "sweep",
+    "experiments",
+    "kernels",
+]
 
 
 def _main():

@@ -59,9 +59,9 @@ def test_every_replay_kernel_maps_to_an_op(chrome):
     assert {op for op, _, _ in km.ops} == LAYER1_OPS
     # per-op sums add up to the run totals: nothing counted twice or lost
     assert sum(t.replay_us for t in km.ops.values()) == pytest.approx(km.replay_device_us[0])
-    assert sum(
-        t.eager_us for t in km.ops.values()
-    ) == pytest.approx(sum(km.eager_step_device_us) / 2, rel=2e-3)  # medians of 2 runs
+    assert sum(t.eager_us for t in km.ops.values()) == pytest.approx(
+        sum(km.eager_step_device_us) / 2, rel=2e-3
+    )  # medians of 2 runs
     # read off the whole trace (replay 2 of 6; median of the last two eager runs)
     t = km.ops[("experts", 1, 0)]
     assert t.replay_us == pytest.approx(1080.542, abs=1e-3)

@@ -110,8 +110,14 @@ def test_dry_run_prints_the_verdict_last_and_times_every_op_from_a_measurement(t
 
 
 def test_results_of_two_commands_merge_and_the_verdict_covers_both(tmp_path):
-    base = {"preset": "h200", "model": "deepseek-v3", "layers": 4, "ep": 32,
-            "timing_meaningful": True, "precision": {"gemm": {"executor_and_simulator": "bf16"}}}
+    base = {
+        "preset": "h200",
+        "model": "deepseek-v3",
+        "layers": 4,
+        "ep": 32,
+        "timing_meaningful": True,
+        "precision": {"gemm": {"executor_and_simulator": "bf16"}},
+    }
     path = tmp_path / "gpu_h200.json"
     first = dict(base, cases=_cases(a=_run(100, 100), b=_run(200, 200)), commands=["decode"])
     path.write_text(json.dumps(first))

@@ -27,6 +27,7 @@ TOP_LEVEL = 2
 #: layers of the same rank that must not import each other
 APART = frozenset({"sim", "real"})
 
+
 #: The import cycle among shared/'s own modules that predates this test, the only one it
 #: tolerates (as an expected failure below). It is removed, with its test, when the shared/
 #: restructuring lands.

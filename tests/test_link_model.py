@@ -74,7 +74,7 @@ def test_comm_only_program_emulated_arrival_equals_simulated_link_time(mode, ep,
                       device_sms=132)  # fmt: skip
     be.plan_links(prog)
     execute(prog, w, backend=be, warmup=1, repeats=1)
-    runs = be.launches[-len(sends):]  # the last run's transfers
+    runs = be.launches[-len(sends) :]  # the last run's transfers
     assert [r["kind"].split("_")[1] for r in runs] == [s.what for s in sends]
     assert all(r["bytes_from"] == "program" for r in runs)
     kinds = {r["kind"] for r in runs}

@@ -157,7 +157,10 @@ def test_ir_words_are_checked_and_typed_once_at_construction():
     assert repr(op.coll.flows[0]) == "Flow(link='rdma', nbytes=1.0, dst=None)"
     assert parse(to_text(one_thread(("launch", op, "main")))).ranks[0].threads[0].instrs[0].op == op
     for make, message in (
-        (lambda: Op("x", kind="bogus"), "unknown op kind 'bogus'; expected one of compute, comm, copy"),
+        (
+            lambda: Op("x", kind="bogus"),
+            "unknown op kind 'bogus'; expected one of compute, comm, copy",
+        ),
         (lambda: Coll("k", "shout"), "unknown collective role 'shout'"),
         (lambda: Flow("warp", 1.0), "unknown link kind 'warp'"),
     ):

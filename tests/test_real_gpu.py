@@ -270,7 +270,10 @@ def test_prefill_attention_with_a_prefix_matches_the_masked_form_on_gpu():
         q = torch.randn(16, T, 192, device="cuda", generator=g, dtype=torch.bfloat16)
         k = torch.randn(16, L, 192, device="cuda", generator=g, dtype=torch.bfloat16)
         v = torch.randn(16, L, dv, device="cuda", generator=g, dtype=torch.bfloat16)
-        mask = torch.arange(L, device="cuda")[None, :] <= torch.arange(L - T, L, device="cuda")[:, None]
+        mask = (
+            torch.arange(L, device="cuda")[None, :]
+            <= torch.arange(L - T, L, device="cuda")[:, None]
+        )
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         got = M.prefill_attention(q, k, v)
         assert (got.float() - ref).abs().max() < 2e-2

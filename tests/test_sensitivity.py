@@ -97,17 +97,13 @@ def test_ranges_wins_and_separation(small):
     n = len(s.points) + 1
     assert abs(sum(r.wins for r in s.ranges) - 1.0) < 1e-9
     for r in s.ranges:
-        best = sum(
-            1
-            for k in range(n)
-            if s.tps[r.schedule][k] == max(s.tps[o][k] for o in s.tps)
-        )
+        best = sum(1 for k in range(n) if s.tps[r.schedule][k] == max(s.tps[o][k] for o in s.tps))
         assert r.wins * n == pytest.approx(best)  # no ties among these three
         for o in s.tps:
             if o != r.schedule:
-                overlap = min(s.tps[o]) <= max(s.tps[r.schedule]) and min(
-                    s.tps[r.schedule]
-                ) <= max(s.tps[o])
+                overlap = min(s.tps[o]) <= max(s.tps[r.schedule]) and min(s.tps[r.schedule]) <= max(
+                    s.tps[o]
+                )
                 assert (o in r.not_separated) == overlap
                 assert s.separated(r.schedule, o) == (not overlap)
         assert 0.0 <= s.paired_share(r.schedule, "serial") <= 1.0
@@ -161,8 +157,19 @@ def test_cli_sensitivity_option_and_figure(tmp_path, capsys):
 
     rc = main(
         [
-            "compare", "--schedules", "serial,tbo", "--model", "deepseek-v3", "--layers", "3",
-            "--batch", "32", "--sensitivity", "oat=0,lhs=2", "--out", str(tmp_path),
+            "compare",
+            "--schedules",
+            "serial,tbo",
+            "--model",
+            "deepseek-v3",
+            "--layers",
+            "3",
+            "--batch",
+            "32",
+            "--sensitivity",
+            "oat=0,lhs=2",
+            "--out",
+            str(tmp_path),
         ]
     )
     out = capsys.readouterr().out

@@ -59,7 +59,6 @@ MAX_SEQS = 1 << 16  # sequences per GPU
 _I, _F = int, float
 
 
-
 def _record_limits() -> dict[str, Limit]:
     """The limits of the schedule knobs, host costs (``host_`` options) and GPU fields: their
     knob records' ranges, declared once where the field is (the configuration checks the same)."""

@@ -279,7 +279,6 @@ def cmd_compare(args) -> int:
     return 0
 
 
-
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="overlap-lab", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", parser_class=Parser)

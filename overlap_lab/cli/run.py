@@ -266,4 +266,3 @@ def cmd_run(args) -> int:
     # the same workload `sim` builds from the same options (the CPU check's tiny models have none)
     args.workload = None if inputs.tiny_cpu_model(args) else workload_from(args)
     return run_main(args)
-

@@ -134,4 +134,3 @@ def knobs_of(name: str) -> tuple[Knob, ...]:
     """The knob records schedule ``name`` reads (its module's ``KNOBS``), in field order."""
     own = set(module(name).KNOBS)
     return tuple(k for k in schedule_knobs() if k.name in own)
-

@@ -57,40 +57,26 @@ class ScheduleConfig:
     deepep_mode: str = knob(
         "auto", "auto: low_latency for decode, normal for prefill (SGLang)", choices=DEEPEP_MODES
     )
-    cuda_graph: bool | None = knob(
-        None, "None: decode uses CUDA graphs, prefill does not"
-    )
+    cuda_graph: bool | None = knob(None, "None: decode uses CUDA graphs, prefill does not")
     dbo_decode_token_threshold: int = knob(
         32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
     )
     dbo_prefill_token_threshold: int = knob(
         512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
     )
-    host: HostCosts = knob(
-        HOST_COSTS, "host (CPU) costs of the scheduler loop", unit="µs"
-    )
-    dp_ranks_disagree: bool = knob(
-        False, "TBO: some DP rank cannot split (or runs another mode)"
-    )
+    host: HostCosts = knob(HOST_COSTS, "host (CPU) costs of the scheduler loop", unit="µs")
+    dp_ranks_disagree: bool = knob(False, "TBO: some DP rank cannot split (or runs another mode)")
     dp_peer_tokens: tuple[int, ...] = knob(
         (), "vllm-dbo: other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
     )
     # sglang-overlap (SGLang's CPU-GPU overlap scheduler, docs/schedules.md):
-    disable_overlap_schedule: bool = knob(
-        False, "--disable-overlap-schedule (event_loop_normal)"
-    )
+    disable_overlap_schedule: bool = knob(False, "--disable-overlap-schedule (event_loop_normal)")
     disable_consecutive_prefill_overlap: bool = knob(
         False, "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
     )
-    spec_v2: bool = knob(
-        False, "the batches are spec-v2 (overlapped speculative decoding)"
-    )
-    grammar: bool = knob(
-        False, "requests carry a grammar (structured output)"
-    )
-    return_logprob: bool = knob(
-        False, "copy logprobs to the host with next_token_ids"
-    )
+    spec_v2: bool = knob(False, "the batches are spec-v2 (overlapped speculative decoding)")
+    grammar: bool = knob(False, "requests carry a grammar (structured output)")
+    return_logprob: bool = knob(False, "copy logprobs to the host with next_token_ids")
     iteration_modes: tuple[str, ...] = knob(
         (),
         '"prefill"/"decode" per iteration; last one repeats',
@@ -126,5 +112,7 @@ def resolve_comm_sms(cfg: ScheduleConfig, gpu: GPU, *, default: int, least: int 
     ``least`` is 0 where zero SMs means "no SM partition" (vllm-dbo), else 1."""
     n = default if cfg.comm_sms is None else cfg.comm_sms
     if not least <= n < gpu.num_sms:
-        raise ConfigError(f"--comm-sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}")
+        raise ConfigError(
+            f"--comm-sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}"
+        )
     return n
