@@ -128,6 +128,7 @@ def workload(
     prefix_len: int = 0,
     prefix_lens: Sequence[int] | None = None,
     layers: int | None = None,
+    mtp: int | None = None,
     ep: int = 32,
     gpus_per_node: int = 8,
     attn_tp: int = 1,
@@ -138,10 +139,14 @@ def workload(
 
     Decode: ``batch`` sequences of ``kv_len`` cached tokens (or explicit ``kv_lens``), each
     computing ``tokens_per_seq`` tokens. Prefill: ``batch`` sequences of ``extend_len`` new
-    tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``)."""
+    tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``).
+    ``mtp``: multi-token-prediction modules (None: the model's own; they run in decode steps of
+    more than one token per sequence, verifying the draft tokens)."""
     if mode not in ("decode", "prefill"):
         raise ConfigError(f"--mode must be decode or prefill, got {mode!r}")
     m = model(model_spec, layers=layers)
+    if mtp is not None and mtp != m.mtp:
+        m = replace(m, mtp=mtp)
     if mode == "decode":
         if kv_lens is not None:
             b = Batch.decode(batch, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq)

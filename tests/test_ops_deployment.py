@@ -89,3 +89,26 @@ def test_hf_config_reads_num_nextn_predict_layers(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
     assert load_model(p).mtp == 1
+
+
+def test_mtp_is_an_option_of_the_model_on_the_command_line(capsys):
+    """`--mtp` sets the model's MTP modules: on by default for DeepSeek-V3 with two tokens per
+    sequence, off with `--mtp 0`, and the API's `workload(mtp=...)` does the same."""
+    import json
+
+    from overlap_lab import api
+    from overlap_lab.cli.main import main
+
+    def ops(*extra):
+        assert main(["show", "--tokens-per-seq", "2", "--layers", "3", *extra]) == 0
+        return capsys.readouterr().out
+
+    assert "mtp.eh_proj" in ops() and "mtp.eh_proj" not in ops("--mtp", "0")
+    assert api.workload("deepseek-v3", tokens_per_seq=2, mtp=0).model.mtp == 0
+
+    def num_ops(*extra):
+        argv = ["sim", "--tokens-per-seq", "2", "--layers", "3", "--json", "--out", "", *extra]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["num_ops"]
+
+    assert num_ops("--mtp", "0") < num_ops()

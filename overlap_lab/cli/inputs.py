@@ -90,6 +90,7 @@ LIMITS: dict[str, Limit] = {
     "prefix_len": Limit(_I, 0, MAX_TOKENS),
     "prefix_lens": Limit(_I, 0, MAX_TOKENS, is_list=True),
     "layers": Limit(_I, 1, 1000),
+    "mtp": Limit(_I, 0, 8, unit="modules"),
     "ep": Limit(_I, 1, 1024),
     "gpus_per_node": Limit(_I, 1, 72),
     "attn_tp": Limit(_I, 1, 1024),
@@ -197,7 +198,7 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 
 # ---- cross-option checks -------------------------------------------------------------------------
 
-DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq")
+DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
 PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
 
 

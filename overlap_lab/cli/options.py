@@ -163,6 +163,13 @@ def workload_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="keep N layers: one dense layer first (if the model has any), the rest MoE (default: all)",
     )
+    g.add_argument(
+        "--mtp",
+        type=int,
+        default=None,
+        help="decode: multi-token-prediction modules run per step when --tokens-per-seq > 1 "
+        "(default: the model's, 1 for deepseek-v3; 0: off)",
+    )
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=positive_int, default=32, help="expert-parallel size")
     g.add_argument("--gpus-per-node", type=positive_int, default=8)
@@ -282,6 +289,7 @@ def workload_from(args) -> Workload:
         prefix_len=args.prefix_len,
         prefix_lens=args.prefix_lens,
         layers=args.layers,
+        mtp=args.mtp,
         ep=args.ep,
         gpus_per_node=args.gpus_per_node,
         attn_tp=args.attn_tp,
