@@ -260,8 +260,9 @@ class Link(Fluid):
 _GPU_ORDER = itertools.count()
 _ORDER = attrgetter("order")
 
-#: Precedence among pending CTAs: stream priority (lower first), then launch order.
-_precedence = attrgetter("prio", "seq")
+#: Precedence among pending CTAs: stream priority (lower first), then the time the kernel reached
+#: the GPU (its stream's turn came: first come, first served), then launch order (``Kernel.key``).
+_precedence = attrgetter("prio", "ready", "seq")
 
 #: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
 #: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
@@ -280,6 +281,7 @@ class Kernel:
     stream: str = ""  # the stream that launched it (for the engine's ``on_grant``/``on_done``)
     prio: int = 0  # CUDA stream priority (lower is higher)
     seq: int = 0  # launch (issue) order on its rank
+    ready: float = 0.0  # when it reached the block scheduler (``Gpu.acquire``)
     waiting_data: bool = False  # a receive makes no progress until its data has arrived
     gated: bool = False  # a sendrecv works from its start but cannot finish before arrival
     grid: cost.Grid | None = None
@@ -295,9 +297,12 @@ class Kernel:
     ckey: int = -1  # the number ``CostCache.numbers`` gives its cost key (what the model reads)
 
     @property
-    def key(self) -> tuple[int, int]:
-        """Precedence among pending CTAs: stream priority, then launch order."""
-        return (self.prio, self.seq)
+    def key(self) -> tuple[int, float, int]:
+        """Precedence among pending CTAs: stream priority, then the time the kernel reached the
+        block scheduler, then launch order. A kernel queued behind others on its stream reaches
+        the GPU only when its predecessor ends, so a kernel issued earlier on the host does not
+        jump ahead of one of another stream already waiting there (docs/sm-sharing.md)."""
+        return (self.prio, self.ready, self.seq)
 
 
 @dataclass(eq=False, slots=True)
@@ -398,6 +403,7 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, cache = k.op, self.cache
+        k.ready = self.env.now
         numbers = cache.numbers
         k.ckey = ck = numbers.setdefault(self._key(op), len(numbers))
         gk = (ck, k.limit)
@@ -468,6 +474,9 @@ class Gpu(Fluid):
             return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
         self._jobs_changed = self._reshaped = False
+        # cut first: a running multi-wave cohort's later waves are CTAs still pending in the
+        # hardware, and they precede a kernel that reached the GPU after theirs for SMs free now
+        self._cut()
         while True:
             self._dispatch()
             if not self._cut():
