@@ -353,7 +353,8 @@ class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
     Kernels are grids of CTAs (``sim.cost.grid``). At the end of every instant at which SMs were
-    freed or kernels launched, free SMs go to pending CTAs by (stream priority, launch order):
+    freed or kernels launched, free SMs go to pending CTAs by (stream priority, the time the kernel
+    reached the GPU, launch order):
     a waved or persistent kernel takes what is free up to its limit; a coresident kernel starts
     once all its CTAs fit, and until then keeps the free SMs from kernels behind it (the
     reservation is re-made at every pass, so it always belongs to the first coresident kernel in
@@ -474,9 +475,11 @@ class Gpu(Fluid):
             return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
         self._jobs_changed = self._reshaped = False
-        # cut first: a running multi-wave cohort's later waves are CTAs still pending in the
-        # hardware, and they precede a kernel that reached the GPU after theirs for SMs free now
-        self._cut()
+        # cut first where SMs are free and a kernel waits that a multi-wave cohort's kernel
+        # precedes: its later waves are CTAs still pending in the hardware, and they take the
+        # free SMs before that kernel (else the later kernel took them, as if it came first)
+        if self.free and self.pending:
+            self._cut(ahead=True)
         while True:
             self._dispatch()
             if not self._cut():
@@ -593,9 +596,11 @@ class Gpu(Fluid):
                 self._granted.append(k)
                 k.t0 = self._t
 
-    def _cut(self) -> bool:
+    def _cut(self, ahead: bool = False) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
-        next wave boundary; True if any was cut (their CTAs are pending again)."""
+        next wave boundary; True if any was cut (their CTAs are pending again). ``ahead``: before
+        a dispatch, only cohorts of kernels that precede every pending kernel and could use the
+        free SMs (cutting the others would only split them into more cohorts)."""
         if self.free == 0 and not self.pending:
             return False
         multi = [c for c in self.jobs if c.waves > 1]
@@ -614,7 +619,11 @@ class Gpu(Fluid):
             if boundary >= c.waves:
                 continue
             wants_more = self.free > 0 and k.held < k.limit
-            if not (wants_more or (first is not None and first < k.key)):
+            if ahead:
+                # (``<=``: its own pending CTAs, the rest of its grid, do not come after it)
+                if not (wants_more and first is not None and k.key <= first):
+                    continue
+            elif not (wants_more or (first is not None and first < k.key)):
                 continue
             back = (c.waves - boundary) * c.per_wave
             c.waves, c.total = boundary, float(boundary)
