@@ -404,7 +404,7 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, cache = k.op, self.cache
-        k.ready = self.env.now
+        k.ready = self.env._now  # (the clock without the property call: this runs per launch)
         numbers = cache.numbers
         k.ckey = ck = numbers.setdefault(self._key(op), len(numbers))
         gk = (ck, k.limit)
@@ -478,7 +478,7 @@ class Gpu(Fluid):
         # cut first where SMs are free and a kernel waits that a multi-wave cohort's kernel
         # precedes: its later waves are CTAs still pending in the hardware, and they take the
         # free SMs before that kernel (else the later kernel took them, as if it came first)
-        if self.free and self.pending:
+        if self.free and self.pending and (self._unstarted or any(c.waves > 1 for c in self.jobs)):
             self._cut(ahead=True)
         while True:
             self._dispatch()
