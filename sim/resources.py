@@ -479,7 +479,7 @@ class Gpu(Fluid):
         # precedes: its later waves are CTAs still pending in the hardware, and they take the
         # free SMs before that kernel (else the later kernel took them, as if it came first)
         if self.free and self.pending and (self._unstarted or any(c.waves > 1 for c in self.jobs)):
-            self._cut(ahead=True)
+            self._cut_cohorts(ahead=True)
         while True:
             self._dispatch()
             if not self._cut():
@@ -596,11 +596,15 @@ class Gpu(Fluid):
                 self._granted.append(k)
                 k.t0 = self._t
 
-    def _cut(self, ahead: bool = False) -> bool:
+    def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
-        next wave boundary; True if any was cut (their CTAs are pending again). ``ahead``: before
-        a dispatch, only cohorts of kernels that precede every pending kernel and could use the
-        free SMs (cutting the others would only split them into more cohorts)."""
+        next wave boundary; True if any was cut (their CTAs are pending again)."""
+        return self._cut_cohorts(ahead=False)
+
+    def _cut_cohorts(self, ahead: bool) -> bool:
+        """``_cut``; ``ahead``: before a dispatch, only cohorts of kernels that precede every
+        pending kernel and could use the free SMs (cutting the others would only split them into
+        more cohorts)."""
         if self.free == 0 and not self.pending:
             return False
         multi = [c for c in self.jobs if c.waves > 1]
