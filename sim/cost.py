@@ -48,9 +48,10 @@ launch (issue) order (CUDA programming guide, "Stream Priorities": pending work 
 higher-priority stream is scheduled before pending work in lower-priority streams; it does not
 preempt running blocks). A CTA runs to completion, so a waved kernel gives SMs to a kernel that
 precedes it only at its wave boundaries; a persistent kernel holds its SMs to its end. What
-dispatch order the hardware uses within one priority level is not documented: taking launch order
-(an earlier kernel's remaining CTAs before a later kernel's) is this model's assumption, and the
-usual observation that a concurrent kernel fills in only behind the earlier kernel's last wave.
+dispatch order the hardware uses within one priority level is not documented: this model serves
+kernels first come, first served (by the time each reached the GPU, then launch order), as the
+measured GEMM-beside-GEMM pairs show (docs/sm-sharing.md): a concurrent kernel fills in behind the
+last wave of the kernel that reached the GPU before it, and the two alternate.
 
 Which kernels are persistent, their CTAs per SM and the work of one waved CTA are assumptions
 named below (``PERSISTENT_CLASSES``, ``CTAS_PER_SM``, ``WAVED_CTA_FLOPS``, ``WAVED_CTA_BYTES``);

@@ -260,8 +260,9 @@ class Link(Fluid):
 _GPU_ORDER = itertools.count()
 _ORDER = attrgetter("order")
 
-#: Precedence among pending CTAs: stream priority (lower first), then launch order.
-_precedence = attrgetter("prio", "seq")
+#: Precedence among pending CTAs: stream priority (lower first), then the time the kernel reached
+#: the GPU (its stream's turn came: first come, first served), then launch order (``Kernel.key``).
+_precedence = attrgetter("prio", "ready", "seq")
 
 #: SimPy priority of the block scheduler's pass: after every ordinary event of the same instant
 #: (SimPy's URGENT is 0, NORMAL 1), so all kernels that become ready at one instant compete by the
@@ -280,6 +281,7 @@ class Kernel:
     stream: str = ""  # the stream that launched it (for the engine's ``on_grant``/``on_done``)
     prio: int = 0  # CUDA stream priority (lower is higher)
     seq: int = 0  # launch (issue) order on its rank
+    ready: float = 0.0  # when it reached the block scheduler (``Gpu.acquire``)
     waiting_data: bool = False  # a receive makes no progress until its data has arrived
     gated: bool = False  # a sendrecv works from its start but cannot finish before arrival
     grid: cost.Grid | None = None
@@ -295,9 +297,12 @@ class Kernel:
     ckey: int = -1  # the number ``CostCache.numbers`` gives its cost key (what the model reads)
 
     @property
-    def key(self) -> tuple[int, int]:
-        """Precedence among pending CTAs: stream priority, then launch order."""
-        return (self.prio, self.seq)
+    def key(self) -> tuple[int, float, int]:
+        """Precedence among pending CTAs: stream priority, then the time the kernel reached the
+        block scheduler, then launch order. A kernel queued behind others on its stream reaches
+        the GPU only when its predecessor ends, so a kernel issued earlier on the host does not
+        jump ahead of one of another stream already waiting there (docs/sm-sharing.md)."""
+        return (self.prio, self.ready, self.seq)
 
 
 @dataclass(eq=False, slots=True)
@@ -348,7 +353,8 @@ class Gpu(Fluid):
     """The SMs and HBM of one GPU, shared among kernels as the hardware block scheduler does.
 
     Kernels are grids of CTAs (``sim.cost.grid``). At the end of every instant at which SMs were
-    freed or kernels launched, free SMs go to pending CTAs by (stream priority, launch order):
+    freed or kernels launched, free SMs go to pending CTAs by (stream priority, the time the kernel
+    reached the GPU, launch order):
     a waved or persistent kernel takes what is free up to its limit; a coresident kernel starts
     once all its CTAs fit, and until then keeps the free SMs from kernels behind it (the
     reservation is re-made at every pass, so it always belongs to the first coresident kernel in
@@ -398,6 +404,7 @@ class Gpu(Fluid):
         """Queue ``k``'s CTAs; ``on_grant(k)`` is called once it holds its first SMs (it runs
         from that moment)."""
         op, cache = k.op, self.cache
+        k.ready = self.env._now  # (the clock without the property call: this runs per launch)
         numbers = cache.numbers
         k.ckey = ck = numbers.setdefault(self._key(op), len(numbers))
         gk = (ck, k.limit)
@@ -468,6 +475,11 @@ class Gpu(Fluid):
             return  # SMs were freed and no CTAs wait for them: nothing changes hands
         self._advance()
         self._jobs_changed = self._reshaped = False
+        # cut first where SMs are free and a kernel waits that a multi-wave cohort's kernel
+        # precedes: its later waves are CTAs still pending in the hardware, and they take the
+        # free SMs before that kernel (else the later kernel took them, as if it came first)
+        if self.free and self.pending and (self._unstarted or any(c.waves > 1 for c in self.jobs)):
+            self._cut_cohorts(ahead=True)
         while True:
             self._dispatch()
             if not self._cut():
@@ -587,6 +599,12 @@ class Gpu(Fluid):
     def _cut(self) -> bool:
         """Cut multi-wave cohorts back to their current wave where SMs must change hands at the
         next wave boundary; True if any was cut (their CTAs are pending again)."""
+        return self._cut_cohorts(ahead=False)
+
+    def _cut_cohorts(self, ahead: bool) -> bool:
+        """``_cut``; ``ahead``: before a dispatch, only cohorts of kernels that precede every
+        pending kernel and could use the free SMs (cutting the others would only split them into
+        more cohorts)."""
         if self.free == 0 and not self.pending:
             return False
         multi = [c for c in self.jobs if c.waves > 1]
@@ -605,7 +623,11 @@ class Gpu(Fluid):
             if boundary >= c.waves:
                 continue
             wants_more = self.free > 0 and k.held < k.limit
-            if not (wants_more or (first is not None and first < k.key)):
+            if ahead:
+                # (``<=``: its own pending CTAs, the rest of its grid, do not come after it)
+                if not (wants_more and first is not None and k.key <= first):
+                    continue
+            elif not (wants_more or (first is not None and first < k.key)):
                 continue
             back = (c.waves - boundary) * c.per_wave
             c.waves, c.total = boundary, float(boundary)

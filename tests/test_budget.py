@@ -27,8 +27,10 @@ SMALL = "hbm_bytes=5.9e7"
 def _small_kernels_beside_large_ones() -> str:
     """A stream of 1,060 memory-bound kernels beside 20 large waved GEMMs on another stream,
     issued interleaved: each small kernel's waves and the GEMM's end at instants of their own,
-    ~130 events per launch (the old default, 25 per instruction plus 100,000, refused it)."""
-    lines = ["program world=1 symmetric=true", "rank 0 streams=a,b", "  thread t"]
+    ~130 events per launch (the old default, 25 per instruction plus 100,000, refused it). The
+    small kernels' stream has the higher priority, so each takes SMs at the GEMM's next wave
+    boundary (of one priority, a GEMM that reached the GPU first would keep them all)."""
+    lines = ["program world=1 symmetric=true", "rank 0 streams=a@-1,b", "  thread t"]
     for i in range(20):
         lines.append(f"    launch b big{i} {BIG}")
         lines += [f"    launch a small{i}_{j} {SMALL}" for j in range(53)]

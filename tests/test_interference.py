@@ -5,9 +5,10 @@ project's interference probe: each kernel alone, then every ordered pair on two 
 launched as the probe launched them (B ``n_b`` times on one stream, then A 20 times on another).
 Each pair is replayed here as a Program launched the same way, and each kernel's slowdown (its
 per-call time beside the other over its time alone, both simulated) is compared with the
-measured one. The model today shares SMs (block scheduler) and HBM (water-fill) only; pairs it
-does not reproduce within 15 % are marked ``xfail(strict=True)``, so a model change that
-reproduces one fails here until the mark is removed (docs/sm-sharing.md, "What is measured").
+measured one. The model shares SMs (block scheduler, equal priorities first come, first served)
+and HBM (water-fill); pairs it does not reproduce within 15 % are marked ``xfail(strict=True)``,
+so a model change that reproduces one fails here until the mark is removed, and the attention
+pairs are skipped (``ATTENTION_UNKNOWN``; docs/sm-sharing.md, "What is measured").
 """
 
 from __future__ import annotations
@@ -80,16 +81,29 @@ def simulated_pair(a: str, b: str) -> tuple[float, float]:
 
 
 #: Pairs the model reproduces within TOLERANCE today (the rest are expected to fail).
-REPRODUCED = {("copy", "copy")}
+REPRODUCED = {
+    ("gemm8192", "gemm8192"),
+    ("gemm128", "gemm128"),
+    ("copy", "gemm8192"),
+    ("copy", "copy"),
+}
 
 
-@pytest.mark.parametrize(
-    "a, b",
-    [
-        p if p in REPRODUCED else pytest.param(*p, marks=pytest.mark.xfail(strict=True))
-        for p in PAIRS
-    ],
-)
+#: Why the attention pairs are left out: the probe ran ``scaled_dot_product_attention`` with head
+#: dims 576/512 on KV expanded from one head, and which backend PyTorch picked (and so the kernel's
+#: work and grid, which decide how it shares the SMs) was not recorded. Its time alone, 616 µs, is
+#: 4.4 times what its shapes' work takes at the roofline (140 µs), and no backend that reads the
+#: expanded KV per head could reach it; a grid and work chosen to match the pairs would be fitted.
+ATTENTION_UNKNOWN = "the probe's SDPA backend, and so its work and grid, is not known"
+
+
+def _case(p: tuple[str, str]):
+    if "attn" in p:
+        return pytest.param(*p, marks=pytest.mark.skip(reason=ATTENTION_UNKNOWN))
+    return p if p in REPRODUCED else pytest.param(*p, marks=pytest.mark.xfail(strict=True))
+
+
+@pytest.mark.parametrize("a, b", [_case(p) for p in PAIRS])
 def test_pair_slowdowns_match_the_measurement(a, b):
     got = simulated_pair(a, b)
     ta, tb = PAIRS[(a, b)]
