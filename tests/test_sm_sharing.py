@@ -307,6 +307,6 @@ def test_waved_kernel_beside_a_one_sm_kernel_is_not_faster_than_alone(gpu):
         "    launch b small hbm_bytes=1e6 sms=1\n    launch a big hbm_bytes=1e9\n"
     )
     p = parse(text)
-    (_, start, end), = kernels_on(simulate(p, g), 0, "stream:a")
+    ((_, start, end),) = kernels_on(simulate(p, g), 0, "stream:a")
     alone = cost.solo_duration_us(p.ranks[0].threads[0].instrs[1].op, g)
     assert end - start >= alone * (1 - 1e-12)
