@@ -24,6 +24,7 @@ def run(capsys, *argv):
         ["--mode", "prefill"],
         ["--ep", "16"],
         ["--layers", "2"],
+        ["--mtp", "0"],
         ["--pp-size", "2"],
         ["--backend", "torch"],
         ["--out", "elsewhere"],

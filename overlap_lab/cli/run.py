@@ -215,6 +215,7 @@ CPU_CHECK_REFUSES = {
     "prefix_len": "the check's batches are fixed",
     "prefix_lens": "the check's batches are fixed",
     "layers": "the check's tiny models have their own layers",
+    "mtp": "the check's tiny models have no MTP modules",
     "model_file": "the check runs its tiny models",
     "ep": "the check's EP size is max(2, --ranks)",
     "gpus_per_node": "the check runs no network",
