@@ -699,12 +699,13 @@ def design_meta(design: Design = EXPERIMENT_DESIGN) -> dict[str, Any]:
         "design": design.describe(),
         "inputs": [i.name for i in design.varied()],
         "points": [dict(p.factors) for p in design.points()],
+        "runs": len(design.points()) + 1,  # the nominal run too
     }
 
 
 def design_sentence(meta: Mapping[str, Any]) -> str:
     """The design of :func:`design_meta` in words, for an experiment's notes."""
-    n = len(meta["points"]) + 1
+    n = meta["runs"]
     ins = ", ".join(f"`{i}`" for i in meta["inputs"])
     return (
         f"{n} points: the nominal run and {meta['design']}, each of {ins} alone at both ends "
