@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overlap_lab.metrics import Metrics, measure
+from overlap_lab.shared.deepep import below_published_sms
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.hardware import GPU
 from overlap_lab.shared.presets import load_gpu, load_model
@@ -416,6 +417,9 @@ def simulate(
         )
         metrics = measure(trace, lowered, w, g.num_sms)
     notes += fallback_notes(lowered.meta, trace)  # every fallback the schedule recorded
+    assumed = below_published_sms(program, g.deepep_release)
+    if assumed:
+        notes.append(assumed)
     return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
 
 

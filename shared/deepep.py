@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from overlap_lab.shared.ops import expected_bytes
-from overlap_lab.shared.program import LinkKind
+from overlap_lab.shared.program import LinkKind, Program, ops_of
 from overlap_lab.shared.routing import Matrices
 from overlap_lab.shared.topology import Topology
 
@@ -33,6 +33,7 @@ LINKS = (LinkKind.NVLINK, LinkKind.RDMA)
 __all__ = [
     "LINKS",
     "RELEASES",
+    "below_published_sms",
     "Release",
     "byte_matrices",
     "deepep_normal_fraction",
@@ -105,6 +106,33 @@ def deepep_normal_fraction(release: str, sms: int, link: str) -> float:
     the release's saturating SM count, proportional below it)."""
     r = RELEASES[release]
     return min(1.0, max(sms, 0) / r.saturating_sms[str(link)])
+
+
+def below_published_sms(program: Program, release: str) -> str | None:
+    """A note when ``program`` runs DeepEP normal kernels on fewer SMs than ``release``'s
+    published rates were measured on: their rate there is this model's assumption (proportional
+    to the SMs), and a result that depends on it must say so. None when every kernel holds
+    enough."""
+    r = RELEASES[release]
+    low = sorted(
+        {
+            op.sms
+            for _, op in ops_of(program)
+            if op.kind == "comm"
+            and op.coll is not None
+            and op.coll.role == "sendrecv"
+            and op.sms
+            and any(op.sms < r.saturating_sms[str(f.link)] for f in op.coll.flows)
+        }
+    )
+    if not low:
+        return None
+    published = ", ".join(f"{k} {v}" for k, v in r.saturating_sms.items())
+    return (
+        f"DeepEP {r.name} normal kernels on {', '.join(map(str, low))} SMs: below the SMs its "
+        f"published rates were measured on ({published}), their rate is assumed proportional to "
+        "the SMs"
+    )
 
 
 def deepep_normal_rate(release: str, sms: int, link: str, link_gbps: float | None = None) -> float:

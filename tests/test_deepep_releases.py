@@ -57,3 +57,13 @@ def test_release_is_a_gpu_knob_the_preset_names():
     assert "deepep_release" in {k.name for k in knobs(GPU)}
     assert get_gpu("h800").deepep_release == "v1"
     assert ol.gpu("h800", deepep_release="v2").name == "h800+deepep-release=v2"
+
+
+def test_a_rate_below_the_published_sms_is_named_as_an_assumption():
+    """V1 publishes no rate below 24 SMs: a run that depends on one says so in its notes."""
+    from overlap_lab import api
+
+    w = api.workload("deepseek-v3", mode="prefill", batch=1, extend_len=4096, layers=3, ep=32)
+    low = api.simulate("deepseek", w, "h800", config={"comm_sms": 8}).notes
+    assert any("v1 normal kernels on 8 SMs" in n and "assumed" in n for n in low), low
+    assert not any("assumed" in n for n in api.simulate("deepseek", w, "h800").notes)

@@ -40,4 +40,5 @@ def test_one_stage_schedules_refuse_pp(name):
 
 def test_pp_builds_two_stages():
     w = Workload(LITE, Batch.decode(16), Parallel(ep=8, pp=2))
-    build("pp", w, get_gpu("h800"))  # SUPPORTS_PP: no refusal
+    p = build("pp", w, get_gpu("h800"))  # SUPPORTS_PP: no refusal
+    assert p.world == 2 and p.meta.pp_size == 2

@@ -72,11 +72,8 @@ def _say(line: str) -> None:
 def run_main(args) -> int:
     try:
         return _run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, ImportError) as e:  # a missing torch says how to install it
+        print(f"overlap-lab: error: {e}", file=sys.stderr)
         return 2
 
 
