@@ -158,12 +158,15 @@ INPUTS: tuple[Input, ...] = (
     ),
     Input(
         "interference",
-        "slowdown of kernels running beside communication kernels (beyond the HBM water-fill "
-        "and SM sharing the engine models)",
+        "slowdown of a kernel beside another beyond the SM sharing and HBM water-fill the engine "
+        "models (measured beside a decode-size GEMM)",
         1.0,
-        1.0,
-        "assumption",
-        "a hook: the engine has no interference term yet; give it a range here once it has",
+        1.21,
+        "measured spread",
+        "the interference probe on an H200 (2026-11-26): beside decode-size GEMMs a large GEMM, "
+        "a decode attention and a copy ran 1.21, 1.14 and 1.03x slower than the calibrated model "
+        "gives (docs/sm-sharing.md); not varied: a cost model sees one kernel at a time, and "
+        "this slowdown holds only beside another",
         varied=False,
     ),
     Input(
