@@ -717,6 +717,7 @@ def compare(
         profile=profile,
         max_events=max_events,
         rerun=explicit if rk.mode == "explicit" else None,
+        progress=progress,
     )
     return replace(table, sensitivity=s)
 

@@ -18,20 +18,30 @@ cost) and scales what a calibration profile's rows give. Inputs that change a Pr
 :data:`INPUTS` with their ranges but not varied here: varying them means rebuilding, which the
 ``sbo_comm_sms`` experiment does for the SMs. Each range and its source: docs/uncertainty.md.
 
+The points are independent, so they are shared among forked worker processes (one per CPU this
+process may use; ``workers=1`` keeps them in this process).
+
 Determinism: a design's points are a pure function of the design (its seed included), and the
-simulator is deterministic, so the same comparison and design give the same result.
+simulator is deterministic, so the same comparison and design give the same result, with any
+number of workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import multiprocessing
+import os
+import signal
+import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from tqdm import tqdm
 
 from overlap_lab.metrics import iterations_and_tokens
 from overlap_lab.shared.errors import ConfigError
@@ -539,6 +549,8 @@ def sensitivity(
     profile: Any = "auto",
     max_events: int | None = None,
     rerun: Rerun | None = None,
+    workers: int | None = None,
+    progress: bool = False,
 ) -> Sensitivity:
     """Re-run ``comparison``'s schedules at every point of ``design`` and summarise.
 
@@ -548,7 +560,11 @@ def sensitivity(
     as they are, so only costs change between points. ``rerun(program, workload, cost_model)``
     gives a Program's window under a cost model: ``compare`` passes its explicit-ranks path
     when the comparison simulated every rank; the default runs the engine on the Program as the
-    symmetric runs do."""
+    symmetric runs do.
+
+    ``workers``: processes that share the points (None: the CPUs this process may use; 1: in
+    this process). Each point is simulated alone, so any count gives the same result.
+    ``progress``: a bar over the points on stderr."""
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.profile import profile_for
 
@@ -568,21 +584,20 @@ def sensitivity(
     its = {row.schedule: [row.result.metrics.iteration_us] for row in done}
     tps = {row.schedule: [row.result.metrics.tokens_per_s_gpu] for row in done}
     # The comparison's traces and Programs are a large live heap; every full collection the
-    # re-runs trigger would walk it again. Frozen, they are skipped; the re-runs' own garbage
-    # is still collected.
+    # re-runs trigger would walk it again. Frozen, they are skipped (and, in forked workers,
+    # left unwritten, so the pages stay shared); the re-runs' own garbage is still collected.
     gc.freeze()
     try:
-        for p in points:
-            cm = PerturbedCostModel(inner, g, p)
-            for run in runs:
-                if rerun is not None:
-                    window = rerun(run.program, run.workload, cm)
-                else:
-                    window = _window(run.program, g, cm, network, max_events)
-                its[run.schedule].append(window / run.iterations)
-                tps[run.schedule].append(run.tokens / window * 1e6 if window > 0 else 0.0)
+        job = _Job(points, runs, inner, g, network, max_events, rerun)
+        with tqdm(total=len(points), desc="perturbing", unit="point", disable=not progress,
+                  leave=not sys.stderr.isatty()) as bar:  # fmt: skip
+            windows = _point_windows(job, workers, bar.update)
     finally:
         gc.unfreeze()
+    for run_windows in windows:
+        for run, window in zip(runs, run_windows):
+            its[run.schedule].append(window / run.iterations)
+            tps[run.schedule].append(run.tokens / window * 1e6 if window > 0 else 0.0)
     ranges = _ranges(its, tps)
     return Sensitivity(
         d,
@@ -591,6 +606,78 @@ def sensitivity(
         {k: tuple(v) for k, v in tps.items()},
         ranges,
     )
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every point's re-runs share."""
+
+    points: tuple[Point, ...]
+    runs: list[_Run]
+    inner: CostModel
+    gpu: GPU
+    network: NetworkFactory | None
+    max_events: int | None
+    rerun: Rerun | None
+
+    def windows(self, i: int) -> list[float]:
+        """Each run's window at point ``i``."""
+        cm = PerturbedCostModel(self.inner, self.gpu, self.points[i])
+        if self.rerun is not None:
+            return [self.rerun(r.program, r.workload, cm) for r in self.runs]
+        return [_window(r.program, self.gpu, cm, self.network, self.max_events) for r in self.runs]
+
+
+#: The job of the pool being run: forked workers inherit it (the Programs, the comparison's
+#: closures) instead of receiving it pickled.
+_JOB: _Job | None = None
+
+
+def _job_windows(i: int) -> list[float]:
+    assert _JOB is not None
+    return _JOB.windows(i)
+
+
+def _quiet_worker() -> None:
+    """Ctrl-C is the parent's to report (one line); a worker neither prints nor dies of it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def default_workers() -> int:
+    """The CPUs this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _point_windows(
+    job: _Job, workers: int | None, done: Callable[[], object] = lambda: None
+) -> list[list[float]]:
+    """Every point's windows, in order: in this process, or spread over forked workers where the
+    platform forks and this process may have children (not a daemonic pool worker, such as the
+    experiment runner's). ``done`` is called as each point's windows arrive."""
+    global _JOB
+    if workers is not None and workers < 1:
+        raise ConfigError(f"sensitivity: workers must be >= 1, got {workers}")
+    n = min(default_workers() if workers is None else workers, len(job.points))
+    forks = "fork" in multiprocessing.get_all_start_methods()
+    out: list[list[float]] = []
+    if n <= 1 or not forks or multiprocessing.current_process().daemon:
+        for i in range(len(job.points)):
+            out.append(job.windows(i))
+            done()
+        return out
+    _JOB = job
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_quiet_worker) as pool:
+            for w in pool.map(_job_windows, range(len(job.points))):
+                out.append(w)
+                done()
+        return out
+    finally:
+        _JOB = None
 
 
 def _run_of(schedule: str, res: Any) -> _Run:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import overlap_lab as ol
+from overlap_lab import sensitivity as S
 from overlap_lab.sensitivity import (
     INPUTS,
     Design,
@@ -109,6 +110,14 @@ def test_ranges_wins_and_separation(small):
         assert 0.0 <= s.paired_share(r.schedule, "serial") <= 1.0
 
 
+def test_workers_share_the_points_and_change_nothing(small):
+    """Forked workers give what one process gives (each point is simulated alone)."""
+    d = Design(oat=False, lhs=3, seed=2)
+    assert sensitivity(small, d, workers=2) == sensitivity(small, d, workers=1)
+    with pytest.raises(ConfigError, match="workers"):
+        sensitivity(small, d, workers=0)
+
+
 def test_compare_carries_it_and_prints_it(small):
     w = small.baseline.workload
     c = ol.compare(["serial", "tbo"], w, "h800", sensitivity="oat=0,lhs=2")
@@ -130,6 +139,7 @@ def test_explicit_ranks_are_rerun_explicitly(monkeypatch):
         return real(lowered, w, g, r, prof, max_events, models)
 
     monkeypatch.setattr(ol.api, "simulate_explicit", counted)
+    monkeypatch.setattr(S, "default_workers", lambda: 1)  # counted here, not in a worker
     w = ol.workload("deepseek-v3", mode="decode", batch=32, ep=16, layers=3)
     design = Design(oat=False, lhs=2, inputs=("hbm",))
     c = ol.compare(
