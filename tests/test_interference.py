@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from overlap_lab.real.interference import CALLS as PROBE_CALLS
+from overlap_lab.real.interference import calls_beside
 from overlap_lab.shared.hardware import get_gpu
 from overlap_lab.shared.program import parse
 from overlap_lab.sim.cost import RooflineCostModel, solo_duration_us
@@ -37,12 +39,16 @@ H200 = get_gpu("h200")
 TOLERANCE = 0.15
 #: A's calls per replay, as the probe made them (a smaller replay changes the slowdowns: B's
 #: calls outlast A's, so B's average mixes time beside A with time alone).
-CALLS = 20
+CALLS = PROBE_CALLS
 
 
-def measured() -> tuple[dict[str, float], dict[tuple[str, str], tuple[float, float]], dict]:
+def measured(
+    path: Path = DATA,
+) -> tuple[dict[str, float], dict[tuple[str, str], tuple[float, float]], dict]:
+    """The data file's times alone, pairs and measured grids (the format
+    ``python -m overlap_lab.experiments.gpu_interference`` writes)."""
     alone, pairs, grids = {}, {}, {}
-    for line in DATA.read_text().splitlines():
+    for line in path.read_text().splitlines():
         f = line.split()
         if f and f[0] == "alone":
             alone[f[1]] = float(f[2])
@@ -111,7 +117,7 @@ def simulated_alone(k: str) -> float:
 @cache
 def simulated_pair(a: str, b: str) -> tuple[float, float]:
     """(A's, B's) slowdown beside each other, launched as the probe launched them."""
-    nb = int(max(3, 40 * ALONE[a] / ALONE[b])) + 5
+    nb = calls_beside(ALONE[a], ALONE[b])
     text = (
         "program world=1 symmetric=true\nrank 0 streams=s1,s2\n  thread t\n"
         + "".join(f"    launch s2 b{i} {KERNELS[b]}\n" for i in range(nb))
