@@ -189,6 +189,16 @@ def test_fewer_micro_batches_than_stages_is_refused():
         pp_prog(wl(1))
 
 
+def test_speculative_decoding_is_refused():
+    """SGLang's server_args: pipeline parallelism is not compatible with speculative decoding,
+    so a decode step that verifies drafts (MTP on DeepSeek-V3, or any other drafter) has no pp
+    form; compare shows the refusal in pp's row."""
+    w = Workload(V3, Batch.decode(16, tokens_per_seq=2), Parallel(ep=8, pp=2))
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        pp_prog(w)
+    pp_prog(Workload(V3, Batch.decode(16), Parallel(ep=8, pp=2)))  # one token per sequence runs
+
+
 # -- simulation ---------------------------------------------------------------------------------
 
 

@@ -204,6 +204,12 @@ def _check(w: Workload, cfg: ScheduleConfig) -> None:
             "deadlocks (a rank waits for outputs relayed by its predecessor one iteration later, "
             "which waits for hidden states this rank sends only after that wait)"
         )
+    if w.batch.mode == "decode" and w.batch.tokens_per_seq > 1:
+        raise ConfigError(
+            "pp refuses a decode step that verifies draft tokens (--tokens-per-seq "
+            f"{w.batch.tokens_per_seq}): SGLang's server_args asserts that pipeline parallelism "
+            "is not compatible with speculative decoding (MTP included); use --tokens-per-seq 1"
+        )
     split = pp_layer_split(w.model, w.parallel.pp)
     if sum(len(s) for s in split) != w.model.num_layers:  # pragma: no cover - by construction
         raise ConfigError("PP layer slices do not cover the model")
