@@ -6,33 +6,25 @@ set_num_sms (with a fake module) are pure. bf16 does not survive the interpreter
 so numerics use fp32 and fp16; bf16 is checked on a GPU (tests/test_real_gpu.py)."""
 
 import json
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
+
+from tests.triton_interp import interpreted
 
 torch = pytest.importorskip("torch")
 
 from overlap_lab.real import gemm as G  # noqa: E402
 from overlap_lab.real import model as M  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = (16, 16, 16)  # tl.dot's smallest tile: keeps the interpreter fast
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 @pytest.mark.parametrize(

@@ -4,19 +4,16 @@ interpreter in a child process (TRITON_INTERPRET=1 must be set before ``import t
 weights quantised once at load, never inside a step (a counting fake of the block quantiser)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.triton_interp import interpreted
 
 torch = pytest.importorskip("torch")
 
 # fp8._fused_here tested directly: when the fused Triton quantisation is taken
 from overlap_lab.real import fp8  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 F8 = getattr(torch, "float8_e4m3fn", None)
 pytestmark = pytest.mark.skipif(F8 is None, reason="torch without float8_e4m3fn")
 
@@ -74,13 +71,7 @@ def _interp_act_quant_kernel_runs_fused() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("check", ["quant_matches_torch", "act_quant_kernel_runs_fused"])

@@ -36,17 +36,8 @@ UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
 SUMMARY = (
     "SGLang TBO + SBO: micro-batches interleaved by TBO, each one's MoE combine overlapped by SBO"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "comm_sms",
-    "sbo_mode",
-    "tbo_threshold",
-    "delta_stages",
-    "dp_ranks_disagree",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``): TBO's and SBO's.
+KNOBS = tuple(dict.fromkeys(tbo.KNOBS + sbo.KNOBS))
 
 SCHEDULE = "tbo+sbo"
 
