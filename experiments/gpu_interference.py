@@ -37,7 +37,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print(NO_GPU + " (torch is not installed)")
+        return 2
 
     from overlap_lab.real import interference as I
 

@@ -483,12 +483,16 @@ class Sensitivity:
                 more = len(pairs) - MAX_PAIRS
                 lines.append(f"  ... {more} more pairs (Sensitivity.paired_share)")
         lines.append("")
+        fixed = [i for i in INPUTS if not i.varied]
+        slow = _BY_NAME["interference"].hi
         lines += textwrap.wrap(
             "range: lowest to highest time per iteration over the points; wins: share of the "
             "points where the schedule has the most tokens/s per GPU (ties split); not "
             "separated: tokens/s-per-GPU ranges overlap. Only costs vary (the Programs are "
-            "the nominal run's); inputs that change a Program (communication SMs, the kernel "
-            "floor) are not varied.",
+            f"the nominal run's). Not varied: {', '.join(i.name for i in fixed)} "
+            "(docs/uncertainty.md); of these, interference means a kernel beside another may "
+            f"run up to {slow:g}x slower than simulated (measured beside decode-size GEMMs), so "
+            "gains from overlapping GEMMs with other kernels are optimistic.",
             100,
             subsequent_indent="  ",
         )

@@ -124,6 +124,9 @@ def test_compare_carries_it_and_prints_it(small):
     assert c.sensitivity is not None and set(c.sensitivity.iteration_us) == {"serial", "tbo"}
     text = c.text()
     assert "Sensitivity: 3 points" in text and "not separated from" in text
+    flat = " ".join(text.split())
+    assert "Not varied: interference, comm_sms, kernel_floor" in flat  # and says what it means
+    assert "up to 1.21x slower than simulated" in flat
     assert ol.compare(["serial"], w, "h800").sensitivity is None
     json.dumps(c.sensitivity.as_dict())
 
