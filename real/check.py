@@ -8,7 +8,7 @@ serial's single step. The result per schedule is the largest relative difference
 max|a - b| / max|b| over workloads, steps and both outputs.
 
 A schedule that needs another parallel layout than the workload's runs on copies of it
-(``workload_variants``): ``pp`` on pp=2 and pp=3 copies (as many stages as the model has layers),
+(``workload_variants``): ``pp`` (any schedule that sets ``SUPPORTS_PP``) on pp=2 and pp=3 copies (as many stages as the model has layers),
 compared with serial on the pp=1 workload (layer i has the same weights on whichever stage holds
 it); its last stage's outputs are compared, and the ids that reached rank 0 must be those the
 last stage sampled.
@@ -98,13 +98,12 @@ def pp_variants(w) -> list:
     ]
 
 
-VARIANTS = {"pp": pp_variants}
-
-
 def workload_variants(name: str, w) -> list:
-    """The workloads schedule ``name`` is checked on for ``w`` (``w`` itself for most)."""
-    f = VARIANTS.get(name)
-    return f(w) if f is not None else [w]
+    """The workloads schedule ``name`` is checked on for ``w``: its pp copies for a schedule
+    that runs pipeline stages (the registry's ``SUPPORTS_PP``), ``w`` itself for the others."""
+    from overlap_lab.shared import schedules as S
+
+    return pp_variants(w) if S.supports_pp(name) else [w]
 
 
 def check_pp_outputs(outputs: dict) -> None:

@@ -31,7 +31,7 @@ def test_schedules_gloo_cannot_run_are_skipped_with_the_reason(monkeypatch):
     runnable, skipped = split_cases([("serial", w), ("pp", w)])
     assert [n for n, _ in runnable] == ["serial"]
     assert "non-symmetric" in skipped["pp"]  # built on its pp=2 copy: in-process ranks
-    monkeypatch.setattr(C, "VARIANTS", {})  # pp on the pp=1 workload refuses it
+    monkeypatch.setattr(C, "pp_variants", lambda w: [w])  # pp on the pp=1 workload refuses it
     assert "pp-size >= 2" in split_cases([("pp", w)])[1]["pp"]
 
 

@@ -102,6 +102,11 @@ def module(name: str) -> ModuleType:
     return m
 
 
+def supports_pp(name: str) -> bool:
+    """Whether schedule ``name`` runs pipeline stages (its module sets ``SUPPORTS_PP = True``)."""
+    return bool(getattr(module(name), "SUPPORTS_PP", False))
+
+
 def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
     """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``).
 
@@ -111,7 +116,7 @@ def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
     from overlap_lab.shared.lowering import host_wait_for_counts
 
     m = module(name)
-    if workload.parallel.pp > 1 and not getattr(m, "SUPPORTS_PP", False):
+    if workload.parallel.pp > 1 and not supports_pp(name):
         raise ConfigError(f"{name} runs one pipeline stage; use --schedule pp for --pp-size > 1")
     return host_wait_for_counts(m.build(workload, gpu, cfg or ScheduleConfig()))
 
