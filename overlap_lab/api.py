@@ -579,6 +579,9 @@ class Comparison:
                 f"{exposed:>11.3f} ms  {row.note}"
             )
         names = {r.schedule for r in self.rows if r.result is not None}
+        from overlap_lab.sensitivity import INPUTS
+
+        slow = 100 * (next(i for i in INPUTS if i.name == "interference").hi - 1)
         notes = [
             "ms/iter: each schedule's simulated window divided by its scheduler iterations "
             "(iters). One-step schedules simulate one iteration: their host waits for each "
@@ -597,10 +600,14 @@ class Comparison:
             ),
             "exposed comm: per iteration, time with communication in flight and no compute "
             "kernel running (rank 0).",
+            "Overlap gains assume kernels running together slow each other only through the "
+            f"SMs and HBM they share; measured on an H200, kernels lost up to {slow:.0f} % more "
+            "beside decode-size GEMMs (docs/sm-sharing.md), so gains from overlapping GEMMs are "
+            "optimistic.",
         ]
         lines.append("")
         for n in notes:
-            lines += textwrap.wrap(n, 100, subsequent_indent="  ")
+            lines += textwrap.wrap(n, 100, subsequent_indent="  ", break_on_hyphens=False)
         if self.sensitivity is not None:
             lines.append(self.sensitivity.text())
         return "\n".join(lines)

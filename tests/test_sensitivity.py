@@ -127,7 +127,9 @@ def test_compare_carries_it_and_prints_it(small):
     flat = " ".join(text.split())
     assert "Not varied: interference, comm_sms, kernel_floor" in flat  # and says what it means
     assert "up to 1.21x slower than simulated" in flat
-    assert ol.compare(["serial"], w, "h800").sensitivity is None
+    plain = ol.compare(["serial"], w, "h800")
+    assert plain.sensitivity is None
+    assert "kernels lost up to 21 % more" in " ".join(plain.text().split())  # said without it too
     json.dumps(c.sensitivity.as_dict())
 
 
