@@ -217,7 +217,7 @@ def data_text(doc: dict[str, Any], header: list[str]) -> str:
 
 def launch_shapes(doc: dict[str, Any]) -> dict[str, set[tuple]]:
     """Per kernel of the probe, the (kernel name, grid, block, shared memory, registers) the
-    profiler saw when it ran alone beside its own twin (its pair with itself)."""
+    profiler saw in its pair with itself (the only pair where every kernel is its own)."""
     out: dict[str, set[tuple]] = {}
     for k in doc["alone_us"]:
         p = doc["pairs"].get(f"{k}|{k}")
