@@ -24,8 +24,6 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-NO_GPU = "gpu_interference: no CUDA device here; --device cpu runs the dry run"
-
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m overlap_lab.experiments.gpu_interference")
@@ -37,17 +35,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
-    try:
-        import torch
-    except ImportError:
-        print(NO_GPU + " (torch is not installed)")
+    from overlap_lab.real.deps import no_device
+
+    why = no_device(opts.device)
+    if why is not None:
+        print(f"gpu_interference: {why}; --device cpu runs the dry run")
         return 2
+    import torch
 
     from overlap_lab.real import interference as I
 
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        print(NO_GPU)
-        return 2
     name = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu (dry run)"
     doc = I.measure(opts.device, profile=not opts.no_profile, progress=print)
     doc["device_name"] = name

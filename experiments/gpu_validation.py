@@ -997,13 +997,11 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
-    try:
-        import torch
-    except ImportError:
-        print(NO_GPU + " (torch is not installed)")
-        return 2
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        print(NO_GPU)
+    from overlap_lab.real.deps import no_device
+
+    why = no_device(opts.device)
+    if why is not None:
+        print(NO_GPU + ("" if why.startswith("no CUDA") else f" ({why})"))
         return 2
     report = run_validation(opts)
     print(report["table"].rstrip("\n").rpartition("\n")[0])  # the verdict goes last

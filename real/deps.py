@@ -102,6 +102,18 @@ def require(mod: str, *, why: str = ""):
         ) from e
 
 
+def no_device(device: str) -> str | None:
+    """Why a command for ``device`` (``cuda`` or ``cpu``) cannot run here, or None: torch is
+    missing, or CUDA is asked for and absent."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here"
+    return None
+
+
 def report() -> list[str]:
     """One line per optional dependency, for `overlap-lab run --deps` or error messages."""
     lines = []
