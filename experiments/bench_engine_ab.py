@@ -26,9 +26,9 @@ CASES = (
 
 
 def main(repeats: int = 15) -> dict[str, tuple[float, float]]:
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
     from overlap_lab.shared.schedules import build
-    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
     from overlap_lab.sim.engine import Engine
 
     gpu = get_gpu("h800")

@@ -15,7 +15,7 @@ their own (``sim.budget``), and ``budget_events_per_op`` counts them as events, 
 does. ``raw_simpy`` is a bare ``env.timeout`` loop measured in the same run, the ceiling for
 events per CPU-second.
 ``*_reduced`` runs a balanced explicit case as ``overlap-lab sim`` now does: its ranks are
-detected alike and simulated once (``shared.symmetry``; build: + detection and the quotient's
+detected alike and simulated once (``shared.ir.symmetry``; build: + detection and the quotient's
 validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
 every rank. ``*_numpy_rerate`` repeats a case with the network's compiled progressive filling switched off
 (what the optional numba extra buys), ``routing_layer_64k_numpy`` the routing layer with the
@@ -73,7 +73,7 @@ CASES: dict[str, tuple] = {
         1,
     ),
 }
-# balanced explicit ranks as `overlap-lab sim` runs them: detected alike (shared.symmetry), the
+# balanced explicit ranks as `overlap-lab sim` runs them: detected alike (shared.ir.symmetry), the
 # quotient simulated once (build_*: + detection and the quotient's validation; sim_*: + the
 # Trace copied to every rank)
 CASES["decode_tbo_b128_ep32_explicit_balanced_reduced"] = CASES[
@@ -131,11 +131,11 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     """One row of the table: build, simulate and post-process the case ``name``."""
     from overlap_lab.api import Ranks, Result, lower_ranks
     from overlap_lab.metrics import measure
-    from overlap_lab.shared.hardware import get_gpu
-    from overlap_lab.shared.program import Graph, Launch
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+    from overlap_lab.shared.ir.program import Graph, Launch
+    from overlap_lab.shared.ir.validate import validate
     from overlap_lab.shared.schedules import ScheduleConfig, build
-    from overlap_lab.shared.validate import validate
-    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
     from overlap_lab.sim.engine import Engine
 
     schedule, mode, n, ep, ranks, imbalance, reps = CASES[name]
@@ -154,7 +154,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     lowered = lower_ranks(program, w, gpu, Ranks(ranks, imbalance, 0.0, None, 0))
     red = None
     if name.endswith("_reduced"):
-        from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
+        from overlap_lab.shared.ir.symmetry import Reduction, expand_trace, reduce_program
 
         red = reduce_program(lowered, w.parallel.gpus_per_node)
         if not isinstance(red, Reduction):
@@ -281,9 +281,9 @@ def routing_layer(tokens_per_rank: int = 65536, compiled: bool = True) -> dict:
     the clock starts; ``compiled=False`` (``routing_layer_64k_numpy``) draws with numpy."""
     import tracemalloc
 
-    from overlap_lab.shared import routing
-    from overlap_lab.shared.routing import routing_for
-    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+    from overlap_lab.shared.inputs import routing
+    from overlap_lab.shared.inputs.routing import routing_for
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 
     if not compiled:
         routing._compiled = False

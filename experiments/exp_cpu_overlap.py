@@ -31,11 +31,11 @@ from pathlib import Path
 
 from overlap_lab.experiments.runner import Case, Experiment, kept_traces, main, stamp
 from overlap_lab.figures import WIDTHS, save_figure, timeline
-from overlap_lab.shared.hardware import HostCosts
+from overlap_lab.shared.inputs.hardware import HostCosts
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.sglang_overlap import overlap_report
-from overlap_lab.shared.trace import Trace
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "cpu_overlap"
 GPU = "h100"  # sweeps (a), (c), (d); (b) runs on an H800
@@ -356,7 +356,7 @@ def notes(doc: dict) -> str:
     return f"""# CPU-GPU overlap scheduler: host time hidden up to the GPU time; TTFT cost of a prefill
 
 {stamp(doc)}  ·  schedule `sglang-overlap` (and its
-`--disable-overlap-schedule` path), simulated. Host costs are `shared.hardware.HostCosts`
+`--disable-overlap-schedule` path), simulated. Host costs are `shared.inputs.hardware.HostCosts`
 (estimates, not measurements) scaled by the factor shown; kernel launches cost `launch_us` each
 (one `graph_launch_us` for a CUDA-graph decode forward).
 

@@ -9,19 +9,19 @@ node, as tests/test_internode.py routes); low-latency kernels: 128 tokens per ra
 
 Each row is simulated, not computed: one dispatch (or combine) with every EP rank explicit,
 the routing drawn from uniform random gating (seeded), the bytes per (source, destination, link)
-from DeepEP's kernel family (``shared.deepep``), the kernels' SMs and HBM work from
-``shared.ops``, the links shared max-min fairly (``sim.network``) at the H800 preset's effective
-bandwidths (one global figure per link kind, cited in ``shared.hardware``; nothing per row).
+from DeepEP's kernel family (``shared.ir.deepep``), the kernels' SMs and HBM work from
+``shared.ir.ops``, the links shared max-min fairly (``sim.network``) at the H800 preset's effective
+bandwidths (one global figure per link kind, cited in ``shared.inputs.hardware``; nothing per row).
 The figures are reported as DeepEP's tests compute them: normal intranode "bottleneck" bandwidth
 = NVLink bytes received per rank (local copies included) / time; internode = RDMA bytes of every
 (token, node) pair including the own node / time; low-latency = one message per (token, expert)
 / time, and the time is the kernel's (send + receive of the slowest rank).
 
-What the model holds that a bandwidth alone misses (``shared.hardware``, one figure each for the
+What the model holds that a bandwidth alone misses (``shared.inputs.hardware``, one figure each for the
 whole table, none per row): the NVLink rate DeepEP's kernels reach over the links (the README's
 intranode figure counts the rank's own 1/8 of the received bytes: 153 GB/s x 7/8 = 134 GB/s),
 the low-latency kernels' NVLink path for peers inside the node (the 2025-06 kernels,
-``shared.deepep``) and the fixed cost of a low-latency receive (``deepep_ll_recv_us``).
+``shared.ir.deepep``) and the fixed cost of a low-latency receive (``deepep_ll_recv_us``).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import sys
 from pathlib import Path
 
 from overlap_lab.experiments.runner import Case, Experiment, main, md_table, stamp
-from overlap_lab.shared.builder import RankBuilder, program
-from overlap_lab.shared.deepep import RELEASES
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import layer_ops, whole_batch
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import Imbalance, Routing, RoutingConfig
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.routing import Imbalance, Routing, RoutingConfig
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.deepep import RELEASES
+from overlap_lab.shared.ir.ops import layer_ops, whole_batch
+from overlap_lab.shared.ir.ranks import expand_ranks
 from overlap_lab.sim.engine import Engine
 
 # DeepEP README (V1, docs/legacy.md), H800 + CX7.
@@ -84,7 +84,7 @@ def _routing(ep: int, tokens: int, normal: bool, seed: int) -> Routing:
 
 def simulate_collective(ep: int, tokens: int, mode: str, what: str, seed: int = 0):
     """Time (µs, slowest rank, first launch to completion) of one dispatch or combine. The
-    normal kernels hold the SMs DeepEP's V1 tables were measured on (24: ``shared.deepep``),
+    normal kernels hold the SMs DeepEP's V1 tables were measured on (24: ``shared.ir.deepep``),
     not the preset's Buffer default (20), on which V1 moves less (``deepep_normal_rate``)."""
     gpu = get_gpu("h800", deepep_normal_sms=RELEASES["v1"].saturating_sms["rdma"])
     w = _workload(ep, tokens)
@@ -213,7 +213,7 @@ def to_markdown(doc: dict) -> str:
 Source: {doc["source"]}. Model: explicit ranks, seeded uniform routing (each row the mean of seeds
 {", ".join(map(str, doc["seeds"]))}; the spread of one draw is in the JSON, `error_range`),
 preset NVLink {gpu["nvlink_eff_gbps"]:g} GB/s, RDMA {gpu["rdma_eff_gbps"]:g} GB/s over the links,
-low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/hardware.py`).
+low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/inputs/hardware.py`).
 
 ## Normal kernels ({doc["normal_tokens"]} tokens per rank), bottleneck bandwidth
 

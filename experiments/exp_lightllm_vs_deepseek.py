@@ -51,8 +51,8 @@ from overlap_lab.sensitivity import (
     paired,
     step_times,
 )
-from overlap_lab.shared.trace import Trace, intersect, length, union
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.outputs.trace import Trace, intersect, length, union
 
 NAME = "lightllm_vs_deepseek"
 GPU = "h800"
@@ -335,7 +335,7 @@ Prefill ({doc["context"] // 1024}K prompts per GPU; ms per step; comm-only in ms
 
 ## Where the model may disagree with the published figures, and why
 
-- Prefill traffic follows DeepEP's internode normal kernels (`shared/deepep.py`): one RDMA copy
+- Prefill traffic follows DeepEP's internode normal kernels (`shared/ir/deepep.py`): one RDMA copy
   per token and destination node to the same-rail GPU, then NVLink forwarding.
 - DeepSeek's decode figure draws SHARED + ATTN-0 as long as a DISPATCH; in the model the
   low-latency dispatch over RDMA can outlast them, and its receive hook is then exposed (the
@@ -346,7 +346,7 @@ Prefill ({doc["context"] // 1024}K prompts per GPU; ms per step; comm-only in ms
   hardware it depends on the block scheduler. The size of LightLLM's prefill gap rests on that
   tie, its existence on the missing SM reservation.
 - Host side: both prefill Programs include the host busy-wait of DeepEP's normal dispatch for the
-  received-token counts (`shared/lowering.py`).
+  received-token counts (`shared/ir/lowering.py`).
 """
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from overlap_lab.experiments.runner import Case, Experiment, main, md_table, stamp
 from overlap_lab.figures import save_figure
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.outputs.trace import Trace, length, union
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import Trace, length, union
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "pp_bubbles"
 GPU = "h100"
@@ -162,7 +162,7 @@ Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in t
 
 ## Where this may disagree with measurements
 - No published SGLang PP bubble figure is published to compare against. The PP host costs
-  (gloo metadata, point_to_point_pyobj) are estimates (shared/ops_pp.py), and requests are forwarded
+  (gloo metadata, point_to_point_pyobj) are estimates (shared/ir/ops_pp.py), and requests are forwarded
   as host work only: upstream's point_to_point_pyobj is an NCCL send ordered after the forward with
   a ``.item()`` on the receiver, which would delay a rank's scheduling until its predecessor's
   forward has finished; the hidden-state receive imposes the same wait on the GPU, so only the

@@ -28,10 +28,10 @@ from overlap_lab.experiments.runner import (
     stamp,
 )
 from overlap_lab.figures import WIDTHS, layer_window, save_figure, series_style
-from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.outputs.trace import intersect, length, union
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import intersect, length, union
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "sbo_comm_sms"
 GPUS = ("h800", "b200")

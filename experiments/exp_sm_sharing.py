@@ -42,10 +42,10 @@ from overlap_lab.sensitivity import (
     paired,
     step_times,
 )
-from overlap_lab.shared.program import Program, map_ops
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.program import Program, map_ops
+from overlap_lab.shared.outputs.trace import Trace, intersect, length, union
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import Trace, intersect, length, union
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 
 NAME = "sm_sharing"
 PREFILL_EP, DECODE_EP = 32, 32

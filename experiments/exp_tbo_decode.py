@@ -39,7 +39,7 @@ from overlap_lab.sensitivity import (
     paired,
     step_times,
 )
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_decode"
 GPU = "h800"

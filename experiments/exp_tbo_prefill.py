@@ -27,9 +27,9 @@ from overlap_lab.experiments.runner import (
     standard_metrics,
 )
 from overlap_lab.figures import WIDTHS, compare_timelines, layer_clip, save_figure
-from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 NAME = "tbo_prefill"
 GPU = "h800"
@@ -199,7 +199,7 @@ sparse layers under TBO, no CUDA graph.
   prompts), which TBO mostly hides. The figure depends on the RDMA bandwidth and on the GEMM
   efficiency on fewer SMs, none tuned here.
 - The traffic follows DeepEP's internode normal kernels (one RDMA copy per token and destination
-  node, then NVLink forwarding: `shared/deepep.py`); serial prefill waits for each dispatch and
+  node, then NVLink forwarding: `shared/ir/deepep.py`); serial prefill waits for each dispatch and
   combine at the preset's effective RDMA rate. Real deployments also chunk prefill and run other
   requests' work, which one simulated step does not.
 - Figure `{NAME}_timeline.png`: one MoE layer of serial and TBO at {SHOW}x4K tokens/GPU.

@@ -12,7 +12,7 @@ DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
    expert kernels) get class rows measured in a short profiled run of the schedule itself
    (``own_rows``): no roofline rows in a validation; each row says per op class where the
    predicted durations came from (``cost_sources``) and lists any op the roofline still times
-   (``roofline_ops``). Communication: the link model on both sides (``shared.links``: the
+   (``roofline_ops``). Communication: the link model on both sides (``shared.ir.links``: the
    emulated backend times each send by the bytes of the Program's own flows, ``--link-bytes``);
    the ``comm-only`` case (dispatch and combine alone) checks it, target within 5 %;
 3. measurement: the schedule on the device (CUDA graphs replayed for the step time, plus an
@@ -60,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from overlap_lab.shared.program import ops_of
+from overlap_lab.shared.ir.program import ops_of
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = "gpu_validation: no CUDA GPU found; nothing was run (--device cpu for the dry run)"
@@ -85,7 +85,7 @@ def _cmd(args: list[str], timeout: float = 20) -> str | None:
 
 
 def device_preset(name: str) -> str:
-    """The shared.hardware preset of a device name ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    """The shared.inputs.hardware preset of a device name ("NVIDIA H100 80GB HBM3" -> "h100")."""
     for p in ("h200", "h100", "h800", "h20", "b200", "gb200", "a100"):
         if p in name.lower().replace(" ", ""):
             return p
@@ -158,7 +158,7 @@ class Context:
         import torch
 
         from overlap_lab.real import model as M
-        from overlap_lab.shared.hardware import get_gpu
+        from overlap_lab.shared.inputs.hardware import get_gpu
 
         self.opts = opts
         self.env = env or {}
@@ -197,7 +197,7 @@ class Context:
         """Decode: ``size`` sequences. Prefill: two sequences of half the tokens each (TBO
         splits them evenly); ``half``: one of those sequences alone (what a micro-batch of it
         runs: attention cost depends on the sequence, not only on the token count)."""
-        from overlap_lab.shared.workload import Batch, Parallel, Workload
+        from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
 
         if mode == "decode":
             b = Batch.decode(size, kv_len=self.opts.kv_len)
@@ -295,7 +295,7 @@ def comm_only(prog):
     path. Also a ``transform`` for ``overlap_lab.simulate``."""
     import dataclasses as dc
 
-    from overlap_lab.shared.program import Graph, Launch, Op
+    from overlap_lab.shared.ir.program import Graph, Launch, Op
 
     _register_comm_kernels()
 
@@ -965,7 +965,9 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gpu", default=None, help="shared.hardware preset (default: from the name)")
+    p.add_argument(
+        "--gpu", default=None, help="shared.inputs.hardware preset (default: from the name)"
+    )
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument("--pytest", action="store_true", help="run the GPU tests first")
     p.add_argument("--pytest-timeout-s", type=float, default=150.0)

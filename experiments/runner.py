@@ -19,7 +19,7 @@ whatever the pool does), writes ``results/<name>.json`` (rows, the exact command
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files. The results file also
 names the tool and its version, and the profile each GPU's op durations came from; its
-``provenance`` (``shared.trace.provenance``: no date, no commit, so the same command records the
+``provenance`` (``shared.outputs.trace.provenance``: no date, no commit, so the same command records the
 same) holds the command line and every case's full inputs (:func:`case_inputs`).
 
 Run them with ``overlap-lab experiments [NAME ...]``, ``python -m overlap_lab.experiments
@@ -50,11 +50,11 @@ from typing import Any
 from overlap_lab.cli import inputs
 from overlap_lab.metrics import compute_kernel_us
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import Program
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Workload
+from overlap_lab.shared.ir.program import Program
+from overlap_lab.shared.outputs.trace import Trace, provenance
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.trace import Trace, provenance
-from overlap_lab.shared.workload import Workload
 
 #: Where results go unless ``--out`` says otherwise: the working directory, never the install.
 RESULTS = Path("overlap-lab-results")

@@ -11,7 +11,7 @@ The repository keeps its four top-level folders (``shared/``, ``sim/``, ``real/`
 ``experiments/``); they install as subpackages of this one namespace (``overlap_lab.shared``,
 ``overlap_lab.sim``, ``overlap_lab.real``, ``overlap_lab.experiments``, mapped in pyproject.toml's
 ``package-dir``) so that nothing with a generic name lands in site-packages. The names below load
-on first use, so ``import overlap_lab.shared.program`` does not pull in the simulator.
+on first use, so ``import overlap_lab.shared.ir.program`` does not pull in the simulator.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ _EXPORTS = {
     "CompareRow": "overlap_lab.api",
     "Ranks": "overlap_lab.api",
     "Metrics": "overlap_lab.metrics",
-    "Workload": "overlap_lab.shared.workload",
-    "Batch": "overlap_lab.shared.workload",
-    "Parallel": "overlap_lab.shared.workload",
-    "ModelConfig": "overlap_lab.shared.workload",
-    "GPU": "overlap_lab.shared.hardware",
+    "Workload": "overlap_lab.shared.inputs.workload",
+    "Batch": "overlap_lab.shared.inputs.workload",
+    "Parallel": "overlap_lab.shared.inputs.workload",
+    "ModelConfig": "overlap_lab.shared.inputs.workload",
+    "GPU": "overlap_lab.shared.inputs.hardware",
     "ScheduleConfig": "overlap_lab.shared.schedules",
     "SCHEDULES": "overlap_lab.shared.schedules",
-    "Trace": "overlap_lab.shared.trace",
-    "Span": "overlap_lab.shared.trace",
+    "Trace": "overlap_lab.shared.outputs.trace",
+    "Span": "overlap_lab.shared.outputs.trace",
     "ConfigError": "overlap_lab.shared.errors",
 }
 

@@ -12,7 +12,7 @@ functions, so a notebook gets exactly what the CLI prints::
     print(table.text())
 
 A model or GPU is a preset name, a record (:class:`ModelConfig`, :class:`GPU`) or the path of a
-YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab.shared.presets`.
+YAML/JSON file (a HuggingFace ``config.json`` for models); see :mod:`overlap_lab.shared.inputs.presets`.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overlap_lab.metrics import Metrics, measure
-from overlap_lab.shared.deepep import below_published_sms
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.presets import load_gpu, load_model
-from overlap_lab.shared.program import Program, num_ops, ops_of
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.presets import load_gpu, load_model
+from overlap_lab.shared.inputs.workload import Batch, ModelConfig, Parallel, Workload, with_layers
+from overlap_lab.shared.ir.deepep import below_published_sms
+from overlap_lab.shared.ir.program import Program, num_ops, ops_of
+from overlap_lab.shared.ir.validate import check_build_budget
+from overlap_lab.shared.outputs.trace import Trace, no_gc
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
 from overlap_lab.shared.schedules.fallbacks import fallback_notes
-from overlap_lab.shared.trace import Trace, no_gc
-from overlap_lab.shared.validate import check_build_budget
-from overlap_lab.shared.workload import Batch, ModelConfig, Parallel, Workload, with_layers
 
 if TYPE_CHECKING:
     from overlap_lab.sim.models import CostModel, NetworkFactory
@@ -176,7 +176,7 @@ class Ranks:
     (``explicit``) with seeded expert-load (``imbalance``: balanced, zipf:S, file:PATH) and DP
     attention (``dp_imbalance`` in [0, 1)) imbalance.
 
-    ``reduce``: explicit ranks that provably cannot differ (``shared.symmetry``: every rank's
+    ``reduce``: explicit ranks that provably cannot differ (``shared.ir.symmetry``: every rank's
     program is rank 0's relabeled, as with balanced routing) are simulated once and the Trace
     copied to every rank; the result is the full run's, without its network grouping tolerance.
     False simulates every rank all the same."""
@@ -223,7 +223,7 @@ class Result:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON ``overlap-lab sim --json`` prints (keys listed in docs/metrics.md)."""
-        with no_gc():  # it walks every rank's ops and spans (see shared.trace.no_gc)
+        with no_gc():  # it walks every rank's ops and spans (see shared.outputs.trace.no_gc)
             return self._as_dict()
 
     def _as_dict(self) -> dict[str, Any]:
@@ -314,7 +314,7 @@ _REPORT_WINDOW_TOTALS = frozenset({"total_us", "gpu_idle_us", "forward_gap_us", 
 
 def _one_of_alike(program: Program, trace: Trace) -> Program:
     """Rank 0 alone when ``trace`` is a reduced run of ``program`` (its ranks hold the same ops
-    but for flow destinations: ``shared.symmetry``), else ``program``: what per-op summaries
+    but for flow destinations: ``shared.ir.symmetry``), else ``program``: what per-op summaries
     (op classes, duration sources) need to read."""
     if str(trace.meta.get("reduction", "")).startswith("reduced"):
         return replace(program, ranks=program.ranks[:1])
@@ -403,7 +403,7 @@ def simulate(
     except SimulationStalled as e:  # validation should have refused it: one line all the same
         raise ConfigError(f"{e} (please report this command)") from None
     # the workload in the trace, for figure titles and exported traces; op classes for colours
-    with no_gc():  # every rank's ops and spans walked (see shared.trace.no_gc)
+    with no_gc():  # every rank's ops and spans walked (see shared.outputs.trace.no_gc)
         trace.meta.update(
             schedule=schedule,
             model=w.model.label,
@@ -426,7 +426,7 @@ def simulate(
 def _is_balanced(r: Ranks) -> bool:
     """Whether explicit ranks ``r`` route as the symmetric Program does (their run is the
     balanced one)."""
-    from overlap_lab.shared.routing import parse_imbalance
+    from overlap_lab.shared.inputs.routing import parse_imbalance
 
     return parse_imbalance(r.imbalance).kind == "balanced" and r.dp_imbalance == 0
 
@@ -441,11 +441,11 @@ def simulate_explicit(
     models: Mapping[str, Any] | None = None,
 ) -> Trace:
     """Simulate every rank of the explicit ``lowered``: once for all when they cannot differ
-    (``shared.symmetry``), else each, with the network's grouping tolerance. ``models``: the
+    (``shared.ir.symmetry``), else each, with the network's grouping tolerance. ``models``: the
     ``cost_model`` and ``network`` keywords of the run. Public so a sweep simulates a case's
     explicit ranks as :func:`simulate` does."""
-    from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
-    from overlap_lab.shared.validate import validate
+    from overlap_lab.shared.ir.symmetry import Reduction, expand_trace, reduce_program
+    from overlap_lab.shared.ir.validate import validate
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import Engine
 
@@ -484,14 +484,14 @@ def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
     command line shows, the sweep keys and the benchmarks time this same lowered Program)."""
     if r.mode == "symmetric" and r.imbalance == "balanced" and r.dp_imbalance == 0:
         return program  # the common case needs no routing module (a symmetric run draws none)
-    from overlap_lab.shared.routing import dp_token_counts, parse_imbalance, routing_for
+    from overlap_lab.shared.inputs.routing import dp_token_counts, parse_imbalance, routing_for
 
     imb = parse_imbalance(r.imbalance)
     if r.mode == "symmetric":
         if imb.kind != "balanced" or r.dp_imbalance > 0:
             raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
         return program
-    from overlap_lab.shared.ranks import expand_ranks
+    from overlap_lab.shared.ir.ranks import expand_ranks
 
     dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, r.dp_imbalance, r.seed)
     routing = routing_for(w, imb, seed=r.seed, dp_tokens=dp, group_limited=r.group_limited)

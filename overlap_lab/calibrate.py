@@ -26,10 +26,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Program
-from overlap_lab.shared.trace import Trace
-from overlap_lab.shared.workload import Batch, Workload
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Batch, Workload
+from overlap_lab.shared.ir.program import Program
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.calibrate import BenchCase, bench_plan, profile_from_trace
 from overlap_lab.sim.profile import Profile
 

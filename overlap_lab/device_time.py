@@ -279,11 +279,11 @@ def op_device_us(km: KernelMap) -> dict[OpId, float]:
 
 
 def with_device_time(trace, times: Mapping[OpId, float]):
-    """``trace`` (a ``shared.trace.Trace`` of the executor) with each op's stream spans shrunk
+    """``trace`` (a ``shared.outputs.trace.Trace`` of the executor) with each op's stream spans shrunk
     or stretched so that they sum to the op's device time: the spans keep their starts (the
     order and the overlap the eager pass saw), their durations become kernel time. Ops without a
     device time keep their spans; ``meta["spans_source"]`` says which is which."""
-    from overlap_lab.shared.trace import Trace
+    from overlap_lab.shared.outputs.trace import Trace
 
     total: dict[OpId, float] = defaultdict(float)
     for s in trace.spans:

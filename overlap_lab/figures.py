@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace, Track, union
+from overlap_lab.shared.outputs.trace import Span, Trace, Track, union
 
 # ---------------------------------------------------------------------------------------------
 # Categories and colours
@@ -69,7 +69,7 @@ CATEGORY_COLORS: dict[str, tuple[str, str]] = {
 #: Backwards-compatible name: category -> face colour.
 FAMILY_COLORS: dict[str, str] = {k: v[0] for k, v in CATEGORY_COLORS.items()}
 
-#: Every op the schedules emit (shared/ops.py, ops_sched.py, ops_pp.py), by exact base name.
+#: Every op the schedules emit (shared/ir/ops.py, ops_sched.py, ops_pp.py), by exact base name.
 OP_CATEGORY: dict[str, str] = {
     "attn.prepare": "attention",
     "attn.core": "attention",
@@ -122,7 +122,7 @@ OP_CATEGORY: dict[str, str] = {
     "resolve_future": "scheduler ops",
     "store_to_map": "scheduler ops",
 }
-#: Op class (shared.program.Op.op_class) -> category, for ops outside :data:`OP_CATEGORY`.
+#: Op class (shared.ir.program.Op.op_class) -> category, for ops outside :data:`OP_CATEGORY`.
 CLASS_CATEGORY: dict[str, str] = {
     "grouped_gemm": "routed experts",
     "attention": "attention",

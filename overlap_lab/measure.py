@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.schedules import ScheduleConfig
-from overlap_lab.shared.workload import Workload
 
 
 def schedules_to_run(name: str | None) -> list[str]:
@@ -153,7 +153,7 @@ def run_on_gpu(
     from overlap_lab.real.deps import probe
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     g = get_gpu(gpu)
     from overlap_lab.outdir import mark
@@ -247,13 +247,13 @@ def run_provenance(
     repeats: int,
     command: Sequence[str] | None,
 ) -> dict[str, Any]:
-    """The provenance record of one measured run (``shared.trace.provenance``): the command line
+    """The provenance record of one measured run (``shared.outputs.trace.provenance``): the command line
     and the inputs as run (the workload after ``workload_variants``, the GPU preset, every knob,
     the backend asked for, seed, warmup and repeats), with the keys of `sim`'s record where they
     mean the same, so that a measured trace and its prediction can be matched input by input.
     What the machine turned out to be (device, driver, library versions) is measured, not an
     input: the trace's meta holds it."""
-    from overlap_lab.shared.trace import provenance
+    from overlap_lab.shared.outputs.trace import provenance
 
     inputs = {
         "schedule": name,

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from overlap_lab.shared.program import Program
-from overlap_lab.shared.trace import COMM_KINDS, Trace, length, union
-from overlap_lab.shared.workload import Workload
+from overlap_lab.shared.inputs.workload import Workload
+from overlap_lab.shared.ir.program import Program
+from overlap_lab.shared.outputs.trace import COMM_KINDS, Trace, length, union
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ from tqdm import tqdm
 
 from overlap_lab.metrics import iterations_and_tokens
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
+from overlap_lab.shared.inputs.hardware import GPU
 
 if TYPE_CHECKING:
-    from overlap_lab.shared.program import Op, Program
-    from overlap_lab.shared.workload import Workload
+    from overlap_lab.shared.inputs.workload import Workload
+    from overlap_lab.shared.ir.program import Op, Program
     from overlap_lab.sim.cost import Grid, KernelDemand
     from overlap_lab.sim.models import CostModel, NetworkFactory
 
@@ -768,7 +768,7 @@ def step_times(
     """The window of an already built and validated symmetric ``program`` at each point of
     ``design`` (not the nominal one): what an experiment's ``measure`` stores to say how sure
     each of its rows is, at the cost of one simulation per point."""
-    from overlap_lab.shared.presets import load_gpu
+    from overlap_lab.shared.inputs.presets import load_gpu
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.engine import Engine
     from overlap_lab.sim.profile import profile_for

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Program
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import Program
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.calibrate import OpKey, measured_ops, profile_from_trace
 from overlap_lab.sim.profile import Profile
 

@@ -28,7 +28,7 @@ DEFAULT_TOLERANCE = 1e-4  # FP32 on the CPU; splits change GEMM shapes, hence ro
 
 def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
     """Decode, an uneven prefill split, and a prefill TBO cuts in two (two-chunk split)."""
-    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
 
     mc = M.get_model_config(model)
     par = Parallel(ep=ep)
@@ -69,7 +69,7 @@ def unsplit_runs(names: list[str], workloads: list, *, gpu: str = "h100", cfg=No
     there, which a bare "ok" would hide."""
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.errors import ConfigError
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     g = get_gpu(gpu)
     out: dict[str, str] = {}
@@ -178,7 +178,7 @@ def check_equivalence(
     path); the runs that still fell back to one micro-batch are reported in ``unsplit``.
     """
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     names = schedule_names or S.available()
     workloads = workloads or default_workloads()

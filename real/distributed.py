@@ -49,7 +49,7 @@ def run_rank(
     from overlap_lab.real.comm.torch_dist import TorchDistBackend
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     prog = S.build(schedule, workload, get_gpu(gpu), cfg)
     rc = M.from_model_config(workload.model)
@@ -105,7 +105,7 @@ def split_cases(
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.errors import ConfigError
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     g = get_gpu(gpu)
     runnable: list[tuple[str, object]] = []

@@ -31,7 +31,7 @@ from overlap_lab.real import kernels as K
 from overlap_lab.real import model as M
 from overlap_lab.real.clocks import Anchor, ClockMap, anchor
 from overlap_lab.real.runlog import RunLog
-from overlap_lab.shared.program import (
+from overlap_lab.shared.ir.program import (
     Graph,
     Host,
     Launch,
@@ -43,7 +43,7 @@ from overlap_lab.shared.program import (
     WaitStream,
     Yield,
 )
-from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.outputs.trace import Span, Trace
 
 
 class HazardError(RuntimeError):

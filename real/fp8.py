@@ -1,7 +1,7 @@
 """GEMM precision: FP8 through DeepGEMM where the workload asks for it and the machine can, BF16
 otherwise, and always said which.
 
-The workload's ``gemm_dtype`` ("bf16" | "fp8", shared/workload.py) is what the simulator models.
+The workload's ``gemm_dtype`` ("bf16" | "fp8", shared/inputs/workload.py) is what the simulator models.
 The executor honours it per op (``Op.dtype``: the projections, shared and routed experts, dense
 MLP carry the workload's GEMM dtype; the router stays BF16, as in the simulator) when
 :func:`resolve` says FP8 can run: a CUDA device, torch's ``float8_e4m3fn``, and a ``deep_gemm``

@@ -844,7 +844,7 @@ def output(ctx: KernelCtx) -> None:
 
 @register("comm_postprocess_layer")
 def comm_postprocess_layer(ctx: KernelCtx) -> None:
-    """The layer's residual add (shared/ops.py's postprocess): hidden += residual."""
+    """The layer's residual add (shared/ir/ops.py's postprocess): hidden += residual."""
     h, res = ctx.get("hidden"), ctx.get("residual")
     ctx.put("hidden", h + res)
     ctx.put("residual", None)
@@ -857,7 +857,7 @@ def comm_postprocess_layer(ctx: KernelCtx) -> None:
 
 NOOP_OPS = (
     "noop",  # hand-written Programs and tests
-    # SGLang's overlap scheduler (shared/ops_sched.py): metadata kernels on the schedule stream
+    # SGLang's overlap scheduler (shared/ir/ops_sched.py): metadata kernels on the schedule stream
     # and the FutureMap's resolve/store. The executor's inputs and token ids are already on the
     # device, so these compute nothing here; on a GPU their (small) kernel time is therefore not
     # measured (real/README.md).
@@ -880,7 +880,7 @@ def noop(ctx: KernelCtx) -> None:
 
 
 #: The attention half's own GEMMs and the quantisation kernels in front of FP8 GEMMs
-#: (``shared.ops.PARTS``): the simulator times each; this backend computes them inside the op of
+#: (``shared.ir.ops.PARTS``): the simulator times each; this backend computes them inside the op of
 #: their key (``attn.prepare``, ``attn.core``, ``shared_experts``, ``mlp``, whose FP8 GEMMs
 #: quantise their own inputs: real/fp8.py), so here each is an empty kernel that says so.
 FOLDED_OPS: dict[str, str] = {

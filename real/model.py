@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.workload import with_layers
+from overlap_lab.shared.inputs.workload import with_layers
 
 
 @dataclass(frozen=True)
 class RealModelConfig:
-    """The shapes the executor needs; built from a shared.workload ModelConfig or a tiny preset."""
+    """The shapes the executor needs; built from a shared.inputs.workload ModelConfig or a tiny preset."""
 
     name: str
     num_layers: int
@@ -64,12 +64,12 @@ class RealModelConfig:
 
 
 def tiny_models() -> dict:
-    """Scaled-down shared.workload ModelConfigs for CPU tests (schedules need a ModelConfig).
+    """Scaled-down shared.inputs.workload ModelConfigs for CPU tests (schedules need a ModelConfig).
 
     ``tiny-mla`` is DeepSeek-V3 in miniature (MLA with q LoRA, sigmoid group-limited routing,
     a shared expert, one dense layer); ``tiny-gqa`` is Qwen3-MoE in miniature.
     """
-    from overlap_lab.shared.workload import ModelConfig
+    from overlap_lab.shared.inputs.workload import ModelConfig
 
     return {
         "tiny-mla": ModelConfig(
@@ -118,7 +118,7 @@ TINY_NAMES = ("tiny-mla", "tiny-gqa")
 
 
 def from_model_config(mc, num_layers: int | None = None) -> RealModelConfig:
-    """The torch model's configuration for a shared.workload ModelConfig.
+    """The torch model's configuration for a shared.inputs.workload ModelConfig.
 
     Router scoring is not a ModelConfig field: DeepSeek-V3 (group-limited, n_group > 1) scores
     with sigmoid plus a correction bias and scales routed outputs by 2.5; DeepSeek-V2-Lite and
@@ -155,16 +155,16 @@ def from_model_config(mc, num_layers: int | None = None) -> RealModelConfig:
 
 
 def get_config(name: str, num_layers: int | None = None) -> RealModelConfig:
-    """A tiny preset of this module, or a shared.workload preset adapted."""
+    """A tiny preset of this module, or a shared.inputs.workload preset adapted."""
     return from_model_config(get_model_config(name), num_layers)
 
 
 def get_model_config(name: str):
-    """The shared.workload ModelConfig of a tiny preset or a shared preset."""
+    """The shared.inputs.workload ModelConfig of a tiny preset or a shared preset."""
     tiny = tiny_models()
     if name in tiny:
         return tiny[name]
-    from overlap_lab.shared.workload import get_model
+    from overlap_lab.shared.inputs.workload import get_model
 
     return get_model(name)
 

@@ -20,7 +20,7 @@ stream, ``PER_COHORT`` for each cohort a kernel can run as (at most one per SM's
 CTAs; ``default_max_events``). That bounds what a run can need, yet stops one that makes no
 progress (a floating-point timer loop, say) within a bounded time. Programs too large to build
 and simulate in reasonable time are refused before this, by their own budget
-(``shared.validate.check_build_budget``).
+(``shared.ir.validate.check_build_budget``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import simpy
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.program import Launch, Op, Program, iter_gpu_instrs
+from overlap_lab.shared.ir.program import Launch, Op, Program, iter_gpu_instrs
 from overlap_lab.sim.cost import Grid
 from overlap_lab.sim.resources import GRANT_PRIORITY, timers
 from overlap_lab.sim.simpy_fast import run_steps

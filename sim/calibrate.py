@@ -2,7 +2,7 @@
 
 ``profile_from_trace`` takes a Trace whose kernel spans carry op name, layer and micro-batch (our
 own traces: ``overlap-lab run`` on a GPU, the simulator, or an imported trace labelled with
-``shared.analyze.label_ops``) and the Program that produced it. The spans of each op are summed
+``shared.outputs.analyze.label_ops``) and the Program that produced it. The spans of each op are summed
 per (rank, op, layer, micro-batch, step) — an op may be several kernels, or one kernel cut where
 its SM grant changed — and joined with the Program's op (tokens, FLOPs, dtype). Ops of one
 (name, dtype, tokens, SMs) pool into one row: mean duration and mean FLOPs, so the simulator reads
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import (
     Graph,
     Launch,
     Op,
@@ -33,7 +33,7 @@ from overlap_lab.shared.program import (
     map_ops,
     ops_of,
 )
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.profile import (
     FORMAT,
     PROFILED_CLASSES,
@@ -205,7 +205,7 @@ def profile_name(profile: Profile | None) -> str:
 def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
     """Per op class, how many launched ops take their duration from the profile, the roofline
     or the link model (communication kernels and copies). Each distinct op object's source is
-    looked up once: explicit ranks share most of their ops (``shared.ranks``), and a lookup is a
+    looked up once: explicit ranks share most of their ops (``shared.ir.ranks``), and a lookup is a
     profile search."""
     from overlap_lab.sim.cost import duration_source
 

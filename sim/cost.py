@@ -64,8 +64,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Op
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import Op
 
 if TYPE_CHECKING:
     from overlap_lab.sim.profile import Profile
@@ -112,38 +112,19 @@ def efficiency(op: Op) -> tuple[float, float]:
     return EFFICIENCY.get(op.op_class, EFFICIENCY["elementwise"])
 
 
-def peak_flops_per_us(gpu: GPU, dtype: str) -> float:
-    tflops = gpu.fp8_tflops if dtype == "fp8" else gpu.bf16_tflops
-    return tflops * 1e6  # 1 TFLOP/s = 1e12 FLOP/s = 1e6 FLOP/µs
-
-
-def hbm_bytes_per_us(gpu: GPU) -> float:
-    return gpu.hbm_gbps * 1e3  # 1 GB/s = 1e9 B/s = 1e3 B/µs
-
-
-def link_bytes_per_us(gpu: GPU, link: str) -> float:
-    """What DeepEP-class kernels achieve on the link (the preset's effective figure if given)."""
-    eff = getattr(gpu, f"{link}_eff_gbps", 0.0)
-    return (eff or getattr(gpu, f"{link}_gbps")) * 1e3
-
-
-def link_latency_us(gpu: GPU, link: str) -> float:
-    return getattr(gpu, f"{link}_lat_us")
-
-
 def compute_time_us(op: Op, gpu: GPU, sms: int) -> float:
     """Time at the compute roof on ``sms`` SMs (0 when the op does no arithmetic)."""
     if op.flops <= 0:
         return 0.0
     eff_c, _ = efficiency(op)
-    return op.flops / (peak_flops_per_us(gpu, op.dtype) * eff_c * max(sms, 1) / gpu.num_sms)
+    return op.flops / (gpu.peak_flops_per_us(op.dtype) * eff_c * max(sms, 1) / gpu.num_sms)
 
 
 def bandwidth_cap(op: Op, gpu: GPU, sms: int) -> float:
     """The most HBM bandwidth (B/µs) a kernel on ``sms`` SMs can pull."""
     _, eff_m = efficiency(op)
     frac = min(1.0, max(sms, 1) / (SATURATING_SM_FRACTION * gpu.num_sms))
-    return hbm_bytes_per_us(gpu) * eff_m * frac
+    return gpu.hbm_bytes_per_us * eff_m * frac
 
 
 @dataclass(frozen=True)
@@ -183,7 +164,7 @@ def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None
     ref = solo_duration_us(op, gpu, m.sms)
     if ref <= 0:
         return None
-    return max(m.us, op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)) / ref
+    return max(m.us, op.hbm_bytes / (gpu.hbm_bytes_per_us * HBM_USABLE)) / ref
 
 
 def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
@@ -192,7 +173,7 @@ def profiled_us(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
     m = profile.lookup(op, sms, gpu)
     if m is None:
         return None
-    floor = op.hbm_bytes / (hbm_bytes_per_us(gpu) * HBM_USABLE)
+    floor = op.hbm_bytes / (gpu.hbm_bytes_per_us * HBM_USABLE)
     if m.sms == sms:
         return max(m.us, floor)
     return profile_factor(op, gpu, sms, profile) * solo_duration_us(op, gpu, sms)
@@ -223,14 +204,14 @@ def is_deepep_ll_recv(op: Op) -> bool:
 
 def channel_time_us(op: Op, gpu: GPU) -> float:
     """How long a DeepEP normal kernel's channels need to move its flows on the SMs it holds
-    (``shared.deepep.deepep_normal_rate`` of the GPU's ``deepep_release``): the links' rate where
+    (``shared.ir.deepep.deepep_normal_rate`` of the GPU's ``deepep_release``): the links' rate where
     it holds enough SMs, proportionally less below. A sendrecv kernel cannot finish before
     this (nor before its data arrives: ``sim.resources``), so with too few SMs its span outlasts
     the link time. 0 for every other op."""
     c = op.coll
     if op.kind != "comm" or c is None or c.role != "sendrecv" or not op.sms:
         return 0.0
-    from overlap_lab.shared.deepep import deepep_normal_fraction
+    from overlap_lab.shared.ir.deepep import deepep_normal_fraction
 
     per_link: dict[str, float] = {}
     for f in c.flows:
@@ -239,7 +220,7 @@ def channel_time_us(op: Op, gpu: GPU) -> float:
     for link, nbytes in per_link.items():
         frac = deepep_normal_fraction(gpu.deepep_release, op.sms, link)
         if frac < 1.0:
-            t = max(t, nbytes / (link_bytes_per_us(gpu, link) * frac))
+            t = max(t, nbytes / (gpu.link_bytes_per_us(link, effective=True) * frac))
     return t
 
 
@@ -311,7 +292,7 @@ _FILL_EPS = 1e-12
 
 
 def hbm_shares(demands: list[KernelDemand], gpu: GPU) -> list[float]:
-    return water_fill([d.cap for d in demands], hbm_bytes_per_us(gpu) * HBM_USABLE)
+    return water_fill([d.cap for d in demands], gpu.hbm_bytes_per_us * HBM_USABLE)
 
 
 def duration_us(d: KernelDemand, share: float) -> float:
@@ -437,7 +418,7 @@ class RooflineCostModel:
         return demand(op, gpu, sms, self.profile)
 
     def hbm_bytes_per_us(self, gpu: GPU) -> float:
-        return hbm_bytes_per_us(gpu) * HBM_USABLE
+        return gpu.hbm_bytes_per_us * HBM_USABLE
 
     def link(self, gpu: GPU, kind: str) -> tuple[float, float]:
-        return link_bytes_per_us(gpu, kind), link_latency_us(gpu, kind)
+        return gpu.link_bytes_per_us(kind, effective=True), gpu.link_latency_us(kind)

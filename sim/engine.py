@@ -1,7 +1,7 @@
 """The SimPy interpreter: host threads issue, streams run FIFO, kernels share SMs, HBM and links.
 
 Per rank:
-- one host process walks the rank's instructions in issue order (``shared.validate.issue_order``:
+- one host process walks the rank's instructions in issue order (``shared.ir.validate.issue_order``:
   one host thread runs at a time and hands over at ``Yield``), paying the launch cost per kernel
   (one graph-launch cost per ``Graph``), host time per ``Host`` and blocking at ``Sync``; its spans
   land on the lane of the thread that issued them;
@@ -26,7 +26,7 @@ works from its start but cannot finish before its data has arrived. In a symmetr
 with ``dst=None`` returns to its sender, standing for the identical flow of the mirror peer.
 
 Nothing here is random: the same Program and GPU give the same Trace (routing noise and load
-imbalance are drawn, seeded, when the Program is built: ``shared.routing``, ``shared.ranks``;
+imbalance are drawn, seeded, when the Program is built: ``shared.inputs.routing``, ``shared.ir.ranks``;
 ``seed`` is recorded in the trace).
 """
 
@@ -40,8 +40,8 @@ from functools import partial
 import numpy as np
 import simpy
 
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import (
     Graph,
     Host,
     Launch,
@@ -55,9 +55,9 @@ from overlap_lab.shared.program import (
     Yield,
     iter_gpu_instrs,
 )
-from overlap_lab.shared.trace import Span, Trace
-from overlap_lab.shared.trace import new_span as _span
-from overlap_lab.shared.validate import issue_order, validate
+from overlap_lab.shared.ir.validate import issue_order, validate
+from overlap_lab.shared.outputs.trace import Span, Trace
+from overlap_lab.shared.outputs.trace import new_span as _span
 from overlap_lab.sim import cost
 from overlap_lab.sim.budget import default_max_events, run_budgeted
 from overlap_lab.sim.models import CostModel, NetworkFactory

@@ -24,8 +24,8 @@ import numpy as np
 if TYPE_CHECKING:
     import simpy
 
-    from overlap_lab.shared.hardware import GPU
-    from overlap_lab.shared.program import Op
+    from overlap_lab.shared.inputs.hardware import GPU
+    from overlap_lab.shared.ir.program import Op
     from overlap_lab.sim.cost import Grid, KernelDemand
 
 

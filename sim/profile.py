@@ -58,8 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.ops import (
     DENSE_OP_NAMES,
     HEAD_OP_NAMES,
     MOE_OP_NAMES,
@@ -67,8 +67,8 @@ from overlap_lab.shared.ops import (
     MTP_OP_NAMES,
     PART_OP_NAMES,
 )
-from overlap_lab.shared.ops_sched import SCHED_OP_NAMES
-from overlap_lab.shared.program import Op
+from overlap_lab.shared.ir.ops_sched import SCHED_OP_NAMES
+from overlap_lab.shared.ir.program import Op
 
 FORMAT = "overlap-lab-profile/1"
 HEADER_KEYS: tuple[str, ...] = ("format", "device", "date", "software", "source", "rows")
@@ -487,7 +487,7 @@ def _measured_on(builtin: str) -> tuple[tuple[str, Any], ...]:
 
 
 def _preset_names() -> frozenset[str]:
-    from overlap_lab.shared.hardware import GPUS
+    from overlap_lab.shared.inputs.hardware import GPUS
 
     return frozenset(GPUS)
 

@@ -25,8 +25,8 @@ from operator import attrgetter
 
 import simpy
 
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Op
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import Op
 from overlap_lab.sim import cost
 from overlap_lab.sim.models import CostModel
 from overlap_lab.sim.simpy_fast import InstantTimers

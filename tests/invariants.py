@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from overlap_lab.shared.program import Graph, Launch, Program, Record, Wait, WaitStream
-from overlap_lab.shared.trace import Trace
-from overlap_lab.shared.validate import issue_order
+from overlap_lab.shared.ir.program import Graph, Launch, Program, Record, Wait, WaitStream
+from overlap_lab.shared.ir.validate import issue_order
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.cost import solo_duration_us
 
 EPS = 1e-6

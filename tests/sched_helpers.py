@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from overlap_lab.shared.program import (
+from overlap_lab.shared.ir.program import (
     HostThread,
     Launch,
     Program,
@@ -106,9 +106,9 @@ def check_simulated(p: Program, gpu) -> None:
 
 
 def _keyify(item):
-    """``item`` with every op name that is a part of a key (``shared.ops.PARTS``) replaced by
+    """``item`` with every op name that is a part of a key (``shared.ir.ops.PARTS``) replaced by
     the key: tuples element-wise, ``stream:name`` strings by their name."""
-    from overlap_lab.shared.ops import KEY_OF
+    from overlap_lab.shared.ir.ops import KEY_OF
 
     if isinstance(item, tuple):
         return tuple(_keyify(x) for x in item)
@@ -136,7 +136,7 @@ def collapse(items) -> list:
 
 
 def _is_key(item) -> bool:
-    from overlap_lab.shared.ops import PARTS
+    from overlap_lab.shared.ir.ops import PARTS
 
     if isinstance(item, tuple):
         return any(_is_key(x) for x in item)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.shared.program import ops_of
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.program import ops_of
 from overlap_lab.sim.calibrate import cost_sources
 from overlap_lab.sim.cost import duration_source
 

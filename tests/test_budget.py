@@ -1,13 +1,13 @@
 """The two budgets: events per simulation (``sim.budget``) and instructions per Program
-(``shared.validate.check_build_budget``)."""
+(``shared.ir.validate.check_build_budget``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import parse
-from overlap_lab.shared.validate import (
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.program import parse
+from overlap_lab.shared.ir.validate import (
     BuildBudgetExceeded,
     ProgramError,
     check_build_budget,

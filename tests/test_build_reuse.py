@@ -11,9 +11,9 @@ import sys
 from hypothesis import given
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import MOE_OP_NAMES, expand_keys, layer_ops
-from overlap_lab.shared.workload import Batch, MicroBatch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import MOE_OP_NAMES, expand_keys, layer_ops
 from tests.fuzz_helpers import fuzz_settings
 from tests.test_fuzz_program import mutated
 
@@ -59,12 +59,12 @@ def test_template_depends_on_what_an_op_depends_on():
 def test_building_a_program_imports_no_routing_sampler():
     code = (
         "import sys\n"
-        "from overlap_lab.shared.hardware import get_gpu\n"
+        "from overlap_lab.shared.inputs.hardware import get_gpu\n"
         "from overlap_lab.shared.schedules import build\n"
-        "from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model\n"
+        "from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model\n"
         "w = Workload(get_model('deepseek-v3'), Batch.decode(128, kv_len=4096), Parallel(ep=32))\n"
         "build('tbo', w, get_gpu('h800'))\n"
-        "print(sorted(m for m in ('overlap_lab.shared.deepep', 'overlap_lab.shared.routing')"
+        "print(sorted(m for m in ('overlap_lab.shared.ir.deepep', 'overlap_lab.shared.inputs.routing')"
         " if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -87,8 +87,8 @@ def _every_need(by_need, sender, started, start) -> int:
 def _verdict(text: str, reference: bool) -> str:
     """The validator's verdict; ``reference``: one ancestor search per receiver and a scan of
     every launch for the competing need, as before the bitsets and the need groups."""
-    from overlap_lab.shared import validate as v
-    from overlap_lab.shared.program import ParseError, parse
+    from overlap_lab.shared.ir import validate as v
+    from overlap_lab.shared.ir.program import ParseError, parse
 
     old = v.MAX_BITSET_NODES, v._largest_need
     if reference:
@@ -123,7 +123,7 @@ def test_starvation_bitsets_on_sbo_programs():
 def test_a_sound_program_is_validated_once_while_it_lives(monkeypatch):
     import gc
 
-    from overlap_lab.shared import validate as v
+    from overlap_lab.shared.ir import validate as v
     from overlap_lab.shared.schedules import build
 
     w = _workload()

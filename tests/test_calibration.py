@@ -11,13 +11,19 @@ import pytest
 
 from overlap_lab import validate as V
 from overlap_lab.cli.main import main
-from overlap_lab.shared.analyze import KernelClass, Mapping, analyze, label_ops, load_mapping
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import ops_of
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.program import first_rank_ops, ops_of
+from overlap_lab.shared.outputs.analyze import (
+    KernelClass,
+    Mapping,
+    analyze,
+    label_ops,
+    load_mapping,
+)
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.shared.schedules import ScheduleConfig, build
-from overlap_lab.shared.trace import Trace
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import simulate
 from overlap_lab.sim.calibrate import bench_plan, measured_ops, profile_from_trace, program_ops
 
@@ -168,11 +174,11 @@ def test_label_ops_turns_a_foreign_trace_into_the_programs_ops():
                    ("cast_kernel", 7, t + 50, 5)]  # fmt: skip
         t += 100
     mapping = Mapping().with_user((KernelClass("m_grouped", "deepgemm", "compute", "experts"),))
-    labelled = label_ops(Trace.from_chrome(kineto(events)), mapping, prog)
+    labelled = label_ops(Trace.from_chrome(kineto(events)), mapping, first_rank_ops(prog))
     prof = profile_from_trace(labelled, prog, num_sms=132)
     assert [(r.op, r.us) for r in prof.rows] == [("experts", 50.0)]
     with pytest.raises(ConfigError, match="occurrences of 'experts'"):
-        label_ops(Trace.from_chrome(kineto(events[:3])), mapping, prog)
+        label_ops(Trace.from_chrome(kineto(events[:3])), mapping, first_rank_ops(prog))
 
 
 # ---- validate -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from overlap_lab.real.check import (  # noqa: E402
     unsplit_runs,
 )
 from overlap_lab.shared import schedules as S  # noqa: E402
-from overlap_lab.shared.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.inputs.hardware import get_gpu  # noqa: E402
 from overlap_lab.shared.schedules import ScheduleConfig  # noqa: E402
 
 

@@ -111,7 +111,7 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_show_prints_a_parseable_program(capsys):
-    from overlap_lab.shared.program import parse
+    from overlap_lab.shared.ir.program import parse
 
     code, out, _ = run(capsys, "show", *SMALL)
     assert code == 0

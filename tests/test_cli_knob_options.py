@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from overlap_lab.cli import inputs, options
-from overlap_lab.shared.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
 from overlap_lab.shared.schedules import SCHEDULES, knobs_of, schedule_knobs
 
 

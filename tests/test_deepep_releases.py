@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.shared.deepep import RELEASES, deepep_normal_rate
-from overlap_lab.shared.hardware import GPU, get_gpu
-from overlap_lab.shared.knobs import knobs
+from overlap_lab.shared.inputs.hardware import GPU, get_gpu
+from overlap_lab.shared.inputs.knobs import knobs
+from overlap_lab.shared.ir.deepep import RELEASES, deepep_normal_rate
 
 
 def _prefill():

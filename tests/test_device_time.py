@@ -21,7 +21,7 @@ from overlap_lab.device_time import (
     split_runs,
     with_device_time,
 )
-from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.outputs.trace import Span, Trace
 
 FIXTURE = Path(__file__).parent / "data" / "h200_decode128_serial_layer1.trace.json.gz"
 LAYER1_OPS = {

@@ -9,9 +9,9 @@ import pytest
 
 from overlap_lab.shared import schedules
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.trace import Span, new_span
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.outputs.trace import Span, new_span
 from overlap_lab.sim import resources
 from overlap_lab.sim.engine import Engine
 

@@ -10,15 +10,11 @@ import pytest
 import simpy
 
 from overlap_lab.cli.main import main
-from overlap_lab.shared.builder import RankBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import layer_ops, whole_batch
-from overlap_lab.shared.program import Flow, Launch
-from overlap_lab.shared.ranks import expand_ranks
+from overlap_lab.shared.inputs.hardware import get_gpu
 
 # LayerRouting._popularity and _rng tested directly: the load follows the drawn popularity
-from overlap_lab.shared.routing import (
+from overlap_lab.shared.inputs.routing import (
     Imbalance,
     LayerRouting,
     RoutingConfig,
@@ -26,9 +22,13 @@ from overlap_lab.shared.routing import (
     read_sample,
     routing_for,
 )
+from overlap_lab.shared.inputs.topology import Topology
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.ops import layer_ops, whole_batch
+from overlap_lab.shared.ir.program import Flow, Launch
+from overlap_lab.shared.ir.ranks import expand_ranks
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.topology import Topology
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
 from overlap_lab.sim.network import Network, max_min_rates
@@ -250,7 +250,7 @@ def test_cli_explicit_json(capsys):
 
 
 def test_ids_and_counts_do_not_depend_on_the_counting_chunk(monkeypatch):
-    from overlap_lab.shared import routing as routing_mod
+    from overlap_lab.shared.inputs import routing as routing_mod
 
     cfg = _cfg(seed=4, num_experts=16, top_k=4, n_group=4, topk_group=2, group_limited=True)
     whole = LayerRouting(cfg, (7, 5, 6, 4)).topk.copy()

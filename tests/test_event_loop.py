@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from overlap_lab.shared import schedules
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import budget, engine
 from overlap_lab.sim.engine import Engine
 

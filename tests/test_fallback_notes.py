@@ -12,9 +12,9 @@ import pytest
 
 from overlap_lab import api
 from overlap_lab.cli.main import main
-from overlap_lab.shared.program_meta import ProgramMeta
+from overlap_lab.shared.ir.program_meta import ProgramMeta
+from overlap_lab.shared.outputs.trace import Span, Trace
 from overlap_lab.shared.schedules.fallbacks import fallback_notes
-from overlap_lab.shared.trace import Span, Trace
 
 ROOT = Path(__file__).parents[1]
 LITE = dict(model_spec="deepseek-v2-lite", layers=3, ep=8)

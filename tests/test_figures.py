@@ -19,7 +19,7 @@ from overlap_lab.figures import (
     timeline,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace
+from overlap_lab.shared.outputs.trace import Span, Trace
 
 MOE_OPS = [
     ("comm_prepare_attn", "compute", 2),

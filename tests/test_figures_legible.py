@@ -21,7 +21,7 @@ from overlap_lab.figures import (
     visible_tracks,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace, union
+from overlap_lab.shared.outputs.trace import Span, Trace, union
 from tests.test_figures import make_trace
 
 

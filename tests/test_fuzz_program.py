@@ -21,11 +21,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import GRIDS, ParseError, parse
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.program import GRIDS, ParseError, parse
+from overlap_lab.shared.ir.validate import ProgramError, validate
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build
-from overlap_lab.shared.validate import ProgramError, validate
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim.budget import SimulationBudgetExceeded
 from overlap_lab.sim.engine import Engine
 from tests.fuzz_helpers import fuzz_settings

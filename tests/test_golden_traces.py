@@ -19,11 +19,11 @@ import pytest
 
 from overlap_lab.api import Result
 from overlap_lab.metrics import measure
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import routing_for
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.routing import routing_for
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.ranks import expand_ranks
 from overlap_lab.shared.schedules import ScheduleConfig, build
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
 

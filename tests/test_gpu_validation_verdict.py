@@ -138,9 +138,9 @@ def test_own_run_rows_name_known_ops_and_class_the_split_ones():
     from overlap_lab.calibrate import unprofiled_rows, with_rows
     from overlap_lab.real import model as M
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
-    from overlap_lab.shared.program import ops_of
-    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.ir.program import ops_of
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.calibrate import profile_from_trace
     from overlap_lab.sim.cost import duration_source

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from overlap_lab.cli.main import main
-from overlap_lab.shared import preset_files
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPUS
-from overlap_lab.shared.presets import load_gpu, load_model
-from overlap_lab.shared.workload import MODELS
+from overlap_lab.shared.inputs import preset_files
+from overlap_lab.shared.inputs.hardware import GPUS
+from overlap_lab.shared.inputs.presets import load_gpu, load_model
+from overlap_lab.shared.inputs.workload import MODELS
 from tests.test_presets import DEEPSEEK_V3, write
 
 SMALL = ["sim", "--out", "", "--layers", "2", "--ep", "8", "--batch", "4"]

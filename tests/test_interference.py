@@ -25,8 +25,8 @@ import pytest
 
 from overlap_lab.real.interference import CALLS as PROBE_CALLS
 from overlap_lab.real.interference import calls_beside
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import parse
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.program import parse
 from overlap_lab.sim.cost import RooflineCostModel, solo_duration_us
 from overlap_lab.sim.engine import Engine
 from overlap_lab.sim.profile import from_json

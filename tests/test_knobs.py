@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, HostCosts, get_gpu, gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.hardware import GPU, HostCosts, get_gpu, gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build, knobs_of, schedule_knobs
 from overlap_lab.shared.schedules.common import resolve_comm_sms
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 HELP = Path(__file__).parent / "golden" / "cli_help" / "sim.txt"
 H800 = get_gpu("h800")

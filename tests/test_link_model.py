@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.links import arrival_us, gpu_links, program_sends
-from overlap_lab.shared.workload import Batch, Parallel, Workload
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
+from overlap_lab.shared.ir.links import arrival_us, gpu_links, program_sends
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("simpy")

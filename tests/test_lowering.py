@@ -1,8 +1,8 @@
 """Lowering passes: literal before/after Programs."""
 
-from overlap_lab.shared.builder import RankBuilder, program
-from overlap_lab.shared.lowering import host_wait_for_counts
-from overlap_lab.shared.program import Coll, Flow, Op, Record, Sync
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.lowering import host_wait_for_counts
+from overlap_lab.shared.ir.program import Coll, Flow, Op, Record, Sync
 
 NORMAL = Op("dispatch_a", kind="comm", sms=24, coll=Coll("k", "sendrecv", (Flow("rdma", 1e6),)))
 LL = Op("dispatch_a", kind="comm", sms=8, coll=Coll("j", "send", (Flow("rdma", 1e6),)))

@@ -1,6 +1,6 @@
-"""The lowering's proof that its ranks are alike (``shared.ranks``: each op's per-rank versions,
-``shared.symmetry.certify_alike``) must decide as matching every rank instruction by instruction
-does (``shared.symmetry._Matcher``), and the Reduction it lets ``reduce_program`` build must be
+"""The lowering's proof that its ranks are alike (``shared.ir.ranks``: each op's per-rank versions,
+``shared.ir.symmetry.certify_alike``) must decide as matching every rank instruction by instruction
+does (``shared.ir.symmetry._Matcher``), and the Reduction it lets ``reduce_program`` build must be
 the matched one."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import gc
 
 import pytest
 
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.routing import dp_token_counts, routing_for
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+
 # symmetry._certified tested directly: whether the lowering's certificate holds
-from overlap_lab.shared import symmetry
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import dp_token_counts, routing_for
+from overlap_lab.shared.ir import symmetry
+from overlap_lab.shared.ir.ranks import expand_ranks
+from overlap_lab.shared.ir.symmetry import Reduction, reduce_program, relabeling
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.symmetry import Reduction, reduce_program, relabeling
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 
 H800 = get_gpu("h800")
 

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import overlap_lab as ol
-from overlap_lab.shared.builder import RankBuilder, program
-from overlap_lab.shared.program import Coll, Flow, Op, Program
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.program import Coll, Flow, Op, Program
 
 
 def _doc_examples() -> dict:

@@ -7,8 +7,17 @@ import math
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPUS, get_gpu
-from overlap_lab.shared.ops import (
+from overlap_lab.shared.inputs.hardware import GPUS, get_gpu
+from overlap_lab.shared.inputs.workload import (
+    MODELS,
+    Batch,
+    MicroBatch,
+    ModelConfig,
+    Parallel,
+    Workload,
+    whole_batch,
+)
+from overlap_lab.shared.ir.ops import (
     DENSE_OP_NAMES,
     HEAD_OP_NAMES,
     MOE_OP_NAMES,
@@ -23,16 +32,7 @@ from overlap_lab.shared.ops import (
     moe_tokens,
     traffic,
 )
-from overlap_lab.shared.program import HostThread, Launch, Program, RankProgram, parse, to_text
-from overlap_lab.shared.workload import (
-    MODELS,
-    Batch,
-    MicroBatch,
-    ModelConfig,
-    Parallel,
-    Workload,
-    whole_batch,
-)
+from overlap_lab.shared.ir.program import HostThread, Launch, Program, RankProgram, parse, to_text
 
 H800 = GPUS["h800"]
 

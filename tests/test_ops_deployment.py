@@ -10,11 +10,11 @@ import json
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.shared.knobs import knobs
-from overlap_lab.shared.ops import MTP_HEAD_NAMES, MTP_OP_NAMES, mtp_passes
-from overlap_lab.shared.presets import load_model
-from overlap_lab.shared.program import ops_of
-from overlap_lab.shared.workload import ModelConfig, get_model
+from overlap_lab.shared.inputs.knobs import knobs
+from overlap_lab.shared.inputs.presets import load_model
+from overlap_lab.shared.inputs.workload import ModelConfig, get_model
+from overlap_lab.shared.ir.ops import MTP_HEAD_NAMES, MTP_OP_NAMES, mtp_passes
+from overlap_lab.shared.ir.program import ops_of
 from overlap_lab.sim.cost import duration_source
 from overlap_lab.sim.profile import load_profile
 

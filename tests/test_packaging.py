@@ -19,8 +19,8 @@ def test_every_installed_package_is_under_overlap_lab():
 
 def test_presets_ship_as_package_data_and_yaml_is_a_dependency():
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    data = doc["tool"]["setuptools"]["package-data"]["overlap_lab.shared"]
+    data = doc["tool"]["setuptools"]["package-data"]["overlap_lab.shared.inputs"]
     for pattern in data:
-        assert list((ROOT / "shared").glob(pattern)), pattern
+        assert list((ROOT / "shared" / "inputs").glob(pattern)), pattern
     assert any(d.lower().startswith("pyyaml") for d in doc["project"]["dependencies"])
     assert doc["project"]["requires-python"] == ">=3.11"

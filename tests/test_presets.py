@@ -10,10 +10,10 @@ import pytest
 import overlap_lab as ol
 from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPUS
-from overlap_lab.shared.preset_files import PRESETS
-from overlap_lab.shared.presets import load_gpu, load_model
-from overlap_lab.shared.workload import MODELS
+from overlap_lab.shared.inputs.hardware import GPUS
+from overlap_lab.shared.inputs.preset_files import PRESETS
+from overlap_lab.shared.inputs.presets import load_gpu, load_model
+from overlap_lab.shared.inputs.workload import MODELS
 
 # The fields of the published config.json files (huggingface.co/<org>/<model>/blob/main/config.json)
 DEEPSEEK_V3 = {

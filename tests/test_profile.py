@@ -10,8 +10,8 @@ import pytest
 
 from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import Op
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.program import Op
 from overlap_lab.sim import cost
 from overlap_lab.sim.profile import BUILTIN, from_json, interpolate_loglog, load_profile
 from overlap_lab.sim.profiles import h800_published
@@ -125,7 +125,7 @@ def test_rows_with_flops_are_throughputs_that_scale_with_the_ops_work():
 def test_a_profiled_duration_never_beats_reading_the_ops_bytes():
     p = from_json(doc(row(size=64, us=1.0, flops=1e10)))
     op = gemm_op(64, flops=1e10, name="experts", cls="grouped_gemm", nbytes=3e9)
-    floor = 3e9 / (cost.hbm_bytes_per_us(H800) * cost.HBM_USABLE)
+    floor = 3e9 / (H800.hbm_bytes_per_us * cost.HBM_USABLE)
     assert cost.profiled_us(op, H800, 132, p) == pytest.approx(floor)
 
 
@@ -134,7 +134,7 @@ def test_the_cost_hook_gives_the_profiled_solo_duration_and_keeps_hbm_sharing():
     op = gemm_op(64, flops=2e9, nbytes=5e7)
     assert cost.solo_duration_us(op, H800, profile=p) == pytest.approx(77.0)
     d = cost.demand(op, H800, 132, p)
-    shared = cost.duration_us(d, cost.hbm_bytes_per_us(H800) * 0.01)  # starved of HBM
+    shared = cost.duration_us(d, H800.hbm_bytes_per_us * 0.01)  # starved of HBM
     assert shared > 77.0
 
 
@@ -179,7 +179,7 @@ def test_sim_json_says_where_each_classs_durations_came_from(capsys):
 
 
 def test_show_with_a_profile_annotates_durations_the_parser_skips(capsys):
-    from overlap_lab.shared.program import parse
+    from overlap_lab.shared.ir.program import parse
 
     assert main(["show", "--layers", "2", "--profile", "h800-published"]) == 0
     out = capsys.readouterr().out

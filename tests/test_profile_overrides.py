@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import gemm
-from overlap_lab.shared.program import Op
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.ops import gemm
+from overlap_lab.shared.ir.program import Op
 from overlap_lab.sim import cost
 from overlap_lab.sim.profile import default_profile, from_json, load_profile
 from overlap_lab.sim.profiles import h200_measured

@@ -2,10 +2,10 @@
 
 import pytest
 
-from overlap_lab.shared.builder import RankBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.program import Coll, Flow, LinkKind, Op, OpKind, Role, parse, to_text
-from overlap_lab.shared.validate import ProgramError, issue_order, validate
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.program import Coll, Flow, LinkKind, Op, OpKind, Role, parse, to_text
+from overlap_lab.shared.ir.validate import ProgramError, issue_order, validate
 
 
 def sample_program():
@@ -127,10 +127,10 @@ def test_op_rewrites_keep_stream_priorities_and_reach_graph_bodies():
     rank's stream priorities survive."""
     import dataclasses
 
-    from overlap_lab.shared.hardware import get_gpu
-    from overlap_lab.shared.program import map_ops, ops_of
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+    from overlap_lab.shared.ir.program import map_ops, ops_of
     from overlap_lab.shared.schedules import build
-    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
     from overlap_lab.sim.calibrate import narrow_sms
 
     gpu = get_gpu("h800")
@@ -171,7 +171,7 @@ def test_ir_words_are_checked_and_typed_once_at_construction():
 def test_meta_record_gives_back_the_report_key_for_key():
     """``as_dict`` is the dict the schedule reported, in its order and with its ``None``s (the
     text form and traces stay byte-identical); the text form reads it back as an equal record."""
-    from overlap_lab.shared.program_meta import ProgramMeta
+    from overlap_lab.shared.ir.program_meta import ProgramMeta
 
     report = {"strategy": "x", "schedule": "tbo", "deep_gemm_sms": None, "micro_batches": []}
     m = ProgramMeta.from_dict(report)

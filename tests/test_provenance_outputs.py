@@ -1,7 +1,7 @@
 """Every results file says where it came from: the JSON of ``sim``/``compare``/``analyze``/
 ``validate``/``run --check`` on stdout, the traces ``run`` and ``validate`` write, the profile
 ``calibrate`` writes (its ``.provenance.json`` beside it), the ``kernels`` table and the
-experiments' results carry ``shared.trace.provenance``'s record: the tool's version, the command
+experiments' results carry ``shared.outputs.trace.provenance``'s record: the tool's version, the command
 line as typed and the inputs. The record holds no date and no host, so the same command records
 the same bytes; each test runs its command twice to check that."""
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from overlap_lab.cli.main import main
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.outputs.trace import Trace
 
 SMALL = ["--layers", "3", "--ep", "8", "--batch", "16"]
 VERSION = version("overlap-lab")
@@ -195,8 +195,8 @@ def test_kernels_json_records_its_options(tmp_path, capsys):
 
 def test_experiment_results_record_every_cases_inputs(tmp_path):
     from overlap_lab.experiments.runner import Case, Experiment, run
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
     from overlap_lab.shared.schedules import ScheduleConfig
-    from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
     def cases():
         for layers in (2, 3):  # one model name, two cuts: two models in the record

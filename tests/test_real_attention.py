@@ -98,7 +98,7 @@ def test_a_chunked_prefill_run_reports_both_causal_alignments():
     from overlap_lab.real.check import default_workloads
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     prefills = [w for w in default_workloads() if w.batch.mode != "decode"]
     kinds = {}

@@ -303,8 +303,8 @@ def test_every_schedule_through_the_deepep_wrapper_matches_serial(mode):
     from overlap_lab.real.check import compare_steps, workload_variants
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
-    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
 
     mc = M.get_model_config("tiny-mla")
     b = Batch.decode(kv_lens=[40] * 6) if mode == "decode" else Batch.prefill(extend_lens=[20, 9])

@@ -18,11 +18,11 @@ from overlap_lab.real.check import (  # noqa: E402
 )
 from overlap_lab.real.executor import HazardError, execute  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
-from overlap_lab.shared.builder import RankBuilder, program  # noqa: E402
-from overlap_lab.shared.hardware import get_gpu  # noqa: E402
-from overlap_lab.shared.ops import head_ops, layer_ops  # noqa: E402
-from overlap_lab.shared.program import Coll, Op, ops_of  # noqa: E402
-from overlap_lab.shared.workload import Batch, MicroBatch, Parallel, Workload  # noqa: E402
+from overlap_lab.shared.inputs.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Workload  # noqa: E402
+from overlap_lab.shared.ir.builder import RankBuilder, program  # noqa: E402
+from overlap_lab.shared.ir.ops import head_ops, layer_ops  # noqa: E402
+from overlap_lab.shared.ir.program import Coll, Op, ops_of  # noqa: E402
 
 GPU = get_gpu("h100")
 

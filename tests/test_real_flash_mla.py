@@ -184,7 +184,7 @@ def test_a_decode_run_says_which_attention_kernel_ran():
     from overlap_lab.real.check import default_workloads
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     w = default_workloads()[0]  # decode
     res = execute(S.build("serial", w, get_gpu("h100")), w)

@@ -231,7 +231,7 @@ def test_probe_turns_a_jit_failure_into_a_bf16_loop():
 
 
 def test_act_quant_hands_the_down_gemm_fp8_values_and_scales(fp8_run):
-    from overlap_lab.shared.program import Op
+    from overlap_lab.shared.ir.program import Op
 
     step = K.StepState(layout=None, token_ids=None, kv={})
     gu = torch.randn(2, 4, 512).bfloat16()
@@ -256,7 +256,7 @@ def test_act_quant_hands_the_down_gemm_fp8_values_and_scales(fp8_run):
 def test_the_loop_predicts_with_the_precision_the_run_used():
     from overlap_lab.experiments import gpu_validation as GV
     from overlap_lab.real import model as M
-    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
 
     mc = dataclasses.replace(M.get_model_config("tiny-mla"), gemm_dtype="fp8")
     w = Workload(mc, Batch.decode(4, kv_len=8), Parallel(ep=2))

@@ -229,7 +229,7 @@ def _interp_sbo_mode1_executor_polls_the_signal():
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
     from overlap_lab.shared.schedules import ScheduleConfig
 
     w, gpu = default_workloads()[0], get_gpu("h100")  # decode: the low-latency combine

@@ -12,7 +12,7 @@ pytestmark = [
 
 def _tiny_workload(mode="decode"):
     from overlap_lab.real import model as M
-    from overlap_lab.shared.workload import Batch, Parallel, Workload
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
 
     b = Batch.decode(kv_lens=[64] * 8) if mode == "decode" else Batch.prefill(extend_lens=[96, 40])
     return Workload(M.get_model_config("tiny-mla"), b, Parallel(ep=4))
@@ -25,7 +25,7 @@ def test_gpu_schedules_match_serial_and_time_every_op(mode):
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     w = _tiny_workload(mode)
     gpu = get_gpu("h100")
@@ -131,7 +131,7 @@ def test_cuda_graphs_are_captured_and_replay_the_eager_numbers(name):
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.executor import execute
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     w = _tiny_workload("decode")
     prog = S.build(name, w, get_gpu("h100"))

@@ -13,8 +13,8 @@ from overlap_lab.real.executor import execute  # noqa: E402
 from overlap_lab.real.moe_ep import ep_gather, ep_scatter, silu_and_mul  # noqa: E402
 from overlap_lab.real.runlog import RunLog  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
-from overlap_lab.shared.hardware import get_gpu  # noqa: E402
-from overlap_lab.shared.program import Op, ops_of  # noqa: E402
+from overlap_lab.shared.inputs.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.ir.program import Op, ops_of  # noqa: E402
 
 GPU = get_gpu("h100")
 

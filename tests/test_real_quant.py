@@ -152,7 +152,7 @@ def test_the_executor_quantises_fp8_weights_at_setup_only(counted_blocks, monkey
     from overlap_lab.real import model as M
     from overlap_lab.real.check import default_workloads
     from overlap_lab.shared import schedules as S
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     w = default_workloads()[0]
     prog = S.build("serial", w, get_gpu("h100"))

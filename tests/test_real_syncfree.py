@@ -20,8 +20,8 @@ from overlap_lab.real.check import default_workloads  # noqa: E402
 from overlap_lab.real.comm import make_backend  # noqa: E402
 from overlap_lab.real.executor import execute, plan_graph, plan_graphs  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
-from overlap_lab.shared.hardware import get_gpu  # noqa: E402
-from overlap_lab.shared.program import Graph, Launch, Op, Record, Wait, WaitStream  # noqa: E402
+from overlap_lab.shared.inputs.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.ir.program import Graph, Launch, Op, Record, Wait, WaitStream  # noqa: E402
 
 GPU = get_gpu("h100")
 SYNCING = {

@@ -16,10 +16,10 @@ pytest.importorskip("simpy")
 from overlap_lab.real import kernels as K  # noqa: E402
 from overlap_lab.real import model as M  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
-from overlap_lab.shared.hardware import get_gpu  # noqa: E402
-from overlap_lab.shared.program import ops_of  # noqa: E402
-from overlap_lab.shared.trace import Span, Trace  # noqa: E402
-from overlap_lab.shared.workload import Batch, Parallel, Workload  # noqa: E402
+from overlap_lab.shared.inputs.hardware import get_gpu  # noqa: E402
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload  # noqa: E402
+from overlap_lab.shared.ir.program import ops_of  # noqa: E402
+from overlap_lab.shared.outputs.trace import Span, Trace  # noqa: E402
 
 
 def _w(mode="decode"):

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import ParseError, parse, to_text
-from overlap_lab.shared.program_meta import ProgramMeta
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.program import ParseError, parse, to_text
+from overlap_lab.shared.ir.program_meta import ProgramMeta
+from overlap_lab.shared.ir.validate import ProgramError, validate
 from overlap_lab.shared.schedules import SCHEDULES
-from overlap_lab.shared.validate import ProgramError, validate
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
 from tests.fuzz_helpers import fuzz_settings

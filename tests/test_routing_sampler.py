@@ -1,4 +1,4 @@
-"""The race sampler (shared/routing.py ``_Race``) against the dense Gumbel top-k it replaces.
+"""The race sampler (shared/inputs/routing.py ``_Race``) against the dense Gumbel top-k it replaces.
 
 Both are seeded, so every statistic here is a fixed number; the thresholds are the 1e-5 upper
 quantiles of the statistics' laws under "same distribution", and
@@ -16,8 +16,8 @@ import pytest
 
 # internals tested directly: the race (_Race), its counter-based draws (_bits, _uniform,
 # _exponential) and the numba switch (_compiled), against the dense sampler and numpy
-from overlap_lab.shared import routing as routing_mod
-from overlap_lab.shared.routing import Imbalance, LayerRouting, RoutingConfig, _Race
+from overlap_lab.shared.inputs import routing as routing_mod
+from overlap_lab.shared.inputs.routing import Imbalance, LayerRouting, RoutingConfig, _Race
 
 #: z of the one-sided 1e-5 tail of a normal
 Z = 4.265

@@ -60,7 +60,7 @@ def test_every_workload_option_is_either_honoured_or_refused():
     # schedule knobs reach the check through cfg, hardware overrides through the GPU
     from dataclasses import fields
 
-    from overlap_lab.shared.hardware import GPU, HostCosts
+    from overlap_lab.shared.inputs.hardware import GPU, HostCosts
     from overlap_lab.shared.schedules import ScheduleConfig
 
     honoured |= {f.name for f in fields(ScheduleConfig)} | {f.name for f in fields(GPU)}

@@ -18,7 +18,7 @@ from overlap_lab.experiments.runner import (
     speedup,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 
 
 def tiny_cases():

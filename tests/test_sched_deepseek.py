@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import DENSE_OP_NAMES, KEY_OF, MOE_OP_NAMES, attn_work
-from overlap_lab.shared.program import Graph, Launch, Record, Wait, iter_gpu_instrs, ops_of
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import DENSE_OP_NAMES, KEY_OF, MOE_OP_NAMES, attn_work
+from overlap_lab.shared.ir.program import Graph, Launch, Record, Wait, iter_gpu_instrs, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.deepseek import comm_sms, split_decode, split_prefill
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.sched_helpers import (
     check_golden,
     check_simulated,
@@ -183,7 +183,7 @@ def test_prefill_window_streams_and_events():
     got = collapse([_key(i, L) for i in layer_window(p, L, instrs=True)])
     e = lambda mb, what: f"L{L}.mb{mb}.{what}"  # noqa: E731
 
-    def counts(mb):  # the host waits for DeepEP's received-token counts (shared.lowering)
+    def counts(mb):  # the host waits for DeepEP's received-token counts (shared.ir.lowering)
         ev = f"s0.L{L}.mb{mb}.dispatch.counts"
         return [("record", "comm", ev), ("sync", None, ev)]
 
@@ -342,7 +342,7 @@ def test_simulated_prefill_comm_never_takes_compute_sms():
 @pytest.mark.parametrize("name", ["deepseek", "lightllm"])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_program_text_round_trips(name, mode):
-    from overlap_lab.shared.program import parse, to_text
+    from overlap_lab.shared.ir.program import parse, to_text
 
     w = decode_w(6, ep=8, model=LITE) if mode == "decode" else prefill_w(3, ep=8, model=LITE)
     p = build(name, w, H800)

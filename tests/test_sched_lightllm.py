@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import DENSE_OP_NAMES, KEY_OF, MOE_OP_NAMES
-from overlap_lab.shared.program import Graph, Launch, Record, Sync, Wait, iter_gpu_instrs, ops_of
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import DENSE_OP_NAMES, KEY_OF, MOE_OP_NAMES
+from overlap_lab.shared.ir.program import Graph, Launch, Record, Sync, Wait, iter_gpu_instrs, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.lightllm import split_decode, split_prefill
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from tests.sched_helpers import (
     check_golden,
     check_simulated,
@@ -404,7 +404,7 @@ def test_simulated_trace_invariants(w):
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_expert_kernels_conserve_the_experts_work(mode):
-    from overlap_lab.shared.ops import layer_ops
+    from overlap_lab.shared.ir.ops import layer_ops
     from overlap_lab.shared.schedules.lightllm import expert_kernels, split_decode, split_prefill
     from overlap_lab.sim import cost
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops_pp import hidden_bytes, pp_layer_split, pp_link
-from overlap_lab.shared.program import Graph, Launch
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops_pp import hidden_bytes, pp_layer_split, pp_link
+from overlap_lab.shared.ir.program import Graph, Launch
+from overlap_lab.shared.ir.validate import issue_order
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.pp import micro_batch
-from overlap_lab.shared.validate import issue_order
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests.invariants import check_all
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import layer_ops, whole_batch
-from overlap_lab.shared.program import Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import layer_ops, whole_batch
+from overlap_lab.shared.ir.program import Launch, Record, Wait, WaitStream, iter_gpu_instrs, ops_of
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.sbo import (
     comm_sms,
@@ -25,7 +26,6 @@ from overlap_lab.shared.schedules.sbo import (
     split_op,
     stream_chunks,
 )
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
 from tests.sched_helpers import collapse, layer_instrs

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.program import (
     HIGH_PRIORITY,
     Launch,
     Record,
@@ -23,7 +24,6 @@ from overlap_lab.shared.program import (
     ops_of,
 )
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
 from tests.sched_helpers import collapse, layer_instrs

@@ -17,15 +17,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import HostCosts, get_gpu
-from overlap_lab.shared.ops import DENSE_OP_NAMES, MOE_OP_NAMES
-from overlap_lab.shared.ops_sched import (
+from overlap_lab.shared.inputs.hardware import HostCosts, get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import DENSE_OP_NAMES, MOE_OP_NAMES
+from overlap_lab.shared.ir.ops_sched import (
     D2H_OPS,
     SCHED_OP_NAMES,
     SCHEDULE_DECODE_OPS,
     SCHEDULE_PREFILL_OPS,
 )
-from overlap_lab.shared.program import Graph, Host, Launch, Record, Sync, Wait, WaitStream, to_text
+from overlap_lab.shared.ir.program import (
+    Graph,
+    Host,
+    Launch,
+    Record,
+    Sync,
+    Wait,
+    WaitStream,
+    to_text,
+)
+from overlap_lab.shared.ir.validate import issue_order
 from overlap_lab.shared.schedules import ScheduleConfig, build, module
 from overlap_lab.shared.schedules.sglang_overlap import (
     FutureMapSize,
@@ -35,8 +46,6 @@ from overlap_lab.shared.schedules.sglang_overlap import (
     plan_iterations,
     walk_future_map,
 )
-from overlap_lab.shared.validate import issue_order
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests.invariants import check_all
 from tests.sched_helpers import collapse

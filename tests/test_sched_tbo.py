@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.program import (
     Graph,
     Launch,
     Record,
@@ -30,7 +31,6 @@ from overlap_lab.shared.schedules.tbo import (
     QWEN3_PREFILL,
     strategy_for,
 )
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests import invariants
 from tests.sched_helpers import collapse

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ops import KEY_OF, layer_ops, whole_batch
-from overlap_lab.shared.program import HIGH_PRIORITY, Graph, Launch, Yield, ops_of
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
+from overlap_lab.shared.ir.ops import KEY_OF, layer_ops, whole_batch
+from overlap_lab.shared.ir.program import HIGH_PRIORITY, Graph, Launch, Yield, ops_of
+from overlap_lab.shared.ir.validate import issue_order
 from overlap_lab.shared.schedules import ScheduleConfig, build
 from overlap_lab.shared.schedules.vllm_dbo import decide, is_last_ubatch_empty, split
-from overlap_lab.shared.validate import issue_order
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.sim import simulate
 from tests.invariants import check_all
 

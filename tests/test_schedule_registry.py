@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.shared.schedules import SCHEDULES, build, module
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model
 
 LITE = get_model("deepseek-v2-lite", num_layers=3)
 BUILTINS = (

@@ -12,9 +12,9 @@ import simpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlap_lab.shared.builder import RankBuilder, program
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import Coll, Flow, Op
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.program import Coll, Flow, Op
 from overlap_lab.sim import cost, simulate
 from tests.invariants import check_all, kernels_on
 
@@ -126,7 +126,7 @@ def test_collective_recv_waits_for_arrival_over_the_link():
     recv = Op("dispatch_b", kind="comm", sms=8, hbm_bytes=1e3, coll=Coll("k", "recv"))
     _, tr = run(lambda t: t.launch(send, "a").launch(recv, "a"), world=2)
     (_, s0, _), (_, _, r1) = kernels_on(tr, 0, "stream:a")
-    transfer = nbytes / cost.link_bytes_per_us(GPU, "rdma") + GPU.rdma_lat_us
+    transfer = nbytes / GPU.link_bytes_per_us("rdma", effective=True) + GPU.rdma_lat_us
     assert r1 >= s0 + transfer - 1e-9
     assert r1 == pytest.approx(s0 + transfer + solo(recv, 8), rel=1e-6)
     link = [s for s in tr.spans if s.lane == "link:rdma"]
@@ -190,7 +190,7 @@ def test_deterministic():
 
 def test_importing_shared_and_sim_does_not_import_torch():
     code = (
-        "import shared.program, shared.validate, shared.trace, shared.schedules, sim, sys; "
+        "import shared.ir.program, shared.ir.validate, shared.outputs.trace, shared.schedules, sim, sys; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

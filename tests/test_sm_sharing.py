@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlap_lab.shared.builder import RankBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import HIGH_PRIORITY, Op, parse, to_text
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.builder import RankBuilder, program
+from overlap_lab.shared.ir.program import HIGH_PRIORITY, Op, parse, to_text
+from overlap_lab.shared.ir.validate import ProgramError, validate
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, build
-from overlap_lab.shared.validate import ProgramError, validate
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import cost, simulate
 from overlap_lab.sim.engine import Engine
 from tests.invariants import check_all, kernels_on

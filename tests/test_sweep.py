@@ -21,7 +21,7 @@ from overlap_lab.cli.sweep import (
     sim_key,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.program import Graph
+from overlap_lab.shared.ir.program import Graph
 
 SPEC = {
     "base": {"model": "deepseek-v3", "gpu": "h800", "mode": "decode", "layers": 3, "ep": 8},

@@ -130,7 +130,7 @@ def test_a_watched_build_gives_the_same_program():
 
 
 def _first_graph_op(p):
-    from overlap_lab.shared.program import Graph, Launch
+    from overlap_lab.shared.ir.program import Graph, Launch
 
     for th in p.ranks[0].threads:
         for k, ins in enumerate(th.instrs):
@@ -152,7 +152,7 @@ def _with_op(p, op):
 
 
 def test_the_ranks_encoding_is_by_value_and_exact():
-    from overlap_lab.shared.program import Op
+    from overlap_lab.shared.ir.program import Op
 
     _, p, g, t, _, _ = lower_case({**BASE, "schedule": "sbo", "batch": 16})
     th, k, graph, j = _first_graph_op(p)

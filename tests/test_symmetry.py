@@ -1,4 +1,4 @@
-"""Issue 12: explicit ranks that cannot differ are simulated once (shared/symmetry.py).
+"""Issue 12: explicit ranks that cannot differ are simulated once (shared/ir/symmetry.py).
 
 The reduced run must be the full explicit run: same step time and every rank's per-lane busy
 time (to 1e-9 relative: the reduced run sends an op's equal flows of one link kind as one flow,
@@ -15,15 +15,15 @@ import json
 import pytest
 
 import overlap_lab as ol
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.program import Graph, HostThread, Launch
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import dp_token_counts, routing_for
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.routing import dp_token_counts, routing_for
+from overlap_lab.shared.inputs.topology import Topology
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.program import Graph, HostThread, Launch
+from overlap_lab.shared.ir.ranks import expand_ranks
+from overlap_lab.shared.ir.symmetry import Reduction, expand_trace, reduce_program, relabeling
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program, relabeling
-from overlap_lab.shared.topology import Topology
-from overlap_lab.shared.trace import Trace
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import simulate
 from overlap_lab.sim.engine import Engine
 

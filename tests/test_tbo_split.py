@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Workload, get_model
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.tbo_split import (
     balanced_sum_split,
@@ -13,7 +14,6 @@ from overlap_lab.shared.schedules.tbo_split import (
     tbo_split,
     two_chunk_enabled,
 )
-from overlap_lab.shared.workload import Batch, MicroBatch, Parallel, Workload, get_model
 
 DSV3 = get_model("deepseek-v3")
 

@@ -10,7 +10,15 @@ import sys
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Span, Trace, intersect, length, load_json, save_json, union
+from overlap_lab.shared.outputs.trace import (
+    Span,
+    Trace,
+    intersect,
+    length,
+    load_json,
+    save_json,
+    union,
+)
 
 
 def S(lane, op, kind, start, end, **kw):
@@ -337,7 +345,7 @@ def test_from_chrome_bad_input(tmp_path):
 
 def test_import_does_not_pull_heavy_modules():
     code = (
-        "import sys, shared.trace; "
+        "import sys, shared.outputs.trace; "
         "bad = [m for m in ('matplotlib', 'torch', 'simpy') if m in sys.modules]; "
         "assert not bad, bad"
     )

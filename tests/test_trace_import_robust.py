@@ -9,7 +9,7 @@ import pytest
 
 from overlap_lab.cli.main import main
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.trace import Trace
+from overlap_lab.shared.outputs.trace import Trace
 
 
 def kernel(**kw) -> dict:
@@ -77,7 +77,7 @@ def test_deeply_nested_json_is_refused(tmp_path: Path, capsys) -> None:
     m = tmp_path / "map.json"
     m.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ConfigError, match="RecursionError"):
-        from overlap_lab.shared.analyze import load_mapping
+        from overlap_lab.shared.outputs.analyze import load_mapping
 
         load_mapping(m)
 

@@ -11,9 +11,9 @@ import pytest
 import overlap_lab as ol
 from overlap_lab.cli.main import main
 from overlap_lab.cli.sweep import run_sweep
-from overlap_lab.shared.analyze import Mapping, analyze
+from overlap_lab.shared.outputs.analyze import Mapping, analyze
+from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.shared.schedules import SCHEDULES
-from overlap_lab.shared.trace import Trace
 
 SMALL = ["--layers", "3", "--ep", "8", "--batch", "16"]
 

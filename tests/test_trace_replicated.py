@@ -1,4 +1,4 @@
-"""A replicated Trace (``Trace.replicated``: a reduced explicit run, ``shared.symmetry``) must be
+"""A replicated Trace (``Trace.replicated``: a reduced explicit run, ``shared.ir.symmetry``) must be
 the Trace of all its spans: the same spans in the same order, the same per-rank figures, and the
 same Chrome export byte for byte, though it works them out on the model rank and copies the other
 ranks' spans only when they are read."""
@@ -10,13 +10,13 @@ import pickle
 
 import pytest
 
-from overlap_lab.shared.hardware import get_gpu
-from overlap_lab.shared.ranks import expand_ranks
-from overlap_lab.shared.routing import routing_for
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.inputs.routing import routing_for
+from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model, with_layers
+from overlap_lab.shared.ir.ranks import expand_ranks
+from overlap_lab.shared.ir.symmetry import Reduction, expand_trace, reduce_program
+from overlap_lab.shared.outputs.trace import Span, Trace
 from overlap_lab.shared.schedules import build
-from overlap_lab.shared.symmetry import Reduction, expand_trace, reduce_program
-from overlap_lab.shared.trace import Span, Trace
-from overlap_lab.shared.workload import Batch, Parallel, Workload, get_model, with_layers
 from overlap_lab.sim import simulate
 
 H800 = get_gpu("h800")

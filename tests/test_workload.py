@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPUS, HOST_COSTS, HostCosts, get_gpu
-from overlap_lab.shared.workload import (
+from overlap_lab.shared.inputs.hardware import GPUS, HOST_COSTS, HostCosts, get_gpu
+from overlap_lab.shared.inputs.workload import (
     MODELS,
     Batch,
     ModelConfig,
@@ -290,7 +290,7 @@ def test_host_costs():
 
 def test_shared_imports_no_heavy_packages():
     code = (
-        "import sys, shared, shared.workload, shared.hardware, shared.ops, shared.program;"
+        "import sys, shared, shared.inputs.workload, shared.inputs.hardware, shared.ir.ops, shared.ir.program;"
         "import shared.schedules;"
         "bad = [m for m in ('torch', 'simpy', 'matplotlib') if m in sys.modules];"
         "assert not bad, bad"

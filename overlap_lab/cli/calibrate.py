@@ -7,9 +7,9 @@
     overlap-lab validate TRACE.json ...                  # measured vs predicted, op by op
 
 Argument parsing and handlers live here (``--profile`` itself in :mod:`overlap_lab.cli.options`);
-the work is in library modules (``sim.profile``, ``shared.analyze``, :mod:`overlap_lab.calibrate`,
+the work is in library modules (``sim.profile``, ``shared.outputs.analyze``, :mod:`overlap_lab.calibrate`,
 :mod:`overlap_lab.validate`) that the real executor calls too. What each command writes records
-what produced it (``shared.trace.provenance``): the ``--json`` output, ``predicted_trace.json``,
+what produced it (``shared.outputs.trace.provenance``): the ``--json`` output, ``predicted_trace.json``,
 and ``<profile>.provenance.json`` beside a profile; a file read is named by its SHA-256.
 """
 
@@ -30,8 +30,8 @@ from overlap_lab.cli.options import (
     workload_options,
 )
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import Program, ops_of
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.ir.program import Program, ops_of
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile
 
 
@@ -67,12 +67,13 @@ def _out_dir(args) -> Path | None:
 
 
 def _load_trace(path: str, mapping_path: str | None = None, program: Program | None = None):
-    from overlap_lab.shared.analyze import label_ops, load_mapping
-    from overlap_lab.shared.trace import Trace
+    from overlap_lab.shared.ir.program import first_rank_ops
+    from overlap_lab.shared.outputs.analyze import label_ops, load_mapping
+    from overlap_lab.shared.outputs.trace import Trace
 
     trace = Trace.from_chrome(path)
     if mapping_path is not None and program is not None:
-        trace = label_ops(trace, load_mapping(mapping_path), program)
+        trace = label_ops(trace, load_mapping(mapping_path), first_rank_ops(program))
     return trace
 
 
@@ -89,8 +90,8 @@ def _file_input(path: str | None) -> dict[str, str] | None:
 
 
 def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:
-    """``shared.trace.provenance`` of this command line as typed (None: called from Python)."""
-    from overlap_lab.shared.trace import provenance
+    """``shared.outputs.trace.provenance`` of this command line as typed (None: called from Python)."""
+    from overlap_lab.shared.outputs.trace import provenance
 
     return provenance(getattr(args, "command_line", None), inputs)
 
@@ -126,8 +127,8 @@ FIGURE_LABELS = {
 def cmd_analyze(args) -> int:
     from dataclasses import replace
 
-    from overlap_lab.shared.analyze import analyze, classify_trace, load_mapping, to_text
-    from overlap_lab.shared.trace import Trace
+    from overlap_lab.shared.outputs.analyze import analyze, classify_trace, load_mapping, to_text
+    from overlap_lab.shared.outputs.trace import Trace
 
     mapping = load_mapping(args.map)
     trace = _load_trace(args.trace)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import gpu_fields, host_cost_fields
-from overlap_lab.shared.preset_files import read_capped
+from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.preset_files import read_capped
 from overlap_lab.shared.schedules import schedule_knobs
 
 # ---- per-option limits ---------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def _longest_seq(args) -> int:
 
 def _check_hardware(args) -> None:
     """Nominal link bandwidth overrides carry over to DeepEP's achievable one (same ratio)."""
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
 
     gpu = get_gpu(args.gpu)
     for link in ("nvlink", "rdma"):
@@ -375,7 +375,7 @@ _WARNED: set[str] = set()
 @functools.cache
 def _fastest_presets() -> dict[str, tuple[float, str]]:
     """GPU field -> (its largest value among the built-in presets, that preset's name)."""
-    from overlap_lab.shared.hardware import GPUS
+    from overlap_lab.shared.inputs.hardware import GPUS
 
     out = {}
     for k in gpu_fields():
@@ -447,8 +447,8 @@ def _check_run(args) -> None:
 
 
 def _check_ranks(args) -> None:
-    from overlap_lab.shared.routing import parse_imbalance
-    from overlap_lab.shared.workload import get_model
+    from overlap_lab.shared.inputs.routing import parse_imbalance
+    from overlap_lab.shared.inputs.workload import get_model
 
     model = get_model(args.model)
     if args.group_limited and model.n_group <= 1:
@@ -474,7 +474,7 @@ MAX_EXPERT_COUNT = 1e15
 
 def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
     """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
-    from overlap_lab.shared.routing import read_sample
+    from overlap_lab.shared.inputs.routing import read_sample
 
     p = Path(path)
     if p.is_dir():
@@ -616,7 +616,7 @@ def host_memory_bytes() -> float:
 def sim_memory_bytes(w, args) -> float:
     """A rough upper estimate of the simulator's own memory for an explicit-rank run: the
     routing draw of every MoE layer when sampled (tokens of all ranks × experts: the int64
-    ``argpartition`` result ``shared.routing`` keeps per layer, and one float32 score array at a
+    ``argpartition`` result ``shared.inputs.routing`` keeps per layer, and one float32 score array at a
     time) plus the explicit Program (about 1 KB per op, 32 ops
     per layer and rank, and 128 B per flow of its four all-to-alls per layer; a DeepSeek-V3
     decode step at EP 32 measures under 100 MB)."""

@@ -1,7 +1,7 @@
 """``overlap-lab kernels --device cuda|cpu``: the executor's kernels against the device's best on
 the same shapes (``real.kernel_table``), as a table and, with ``--out``, a JSON file and its
 markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
-JSON file's ``provenance`` (``shared.trace.provenance``) records the version, the command line
+JSON file's ``provenance`` (``shared.outputs.trace.provenance``) records the version, the command line
 and the options; the shapes are the version's own (``real.kernel_table.SHAPES``)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def cmd_kernels(args) -> int:
     report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)
     text = table_text(report)
     if args.out:
-        from overlap_lab.shared.trace import provenance
+        from overlap_lab.shared.outputs.trace import provenance
 
         inputs = {"device": args.device, "repeats": args.repeats, "warmup": args.warmup}
         prov = provenance(getattr(args, "command_line", None), inputs)

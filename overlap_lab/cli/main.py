@@ -41,14 +41,14 @@ from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.schedules import build as build_schedule
-from overlap_lab.shared.validate import ProgramError
 
 if TYPE_CHECKING:
-    from overlap_lab.shared.hardware import GPU
+    from overlap_lab.shared.inputs.hardware import GPU
+    from overlap_lab.shared.inputs.workload import Workload
     from overlap_lab.shared.schedules import ScheduleConfig
-    from overlap_lab.shared.workload import Workload
 
 #: The schedules `compare` runs by default: all of them.
 DEFAULT_COMPARE = tuple(SCHEDULES)
@@ -148,7 +148,7 @@ def _provenance(args, result) -> dict:
     line as typed and the full inputs as simulated (the model with its layers, the GPU with its
     overrides, the batch and layout, every schedule knob, the ranks and the profile the durations
     came from), so that a results file alone says how to reproduce it."""
-    from overlap_lab.shared.trace import provenance
+    from overlap_lab.shared.outputs.trace import provenance
     from overlap_lab.sim.calibrate import profile_name
 
     inputs = {
@@ -165,7 +165,7 @@ def _compare_provenance(
 ) -> dict[str, Any]:
     """``compare --json``'s record: the schedules compared and the one workload they share (the
     trace files record each schedule's own run, as ``sim``'s does)."""
-    from overlap_lab.shared.trace import provenance
+    from overlap_lab.shared.outputs.trace import provenance
     from overlap_lab.sim.calibrate import profile_name
     from overlap_lab.sim.profile import profile_for
 
@@ -192,7 +192,7 @@ def _title(result) -> str:
 
 def cmd_show(args) -> int:
     from overlap_lab import api
-    from overlap_lab.shared.validate import validate
+    from overlap_lab.shared.ir.validate import validate
 
     check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
@@ -340,18 +340,17 @@ PLUGINS = "overlap_lab.commands"
 def _add_plugins(sub) -> None:
     """Add the subcommands of the :data:`PLUGINS` entry points, by name. One that fails to load
     or register is one line on stderr; the other commands work all the same."""
-    from importlib.metadata import entry_points
+    from overlap_lab.shared.plugins import Registry
 
-    for ep in sorted(entry_points(group=PLUGINS), key=lambda e: e.name):
+    commands = Registry(PLUGINS, "command", {})
+    for name in sorted(commands.names()):
         try:
-            ep.load()(sub)
+            commands.load(name)(sub)
         except Exception as e:  # noqa: BLE001 - any failure of a plugin is its own
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            print(
-                f"overlap-lab: error: command {ep.name!r} ({ep.value}) is broken: "
-                f"{type(e).__name__}: {first}",
-                file=sys.stderr,
-            )
+            kind = "" if isinstance(e, ConfigError) else f"{type(e).__name__}: "
+            print(f"overlap-lab: error: {commands.where(name)} is broken: {kind}{first}",
+                  file=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

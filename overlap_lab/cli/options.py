@@ -8,7 +8,7 @@ functions that turn parsed options into the API's records (:func:`workload_from`
 :mod:`overlap_lab.cli.main`, so the subcommands can use it without an import cycle.
 
 Schedule knobs, host costs and hardware overrides are built from the knob records
-(``shared.knobs``: ``schedule_knobs()``, ``host_cost_fields()``, ``gpu_fields()``), flag, parser
+(``shared.inputs.knobs``: ``schedule_knobs()``, ``host_cost_fields()``, ``gpu_fields()``), flag, parser
 and help alike, so that a knob added to a configuration is on the command line at once and its
 help is what the record says, not what the class source happens to read like.
 """
@@ -20,10 +20,10 @@ import typing
 
 from overlap_lab.cli import inputs
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, GPUS, HostCosts, gpu_fields, host_cost_fields
-from overlap_lab.shared.knobs import Knob
+from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.knobs import Knob
+from overlap_lab.shared.inputs.workload import MODELS, Workload
 from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, schedule_knobs
-from overlap_lab.shared.workload import MODELS, Workload
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
 
 if typing.TYPE_CHECKING:
@@ -231,7 +231,7 @@ def rank_options(p: argparse.ArgumentParser) -> None:
         "--imbalance",
         default="balanced",
         help="expert load: balanced, zipf:S or file:PATH (JSON/CSV routing sample, "
-        "see shared/routing.py); needs --ranks explicit unless balanced",
+        "see shared/inputs/routing.py); needs --ranks explicit unless balanced",
     )
     g.add_argument(
         "--dp-imbalance",
@@ -252,7 +252,7 @@ def rank_options(p: argparse.ArgumentParser) -> None:
         type=_bool,
         default=True,
         help="explicit ranks that provably cannot differ (balanced routing) are simulated once "
-        "and copied to every rank, the same result (shared/symmetry.py); false: every rank",
+        "and copied to every rank, the same result (shared/ir/symmetry.py); false: every rank",
     )
 
 

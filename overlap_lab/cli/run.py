@@ -132,12 +132,12 @@ def _run_cpu(args) -> int:
 
 
 def _check_provenance(args, names: list[str], model: str, tolerance: float) -> dict[str, Any]:
-    """The CPU check's record (``shared.trace.provenance``): the schedules, the tiny model it
+    """The CPU check's record (``shared.outputs.trace.provenance``): the schedules, the tiny model it
     ran, the GPU preset its costs assume, ranks, seed, tolerance and knobs as given; the
     workloads are the check's own (``real.check.default_workloads``), fixed by the model."""
-    from overlap_lab.shared.hardware import get_gpu
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.outputs.trace import provenance
     from overlap_lab.shared.schedules import ScheduleConfig
-    from overlap_lab.shared.trace import provenance
 
     cfg = _opt(args, "cfg")
     inputs = {

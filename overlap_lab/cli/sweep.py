@@ -182,7 +182,7 @@ MAX_CASES = 100_000
 
 def _read_spec(path: Path) -> Any:
     """A spec file's document: read with the input size cap, one-line errors for bad JSON/YAML."""
-    from overlap_lab.shared.preset_files import read_capped
+    from overlap_lab.shared.inputs.preset_files import read_capped
 
     if not path.is_file():
         raise ConfigError(f"sweep: no such spec file {path}")
@@ -298,7 +298,7 @@ def _encoders():
     """Per instruction class: (tag, C-level getter of its fields in field order)."""
     import operator
 
-    from overlap_lab.shared import program as P
+    from overlap_lab.shared.ir import program as P
 
     def getter(cls):
         names = [f.name for f in dataclasses.fields(cls)]
@@ -583,7 +583,7 @@ def metrics(trace, program, gpu, workload, profile=None) -> dict[str, Any]:
     definitions, so that a row and ``overlap-lab sim`` agree number for number."""
     from overlap_lab.api import _one_of_alike
     from overlap_lab.metrics import compute_kernel_us, measure
-    from overlap_lab.shared.program import num_ops
+    from overlap_lab.shared.ir.program import num_ops
     from overlap_lab.sim.calibrate import cost_sources
 
     m = measure(trace, program, workload, gpu.num_sms)
@@ -636,7 +636,7 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
     ``claim(key, index)`` returns the index of the case that owns ``key`` (this one when it is
     new). Returns ``{"case", "sim_key", "same_as"}`` plus the metrics (or ``error``) when this case
     simulated; a duplicate returns no metrics: its owner's are copied in by the caller."""
-    from overlap_lab.shared.trace import no_gc
+    from overlap_lab.shared.outputs.trace import no_gc
 
     out: dict[str, Any] = {"case": index, "sim_key": "", "same_as": "", "error": ""}
     # a case makes ~10^5 short-lived acyclic objects (ops, nodes, spans): the cyclic collector
@@ -648,7 +648,7 @@ def run_case(index: int, knobs: Mapping[str, Any], claim: Callable[[str, int], i
 
 def _run_case(index: int, knobs: Mapping[str, Any], claim, out: dict[str, Any]) -> dict:
     from overlap_lab import api
-    from overlap_lab.shared.validate import validate
+    from overlap_lab.shared.ir.validate import validate
     from overlap_lab.sim.engine import Engine
 
     try:
@@ -978,7 +978,7 @@ def run_sweep(
 
 def _write_provenance(out: Path, spec: Spec, command: Sequence[str] | None) -> Path:
     """``<out>.provenance.json`` (see :func:`run_sweep`); the same sweep writes the same bytes."""
-    from overlap_lab.shared.trace import provenance
+    from overlap_lab.shared.outputs.trace import provenance
 
     doc = provenance(
         command,

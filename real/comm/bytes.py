@@ -123,15 +123,15 @@ class LinkParams:
 
     def arrival_us(self, b: ByteCount | dict) -> float:
         """Modelled time from send to arrival of the last byte: the simulator's link model
-        (``shared.links.arrival_us``: links in parallel, each α + bytes/β; zero for purely
+        (``shared.ir.links.arrival_us``: links in parallel, each α + bytes/β; zero for purely
         local traffic), on a ByteCount or bytes per link kind."""
-        from overlap_lab.shared.links import arrival_us
+        from overlap_lab.shared.ir.links import arrival_us
 
         nb = b if isinstance(b, dict) else {"nvlink": b.nvlink, "rdma": b.rdma}
         return arrival_us(nb, *self.links())
 
     def links(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(bytes per µs, latency µs) per link kind, as ``shared.links.gpu_links`` gives them
+        """(bytes per µs, latency µs) per link kind, as ``shared.ir.links.gpu_links`` gives them
         for a GPU preset (1 GB/s = 1e3 bytes/µs)."""
         return (
             {"nvlink": self.nvlink_gbps * 1e3, "rdma": self.rdma_gbps * 1e3},
@@ -143,7 +143,7 @@ class LinkParams:
 
     @classmethod
     def from_gpu(cls, gpu) -> LinkParams:
-        """From a shared.hardware GPU preset (effective bandwidths where given)."""
+        """From a shared.inputs.hardware GPU preset (effective bandwidths where given)."""
         return cls(
             name=f"{gpu.name}-links",
             nvlink_gbps=gpu.nvlink_eff_gbps or gpu.nvlink_gbps,

@@ -16,8 +16,8 @@ The byte counts reach the kernels as a device tensor ([local, nvlink, rdma, mess
 
 Byte counts: by default this rank's routing (``EPBackend._account``). With
 :meth:`EmulatedBackend.plan_links` (the validation loop) each send takes the bytes the
-Program's own flows carry, in issue order (``shared.links.program_sends``), so the arrival is the
-simulator's for the same bytes (``shared.links.arrival_us``; its balanced expectation, without
+Program's own flows carry, in issue order (``shared.ir.links.program_sends``), so the arrival is the
+simulator's for the same bytes (``shared.ir.links.arrival_us``; its balanced expectation, without
 DeepEP's 16-byte LL message header); the data path still moves this routing's rows.
 
 Unverified on a GPU yet (see real/README.md): that 32-warp CTAs land one per SM, and the
@@ -104,10 +104,10 @@ class EmulatedBackend(LoopbackBackend):
         self._t_start = t
 
     def plan_links(self, program, rank: int | None = None) -> None:
-        """Time each send by the bytes ``program``'s flows carry (``shared.links``), the k-th
+        """Time each send by the bytes ``program``'s flows carry (``shared.ir.links``), the k-th
         dispatch (combine) of a run taking the k-th in the Program's issue order; every run
         (warm-up, eager, timed) starts over (``reset_run``). The data path is unchanged."""
-        from overlap_lab.shared.links import program_sends
+        from overlap_lab.shared.ir.links import program_sends
 
         self._plan = {}
         for s in program_sends(program, rank):

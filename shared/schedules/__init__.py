@@ -15,12 +15,11 @@ built-in list below is used as it is.
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from types import ModuleType
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.knobs import Knob, knobs
+from overlap_lab.shared.inputs.knobs import Knob, knobs
+from overlap_lab.shared.plugins import Registry
 from overlap_lab.shared.schedules.common import ScheduleConfig
 
 __all__ = [
@@ -36,8 +35,6 @@ __all__ = [
 ]
 
 GROUP = "overlap_lab.schedules"
-#: This project's distribution (the one whose entry points are the built-ins).
-PROJECT = "overlap-lab"
 #: The built-in schedules in the order they are listed, with their modules: the fallback when
 #: the entry points are not installed, and the order the installed ones keep.
 BUILTINS: dict[str, str] = {
@@ -54,28 +51,23 @@ BUILTINS: dict[str, str] = {
 }
 
 
-def _registry() -> tuple[dict[str, str], dict[str, str]]:
-    """(name -> module, name -> package that registered it), from the entry points."""
-    found: dict[str, str] = {}
-    package: dict[str, str] = {}
-    for ep in entry_points(group=GROUP):
-        dist = ep.dist.name if ep.dist is not None else "an unknown package"
-        if ep.name in found and found[ep.name] != ep.value:
-            raise ConfigError(
-                f"schedule {ep.name!r} is registered twice, by {package[ep.name]} and {dist}"
-            )
-        found[ep.name], package[ep.name] = ep.value, dist
-    if PROJECT not in package.values():  # a source tree: this project's entry points are absent
-        for name, mod in BUILTINS.items():
-            if name in found:
-                raise ConfigError(f"schedule {name!r} of {package[name]} shadows a built-in one")
-            found[name], package[name] = mod, PROJECT
-    names = [n for n in BUILTINS if n in found] + sorted(set(found) - set(BUILTINS))
-    return {n: found[n] for n in names}, package
+def _check(m: ModuleType) -> str | None:
+    """What a schedule module must expose (None: all of it)."""
+    missing = [a for a in ("UPSTREAM", "SUMMARY", "KNOBS", "build") if not hasattr(m, a)]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if not callable(m.build):
+        return "has a build that is not a function"
+    unknown = sorted(set(m.KNOBS) - {k.name for k in schedule_knobs()})
+    if unknown:
+        return f"declares unknown knobs {', '.join(unknown)}"
+    return None
 
 
-#: Schedule name -> module, built-ins first.
-SCHEDULES, _PACKAGE = _registry()
+#: The schedules' registry (``shared.plugins``): found by entry point, loaded when used.
+REGISTRY = Registry(GROUP, "schedule", BUILTINS, _check)
+#: Schedule name -> module path, built-ins first.
+SCHEDULES: dict[str, str] = {n: e.target for n, e in REGISTRY.entries.items()}
 
 
 def available() -> list[str]:
@@ -86,20 +78,7 @@ def available() -> list[str]:
 def module(name: str) -> ModuleType:
     """The module of schedule ``name``, checked to expose what a schedule must: a schedule of
     another package that fails to import, or lacks a part, is one ConfigError naming it."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
-    where = f"schedule {name!r} ({SCHEDULES[name]}, package {_PACKAGE[name]})"
-    try:
-        m = importlib.import_module(SCHEDULES[name])
-    except Exception as e:
-        raise ConfigError(f"{where} cannot be imported: {type(e).__name__}: {e}") from None
-    missing = [a for a in ("UPSTREAM", "SUMMARY", "KNOBS", "build") if not hasattr(m, a)]
-    if missing:
-        raise ConfigError(f"{where} lacks {', '.join(missing)}")
-    unknown = sorted(set(m.KNOBS) - {k.name for k in schedule_knobs()})
-    if unknown:
-        raise ConfigError(f"{where} declares unknown knobs {', '.join(unknown)}")
-    return m
+    return REGISTRY.load(name)
 
 
 def supports_pp(name: str) -> bool:
@@ -108,12 +87,12 @@ def supports_pp(name: str) -> bool:
 
 
 def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
-    """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.lowering``).
+    """Emit the Program of schedule ``name`` for a workload on a GPU (lowered: ``shared.ir.lowering``).
 
     A schedule runs one pipeline stage unless its module sets ``SUPPORTS_PP = True``; the others
     are refused here for ``--pp-size > 1``.
     """
-    from overlap_lab.shared.lowering import host_wait_for_counts
+    from overlap_lab.shared.ir.lowering import host_wait_for_counts
 
     m = module(name)
     if workload.parallel.pp > 1 and not supports_pp(name):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU, HOST_COSTS, HostCosts
-from overlap_lab.shared.knobs import knob, validate_all
+from overlap_lab.shared.inputs.hardware import GPU, HOST_COSTS, HostCosts
+from overlap_lab.shared.inputs.knobs import knob, validate_all
 
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 MAX_TOKENS = 1 << 20  # tokens of one batch or sequence a knob may name
@@ -24,7 +24,7 @@ class ScheduleConfig:
     """Knobs of the schedules; each schedule reads the ones that concern it (its ``KNOBS``).
 
     None means "the system's own default" (taken from upstream or the hardware preset). Every
-    field is a :func:`~overlap_lab.shared.knobs.knob`: its help, unit, range and validator are
+    field is a :func:`~overlap_lab.shared.inputs.knobs.knob`: its help, unit, range and validator are
     declared here once (``schedules.schedule_knobs()``), and ``__post_init__`` runs each knob's
     one validator; the command line builds its options from these records.
 

@@ -31,7 +31,7 @@ launched later. One stream::
 (SHARED + ATTN-0 vs DISPATCH, ATTN-1 vs COMBINE, MLP alone: the blog lists the compute blocks as
 SHARED, ATTN-0, MLP, ATTN-1.) Micro-batch 1's MLP of layer L runs in layer L+1's window.
 
-Mapping to ``shared.ops`` (stated in the code too):
+Mapping to ``shared.ir.ops`` (stated in the code too):
     ATTN-0 = [combine_b hook + output + comm_postprocess_layer of the previous layer]
              + comm_prepare_attn + attn.prepare          (MLA down/up q, kv_a down-proj, RoPE)
     ATTN-1 = attn.core + comm_prepare_mlp + gate + select_experts   (core attn, o_proj, gate)
@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import math
 
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import mtp_ops
-from overlap_lab.shared.program import HIGH_PRIORITY, Program
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
+from overlap_lab.shared.ir.ops import mtp_ops
+from overlap_lab.shared.ir.program import HIGH_PRIORITY, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
@@ -64,7 +65,6 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "DeepSeek-V3/R1 inference system overview; github.com/deepseek-ai/profile-data"
 SUMMARY = (

@@ -19,8 +19,8 @@ schedule that records its fallbacks under these keys gets its notes without touc
 
 from __future__ import annotations
 
-from overlap_lab.shared.program_meta import ProgramMeta
-from overlap_lab.shared.trace import Trace, intersect, union
+from overlap_lab.shared.ir.program_meta import ProgramMeta
+from overlap_lab.shared.outputs.trace import Trace, intersect, union
 
 #: Why a side stream of shared experts can overlap nothing (docs/schedules.md, "sbo-off").
 SHARED_ALONE = (

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from overlap_lab.shared.builder import RankBuilder
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, whole_batch
-from overlap_lab.shared.program import Instr, Sync
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Workload
+from overlap_lab.shared.ir.builder import RankBuilder
+from overlap_lab.shared.ir.ops import head_ops, whole_batch
+from overlap_lab.shared.ir.program import Instr, Sync
 from overlap_lab.shared.schedules.common import ScheduleConfig
-from overlap_lab.shared.workload import Workload
 
 
 def step_frame(

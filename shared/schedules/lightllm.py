@@ -34,7 +34,7 @@ router gate) and, after the last layer, by the post layer (``post_infer.overlap_
 calls micro-batch 0's hook, computes its logits, then micro-batch 1's hook, then its logits).
 Dense layers run micro-batch 0's whole layer, then micro-batch 1's (the Llama base class).
 
-Op mapping to ``shared.ops``: attention = comm_prepare_attn (``_att_norm``), attn.prepare
+Op mapping to ``shared.ir.ops``: attention = comm_prepare_attn (``_att_norm``), attn.prepare
 (``_tpsp_get_qkv`` + KV cache), attn.core (attention kernel, ``_tpsp_get_o``, residual add),
 comm_prepare_mlp (``_ffn_norm``); gate = ``moe_gate.mm``; select_experts (inside
 ``low_latency_dispatch`` in decode, ``select_experts_and_quant_input`` in prefill); experts =
@@ -58,9 +58,10 @@ import math
 from dataclasses import replace
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import mtp_ops
-from overlap_lab.shared.program import HIGH_PRIORITY, Op, Program
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.ops import mtp_ops
+from overlap_lab.shared.ir.program import HIGH_PRIORITY, Op, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
@@ -72,7 +73,6 @@ from overlap_lab.shared.schedules.two_mb import (
     step_program,
     system_deepep_mode,
 )
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "LightLLM lightllm/models/deepseek2/layer_infer/transformer_layer_infer.py (overlap_tpsp_token_forward, overlap_tpsp_context_forward)"
 SUMMARY = (

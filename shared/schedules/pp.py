@@ -1,7 +1,7 @@
 """SGLang pipeline parallelism: ``Scheduler.event_loop_pp`` on every PP rank (SGLang v0.4.9;
 docs/schedules.md).
 
-Each PP rank holds a contiguous slice of the layers (``get_pp_indices``, shared/ops_pp.py) and runs
+Each PP rank holds a contiguous slice of the layers (``get_pp_indices``, shared/ir/ops_pp.py) and runs
 its own scheduler loop over ``pp_size`` micro-batches (``mbs``, ``last_mbs``, ``bids``), walked
 round robin. Per micro-batch iteration ``mb_id`` (``next_mb_id = (mb_id + 1) % pp_size``):
 
@@ -31,11 +31,12 @@ stream waits for a receive).
 
 from __future__ import annotations
 
-from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, whole_batch
-from overlap_lab.shared.ops_pp import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ir.ops_pp import (
     PP_HOST_COSTS,
     allgather_op,
     hidden_bytes,
@@ -43,10 +44,9 @@ from overlap_lab.shared.ops_pp import (
     p2p_pair,
     pp_layer_split,
 )
-from overlap_lab.shared.program import Op, Program
+from overlap_lab.shared.ir.program import Op, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import launch_all
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
 SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"

@@ -47,10 +47,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from overlap_lab.shared.builder import program
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.builder import program
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
+from overlap_lab.shared.ir.program import (
     Coll,
     Flow,
     GpuInstr,
@@ -65,7 +66,6 @@ from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
 SUMMARY = (

@@ -29,10 +29,11 @@ the gate and top-k; with the same kernels that is the ``serial`` schedule.
 
 from __future__ import annotations
 
-from overlap_lab.shared.builder import program
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import parts, whole_batch
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Workload
+from overlap_lab.shared.ir.builder import program
+from overlap_lab.shared.ir.ops import parts, whole_batch
+from overlap_lab.shared.ir.program import (
     HIGH_PRIORITY,
     GpuInstr,
     Launch,
@@ -46,7 +47,6 @@ from overlap_lab.shared.schedules import sbo, tbo
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
-from overlap_lab.shared.workload import Workload
 
 UPSTREAM = "SGLang python/sglang/srt/models/deepseek_v2.py (DeepseekV2MoE.forward_deepep, SBO off)"
 SUMMARY = (

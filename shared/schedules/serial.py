@@ -6,13 +6,13 @@ the step's result only after the step has finished: nothing overlaps but what on
 
 from __future__ import annotations
 
-from overlap_lab.shared.builder import ThreadBuilder, program
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, whole_batch
-from overlap_lab.shared.program import Launch, Op, Program
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.builder import ThreadBuilder, program
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, whole_batch
+from overlap_lab.shared.ir.program import Launch, Op, Program
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
@@ -39,7 +39,7 @@ def forward_sequence(
 ) -> list[Op]:
     """embed, every layer, logits, sample: one forward pass of one micro-batch in order; then,
     in a decode step that verifies draft tokens, the MTP module proposing the next ones
-    (``shared.ops.mtp_ops``: SGLang's EAGLE worker runs the draft forward after the verify)."""
+    (``shared.ir.ops.mtp_ops``: SGLang's EAGLE worker runs the draft forward after the verify)."""
     head = head_ops(w, gpu, mb, step=step)
     body = layer_sequence(w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step)
     mtp = mtp_ops(w, gpu, mb, deepep_mode=deepep_mode, step=step)

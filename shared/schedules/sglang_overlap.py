@@ -43,22 +43,22 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
-from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops_sched import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
+from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.ir.ops_sched import (
     SCHED_OP_NAMES,
     d2h_ops,
     resolve_future_op,
     schedule_ops,
     store_to_map_op,
 )
-from overlap_lab.shared.program import Op, Program
-from overlap_lab.shared.program_meta import ProgramMeta
+from overlap_lab.shared.ir.program import Op, Program
+from overlap_lab.shared.ir.program_meta import ProgramMeta
+from overlap_lab.shared.outputs.trace import Trace, union
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
-from overlap_lab.shared.trace import Trace, union
-from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
 SUMMARY = (

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-from overlap_lab.shared.builder import ThreadBuilder
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
+from overlap_lab.shared.ir.builder import ThreadBuilder
+from overlap_lab.shared.ir.program import GpuInstr, Launch, Op, Record, Wait, WaitStream
 
 T = TypeVar("T")
 

@@ -36,17 +36,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from overlap_lab.shared.builder import program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
-from overlap_lab.shared.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload, dense_layers, moe_layers
+from overlap_lab.shared.ir.builder import program
+from overlap_lab.shared.ir.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
+from overlap_lab.shared.ir.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
 from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
-from overlap_lab.shared.workload import MicroBatch, Workload, dense_layers, moe_layers
 
 UPSTREAM = "SGLang python/sglang/srt/two_batch_overlap.py, operations.py, operations_strategy.py"
 SUMMARY = (
@@ -71,7 +71,7 @@ class Strategy:
     """An OperationsStrategy of operations_strategy.py, as op keys with YIELD separators."""
 
     name: str
-    operations: tuple  # one sparse layer: op keys of shared.ops and YIELD
+    operations: tuple  # one sparse layer: op keys of shared.ir.ops and YIELD
     delta_stages: int
     limit_deep_gemm: bool  # deep_gemm_num_sms = num_sms - DeepEPConfig.num_sms
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.program import GpuInstr, Op, Program
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import Workload
+from overlap_lab.shared.ir.program import GpuInstr, Op, Program
 from overlap_lab.shared.schedules import sbo, tbo
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.tbo_split import tbo_split
-from overlap_lab.shared.workload import Workload
 
 UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
 SUMMARY = (

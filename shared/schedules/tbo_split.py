@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
 from overlap_lab.shared.schedules.common import ScheduleConfig
-from overlap_lab.shared.workload import Batch, MicroBatch, Workload
 
 
 def balanced_sum_split(arr: Sequence[int]) -> int:

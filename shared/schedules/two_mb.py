@@ -21,18 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from overlap_lab.shared.builder import program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, parts
-from overlap_lab.shared.program import Instr, Launch, Op, Program, Record, Sync, Wait
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.builder import program
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, parts
+from overlap_lab.shared.ir.program import Instr, Launch, Op, Program, Record, Sync, Wait
 from overlap_lab.shared.schedules.common import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 MAIN = "main"
 
-# The ops of a layer as LightLLM and DeepSeek group them (shared.ops names):
+# The ops of a layer as LightLLM and DeepSeek group them (shared.ir.ops names):
 ATTENTION = ("comm_prepare_attn", "attn.prepare", "attn.core", "comm_prepare_mlp")
 FINISH = ("output", "comm_postprocess_layer")  # scale + shared add, then the residual add
 
@@ -70,7 +70,7 @@ class Emitter:
     """Collects the forward body of one step for a pair (or a single) micro-batch.
 
     ``compute_sms`` caps every compute kernel (DeepSeek's 108-SM partition); ``comm_sms`` replaces
-    the SMs DeepEP's normal kernels hold. None keeps what ``shared.ops`` gives.
+    the SMs DeepEP's normal kernels hold. None keeps what ``shared.ir.ops`` gives.
     """
 
     w: Workload
@@ -119,7 +119,7 @@ class Emitter:
             return
         ops = self.ops(i, layer)
         done: set[str] = set()  # ``names`` may list a key's parts besides the key (every op)
-        for name in names:  # a key with parts launches each (``shared.ops.PARTS``)
+        for name in names:  # a key with parts launches each (``shared.ir.ops.PARTS``)
             for op in parts(ops, name):
                 if op.name not in done:
                     done.add(op.name)

@@ -49,11 +49,12 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
-from overlap_lab.shared.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.hardware import GPU
-from overlap_lab.shared.ops import head_ops, layer_ops, mtp_ops, parts
-from overlap_lab.shared.program import (
+from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts
+from overlap_lab.shared.ir.program import (
     HIGH_PRIORITY,
     Graph,
     Launch,
@@ -63,10 +64,9 @@ from overlap_lab.shared.program import (
     Wait,
     WaitStream,
 )
+from overlap_lab.shared.ir.validate import issue_order
 from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
-from overlap_lab.shared.validate import issue_order
-from overlap_lab.shared.workload import MicroBatch, Workload
 
 UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"

@@ -13,7 +13,7 @@ sequence (2: a multi-token-prediction verify step). Every profile row cites its 
 
 GEMM rows carry their FLOPs and pool per (M, SMs) into one ``gemm`` throughput per dtype, as
 ``h800-published`` does. FlashMLA rows are ``attn.core`` rows sized by the FLOPs this project's
-decode attention counts for that batch (``shared.ops``: 2 · heads · query-key pairs ·
+decode attention counts for that batch (``shared.ir.ops``: 2 · heads · query-key pairs ·
 (kv_lora + rope + kv_lora), the KV length counting the new tokens), held to the decode kernel's
 static split (``grid: persistent``) so that no prefill attention (FlashAttention-3's dynamic grid)
 takes them. The FLOP axis orders the table well: two query tokens nearly double the time at one KV
@@ -46,7 +46,7 @@ KV_LORA, ROPE = 512, 64
 
 
 def mla_decode_flops(batch: int, kv: int, s_q: int, heads: int) -> float:
-    """What ``shared.ops.mla_core`` counts for FlashMLA: 2·heads·pairs·(latent + kv_lora), with
+    """What ``shared.ir.ops.mla_core`` counts for FlashMLA: 2·heads·pairs·(latent + kv_lora), with
     pairs = batch · (s_q · cached + s_q(s_q+1)/2) and cached = kv - s_q."""
     pairs = batch * (s_q * (kv - s_q) + s_q * (s_q + 1) / 2)
     return 2.0 * heads * pairs * (KV_LORA + ROPE + KV_LORA)

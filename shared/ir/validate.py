@@ -1,0 +1,798 @@
+"""Validation of a Program before any interpreter runs it.
+
+Every rule is listed, with its reason, in ``docs/program.md`` ("Validation rules"). Each error
+names the rank, host thread and instruction (and, inside a graph, the body position), and shows
+the instruction marked ``<-- ERROR HERE``.
+
+The rules make every valid Program finish: the dependency graph of issue and completion halves
+is acyclic (a collective's send half starts at the op's start, its completion half waits for the
+data at the op's end), no op waiting for data can hold the SMs a same-rank send needs to start,
+and all work is finite and bounded, so both interpreters can always make progress. The simulator
+still reports a stall (and a run past its event budget) as a clear error rather than hanging.
+"""
+
+from __future__ import annotations
+
+import weakref
+from bisect import bisect_right
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from itertools import chain
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.ir.program import (
+    DEFAULT_PRIORITY,
+    DTYPES,
+    GRIDS,
+    MAX_HOST_US,
+    MAX_RANKS,
+    MAX_WORK,
+    NET_LINK_KINDS,
+    OP_CLASSES,
+    Graph,
+    Host,
+    Instr,
+    Launch,
+    Op,
+    Program,
+    RankProgram,
+    Record,
+    Sync,
+    Wait,
+    WaitStream,
+    Yield,
+    _instr_text,
+)
+from overlap_lab.shared.ir.program_meta import ProgramMeta
+
+
+class ProgramError(ConfigError):
+    """A Program that no interpreter may run; the message points at the faulty instruction."""
+
+
+class BuildBudgetExceeded(ConfigError):
+    """A Program larger than building and simulating one may take (``check_build_budget``)."""
+
+
+#: The most GPU items (launches, records, waits, inside graphs too) plus host instructions a
+#: Program may hold by default. Validating and simulating cost about linearly in them (a run
+#: takes a few to ~100 SimPy events and a few hundred bytes of trace each): the largest
+#: Programs the schedules emit for realistic cases (DeepSeek-V3, 61 layers, TBO+SBO at 4,096
+#: tokens per rank: ~61,500 instructions; explicit ranks: that per rank) stay well within it,
+#: and SBO at 65,536 decode tokens (8,192 down-GEMM launches per layer, ~950,000 instructions,
+#: minutes and gigabytes to simulate) is refused at once.
+MAX_INSTRUCTIONS = 600_000
+
+
+def count_instructions(program: Program) -> int:
+    """Host instructions plus the GPU items of every graph body (``check_build_budget``)."""
+    n = 0
+    for rp in program.ranks:
+        for th in rp.threads:
+            for ins in th.instrs:
+                n += len(ins.body) if isinstance(ins, Graph) else 1
+    return n
+
+
+def check_build_budget(program: Program, max_instructions: int | None = None) -> None:
+    """Raise BuildBudgetExceeded (one line, as ``--max-events`` does) when ``program`` holds more
+    than ``max_instructions`` instructions (default ``MAX_INSTRUCTIONS``): the budget of building
+    a Program, checked before any rule that walks it."""
+    budget = MAX_INSTRUCTIONS if max_instructions is None else max_instructions
+    n = count_instructions(program)
+    if n > budget:
+        raise BuildBudgetExceeded(
+            f"the Program has {n} instructions, more than its build budget of {budget}; "
+            "simulate less (fewer layers, a smaller batch or fewer explicit ranks)"
+        )
+
+
+@dataclass(frozen=True)
+class Issued:
+    """One instruction in issue order: where it comes from and what it is."""
+
+    rank: int
+    thread: str
+    index: int  # position in the thread's instruction list
+    instr: Instr
+
+
+def issue_order(rp: RankProgram) -> list[Issued]:
+    """The rank's host instructions in the order they are issued.
+
+    One host thread runs at a time; ``Yield`` hands control to the next thread that has
+    instructions left (round robin); a finished thread hands over too.
+    """
+    pos = [0] * len(rp.threads)
+    out: list[Issued] = []
+    live = [i for i, th in enumerate(rp.threads) if th.instrs]
+    cur = 0
+    while live:
+        ti = live[cur % len(live)]
+        th = rp.threads[ti]
+        yielded = False
+        while pos[ti] < len(th.instrs):
+            ins = th.instrs[pos[ti]]
+            out.append(Issued(rp.rank, th.name, pos[ti], ins))
+            pos[ti] += 1
+            if isinstance(ins, Yield):
+                yielded = True
+                break
+        if pos[ti] >= len(th.instrs):
+            live.remove(ti)
+            if live:
+                cur = cur % len(live)
+        elif yielded:
+            cur = (live.index(ti) + 1) % len(live)
+    return out
+
+
+def _where(it: Issued, rp: RankProgram, why: str, part: int | None = None) -> str:
+    """The error text: where, why, and the instruction (or graph body entry) marked."""
+    th = next(t for t in rp.threads if t.name == it.thread)
+    if part is not None and isinstance(it.instr, Graph):
+        body = it.instr.body
+        head = (
+            f"rank {it.rank}, thread {it.thread}, instruction {it.index} "
+            f"(graph {it.instr.name}, body instruction {part}): {why}"
+        )
+        lo = max(0, part - 2)
+        lines = [f"    graph {it.instr.name} {{"]
+        for k in range(lo, min(len(body), part + 2)):
+            text = _instr_text(body[k], "      ")[0]
+            lines.append(text + ("   <-- ERROR HERE" if k == part else ""))
+        return head + "\n" + "\n".join(lines)
+    lo = max(0, it.index - 2)
+    lines = []
+    for k in range(lo, min(len(th.instrs), it.index + 2)):
+        text = _instr_text(th.instrs[k], "    ")[0]
+        lines.append(text + ("   <-- ERROR HERE" if k == it.index else ""))
+    head = f"rank {it.rank}, thread {it.thread}, instruction {it.index}: {why}"
+    return head + "\n" + "\n".join(lines)
+
+
+def _gpu_parts(ins: Instr):
+    return ins.body if isinstance(ins, Graph) else (ins,)
+
+
+def _parts(it: Issued):
+    """(body position or None, instruction) for the GPU parts of one issued instruction."""
+    if isinstance(it.instr, Graph):
+        return list(enumerate(it.instr.body))
+    return [(None, it.instr)]
+
+
+def validate(
+    program: Program, num_sms: int | None = None, max_instructions: int | None = None
+) -> None:
+    """Raise ProgramError naming the first faulty instruction; return None if the Program is sound.
+    A Program above its build budget (``max_instructions``, ``check_build_budget``) is refused
+    first, with BuildBudgetExceeded.
+
+    ``num_sms`` (the GPU's) enables the rules that need it: SM demands within the GPU and no
+    receiving op starving a same-rank send of SMs.
+
+    A Program found sound is remembered by identity (with ``num_sms``) while it lives: Programs
+    and everything in them are frozen, so the verdict cannot go stale, and a Program validated
+    by its builder and again by the simulator is walked once.
+    """
+    key = (id(program), num_sms)
+    ref = _SOUND.get(key)
+    if ref is not None and ref() is program:
+        return
+    check_build_budget(program, max_instructions)
+    _validate(program, num_sms)
+    try:
+        _SOUND[key] = weakref.ref(program, lambda _r, k=key: _SOUND.pop(k, None))
+    except TypeError:  # not weakly referenceable (a Program subclass with slots): not cached
+        pass
+
+
+#: (id(program), num_sms) -> a weak reference to a Program ``validate`` found sound
+_SOUND: dict[tuple[int, int | None], weakref.ref] = {}
+
+
+def _validate(program: Program, num_sms: int | None) -> None:
+    _check_program(program)
+    orders = {rp.rank: issue_order(rp) for rp in program.ranks}
+    sends: dict[str, list[int]] = defaultdict(list)  # key -> ranks issuing it
+    for rp in program.ranks:
+        for it in orders[rp.rank]:
+            for ins in _gpu_parts(it.instr):
+                if isinstance(ins, Launch) and ins.op.coll and ins.op.coll.role != "recv":
+                    sends[ins.op.coll.key].append(rp.rank)
+    rank_ids = frozenset(rp.rank for rp in program.ranks)
+    faults: dict[int, str | None] = {}  # id(op) -> _op_fault: explicit ranks share most ops
+    flow_faults: dict[int, str | None] = {}  # id(flows) -> _flows_fault, likewise
+    for rp in program.ranks:
+        _check_rank(rp, orders[rp.rank], num_sms, sends, rank_ids, faults, flow_faults)
+    _check_cycles(program, orders, num_sms)
+
+
+def _check_program(program: Program) -> None:
+    if not isinstance(program.meta, ProgramMeta):
+        raise ProgramError(f"meta must be a ProgramMeta, got {type(program.meta).__name__}")
+    if fault := program.meta.fault():
+        raise ProgramError(f"meta: {fault}")
+    if not program.ranks:
+        raise ProgramError("the program has no ranks")
+    w = program.world
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_RANKS:
+        raise ProgramError(f"world must be an integer in 1..{MAX_RANKS}, got {w!r}")
+    if not isinstance(program.symmetric, bool):
+        raise ProgramError(f"symmetric must be true or false, got {program.symmetric!r}")
+    seen: set[int] = set()
+    for rp in program.ranks:
+        if isinstance(rp.rank, bool) or not isinstance(rp.rank, int) or not 0 <= rp.rank < w:
+            raise ProgramError(f"rank {rp.rank!r} outside 0..{w - 1} (world={w})")
+        if rp.rank in seen:
+            raise ProgramError(f"rank {rp.rank} appears twice")
+        seen.add(rp.rank)
+        if len(set(rp.streams)) != len(rp.streams):
+            raise ProgramError(f"rank {rp.rank}: a stream is declared twice in {rp.streams}")
+        names = [th.name for th in rp.threads]
+        for n in names:
+            if names.count(n) > 1:
+                raise ProgramError(f"rank {rp.rank}: thread {n!r} is declared twice")
+
+
+def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids, faults, flow_faults) -> None:
+    streams = set(rp.streams)
+    for s, _ in rp.priorities:
+        if s not in streams:
+            raise ProgramError(f"rank {rp.rank}: priority given for unknown stream {s!r}")
+    recorded: dict[str, Issued] = {}
+    for it in order:
+        if isinstance(it.instr, Graph):
+            for k, ins in enumerate(it.instr.body):
+                if not isinstance(ins, (Launch, Record, Wait, WaitStream)):
+                    what = type(ins).__name__.lower()
+                    raise ProgramError(
+                        _where(
+                            it,
+                            rp,
+                            f"{what} cannot be captured in a graph (launch, record, "
+                            "wait and wait_stream only)",
+                            k,
+                        )
+                    )
+        for k, ins in _parts(it):
+            if isinstance(ins, Record):
+                if ins.event in recorded:
+                    raise ProgramError(_where(it, rp, f"event {ins.event!r} recorded twice", k))
+                recorded[ins.event] = it
+    for it in order:
+        for k, ins in _parts(it):
+            for s in _streams_of(ins):
+                if s not in streams:
+                    raise ProgramError(_where(it, rp, f"unknown stream {s!r}", k))
+            if isinstance(ins, (Wait, Sync)) and ins.event not in recorded:
+                raise ProgramError(_where(it, rp, f"event {ins.event!r} is never recorded", k))
+            if isinstance(ins, Launch):
+                op = ins.op
+                why = faults.get(id(op), False)
+                if why is False:  # the program holds op, so its id stays its own
+                    why = faults[id(op)] = _op_fault(op, num_sms, sends, rank_ids, flow_faults)
+                if why:
+                    raise ProgramError(_where(it, rp, why, k))
+                for ev in ins.op.waits:
+                    if ev not in recorded:
+                        raise ProgramError(_where(it, rp, f"signal {ev!r} is never recorded", k))
+        if isinstance(it.instr, Host):
+            us = it.instr.us
+            if not (isinstance(us, (int, float)) and 0 <= us <= MAX_HOST_US):
+                raise ProgramError(
+                    _where(
+                        it, rp, f"host time must be a number in 0..{MAX_HOST_US:g} µs, got {us!r}"
+                    )
+                )
+
+
+def _streams_of(ins: Instr) -> tuple[str, ...]:
+    if isinstance(ins, (Launch, Record, Wait)):
+        return (ins.stream,)
+    if isinstance(ins, WaitStream):
+        return (ins.stream, ins.other)
+    return ()
+
+
+def _finite_work(v) -> bool:
+    return type(v) in (float, int) and 0 <= v <= MAX_WORK  # NaN fails both comparisons
+
+
+def _op_fault(op: Op, num_sms, sends, rank_ids, flow_faults: dict | None = None) -> str | None:
+    """Why the op cannot run, or None."""
+    if op.dtype not in DTYPES:
+        return f"unknown dtype {op.dtype!r}; expected one of {', '.join(DTYPES)}"
+    if op.op_class not in OP_CLASSES:
+        return f"unknown op class {op.op_class!r}; expected one of {', '.join(OP_CLASSES)}"
+    if op.sms is not None and op.sms < 0:
+        return f"negative SM demand {op.sms}"
+    if num_sms is not None and op.sms is not None and op.sms > num_sms:
+        return f"{op.name} asks for {op.sms} SMs but the GPU has {num_sms}"
+    if op.tokens < 0:
+        return f"negative token count {op.tokens}"
+    if not (_finite_work(op.flops) and _finite_work(op.hbm_bytes)):
+        return f"work (flops, hbm_bytes) must be finite numbers in 0..{MAX_WORK:g}"
+    if op.grid is not None and op.grid not in GRIDS:
+        return f"unknown grid {op.grid!r}; expected one of {', '.join(GRIDS)}"
+    for f in ("ctas", "ctas_per_sm"):
+        v = getattr(op, f)
+        if v is not None and v < 1:
+            return f"{f} must be at least 1, got {v}"
+    if _coresident(op) and op.ctas is not None:
+        # all CTAs of a coresident kernel are resident at once, on at most ``sms`` SMs
+        need = _resident_sms(op)
+        if op.sms == 0:
+            return f"{op.name} has ctas={op.ctas} but sms=0 (a hook runs no CTAs)"
+        if op.sms is not None and need > op.sms:
+            return (
+                f"{op.name} needs {need} SMs for its {op.ctas} coresident CTAs "
+                f"({_per_sm(op)} per SM) but sms={op.sms}"
+            )
+        if num_sms is not None and need > num_sms:
+            return (
+                f"{op.name} needs {need} SMs for its {op.ctas} coresident CTAs "
+                f"({_per_sm(op)} per SM) but the GPU has {num_sms}"
+            )
+    c = op.coll
+    if c is None:
+        return None
+    if op.kind == "copy":
+        return "a copy op cannot take part in a collective (copies move bytes over PCIe only)"
+    if c.role == "recv" and c.flows:
+        return "a recv op carries no flows (its senders do)"
+    why = _flows_fault(c.flows, rank_ids, flow_faults)
+    if why:
+        return why
+    if c.role == "recv" and c.key not in sends:
+        return f"completion of collective {c.key!r} without its issue half"
+    return None
+
+
+def _flows_fault(flows: tuple, rank_ids, memo: dict | None) -> str | None:
+    """Why these flows of one op cannot be sent, or None (``memo``: by id of the tuple, which
+    explicit ranks share among their ops)."""
+    if memo is not None:
+        why = memo.get(id(flows), False)
+        if why is False:  # the op holds flows, so the id stays theirs
+            why = memo[id(flows)] = _flows_fault(flows, rank_ids, None)
+        return why
+    explicit = any(f.dst is not None for f in flows)
+    for f in flows:
+        if not _finite_work(f.nbytes):
+            return f"bad flow {f}: bytes must be a finite number in 0..{MAX_WORK:g}"
+        if f.dst is not None and f.dst not in rank_ids:
+            return f"flow to unknown rank {f.dst}"
+        if explicit and f.link not in NET_LINK_KINDS:
+            return (
+                f"bad flow {f}: an op with explicit-destination flows may use only "
+                f"{' and '.join(NET_LINK_KINDS)} links"
+            )
+    return None
+
+
+def _coresident(op: Op) -> bool:
+    """Whether the op's CTAs must all be resident at once (``sim.cost.grid_kind``: its own
+    ``grid``, else every communication kernel)."""
+    return op.grid == "coresident" or (op.grid is None and op.kind == "comm")
+
+
+def _per_sm(op: Op) -> int:
+    """CTAs per SM of a coresident kernel (``sim.cost.grid``: 1 unless the op says)."""
+    return op.ctas_per_sm or 1
+
+
+def _resident_sms(op: Op) -> int:
+    """SMs an op with an explicit ``ctas`` needs to hold all of them at once."""
+    return -(-op.ctas // _per_sm(op))
+
+
+def _hold(op: Op, num_sms: int) -> int:
+    """SMs an op may hold while it waits for data: compute kernels grow up to their limit, and
+    never past the SMs their explicit CTAs fill (the block scheduler gives no SM without a CTA
+    for it; per-SM CTAs of a compute kernel are not known here, so one per SM, the most)."""
+    limit = num_sms if op.sms is None else op.sms
+    if op.ctas is not None and limit:
+        limit = min(limit, _resident_sms(op) if _coresident(op) else op.ctas)
+    return limit
+
+
+def _need(op: Op, num_sms: int) -> int:
+    """SMs an op needs free before it can start (coresident kernels: all of theirs)."""
+    limit = num_sms if op.sms is None else op.sms
+    if not _coresident(op):
+        return min(1, limit)
+    return min(limit, _resident_sms(op)) if op.ctas is not None and limit else limit
+
+
+def _check_cycles(program: Program, orders, num_sms) -> None:
+    """Kahn's algorithm over the dependency graph of issue and completion nodes.
+
+    Every launch is two nodes: its start (it holds its SMs; a send half injects its flows) and
+    its end (a completion half has all its data). The next item of a stream follows the end of
+    the previous one; a receiving op's end follows the start of every op sending it data.
+    Nodes are integers; ``info[n]`` says which instruction node ``n`` belongs to.
+    """
+    succ: list[list[int]] = []
+    info: list[tuple[Issued, RankProgram, int | None]] = []
+    new_succ, new_info = succ.append, info.append  # a node: its successors and where it is from
+
+    # rank -> (precedence, op): precedence is (stream priority, node), the block scheduler's order
+    launches: dict[int, list[tuple[tuple[int, int], Op]]] = defaultdict(list)
+    recvs: list[tuple[int, int, str, int, Op, str]] = []  # (start, end, key, rank, op, stream)
+    waiters: list[tuple[int, int, str, int, Op, str]] = []  # kernels polling signals, likewise
+    flow_srcs: dict[tuple[str, int], list[tuple[int, Op, int]]] = defaultdict(list)
+    gpu_types = (Launch, Record, Wait, WaitStream)
+    for rp in program.ranks:
+        prio = {s: rp.priority(s) for s in rp.streams}
+        rank_launches = launches[rp.rank]
+        record_node: dict[str, int] = {}
+        last_on: dict[str, int] = {}
+        prev_host = None
+        pending: list[tuple[int, str]] = []  # (node, event) waits resolved after the pass
+        for it in orders[rp.rank]:
+            h = len(succ)
+            new_succ([])
+            new_info((it, rp, None))
+            if prev_host is not None:
+                succ[prev_host].append(h)
+            prev_host = h
+            ins = it.instr
+            if type(ins) is Graph:
+                parts = enumerate(ins.body)
+            else:
+                if isinstance(ins, Sync):
+                    pending.append((h, ins.event))
+                parts = ((None, ins),)
+            for k, ins in parts:
+                if not isinstance(ins, gpu_types):
+                    continue
+                g = len(succ)
+                new_succ([])
+                new_info((it, rp, k))
+                succ[h].append(g)
+                if isinstance(ins, WaitStream):
+                    if ins.other in last_on:
+                        succ[last_on[ins.other]].append(g)
+                stream = ins.stream
+                if stream in last_on:
+                    succ[last_on[stream]].append(g)
+                end = g
+                if isinstance(ins, Record):
+                    record_node[ins.event] = g
+                elif isinstance(ins, Wait):
+                    pending.append((g, ins.event))
+                elif isinstance(ins, Launch):
+                    op = ins.op
+                    rank_launches.append(((prio.get(stream, DEFAULT_PRIORITY), g), op))
+                    end = len(succ)
+                    new_succ([])
+                    new_info((it, rp, k))
+                    succ[g].append(end)
+                    # a kernel that consumes signals while it runs cannot end before they fire
+                    if op.waits:
+                        pending += [(end, ev) for ev in op.waits]
+                        if not (op.coll and op.coll.role != "send"):
+                            waiters.append((g, end, "", rp.rank, op, stream))
+                    c = op.coll
+                    if c is not None:
+                        if c.role != "recv":
+                            # data leaves as the kernel runs; one that consumes signals sends
+                            # its last part only after the last of them: its end is the source
+                            src = end if op.waits else g
+                            for f in c.flows:
+                                dst = rp.rank if f.dst is None else f.dst
+                                flow_srcs[(c.key, dst)].append((src, op, g))
+                        if c.role != "send":
+                            recvs.append((g, end, c.key, rp.rank, op, stream))
+                last_on[stream] = end
+        for n, ev in pending:
+            if ev in record_node:
+                succ[record_node[ev]].append(n)
+    for start, end, key, rank, _op, _s in recvs:
+        for src, _sop, _g in flow_srcs.get((key, rank), ()):
+            if src != start:
+                succ[src].append(end)
+    indeg = [0] * len(succ)
+    for m, d in Counter(chain.from_iterable(succ)).items():
+        indeg[m] = d
+    queue = [n for n, d in enumerate(indeg) if d == 0]
+    seen = 0
+    pos = [0] * len(succ)  # each node's place in one topological order
+    while queue:
+        n = queue.pop()
+        pos[n] = seen
+        seen += 1
+        for m in succ[n]:
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                queue.append(m)
+    if seen < len(succ):
+        first = next(n for n, d in enumerate(indeg) if d > 0)  # nodes are made in issue order
+        it, rp, k = info[first]
+        raise ProgramError(
+            _where(
+                it,
+                rp,
+                "wait cycle: this instruction waits on work that can only come after it",
+                k,
+            )
+        )
+    if num_sms is not None:
+        _check_starvation(recvs + waiters, succ, info, num_sms, launches, pos)
+
+
+def _check_starvation(holders, succ, info, num_sms, launches, pos) -> None:
+    """A receiving op holds its SMs until its data is there (a compute kernel up to its limit),
+    and a kernel that polls signals holds them until its last signal. Such an op is *at risk*
+    when its data or signals depend, on any rank and through any chain of collectives, on a
+    launch of its own rank that is not ordered before it (that launch may find no free SMs),
+    unless that launch precedes it in the block scheduler's order and everything the launch's
+    start waits on is ordered before the holder's start (it is then pending, and served, first).
+    For
+    each at-risk receiver, the SMs it holds, plus the largest at-risk hold of each other stream of
+    its rank (a stream runs one op at a time), plus the most that a competing launch needs to
+    start must fit in the GPU. A launch competes with the sender when the block scheduler serves
+    it first (SMs go to pending kernels by stream priority, then issue order, and a kernel whose
+    CTAs must be co-resident keeps free SMs from those behind it) and it is not ordered before the
+    receiver (those started before the hold began). ``pos`` is a topological order of the
+    nodes: it bounds every search for ancestors."""
+    pred: list[list[int]] | None = None
+    ancestors: dict[int, set[int] | _RankAncestors] = {}
+    by_rank: dict[int, tuple[dict[int, int], dict[int, int], list[int]] | None] = {}
+
+    def anc_of(b: int, rank: int) -> set[int] | _RankAncestors:
+        if b not in ancestors:
+            if rank not in by_rank:
+                by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+            bits = by_rank[rank]
+            if bits is None:  # too many nodes for bitsets: one search per receiver
+                ancestors[b] = _ancestors(b, pred, info, rank)
+            else:
+                ancestors[b] = _RankAncestors(bits, b)
+        return ancestors[b]
+
+    risks: list[tuple[int, str, int, int, Op, tuple[int, int]]] = []
+    starts = {p[1] for ls in launches.values() for p, _o in ls}
+    for start, end, _key, rank, op, stream in holders:
+        hold = _hold(op, num_sms)
+        if hold == 0:
+            continue
+        if pred is None:
+            pred = [[] for _ in succ]
+            for a, out in enumerate(succ):
+                for b in out:
+                    pred[b].append(a)
+        outside = [p for p in pred[end] if p != start]  # its data's senders, its signals
+        if not outside:
+            continue
+        if rank not in by_rank:
+            by_rank[rank] = _rank_ancestor_bits(rank, pred, info, pos)
+        if by_rank[rank] is None:
+            # too many nodes for bitsets: only the holder's direct senders on its rank count
+            # (each ancestor question is a search of its own)
+            anc: set[int] | _RankAncestors | _Before = _Before(start, pred, pos)
+            lo, deep = 0, False
+        else:
+            anc = anc_of(start, rank)
+            lo, deep = anc.first_outside(start, pos), True
+            if lo is None:
+                continue
+        own = _precedence(info, start)
+        worst = None
+        for b in _blockers(outside, rank, start, anc, pred, info, pos, lo, starts, deep):
+            prec = _precedence(info, b)
+            if prec < own and _ready_by(b, anc if deep else anc_of(start, rank), pred, info):
+                # whenever the holder can start, this launch is already pending ahead of it in
+                # the block scheduler's order, and is served first: not at risk
+                continue
+            if worst is None or prec > worst:
+                worst = prec
+        if worst is not None:
+            risks.append((rank, stream, hold, start, op, worst))
+    by_need: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
+    widest: dict[tuple[int, str], int] = {}
+    for rank, stream, hold, *_ in risks:
+        widest[(rank, stream)] = max(widest.get((rank, stream), 0), hold)
+    for rank, stream, hold, start, op, sender in risks:
+        others = sum(h for (r, s), h in widest.items() if r == rank and s != stream)
+        started = anc_of(start, rank)
+        if rank not in by_need:
+            by_need[rank] = _launches_by_need(launches[rank], num_sms)
+        need = _largest_need(by_need[rank], sender, started, start)
+        held = hold + others
+        if held + need > num_sms:
+            need, needer = max(
+                (
+                    (_need(o, num_sms), o.name)
+                    for p, o in launches[rank]
+                    if p <= sender and p[1] not in started and p[1] != start
+                ),
+                default=(0, ""),
+            )
+            it, rp, k = info[start]
+            raise ProgramError(
+                _where(
+                    it,
+                    rp,
+                    f"SM starvation: {op.name} and the other streams' receivers may hold {held} "
+                    f"of the {num_sms} SMs while waiting for data or signals that depend on a "
+                    f"same-rank op not ordered before them, and {needer} needs {need} SMs to "
+                    "start; order the sender first or leave it SMs",
+                    k,
+                )
+            )
+
+
+def _blockers(
+    outside, rank, start, anc, pred, info, pos, lo: int, starts, deep: bool = True
+) -> list[int]:
+    """Launch starts of ``rank`` not ordered before the holder ``start`` (not in ``anc``) that
+    the holder's end depends on through ``outside`` (its senders' and signals' nodes, on any
+    rank). The search goes back through other ranks' nodes and its own rank's records, waits
+    and host instructions; it stops at its own rank's nodes ordered before the holder (all they
+    depend on is too) and at its own rank's launches (the first kernel met on a chain is the one
+    that may find no SMs: a kernel behind it cannot start before it), and at any node earlier
+    than ``lo`` in the topological order ``pos`` (the first node of ``rank`` not ordered before
+    the holder): no path from a blocker passes through it. Not ``deep``: ``outside`` only."""
+    stack = [p for p in outside if pos[p] >= lo]
+    seen = set(stack)
+    out = []
+    while stack:
+        q = stack.pop()
+        if info[q][1].rank == rank:
+            if q == start or q in anc:
+                continue
+            if q in starts or q - 1 in starts:  # a launch's start, or its end (the next node)
+                out.append(q if q in starts else q - 1)
+                continue
+        if not deep:
+            continue
+        for p in pred[q]:
+            if p not in seen and pos[p] >= lo:
+                seen.add(p)
+                stack.append(p)
+    return out
+
+
+def _launches_by_need(launches, num_sms: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """A rank's launches grouped by the SMs each needs to start, largest first, each group's
+    precedences sorted (for ``_largest_need``)."""
+    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for p, o in launches:
+        groups[_need(o, num_sms)].append(p)
+    return [(n, sorted(groups[n])) for n in sorted(groups, reverse=True)]
+
+
+def _largest_need(by_need, sender: tuple[int, int], started, start: int) -> int:
+    """The most SMs a launch served before ``sender`` (precedence <= it), not ordered before the
+    receiver ``start`` (not in ``started``) and not the receiver itself needs: 0 if none. Each
+    group is searched from its last launch before the sender back, as the launches nearest the
+    sender are the ones least likely to be ordered before the receiver."""
+    for need, ps in by_need:
+        for k in range(bisect_right(ps, sender) - 1, -1, -1):
+            node = ps[k][1]
+            if node != start and node not in started:
+                return need
+    return 0
+
+
+def _ready_by(node: int, anc: set[int], pred, info) -> bool:
+    """Whether launch ``node`` can start once the nodes ``anc`` are done: everything it waits on
+    is in ``anc``, looking through waits, records and wait_streams (they take no time)."""
+    stack, seen = list(pred[node]), set()
+    while stack:
+        q = stack.pop()
+        if q in anc or q in seen:
+            continue
+        seen.add(q)
+        it, _rp, k = info[q]
+        ins = it.instr if k is None else it.instr.body[k]
+        if not isinstance(ins, (Wait, Record, WaitStream)):
+            return False  # a kernel, or host work, not ordered before: may come later
+        stack.extend(pred[q])
+    return True
+
+
+def _precedence(info, node: int) -> tuple[int, int]:
+    """The block scheduler's order of a launch node: its stream's priority, then issue order."""
+    it, rp, k = info[node]
+    ins = it.instr if k is None else it.instr.body[k]
+    return (rp.priority(ins.stream), node)
+
+
+#: Nodes of one rank up to which ``_check_starvation`` keeps every node's ancestors as a bitset
+#: (about n^2/16 bytes); beyond it each receiver's ancestors are searched for alone.
+MAX_BITSET_NODES = 20_000
+
+
+def _rank_ancestor_bits(
+    rank: int, pred, info, pos
+) -> tuple[dict[int, int], dict[int, int], list[int]] | None:
+    """For every node of ``rank``: the bitset of its ancestors through that rank's own nodes (the
+    sets ``_ancestors`` finds), bit ``i`` standing for the rank's ``i``-th node in the
+    topological order ``pos``, so one pass in that order builds them all: (node -> bit, node ->
+    bitset, the nodes in that order), or None above MAX_BITSET_NODES."""
+    nodes = [n for n, (_it, rp, _k) in enumerate(info) if rp.rank == rank]
+    if len(nodes) > MAX_BITSET_NODES:
+        return None
+    nodes.sort(key=pos.__getitem__)
+    local = {n: i for i, n in enumerate(nodes)}
+    bits: dict[int, int] = {}
+    for n in nodes:
+        b = 0
+        for p in pred[n]:
+            i = local.get(p)
+            if i is not None:
+                b |= bits[p] | (1 << i)
+        bits[n] = b
+    return local, bits, nodes
+
+
+class _RankAncestors:
+    """The ancestors of one node as ``_ancestors`` returns them (``in`` only), read from the
+    rank's bitsets."""
+
+    __slots__ = ("_local", "_bits", "_nodes")
+
+    def __init__(self, table, b: int):
+        self._local, self._bits, self._nodes = table[0], table[1][b], table[2]
+
+    def first_outside(self, b: int, pos) -> int | None:
+        """The least topological position ``pos`` of a node of the rank that is neither ``b``
+        nor one of its ancestors (None: there is none): the lowest clear bit."""
+        full = self._bits | (1 << self._local[b])
+        z = ((~full) & (full + 1)).bit_length() - 1
+        return pos[self._nodes[z]] if z < len(self._nodes) else None
+
+    def __contains__(self, q: int) -> bool:
+        i = self._local.get(q)
+        return i is not None and (self._bits >> i) & 1 == 1
+
+
+class _Before:
+    """The nodes ordered before node ``b`` (``in`` only), each found by a search of its own
+    (``_reaches``, remembered): for ranks too large for ``_rank_ancestor_bits``, where most
+    questions are about the few nodes near ``b``."""
+
+    __slots__ = ("_b", "_pred", "_pos", "_memo")
+
+    def __init__(self, b: int, pred, pos):
+        self._b, self._pred, self._pos, self._memo = b, pred, pos, {}
+
+    def __contains__(self, q: int) -> bool:
+        r = self._memo.get(q)
+        if r is None:
+            r = self._memo[q] = q != self._b and _reaches(q, self._b, self._pred, self._pos)
+        return r
+
+
+def _ancestors(b: int, pred, info, rank: int) -> set[int]:
+    """Every node of ``rank`` ordered before node ``b`` through that rank's own nodes."""
+    stack, seen = [b], {b}
+    while stack:
+        for p in pred[stack.pop()]:
+            if p not in seen and info[p][1].rank == rank:
+                seen.add(p)
+                stack.append(p)
+    seen.discard(b)
+    return seen
+
+
+def _reaches(a: int, b: int, pred, pos) -> bool:
+    """Whether node ``a`` is an ancestor of node ``b``. Only nodes after ``a`` in the topological
+    order ``pos`` can descend from it, so the search stays between the two."""
+    if pos[a] > pos[b]:
+        return False
+    lo = pos[a]
+    stack, seen = [b], {b}
+    while stack:
+        n = stack.pop()
+        if n == a:
+            return True
+        for p in pred[n]:
+            if p not in seen and pos[p] >= lo:
+                seen.add(p)
+                stack.append(p)
+    return False
