@@ -14,6 +14,7 @@ import pytest
 
 from overlap_lab.shared import schedules as S
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.plugins import Entry
 
 PYPROJECT = """\
 [build-system]
@@ -83,13 +84,18 @@ def test_a_schedule_in_its_own_package_is_listed_and_runs(tmp_path):
     assert rows["echo"][1:4] == rows["serial"][1:4]  # GPUs, iters, ms/iter: serial's Program
 
 
+def _register(monkeypatch, name: str, target: str, package: str) -> None:
+    """A schedule registered as another package's entry point would be (``shared.plugins``)."""
+    monkeypatch.setitem(S.REGISTRY.entries, name, Entry(name, target, package))
+    monkeypatch.setitem(S.SCHEDULES, name, target)
+
+
 def test_a_schedule_that_cannot_load_is_one_error_naming_its_package(monkeypatch):
-    monkeypatch.setitem(S.SCHEDULES, "broken", "overlap_lab_no_such_module")
-    monkeypatch.setitem(S._PACKAGE, "broken", "overlap-lab-broken")
+    _register(monkeypatch, "broken", "overlap_lab_no_such_module", "overlap-lab-broken")
     with pytest.raises(ConfigError) as e:
         S.module("broken")
     msg = str(e.value)
-    assert "\n" not in msg and "overlap-lab-broken" in msg and "cannot be imported" in msg
+    assert "\n" not in msg and "overlap-lab-broken" in msg and "cannot be loaded" in msg
 
 
 def test_a_schedule_missing_a_part_is_refused(monkeypatch, tmp_path):
@@ -97,7 +103,6 @@ def test_a_schedule_missing_a_part_is_refused(monkeypatch, tmp_path):
         textwrap.dedent('UPSTREAM = "x"\nSUMMARY = "y"\n\ndef build(w, g, c):\n    return None\n')
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(S.SCHEDULES, "half", "overlap_lab_half")
-    monkeypatch.setitem(S._PACKAGE, "half", "overlap-lab-half")
+    _register(monkeypatch, "half", "overlap_lab_half", "overlap-lab-half")
     with pytest.raises(ConfigError, match=r"schedule 'half' .*overlap-lab-half\) lacks KNOBS"):
         S.module("half")
