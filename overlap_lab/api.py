@@ -216,6 +216,7 @@ class Result:
     notes: tuple[str, ...] = ()
     balanced_window_us: float | None = None  # explicit ranks: the same run with balanced routing
     profile: Any = None  # the calibration profile op durations came from (None: roofline alone)
+    cost_model: Any = None  # the cost model as given: a name, an object, None (roofline)
 
     @property
     def fallback_reason(self) -> str | None:
@@ -296,7 +297,7 @@ class Result:
         p = self.program
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
-        out["cost_sources"] = cost_sources(one, self.gpu, self.profile)
+        out["cost_sources"] = cost_sources(one, self.gpu, self.profile, self.cost_model)
         dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
         if dropped and dropped not in out.setdefault("notes", []):
             out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
@@ -348,8 +349,8 @@ def simulate(
     profile: Any = "auto",
     max_events: int | None = None,
     transform: Callable[[Program], Program] | None = None,
-    cost_model: CostModel | None = None,
-    network: NetworkFactory | None = None,
+    cost_model: CostModel | str | None = None,
+    network: NetworkFactory | str | None = None,
 ) -> Result:
     """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
 
@@ -364,12 +365,14 @@ def simulate(
     ``max_events`` bounds the simulation (default: ``sim.budget``'s, from the Program's size).
     ``transform`` rewrites the schedule's Program before it is lowered and simulated (a what-if:
     e.g. an SM cap on some kernels); the Result carries the rewritten Program.
-    ``cost_model`` (a ``sim.models.CostModel``) replaces the roofline and ``profile`` (which is
-    then not read); ``network`` (a ``sim.models.NetworkFactory``) replaces the max-min network
-    that carries explicit ranks' flows (docs/architecture.md, "Plugging in a cost model or a
-    network"). None: the defaults."""
+    ``cost_model`` (what a kernel costs) and ``network`` (what carries explicit ranks' flows):
+    names registered in ``overlap_lab.cost_models`` and ``overlap_lab.networks`` (a cost model
+    built by name is handed ``profile``), or objects (``sim.models.CostModel``, whose ``profile``
+    is then not read, and ``sim.models.NetworkFactory``); None: ``roofline`` and ``max-min``
+    (docs/architecture.md, "Plugging in a cost model or a network")."""
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import SimulationStalled
+    from overlap_lab.sim.models import check_model_names
 
     w = workload if workload is not None else _workload()
     g = _gpu(gpu)
@@ -379,7 +382,9 @@ def simulate(
         if isinstance(ranks, Ranks)
         else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
     )
-    prof = None if cost_model is not None else resolve_profile(profile, g)
+    check_model_names(cost_model, network)  # an unknown name fails before the build
+    named = cost_model is None or isinstance(cost_model, str)  # built with the profile
+    prof = resolve_profile(profile, g) if named else None
     models = {"cost_model": cost_model, "network": network}
     notes: list[str] = []
     if schedule == "pp" and w.parallel.pp == 1:
@@ -420,7 +425,9 @@ def simulate(
     assumed = below_published_sms(program, g.deepep_release)
     if assumed:
         notes.append(assumed)
-    return Result(schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof)
+    return Result(
+        schedule, w, g, cfg, lowered, trace, metrics, tuple(notes), balanced, prof, cost_model
+    )
 
 
 def _is_balanced(r: Ranks) -> bool:
@@ -623,8 +630,8 @@ def compare(
     progress: bool = False,
     profile: Any = "auto",
     max_events: int | None = None,
-    cost_model: CostModel | None = None,
-    network: NetworkFactory | None = None,
+    cost_model: CostModel | str | None = None,
+    network: NetworkFactory | str | None = None,
     sensitivity: Any = None,
     **ranks: Any,
 ) -> Comparison:
@@ -644,6 +651,8 @@ def compare(
     the Comparison then carries the ranges (``Comparison.sensitivity``; docs/uncertainty.md).
     """
     from tqdm import tqdm
+
+    from overlap_lab.sim.models import check_model_names
 
     names = list(dict.fromkeys(s.strip() for s in schedules if s.strip()))
     for n in names:
@@ -668,6 +677,9 @@ def compare(
             **ranks,
         )
 
+    check_model_names(cost_model, network)  # a bad name or profile: one line, before the bar
+    if cost_model is None or isinstance(cost_model, str):
+        resolve_profile(profile, g)
     # in a terminal the bar is erased when done; written to a file (stderr redirected, often
     # with stdout) its last state is kept and ends its line, so the table starts on its own
     bar = tqdm(
@@ -716,6 +728,10 @@ def compare(
         run = {**models, "cost_model": cm}
         return simulate_explicit(p, wl, g, rk, None, max_events, run).step_time_us
 
+    if isinstance(cost_model, str):  # the design perturbs a model object: the named one's
+        from overlap_lab.sim.models import cost_model as build
+
+        cost_model = build(cost_model, resolve_profile(profile, g))[0]
     s = over_design(
         table,
         sensitivity,

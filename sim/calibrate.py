@@ -37,10 +37,11 @@ from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.profile import (
     FORMAT,
     PROFILED_CLASSES,
-    PROFILED_OPS,
     ROOFLINE,
     Profile,
     from_json,
+    profiled,
+    profiled_ops,
 )
 
 OpKey = tuple[int, str, int | None, int | None, int | None]  # rank, op, layer, mb, step
@@ -90,7 +91,7 @@ def measured_ops(trace: Trace) -> dict[OpKey, Measured]:
 
 
 def _profiled(op: Op) -> bool:
-    return op.kind == "compute" and op.name in PROFILED_OPS
+    return profiled(op) and op.name in profiled_ops()
 
 
 def profile_from_trace(
@@ -202,19 +203,30 @@ def profile_name(profile: Profile | None) -> str:
     return ROOFLINE if profile is None else profile.name
 
 
-def cost_sources(program: Program, gpu: GPU, profile: Profile | None) -> dict[str, dict[str, int]]:
-    """Per op class, how many launched ops take their duration from the profile, the roofline
-    or the link model (communication kernels and copies). Each distinct op object's source is
-    looked up once: explicit ranks share most of their ops (``shared.ir.ranks``), and a lookup is a
-    profile search."""
-    from overlap_lab.sim.cost import duration_source
+def cost_sources(
+    program: Program, gpu: GPU, profile: Profile | None, model: Any = None
+) -> dict[str, dict[str, int]]:
+    """Per op class, how many launched ops take their duration from where. For the roofline
+    model (``model`` None or ``roofline``: the one of ``profile``; or a ``RooflineCostModel``
+    object, with its own profile): the profile, the roofline or the link model (communication
+    kernels and copies). For any other cost model, given by name or as an object, that model
+    (its name, or its class's). Each distinct op object's source is looked up once: explicit
+    ranks share most of their ops (``shared.ir.ranks``), and a lookup is a profile search."""
+    from overlap_lab.sim.cost import RooflineCostModel, duration_source
+    from overlap_lab.sim.models import DEFAULT_COST_MODEL, class_name
 
+    if type(model) is RooflineCostModel:  # a subclass may cost otherwise: named by its class
+        profile, model = model.profile, None
+    label = None
+    if model is not None and model != DEFAULT_COST_MODEL:
+        label = model if isinstance(model, str) else class_name(model)
     every = [op for _, op in ops_of(program)]  # holds every op while their ids are keys
     ops = {id(op): op for op in every}
     counts: dict[str, Counter] = {}
     for key, n in Counter(map(id, every)).items():
         op = ops[key]
-        counts.setdefault(op.op_class, Counter())[duration_source(op, gpu, profile)] += n
+        source = label or duration_source(op, gpu, profile)
+        counts.setdefault(op.op_class, Counter())[source] += n
     return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
 
 

@@ -15,6 +15,12 @@ roofline; two memory-bound kernels side by side each take about half the bandwid
 Links (NVLink, RDMA, PCIe) are shared the same way among the flows crossing them; a flow arrives
 ``latency`` after its last byte leaves. Copies (D2H/H2D) are flows on the rank's PCIe link.
 
+Everything here keys on what an op is (its kind, op class, dtype, work and collective role),
+never on its name, so a new op of a known class is costed with no edit: DeepEP's kernels (class
+``comm``, ``shared.ir.program.DEEPEP_CLASS``) carry DeepEP's rules (the low-latency receive's
+fixed cost, the normal kernels' channels), NCCL's (class ``nccl``) only their bytes on the
+links. Only a calibration profile's row measured for one op is found by its name (``sim.profile``).
+
 The efficiencies are assumptions of this model, not measurements: they are the typical fraction of
 peak reached by well-tuned kernels of each class on Hopper (DeepGEMM reports ~1350-1550 of 1979
 dense FP8 TFLOP/s on H800 for large GEMMs, i.e. ~0.7; FlashMLA ~660 TFLOP/s BF16 of 989 on H800,
@@ -65,7 +71,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from overlap_lab.shared.inputs.hardware import GPU
-from overlap_lab.shared.ir.program import Op
+from overlap_lab.shared.ir.program import DEEPEP_CLASS, Op
 
 if TYPE_CHECKING:
     from overlap_lab.sim.profile import Profile
@@ -78,6 +84,7 @@ EFFICIENCY: dict[str, tuple[float, float]] = {
     "elementwise": (0.50, 0.80),  # norms, activations, residual adds (memory-bound)
     "sampling": (0.30, 0.50),  # top-k / sampling kernels: small, latency-dominated
     "comm": (0.50, 0.80),  # packing / unpacking inside DeepEP kernels
+    "nccl": (0.50, 0.80),  # NCCL's copies in and out of its buffers: assumed as DeepEP's
     "copy": (1.0, 1.0),
 }
 #: A kernel on this fraction of the SMs (or more) can pull the full HBM bandwidth.
@@ -88,7 +95,8 @@ HBM_USABLE = 0.90
 
 def cost_key(op: Op) -> tuple:
     """Every field of ``op`` that :func:`grid` and :func:`demand` read (a profile's lookup
-    included: name, class, dtype, tokens, FLOPs): two ops with the same key cost the same, so
+    included: name, for a row measured for the op itself, class, dtype, tokens, FLOPs; the
+    roofline reads no name): two ops with the same key cost the same, so
     ``sim.resources.Gpu`` caches both under it (explicit ranks launch the same kernel once per
     rank; layers repeat). Leaves out what only places the op (layer, micro-batch, step, flows)."""
     c = op.coll
@@ -191,14 +199,14 @@ def duration_source(op: Op, gpu: GPU, profile: Profile | None) -> str:
 
 
 def is_deepep_ll_recv(op: Op) -> bool:
-    """DeepEP's low-latency receive hook: a recv half that holds SMs (the normal kernels'
-    completion marker holds none; PP receives are NCCL's)."""
+    """DeepEP's low-latency receive hook: a recv half of a DeepEP kernel that holds SMs (the
+    normal kernels' completion marker holds none; NCCL's receives are of class ``nccl``)."""
     return (
         op.kind == "comm"
+        and op.op_class == DEEPEP_CLASS
         and op.coll is not None
         and op.coll.role == "recv"
         and bool(op.sms)
-        and op.name in ("dispatch_b", "combine_b")
     )
 
 
@@ -207,9 +215,10 @@ def channel_time_us(op: Op, gpu: GPU) -> float:
     (``shared.ir.deepep.deepep_normal_rate`` of the GPU's ``deepep_release``): the links' rate where
     it holds enough SMs, proportionally less below. A sendrecv kernel cannot finish before
     this (nor before its data arrives: ``sim.resources``), so with too few SMs its span outlasts
-    the link time. 0 for every other op."""
+    the link time. 0 for every other op (NCCL's kernels included)."""
     c = op.coll
-    if op.kind != "comm" or c is None or c.role != "sendrecv" or not op.sms:
+    deepep = op.kind == "comm" and op.op_class == DEEPEP_CLASS
+    if not deepep or c is None or c.role != "sendrecv" or not op.sms:
         return 0.0
     from overlap_lab.shared.ir.deepep import deepep_normal_fraction
 

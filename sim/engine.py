@@ -17,7 +17,8 @@ Across ranks, flows with an explicit destination go through one network model (d
 ``sim.network.Network``: each crosses its source's egress and its destination's ingress port of
 its link kind, shared max-min fairly); an op's flows form one bundle, drawn as one span per link
 kind on the sender's link lane. What kernels cost comes from a cost model (default
-``sim.cost.RooflineCostModel``); both are ``sim.models`` protocols the engine receives.
+``sim.cost.RooflineCostModel``); both are ``sim.models`` protocols the engine receives, as
+objects or by their registered names (``sim.models.COST_MODELS``, ``NETWORKS``).
 
 Collectives: a send (or sendrecv) op starts its flows when it starts; a recv op makes no progress
 until every flow of its key addressed to its rank has arrived, then does its own work (DeepEP's
@@ -58,10 +59,9 @@ from overlap_lab.shared.ir.program import (
 from overlap_lab.shared.ir.validate import issue_order, validate
 from overlap_lab.shared.outputs.trace import Span, Trace
 from overlap_lab.shared.outputs.trace import new_span as _span
-from overlap_lab.sim import cost
+from overlap_lab.sim import models
 from overlap_lab.sim.budget import default_max_events, run_budgeted
 from overlap_lab.sim.models import CostModel, NetworkFactory
-from overlap_lab.sim.network import Network
 from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link
 
 #: Link kinds carried by the network model (per-rank egress and ingress ports); PCIe copies stay
@@ -130,23 +130,22 @@ class Engine:
         profile=None,
         max_events: int | None = None,
         *,
-        cost_model: CostModel | None = None,
-        network: NetworkFactory | None = None,
+        cost_model: CostModel | str | None = None,
+        network: NetworkFactory | str | None = None,
         env: simpy.Environment | None = None,
     ):
-        """``profile`` (a ``sim.profile.Profile``) feeds the default cost model and is not read
-        when ``cost_model`` is given; ``cost_model`` and ``network`` replace the defaults,
-        ``sim.cost.RooflineCostModel`` and ``sim.network.Network`` (``sim.models``). ``env``: a
-        fresh SimPy environment to run in (default ``simpy.Environment()``; tests pass one that
+        """``cost_model`` and ``network``: objects, registered names or None for the defaults,
+        ``roofline`` (``sim.cost.RooflineCostModel``) and ``max-min`` (``sim.network.Network``)
+        (``sim.models``). ``profile`` (a ``sim.profile.Profile``) goes to a cost model built by
+        name (or by default) and is not read when ``cost_model`` is an object. ``env``: a fresh
+        SimPy environment to run in (default ``simpy.Environment()``; tests pass one that
         processes simultaneous events in a shuffled order)."""
         self.program, self.gpu, self.seed = program, gpu, seed
-        self.profile = profile
-        self.cost_model = cost.RooflineCostModel(profile) if cost_model is None else cost_model
-        self._custom = {  # recorded in the trace's meta: which plugged models made it
-            name: getattr(m, "__name__", type(m).__name__)
-            for name, m in (("cost_model", cost_model), ("network", network))
-            if m is not None
-        }
+        built = cost_model is None or isinstance(cost_model, str)
+        self.profile = profile if built else None
+        self.cost_model, cost_name = models.cost_model(cost_model, self.profile)
+        make_net, net_name = models.network(network)
+        self._names = {"cost_model": cost_name, "network": net_name}  # recorded in the meta
         self.max_events = max_events or default_max_events(  # sim.budget
             program, gpu.num_sms, self.cost_model.grid
         )
@@ -168,7 +167,6 @@ class Engine:
                             self._expected[(c.key, dst)] += parts
         self._implicit = 0
         kinds = {k: self.cost_model.link(gpu, k) for k in NET_KINDS}
-        make_net = Network if network is None else network
         self.net = make_net(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
         self._sinks: dict[tuple[str, int], int] = {}
         self._sink_keys: list[tuple[str, int]] = []
@@ -198,9 +196,9 @@ class Engine:
             backend="sim",
             seed=self.seed,
         )
-        if self.profile is not None and "cost_model" not in self._custom:
+        if self.profile is not None:  # handed to the cost model
             meta["profile"] = self.profile.name
-        meta.update(self._custom)  # a plugged model's class name
+        meta.update(self._names)  # the models that made it
         # Trace stores its spans in canonical order (every field of a span in its key): the
         # order events were processed in is no part of the result
         return Trace(tuple(self.spans), meta)
@@ -489,12 +487,12 @@ def simulate(
     seed: int = 0,
     profile=None,
     max_events: int | None = None,
-    cost_model: CostModel | None = None,
-    network: NetworkFactory | None = None,
+    cost_model: CostModel | str | None = None,
+    network: NetworkFactory | str | None = None,
 ) -> Trace:
-    """Validate ``program`` and simulate it on ``gpu`` (op durations from ``profile``, a
-    ``sim.profile.Profile``, where it has rows, or from ``cost_model``; flows with a destination
-    through ``network``: ``sim.models``); deterministic for the same inputs."""
+    """Validate ``program`` and simulate it on ``gpu`` (op durations from ``cost_model``, by
+    default the roofline with ``profile``'s rows, a ``sim.profile.Profile``; flows with a
+    destination through ``network``: ``sim.models``); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
     return Engine(
         program,

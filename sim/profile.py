@@ -17,11 +17,9 @@ A profile is a JSON file (format ``overlap-lab-profile/1``)::
 
 Each row is one measured (or published) duration ``us`` of an op, keyed by
 
-- ``op``: an op name the schedules emit (``experts``, ``attn.core``, ``logits``, ...) or an op
-  class (``gemm``, ``grouped_gemm``, ``attention``, ``elementwise``, ``sampling``). A row for the
-  op's name wins over a row for its class. Only compute kernels are profiled: communication
-  kernels and copies are timed by the link model (``sim.network``), whose constants are checked
-  against DeepEP's tables (``experiments/exp_deepep_tables.py``).
+- ``op``: an op class (``gemm``, ``grouped_gemm``, ``attention``, ``elementwise``,
+  ``sampling``: :data:`PROFILED_CLASSES`) or, for a kernel measured by itself, the name of one
+  op (``experts``, ``attn.core``, ``logits``, ...: :data:`PROFILED_OPS`).
 - ``dtype``: ``bf16`` or ``fp8``, the op's GEMM/attention dtype.
 - ``size`` in ``size_unit``: ``tokens`` (default; the micro-batch's padded tokens, i.e. the GEMM
   rows; at a fixed KV length that fixes attention too) or ``flops`` (the op's FLOPs: for
@@ -33,6 +31,15 @@ throughput: the op is charged ``op.flops × (us / flops)`` interpolated in size,
 GEMM of an overloaded rank (more FLOPs at the same tokens, ``--ranks explicit``) takes longer, and
 several rows at one key (a layer's GEMM shapes at one M) pool into one throughput
 (sum of FLOPs / sum of time). Without ``flops`` the row is a plain duration.
+
+Which ops a profile times is decided by their kind and class alone, never by name: compute
+kernels of the profiled classes. Communication kernels and copies, whatever they are called,
+are timed by the link model (``sim.network``), whose constants are checked against DeepEP's
+tables (``experiments/exp_deepep_tables.py``). For an op a profile times, rows for its own name
+win over rows for its class (``Profile.keys_for``), through the same filters (dtype, size axis,
+grid). A row may name an op the IR builds as a compute kernel of a profiled class: the names
+are read off the ops themselves (:func:`profiled_ops`), so a new op of a known class needs no
+edit here.
 
 Lookup (``Profile.lookup``): the rows of the op's SM count (or of the nearest measured count,
 whose duration the wave model then carries to other SM counts: ``sim.cost.profile_factor``) are interpolated log–log in size, which is
@@ -59,15 +66,6 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
-from overlap_lab.shared.ir.ops import (
-    DENSE_OP_NAMES,
-    HEAD_OP_NAMES,
-    MOE_OP_NAMES,
-    MTP_HEAD_NAMES,
-    MTP_OP_NAMES,
-    PART_OP_NAMES,
-)
-from overlap_lab.shared.ir.ops_sched import SCHED_OP_NAMES
 from overlap_lab.shared.ir.program import Op
 
 FORMAT = "overlap-lab-profile/1"
@@ -91,20 +89,56 @@ def default_depends(dtype: str) -> tuple[str, ...]:
 
 SIZE_UNITS: tuple[str, ...] = ("tokens", "flops")
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
-#: Op classes a row may name (communication and copies are the link model's).
+#: Op classes a profile times, and a row may name (communication and copies are the link model's).
 PROFILED_CLASSES: tuple[str, ...] = ("gemm", "grouped_gemm", "attention", "elementwise", "sampling")
-_COMM_OPS = frozenset(
-    {"dispatch_a", "dispatch_b", "combine_a", "combine_b", "d2h"}
-)  # named in MOE_OP_NAMES / HEAD_OP_NAMES but timed by the link model
-PROFILED_OPS: frozenset[str] = (
-    (
-        frozenset(MOE_OP_NAMES + DENSE_OP_NAMES + HEAD_OP_NAMES)
-        | frozenset(PART_OP_NAMES + MTP_OP_NAMES + MTP_HEAD_NAMES)
-        | SCHED_OP_NAMES
-    )
-    - _COMM_OPS
-    - {n for n in SCHED_OP_NAMES if n.startswith("d2h")}
-)
+
+
+def profiled(op: Op) -> bool:
+    """Whether a profile may time ``op``: a compute kernel of a profiled class (kind and class
+    decide, not the name)."""
+    return op.kind == "compute" and op.op_class in PROFILED_CLASSES
+
+
+def reference_ops() -> list[Op]:
+    """Every op the IR's builders (``shared.ir.ops``, ``shared.ir.ops_sched``) make, on small
+    reference workloads that between them emit each op the IR names: MLA and GQA attention, FP8
+    and BF16 GEMMs, dense and MoE layers, decode with MTP and prefill, both DeepEP modes, the
+    scheduler's ops with logprobs (``tests/test_profile.py`` checks the cover)."""
+    from overlap_lab.shared.inputs.presets import load_gpu, load_model
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, whole_batch
+    from overlap_lab.shared.ir import ops as layer
+    from overlap_lab.shared.ir import ops_sched as sched
+
+    gpu, out = load_gpu("h800"), []
+    for model in ("deepseek-v3", "qwen3-30b-a3b"):
+        m = load_model(model)
+        for b in (Batch.decode(8, kv_len=64, tokens_per_seq=2), Batch.prefill(2, extend_len=64)):
+            w = Workload(m, b, Parallel(ep=16))
+            mb = whole_batch(w)
+            for mode in ("low_latency", "normal"):
+                for i in (0, m.num_layers - 1):  # dense first, MoE last
+                    out += layer.layer_ops(w, gpu, i, mb, deepep_mode=mode).values()
+                out += layer.mtp_ops(w, gpu, mb, deepep_mode=mode)
+            out += layer.head_ops(w, gpu, mb).values()
+            out += sched.schedule_ops(b) + sched.d2h_ops(b, return_logprob=True)
+            out += [sched.resolve_future_op(b), sched.store_to_map_op(b)]
+    return out
+
+
+@functools.cache
+def profiled_ops() -> frozenset[str]:
+    """The op names a row may carry: those of :func:`reference_ops` a profile may time
+    (:func:`profiled`), read off the ops themselves; built once, when first needed."""
+    return frozenset(op.name for op in reference_ops() if profiled(op))
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    """``PROFILED_OPS``: :func:`profiled_ops`, built on first use (it builds ops)."""
+    if name == "PROFILED_OPS":
+        return profiled_ops()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: Names accepted by ``--profile`` besides a path.
 ROOFLINE = "roofline"
 BUILTIN: tuple[str, ...] = ("h800-published", "h200-measured")
@@ -206,6 +240,8 @@ class Profile:
     # -- lookup -------------------------------------------------------------------------------
 
     def keys_for(self, op: Op) -> tuple[str, ...]:
+        """The row keys that may time ``op``, the first that applies wins: rows measured for the
+        op itself (its name), then rows of its class."""
         return (op.name, op.op_class)
 
     def lookup(self, op: Op, sms: int, gpu: GPU | None = None) -> Match | None:
@@ -214,7 +250,7 @@ class Profile:
         applies. With ``gpu``, only the rows that GPU keeps (:meth:`for_gpu`) are searched."""
         if gpu is not None and self.gpu:
             return self.for_gpu(gpu)[0].lookup(op, sms)
-        if op.kind != "compute":
+        if not profiled(op):
             return None
         kind = _grid_kind(op)
         for key in self.keys_for(op):
@@ -369,7 +405,7 @@ def _row(name: str, i: int, d: Any) -> Row:
         if k not in d:
             raise ConfigError(f"{where}: missing {k!r}")
     op = d["op"]
-    if op not in PROFILED_OPS and op not in PROFILED_CLASSES:
+    if op not in PROFILED_CLASSES and op not in profiled_ops():
         raise ConfigError(
             f"{where}: unknown op {op!r}; expected an op name the schedules emit or one of "
             f"{', '.join(PROFILED_CLASSES)} (communication is timed by the link model)"

@@ -24,6 +24,7 @@ from overlap_lab.cli import inputs
 from overlap_lab.cli.calibrate import cost_comments, register_calibration_commands
 from overlap_lab.cli.options import (
     Parser,
+    add_model_options,
     add_profile_option,
     add_run_options,
     add_sim_options,
@@ -75,15 +76,18 @@ def _print_summary(res: dict) -> None:
     )
     print(f"  ops              {res['num_ops']:10d}")
     if "cost_sources" in res:  # where the durations come from: a measurement or the roofline
-        n = {
-            s: sum(c.get(s, 0) for c in res["cost_sources"].values())
-            for s in ("profile", "roofline", "link")
-        }
-        measured = f"{n['profile']} from profile {res['profile']}, " if n["profile"] else ""
-        print(
-            f"  op durations     {measured}{n['roofline']} from the roofline (no measurement), "
-            f"{n['link']} from the link model"
-        )
+        n: dict[str, int] = {}
+        for by in res["cost_sources"].values():
+            for s, k in by.items():
+                n[s] = n.get(s, 0) + k
+        measured = f"{n['profile']} from profile {res['profile']}, " if n.get("profile") else ""
+        if n.keys() <= {"profile", "roofline", "link"}:
+            print(
+                f"  op durations     {measured}{n.get('roofline', 0)} from the roofline "
+                f"(no measurement), {n.get('link', 0)} from the link model"
+            )
+        else:  # a plugged cost model's own sources
+            print(f"  op durations     {', '.join(f'{k} from {s}' for s, k in sorted(n.items()))}")
     if "straggler_cost_us" in res:
         steps = [r["window_us"] for r in res["per_rank"]]
         print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
@@ -116,6 +120,8 @@ def cmd_sim(args) -> int:
         ranks=ranks_from(args),
         profile=args.profile,
         max_events=args.max_events,
+        cost_model=args.cost_model,
+        network=args.network,
     )
     res = result.as_dict()
     if args.out:
@@ -156,6 +162,8 @@ def _provenance(args, result) -> dict:
         **workload_inputs(result.workload, result.gpu, result.config),
         "ranks": ranks_from(args),
         "profile": profile_name(result.profile),
+        "cost_model": result.trace.meta["cost_model"],
+        "network": result.trace.meta["network"],
     }
     return provenance(getattr(args, "command_line", None), inputs)
 
@@ -174,6 +182,8 @@ def _compare_provenance(
         **workload_inputs(w, gpu, cfg),
         "ranks": ranks_from(args),
         "profile": profile_name(profile_for(args.profile, gpu)),
+        "cost_model": args.cost_model,
+        "network": args.network,
         "pp_stages": args.pp_size,
         "sensitivity": args.sensitivity,
     }
@@ -236,6 +246,8 @@ def cmd_compare(args) -> int:
         ranks=ranks_from(args),
         profile=args.profile,
         max_events=args.max_events,
+        cost_model=args.cost_model,
+        network=args.network,
         sensitivity=args.sensitivity,
     )
     files = []
@@ -286,6 +298,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sim", help="simulate one schedule and write its trace and timeline")
     add_sim_options(s)
+    add_model_options(s)
     inputs.add_force_option(s)
     s.set_defaults(func=cmd_sim)
 
@@ -310,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     workload_options(s)
     rank_options(s)
     add_profile_option(s)
+    add_model_options(s)
     s.add_argument(
         "--sensitivity",
         nargs="?",

@@ -341,6 +341,29 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--cost-model`` and ``--network``: the simulator's models by the names they are
+    registered under (``sim.models``; another package's by entry point)."""
+    from overlap_lab.sim.models import COST_MODELS, DEFAULT_COST_MODEL, DEFAULT_NETWORK, NETWORKS
+
+    p.add_argument(
+        "--cost-model",
+        default=DEFAULT_COST_MODEL,
+        metavar="NAME",
+        help=f"what a kernel costs: one of {', '.join(COST_MODELS.names())}, by the name a "
+        f"package registers in the entry point group {COST_MODELS.group}; {DEFAULT_COST_MODEL}: "
+        f"the roofline with --profile's measured rows (default: {DEFAULT_COST_MODEL})",
+    )
+    p.add_argument(
+        "--network",
+        default=DEFAULT_NETWORK,
+        metavar="NAME",
+        help=f"what carries explicit ranks' flows: one of {', '.join(NETWORKS.names())}, by the "
+        f"name a package registers in the entry point group {NETWORKS.group}; "
+        f"{DEFAULT_NETWORK}: per-rank ports shared max-min fairly (default: {DEFAULT_NETWORK})",
+    )
+
+
 def profile_from(args, gpu: GPU) -> Profile | None:
     """The profile ``args.profile`` names for ``gpu`` (None: the roofline alone)."""
     return load_profile(resolve(getattr(args, "profile", "auto"), gpu))

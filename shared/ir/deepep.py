@@ -27,7 +27,7 @@ import numpy as np
 from overlap_lab.shared.inputs.routing import Matrices
 from overlap_lab.shared.inputs.topology import Topology
 from overlap_lab.shared.ir.ops import expected_bytes
-from overlap_lab.shared.ir.program import LinkKind, Program, ops_of
+from overlap_lab.shared.ir.program import DEEPEP_CLASS, LinkKind, Program, ops_of
 
 LINKS = (LinkKind.NVLINK, LinkKind.RDMA)
 __all__ = [
@@ -119,6 +119,7 @@ def below_published_sms(program: Program, release: str) -> str | None:
             op.sms
             for _, op in ops_of(program)
             if op.kind == "comm"
+            and op.op_class == DEEPEP_CLASS
             and op.coll is not None
             and op.coll.role == "sendrecv"
             and op.sms

@@ -104,7 +104,7 @@ def p2p_pair(
     """The NCCL send on ``src`` and its matching recv on ``dst`` of one tensor dict."""
     sent = _slice(w, nbytes)
     link = pp_link(w, src, dst)
-    common = dict(kind="comm", op_class="comm", mb=mb, step=step, sms=NCCL_P2P_SMS)
+    common = dict(kind="comm", op_class="nccl", mb=mb, step=step, sms=NCCL_P2P_SMS)
     send = Op(
         f"pp_send_{what}",
         hbm_bytes=sent,
@@ -127,7 +127,7 @@ def allgather_op(
     return Op(
         f"pp_allgather_{what}",
         kind="comm",
-        op_class="comm",
+        op_class="nccl",
         mb=mb,
         step=step,
         sms=NCCL_P2P_SMS,

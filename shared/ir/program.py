@@ -80,7 +80,10 @@ class LinkKind(_Vocabulary):
 #: Link kinds a flow with an explicit destination may cross (the network's ports; PCIe is local).
 NET_LINK_KINDS: tuple[LinkKind, ...] = (LinkKind.NVLINK, LinkKind.RDMA)
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
-#: Op classes the cost model knows (``sim.cost.EFFICIENCY``).
+#: Op classes: what a cost model keys an op's cost on, never its name (``sim.cost``). ``comm``
+#: is DeepEP's dispatch and combine kernels, ``nccl`` NCCL's point-to-point and collective
+#: kernels (the pipeline's send, recv and all-gather): they move the same bytes over the same
+#: links but cost differently (DeepEP's low-latency receive, its normal kernels' channels).
 OP_CLASSES: tuple[str, ...] = (
     "gemm",
     "grouped_gemm",
@@ -88,8 +91,12 @@ OP_CLASSES: tuple[str, ...] = (
     "elementwise",
     "sampling",
     "comm",
+    "nccl",
     "copy",
 )
+#: The op class of DeepEP's kernels: the costs that are DeepEP's key on it, with the op's kind and
+#: collective role (``sim.cost.is_deepep_ll_recv``, ``shared.ir.deepep.below_published_sms``).
+DEEPEP_CLASS = "comm"
 #: Bounds the validator puts on a Program (docs/program.md): FLOPs or bytes of one op or flow,
 #: host time of one ``Host`` (µs, about 17 minutes) and ranks in ``world``.
 MAX_WORK = 1e18
