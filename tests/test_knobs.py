@@ -194,3 +194,25 @@ def test_a_schedule_reads_no_knob_it_does_not_declare(name, mode):
     for knob, value in OTHER.items():
         if knob not in own:
             assert build(name, w, H800, ScheduleConfig(**{knob: value})) == base, knob
+
+
+def test_a_config_with_own_knobs_is_a_frozen_value():
+    """Sweeps pickle, hash and replace configurations: the own knobs travel with them."""
+    import copy
+    import pickle
+
+    cfg = ScheduleConfig(micro_batches=4, comm_sms=8)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    assert hash(cfg) == hash(ScheduleConfig(comm_sms=8, micro_batches=4))
+    assert dataclasses.replace(cfg, micro_batches=5).own == {"comm_sms": 8, "micro_batches": 5}
+    assert cfg.as_dict()["micro_batches"] == 4 and cfg.as_dict()["sbo_mode"] == 1  # defaults too
+    with pytest.raises(TypeError):
+        cfg.own["micro_batches"] = 2
+    with pytest.raises(AttributeError):
+        cfg.no_such_knob  # noqa: B018
+
+
+def test_a_value_is_refused_only_where_no_declaring_schedule_takes_it():
+    ScheduleConfig(sbo_mode=2, comm_sms=0)  # sbo refuses 0, vllm-dbo takes it: sbo_mode stays
+    with pytest.raises(ConfigError, match=r"^--comm-sms must be an integer in 0\.\.1023"):
+        ScheduleConfig(comm_sms=-1)  # refused by all three: their ranges' span says so
