@@ -10,6 +10,9 @@ Idle fraction of a rank = 1 - (time its GPU runs a compute kernel) / (the rank's
 steady-state rounds (the first and last round, pipeline fill and drain, left out). Communication
 kernels waiting for their data (PP receives, DeepEP hooks) count as idle.
 
+The schedule is the built-in one that runs pipeline stages (``shared.schedules``' registry:
+SGLang's ``pp``); its own rule counts the micro-batch iterations of the window.
+
 Run: ``python -m overlap_lab.experiments.exp_pp_bubbles`` (about 40 s on 2 cores).
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from overlap_lab.experiments.runner import Case, Experiment, main, md_table, stamp
 from overlap_lab.figures import save_figure
+from overlap_lab.shared import schedules
 from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
 from overlap_lab.shared.outputs.trace import Trace, length, union
 from overlap_lab.shared.schedules import ScheduleConfig
@@ -34,13 +38,19 @@ EP = 8
 ROUNDS = 3  # >= 3: fill, steady state, drain
 
 
+def pipeline() -> str:
+    """The built-in schedule that runs pipeline stages (SGLang's event_loop_pp)."""
+    return next(n for n in schedules.pipeline_schedules() if n in schedules.BUILTINS)
+
+
 def cases():
     model = get_model("deepseek-v3")
     sweep = dict.fromkeys((pp, max(pp, round(f * pp))) for pp in PP_SIZES for f in FACTORS)
+    name = pipeline()
     for pp, m in sweep:
         w = Workload(model, Batch.decode(TOKENS, kv_len=CONTEXT), Parallel(ep=EP, pp=pp))
         cfg = ScheduleConfig(micro_batches=m, iterations=ROUNDS)
-        yield Case({"pp_size": pp, "micro_batches": m}, "pp", w, GPU, cfg)
+        yield Case({"pp_size": pp, "micro_batches": m}, name, w, GPU, cfg)
 
 
 def steady_idle(trace: Trace, rank: int, m: int, g_total: int) -> float:
@@ -58,7 +68,7 @@ def steady_idle(trace: Trace, rank: int, m: int, g_total: int) -> float:
 
 def measure(trace, program, case) -> dict:
     pp, m = case.params["pp_size"], case.params["micro_batches"]
-    g_total = m * case.cfg.iterations
+    g_total, _ = schedules.iterations_and_tokens(case.schedule, program, case.workload)
     idle = [steady_idle(trace, r, m, g_total) for r in range(pp)]
     return {
         "idle_per_rank": idle,

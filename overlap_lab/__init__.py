@@ -5,7 +5,7 @@ The public API (:mod:`overlap_lab.api`)::
     import overlap_lab as ol
     w = ol.workload("deepseek-v3", mode="decode", batch=128, ep=32)
     ol.simulate("tbo", w, gpu="h800").metrics
-    print(ol.compare(["serial", "tbo", "pp"], w).text())
+    print(ol.compare(["serial", "tbo", "sbo"], w).text())
 
 The repository keeps its four top-level folders (``shared/``, ``sim/``, ``real/``,
 ``experiments/``); they install as subpackages of this one namespace (``overlap_lab.shared``,

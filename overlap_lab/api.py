@@ -8,7 +8,7 @@ functions, so a notebook gets exactly what the CLI prints::
     w = ol.workload("deepseek-v3", mode="decode", batch=128, ep=32)
     r = ol.simulate("tbo", w, gpu="h800")
     r.metrics.iteration_us, r.metrics.tokens_per_s_gpu
-    table = ol.compare(["serial", "tbo", "sbo", "pp"], w, gpu="h800")
+    table = ol.compare(["serial", "tbo", "sbo"], w, gpu="h800")
     print(table.text())
 
 A model or GPU is a preset name, a record (:class:`ModelConfig`, :class:`GPU`) or the path of a
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overlap_lab.metrics import Metrics, measure
+from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.presets import load_gpu, load_model
@@ -34,7 +35,7 @@ from overlap_lab.shared.ir.deepep import below_published_sms
 from overlap_lab.shared.ir.program import Program, num_ops, ops_of
 from overlap_lab.shared.ir.validate import check_build_budget
 from overlap_lab.shared.outputs.trace import Trace, no_gc
-from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig
+from overlap_lab.shared.schedules import BASELINE, SCHEDULES, ScheduleConfig
 from overlap_lab.shared.schedules import build as build_schedule
 from overlap_lab.shared.schedules import module as schedule_module
 from overlap_lab.shared.schedules.fallbacks import fallback_notes
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CompareRow",
     "Comparison",
-    "PP_DEFAULT_STAGES",
     "Result",
     "compare",
     "gpu",
@@ -56,15 +56,26 @@ __all__ = [
     "workload",
 ]
 
-#: Pipeline stages ``pp`` runs with when the workload asks for none (``pp=1``).
-PP_DEFAULT_STAGES = 2
 #: Sequences per GPU when none are given.
 DEFAULT_BATCH = {"decode": 128, "prefill": 4}
 #: Network grouping tolerance for explicit ranks (sim.network: completions within 2 % of the
 #: flows' age are handled together; exact for balanced routing, where all flows end together).
 NET_GROUP_TOL = 0.02
-#: The schedules :func:`compare` runs when none are named: all of them, as ``overlap-lab compare``.
-DEFAULT_COMPARE = tuple(SCHEDULES)
+
+
+def __getattr__(name: str) -> Any:
+    """``DEFAULT_COMPARE``: every registered schedule, what :func:`compare` runs when none are
+    named (as ``overlap-lab compare``), computed when read so that a schedule installed later
+    is in it. ``PP_DEFAULT_STAGES``: kept for callers from before each schedule owned its
+    workload defaults (``shared.schedules.prepare_workload`` replaces it): the stages the first
+    schedule that runs pipeline stages runs where the workload asks for one."""
+    if name == "DEFAULT_COMPARE":
+        return tuple(SCHEDULES)
+    if name == "PP_DEFAULT_STAGES":
+        for n in registry.pipeline_schedules():
+            staged, _ = registry.prepare_workload(n, _workload())
+            return staged.parallel.pp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,8 +214,9 @@ class Ranks:
 class Result:
     """One simulated schedule: its inputs as run, the Program, the Trace and the Metrics.
 
-    ``notes`` say what the run changed or fell back to (pp's default stage count, and every
-    fallback the schedule recorded: ``shared.schedules.fallbacks``), in words a table can print."""
+    ``notes`` say what the run changed or fell back to (the schedule's workload defaults, such as
+    pp's stage count, and every fallback the schedule recorded: ``shared.schedules.fallbacks``),
+    in words a table can print."""
 
     schedule: str
     workload: Workload
@@ -240,8 +252,7 @@ class Result:
             "mode": w.batch.mode,
             "batch": w.batch.num_seqs,
             "tokens": w.batch.num_tokens,
-            "ep": w.parallel.ep,
-            "pp": w.parallel.pp,
+            **_layout(w),
             **m.as_dict(),
             "step_time_us": m.iteration_us,  # step time = time per iteration, every schedule
             "busy_us": busy,
@@ -330,12 +341,17 @@ def _as_config(config: ScheduleConfig | Mapping[str, Any] | None) -> ScheduleCon
     return ScheduleConfig(**dict(config))
 
 
+def _layout(w: Workload) -> dict[str, int]:
+    """The parallel layout as results name it: EP size and pipeline stages."""
+    return dict(ep=w.parallel.ep, pp=w.parallel.pp)
+
+
 def _with_pp(w: Workload, pp: int) -> Workload:
     return replace(w, parallel=replace(w.parallel, pp=pp))
 
 
 def simulate(
-    schedule: str = "serial",
+    schedule: str = BASELINE,
     workload: Workload | None = None,
     gpu: str | Path | GPU = "h800",
     config: ScheduleConfig | Mapping[str, Any] | None = None,
@@ -354,8 +370,9 @@ def simulate(
 ) -> Result:
     """Build ``schedule``'s Program for ``workload`` on ``gpu``, validate it and simulate it.
 
-    ``pp`` on a workload without pipeline stages runs :data:`PP_DEFAULT_STAGES` stages of the
-    workload's EP size (said in ``notes``). ``ranks="explicit"`` simulates every EP rank, with
+    The schedule's workload defaults apply first (``shared.schedules.prepare_workload``: ``pp``
+    on a workload without pipeline stages runs two stages of the workload's EP size), each said
+    in ``notes``. ``ranks="explicit"`` simulates every EP rank, with
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
     straggler cost is ``window_us - balanced_window_us``; ranks that cannot differ (balanced
     routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives
@@ -386,10 +403,8 @@ def simulate(
     named = cost_model is None or isinstance(cost_model, str)  # built with the profile
     prof = resolve_profile(profile, g) if named else None
     models = {"cost_model": cost_model, "network": network}
-    notes: list[str] = []
-    if schedule == "pp" and w.parallel.pp == 1:
-        w = _with_pp(w, PP_DEFAULT_STAGES)
-        notes.append(f"{PP_DEFAULT_STAGES} pipeline stages (default)")
+    w, changed = registry.prepare_workload(schedule, w)
+    notes = list(changed)
     program = build_schedule(schedule, w, g, cfg)
     if transform is not None:
         program = transform(program)
@@ -498,6 +513,11 @@ def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
         if imb.kind != "balanced" or r.dp_imbalance > 0:
             raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
         return program
+    if not program.symmetric:  # a pipeline's Program lists its ranks itself
+        raise ConfigError(
+            f"--ranks explicit does not apply to --schedule {program.meta.schedule} (its Program "
+            "lists every rank)"
+        )
     from overlap_lab.shared.ir.ranks import expand_ranks
 
     dp = dp_token_counts(w.batch.num_tokens, w.parallel.ep, r.dp_imbalance, r.seed)
@@ -540,7 +560,8 @@ class Comparison:
 
     rows: tuple[CompareRow, ...]
     baseline: Result
-    iterations: int
+    #: the knobs every run was given (what each schedule's footnote reads)
+    config: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     #: the same comparison over perturbed costs (``compare(..., sensitivity=...)``;
     #: ``overlap_lab.sensitivity.Sensitivity``), or None
     sensitivity: Any = None
@@ -563,7 +584,7 @@ class Comparison:
         w = b.workload
         head = (
             f"{'schedule':<15}{'GPUs':>6}{'iters':>6}{'ms/iter':>10}{'tok/s/GPU':>11}"
-            f"{'tok/s/node':>12}{'vs serial':>10}{'exposed comm':>14}  note"
+            f"{'tok/s/node':>12}{'vs ' + BASELINE:>10}{'exposed comm':>14}  note"
         )
         lines = [
             f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
@@ -585,7 +606,9 @@ class Comparison:
                 f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
                 f"{exposed:>11.3f} ms  {row.note}"
             )
-        names = {r.schedule for r in self.rows if r.result is not None}
+        ran = [r for r in self.rows if r.result is not None]
+        windows = [registry.window_note(r.schedule, self.config) for r in ran]
+        staged = [r.schedule for r in ran if r.result.workload.parallel.pp > 1]
         from overlap_lab.sensitivity import INPUTS
 
         slow = 100 * (next(i for i in INPUTS if i.name == "interference").hi - 1)
@@ -593,16 +616,12 @@ class Comparison:
             "ms/iter: each schedule's simulated window divided by its scheduler iterations "
             "(iters). One-step schedules simulate one iteration: their host waits for each "
             "step's result before scheduling the next, so N iterations take N times as long."
+            + "".join(f" {n}" for n in windows if n),
+            f"vs {BASELINE}: tokens/s per GPU over {BASELINE}'s on the same GPUs"
             + (
-                f" sglang-overlap runs {self.iterations} loop iterations (--iterations)."
-                if "sglang-overlap" in names
-                else ""
-            )
-            + (" pp: iterations x micro-batches on each stage." if "pp" in names else ""),
-            "vs serial: tokens/s per GPU over serial's on the same GPUs"
-            + (
-                " (pp: serial on its stages x EP GPUs, the same sequences in flight)."
-                if "pp" in names
+                f" ({', '.join(staged)}: {BASELINE} on its stages x EP GPUs, the same sequences "
+                "in flight)."
+                if staged
                 else "."
             ),
             "exposed comm: per iteration, time with communication in flight and no compute "
@@ -621,7 +640,7 @@ class Comparison:
 
 
 def compare(
-    schedules: Iterable[str] = DEFAULT_COMPARE,
+    schedules: Iterable[str] | None = None,
     workload: Workload | None = None,
     gpu: str | Path | GPU = "h800",
     config: ScheduleConfig | Mapping[str, Any] | None = None,
@@ -635,13 +654,15 @@ def compare(
     sensitivity: Any = None,
     **ranks: Any,
 ) -> Comparison:
-    """Simulate ``schedules`` on one workload and GPU and rank them like for like.
+    """Simulate ``schedules`` (None: every registered one) on one workload and GPU and rank them
+    like for like.
 
     Every schedule is compared by throughput per GPU against serial on the same GPUs, so
     windows of different lengths (one iteration, ``sglang-overlap``'s ``iterations``, pp's
     micro-batch iterations) compare fairly; ``ms/iter`` is the window over its iterations.
-    ``pp`` runs ``pp_stages`` stages (default: the workload's ``pp`` if above 1, else
-    :data:`PP_DEFAULT_STAGES`) of the workload's EP size; its baseline is serial on the same
+    A schedule that runs pipeline stages (``shared.schedules.supports_pp``) runs ``pp_stages``
+    stages (default: the workload's ``pp``, then its own workload defaults: pp's two stages
+    where that is 1) of the workload's EP size; its baseline is serial on the same
     ``stages × ep`` GPUs (EP ``stages × ep``, the same sequences per GPU), falling back to serial's
     per-GPU throughput at EP ``ep`` when that does not build. Every other schedule runs one
     pipeline stage. A schedule that refuses the workload gets a row with its reason.
@@ -654,12 +675,12 @@ def compare(
 
     from overlap_lab.sim.models import check_model_names
 
-    names = list(dict.fromkeys(s.strip() for s in schedules if s.strip()))
+    names = list(dict.fromkeys(s.strip() for s in (schedules or SCHEDULES) if s.strip()))
     for n in names:
         if n not in SCHEDULES:
             raise ConfigError(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES)}")
     w0 = workload if workload is not None else _workload()
-    stages = pp_stages or (w0.parallel.pp if w0.parallel.pp > 1 else PP_DEFAULT_STAGES)
+    staged = _with_pp(w0, pp_stages or w0.parallel.pp)
     w1 = _with_pp(w0, 1)
     g = _gpu(gpu)
     cfg = _as_config(config)
@@ -689,31 +710,33 @@ def compare(
         disable=not progress,
         leave=not sys.stderr.isatty(),
     )
-    base = run("serial", w1)
+    base = run(BASELINE, w1)
     bar.update()
     rows = []
     for n in names:
-        if n == "serial":
+        if n == BASELINE:
             res, note = base, ""
         else:
-            wl = _with_pp(w0, stages) if n == "pp" else w1
             try:
-                res = run(n, wl)
+                if registry.supports_pp(n):  # its stages are said in its baseline's note
+                    res = run(n, registry.prepare_workload(n, staged)[0])
+                else:
+                    res = run(n, w1)
                 note = "; ".join(res.notes)
             except ConfigError as e:
                 res, note = None, f"refused: {e}"
         bar.update()
         if res is None:
-            rows.append(CompareRow(n, None, None, "serial", note))
+            rows.append(CompareRow(n, None, None, BASELINE, note))
             continue
-        ref, label = base, "serial"
-        if n == "pp":
-            ref, label, extra = _pp_baseline(res, base, run)
+        ref, label = base, BASELINE
+        if res.workload.parallel.pp > 1:
+            ref, label, extra = _pipeline_baseline(res, base, run)
             note = "; ".join(x for x in (note, extra) if x)
         speedup = res.metrics.tokens_per_s_gpu / ref.metrics.tokens_per_s_gpu
         rows.append(CompareRow(n, res, speedup, label, note))
     bar.close()
-    table = Comparison(tuple(rows), base, cfg.iterations)
+    table = Comparison(tuple(rows), base, cfg)
     if sensitivity is None or sensitivity is False:
         return table
     from overlap_lab.sensitivity import sensitivity as over_design
@@ -745,27 +768,27 @@ def compare(
     return replace(table, sensitivity=s)
 
 
-def _pp_baseline(res: Result, base: Result, run) -> tuple[Result, str, str]:
-    """Serial over pp's GPUs: EP = stages × EP, same sequences per GPU."""
+def _pipeline_baseline(res: Result, base: Result, run) -> tuple[Result, str, str]:
+    """The baseline schedule over a pipeline's GPUs: EP = stages × EP, same sequences per GPU."""
     w = res.workload
     p, e = w.parallel.pp, w.parallel.ep
     same = replace(w, parallel=replace(w.parallel, pp=1, ep=p * e))
     try:
-        ref = run("serial", same)
+        ref = run(BASELINE, same)
     except ConfigError as err:
         return (
             base,
-            "serial",
+            BASELINE,
             (
-                f"{p} stages x EP {e} = {p * e} GPUs; serial at EP {p * e} does not build ({err}), "
-                f"so against serial's per-GPU throughput at EP {e}"
+                f"{p} stages x EP {e} = {p * e} GPUs; {BASELINE} at EP {p * e} does not build "
+                f"({err}), so against {BASELINE}'s per-GPU throughput at EP {e}"
             ),
         )
     return (
         ref,
-        f"serial EP{p * e}",
+        f"{BASELINE} EP{p * e}",
         (
-            f"{p} stages x EP {e} = {p * e} GPUs, against serial on the same {p * e} GPUs "
+            f"{p} stages x EP {e} = {p * e} GPUs, against {BASELINE} on the same {p * e} GPUs "
             f"(EP {p * e}: {ref.metrics.iteration_us / 1e3:.3f} ms/iter)"
         ),
     )

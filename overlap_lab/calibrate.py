@@ -65,12 +65,12 @@ def plan_for(
     w: Workload, gpu: GPU, sizes: Sequence[int], budgets: Sequence[int], cfg=None
 ) -> tuple[list[BenchCase], Callable[[int], Workload]]:
     """The cases to measure and the workload of each size (serial Programs)."""
-    from overlap_lab.shared.schedules import ScheduleConfig, build
+    from overlap_lab.shared.schedules import BASELINE, ScheduleConfig, build
 
     cfg = cfg or ScheduleConfig()
 
     def make(tokens: int) -> Program:
-        return build("serial", sized_workload(w, tokens), gpu, cfg)
+        return build(BASELINE, sized_workload(w, tokens), gpu, cfg)
 
     return bench_plan(make, sizes, budgets or (gpu.num_sms,), gpu.num_sms), (
         lambda t: sized_workload(w, t)

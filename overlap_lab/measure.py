@@ -28,7 +28,7 @@ def schedules_to_run(name: str | None) -> list[str]:
     if name in (None, "all"):
         return S.available()
     S.module(name)  # ConfigError for an unknown or missing schedule
-    return ["serial", name] if name != "serial" else ["serial"]
+    return [S.BASELINE, name] if name != S.BASELINE else [S.BASELINE]
 
 
 def check_on_cpu(
@@ -232,7 +232,8 @@ def workload_inputs(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> dict[str, Any
     for the measured run and every command that simulates or reads a workload (``sim``,
     ``compare``, ``calibrate``, ``validate``), so a measured trace and its prediction name their
     inputs under the same keys."""
-    return {"model": w.model, "batch": w.batch, "parallel": w.parallel, "gpu": gpu, "knobs": cfg}
+    knobs = cfg.as_dict()  # every knob, each schedule's own included, defaults too
+    return {"model": w.model, "batch": w.batch, "parallel": w.parallel, "gpu": gpu, "knobs": knobs}
 
 
 def run_provenance(

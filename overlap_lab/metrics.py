@@ -3,8 +3,10 @@
 Schedules simulate different windows: a one-step schedule (serial, SBO, TBO, LightLLM, vLLM DBO,
 DeepSeek) one scheduler iteration, ``sglang-overlap`` ``iterations`` of them (its point is the
 host running one iteration ahead), ``pp`` ``iterations × micro_batches`` micro-batch iterations on
-every stage. A trace's wall time (:attr:`Trace.step_time_us`) therefore means different things
-for different schedules; the numbers here do not:
+every stage. Each schedule module says how its window is counted (its ``iterations_and_tokens``;
+one iteration of the batch where it says nothing). A trace's wall time
+(:attr:`Trace.step_time_us`) therefore means different things for different schedules; the
+numbers here do not:
 
 - ``iterations``: scheduler-loop iterations of one rank in the window (one forward of one batch:
   a micro-batch of pp on its stage's layers, the whole batch otherwise).
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from overlap_lab.shared import schedules
 from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.ir.program import Program
 from overlap_lab.shared.outputs.trace import COMM_KINDS, Trace, length, union
@@ -61,16 +64,9 @@ class Metrics:
 
 
 def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
-    """(iterations of one rank in the window, tokens one GPU completes through the model)."""
-    meta = program.meta
-    if meta.schedule == "pp":
-        g = int(meta.extra.get("iterations", 1)) * len(meta.micro_batches or [None])
-        pp = int(meta.pp_size or w.parallel.pp)
-        return g, g * w.batch.num_tokens // pp
-    its = meta.extra.get("iterations")
-    if isinstance(its, list) and its:
-        return len(its), sum(int(it["num_tokens"]) for it in its)
-    return 1, w.batch.num_tokens
+    """(iterations of one rank in the window, tokens one GPU completes through the model): the
+    rule of the schedule that built ``program`` (``shared.schedules.iterations_and_tokens``)."""
+    return schedules.iterations_and_tokens(program.meta.schedule, program, w)
 
 
 def sm_time(trace: Trace, num_sms: int, rank: int = 0) -> tuple[float, float, float]:

@@ -8,10 +8,12 @@ serial's single step. The result per schedule is the largest relative difference
 max|a - b| / max|b| over workloads, steps and both outputs.
 
 A schedule that needs another parallel layout than the workload's runs on copies of it
-(``workload_variants``): ``pp`` (any schedule that sets ``SUPPORTS_PP``) on pp=2 and pp=3 copies (as many stages as the model has layers),
-compared with serial on the pp=1 workload (layer i has the same weights on whichever stage holds
-it); its last stage's outputs are compared, and the ids that reached rank 0 must be those the
-last stage sampled.
+(``workload_variants``): a schedule that runs pipeline stages (its module sets ``SUPPORTS_PP``)
+on pp=2 and pp=3 copies (as many stages as the model has layers), compared with serial on the
+pp=1 workload (layer i has the same weights on whichever stage holds it); its last stage's
+outputs are compared, and the ids that reached rank 0 must be those the last stage sampled.
+Each schedule runs with the configuration its module asks the check for
+(``shared.schedules.cpu_check_config``).
 """
 
 from __future__ import annotations
@@ -41,26 +43,21 @@ def default_workloads(model: str = "tiny-mla", ep: int = 2) -> list:
     return [Workload(mc, b, par) for b in batches]
 
 
-PP_SIZES = (2, 3)  # pipeline stages the pp schedule is checked with
+PP_SIZES = (2, 3)  # pipeline stages a schedule that runs them is checked with
 
 
-def split_config(cfg=None):
-    """``cfg`` with vLLM's DBO token thresholds lowered to 1 where they are at their defaults.
+def split_config(cfg=None, names: list[str] | None = None):
+    """``cfg`` as the check runs ``names`` (None: every schedule): each one's module's
+    ``cpu_check_config`` applied in turn, each changing only its own knobs (vllm-dbo lowers its
+    split thresholds to 1 where they are at their defaults: the check's workloads have 4 to 32
+    tokens, under the defaults, so its check would otherwise compare serial with itself;
+    thresholds the caller set are kept and its unsplit runs reported)."""
+    from overlap_lab.shared import schedules as S
 
-    The check's workloads have 4 to 32 tokens, all under the defaults (32 decode, 512 prefill
-    tokens): vllm-dbo would take its unsplit path on every one of them and its check would compare
-    serial with itself. Thresholds the caller set are kept (its unsplit runs are then reported).
-    """
-    from overlap_lab.shared.schedules import ScheduleConfig
-
-    cfg = cfg or ScheduleConfig()
-    default = ScheduleConfig()
-    lowered = {
-        k: 1
-        for k in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold")
-        if getattr(cfg, k) == getattr(default, k)
-    }
-    return replace(cfg, **lowered)
+    cfg = cfg or S.ScheduleConfig()
+    for name in names or S.available():
+        cfg = S.cpu_check_config(name, cfg)
+    return cfg
 
 
 def unsplit_runs(names: list[str], workloads: list, *, gpu: str = "h100", cfg=None) -> dict:
@@ -107,17 +104,17 @@ def workload_variants(name: str, w) -> list:
 
 
 def check_pp_outputs(outputs: dict) -> None:
-    """The next_token_ids rank 0 received are those the last stage sampled (every iteration runs
-    the same forward, so all must be equal)."""
+    """The next_token_ids rank 0 received are those the last stage of a pipeline sampled (every
+    iteration runs the same forward, so all must be equal)."""
     first, last = outputs[min(outputs)], outputs[max(outputs)]
     sampled = [m["next_ids"] for st in last.values() for m in st.mbs.values() if "next_ids" in m]
     got = [m["next_ids"] for st in first.values() for m in st.mbs.values() if "next_ids" in m]
     if not sampled or not got:
-        raise AssertionError(f"pp: {len(sampled)} sampled, {len(got)} ids reached rank 0")
+        raise AssertionError(f"pipeline: {len(sampled)} sampled, {len(got)} ids reached rank 0")
     rows, ids = sampled[0]
     for r, i in (*sampled, *got):
         if not (torch.equal(r, rows) and torch.equal(i, ids)):
-            raise AssertionError("pp: next_token_ids on rank 0 differ from the last stage's")
+            raise AssertionError("pipeline: next_token_ids on rank 0 differ from the last stage's")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -174,8 +171,8 @@ def check_equivalence(
 
     A schedule that refuses a workload with ConfigError is skipped for it (reported in
     ``skipped``); a hazard (an unordered read) or a kernel error is an error for that schedule.
-    ``cfg`` goes through :func:`split_config` (the tiny workloads must reach vllm-dbo's split
-    path); the runs that still fell back to one micro-batch are reported in ``unsplit``.
+    ``cfg`` goes through :func:`split_config` (the tiny workloads must reach each schedule's
+    split path); the runs that still fell back to one micro-batch are reported in ``unsplit``.
     """
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.inputs.hardware import get_gpu
@@ -183,7 +180,7 @@ def check_equivalence(
     names = schedule_names or S.available()
     workloads = workloads or default_workloads()
     g = get_gpu(gpu)
-    cfg = split_config(cfg)
+    cfg = split_config(cfg, names)
     res = CheckResult(tolerance=tolerance, unsplit=unsplit_runs(names, workloads, gpu=gpu, cfg=cfg))
     with one_thread():
         _check(names, workloads, g, cfg, seed, res)
@@ -211,7 +208,7 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
         if key not in weights_cache:
             weights_cache[key] = M.init_weights(M.from_model_config(w.model), seed=seed)
         weights = weights_cache[key]
-        ref_prog = S.build("serial", w, g, cfg)
+        ref_prog = S.build(S.BASELINE, w, g, cfg)
         ref = execute(ref_prog, w, weights=weights, seed=seed).outputs[0][0]
         for name in names:
             variants = workload_variants(name, w)

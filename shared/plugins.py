@@ -80,6 +80,12 @@ class Registry:
         order = [n for n in self.builtins if n in found] + sorted(set(found) - set(self.builtins))
         return {n: found[n] for n in order}
 
+    def rescan(self) -> None:
+        """Find the group's entry points again (a package installed while this process runs)
+        and forget what was loaded."""
+        self._entries = None
+        self._loaded.clear()
+
     def names(self) -> list[str]:
         """Every registered name, in listing order (broken ones included)."""
         return list(self.entries)

@@ -61,9 +61,9 @@ def test_every_workload_option_is_either_honoured_or_refused():
     from dataclasses import fields
 
     from overlap_lab.shared.inputs.hardware import GPU, HostCosts
-    from overlap_lab.shared.schedules import ScheduleConfig
+    from overlap_lab.shared.schedules import schedule_knobs
 
-    honoured |= {f.name for f in fields(ScheduleConfig)} | {f.name for f in fields(GPU)}
+    honoured |= {k.name for k in schedule_knobs()} | {f.name for f in fields(GPU)}
     honoured |= {"host_" + f.name for f in fields(HostCosts)}
     assert run_opts - honoured - set(CPU_CHECK_REFUSES) == set()
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from overlap_lab.shared import schedules as S
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.plugins import Entry
+from tests.plugin_dist import installed
 
 PYPROJECT = """\
 [build-system]
@@ -39,7 +38,6 @@ from overlap_lab.shared.schedules import serial
 
 UPSTREAM = "none (a test plugin)"
 SUMMARY = "echo: the serial schedule, registered by another package"
-KNOBS = serial.KNOBS
 
 
 def build(workload, gpu, cfg):
@@ -84,25 +82,68 @@ def test_a_schedule_in_its_own_package_is_listed_and_runs(tmp_path):
     assert rows["echo"][1:4] == rows["serial"][1:4]  # GPUs, iters, ms/iter: serial's Program
 
 
-def _register(monkeypatch, name: str, target: str, package: str) -> None:
-    """A schedule registered as another package's entry point would be (``shared.plugins``)."""
-    monkeypatch.setitem(S.REGISTRY.entries, name, Entry(name, target, package))
-    monkeypatch.setitem(S.SCHEDULES, name, target)
-
-
-def test_a_schedule_that_cannot_load_is_one_error_naming_its_package(monkeypatch):
-    _register(monkeypatch, "broken", "overlap_lab_no_such_module", "overlap-lab-broken")
-    with pytest.raises(ConfigError) as e:
-        S.module("broken")
+def test_a_schedule_that_cannot_load_is_one_error_naming_its_package(tmp_path):
+    with installed(
+        tmp_path,
+        "overlap-lab-broken",
+        {},
+        {"overlap_lab.schedules": {"broken": "overlap_lab_no_such_module"}},
+    ):
+        with pytest.raises(ConfigError) as e:
+            S.module("broken")
+        assert "broken" not in S.pipeline_schedules()  # listing others is not stopped by it
     msg = str(e.value)
     assert "\n" not in msg and "overlap-lab-broken" in msg and "cannot be loaded" in msg
 
 
-def test_a_schedule_missing_a_part_is_refused(monkeypatch, tmp_path):
-    (tmp_path / "overlap_lab_half.py").write_text(
-        textwrap.dedent('UPSTREAM = "x"\nSUMMARY = "y"\n\ndef build(w, g, c):\n    return None\n')
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    _register(monkeypatch, "half", "overlap_lab_half", "overlap-lab-half")
-    with pytest.raises(ConfigError, match=r"schedule 'half' .*overlap-lab-half\) lacks KNOBS"):
-        S.module("half")
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        ('UPSTREAM = "x"\n\ndef build(w, g, c):\n    return None\n', "lacks SUMMARY"),
+        (
+            'UPSTREAM = "x"\nSUMMARY = "y"\nKnobs = dict\n\ndef build(w, g, c):\n    return None\n',
+            "has a Knobs that is not a frozen dataclass deriving from ScheduleKnobs",
+        ),
+        (
+            'UPSTREAM = "x"\nSUMMARY = "y"\nwindow_note = 3\n\ndef build(w, g, c):\n    return None\n',
+            "has window_note that is not a function",
+        ),
+    ],
+    ids=["no summary", "knobs not a record", "hook not a function"],
+)
+def test_a_schedule_missing_or_malformed_part_is_refused(tmp_path, source, why):
+    with installed(
+        tmp_path,
+        "overlap-lab-half",
+        {"overlap_lab_half": source},
+        {"overlap_lab.schedules": {"half": "overlap_lab_half"}},
+    ):
+        with pytest.raises(ConfigError) as e:
+            S.module("half")
+    assert "schedule 'half' (overlap_lab_half, package overlap-lab-half)" in str(e.value)
+    assert why in str(e.value)
+
+
+def test_a_plugin_may_not_redeclare_a_knob_every_schedule_reads(tmp_path):
+    source = """\
+        from dataclasses import dataclass
+        from overlap_lab.shared.inputs.knobs import knob
+        from overlap_lab.shared.schedules import serial
+        from overlap_lab.shared.schedules.common import ScheduleKnobs
+
+        UPSTREAM = SUMMARY = "x"
+        build = serial.build
+
+
+        @dataclass(frozen=True)
+        class Knobs(ScheduleKnobs):
+            cuda_graph: bool = knob(True, "mine")
+        """
+    with installed(
+        tmp_path,
+        "overlap-lab-clash",
+        {"overlap_lab_clash": source},
+        {"overlap_lab.schedules": {"clash": "overlap_lab_clash"}},
+    ):
+        with pytest.raises(ConfigError, match="declares cuda_graph, which every schedule reads"):
+            S.module("clash")

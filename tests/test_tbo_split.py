@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Workload, get_model
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.tbo_split import (
     balanced_sum_split,
     children,

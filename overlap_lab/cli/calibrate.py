@@ -285,7 +285,7 @@ def cmd_validate(args) -> int:
 
 def register_calibration_commands(sub) -> None:
     """Add ``analyze``, ``calibrate`` and ``validate`` to the ``overlap-lab`` subparsers."""
-    from overlap_lab.shared.schedules import SCHEDULES
+    from overlap_lab.shared.schedules import BASELINE, SCHEDULES
 
     s = sub.add_parser("analyze", help="overlap and kernel classes of a torch.profiler trace")
     s.add_argument("trace", help="Chrome trace JSON (torch.profiler / Kineto, or ours; .gz ok)")
@@ -301,7 +301,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--from-trace", default=None, help="a measured trace of --schedule's Program")
     s.add_argument("--map", default=None, help="kernel mapping with 'op' entries (foreign traces)")
     s.add_argument("--device", default=None, choices=("cuda",), help="microbenchmark this GPU")
-    s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
+    s.add_argument("--schedule", default=BASELINE, help=f"one of {', '.join(SCHEDULES)}")
     s.add_argument("--sizes", default="16,32,64,128,256,512", help="--device: tokens per rank")
     s.add_argument("--sm-budgets", default=None, help="--device: SM counts (default: all SMs)")
     s.add_argument("--repeats", type=int, default=5, help="--device: timed runs per case")
@@ -312,7 +312,7 @@ def register_calibration_commands(sub) -> None:
 
     s = sub.add_parser("validate", help="a measured trace against the simulator's prediction")
     s.add_argument("trace", help="measured trace (overlap-lab run, or torch.profiler with --map)")
-    s.add_argument("--schedule", default="serial", help="the schedule the trace ran")
+    s.add_argument("--schedule", default=BASELINE, help="the schedule the trace ran")
     s.add_argument(
         "--profile",
         default="from-trace",

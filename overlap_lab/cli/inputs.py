@@ -158,11 +158,13 @@ def _actions(parser: argparse.ArgumentParser):
 
 
 def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give every limited option its checking type and state the range in its help."""
+    """Give every limited option its checking type and state the range in its help (the knob
+    records' ranges read now: a schedule installed since this module was imported has its own)."""
+    limits = {**LIMITS, **_record_limits()}
     for a in _actions(parser):
         if a.choices is not None and a.type is None and a.option_strings:
             a.type = str.lower  # names are case-insensitive, like --model and --gpu
-        lim = LIMITS.get(a.dest)
+        lim = limits.get(a.dest)
         if lim is None or not a.option_strings or a.nargs == 0:
             continue
         a.type = limited(lim, is_list=lim.is_list)
@@ -202,21 +204,13 @@ DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
 PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
 
 
-@functools.cache  # imports every schedule module: once, and only when a command is checked
 def knob_schedules() -> dict[str, tuple[str, ...]]:
-    """Schedule knobs read by only some schedules -> those schedules (from each schedule's
-    declared ``KNOBS``, in knob order): giving one to none of them is refused."""
-    from overlap_lab.shared.schedules import SCHEDULES, knobs_of
+    """Schedule knobs read by only some schedules -> those schedules (each schedule module
+    declares its own, ``shared.schedules.knob_readers``; the registry loads every schedule
+    module once, and only when a command is checked): giving one to none of them is refused."""
+    from overlap_lab.shared.schedules import SCHEDULES, knob_readers
 
-    readers: dict[str, list[str]] = {}
-    for name in SCHEDULES:
-        for k in knobs_of(name):
-            readers.setdefault(k.name, []).append(name)
-    return {
-        k.name: tuple(readers.get(k.name, ()))
-        for k in schedule_knobs()
-        if len(readers.get(k.name, ())) < len(SCHEDULES)
-    }
+    return {n: r for n, r in knob_readers().items() if len(r) < len(SCHEDULES)}
 
 
 def __getattr__(name: str):
@@ -331,22 +325,6 @@ def _check_knobs(args, names: list[str]) -> None:
                 f"{_flag(dest)} applies to --schedule {' or '.join(owners)} only, "
                 f"not {', '.join(names)}"
             )
-    if getattr(args, "context_len", None) is not None:
-        longest = _longest_seq(args)
-        if args.context_len < longest:
-            raise ConfigError(
-                f"--context-len {args.context_len} is below the longest sequence simulated "
-                f"({longest} tokens); give at least {longest}"
-            )
-
-
-def _longest_seq(args) -> int:
-    if args.mode == "decode":
-        kv = max(args.kv_lens) if args.kv_lens else args.kv_len
-        return kv + args.tokens_per_seq
-    ext = max(args.extend_lens) if args.extend_lens else args.extend_len
-    pre = max(args.prefix_lens) if args.prefix_lens else args.prefix_len
-    return ext + pre
 
 
 def _check_hardware(args) -> None:
@@ -459,10 +437,6 @@ def _check_ranks(args) -> None:
     imb = parse_imbalance(args.imbalance)
     if imb.kind == "file":
         check_routing_file(imb.path, model.num_experts, model.top_k)
-    if args.ranks == "explicit" and _schedules(args, args.command) == ["pp"]:
-        raise ConfigError(
-            "--ranks explicit does not apply to --schedule pp (its ranks are explicit)"
-        )
 
 
 # ---- files ---------------------------------------------------------------------------------------

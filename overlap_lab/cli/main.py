@@ -15,7 +15,6 @@ code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,7 @@ from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.ir.validate import ProgramError
-from overlap_lab.shared.schedules import SCHEDULES
+from overlap_lab.shared.schedules import BASELINE, SCHEDULES, prepare_workload
 from overlap_lab.shared.schedules import build as build_schedule
 
 if TYPE_CHECKING:
@@ -51,18 +50,16 @@ if TYPE_CHECKING:
     from overlap_lab.shared.inputs.workload import Workload
     from overlap_lab.shared.schedules import ScheduleConfig
 
-#: The schedules `compare` runs by default: all of them.
-DEFAULT_COMPARE = tuple(SCHEDULES)
-
 
 # ---- commands ------------------------------------------------------------------------------------
 
 
 def _print_summary(res: dict) -> None:
+    stages = res["gpus"] // res["ep"]  # pipeline stages of EP-sized groups of GPUs
     print(
         f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
         f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
-        + (f", PP {res['pp']} ({res['gpus']} GPUs)" if res["pp"] > 1 else "")
+        + (f", PP {stages} ({res['gpus']} GPUs)" if stages > 1 else "")
     )
     it = res["iterations"]
     per = f" per iteration ({it} simulated)" if it > 1 else ""
@@ -206,10 +203,7 @@ def cmd_show(args) -> int:
 
     check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    if args.schedule == "pp" and w.parallel.pp == 1:
-        w = dataclasses.replace(
-            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
-        )
+    w, _ = prepare_workload(args.schedule, w)  # the schedule's workload defaults, as simulated
     program = build_schedule(args.schedule, w, gpu, cfg)
     lowered = api.lower_ranks(program, w, gpu, ranks_from(args))
     validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
@@ -303,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("show", help="print the Program's text form")
-    s.add_argument("--schedule", default="serial")
+    s.add_argument("--schedule", default=BASELINE)
     workload_options(s)
     rank_options(s)
     add_profile_option(s)
@@ -313,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_schedules)
 
     s = sub.add_parser("compare", help="simulate several schedules on one workload")
-    s.add_argument("--schedules", default=",".join(DEFAULT_COMPARE))
+    s.add_argument("--schedules", default=",".join(SCHEDULES), help="the schedules to compare")
     s.add_argument(
         "--out", default="overlap-lab-out", help="directory for the stacked figure and traces"
     )

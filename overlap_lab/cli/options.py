@@ -19,11 +19,12 @@ import argparse
 import typing
 
 from overlap_lab.cli import inputs
+from overlap_lab.shared import schedules
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, gpu_fields, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.inputs.workload import MODELS, Workload
-from overlap_lab.shared.schedules import SCHEDULES, ScheduleConfig, schedule_knobs
+from overlap_lab.shared.schedules import BASELINE, SCHEDULES, ScheduleConfig, schedule_knobs
 from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile, resolve
 
 if typing.TYPE_CHECKING:
@@ -179,9 +180,18 @@ def workload_options(p: argparse.ArgumentParser) -> None:
         "--pp-size",
         type=positive_int,
         default=None,
-        help="pipeline stages (default: 1; pp: 2)",
+        help=f"pipeline stages (default: 1{_stage_defaults()})",
     )
-    _add_knob_options(p.add_argument_group("schedule knobs"), schedule_knobs())
+    common = {k.name for k in schedules.common_knobs()}
+    records = schedule_knobs()
+    _add_knob_options(
+        p.add_argument_group("knobs every schedule reads"),
+        tuple(k for k in records if k.name in common),
+    )
+    _add_knob_options(
+        p.add_argument_group("knobs of some schedules (each says which, declared in its module)"),
+        tuple(k for k in records if k.name not in common),
+    )
     _add_knob_options(
         p.add_argument_group("host costs of the scheduler loop (µs)"),
         host_cost_fields(),
@@ -202,14 +212,15 @@ def figure_options(p: argparse.ArgumentParser) -> None:
         "--window",
         default="auto",
         help="what the timeline shows: auto (two MoE layers of one-step schedules; the whole "
-        "window for sglang-overlap and pp), step (everything), layers:A-B (MoE layers A..B), "
-        "or a time range in ms, e.g. 10-25",
+        f"window for {_drawn('whole_window')}), step (everything), layers:A-B (MoE layers "
+        "A..B), or a time range in ms, e.g. 10-25",
     )
     g.add_argument(
         "--rank",
         type=int,
         default=None,
-        help="draw this rank (default: every rank of a pp run, rank 0 otherwise)",
+        help=f"draw this rank (default: every rank of a {_drawn('every_rank')} run, rank 0 "
+        "otherwise)",
     )
     g.add_argument(
         "--width",
@@ -275,7 +286,7 @@ def workload_from(args) -> Workload:
     from overlap_lab import api
 
     pp = args.pp_size
-    if pp is None:  # pp's own default comes from the API; every other schedule runs one stage
+    if pp is None:  # one stage; a schedule's own default applies in the API (prepare_workload)
         pp = 1
     return api.workload(
         getattr(args, "model_file", None) or args.model,
@@ -326,9 +337,42 @@ def config_from(args) -> ScheduleConfig:
 
 
 def check_pp_size(schedule: str, args) -> None:
-    """A pipeline needs two stages at least; ``--pp-size`` left out means the API's default."""
-    if schedule == "pp" and args.pp_size == 1:
-        raise ConfigError("pp needs --pp-size >= 2 (leave it out for 2 stages)")
+    """A ``--pp-size`` typed is run as typed: where the schedule's workload defaults would
+    replace it (``shared.schedules.prepare_workload``: pp's stages for ``--pp-size 1``), it is
+    refused; left out, the schedule's default applies (said in the run's notes)."""
+    if args.pp_size is None:
+        return
+    w = workload_from(args)
+    ready, notes = schedules.prepare_workload(schedule, w)
+    if ready.parallel.pp != w.parallel.pp:
+        raise ConfigError(
+            f"{schedule} does not run --pp-size {args.pp_size}; leave --pp-size out for "
+            f"{'; '.join(notes) or f'{ready.parallel.pp} stages'}"
+        )
+
+
+def _stage_defaults() -> str:
+    """``; pp: 2`` for every schedule whose workload defaults set the stages (the help text)."""
+    from overlap_lab import api
+
+    out = ""
+    for name in schedules.pipeline_schedules():
+        staged, _ = schedules.prepare_workload(name, api.workload())
+        if staged.parallel.pp != 1:
+            out += f"; {name}: {staged.parallel.pp}"
+    return out
+
+
+def _drawn(rule: str) -> str:
+    """The schedules whose figures follow ``rule`` (a ``Drawing`` field), for help texts."""
+    names = []
+    for name in schedules.REGISTRY.usable():
+        try:
+            if getattr(schedules.drawing(name), rule):
+                names.append(name)
+        except ConfigError:  # a broken plug-in is reported where it is used
+            continue
+    return " and ".join(names) or "no"
 
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:
@@ -371,7 +415,7 @@ def profile_from(args, gpu: GPU) -> Profile | None:
 
 def add_sim_options(s: argparse.ArgumentParser) -> None:
     """The options of ``sim``: also the knobs of a sweep spec (:mod:`overlap_lab.cli.sweep`)."""
-    s.add_argument("--schedule", default="serial", help=f"one of {', '.join(SCHEDULES)}")
+    s.add_argument("--schedule", default=BASELINE, help=f"one of {', '.join(SCHEDULES)}")
     s.add_argument(
         "--out",
         default="overlap-lab-out",

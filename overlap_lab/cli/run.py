@@ -147,7 +147,7 @@ def _check_provenance(args, names: list[str], model: str, tolerance: float) -> d
         "ranks": int(_opt(args, "ranks")),
         "seed": _opt(args, "seed"),
         "tolerance": tolerance,
-        "knobs": cfg if cfg is not None else ScheduleConfig(),
+        "knobs": (cfg if cfg is not None else ScheduleConfig()).as_dict(),
     }
     return provenance(getattr(args, "command_line", None), inputs)
 

@@ -51,12 +51,14 @@ micro-batch in the same order, with a ``fallback_reason``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
 from overlap_lab.shared.ir.ops import mtp_ops
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, Program
-from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
+from overlap_lab.shared.schedules.common import ScheduleKnobs, comm_sms_knob, resolve_comm_sms
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
     MAIN,
@@ -71,13 +73,16 @@ SUMMARY = (
     "DeepSeek's published overlap: prefill 2 micro-batches on 108 compute + 24 comm SMs (scaled), "
     "decode 5-stage ATTN-0/ATTN-1/SHARED/MLP pipeline with SM-free DeepEP LL hooks"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "comm_sms",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """DeepSeek's own knob (``ScheduleConfig.of``)."""
+
+    comm_sms: int | None = comm_sms_knob(
+        "prefill: SMs of the communication partition (None: 24 of an H800's 132, scaled)"
+    )
+
 
 #: DeepSeek's prefill profile: 24 of the H800's 132 SMs for DeepEP (DeepSeek's
 #: profile-data); DeepEP's own Buffer.num_sms default is 20 (``GPU.deepep_normal_sms``).
@@ -92,7 +97,7 @@ ATTN = ATTN_0 + ATTN_1  # prefill's ATTN: MLA and the routing gate
 def comm_sms(gpu: GPU, cfg: ScheduleConfig) -> int:
     """Communication SMs of the prefill partition: 24 of an H800's 132, scaled to the GPU."""
     default = max(1, round(H800_COMM_SMS / H800_SMS * gpu.num_sms))
-    return resolve_comm_sms(cfg, gpu, default=default)
+    return resolve_comm_sms(cfg.of(Knobs).comm_sms, gpu, default=default)
 
 
 # ----------------------------------------------------------------------------------------------

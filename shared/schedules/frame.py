@@ -15,7 +15,7 @@ from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.ir.builder import RankBuilder
 from overlap_lab.shared.ir.ops import head_ops, whole_batch
 from overlap_lab.shared.ir.program import Instr, Sync
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 
 
 def step_frame(

@@ -55,14 +55,16 @@ Experts are launched as ``grouped_fused_moe_ep``'s kernels (``expert_kernels``).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.ops import mtp_ops
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, Op, Program
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.common import MAX_TOKENS, ScheduleKnobs
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
@@ -79,13 +81,20 @@ SUMMARY = (
     "LightLLM two-micro-batch overlap: hand-ordered ops on one stream, DeepEP LL hooks in decode, "
     "normal kernels on a comm stream per micro-batch in prefill, last combine deferred a layer"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "dp_peer_tokens",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """LightLLM's own knob (``ScheduleConfig.of``)."""
+
+    dp_peer_tokens: tuple[int, ...] = knob(
+        (),
+        "other DP ranks' decode tokens, for max_decode_num (empty: as this)",
+        unit="tokens",
+        lo=0,
+        hi=MAX_TOKENS,
+    )
+
 
 COMM_STREAMS = ("comm0", "comm1")
 
@@ -131,7 +140,7 @@ def dp_max_decode_num(w: Workload, cfg: ScheduleConfig) -> int:
     tokens come from ``--dp-peer-tokens`` (requests = cdiv(tokens, tokens_per_seq)); without it
     the ranks are symmetric and the maximum is this rank's own count."""
     tps = w.batch.tokens_per_seq
-    return max([w.batch.num_seqs, *(cdiv(t, tps) for t in cfg.dp_peer_tokens)])
+    return max([w.batch.num_seqs, *(cdiv(t, tps) for t in cfg.of(Knobs).dp_peer_tokens)])
 
 
 # ----------------------------------------------------------------------------------------------

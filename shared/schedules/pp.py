@@ -31,8 +31,11 @@ stream waits for a receive).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.ir.ops import head_ops, layer_ops, whole_batch
@@ -45,22 +48,37 @@ from overlap_lab.shared.ir.ops_pp import (
     pp_layer_split,
 )
 from overlap_lab.shared.ir.program import Op, Program
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.common import MAX_ITERATIONS, Drawing, ScheduleKnobs
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.serial import launch_all
 
 UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
 SUMMARY = "SGLang event_loop_pp: layer slices per rank, pp_size micro-batches, token-id ring"
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "iterations",
-    "micro_batches",
-    "return_logprob",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """pp's own knobs (``ScheduleConfig.of``)."""
+
+    iterations: int = knob(
+        4,
+        "rounds of event_loop_pp simulated (each: every micro-batch once)",
+        unit="iterations",
+        lo=1,
+        hi=MAX_ITERATIONS,
+    )
+    micro_batches: int | None = knob(
+        None, "micro-batches in flight (None = pp_size)", unit="micro-batches", lo=1, hi=64
+    )
+    return_logprob: bool = knob(False, "copy logprobs to the host with next_token_ids")
+
+
 #: The one schedule that runs --pp-size > 1 (every other one is refused by ``schedules.build``).
 SUPPORTS_PP = True
+#: Pipeline stages pp runs where the workload asks for one (``prepare_workload``).
+DEFAULT_STAGES = 2
+#: A pipeline's bubbles lie across its stages and iterations: every rank, the whole window.
+DRAWING = Drawing(whole_window=True, every_rank=True)
 STREAMS = ("main", "pp_recv", "pp_send")
 
 
@@ -108,13 +126,14 @@ class _Loop:
         self.w, self.gpu, self.cfg, self.r = w, gpu, cfg, rank
         self.pp = w.parallel.pp
         self.first, self.last = rank == 0, rank == self.pp - 1
-        self.M = cfg.micro_batches or self.pp
-        self.G = cfg.iterations * self.M
+        self.k = cfg.of(Knobs)
+        self.M = self.k.micro_batches or self.pp
+        self.G = self.k.iterations * self.M
         self.layers = pp_layer_split(w.model, self.pp)[rank]
         self.mode = cfg.resolved_deepep_mode(w.batch.mode)
         self.graph = cfg.use_cuda_graph(w.batch.mode)
         self.nseq = w.batch.num_seqs
-        self.out_nbytes = output_bytes(self.nseq, cfg.return_logprob)
+        self.out_nbytes = output_bytes(self.nseq, self.k.return_logprob)
         self.rb = RankBuilder(rank, STREAMS)
         self.t: ThreadBuilder = self.rb.thread("scheduler")
         self.host = PP_HOST_COSTS
@@ -198,7 +217,8 @@ class _Loop:
 def _check(w: Workload, cfg: ScheduleConfig) -> None:
     if w.parallel.pp < 2:
         raise ConfigError("pp needs --pp-size >= 2 (event_loop_pp runs only when pp_size > 1)")
-    if cfg.micro_batches is not None and cfg.micro_batches < w.parallel.pp:
+    mbs = cfg.of(Knobs).micro_batches
+    if mbs is not None and mbs < w.parallel.pp:
         raise ConfigError(
             f"pp needs --micro-batches >= --pp-size {w.parallel.pp}: with fewer, event_loop_pp "
             "deadlocks (a rank waits for outputs relayed by its predecessor one iteration later, "
@@ -228,10 +248,38 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         schedule="pp",
         pp_size=pp,
         micro_batches=[micro_batch(w, k).as_meta() for k in range(lp.M)],
-        iterations=cfg.iterations,
+        iterations=lp.k.iterations,
         layer_split=[[s.start, s.stop] for s in pp_layer_split(w.model, pp)],
-        return_logprob=cfg.return_logprob,
+        return_logprob=lp.k.return_logprob,
         deepep_mode=lp.mode,
         cuda_graph=lp.graph,
         overlap_schedule=False,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Its workload default, and how its runs are counted and compared (shared.schedules' hooks)
+# ----------------------------------------------------------------------------------------------
+
+
+def prepare_workload(w: Workload) -> tuple[Workload, tuple[str, ...]]:
+    """One pipeline stage asked for (the default layout) means :data:`DEFAULT_STAGES` stages of
+    the workload's EP size: ``sim --schedule pp`` runs without ``--pp-size``."""
+    if w.parallel.pp != 1:
+        return w, ()
+    staged = replace(w, parallel=replace(w.parallel, pp=DEFAULT_STAGES))
+    return staged, (f"{DEFAULT_STAGES} pipeline stages (default)",)
+
+
+def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
+    """Its window: ``iterations`` rounds of ``micro_batches`` micro-batch iterations on every
+    stage; the tokens the pipeline completes, divided by its stages (each GPU holds a slice of
+    the layers, so a GPU pushes 1/pp of each token through the whole model)."""
+    meta = program.meta
+    g = int(meta.extra.get("iterations", 1)) * len(meta.micro_batches or [None])
+    pp = int(meta.pp_size or w.parallel.pp)
+    return g, g * w.batch.num_tokens // pp
+
+
+def window_note(cfg: ScheduleConfig) -> str:
+    return "pp: iterations x micro-batches on each stage."

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import program
 from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
@@ -63,7 +64,8 @@ from overlap_lab.shared.ir.program import (
     WaitStream,
 )
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
+from overlap_lab.shared.schedules.common import ScheduleKnobs, comm_sms_knob, resolve_comm_sms
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
 
@@ -72,14 +74,20 @@ SUMMARY = (
     "SGLang SBO: inside each MoE layer, combine on an alt stream with few SMs against the down "
     "GEMM (1, block signals) or shared experts (2); shared experts in the dispatch hook (3)"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "comm_sms",
-    "sbo_mode",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """SBO's own knobs (``ScheduleConfig.of``); tbo+sbo reads them too."""
+
+    comm_sms: int | None = comm_sms_knob(
+        "SMs of DeepEP's low-latency combine send (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS; "
+        "None: the GPU preset's sbo_comm_sms)"
+    )
+    sbo_mode: int = knob(
+        1, "1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared", lo=1, hi=3
+    )
+
 
 SIGNAL_BLOCK_M = 64  # Hopper: DeepGEMM's MIN_BLOCK_M, one int32 signal per 64-row block
 MAIN, ALT = "main", "alt"
@@ -136,12 +144,12 @@ class SboPlan:
 
 
 def comm_sms(gpu: GPU, cfg: ScheduleConfig) -> int:
-    """cfg.comm_sms (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS) or the preset (3 Hopper, 32 Blackwell)."""
-    return resolve_comm_sms(cfg, gpu, default=gpu.sbo_comm_sms)
+    """--comm-sms (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS) or the preset (3 Hopper, 32 Blackwell)."""
+    return resolve_comm_sms(cfg.of(Knobs).comm_sms, gpu, default=gpu.sbo_comm_sms)
 
 
 def plan(gpu: GPU, cfg: ScheduleConfig) -> SboPlan:
-    mode, hopper = cfg.sbo_mode, gpu.arch != "blackwell"
+    mode, hopper = cfg.of(Knobs).sbo_mode, gpu.arch != "blackwell"
     return SboPlan(
         mode=mode,
         arch=gpu.arch,

@@ -44,7 +44,7 @@ from overlap_lab.shared.ir.program import (
     WaitStream,
 )
 from overlap_lab.shared.schedules import sbo, tbo
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import launches
 
@@ -52,12 +52,6 @@ UPSTREAM = "SGLang python/sglang/srt/models/deepseek_v2.py (DeepseekV2MoE.forwar
 SUMMARY = (
     "SGLang's DeepEP MoE without SBO (what SBO is compared with): shared experts on the "
     "default-priority alt stream beside dispatch, routed experts and combine on main"
-)
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "deepep_mode",
-    "cuda_graph",
-    "host",
 )
 
 SCHEDULE = "sbo-off"

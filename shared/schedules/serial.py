@@ -11,17 +11,11 @@ from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import ThreadBuilder, program
 from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, whole_batch
 from overlap_lab.shared.ir.program import Launch, Op, Program
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
 
 
 def layer_sequence(

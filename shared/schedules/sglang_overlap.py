@@ -45,6 +45,7 @@ from statistics import median
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
 from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.ir.ops_sched import (
@@ -57,7 +58,14 @@ from overlap_lab.shared.ir.ops_sched import (
 from overlap_lab.shared.ir.program import Op, Program
 from overlap_lab.shared.ir.program_meta import ProgramMeta
 from overlap_lab.shared.outputs.trace import Trace, union
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.common import (
+    MAX_ITERATIONS,
+    MAX_SEQS,
+    MAX_TOKENS,
+    Drawing,
+    ScheduleKnobs,
+)
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 
 UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
@@ -65,22 +73,44 @@ SUMMARY = (
     "CPU-GPU overlap scheduler: schedule/forward/copy streams, FutureMap, one host sync "
     "(copy_done) per iteration, host one step ahead; --disable-overlap-schedule for the serial loop"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "iterations",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-    "disable_overlap_schedule",
-    "disable_consecutive_prefill_overlap",
-    "spec_v2",
-    "grammar",
-    "return_logprob",
-    "iteration_modes",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "context_len",
-)
+
+
+def _modes_fit_iterations(modes: tuple[str, ...], k: Knobs) -> str | None:
+    if len(modes) > k.iterations:
+        return f"lists {len(modes)} modes for --iterations {k.iterations}"
+    return None
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """The overlap scheduler's own knobs (``ScheduleConfig.of``)."""
+
+    iterations: int = knob(
+        4, "scheduler iterations simulated", unit="iterations", lo=1, hi=MAX_ITERATIONS
+    )
+    disable_overlap_schedule: bool = knob(False, "--disable-overlap-schedule (event_loop_normal)")
+    disable_consecutive_prefill_overlap: bool = knob(
+        False, "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
+    )
+    spec_v2: bool = knob(False, "the batches are spec-v2 (overlapped speculative decoding)")
+    grammar: bool = knob(False, "requests carry a grammar (structured output)")
+    return_logprob: bool = knob(False, "copy logprobs to the host with next_token_ids")
+    iteration_modes: tuple[str, ...] = knob(
+        (),
+        '"prefill"/"decode" per iteration; last one repeats',
+        choices=("prefill", "decode"),
+        check=_modes_fit_iterations,
+    )
+    max_running_requests: int | None = knob(
+        None, "FutureMap sizing (None: largest running batch)", unit="requests", lo=1, hi=MAX_SEQS
+    )
+    chunked_prefill_size: int | None = knob(
+        8192, "FutureMap sizing; None: chunked prefill off", unit="tokens", lo=1, hi=MAX_TOKENS
+    )
+    context_len: int | None = knob(
+        None, "FutureMap sizing (None: longest sequence simulated)", unit="tokens", lo=1, hi=1 << 24
+    )
+
 
 #: SGLang turns the overlap scheduler off under pipeline parallelism (event_loop_pp runs).
 SUPPORTS_PP = False
@@ -118,9 +148,10 @@ class Iteration:
 
 
 def iteration_modes(w: Workload, cfg: ScheduleConfig) -> tuple[str, ...]:
-    """cfg.iteration_modes padded to cfg.iterations by repeating its last mode."""
-    modes = tuple(cfg.iteration_modes) or (w.batch.mode,)
-    return modes + (modes[-1],) * (cfg.iterations - len(modes))
+    """--iteration-modes padded to --iterations by repeating its last mode."""
+    k = cfg.of(Knobs)
+    modes = tuple(k.iteration_modes) or (w.batch.mode,)
+    return modes + (modes[-1],) * (k.iterations - len(modes))
 
 
 def plan_iterations(w: Workload, cfg: ScheduleConfig) -> tuple[Iteration, ...]:
@@ -247,19 +278,25 @@ class FutureRing:
 
 
 def future_map_size(plan: tuple[Iteration, ...], cfg: ScheduleConfig) -> FutureMapSize:
+    k = cfg.of(Knobs)
     largest = max(plan, key=lambda it: it.running)
-    mrr = cfg.max_running_requests or largest.running
+    mrr = k.max_running_requests or largest.running
     if mrr < largest.running:
         raise ConfigError(
             f"--max-running-requests {mrr} is below the {largest.running} requests "
             f"running at iteration {largest.step}"
         )
-    context = cfg.context_len or max(
+    longest = max(
         it.batch.seq_cached(i) + it.batch.seq_tokens(i)
         for it in plan
         for i in range(it.batch.num_seqs)
     )
-    return FutureMapSize.of(mrr, cfg.chunked_prefill_size, context)
+    if k.context_len is not None and k.context_len < longest:
+        raise ConfigError(
+            f"--context-len {k.context_len} is below the longest sequence simulated "
+            f"({longest} tokens); give at least {longest}"
+        )
+    return FutureMapSize.of(mrr, k.chunked_prefill_size, k.context_len or longest)
 
 
 def walk_future_map(plan: tuple[Iteration, ...], ring: FutureRing) -> list[dict]:
@@ -287,10 +324,11 @@ def disable_overlap_reason(
     cfg: ScheduleConfig, it: Iteration, last: Iteration | None, result_queue_len: int
 ) -> str | None:
     """Why SGLang processes the last batch before launching this one, or None (overlap)."""
-    if cfg.disable_consecutive_prefill_overlap and last is not None:
+    k = cfg.of(Knobs)
+    if k.disable_consecutive_prefill_overlap and last is not None:
         if it.is_extend and last.is_extend:
             return "consecutive prefill (SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP)"
-    if cfg.spec_v2 and cfg.grammar and it.mode == "decode" and result_queue_len > 0:
+    if k.spec_v2 and k.grammar and it.mode == "decode" and result_queue_len > 0:
         return "spec v2 + grammar + decode with a pending result"
     return None
 
@@ -298,7 +336,8 @@ def disable_overlap_reason(
 def delays_sample(cfg: ScheduleConfig) -> bool:
     """Grammar without speculative decoding: the sample waits for the last batch's grammar state
     (tp_worker: enable_overlap and not enable_spec and grammars is not None)."""
-    return cfg.grammar and not cfg.spec_v2
+    k = cfg.of(Knobs)
+    return k.grammar and not k.spec_v2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,11 +371,12 @@ def _process(t: ThreadBuilder, cfg: ScheduleConfig, done: tuple[int, int, str]) 
 
 def _copy_to_cpu(t: ThreadBuilder, cfg: ScheduleConfig, it: Iteration) -> str:
     """store_to_map on `forward`, then the D2H on `copy` once `forward` is done, then copy_done."""
+    k = cfg.of(Knobs)
     i = it.step
     t.launch(store_to_map_op(it.batch, step=i), "forward")
     t.record(f"forward_done.{i}", "forward")
     t.wait("copy", f"forward_done.{i}")
-    for op in d2h_ops(it.batch, step=i, return_logprob=cfg.return_logprob):
+    for op in d2h_ops(it.batch, step=i, return_logprob=k.return_logprob):
         t.launch(op, "copy")
     t.record(f"copy_done.{i}", "copy")
     return f"copy_done.{i}"
@@ -399,6 +439,7 @@ def _build_normal(
     w: Workload, gpu: GPU, cfg: ScheduleConfig, plan: tuple[Iteration, ...]
 ) -> tuple[RankBuilder, list[dict]]:
     """event_loop_normal: recv, schedule, forward and the blocking result copy on one stream."""
+    k = cfg.of(Knobs)
     rank = RankBuilder(0, STREAMS_NORMAL)
     t = rank.thread(HOST_THREAD)
     info = []
@@ -409,7 +450,7 @@ def _build_normal(
             t, _forward_ops(w, gpu, cfg, it), "schedule", graph=f"forward.{i}" if graph else None
         )
         # process_batch_result: next_token_ids.tolist() copies on the current stream and blocks
-        for op in d2h_ops(it.batch, step=i, return_logprob=cfg.return_logprob):
+        for op in d2h_ops(it.batch, step=i, return_logprob=k.return_logprob):
             t.launch(op, "schedule")
         t.record(f"result_ready.{i}", "schedule")
         _process(t, cfg, (i, it.batch.num_seqs, f"result_ready.{i}"))
@@ -425,9 +466,10 @@ def _build_normal(
 
 
 def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
+    k = cfg.of(Knobs)
     plan = plan_iterations(w, cfg)
     size = future_map_size(plan, cfg)
-    overlap = not cfg.disable_overlap_schedule
+    overlap = not k.disable_overlap_schedule
     rank, info = (_build_overlap if overlap else _build_normal)(w, gpu, cfg, plan)
     future = {
         "max_running_requests": size.max_running_requests,
@@ -448,8 +490,8 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
                 "deepep_mode": cfg.resolved_deepep_mode(it.mode),
                 "exceeds_chunked_prefill": bool(
                     it.is_extend
-                    and cfg.chunked_prefill_size
-                    and it.batch.num_tokens > cfg.chunked_prefill_size
+                    and k.chunked_prefill_size
+                    and it.batch.num_tokens > k.chunked_prefill_size
                 ),
             }
         )
@@ -464,10 +506,10 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         iterations=iterations,
         loop=info,
         future_map=future,
-        disable_consecutive_prefill_overlap=cfg.disable_consecutive_prefill_overlap,
-        spec_v2=cfg.spec_v2,
-        grammar=cfg.grammar,
-        return_logprob=cfg.return_logprob,
+        disable_consecutive_prefill_overlap=k.disable_consecutive_prefill_overlap,
+        spec_v2=k.spec_v2,
+        grammar=k.grammar,
+        return_logprob=k.return_logprob,
         deepep_mode=cfg.deepep_mode,
         host_costs=dataclasses.asdict(cfg.host),
     )
@@ -598,3 +640,23 @@ def overlap_report(
 def report(trace: Trace, program: Program) -> dict:
     """What `overlap-lab sim --json` adds under "report" for this schedule."""
     return overlap_report(trace, program)
+
+
+# ----------------------------------------------------------------------------------------------
+# How its runs are counted, compared and drawn (shared.schedules' hooks)
+# ----------------------------------------------------------------------------------------------
+
+#: The host one iteration ahead shows across iterations: figures show the whole window.
+DRAWING = Drawing(whole_window=True)
+
+
+def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
+    """Its window: the planned iterations, each a forward of that iteration's batch."""
+    its = program.meta.extra.get("iterations")
+    if isinstance(its, list) and its:
+        return len(its), sum(int(it["num_tokens"]) for it in its)
+    return 1, w.batch.num_tokens
+
+
+def window_note(cfg: ScheduleConfig) -> str:
+    return f"sglang-overlap runs {cfg.of(Knobs).iterations} loop iterations (--iterations)."

@@ -38,30 +38,33 @@ from dataclasses import dataclass, replace
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload, dense_layers, moe_layers
 from overlap_lab.shared.ir.builder import program
 from overlap_lab.shared.ir.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
-from overlap_lab.shared.schedules.tbo_split import TboSplit, tbo_split
+from overlap_lab.shared.schedules.tbo_split import SplitKnobs, TboSplit, tbo_split
 
 UPSTREAM = "SGLang python/sglang/srt/two_batch_overlap.py, operations.py, operations_strategy.py"
 SUMMARY = (
     "SGLang TBO: two micro-batches, sparse layers cut into stages at YIELDs and interleaved on "
     "one stream (DeepSeek decode 6 stages/delta 2, prefill 3/delta 0; Qwen3-MoE)"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "tbo_threshold",
-    "delta_stages",
-    "dp_ranks_disagree",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
+
+
+@dataclass(frozen=True)
+class Knobs(SplitKnobs):
+    """TBO's own knobs (``ScheduleConfig.of``): its split's, and how far apart the micro-batches
+    run; tbo+sbo reads them too."""
+
+    delta_stages: int | None = knob(
+        None, "None = the strategy's own (decode 2, prefill 0)", unit="stages", lo=0, hi=16
+    )
+
 
 MAIN, COMM = "main", "comm"
 
@@ -215,7 +218,8 @@ def tbo_body(
 ) -> tuple[list[GpuInstr], Strategy, int]:
     """embed and dense layers on the whole batch, the interleaved sparse layers, logits, sample."""
     strategy = strategy_for(w)
-    delta = strategy.delta_stages if cfg.delta_stages is None else cfg.delta_stages
+    own = cfg.of(Knobs).delta_stages
+    delta = strategy.delta_stages if own is None else own
     whole = whole_batch(w)
     head = head_ops(w, gpu, whole, step=step)
     body: list[GpuInstr] = [Launch(head["embed"], MAIN)]
@@ -276,7 +280,7 @@ def build(
         micro_batches=[mb.as_meta() for mb in split.micro_batches],
         strategy=strategy.name,
         delta_stages=delta,
-        tbo_threshold=cfg.tbo_threshold,
+        tbo_threshold=cfg.of(Knobs).tbo_threshold,
         deep_gemm_sms=deep_gemm_sms(gpu) if strategy.limit_deep_gemm else None,
         cuda_graph=cfg.use_cuda_graph(w.batch.mode),
         **split.as_meta(),

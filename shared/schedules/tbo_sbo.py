@@ -23,21 +23,25 @@ module, whereas SGLang's design describes the two as composed. This module follo
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.ir.program import GpuInstr, Op, Program
 from overlap_lab.shared.schedules import sbo, tbo
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.tbo_split import tbo_split
 
 UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
 SUMMARY = (
     "SGLang TBO + SBO: micro-batches interleaved by TBO, each one's MoE combine overlapped by SBO"
 )
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``): TBO's and SBO's.
-KNOBS = tuple(dict.fromkeys(tbo.KNOBS + sbo.KNOBS))
+
+
+@dataclass(frozen=True)
+class Knobs(tbo.Knobs, sbo.Knobs):
+    """TBO's knobs and SBO's, as each declares them."""
+
 
 SCHEDULE = "tbo+sbo"
 

@@ -18,8 +18,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Workload
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.common import ScheduleKnobs
+from overlap_lab.shared.schedules.config import ScheduleConfig
+
+
+@dataclass(frozen=True)
+class SplitKnobs(ScheduleKnobs):
+    """The knobs of TBO's split (tbo's and tbo+sbo's ``Knobs`` hold them)."""
+
+    tbo_threshold: float = knob(
+        0.48, "SGLang tbo_token_distribution_threshold", unit="fraction", lo=0.01, hi=0.5
+    )
+    dp_ranks_disagree: bool = knob(False, "some DP rank cannot split (or runs another mode)")
 
 
 def balanced_sum_split(arr: Sequence[int]) -> int:
@@ -117,7 +129,8 @@ def tbo_split(w: Workload, cfg: ScheduleConfig, deepep_mode: str) -> TboSplit:
     b = w.batch
     if b.mode == "prefill" and deepep_mode == "low_latency":
         return TboSplit(None, "extend with low-latency DeepEP: TBO is not supported (SGLang)")
-    split = children(b, cfg.tbo_threshold, w.parallel.attn_tp)
+    k = cfg.of(SplitKnobs)
+    split = children(b, k.tbo_threshold, w.parallel.attn_tp)
     a, c = split.micro_batches
     if a.tokens == 0 or c.tokens == 0:
         which = "first" if a.tokens == 0 else "second"
@@ -125,7 +138,7 @@ def tbo_split(w: Workload, cfg: ScheduleConfig, deepep_mode: str) -> TboSplit:
         return TboSplit(
             None, reason, split.two_chunk, split.split_seq_index, split.split_token_index
         )
-    if cfg.dp_ranks_disagree:
+    if k.dp_ranks_disagree:
         return TboSplit(
             None,
             "DP ranks disagree (a rank cannot split or runs another forward mode): nobody splits",

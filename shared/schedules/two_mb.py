@@ -27,7 +27,7 @@ from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import program
 from overlap_lab.shared.ir.ops import head_ops, layer_ops, parts
 from overlap_lab.shared.ir.program import Instr, Launch, Op, Program, Record, Sync, Wait
-from overlap_lab.shared.schedules.common import ScheduleConfig
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
 
 MAIN = "main"

@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
+from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
 from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts
@@ -65,23 +66,40 @@ from overlap_lab.shared.ir.program import (
     WaitStream,
 )
 from overlap_lab.shared.ir.validate import issue_order
-from overlap_lab.shared.schedules.common import ScheduleConfig, resolve_comm_sms
+from overlap_lab.shared.schedules.common import (
+    MAX_TOKENS,
+    ScheduleKnobs,
+    comm_sms_knob,
+    resolve_comm_sms,
+)
+from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 
 UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
 SUMMARY = "vLLM DBO: two ubatch threads ping-pong at dbo_yield; each runs the other's recv hooks"
-#: The ScheduleConfig knobs this schedule reads (``schedules.knobs_of``).
-KNOBS = (
-    "comm_sms",
-    "dbo_decode_token_threshold",
-    "dbo_prefill_token_threshold",
-    "dp_peer_tokens",
-    "deepep_mode",
-    "cuda_graph",
-    "host",
-)
-
 VLLM_DBO_COMM_SMS = 20  # vllm/envs.py: VLLM_DBO_COMM_SMS default "20"
+
+
+@dataclass(frozen=True)
+class Knobs(ScheduleKnobs):
+    """vLLM DBO's own knobs (``ScheduleConfig.of``)."""
+
+    comm_sms: int | None = comm_sms_knob(
+        "prefill: VLLM_DBO_COMM_SMS, the SMs DeepEP's kernels keep while DeepGEMM takes the "
+        f"rest, capped at DeepEP's 20 (None: {VLLM_DBO_COMM_SMS}; 0: SM control off)",
+        least=0,
+    )
+    dbo_decode_token_threshold: int = knob(
+        32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
+    dbo_prefill_token_threshold: int = knob(
+        512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
+    dp_peer_tokens: tuple[int, ...] = knob(
+        (), "other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
+    )
+
+
 DEEPEP_HT_NUM_SMS = 20  # vLLM DeepEPHTAll2AllManager.num_sms ("This is the DeepEP default")
 THREADS = ("ubatch0", "ubatch1")
 DEEPGEMM_CLASSES = ("gemm", "grouped_gemm")  # what deep_gemm.set_num_sms limits
@@ -103,9 +121,10 @@ class Decision:
 
 def check_ubatch_thresholds(cfg: ScheduleConfig, num_tokens: int, uniform_decode: bool) -> bool:
     """ubatch_utils.check_ubatch_thresholds: ``>=`` the decode or the prefill threshold."""
+    k = cfg.of(Knobs)
     if uniform_decode:
-        return num_tokens >= cfg.dbo_decode_token_threshold
-    return num_tokens >= cfg.dbo_prefill_token_threshold
+        return num_tokens >= k.dbo_decode_token_threshold
+    return num_tokens >= k.dbo_prefill_token_threshold
 
 
 def is_last_ubatch_empty(
@@ -118,14 +137,14 @@ def is_last_ubatch_empty(
 def dp_tokens(w: Workload, cfg: ScheduleConfig) -> tuple[int, ...]:
     """Tokens of every DP rank, this rank first (peers as this one unless given)."""
     dp = w.parallel.ep // w.parallel.attn_tp
-    own = w.batch.num_tokens
-    if not cfg.dp_peer_tokens:
+    own, peers = w.batch.num_tokens, cfg.of(Knobs).dp_peer_tokens
+    if not peers:
         return (own,) * dp
-    if len(cfg.dp_peer_tokens) != dp - 1:
+    if len(peers) != dp - 1:
         raise ConfigError(
-            f"--dp-peer-tokens gives {len(cfg.dp_peer_tokens)} ranks; DP size {dp} has {dp - 1} peers"
+            f"--dp-peer-tokens gives {len(peers)} ranks; DP size {dp} has {dp - 1} peers"
         )
-    return (own, *cfg.dp_peer_tokens)
+    return (own, *peers)
 
 
 def decide(w: Workload, cfg: ScheduleConfig) -> Decision:
@@ -139,7 +158,7 @@ def decide(w: Workload, cfg: ScheduleConfig) -> Decision:
     reason = None
     if not ubatch:
         thr = "dbo_decode_token_threshold" if uniform_decode else "dbo_prefill_token_threshold"
-        limit = getattr(cfg, thr)
+        limit = getattr(cfg.of(Knobs), thr)
         r = wants.index(False)
         who = "this rank" if r == 0 else f"DP rank {r}"
         reason = f"{who} has {tokens[r]} tokens < {thr} {limit}: no DP rank micro-batches"
@@ -205,7 +224,8 @@ class _Dbo:
         self.ctxs = [_Ctx(i, self.rank.thread(THREADS[i])) for i in range(2)]
         self.comm_sms = 0
         if mode == "normal":
-            want = resolve_comm_sms(cfg, gpu, default=VLLM_DBO_COMM_SMS, least=0)
+            own = cfg.of(Knobs).comm_sms
+            want = resolve_comm_sms(own, gpu, default=VLLM_DBO_COMM_SMS, least=0)
             self.comm_sms = min(want, DEEPEP_HT_NUM_SMS)  # min(comm_sms, max_sms_used())
 
     # -- SM control (SMControlContextManager): comm kernels hold comm_sms, DeepGEMM the rest ----
@@ -373,8 +393,8 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         schedule="vllm-dbo",
         deepep_mode=mode,
         cuda_graph=graph,
-        dbo_decode_token_threshold=cfg.dbo_decode_token_threshold,
-        dbo_prefill_token_threshold=cfg.dbo_prefill_token_threshold,
+        dbo_decode_token_threshold=cfg.of(Knobs).dbo_decode_token_threshold,
+        dbo_prefill_token_threshold=cfg.of(Knobs).dbo_prefill_token_threshold,
         dp_tokens=list(dp_tokens(w, cfg)),
     )
     if not d.ubatch:  # the runner's normal path: one thread, one stream
@@ -427,3 +447,18 @@ def _as_graph_replay(rank: RankBuilder, w, gpu, cfg, padded: int, step: int) -> 
     t.instrs.append(Graph("dbo_forward", tuple(body)))
     _finish(t, w, gpu, cfg, padded, step)
     return out
+
+
+def cpu_check_config(cfg: ScheduleConfig) -> ScheduleConfig:
+    """``cfg`` with the split thresholds lowered to 1 where they are at their defaults, for the
+    CPU check (``real.check``): its workloads have 4 to 32 tokens, all under the defaults (32
+    decode, 512 prefill tokens), so vllm-dbo would take its unsplit path on every one of them
+    and its check would compare serial with itself. Thresholds the caller set are kept (its
+    unsplit runs are then reported)."""
+    given = cfg.own
+    lowered = {
+        f: 1
+        for f in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold")
+        if f not in given or given[f] == getattr(Knobs(), f)
+    }
+    return replace(cfg, **lowered)
