@@ -23,6 +23,7 @@ from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Work
 from overlap_lab.shared.ir.builder import RankBuilder, program  # noqa: E402
 from overlap_lab.shared.ir.ops import head_ops, layer_ops  # noqa: E402
 from overlap_lab.shared.ir.program import Coll, Op, ops_of  # noqa: E402
+from overlap_lab.shared.ir.validate import ProgramError  # noqa: E402
 
 GPU = get_gpu("h100")
 
@@ -155,8 +156,8 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
     prog = program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()])
     out = execute(prog, w, weights=weights).outputs
     assert compare_steps(out[1], _serial_ref(w, weights)) == 0.0
-    t0.instrs.pop()  # no send: rank 1 waits forever
-    with pytest.raises(RuntimeError, match="deadlock"):
+    t0.instrs.pop()  # no send: rank 1 would wait forever; the validator refuses it first
+    with pytest.raises(ProgramError, match=r"(?s)without its issue half.*recv .*<-- ERROR HERE"):
         execute(
             program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()]),
             w,
@@ -164,7 +165,7 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
         )
 
 
-def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, monkeypatch):
+def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights):
     """pp=3: hidden + residual cross two stage boundaries, the last stage's ids reach rank 0 and
     are relayed on to rank 1 one iteration later; a wrong hand-over shows up against serial."""
     w = workloads[2]
@@ -180,16 +181,17 @@ def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, mon
         torch.equal(m["next_ids"][1], relayed[0]["next_ids"][1]) for m in relayed
     )
 
-    send = K.REGISTRY["pp_send_hidden"]
+    send = K.bind("pp_send_hidden")
 
     def halve_hidden(ctx):
         send(ctx)
         key = ctx.op.coll.key
         ctx.world.box[key][-1][1]["hidden"] = ctx.world.box[key][-1][1]["hidden"] * 0.5
 
-    monkeypatch.setitem(K.REGISTRY, "pp_send_hidden", halve_hidden)
-    bad = execute(prog, w3, weights=weights).outputs
-    assert compare_steps(bad[2], ref) > 1e-2
+    halving = K.KernelFamily("halving", "a wrong hand-over", {"pp_send_hidden": halve_hidden})
+    bad = execute(prog, w3, weights=weights, kernels=[halving])
+    assert compare_steps(bad.outputs[2], ref) > 1e-2
+    assert bad.trace.meta["kernel_families"]["halving"] == 1
 
 
 def test_sglang_overlap_with_logprobs_runs_and_matches_serial():

@@ -186,7 +186,7 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
     from overlap_lab.real.executor import execute
 
     monkeypatch.setattr(
-        K, "sm_budget", lambda ctx, device=None: _RecordingBudget(ctx.op.sms, device)
+        K.KernelCtx, "sm_budget", lambda ctx, device=None: _RecordingBudget(ctx.op.sms, device)
     )
     w = _w()
     for name in S.available():
