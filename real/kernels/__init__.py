@@ -15,45 +15,41 @@ plug-in of the entry-point group ``overlap_lab.kernel_families``, the built-ins 
 | ``placeholders`` | ``placeholders.py`` | no-ops and ops folded into another |
 
 ``registry.py`` resolves op name -> kernel for a run (``bindings``: some families preferred by
-name); ``context.py`` holds what a kernel sees (``KernelCtx``, ``StepState``, ``BatchLayout``).
+name) and imports without torch; ``context.py`` holds what a kernel sees (``KernelCtx``,
+``StepState``, ``BatchLayout``).
 ``bind(name)`` raises KeyError naming the op when nothing is bound, and ``unbound(names)`` lists
 the gaps (tests check every schedule).
 """
 
-from overlap_lab.real.kernels.context import (
-    ROW_KEYS,
-    BatchLayout,
-    KernelCtx,
-    StepState,
-    WouldBlock,
-    new_step_state,
-)
-from overlap_lab.real.kernels.registry import (
-    FAMILIES,
-    GROUP,
-    Bindings,
-    Kernel,
-    KernelFamily,
-    bind,
-    bindings,
-    split_piece,
-    unbound,
-)
+from __future__ import annotations
 
-__all__ = [
-    "FAMILIES",
-    "GROUP",
-    "ROW_KEYS",
-    "BatchLayout",
-    "Bindings",
-    "Kernel",
-    "KernelCtx",
-    "KernelFamily",
-    "StepState",
-    "WouldBlock",
-    "bind",
-    "bindings",
-    "new_step_state",
-    "split_piece",
-    "unbound",
-]
+import importlib
+from typing import Any
+
+#: Public name -> the module that holds it. Loaded when first used, so that the registry (and
+#: the command line's list of family names) imports without torch; the kernels need it.
+_EXPORTS = {
+    **dict.fromkeys(
+        ("ROW_KEYS", "BatchLayout", "KernelCtx", "StepState", "WouldBlock", "new_step_state"),
+        "overlap_lab.real.kernels.context",
+    ),
+    **dict.fromkeys(
+        ("FAMILIES", "GROUP", "Bindings", "Kernel", "KernelFamily", "Table", "bind", "bindings",
+         "split_piece", "unbound"),
+        "overlap_lab.real.kernels.registry",
+    ),
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
