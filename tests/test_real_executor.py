@@ -203,3 +203,48 @@ def test_sglang_overlap_with_logprobs_runs_and_matches_serial():
         ["sglang-overlap"], default_workloads()[:1], cfg=ScheduleConfig(return_logprob=True)
     )
     assert not r.errors and r.ok, r.errors
+
+
+def test_an_invalid_program_is_the_validators_error_and_nothing_runs(weights):
+    """The executor validates every Program with shared.ir.validate, as the simulator does: a
+    wait on an event nobody records is refused naming the instruction (before any kernel runs:
+    an op that would fail if it ran does not), and with the GPU it was built for, an SM demand
+    above that GPU's SMs too."""
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+
+    def ran(ctx):
+        raise AssertionError("a kernel ran")
+
+    boom = K.KernelFamily("boom", "fails if run", {"noop": ran})
+    r = RankBuilder(0, ("main", "alt"))
+    r.thread("main").launch(Op("noop"), "main").wait("main", "never").launch(Op("noop"), "main")
+    with pytest.raises(ProgramError, match=r"(?s)event 'never' is never recorded.*ERROR HERE"):
+        execute(program([r], world=1), w, weights=weights, kernels=[boom])
+    r = RankBuilder(0, ("main",))
+    r.thread("main").launch(Op("noop", sms=GPU.num_sms + 1), "main")
+    execute(program([r], world=1), w, weights=weights)  # no GPU named: no SM rule
+    with pytest.raises(ProgramError, match=f"asks for {GPU.num_sms + 1} SMs but the GPU has"):
+        execute(program([r], world=1), w, weights=weights, gpu=GPU)
+
+
+def test_ranks_run_in_the_shared_issue_order(weights):
+    """Three host threads of unequal length that yield at different places: the executor runs
+    the ops in shared.ir.issue's order (the simulator's), not an order of its own."""
+    from overlap_lab.shared.ir.issue import issue_order
+
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+    r = RankBuilder(0, ("main",))
+    a, b, c = r.thread("a"), r.thread("b"), r.thread("c")
+    for k in range(4):
+        a.launch(Op("noop", mb=10 + k), "main")
+        if k % 2:
+            a.yield_()
+    b.launch(Op("noop", mb=20), "main").yield_().yield_()
+    b.launch(Op("noop", mb=21), "main")
+    for k in range(3):
+        c.launch(Op("noop", mb=30 + k), "main").yield_()
+    prog = program([r], world=1)
+    want = [it.instr.op.mb for it in issue_order(prog.ranks[0]) if hasattr(it.instr, "op")]
+    res = execute(prog, w, weights=weights)
+    got = [s.mb for s in sorted(res.trace.spans, key=lambda s: s.start) if s.op == "noop"]
+    assert got == want and sorted(got) != got  # interleaved, as the issue order says
