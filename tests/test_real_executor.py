@@ -1,5 +1,6 @@
-"""real/executor.py on the CPU: every schedule computes serial's numbers, every op is bound,
-races the GPU would have are caught, host threads hand over at yields, padding is inert."""
+"""The executor (real/executor.py, real/runner.py) on the CPU: every schedule computes serial's
+numbers, every op is bound, races the GPU would have are caught, host threads hand over at yields
+in the shared issue order, padding is inert, and an invalid Program is the validator's error."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""LightLLM's expert kernels (real/moe_ep.py, the experts.* ops of real/kernels.py) each do their
+"""LightLLM's expert kernels (real/moe_ep.py, the experts.* ops of real/kernels/moe.py) each do their
 own part, and together compute what the unsplit experts op computes."""
 
 import pytest

@@ -1,13 +1,16 @@
 """The real executor's two plug-in kinds, registered as any package registers them (entry points,
 here monkeypatched as in tests/test_plugins.py): EP communication backends
 (``overlap_lab.comm_backends``) and kernel families (``overlap_lab.kernel_families``), each
-picked by name on the command line."""
+picked by name on the command line. The backend and the attention family are
+docs/architecture.md's worked examples, as written."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +22,6 @@ from overlap_lab.real import comm  # noqa: E402
 from overlap_lab.real import kernels as K  # noqa: E402
 from overlap_lab.real import model as M  # noqa: E402
 from overlap_lab.real.check import compare_steps, default_workloads  # noqa: E402
-from overlap_lab.real.comm.loopback import LoopbackBackend  # noqa: E402
 from overlap_lab.real.executor import execute  # noqa: E402
 from overlap_lab.real.kernels import registry as R  # noqa: E402
 from overlap_lab.shared import schedules as S  # noqa: E402
@@ -70,21 +72,18 @@ def plugins(monkeypatch):
     return Plugins(monkeypatch)
 
 
-class CountingBackend(LoopbackBackend):
-    """A backend of another package: the loopback, counting its exchanges. It takes the keywords
-    every backend gets (``measure.comm_backend``) and runs in one process."""
+def _doc_example(group: str) -> dict:
+    """The names the example of docs/architecture.md's plug-in section for ``group`` defines,
+    as written (the block that names the group)."""
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Plug-ins: one way for every kind", 1)[1].split("\n## ", 1)[0]
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if group in b]
+    names: dict = {}
+    exec(compile(code, "docs/architecture.md", "exec"), names)
+    return names
 
-    name = "counting"
 
-    def __init__(self, **kw):
-        kw.setdefault("rank", 0)
-        kw.setdefault("world", 1)
-        super().__init__(**kw)
-        self.exchanges = 0
-
-    def _exchange_start(self, chunks, kind):
-        self.exchanges += 1
-        return super()._exchange_start(chunks, kind)
+CountingBackend = _doc_example(comm.GROUP)["CountingBackend"]
 
 
 def test_a_backend_plugin_is_built_by_name_and_computes_serials_numbers(plugins):
@@ -137,23 +136,13 @@ def test_the_command_line_takes_a_registered_backend_and_names_the_choices(plugi
     assert err.count("\n") == 1 and "counting" in err and "'nope'" in err
 
 
-def _traced(calls: list):
-    attend = K.bind("attn.core")
-
-    def traced(ctx):
-        calls.append(ctx.op.layer)
-        attend(ctx)
-
-    return traced
-
-
 def test_a_kernel_family_plugin_is_preferred_by_name_and_never_silently(plugins, capsys):
     """A family that rebinds attn.core: named with --kernels, its kernel runs (and the check
     still proves the schedule equals serial); not named, the op two families bind is refused in
     one line naming both; an unknown name is refused before anything runs."""
-    calls: list = []
-    fam = K.KernelFamily("traced-attention", "attn.core, traced", {"attn.core": _traced(calls)})
-    plugins.add(R.GROUP, "traced-attention", "_ol_fake_kernels:FAMILY", FAMILY=fam)
+    doc = _doc_example(R.GROUP)
+    calls = doc["TIMES"]
+    plugins.add(R.GROUP, "traced-attention", "_ol_fake_kernels:FAMILY", FAMILY=doc["FAMILY"])
     assert measure.kernel_families()[-1] == "traced-attention"
     argv = ["run", "--device", "cpu", "--check", "--schedule", "tbo", "--model", "tiny-mla"]
     assert main([*argv, "--kernels", "traced-attention"]) == 0

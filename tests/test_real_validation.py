@@ -1,4 +1,4 @@
-"""The predicted-vs-measured loop (experiments/gpu_validation.py) on the CPU,
+"""The predicted-vs-measured loop (experiments/gpu_validation/) on the CPU,
 and the executor's run bookkeeping it relies on: counters reset per run, every SM limit of a
 Program enforced or reported, per-op spans kept apart from graph-replay step times, the same
 experts kernels in every schedule."""
