@@ -188,8 +188,8 @@ def execute(
     the GPU it was built for, for the rules on SMs; a Program that fails is a ProgramError
     and nothing runs). ``kernels``: kernel families (registered names, or ``KernelFamily``
     objects) whose kernels bind their ops ahead of the other registered families (none by
-    default: every registered family binds its ops). ``ranks``: which of the Program's ranks this process
-    runs (default: all it holds). On the CPU hazards are checked by default; a violation raises
+    default: every registered family binds its ops). ``ranks``: which of the Program's ranks
+    this process runs (default: all it holds). On the CPU hazards are checked by default; a violation raises
     HazardError listing them. On a GPU, ``warmup`` unrecorded runs, then ``repeats`` timed runs;
     the Trace is the repeat with the median step time (all step times in its meta). On a GPU
     with ``cuda_graphs``, each Graph runs op by op on its first run, is captured on its second

@@ -55,7 +55,8 @@ def plan_graph(graph: Graph, before: list[Op] = (), others: list[Op] = ()) -> Gr
     """The capture plan of ``graph``. ``before``: ops launched before it by its own host thread
     in its step; ``others``: ops of its step launched by other threads. The graph is captured
     once and replayed, so the tensors it reads must be the same objects every run: kernels with
-    no tensors (real.kernels.placeholders.NOOP_OPS) may precede it, anything else makes it run eagerly."""
+    no tensors (``real.kernels.placeholders.NOOP_OPS``) may precede it, anything else makes it
+    run eagerly."""
     streams: list[str] = []
     recorded: set[str] = set()
     skip: list[int] = []
