@@ -169,16 +169,28 @@ def _table(chosen, rest, part: str) -> Table:
     return Table(kernels, source, clashes)
 
 
+#: (the registry, its bindings with no family preferred): rebuilt when FAMILIES is replaced
+_DEFAULT: list = [None, None]
+
+
+def _default() -> Bindings:
+    """The bindings of every registered family, none preferred (made once per registry: kernel
+    notes ask for an op's base name at every launch)."""
+    if _DEFAULT[0] is not FAMILIES:
+        _DEFAULT[:] = [FAMILIES, bindings()]
+    return _DEFAULT[1]
+
+
 def split_piece(name: str) -> tuple[str, int | None]:
     """:meth:`Bindings.split_piece` of every registered family."""
-    return bindings().split_piece(name)
+    return _default().split_piece(name)
 
 
 def bind(name: str) -> Kernel:
     """:meth:`Bindings.bind` of every registered family (none preferred)."""
-    return bindings().bind(name)
+    return _default().bind(name)
 
 
 def unbound(names: Iterable[str]) -> list[str]:
     """:meth:`Bindings.unbound` of every registered family (none preferred)."""
-    return bindings().unbound(names)
+    return _default().unbound(names)
