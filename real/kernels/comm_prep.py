@@ -1,5 +1,6 @@
-"""SGLang's ``LayerCommunicator`` steps around a layer's two halves: the norms and residual adds
-(``comm_prepare_attn``, ``comm_prepare_mlp``, ``comm_postprocess_layer``: shared/ir/ops.py)."""
+"""The steps SGLang's ``LayerCommunicator`` (python/sglang/srt/layers/communicator.py) runs
+around a layer's two halves; here their norms and residual adds (``comm_prepare_attn``,
+``comm_prepare_mlp``, ``comm_postprocess_layer``: shared/ir/ops.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Device-to-host copies of what a step sampled (SGLang's ``copy_done`` path)."""
+"""Device-to-host copies of what a step sampled: the next token ids and, with
+``--return-logprob``, their log-probabilities (non-blocking; the Program orders the host's read
+after them with an event)."""
 
 from __future__ import annotations
 
