@@ -114,6 +114,7 @@ def measure_on_gpu(
                 repeats=repeats,
                 host_spin=False,  # the real Python overhead is the host time: not counted twice
                 cuda_graphs=False,
+                gpu=gpu,
             ).trace
 
         out.append((device_timed(run)[0] if device_time else run(), c.program))

@@ -40,13 +40,15 @@ def check_on_cpu(
     seed: int,
     tolerance: float | None,
     cfg: ScheduleConfig | None,
+    kernels: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Each schedule of ``names`` against serial on the CPU (``ranks`` > 1: through that many
     gloo processes, against one process), on the tiny ``model``'s own workloads. The report:
     device, model, tolerance, backend, the differences (``max_rel_diff_vs_serial``, or
     ``max_rel_diff_vs_one_process`` with ``ranks``), errors, skipped schedules, ``unsplit`` (the
     schedules that ran one micro-batch on some workload, so checked less than a split) and
-    ``ok``."""
+    ``ok``. ``kernels``: kernel families whose kernels bind their ops first
+    (:func:`kernel_families`), on both sides of every comparison."""
     from overlap_lab.real.check import (
         DEFAULT_TOLERANCE,
         check_equivalence,
@@ -65,7 +67,7 @@ def check_on_cpu(
         cases, skipped = split_cases([(n, w) for n in names for w in workloads], gpu=gpu, cfg=cfg)
         errors: dict[str, str] = {}
         try:
-            res = run_gloo(cases, world=ranks, seed=seed, gpu=gpu, cfg=cfg)
+            res = run_gloo(cases, world=ranks, seed=seed, gpu=gpu, cfg=cfg, kernels=kernels)
         except (RuntimeError, ValueError) as e:  # a rank failed: reported, not a traceback
             res, errors["gloo"] = [], str(e)
         diffs: dict[str, float] = {}
@@ -81,7 +83,9 @@ def check_on_cpu(
         )
         ok = not errors and all(v <= tol for v in diffs.values())
     else:
-        cr = check_equivalence(names, workloads, gpu=gpu, seed=seed, tolerance=tol, cfg=cfg)
+        cr = check_equivalence(
+            names, workloads, gpu=gpu, seed=seed, tolerance=tol, cfg=cfg, kernels=kernels
+        )
         out.update(
             backend="local",
             max_rel_diff_vs_serial=cr.max_rel_diff_vs_serial,
@@ -94,9 +98,28 @@ def check_on_cpu(
     return out
 
 
+def comm_backends() -> list[str]:
+    """The names ``comm_backend`` takes: every registered communication backend (the entry-point
+    group ``overlap_lab.comm_backends``: local, torch, emulated, deepep and any a package adds),
+    then ``auto``. Read without loading any backend (no torch)."""
+    from overlap_lab.real.comm import BACKENDS
+
+    return [*BACKENDS.names(), "auto"]
+
+
+def kernel_families() -> list[str]:
+    """Every registered kernel family (the entry-point group ``overlap_lab.kernel_families``),
+    by name, in listing order; read without loading any (no torch)."""
+    from overlap_lab.real.kernels.registry import FAMILIES
+
+    return FAMILIES.names()
+
+
 def comm_backend(name: str, w: Workload, gpu: GPU):
-    """The communication backend ``name`` (emulated, torch, deepep, local or auto) for ``w`` on
-    ``gpu``; auto: DeepEP (or torch) when launched by torchrun over several GPUs, else emulated."""
+    """The communication backend ``name`` (one of :func:`comm_backends`) for ``w`` on ``gpu``;
+    auto: DeepEP (or torch) when launched by torchrun over several GPUs, else emulated. Every
+    backend gets num_experts, hidden, link and num_sms; local and emulated rank 0 of the
+    workload's EP size, emulated the device's SMs, deepep its buffer size."""
     import torch
 
     from overlap_lab.real.comm import make_backend
@@ -142,11 +165,13 @@ def run_on_gpu(
     repeats: int,
     out_dir: str | Path,
     command: Sequence[str] | None = None,
+    kernels: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
-    """Run each schedule of ``names`` on ``w`` on the CUDA device; write its measured trace
-    (Chrome JSON, with :func:`run_provenance`'s record of ``command`` in ``otherData``) and
-    timeline under ``out_dir``; the summary of each (the keys of `sim`, plus backend and
-    device), by schedule."""
+    """Run each schedule of ``names`` on ``w`` on the CUDA device (its Program validated for
+    ``gpu`` first; ``kernels``: kernel families whose kernels bind their ops first); write its
+    measured trace (Chrome JSON, with :func:`run_provenance`'s record of ``command`` in
+    ``otherData``) and timeline under ``out_dir``; the summary of each (the keys of `sim`, plus
+    backend and device), by schedule."""
     import torch
 
     from overlap_lab.real.check import workload_variants
@@ -177,6 +202,8 @@ def run_on_gpu(
             warmup=warmup,
             repeats=repeats,
             host_spin=False,  # the real Python launch overhead IS the host time: not twice
+            gpu=g,
+            kernels=kernels,
             meta=dict(
                 schedule=name,
                 model=w.model.label,
@@ -193,7 +220,7 @@ def run_on_gpu(
         tr = res.trace
         prov = run_provenance(
             name, wv, g, cfg, backend=backend, seed=seed, warmup=warmup, repeats=repeats,
-            command=command,
+            command=command, kernels=kernels,
         )  # fmt: skip
         tr.to_chrome(out_dir / f"{name}.trace.json", provenance=prov)
         try:
@@ -247,11 +274,13 @@ def run_provenance(
     warmup: int,
     repeats: int,
     command: Sequence[str] | None,
+    kernels: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The provenance record of one measured run (``shared.outputs.trace.provenance``): the command line
     and the inputs as run (the workload after ``workload_variants``, the GPU preset, every knob,
-    the backend asked for, seed, warmup and repeats), with the keys of `sim`'s record where they
-    mean the same, so that a measured trace and its prediction can be matched input by input.
+    the backend asked for, seed, warmup, repeats, the kernel families preferred), with the keys
+    of `sim`'s record where they mean the same, so that a measured trace and its prediction can
+    be matched input by input.
     What the machine turned out to be (device, driver, library versions) is measured, not an
     input: the trace's meta holds it."""
     from overlap_lab.shared.outputs.trace import provenance
@@ -263,6 +292,7 @@ def run_provenance(
         "seed": seed,
         "warmup": warmup,
         "repeats": repeats,
+        "kernels": list(kernels),
     }
     return provenance(command, inputs)
 

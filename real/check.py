@@ -18,6 +18,7 @@ Each schedule runs with the configuration its module asks the check for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -166,11 +167,14 @@ def check_equivalence(
     cfg=None,
     seed: int = 0,
     tolerance: float = DEFAULT_TOLERANCE,
+    kernels: Sequence = (),
 ) -> CheckResult:
-    """Run each schedule on each workload on the CPU and compare with serial.
+    """Run each schedule on each workload on the CPU and compare with serial (both with the
+    kernel families ``kernels`` preferred: ``real.executor.execute``).
 
     A schedule that refuses a workload with ConfigError is skipped for it (reported in
-    ``skipped``); a hazard (an unordered read) or a kernel error is an error for that schedule.
+    ``skipped``); a Program the validator refuses, a hazard (an unordered read) or a kernel
+    error is an error for that schedule.
     ``cfg`` goes through :func:`split_config` (the tiny workloads must reach each schedule's
     split path); the runs that still fell back to one micro-batch are reported in ``unsplit``.
     """
@@ -183,7 +187,7 @@ def check_equivalence(
     cfg = split_config(cfg, names)
     res = CheckResult(tolerance=tolerance, unsplit=unsplit_runs(names, workloads, gpu=gpu, cfg=cfg))
     with one_thread():
-        _check(names, workloads, g, cfg, seed, res)
+        _check(names, workloads, g, cfg, seed, res, kernels)
     return res
 
 
@@ -198,9 +202,10 @@ class one_thread:
         torch.set_num_threads(self.n)
 
 
-def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
+def _check(names, workloads, g, cfg, seed, res: CheckResult, kernels: Sequence = ()) -> None:
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.errors import ConfigError
+    from overlap_lab.shared.ir.validate import ProgramError
 
     weights_cache: dict = {}
     for w in workloads:
@@ -209,7 +214,8 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
             weights_cache[key] = M.init_weights(M.from_model_config(w.model), seed=seed)
         weights = weights_cache[key]
         ref_prog = S.build(S.BASELINE, w, g, cfg)
-        ref = execute(ref_prog, w, weights=weights, seed=seed).outputs[0][0]
+        ref = execute(ref_prog, w, weights=weights, seed=seed, gpu=g, kernels=kernels)
+        ref = ref.outputs[0][0]
         for name in names:
             variants = workload_variants(name, w)
             if not variants:
@@ -223,11 +229,11 @@ def _check(names, workloads, g, cfg, seed, res: CheckResult) -> None:
                     res.skipped.setdefault(name, str(e))
                     continue
                 try:
-                    out = execute(prog, wv, weights=weights, seed=seed)
+                    out = execute(prog, wv, weights=weights, seed=seed, gpu=g, kernels=kernels)
                     d = max(compare_steps(states, ref) for states in out.outputs.values())
                     if (prog.meta.pp_size or 1) > 1:
                         check_pp_outputs(out.outputs)
-                except (HazardError, KeyError, RuntimeError, AssertionError) as e:
+                except (ProgramError, HazardError, KeyError, RuntimeError, AssertionError) as e:
                     res.errors[name] = f"{type(e).__name__}: {e}"
                     continue
                 prev = res.max_rel_diff_vs_serial.get(name, 0.0)

@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -39,8 +40,10 @@ def run_rank(
     cfg=None,
     seed: int = 0,
     device: str = "cpu",
+    kernels: Sequence[str] = (),
 ) -> dict:
-    """This rank's EP run and its one-process reference; torch.distributed must be initialised."""
+    """This rank's EP run and its one-process reference (both with the kernel families
+    ``kernels`` preferred); torch.distributed must be initialised."""
     import torch.distributed as dist
 
     from overlap_lab.real import model as M
@@ -51,7 +54,8 @@ def run_rank(
     from overlap_lab.shared import schedules as S
     from overlap_lab.shared.inputs.hardware import get_gpu
 
-    prog = S.build(schedule, workload, get_gpu(gpu), cfg)
+    g = get_gpu(gpu)
+    prog = S.build(schedule, workload, g, cfg)
     rc = M.from_model_config(workload.model)
     dev = torch.device(device)
     ep = M.init_weights(rc, seed=seed, device=dev, ep_rank=rank, ep_size=world)
@@ -64,12 +68,15 @@ def run_rank(
         seed=seed + 1000 * rank,
         device=device,
         check_hazards=True,
+        gpu=g,
+        kernels=kernels,
     )
     full = M.init_weights(rc, seed=seed, device=dev)
     local = LoopbackBackend(rank=0, world=1, num_experts=rc.num_experts, hidden=rc.hidden)
     ref = execute(
-        prog, workload, weights=full, backend=local, seed=seed + 1000 * rank, device=device
-    )
+        prog, workload, weights=full, backend=local, seed=seed + 1000 * rank, device=device,
+        gpu=g, kernels=kernels,
+    )  # fmt: skip
     d = compare_steps(out.outputs[0], ref.outputs[0][0])
     dist.barrier()
     return {"rank": rank, "max_rel_diff": d, "traffic": be.traffic.by_kind}

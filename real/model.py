@@ -3,7 +3,7 @@ with top-k and DeepSeek-V3's group-limited routing, routed experts as grouped GE
 expert, RMSNorm and residuals; dense MLP layers for the first ``first_k_dense`` layers.
 
 The model is a bag of seeded weights plus pure functions on tensors, so that the kernels bound to
-op names (real/kernels.py) can run any slice of a layer on any micro-batch. Weights are generated
+op names (real/kernels/) can run any slice of a layer on any micro-batch. Weights are generated
 per tensor (and per expert) from the seed and the tensor's name, so an EP rank holding experts
 [r*E/R, (r+1)*E/R) holds exactly the slices a one-process model holds: that is what makes the
 gloo EP test comparable with one process.

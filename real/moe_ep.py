@@ -1,5 +1,5 @@
 """The data-movement kernels of LightLLM's ``grouped_fused_moe_ep`` (lightllm/common/fused_moe/),
-as batched torch: the expert GEMMs between them are the caller's (real/kernels.py).
+as batched torch: the expert GEMMs between them are the caller's (real/kernels/moe.py).
 
 Prefill (DeepEP normal layout, received rows in token order):
 ``ep_scatter`` copies each (row, top-k slot) with a local expert into expert-contiguous rows

@@ -49,7 +49,7 @@ def test_the_emulated_link_model_is_the_simulators():
 def test_comm_only_program_emulated_arrival_equals_simulated_link_time(mode, ep, gpn):
     """(a) of the communication-only case: per collective, the delay the emulated backend
     computes (what its kernels hold until) equals the simulator's link span, to 1e-9."""
-    from overlap_lab.experiments.gpu_validation import comm_program
+    from overlap_lab.experiments.gpu_validation import comm_kernels, comm_program
     from overlap_lab.real.comm import make_backend
     from overlap_lab.real.comm.bytes import LinkParams
     from overlap_lab.real.executor import execute
@@ -73,7 +73,7 @@ def test_comm_only_program_emulated_arrival_equals_simulated_link_time(mode, ep,
                       hidden=w.model.hidden, link=LinkParams.from_gpu(g),
                       device_sms=132)  # fmt: skip
     be.plan_links(prog)
-    execute(prog, w, backend=be, warmup=1, repeats=1)
+    execute(prog, w, backend=be, warmup=1, repeats=1, gpu=g, kernels=[comm_kernels()])
     runs = be.launches[-len(sends) :]  # the last run's transfers
     assert [r["kind"].split("_")[1] for r in runs] == [s.what for s in sends]
     assert all(r["bytes_from"] == "program" for r in runs)

@@ -1,5 +1,6 @@
-"""real/executor.py on the CPU: every schedule computes serial's numbers, every op is bound,
-races the GPU would have are caught, host threads hand over at yields, padding is inert."""
+"""The executor (real/executor.py, real/runner.py) on the CPU: every schedule computes serial's
+numbers, every op is bound, races the GPU would have are caught, host threads hand over at yields
+in the shared issue order, padding is inert, and an invalid Program is the validator's error."""
 
 import dataclasses
 
@@ -23,6 +24,7 @@ from overlap_lab.shared.inputs.workload import Batch, MicroBatch, Parallel, Work
 from overlap_lab.shared.ir.builder import RankBuilder, program  # noqa: E402
 from overlap_lab.shared.ir.ops import head_ops, layer_ops  # noqa: E402
 from overlap_lab.shared.ir.program import Coll, Op, ops_of  # noqa: E402
+from overlap_lab.shared.ir.validate import ProgramError  # noqa: E402
 
 GPU = get_gpu("h100")
 
@@ -155,8 +157,8 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
     prog = program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()])
     out = execute(prog, w, weights=weights).outputs
     assert compare_steps(out[1], _serial_ref(w, weights)) == 0.0
-    t0.instrs.pop()  # no send: rank 1 waits forever
-    with pytest.raises(RuntimeError, match="deadlock"):
+    t0.instrs.pop()  # no send: rank 1 would wait forever; the validator refuses it first
+    with pytest.raises(ProgramError, match=r"(?s)without its issue half.*recv .*<-- ERROR HERE"):
         execute(
             program([r0, r1], world=2, symmetric=False, micro_batches=[mb.as_meta()]),
             w,
@@ -164,7 +166,7 @@ def test_in_process_ranks_meet_at_point_to_point(weights):
         )
 
 
-def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, monkeypatch):
+def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights):
     """pp=3: hidden + residual cross two stage boundaries, the last stage's ids reach rank 0 and
     are relayed on to rank 1 one iteration later; a wrong hand-over shows up against serial."""
     w = workloads[2]
@@ -180,16 +182,17 @@ def test_pp_stages_hand_hidden_on_and_ids_back_to_rank_0(workloads, weights, mon
         torch.equal(m["next_ids"][1], relayed[0]["next_ids"][1]) for m in relayed
     )
 
-    send = K.REGISTRY["pp_send_hidden"]
+    send = K.bind("pp_send_hidden")
 
     def halve_hidden(ctx):
         send(ctx)
         key = ctx.op.coll.key
         ctx.world.box[key][-1][1]["hidden"] = ctx.world.box[key][-1][1]["hidden"] * 0.5
 
-    monkeypatch.setitem(K.REGISTRY, "pp_send_hidden", halve_hidden)
-    bad = execute(prog, w3, weights=weights).outputs
-    assert compare_steps(bad[2], ref) > 1e-2
+    halving = K.KernelFamily("halving", "a wrong hand-over", {"pp_send_hidden": halve_hidden})
+    bad = execute(prog, w3, weights=weights, kernels=[halving])
+    assert compare_steps(bad.outputs[2], ref) > 1e-2
+    assert bad.trace.meta["kernel_families"]["halving"] == 1
 
 
 def test_sglang_overlap_with_logprobs_runs_and_matches_serial():
@@ -201,3 +204,48 @@ def test_sglang_overlap_with_logprobs_runs_and_matches_serial():
         ["sglang-overlap"], default_workloads()[:1], cfg=ScheduleConfig(return_logprob=True)
     )
     assert not r.errors and r.ok, r.errors
+
+
+def test_an_invalid_program_is_the_validators_error_and_nothing_runs(weights):
+    """The executor validates every Program with shared.ir.validate, as the simulator does: a
+    wait on an event nobody records is refused naming the instruction (before any kernel runs:
+    an op that would fail if it ran does not), and with the GPU it was built for, an SM demand
+    above that GPU's SMs too."""
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+
+    def ran(ctx):
+        raise AssertionError("a kernel ran")
+
+    boom = K.KernelFamily("boom", "fails if run", {"noop": ran})
+    r = RankBuilder(0, ("main", "alt"))
+    r.thread("main").launch(Op("noop"), "main").wait("main", "never").launch(Op("noop"), "main")
+    with pytest.raises(ProgramError, match=r"(?s)event 'never' is never recorded.*ERROR HERE"):
+        execute(program([r], world=1), w, weights=weights, kernels=[boom])
+    r = RankBuilder(0, ("main",))
+    r.thread("main").launch(Op("noop", sms=GPU.num_sms + 1), "main")
+    execute(program([r], world=1), w, weights=weights)  # no GPU named: no SM rule
+    with pytest.raises(ProgramError, match=f"asks for {GPU.num_sms + 1} SMs but the GPU has"):
+        execute(program([r], world=1), w, weights=weights, gpu=GPU)
+
+
+def test_ranks_run_in_the_shared_issue_order(weights):
+    """Three host threads of unequal length that yield at different places: the executor runs
+    the ops in shared.ir.issue's order (the simulator's), not an order of its own."""
+    from overlap_lab.shared.ir.issue import issue_order
+
+    w = Workload(M.get_model_config("tiny-mla"), Batch.decode(kv_lens=[4, 6]), Parallel(ep=2))
+    r = RankBuilder(0, ("main",))
+    a, b, c = r.thread("a"), r.thread("b"), r.thread("c")
+    for k in range(4):
+        a.launch(Op("noop", mb=10 + k), "main")
+        if k % 2:
+            a.yield_()
+    b.launch(Op("noop", mb=20), "main").yield_().yield_()
+    b.launch(Op("noop", mb=21), "main")
+    for k in range(3):
+        c.launch(Op("noop", mb=30 + k), "main").yield_()
+    prog = program([r], world=1)
+    want = [it.instr.op.mb for it in issue_order(prog.ranks[0]) if hasattr(it.instr, "op")]
+    res = execute(prog, w, weights=weights)
+    got = [s.mb for s in sorted(res.trace.spans, key=lambda s: s.start) if s.op == "noop"]
+    assert got == want and sorted(got) != got  # interleaved, as the issue order says

@@ -1,8 +1,8 @@
 """FlashMLA decode attention (real/model.py ``mla_attend_flash``, the attn.core selection in
-real/kernels.py) on the CPU: a fake ``flash_mla`` asserts FlashMLA's preconditions (paged cache
-of 64-row blocks, 576-wide q and cache rows, int32 block table and lengths, head_dim_v 512, the
-metadata it returned) and computes with them; its output equals the SDPA path's; a run says
-which attention kernel ran and why."""
+real/kernels/attention.py) on the CPU: a fake ``flash_mla`` asserts FlashMLA's preconditions
+(paged cache of 64-row blocks, 576-wide q and cache rows, int32 block table and lengths,
+head_dim_v 512, the metadata it returned) and computes with them; its output equals the SDPA
+path's; a run says which attention kernel ran and why."""
 
 import math
 import types

@@ -220,10 +220,10 @@ def test_deep_gemm_fp8_matches_bf16_when_installed():
 
 def test_flash_mla_matches_sdpa_when_installed():
     """FlashMLA's decode kernel (where flash_mla imports) against the batched SDPA path."""
-    from overlap_lab.real import kernels as K
     from overlap_lab.real import model as M
+    from overlap_lab.real.kernels.attention import flash_mla_module
 
-    fm = K.flash_mla_module()
+    fm = flash_mla_module()
     cfg = M.RealModelConfig(
         name="mla-512", num_layers=1, first_k_dense=1, hidden=64, vocab=16, num_heads=16,
         q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

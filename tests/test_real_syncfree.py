@@ -107,7 +107,7 @@ def test_mirror_layout_keeps_arrival_order_and_bytes():
     assert be.last_bytes.remote == 4 * message_bytes("ll_dispatch", 4)
 
 
-def test_moe_kernels_of_every_schedule_read_nothing_back_in_low_latency_mode(monkeypatch):
+def test_moe_kernels_of_every_schedule_read_nothing_back_in_low_latency_mode():
     """dispatch_a .. combine_b of each schedule on a decode batch, under HostReads."""
     hr = HostReads()
     moe = ("dispatch_a", "dispatch_b", "experts", "experts.gate_up", "combine_a", "combine_b")
@@ -121,10 +121,13 @@ def test_moe_kernels_of_every_schedule_read_nothing_back_in_low_latency_mode(mon
 
         return run
 
-    for n in moe:
-        monkeypatch.setitem(K.REGISTRY, n, watched(K.REGISTRY[n]))
-    for n in ("experts.down", "combine_a"):
-        monkeypatch.setitem(K.PIECES, n, watched(K.PIECES[n]))
+    b = K.bindings()
+    watching = K.KernelFamily(
+        "watched",
+        "the MoE kernels under HostReads",
+        {n: watched(b.ops.kernels[n]) for n in moe},
+        {n: watched(b.pieces.kernels[n]) for n in ("experts.down", "combine_a")},
+    )
     w = default_workloads()[0]
     assert w.batch.mode == "decode"
     ran = []
@@ -133,7 +136,7 @@ def test_moe_kernels_of_every_schedule_read_nothing_back_in_low_latency_mode(mon
             prog = S.build(name, w, GPU)
         except Exception:  # a schedule may refuse a workload
             continue
-        execute(prog, w)
+        execute(prog, w, kernels=[watching])
         ran.append(name)
     assert {"serial", "sbo", "tbo"} <= set(ran)
     assert hr.calls == [], sorted(set(hr.calls))

@@ -1,4 +1,4 @@
-"""The predicted-vs-measured loop (experiments/gpu_validation.py) on the CPU,
+"""The predicted-vs-measured loop (experiments/gpu_validation/) on the CPU,
 and the executor's run bookkeeping it relies on: counters reset per run, every SM limit of a
 Program enforced or reported, per-op spans kept apart from graph-replay step times, the same
 experts kernels in every schedule."""
@@ -186,7 +186,7 @@ def test_every_decode_schedule_runs_the_same_masked_experts_kernel(monkeypatch):
     from overlap_lab.real.executor import execute
 
     monkeypatch.setattr(
-        K, "sm_budget", lambda ctx, device=None: _RecordingBudget(ctx.op.sms, device)
+        K.KernelCtx, "sm_budget", lambda ctx, device=None: _RecordingBudget(ctx.op.sms, device)
     )
     w = _w()
     for name in S.available():

@@ -56,6 +56,7 @@ def test_every_workload_option_is_either_honoured_or_refused():
         "model",
         "gpu",
         "gpu_file",
+        "kernels",  # the kernel families preferred: both sides of every comparison run them
     }
     # schedule knobs reach the check through cfg, hardware overrides through the GPU
     from dataclasses import fields

@@ -401,10 +401,22 @@ def tiny_cpu_model(args) -> bool:
 
 
 def _check_run(args) -> None:
-    args.backend, args.device = str(args.backend).lower(), str(args.device).lower()
-    backends = ("auto", "emulated", "torch", "deepep")
+    from overlap_lab.measure import comm_backends, kernel_families
+
+    args.device = str(args.device).lower()
+    backends = comm_backends()  # registered plug-ins too (real.comm)
+    b = str(args.backend)
+    args.backend = b.lower() if b not in backends and b.lower() in backends else b
     if args.backend not in backends:
         raise ConfigError(f"--backend must be one of {', '.join(backends)}, got {args.backend!r}")
+    if isinstance(args.kernels, str):
+        args.kernels = tuple(k for k in args.kernels.split(",") if k)
+    families = kernel_families()
+    unknown = [k for k in args.kernels if k not in families]
+    if unknown:
+        raise ConfigError(
+            f"--kernels: unknown kernel family {unknown[0]!r}; choose from {', '.join(families)}"
+        )
     devices = ("auto", "cuda", "cpu")
     if args.device not in devices:
         raise ConfigError(f"--device must be one of {', '.join(devices)}, got {args.device!r}")

@@ -431,7 +431,20 @@ def add_sim_options(s: argparse.ArgumentParser) -> None:
 def add_run_options(s: argparse.ArgumentParser) -> None:
     """The options of ``run``: the real executor's."""
     s.add_argument("--schedule", default=None, help="a schedule, or all (default) with --check")
-    s.add_argument("--backend", default="auto", help="emulated, torch, deepep or auto")
+    from overlap_lab.measure import comm_backends, kernel_families
+
+    s.add_argument(
+        "--backend",
+        default="auto",
+        help=f"communication backend: {', '.join(comm_backends())} (a package may register more)",
+    )
+    s.add_argument(
+        "--kernels",
+        default="",
+        metavar="FAMILIES",
+        help="kernel families whose kernels bind their ops first, comma-separated (registered: "
+        f"{', '.join(kernel_families())}; default: none first, every family binds its own ops)",
+    )
     s.add_argument("--device", default="auto", help="cuda, cpu or auto")
     s.add_argument("--check", action="store_true", help="CPU: equivalence with serial")
     s.add_argument("--ranks", type=positive_int, default=1, help="CPU: gloo processes")

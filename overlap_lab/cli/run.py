@@ -4,7 +4,8 @@
 :func:`run_main` turns the parsed options (any object with attributes; missing ones take the
 defaults below) into the arguments of :mod:`overlap_lab.measure` and prints what comes back:
 schedule, model, gpu, mode, batch, workload (the GPU run's, built by :func:`cmd_run` like `sim`'s),
-prefix_len, ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance.
+prefix_len, ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance,
+kernels (the kernel families preferred: ``real.kernels``).
 
 - GPU: run the schedule, write the measured trace (Chrome JSON, its ``otherData.provenance``
   the command line and the inputs: ``measure.run_provenance``) and a timeline figure under
@@ -52,6 +53,7 @@ DEFAULTS = dict(
     seed=0,
     tolerance=None,
     cfg=None,
+    kernels=(),
 )
 
 NO_GPU = (
@@ -112,6 +114,7 @@ def _run_cpu(args) -> int:
         seed=_opt(args, "seed"),
         tolerance=_opt(args, "tolerance"),
         cfg=_opt(args, "cfg"),
+        kernels=tuple(_opt(args, "kernels")),
     )
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
@@ -148,6 +151,7 @@ def _check_provenance(args, names: list[str], model: str, tolerance: float) -> d
         "seed": _opt(args, "seed"),
         "tolerance": tolerance,
         "knobs": (cfg if cfg is not None else ScheduleConfig()).as_dict(),
+        "kernels": list(_opt(args, "kernels")),
     }
     return provenance(getattr(args, "command_line", None), inputs)
 
@@ -171,6 +175,7 @@ def _run_gpu(args) -> int:
         repeats=_opt(args, "repeats"),
         out_dir=_opt(args, "out"),
         command=getattr(args, "command_line", None),
+        kernels=tuple(_opt(args, "kernels")),
     )
     if _opt(args, "json"):
         print(

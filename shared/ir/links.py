@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from overlap_lab.shared.ir.issue import issue_order
 from overlap_lab.shared.ir.program import Graph, Launch, Op, Program, Role
-from overlap_lab.shared.ir.validate import issue_order
 
 LINK_KINDS: tuple[str, ...] = ("nvlink", "rdma")
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_right
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from itertools import chain
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.ir.issue import Issued, issue_order
 from overlap_lab.shared.ir.program import (
     DEFAULT_PRIORITY,
     DTYPES,
@@ -40,7 +40,6 @@ from overlap_lab.shared.ir.program import (
     Sync,
     Wait,
     WaitStream,
-    Yield,
     _instr_text,
 )
 from overlap_lab.shared.ir.program_meta import ProgramMeta
@@ -85,46 +84,6 @@ def check_build_budget(program: Program, max_instructions: int | None = None) ->
             f"the Program has {n} instructions, more than its build budget of {budget}; "
             "simulate less (fewer layers, a smaller batch or fewer explicit ranks)"
         )
-
-
-@dataclass(frozen=True)
-class Issued:
-    """One instruction in issue order: where it comes from and what it is."""
-
-    rank: int
-    thread: str
-    index: int  # position in the thread's instruction list
-    instr: Instr
-
-
-def issue_order(rp: RankProgram) -> list[Issued]:
-    """The rank's host instructions in the order they are issued.
-
-    One host thread runs at a time; ``Yield`` hands control to the next thread that has
-    instructions left (round robin); a finished thread hands over too.
-    """
-    pos = [0] * len(rp.threads)
-    out: list[Issued] = []
-    live = [i for i, th in enumerate(rp.threads) if th.instrs]
-    cur = 0
-    while live:
-        ti = live[cur % len(live)]
-        th = rp.threads[ti]
-        yielded = False
-        while pos[ti] < len(th.instrs):
-            ins = th.instrs[pos[ti]]
-            out.append(Issued(rp.rank, th.name, pos[ti], ins))
-            pos[ti] += 1
-            if isinstance(ins, Yield):
-                yielded = True
-                break
-        if pos[ti] >= len(th.instrs):
-            live.remove(ti)
-            if live:
-                cur = cur % len(live)
-        elif yielded:
-            cur = (live.index(ti) + 1) % len(live)
-    return out
 
 
 def _where(it: Issued, rp: RankProgram, why: str, part: int | None = None) -> str:

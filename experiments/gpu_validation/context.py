@@ -1,0 +1,118 @@
+"""What every case of the loop shares (device, GPU preset, model, weights, options) and how it
+measures a Program: the executor with the emulated backend, timed by device time for a
+calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from overlap_lab.experiments.gpu_validation.comm_only import comm_kernels
+
+
+class Context:
+    """What every case shares: device, GPU preset, model, weights, options."""
+
+    def __init__(self, opts, env: dict | None = None):
+        import torch
+
+        from overlap_lab.real import model as M
+        from overlap_lab.shared.inputs.hardware import get_gpu
+
+        self.opts = opts
+        self.env = env or {}
+        self.device = opts.device
+        self.gpu = get_gpu(opts.gpu)
+        mc = M.get_model_config_layers(opts.model, opts.layers)
+        # Precision, the same on both sides: the model's GEMM dtype where the executor can run
+        # it (FP8 through DeepGEMM, probed once so a JIT failure makes the whole loop BF16),
+        # else BF16 on both sides; dispatch is counted and timed as FP8 + scales on both sides
+        # (the emulated backend's link model, the simulator's ops).
+        gp = loop_precision(mc.gemm_dtype, self.device)
+        self.precision = {
+            "gemm": {"model": mc.gemm_dtype, "executor_and_simulator": gp.used,
+                     "reason": gp.reason},
+            "gemm_scope": "FP8 where an op's dtype is the model's GEMM dtype and its GEMMs run "
+            "through the SM budget (routed and shared experts, dense MLP); attention "
+            "projections (attn.prepare, o_proj) run BF16 (their measured durations are the "
+            "profile's)",
+            "dispatch": "fp8 bytes on both sides (emulated link timing; data moved in "
+            + ("bf16" if self.device == "cuda" else "fp32 on the CPU")
+            + ")",
+            "attention": mc.attn_dtype,
+        }  # fmt: skip
+        self.mc = dataclasses.replace(mc, gemm_dtype=gp.used)
+        self.cfg = M.from_model_config(self.mc)
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.weights = M.init_weights(
+            self.cfg, seed=opts.seed, dtype=dtype, device=self.device, ep_rank=0, ep_size=opts.ep
+        )
+        if self.device == "cuda":
+            self.device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        else:
+            self.device_sms = self.gpu.num_sms
+
+    def workload(self, mode: str, size: int, *, half: bool = False):
+        """Decode: ``size`` sequences. Prefill: two sequences of half the tokens each (TBO
+        splits them evenly); ``half``: one of those sequences alone (what a micro-batch of it
+        runs: attention cost depends on the sequence, not only on the token count)."""
+        from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
+
+        if mode == "decode":
+            b = Batch.decode(size, kv_len=self.opts.kv_len)
+        elif half:
+            b = Batch.prefill(extend_lens=[size])
+        else:
+            b = Batch.prefill(extend_lens=[size - size // 2, size // 2])
+        return Workload(self.mc, b, Parallel(ep=self.opts.ep))
+
+    def backend(self):
+        from overlap_lab.real.comm import make_backend
+        from overlap_lab.real.comm.bytes import LinkParams
+
+        be = make_backend(
+            "emulated", rank=0, world=self.opts.ep, num_experts=self.cfg.num_experts,
+            hidden=self.cfg.hidden, link=LinkParams.from_gpu(self.gpu),
+            num_sms=self.gpu.deepep_normal_sms, device_sms=self.device_sms,
+        )  # fmt: skip
+        be.dispatch_fp8 = True  # the simulator models DeepEP's FP8 dispatch
+        return be
+
+    def measure(self, program, w, *, device_time: bool = False, warmup: int | None = None,
+                repeats: int | None = None):  # fmt: skip
+        """The executor's run of ``program`` (its trace). ``device_time`` (calibration): on a
+        GPU under torch.profiler, each op's spans scaled to its kernels' device time
+        (``overlap_lab.calibrate.device_timed``), so no launch gap enters a profile row; on the
+        CPU there are no kernel records and the spans stay host wall-clock (meta says which)."""
+        from overlap_lab.real.executor import execute
+
+        def run():
+            be = self.backend()
+            if self.opts.link_bytes == "program":  # the simulator's bytes, its link model
+                be.plan_links(program)
+            return execute(
+                program, w, weights=self.weights, backend=be, device=self.device,
+                seed=self.opts.seed, check_hazards=False,
+                warmup=self.opts.warmup if warmup is None else warmup,
+                repeats=self.opts.repeats if repeats is None else repeats, cuda_graphs=True,
+                gpu=self.gpu, kernels=[comm_kernels()],
+            ).trace  # fmt: skip
+
+        if device_time and self.device == "cuda":
+            from overlap_lab.calibrate import device_timed
+
+            return device_timed(run)[0]
+        tr = run()
+        if device_time:
+            tr.meta["device_time"] = None  # no kernel records: the spans are the durations
+        return tr
+
+
+def loop_precision(model_dtype: str, device: str):
+    """The GEMM dtype both sides use: the model's where the executor can run it here
+    (real.fp8.resolve, then one probe call per FP8 entry point), else BF16 with the reason."""
+    from overlap_lab.real import fp8
+    from overlap_lab.real.gemm import deep_gemm_module
+
+    cuda = device == "cuda"
+    mod = deep_gemm_module() if cuda else None
+    return fp8.probe(fp8.resolve(model_dtype, cuda=cuda, module=mod), mod, device)
