@@ -49,6 +49,7 @@ from typing import Any
 
 from overlap_lab.cli import inputs
 from overlap_lab.metrics import compute_kernel_us
+from overlap_lab.outdir import check_out_dir
 from overlap_lab.runner import Backend, Local, in_order
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import get_gpu
@@ -514,7 +515,7 @@ def _main(ap, args, argv, prog, default) -> int:
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = [*prog.split(), *(argv if argv is not None else sys.argv[1:])]
     commit = git_commit()  # once: the files this command writes must not make the next "dirty"
-    inputs.check_out_dir(args.out)  # before any experiment runs
+    check_out_dir(args.out)  # before any experiment runs
     for name in names:
         try:
             if args.draw:

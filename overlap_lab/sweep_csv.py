@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -125,11 +124,10 @@ def open_rows(path: Path, columns: Sequence[str]) -> tuple[TextIO, list[dict[str
 def write_provenance(out: Path, command: Sequence[str] | None, inputs: Mapping[str, Any]) -> Path:
     """``<out>.provenance.json``: the tool's version, ``command`` (as typed; None from Python)
     and the sweep's full ``inputs``; the same sweep writes the same bytes."""
+    from overlap_lab.provenance import write_beside
     from overlap_lab.shared.outputs.trace import provenance
 
-    path = out.with_name(out.name + ".provenance.json")
-    path.write_text(json.dumps(provenance(command, inputs), indent=1, sort_keys=True) + "\n")
-    return path
+    return write_beside(out, provenance(command, inputs))
 
 
 def to_parquet(csv_path: str | Path, out: str | Path) -> Path:

@@ -166,3 +166,17 @@ def figure(measured: Trace, predicted: Trace, path: str | Path, extra: dict | No
     traces = {"measured": measured, "predicted": predicted, **(extra or {})}
     compare_timelines(traces, path)
     return Path(path)
+
+
+def load_measured(
+    path: str | Path, mapping_path: str | None = None, program: Program | None = None
+) -> Trace:
+    """A measured trace (ours, or torch.profiler's); with a kernel mapping (``--map``) its
+    kernels are labelled with ``program``'s ops (a foreign trace's)."""
+    from overlap_lab.shared.ir.program import first_rank_ops
+    from overlap_lab.shared.outputs.analyze import label_ops, load_mapping
+
+    trace = Trace.from_chrome(path)
+    if mapping_path is not None and program is not None:
+        trace = label_ops(trace, load_mapping(mapping_path), first_rank_ops(program))
+    return trace

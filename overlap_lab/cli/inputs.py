@@ -4,9 +4,9 @@
 ``LIMITS`` a checking argparse type (finite, in range) and states the range in its ``-h`` text;
 ``check_args(args)`` then checks what one option alone cannot: options meaningful only for one
 mode or schedule, names (case-insensitive, like ``--model`` and ``--gpu``), routing files, the
-memory of the run (model weights plus KV cache against the GPU's ``mem_gib``; the simulator's own
-footprint against this machine's memory), and the output folder (``check_out_dir``), so that bad
-input fails in one line before any simulation starts. Every failure is a ConfigError whose
+memory of the run (:mod:`overlap_lab.memory`) and the output folder
+(:func:`overlap_lab.outdir.check_out_dir`), so that bad input fails in one line before any
+simulation starts. Every failure is a ConfigError whose
 message says what is allowed.
 """
 
@@ -17,7 +17,6 @@ import functools
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,6 +265,8 @@ def _check_args(args) -> None:
         return
     _check_ranks(args)
     if getattr(args, "out", None):
+        from overlap_lab.outdir import check_out_dir
+
         check_out_dir(args.out, mine_only=not getattr(args, "force", False))
 
 
@@ -506,147 +507,17 @@ def add_force_option(s: argparse.ArgumentParser) -> None:
     )
 
 
-def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> None:
-    """An output folder that exists as a writable folder or can be made under one, never a
-    filesystem root. With ``mine_only`` (sim, compare, analyze, validate without --force) it must
-    also be new, empty or hold only what the tool wrote (:mod:`overlap_lab.outdir`), and it is
-    marked as the tool's now, before anything runs. Without it (the experiments' results folder,
-    which keeps other runs' files that ``--draw`` reads; a folder written into with --force) the
-    folder is written into as it is and left unmarked."""
-    from overlap_lab import outdir
-
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a folder")
-    if outdir.is_root(p):
-        raise ConfigError(f"--out {out}: a filesystem root; give a folder for the outputs")
-    if mine_only and p.is_dir():
-        try:
-            foreign = outdir.foreign_files(p)
-        except OSError as e:
-            raise ConfigError(f"--out {out}: cannot list it ({e.strerror})") from None
-        if foreign:
-            raise ConfigError(
-                f"--out {out}: holds files overlap-lab did not write ({foreign[0]}, ...); "
-                "give a new or empty folder, or --force to write there anyway"
-            )
-    probe = p
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"--out {out}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: folder {probe} is not writable")
-    try:  # make it and write into it now: what os.access cannot tell (/proc, read-only mounts)
-        p.mkdir(parents=True, exist_ok=True)
-        if mine_only:
-            outdir.mark(p)
-        else:
-            with tempfile.TemporaryFile(dir=p):
-                pass
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
-
-
 # ---- memory --------------------------------------------------------------------------------------
-
-GIB = 1 << 30
-
-
-def _bytes_per(dtype: str) -> int:
-    return 1 if dtype == "fp8" else 2
-
-
-def gpu_memory_bytes(w) -> tuple[float, float]:
-    """(weights, KV cache) bytes one GPU holds: its pipeline stage's layers, its share of the
-    experts and attention heads, the embedding and LM head; the KV cache of its sequences."""
-    m, par, b = w.model, w.parallel, w.batch
-    layers = math.ceil(m.num_layers / par.pp)
-    wb = _bytes_per(m.gemm_dtype)
-    if m.attention == "mla":
-        q = (
-            m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
-            if m.q_lora_rank
-            else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
-        )
-        kv = m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-        kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
-        attn = q + kv + m.num_heads * m.v_head_dim * m.hidden
-        kv_per_token = (m.kv_lora_rank + m.qk_rope_dim) * _bytes_per(m.attn_dtype)
-    else:
-        attn = m.hidden * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        attn += m.num_heads * m.head_dim * m.hidden
-        kv_heads = max(1, m.num_kv_heads // par.attn_tp)
-        kv_per_token = 2 * kv_heads * m.head_dim * _bytes_per(m.attn_dtype)
-    attn //= par.attn_tp
-    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
-    frac = layers / m.num_layers
-    n_moe, n_dense = sum(moe) * frac, (len(moe) - sum(moe)) * frac
-    expert = 3 * m.hidden * m.expert_inter
-    moe_layer = expert * (m.num_experts // par.ep + m.num_shared_experts) + m.hidden * m.num_experts
-    dense_layer = 3 * m.hidden * m.dense_inter
-    weights = wb * (layers * attn + n_moe * moe_layer + n_dense * dense_layer)
-    weights += 2 * 2 * m.vocab * m.hidden  # embedding and LM head, bf16
-    cached = sum(b.seq_cached(i) + b.seq_tokens(i) for i in range(b.num_seqs))
-    return float(weights), float(cached * kv_per_token * layers)
-
-
-def check_memory(w, gpu, allow: bool) -> None:
-    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``)."""
-    weights, kv = gpu_memory_bytes(w)
-    have = gpu.mem_gib * GIB
-    if weights + kv > have and not allow:
-        raise ConfigError(
-            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache "
-            f"{kv / GIB:.1f} GiB > {gpu.mem_gib:g} GiB ({gpu.name}, --mem-gib); use fewer or "
-            "shorter sequences, more --ep/--pp-size, or --allow-oversubscribe"
-        )
-
-
-def host_memory_bytes() -> float:
-    """This machine's physical memory."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return float("inf")
-
-
-def sim_memory_bytes(w, args) -> float:
-    """A rough upper estimate of the simulator's own memory for an explicit-rank run: the
-    routing draw of every MoE layer when sampled (tokens of all ranks × experts: the int64
-    ``argpartition`` result ``shared.inputs.routing`` keeps per layer, and one float32 score array at a
-    time) plus the explicit Program (about 1 KB per op, 32 ops
-    per layer and rank, and 128 B per flow of its four all-to-alls per layer; a DeepSeek-V3
-    decode step at EP 32 measures under 100 MB)."""
-    if getattr(args, "ranks", "symmetric") != "explicit":
-        return 0.0
-    m, par = w.model, w.parallel
-    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
-    tokens = w.batch.num_tokens * par.ep
-    sampled = str(getattr(args, "imbalance", "balanced")) != "balanced"
-    routing = (moe_layers * 8 + 4) * tokens * m.num_experts if sampled else 0
-    program = par.ep * m.num_layers * (32 * 1024 + 4 * par.ep * 128)
-    return float(routing + program)
-
-
-def check_sim_memory(w, args) -> None:
-    """Refuse an explicit-rank run whose estimated footprint exceeds 80 % of this machine."""
-    need, have = sim_memory_bytes(w, args), 0.8 * host_memory_bytes()
-    if need > have:
-        raise ConfigError(
-            f"the simulation would need about {need / GIB:.1f} GiB of memory, more than the "
-            f"{have / GIB:.1f} GiB it may use here (80 % of this machine); use fewer --layers, "
-            "tokens or --ep, or --ranks symmetric"
-        )
 
 
 def check_workload(w, gpu, args) -> None:
-    """The memory checks of a built workload (sim, compare, run)."""
-    check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
+    """The memory checks of a built workload (sim, compare, run): ``overlap_lab.memory``."""
+    from overlap_lab import memory
+
+    memory.check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
     if getattr(args, "command", None) in ("sim", "compare"):
-        check_sim_memory(w, args)
+        ranks = getattr(args, "ranks", "symmetric")
+        memory.check_sim_memory(w, ranks, getattr(args, "imbalance", "balanced"))
 
 
 # ---- output --------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from overlap_lab.cli import inputs
-from overlap_lab.cli.calibrate import cost_comments, register_calibration_commands
+from overlap_lab.cli.calibrate import register_calibration_commands
 from overlap_lab.cli.options import (
     Parser,
     add_profile_option,
@@ -39,16 +39,13 @@ from overlap_lab.cli.options import (
 )
 from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
-from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import SCHEDULES
 from overlap_lab.shared.schedules import build as build_schedule
 
 if TYPE_CHECKING:
-    from overlap_lab.shared.inputs.hardware import GPU
-    from overlap_lab.shared.inputs.workload import Workload
-    from overlap_lab.shared.schedules import ScheduleConfig
+    pass
 
 #: The schedules `compare` runs by default: all of them.
 DEFAULT_COMPARE = tuple(SCHEDULES)
@@ -144,40 +141,10 @@ def cmd_sim(args) -> int:
 
 
 def _provenance(args, result) -> dict:
-    """What a written trace and ``sim --json`` record of their run: the version, the command
-    line as typed and the full inputs as simulated (the model with its layers, the GPU with its
-    overrides, the batch and layout, every schedule knob, the ranks and the profile the durations
-    came from), so that a results file alone says how to reproduce it."""
-    from overlap_lab.shared.outputs.trace import provenance
-    from overlap_lab.sim.calibrate import profile_name
+    """What a written trace and ``sim --json`` record of their run (``provenance.run_record``)."""
+    from overlap_lab.provenance import run_record
 
-    inputs = {
-        "schedule": result.schedule,
-        **workload_inputs(result.workload, result.gpu, result.config),
-        "ranks": ranks_from(args),
-        "profile": profile_name(result.profile),
-    }
-    return provenance(getattr(args, "command_line", None), inputs)
-
-
-def _compare_provenance(
-    args: argparse.Namespace, names: list[str], w: Workload, gpu: GPU, cfg: ScheduleConfig
-) -> dict[str, Any]:
-    """``compare --json``'s record: the schedules compared and the one workload they share (the
-    trace files record each schedule's own run, as ``sim``'s does)."""
-    from overlap_lab.shared.outputs.trace import provenance
-    from overlap_lab.sim.calibrate import profile_name
-    from overlap_lab.sim.profile import profile_for
-
-    inputs = {
-        "schedules": names,
-        **workload_inputs(w, gpu, cfg),
-        "ranks": ranks_from(args),
-        "profile": profile_name(profile_for(args.profile, gpu)),
-        "pp_stages": args.pp_size,
-        "sensitivity": args.sensitivity,
-    }
-    return provenance(getattr(args, "command_line", None), inputs)
+    return run_record(getattr(args, "command_line", None), result, ranks_from(args))
 
 
 def _title(result) -> str:
@@ -205,6 +172,8 @@ def cmd_show(args) -> int:
     validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
+        from overlap_lab.calibrate import cost_comments
+
         sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
     return 0
 
@@ -269,8 +238,20 @@ def cmd_compare(args) -> int:
                     provenance=_provenance(args, row.result),
                 )
     if args.json:
+        from overlap_lab.provenance import compare_record
+
         sens = {} if table.sensitivity is None else {"sensitivity": table.sensitivity.as_dict()}
-        prov = _compare_provenance(args, names, w, gpu, cfg)
+        prov = compare_record(
+            getattr(args, "command_line", None),
+            names,
+            w,
+            gpu,
+            cfg,
+            ranks=ranks_from(args),
+            profile=args.profile,
+            pp_stages=args.pp_size,
+            sensitivity=args.sensitivity,
+        )
         print(inputs.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
         return 0
     print(table.text())
