@@ -61,6 +61,35 @@ def compare_record(
     return provenance(command, inputs)
 
 
+def check_record(
+    command: Command,
+    names: Sequence[str],
+    *,
+    model: str,
+    gpu: str,
+    ranks: int,
+    seed: int,
+    tolerance: float,
+    cfg: Any = None,
+) -> dict[str, Any]:
+    """The CPU check's (``run --device cpu --check --json``): the schedules, the tiny model it
+    ran, the GPU preset its costs assume, ranks, seed, tolerance and knobs as given; the
+    workloads are the check's own (``real.check.default_workloads``), fixed by the model."""
+    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+    inputs = {
+        "schedules": list(names),
+        "model": model,
+        "gpu": get_gpu(gpu),
+        "ranks": ranks,
+        "seed": seed,
+        "tolerance": tolerance,
+        "knobs": cfg if cfg is not None else ScheduleConfig(),
+    }
+    return provenance(command, inputs)
+
+
 def file_input(path: str | Path | None) -> dict[str, str] | None:
     """A file a command read: the path as typed and the SHA-256 of its bytes, so that the record
     names the trace (or mapping, or profile) itself and not only where it was; None for an

@@ -40,6 +40,7 @@ from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.ir.content import canonical
 from overlap_lab.shared.ir.program import Program
+from overlap_lab.simcase import SimCase, build
 
 #: what produced each row, from the case's own inputs (never copied from a duplicate's owner):
 #: the GPU's full name (overrides included, ``h800+hbm-gbps=2000``), the model and its layer
@@ -80,21 +81,6 @@ class Spec:
     cases: tuple[dict[str, Any], ...]
 
 
-@dataclass(frozen=True)
-class SimCase:
-    """One case's checked inputs: what :func:`overlap_lab.simulate` would take. ``config`` is
-    passed to the schedule as it is; ``profile`` is the resolved calibration profile (None: the
-    roofline alone)."""
-
-    schedule: str
-    workload: Workload
-    gpu: GPU
-    config: Any
-    ranks: Any  # overlap_lab.api.Ranks
-    profile: Any = None
-    max_events: int | None = None
-
-
 # ---------------------------------------------------------------------------------------------
 # One case
 
@@ -133,22 +119,6 @@ def sim_key(
     h = hashlib.sha256(program.content_key().encode())
     h.update(canonical((sorted(hw.items()), net_group_tol, profile, max_events, counted, how)))
     return h.hexdigest()[:24]
-
-
-def build(case: SimCase) -> tuple[Workload, Program, float]:
-    """The case's workload as simulated, its lowered Program and its network tolerance, as
-    ``overlap_lab.simulate`` makes them."""
-    from overlap_lab import api
-    from overlap_lab.shared.schedules import build as build_schedule
-
-    w = case.workload
-    if case.schedule == "pp" and w.parallel.pp == 1:  # as api.simulate: pp's default stages
-        w = dataclasses.replace(
-            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
-        )
-    program = build_schedule(case.schedule, w, case.gpu, case.config)
-    lowered = api.lower_ranks(program, w, case.gpu, case.ranks)
-    return w, lowered, 0.0 if lowered is program else api.NET_GROUP_TOL
 
 
 def simulate(case: SimCase, w: Workload, program: Program, tol: float):

@@ -168,6 +168,18 @@ def figure(measured: Trace, predicted: Trace, path: str | Path, extra: dict | No
     return Path(path)
 
 
+def what_if(schedule: str, trace: Trace, measured: Trace, predicted: Trace) -> dict[str, Any]:
+    """``validate --predict``'s answer: ``schedule``'s predicted step (``trace``, from the
+    measured trace's profile) and its speed-up over the measured step and over the prediction
+    of the schedule that ran."""
+    return {
+        "schedule": schedule,
+        "predicted_step_time_us": trace.step_time_us,
+        "speedup_vs_measured": measured.step_time_us / trace.step_time_us,
+        "speedup_vs_predicted": predicted.step_time_us / trace.step_time_us,
+    }
+
+
 def load_measured(
     path: str | Path, mapping_path: str | None = None, program: Program | None = None
 ) -> Trace:

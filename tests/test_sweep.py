@@ -14,7 +14,8 @@ from overlap_lab.cli.main import main
 from overlap_lab.cli.sweep import case_inputs, load_spec, run_sweep
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.ir.program import Graph
-from overlap_lab.sweep import METRICS, SCHEDULE_ONLY_GPU_FIELDS, build, sim_key
+from overlap_lab.simcase import build
+from overlap_lab.sweep import METRICS, SCHEDULE_ONLY_GPU_FIELDS, sim_key
 from overlap_lab.sweep_csv import cell, read_rows
 
 SPEC = {

@@ -7,7 +7,8 @@ import dataclasses
 
 from overlap_lab import runner
 from overlap_lab.cli.sweep import case_inputs
-from overlap_lab.sweep import SweepJob, build, sim_key
+from overlap_lab.simcase import build
+from overlap_lab.sweep import SweepJob, sim_key
 
 BASE = {"model": "deepseek-v3", "gpu": "h800", "mode": "decode", "layers": 3, "ep": 8}
 

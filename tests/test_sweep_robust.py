@@ -188,7 +188,7 @@ def test_spec_shapes_that_crashed_are_one_line_errors(tmp_path):
         load_spec({"grid": [1, 2]})
     bad = tmp_path / "spec.json"
     bad.write_text('{"grid": {"batch": [16, 3')
-    with pytest.raises(ConfigError, match="invalid JSON") as e:
+    with pytest.raises(ConfigError, match="not valid JSON") as e:
         load_spec(bad)
     assert "\n" not in str(e.value)
 

@@ -62,22 +62,9 @@ def _workload_inputs(args) -> dict[str, Any]:
     return {**workload_inputs(w, gpu, cfg), "ranks": ranks_from(args)}
 
 
-#: Kernel classes as the timeline's colour families read them (``figures.op_family``).
-FIGURE_LABELS = {
-    "deepep_normal": "DeepEP dispatch/combine",
-    "deepep_ll": "DeepEP LL dispatch/combine",
-    "nccl": "NCCL dispatch",
-    "deepgemm": "DeepGEMM experts",
-    "flashmla": "FlashMLA attention",
-    "flashinfer": "FlashInfer attention",
-}
-
-
 def cmd_analyze(args) -> int:
-    from dataclasses import replace
-
-    from overlap_lab.shared.outputs.analyze import analyze, classify_trace, load_mapping, to_text
-    from overlap_lab.shared.outputs.trace import Trace
+    from overlap_lab.report import write_analyzed
+    from overlap_lab.shared.outputs.analyze import analyze, load_mapping, to_text
     from overlap_lab.validate import load_measured
 
     mapping = load_mapping(args.map)
@@ -86,14 +73,8 @@ def cmd_analyze(args) -> int:
     res = a.to_json()
     out = _out_dir(args)
     if out is not None:
-        from overlap_lab.figures import save_timeline
-
         fig = out / f"analyze_timeline.{args.figure_format}"
-        shown = classify_trace(trace, mapping)
-        shown = Trace(
-            tuple(replace(s, op=FIGURE_LABELS.get(s.op, s.op)) for s in shown.spans), shown.meta
-        )
-        save_timeline(shown, fig, rank=a.rank, labels=False, title=f"{args.trace}, rank {a.rank}")
+        write_analyzed(trace, mapping, a.rank, fig, title=f"{args.trace}, rank {a.rank}")
         res["files"] = [str(fig)]
     if args.json:
         inputs = {"trace": file_input(args.trace), "map": file_input(args.map), "rank": a.rank}
@@ -106,11 +87,11 @@ def cmd_analyze(args) -> int:
 
 
 def _program_for(args, schedule: str):
-    from overlap_lab.api import lower_ranks
-    from overlap_lab.shared.schedules import build
+    from overlap_lab.simcase import SimCase, build
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, ranks_from(args)), w, gpu
+    w, program, _ = build(SimCase(schedule, w, gpu, cfg, ranks_from(args)))
+    return program, w, gpu
 
 
 def _sizes(text: str, mode: str) -> tuple[int, ...]:
@@ -199,12 +180,7 @@ def cmd_validate(args) -> int:
         other, _, _ = _program_for(args, args.predict)
         tr = V.predict(other, gpu, profile)
         extra[f"predicted {args.predict}"] = tr
-        res["what_if"] = {
-            "schedule": args.predict,
-            "predicted_step_time_us": tr.step_time_us,
-            "speedup_vs_measured": measured.step_time_us / tr.step_time_us,
-            "speedup_vs_predicted": predicted.step_time_us / tr.step_time_us,
-        }
+        res["what_if"] = V.what_if(args.predict, tr, measured, predicted)
     out = _out_dir(args)
     if out is not None:
         fig = V.figure(measured, predicted, out / f"validate.{args.figure_format}", extra)

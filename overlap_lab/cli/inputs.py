@@ -4,7 +4,7 @@
 ``LIMITS`` a checking argparse type (finite, in range) and states the range in its ``-h`` text;
 ``check_args(args)`` then checks what one option alone cannot: options meaningful only for one
 mode or schedule, names (case-insensitive, like ``--model`` and ``--gpu``), routing files, the
-memory of the run (:mod:`overlap_lab.memory`) and the output folder
+memory of the run (:mod:`overlap_lab.checks`) and the output folder
 (:func:`overlap_lab.outdir.check_out_dir`), so that bad input fails in one line before any
 simulation starts. Every failure is a ConfigError whose
 message says what is allowed.
@@ -16,13 +16,10 @@ import argparse
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
-from overlap_lab.shared.inputs.preset_files import read_capped
 from overlap_lab.shared.schedules import schedule_knobs
 
 # ---- per-option limits ---------------------------------------------------------------------------
@@ -351,16 +348,11 @@ def _longest_seq(args) -> int:
 
 
 def _check_hardware(args) -> None:
-    """Nominal link bandwidth overrides carry over to DeepEP's achievable one (same ratio)."""
+    """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
+    achievable rate in ``overlap_lab.api.gpu``)."""
     from overlap_lab.shared.inputs.hardware import get_gpu
 
     gpu = get_gpu(args.gpu)
-    for link in ("nvlink", "rdma"):
-        nominal, eff = getattr(args, f"{link}_gbps", None), f"{link}_eff_gbps"
-        if nominal is not None and getattr(args, eff, None) is None:
-            preset_eff = getattr(gpu, eff)
-            if preset_eff > 0:
-                setattr(args, eff, preset_eff * nominal / getattr(gpu, f"{link}_gbps"))
     num_sms = getattr(args, "num_sms", None) or gpu.num_sms
     for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
         v = getattr(args, dest, None)
@@ -368,46 +360,21 @@ def _check_hardware(args) -> None:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
-#: A value more than this many times the fastest built-in preset's is warned about.
-IMPLAUSIBLE = 2.0
 _WARNED: set[str] = set()
-
-
-@functools.cache
-def _fastest_presets() -> dict[str, tuple[float, str]]:
-    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
-    from overlap_lab.shared.inputs.hardware import GPUS
-
-    out = {}
-    for k in gpu_fields():
-        if k.scalar in (int, float):
-            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
-            if getattr(GPUS[name], k.name) > 0:
-                out[k.name] = (getattr(GPUS[name], k.name), name)
-    return out
 
 
 def warn_implausible(values: dict[str, float | None]) -> None:
     """One line on stderr for each hardware option given (``values``: GPU field -> the value
-    typed, None: not given) above ``IMPLAUSIBLE`` times the fastest built-in preset's value:
-    such a value is taken, but is most likely typed in another unit (``--rdma-gbps 400`` for a
-    400 Gb/s NIC, which is 50 GB/s). Each is said once per run (a sweep checks every case)."""
+    typed, None: not given) that looks typed in another unit (``checks.implausible``); each is
+    said once per run (a sweep checks every case)."""
     import sys
 
-    units = {k.name: k.unit for k in gpu_fields()}
-    for field, (top, name) in _fastest_presets().items():
-        v = values.get(field)
-        if v is None or v <= IMPLAUSIBLE * top:
-            continue
-        unit = units[field]
-        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
-        msg = (
-            f"overlap-lab: warning: {_flag(field)} {v:g} {unit} is over {IMPLAUSIBLE:g}x the "
-            f"fastest built-in GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
-        )
+    from overlap_lab.checks import implausible
+
+    for msg in implausible(values):
         if msg not in _WARNED:
             _WARNED.add(msg)
-            print(msg, file=sys.stderr)
+            print(f"overlap-lab: warning: {msg}", file=sys.stderr)
 
 
 #: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
@@ -459,6 +426,8 @@ def _check_ranks(args) -> None:
         )
     imb = parse_imbalance(args.imbalance)
     if imb.kind == "file":
+        from overlap_lab.checks import check_routing_file
+
         check_routing_file(imb.path, model.num_experts, model.top_k)
     if args.ranks == "explicit" and _schedules(args, args.command) == ["pp"]:
         raise ConfigError(
@@ -467,36 +436,6 @@ def _check_ranks(args) -> None:
 
 
 # ---- files ---------------------------------------------------------------------------------------
-
-#: Routing files larger than this are refused (a routing sample is a few MB).
-MAX_ROUTING_FILE_BYTES = 256 << 20
-MAX_EXPERT_COUNT = 1e15
-
-
-def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
-    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
-    from overlap_lab.shared.inputs.routing import read_sample
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"routing file {path}: is a directory")
-    if not p.is_file():
-        raise ConfigError(f"routing file {path}: no such file")
-    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
-    if "\x00" in text:
-        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
-    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
-        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
-    sample = read_sample(path, num_experts, top_k)
-    counts = getattr(sample, "counts", None)
-    if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):
-        raise ConfigError(
-            f"routing file {path}: expert counts must be finite numbers in 0..{MAX_EXPERT_COUNT:g}"
-        )
 
 
 def add_force_option(s: argparse.ArgumentParser) -> None:
@@ -507,43 +446,17 @@ def add_force_option(s: argparse.ArgumentParser) -> None:
     )
 
 
-# ---- memory --------------------------------------------------------------------------------------
-
-
 def check_workload(w, gpu, args) -> None:
-    """The memory checks of a built workload (sim, compare, run): ``overlap_lab.memory``."""
-    from overlap_lab import memory
+    """The memory checks of a built workload (sim, compare, run): ``overlap_lab.checks``."""
+    from overlap_lab import checks
 
-    memory.check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
+    checks.check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
     if getattr(args, "command", None) in ("sim", "compare"):
         ranks = getattr(args, "ranks", "symmetric")
-        memory.check_sim_memory(w, ranks, getattr(args, "imbalance", "balanced"))
+        checks.check_sim_memory(w, ranks, getattr(args, "imbalance", "balanced"))
 
 
 # ---- output --------------------------------------------------------------------------------------
-
-
-def to_json(obj) -> str:
-    """RFC 8259 JSON (no NaN or Infinity): a non-finite result is refused with its key."""
-    import json
-
-    try:
-        return json.dumps(obj, sort_keys=True, allow_nan=False)
-    except ValueError:
-        raise ConfigError(
-            f"the result holds a non-finite number ({', '.join(_non_finite(obj)) or '?'}); "
-            "check the hardware options"
-        ) from None
-
-
-def _non_finite(obj, path: str = "") -> list[str]:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return [path or "value"]
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _non_finite(v, f"{path}.{k}".lstrip("."))]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in _non_finite(v, f"{path}[{i}]")]
-    return []
 
 
 def closed_stdout() -> int:

@@ -15,11 +15,11 @@ code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from overlap_lab import report
 from overlap_lab.cli import inputs
 from overlap_lab.cli.calibrate import register_calibration_commands
 from overlap_lab.cli.options import (
@@ -42,62 +42,12 @@ from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import SCHEDULES
-from overlap_lab.shared.schedules import build as build_schedule
 
 if TYPE_CHECKING:
     pass
 
-#: The schedules `compare` runs by default: all of them.
-DEFAULT_COMPARE = tuple(SCHEDULES)
-
 
 # ---- commands ------------------------------------------------------------------------------------
-
-
-def _print_summary(res: dict) -> None:
-    print(
-        f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
-        f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
-        + (f", PP {res['pp']} ({res['gpus']} GPUs)" if res["pp"] > 1 else "")
-    )
-    it = res["iterations"]
-    per = f" per iteration ({it} simulated)" if it > 1 else ""
-    print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
-    print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
-    print(f"  communication    {res['comm_us'] / 1e3:10.3f} ms{per}")
-    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms{per}")
-    print(
-        f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
-        f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
-    )
-    print(f"  ops              {res['num_ops']:10d}")
-    if "cost_sources" in res:  # where the durations come from: a measurement or the roofline
-        n = {
-            s: sum(c.get(s, 0) for c in res["cost_sources"].values())
-            for s in ("profile", "roofline", "link")
-        }
-        measured = f"{n['profile']} from profile {res['profile']}, " if n["profile"] else ""
-        print(
-            f"  op durations     {measured}{n['roofline']} from the roofline (no measurement), "
-            f"{n['link']} from the link model"
-        )
-    if "straggler_cost_us" in res:
-        steps = [r["window_us"] for r in res["per_rank"]]
-        print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
-        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms{per}")
-        print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
-    for mb in res["micro_batches"]:
-        cut = ", splits a sequence" if mb.get("split_seq") else ""
-        print(
-            f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
-            f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}"
-        )
-    if "comm_sms" in res:
-        print(f"  communication SMs {res['comm_sms']}")
-    for note in res.get("notes", []):
-        print(f"  note: {note}")
-    for lane, busy in sorted(res["busy_us"].items()):
-        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
 
 
 def cmd_sim(args) -> int:
@@ -116,25 +66,20 @@ def cmd_sim(args) -> int:
     )
     res = result.as_dict()
     if args.out:
-        from overlap_lab.figures import save_timeline
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result.trace.to_chrome(out / "trace.json", provenance=_provenance(args, result))
-        fig = out / f"timeline.{args.figure_format}"
-        save_timeline(
-            result.trace,
-            fig,
+        files = report.write_run(
+            result,
+            Path(args.out),
+            provenance=_provenance(args, result),
+            figure_format=args.figure_format,
             window=args.window,
             rank=args.rank,
             width=args.width,
-            title=_title(result),
         )
-        res["files"] = [str(out / "trace.json"), str(fig)]
+        res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
-        print(inputs.to_json({**res, "provenance": _provenance(args, result)}))
+        print(report.to_json({**res, "provenance": _provenance(args, result)}))
     else:
-        _print_summary(res)
+        print(report.summary(res))
         for f in res.get("files", []):
             print(f"  wrote {f}")
     return 0
@@ -147,28 +92,13 @@ def _provenance(args, result) -> dict:
     return run_record(getattr(args, "command_line", None), result, ranks_from(args))
 
 
-def _title(result) -> str:
-    """The workload in a figure's title: model, mode, batch, layout, GPU."""
-    w = result.workload
-    lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
-    return (
-        f"{result.schedule}: {w.model.label} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
-        f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
-    )
-
-
 def cmd_show(args) -> int:
-    from overlap_lab import api
     from overlap_lab.shared.ir.validate import validate
+    from overlap_lab.simcase import SimCase, build
 
     check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    if args.schedule == "pp" and w.parallel.pp == 1:
-        w = dataclasses.replace(
-            w, parallel=dataclasses.replace(w.parallel, pp=api.PP_DEFAULT_STAGES)
-        )
-    program = build_schedule(args.schedule, w, gpu, cfg)
-    lowered = api.lower_ranks(program, w, gpu, ranks_from(args))
+    _, lowered, _ = build(SimCase(args.schedule, w, gpu, cfg, ranks_from(args)))
     validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
@@ -208,35 +138,16 @@ def cmd_compare(args) -> int:
         sensitivity=args.sensitivity,
     )
     files = []
-    if args.out and table.sensitivity is not None:  # the ranges figure (docs/uncertainty.md)
-        from overlap_lab.figures import sensitivity_ranges
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        files.append(Path(args.out) / f"sensitivity.{args.figure_format}")
-        sensitivity_ranges(
-            table.sensitivity, files[-1], title=_title(table.baseline).split(": ", 1)[1]
-        )
     if args.out:
-        from overlap_lab.figures import compare_timelines
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        fig = out / f"compare.{args.figure_format}"
-        compare_timelines(
+        files = report.write_comparison(
             table,
-            fig,
+            Path(args.out),
+            provenance_of=lambda result: _provenance(args, result),
+            figure_format=args.figure_format,
             window=args.window,
             rank=args.rank,
             width=args.width,
-            title=_title(table.baseline).split(": ", 1)[1],
         )
-        files.append(fig)
-        for row in table.rows:
-            if row.result is not None:
-                row.result.trace.to_chrome(
-                    out / f"trace_{row.schedule.replace('+', '_')}.json",
-                    provenance=_provenance(args, row.result),
-                )
     if args.json:
         from overlap_lab.provenance import compare_record
 
@@ -252,7 +163,7 @@ def cmd_compare(args) -> int:
             pp_stages=args.pp_size,
             sensitivity=args.sensitivity,
         )
-        print(inputs.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
+        print(report.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:
@@ -281,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_schedules)
 
     s = sub.add_parser("compare", help="simulate several schedules on one workload")
-    s.add_argument("--schedules", default=",".join(DEFAULT_COMPARE))
+    s.add_argument("--schedules", default=",".join(SCHEDULES))  # api.DEFAULT_COMPARE
     s.add_argument(
         "--out", default="overlap-lab-out", help="directory for the stacked figure and traces"
     )

@@ -15,11 +15,10 @@ by its option name with ``-`` or ``_``::
     cases:                     # optional: more cases, each merged over base (no grid)
       - {schedule: tbo, ranks: explicit, imbalance: "zipf:1.2", ep: 16}
 
-This module parses: :func:`load_spec` expands and checks a spec, :func:`case_inputs` turns one
-case's knobs into the API's records by the very option parser and checks of ``overlap-lab sim``
-(:mod:`overlap_lab.cli.options`, :mod:`overlap_lab.cli.inputs`), so that a case means what the
-same options mean on the command line. The sweep itself (workers, deduplication, the CSV file,
-resuming) is :func:`overlap_lab.sweep.run_sweep`, which calls :func:`case_inputs` in its workers.
+:func:`load_spec` expands and checks a spec; :func:`case_inputs` turns a case's knobs into the
+API's records by ``sim``'s own option parser and checks, so that a case means what the same
+options mean on the command line. The sweep (workers, deduplication, the CSV file, resuming) is
+:func:`overlap_lab.sweep.run_sweep`, which calls :func:`case_inputs` in its workers.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import math
 import os
 import sys
@@ -36,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.sweep import SimCase, Spec
+from overlap_lab.simcase import SimCase
+from overlap_lab.sweep import Spec
 from overlap_lab.sweep_csv import read_rows
 
 #: `sim` options that are not knobs of a simulation
@@ -110,39 +109,15 @@ def _normalise(knobs: Mapping[str, Any], actions: Mapping[str, argparse.Action],
 MAX_CASES = 100_000
 
 
-def _read_spec(path: Path) -> Any:
-    """A spec file's document: read with the input size cap, one-line errors for bad JSON/YAML."""
-    from overlap_lab.shared.inputs.preset_files import read_capped
-
-    if not path.is_file():
-        raise ConfigError(f"sweep: no such spec file {path}")
-    try:
-        text = read_capped(path, "sweep spec").decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"sweep: {path}: not a UTF-8 text file") from None
-    if path.suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"sweep: {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or type(e).__name__
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"sweep: {path}: invalid YAML ({problem}{where})") from None
-
-
 def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
     """Read and expand a spec (a YAML/JSON file, or the mapping itself); every value is checked
     by its option's own parser before any simulation starts, once per distinct value."""
     if not isinstance(src, Mapping):
-        src = _read_spec(Path(src)) or {}
-    if not isinstance(src, Mapping):
-        raise ConfigError("sweep: the spec must be a mapping with base, grid and/or cases")
+        from overlap_lab.shared.inputs.preset_files import read_mapping
+
+        if not Path(src).is_file():
+            raise ConfigError(f"sweep: no such spec file {src}")
+        src = read_mapping(src, "sweep spec")
     extra = set(src) - {"base", "grid", "cases"}
     if extra:
         raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
@@ -194,7 +169,7 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
 
 def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
     """One case's knobs as ``overlap-lab sim`` reads the same options, with the same checks (the
-    memory check included): its :class:`~overlap_lab.sweep.SimCase`."""
+    memory check included): its :class:`~overlap_lab.simcase.SimCase`."""
     from overlap_lab import api
     from overlap_lab.cli import inputs
     from overlap_lab.cli.options import config_from, gpu_from, ranks_from, workload_from
@@ -240,12 +215,8 @@ def run_sweep(
     knob a case leaves out."""
     from overlap_lab import runner, sweep
 
-    if limit is not None and limit < 1:
-        raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
     if processes < 1:
         raise ConfigError(f"sweep: --processes must be at least 1, got {processes}")
-    if backend not in ("local", "ray"):
-        raise ConfigError(f"sweep: backend must be local or ray, got {backend!r}")
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
     inputs = {"knobs": list(spec.knobs), "cases": list(spec.cases), "defaults": defaults()}

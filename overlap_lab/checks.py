@@ -1,14 +1,25 @@
-"""What a run needs in memory, checked before it starts: the GPU's (the model's weights and the
-KV cache of the batch against ``GPU.mem_gib``) and the simulator's own (an explicit-rank run's
-routing draw and Program against this machine's memory). A run that cannot fit is refused in
-one line instead of failing halfway or swapping the machine to a halt."""
+"""What is checked of a run's inputs before it starts, beyond each value's own range.
+
+- Memory: the GPU's (the model's weights and the KV cache of the batch against ``GPU.mem_gib``)
+  and the simulator's own (an explicit-rank run's routing draw and Program against this
+  machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
+  swapping the machine to a halt.
+- Routing files: a regular text file of finite, sensible numbers.
+- Hardware values that look typed in another unit (:func:`implausible`): taken, but said.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.inputs.hardware import gpu_fields
+from overlap_lab.shared.inputs.preset_files import read_capped
 
 GIB = 1 << 30
 
@@ -98,3 +109,72 @@ def check_sim_memory(w, ranks: str = "symmetric", imbalance: str = "balanced") -
             f"{have / GIB:.1f} GiB it may use here (80 % of this machine); use fewer --layers, "
             "tokens or --ep, or --ranks symmetric"
         )
+
+
+#: Routing files larger than this are refused (a routing sample is a few MB).
+MAX_ROUTING_FILE_BYTES = 256 << 20
+MAX_EXPERT_COUNT = 1e15
+
+
+def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
+    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
+    from overlap_lab.shared.inputs.routing import read_sample
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"routing file {path}: is a directory")
+    if not p.is_file():
+        raise ConfigError(f"routing file {path}: no such file")
+    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
+    if "\x00" in text:
+        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
+    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
+        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
+    sample = read_sample(path, num_experts, top_k)
+    counts = getattr(sample, "counts", None)
+    if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):
+        raise ConfigError(
+            f"routing file {path}: expert counts must be finite numbers in 0..{MAX_EXPERT_COUNT:g}"
+        )
+
+
+#: A value more than this many times the fastest built-in preset's is said to be implausible.
+IMPLAUSIBLE = 2.0
+
+
+@functools.cache
+def _fastest_presets() -> dict[str, tuple[float, str]]:
+    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
+    from overlap_lab.shared.inputs.hardware import GPUS
+
+    out = {}
+    for k in gpu_fields():
+        if k.scalar in (int, float):
+            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
+            if getattr(GPUS[name], k.name) > 0:
+                out[k.name] = (getattr(GPUS[name], k.name), name)
+    return out
+
+
+def implausible(values: Mapping[str, float | None]) -> list[str]:
+    """What to say of the hardware values given (``values``: GPU field -> the value, None: not
+    given) above :data:`IMPLAUSIBLE` times the fastest built-in preset's: such a value is taken,
+    but is most likely in another unit (``--rdma-gbps 400`` for a 400 Gb/s NIC, which is
+    50 GB/s)."""
+    records = {k.name: k for k in gpu_fields()}
+    out = []
+    for field, (top, name) in _fastest_presets().items():
+        v = values.get(field)
+        if v is None or v <= IMPLAUSIBLE * top:
+            continue
+        unit = records[field].unit
+        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
+        out.append(
+            f"{records[field].flag} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
+            f"GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
+        )
+    return out
