@@ -14,8 +14,9 @@ on each simulated trace, and how to draw and describe the results::
         notes=notes,                 # (results doc) -> markdown
     )
 
-:func:`run` simulates the cases (in parallel: a ``multiprocessing`` pool, results in case order
-whatever the pool does), writes ``results/<name>.json`` (rows, the exact command, date, git
+:func:`run` simulates the cases through the one runner of batches (``overlap_lab.runner``: in
+parallel on local worker processes, or on Ray; results in case order whatever the workers do),
+writes ``results/<name>.json`` (rows, the exact command, date, git
 commit, the model and hardware presets used, the traces the cases asked to keep), then reads that
 file back and draws the figure and the notes from it: plots read files. The results file also
 names the tool and its version, and the profile each GPU's op durations came from; its
@@ -43,12 +44,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache, partial
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.cli import inputs
 from overlap_lab.metrics import compute_kernel_us
+from overlap_lab.outdir import check_out_dir
+from overlap_lab.runner import Backend, Local, in_order
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import get_gpu
 from overlap_lab.shared.inputs.workload import Workload
@@ -167,14 +169,13 @@ def run(
     command: str | Sequence[str] | None = None,
     profile: str = "auto",
     commit: str | None = None,
+    backend: Backend | None = None,
 ) -> Path:
-    """Sweep ``exp``'s cases on ``processes`` workers (default :data:`PROCESSES`; 1 runs in this
-    process), write ``out/<name>.json``, then draw the figure and write the notes from that file.
-    ``command`` is the command line as typed (a list, or one string split at spaces; None:
-    called from Python); ``commit`` the repository state to record (default: now). Returns the
-    JSON path."""
-    from tqdm import tqdm
-
+    """Sweep ``exp``'s cases on ``processes`` local workers (default :data:`PROCESSES`; 1 runs in
+    this process) or on ``backend`` (``overlap_lab.runner.Ray()``: a Ray cluster), write
+    ``out/<name>.json``, then draw the figure and write the notes from that file. ``command`` is
+    the command line as typed (a list, or one string split at spaces; None: called from Python);
+    ``commit`` the repository state to record (default: now). Returns the JSON path."""
     cases = list(exp.cases())
     labels = [c.keep for c in cases if c.keep]
     if len(set(labels)) != len(labels):
@@ -186,19 +187,8 @@ def run(
         if exp.simulate is not None
         else partial(simulate_case, measure=exp.measure, clip=exp.clip, profile=profile)
     )
-    n = min(processes or PROCESSES, len(cases)) or 1
-    bar = tqdm(total=len(cases), desc=exp.name, file=sys.stderr, leave=False)
-    results = []
-    if n == 1:
-        for case in cases:
-            results.append(one(case))
-            bar.update()
-    else:
-        with Pool(n) as pool:
-            for res in pool.imap(one, cases):  # imap keeps the case order
-                results.append(res)
-                bar.update()
-    bar.close()
+    backend = backend if backend is not None else Local(processes or PROCESSES)
+    results = in_order(one, cases, backend=backend, progress=exp.name, leave=False)
     rows = [row for row, _ in results]
     if exp.derive is not None:
         rows = exp.derive(rows)
@@ -325,7 +315,7 @@ def case_inputs(cases: Sequence[Case]) -> dict[str, Any]:
                 "batch": c.workload.batch,
                 "parallel": c.workload.parallel,
                 "gpu": c.gpu,
-                "knobs": c.cfg,
+                "knobs": c.cfg.as_dict(),
                 "transform": _callable_name(c.transform),
                 "keep": c.keep,
             }
@@ -525,7 +515,7 @@ def _main(ap, args, argv, prog, default) -> int:
         ap.error(f"unknown experiment(s) {', '.join(unknown)}; declared: {', '.join(exps)}")
     command = [*prog.split(), *(argv if argv is not None else sys.argv[1:])]
     commit = git_commit()  # once: the files this command writes must not make the next "dirty"
-    inputs.check_out_dir(args.out)  # before any experiment runs
+    check_out_dir(args.out)  # before any experiment runs
     for name in names:
         try:
             if args.draw:

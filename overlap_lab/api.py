@@ -66,15 +66,9 @@ NET_GROUP_TOL = 0.02
 def __getattr__(name: str) -> Any:
     """``DEFAULT_COMPARE``: every registered schedule, what :func:`compare` runs when none are
     named (as ``overlap-lab compare``), computed when read so that a schedule installed later
-    is in it. ``PP_DEFAULT_STAGES``: kept for callers from before each schedule owned its
-    workload defaults (``shared.schedules.prepare_workload`` replaces it): the stages the first
-    schedule that runs pipeline stages runs where the workload asks for one."""
+    is in it."""
     if name == "DEFAULT_COMPARE":
         return tuple(SCHEDULES)
-    if name == "PP_DEFAULT_STAGES":
-        for n in registry.pipeline_schedules():
-            staged, _ = registry.prepare_workload(n, _workload())
-            return staged.parallel.pp
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

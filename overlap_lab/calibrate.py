@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Batch, Workload
-from overlap_lab.shared.ir.program import Program
+from overlap_lab.shared.ir.program import Program, ops_of
 from overlap_lab.shared.outputs.trace import Trace
 from overlap_lab.sim.calibrate import BenchCase, bench_plan, profile_from_trace
 from overlap_lab.sim.profile import Profile
@@ -249,3 +249,40 @@ def calibrate_on_device(
         source=f"overlap-lab calibrate --device cuda: {w.model.name} {w.batch.mode}, serial "
         f"Programs at {list(sizes)} tokens on {list(budgets)} SMs, median of {repeats}",
     )
+
+
+def calibrate_from_trace(
+    trace: Trace, program: Program, gpu: GPU, *, name: str, source: str
+) -> Profile:
+    """A profile from a measured trace of ``program`` (``overlap-lab calibrate --from-trace``):
+    its header from the trace's own record of the machine (SMs, device, software) where it has
+    one, else from ``gpu``; dated today."""
+    meta = trace.meta
+    return profile_from_trace(
+        trace,
+        program,
+        num_sms=int(meta.get("num_sms") or gpu.num_sms),
+        name=name,
+        device=str(meta.get("device_name") or meta.get("gpu") or meta.get("device") or gpu.name),
+        date=datetime.now(UTC).date().isoformat(),
+        software={k: str(v) for k, v in (meta.get("software") or {}).items()},
+        source=source,
+    )
+
+
+def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
+    """``show --profile``: each op's solo duration and where it comes from, as ``#`` lines the
+    Program parser skips (first rank only)."""
+    from overlap_lab.sim.cost import duration_source, solo_duration_us
+
+    if profile is None:
+        return ""
+    lines = [f"# durations alone on the GPU, profile {profile.name} (rank {program.ranks[0].rank})"]
+    rank = program.ranks[0].rank
+    for r, op in ops_of(program):
+        if r != rank:
+            continue
+        src = duration_source(op, gpu, profile)
+        us = solo_duration_us(op, gpu, profile=profile if src == "profile" else None)
+        lines.append(f"# {op.name} layer={op.layer} mb={op.mb} {us:.3f} us {src}")
+    return "\n".join(lines) + "\n"

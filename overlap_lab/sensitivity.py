@@ -18,8 +18,9 @@ cost) and scales what a calibration profile's rows give. Inputs that change a Pr
 :data:`INPUTS` with their ranges but not varied here: varying them means rebuilding, which the
 ``sbo_comm_sms`` experiment does for the SMs. Each range and its source: docs/uncertainty.md.
 
-The points are independent, so they are shared among forked worker processes (one per CPU this
-process may use; ``workers=1`` keeps them in this process).
+The points are independent, so they run through the one runner of batches
+(:mod:`overlap_lab.runner`): on forked worker processes (one per CPU this process may use;
+``workers=1`` keeps them in this process) or on Ray.
 
 Determinism: a design's points are a pure function of the design (its seed included), and the
 simulator is deterministic, so the same comparison and design give the same result, with any
@@ -30,20 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing
-import os
-import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from overlap_lab.metrics import iterations_and_tokens
+from overlap_lab.runner import Backend, Local, in_order
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 
@@ -555,6 +552,7 @@ def sensitivity(
     rerun: Rerun | None = None,
     workers: int | None = None,
     progress: bool = False,
+    backend: Backend | None = None,
 ) -> Sensitivity:
     """Re-run ``comparison``'s schedules at every point of ``design`` and summarise.
 
@@ -566,15 +564,18 @@ def sensitivity(
     when the comparison simulated every rank; the default runs the engine on the Program as the
     symmetric runs do.
 
-    ``workers``: processes that share the points (None: the CPUs this process may use; 1: in
-    this process). Each point is simulated alone, so any count gives the same result.
-    ``progress``: a bar over the points on stderr."""
+    ``workers``: local processes that share the points (None: the CPUs this process may use; 1:
+    in this process); ``backend``: where else to run them (``overlap_lab.runner.Ray()``). Each
+    point is simulated alone, so any count gives the same result. ``progress``: a bar over the
+    points on stderr."""
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.profile import profile_for
 
     d = design_from(design)
     if d is None:
         raise ConfigError("sensitivity: no design given")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"sensitivity: workers must be >= 1, got {workers}")
     base = comparison.baseline
     g = base.gpu
     if cost_model is not None:
@@ -593,9 +594,14 @@ def sensitivity(
     gc.freeze()
     try:
         job = _Job(points, runs, inner, g, network, max_events, rerun)
-        with tqdm(total=len(points), desc="perturbing", unit="point", disable=not progress,
-                  leave=not sys.stderr.isatty()) as bar:  # fmt: skip
-            windows = _point_windows(job, workers, bar.update)
+        windows = in_order(
+            job.windows,
+            range(len(points)),
+            backend=backend if backend is not None else Local(workers),
+            progress="perturbing" if progress else None,
+            unit="point",
+            leave=not sys.stderr.isatty(),
+        )
     finally:
         gc.unfreeze()
     for run_windows in windows:
@@ -630,58 +636,6 @@ class _Job:
         if self.rerun is not None:
             return [self.rerun(r.program, r.workload, cm) for r in self.runs]
         return [_window(r.program, self.gpu, cm, self.network, self.max_events) for r in self.runs]
-
-
-#: The job of the pool being run: forked workers inherit it (the Programs, the comparison's
-#: closures) instead of receiving it pickled.
-_JOB: _Job | None = None
-
-
-def _job_windows(i: int) -> list[float]:
-    assert _JOB is not None
-    return _JOB.windows(i)
-
-
-def _quiet_worker() -> None:
-    """Ctrl-C is the parent's to report (one line); a worker neither prints nor dies of it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def default_workers() -> int:
-    """The CPUs this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _point_windows(
-    job: _Job, workers: int | None, done: Callable[[], object] = lambda: None
-) -> list[list[float]]:
-    """Every point's windows, in order: in this process, or spread over forked workers where the
-    platform forks and this process may have children (not a daemonic pool worker, such as the
-    experiment runner's). ``done`` is called as each point's windows arrive."""
-    global _JOB
-    if workers is not None and workers < 1:
-        raise ConfigError(f"sensitivity: workers must be >= 1, got {workers}")
-    n = min(default_workers() if workers is None else workers, len(job.points))
-    forks = "fork" in multiprocessing.get_all_start_methods()
-    out: list[list[float]] = []
-    if n <= 1 or not forks or multiprocessing.current_process().daemon:
-        for i in range(len(job.points)):
-            out.append(job.windows(i))
-            done()
-        return out
-    _JOB = job
-    try:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_quiet_worker) as pool:
-            for w in pool.map(_job_windows, range(len(job.points))):
-                out.append(w)
-                done()
-        return out
-    finally:
-        _JOB = None
 
 
 def _run_of(schedule: str, res: Any) -> _Run:

@@ -166,3 +166,29 @@ def figure(measured: Trace, predicted: Trace, path: str | Path, extra: dict | No
     traces = {"measured": measured, "predicted": predicted, **(extra or {})}
     compare_timelines(traces, path)
     return Path(path)
+
+
+def what_if(schedule: str, trace: Trace, measured: Trace, predicted: Trace) -> dict[str, Any]:
+    """``validate --predict``'s answer: ``schedule``'s predicted step (``trace``, from the
+    measured trace's profile) and its speed-up over the measured step and over the prediction
+    of the schedule that ran."""
+    return {
+        "schedule": schedule,
+        "predicted_step_time_us": trace.step_time_us,
+        "speedup_vs_measured": measured.step_time_us / trace.step_time_us,
+        "speedup_vs_predicted": predicted.step_time_us / trace.step_time_us,
+    }
+
+
+def load_measured(
+    path: str | Path, mapping_path: str | None = None, program: Program | None = None
+) -> Trace:
+    """A measured trace (ours, or torch.profiler's); with a kernel mapping (``--map``) its
+    kernels are labelled with ``program``'s ops (a foreign trace's)."""
+    from overlap_lab.shared.ir.program import first_rank_ops
+    from overlap_lab.shared.outputs.analyze import label_ops, load_mapping
+
+    trace = Trace.from_chrome(path)
+    if mapping_path is not None and program is not None:
+        trace = label_ops(trace, load_mapping(mapping_path), first_rank_ops(program))
+    return trace

@@ -46,7 +46,7 @@ def test_simulate_returns_trace_metrics_and_program():
 def test_pp_runs_with_defaults():
     """Item 1: `sim --schedule pp` with defaults failed ('pp needs --pp-size >= 2')."""
     r = ol.simulate("pp", small())
-    assert r.workload.parallel.pp == ol.api.PP_DEFAULT_STAGES == 2
+    assert r.workload.parallel.pp == 2  # pp's own default (shared.schedules.pp.prepare_workload)
     assert any("pipeline stages" in n for n in r.notes)
     assert (
         main(

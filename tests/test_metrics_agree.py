@@ -11,8 +11,9 @@ import pytest
 
 import overlap_lab as ol
 from overlap_lab.cli.main import main
-from overlap_lab.cli.sweep import read_rows, run_sweep
+from overlap_lab.cli.sweep import run_sweep
 from overlap_lab.shared.schedules import SCHEDULES
+from overlap_lab.sweep_csv import read_rows
 
 WORKLOAD = ["--layers", "3", "--ep", "8", "--batch", "16"]
 

@@ -10,9 +10,10 @@ import pytest
 
 from overlap_lab import api
 from overlap_lab.cli.main import main
-from overlap_lab.cli.sweep import read_rows, run_sweep
+from overlap_lab.cli.sweep import run_sweep
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.workload import get_model, with_layers
+from overlap_lab.sweep_csv import read_rows
 
 CUT = "deepseek-v2-lite[3 of 27 layers]"
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "3", "--ep", "8", "--batch", "16"]

@@ -171,7 +171,7 @@ def test_json_output_is_strict_json(capsys):
 
 
 def test_non_finite_results_refused_not_printed():
-    from overlap_lab.cli.inputs import to_json
+    from overlap_lab.report import to_json
     from overlap_lab.shared.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"busy_us\.x"):

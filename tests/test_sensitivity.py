@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import overlap_lab as ol
-from overlap_lab import sensitivity as S
+from overlap_lab import runner
 from overlap_lab.sensitivity import (
     INPUTS,
     Design,
@@ -144,7 +144,7 @@ def test_explicit_ranks_are_rerun_explicitly(monkeypatch):
         return real(lowered, w, g, r, prof, max_events, models)
 
     monkeypatch.setattr(ol.api, "simulate_explicit", counted)
-    monkeypatch.setattr(S, "default_workers", lambda: 1)  # counted here, not in a worker
+    monkeypatch.setattr(runner, "cpus", lambda: 1)  # counted here, not in a worker
     w = ol.workload("deepseek-v3", mode="decode", batch=32, ep=16, layers=3)
     design = Design(oat=False, lhs=2, inputs=("hbm",))
     c = ol.compare(

@@ -7,8 +7,9 @@
     overlap-lab validate TRACE.json ...                  # measured vs predicted, op by op
 
 Argument parsing and handlers live here (``--profile`` itself in :mod:`overlap_lab.cli.options`);
-the work is in library modules (``sim.profile``, ``shared.outputs.analyze``, :mod:`overlap_lab.calibrate`,
-:mod:`overlap_lab.validate`) that the real executor calls too. What each command writes records
+the work is in library modules (``sim.profile``, ``shared.outputs.analyze``,
+:mod:`overlap_lab.calibrate`, :mod:`overlap_lab.validate`, :mod:`overlap_lab.provenance`) that
+the real executor calls too. What each command writes records
 what produced it (``shared.outputs.trace.provenance``): the ``--json`` output, ``predicted_trace.json``,
 and ``<profile>.provenance.json`` beside a profile; a file read is named by its SHA-256.
 """
@@ -29,64 +30,21 @@ from overlap_lab.cli.options import (
     workload_from,
     workload_options,
 )
+from overlap_lab.provenance import file_input, write_beside
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.inputs.hardware import GPU
-from overlap_lab.shared.ir.program import Program, ops_of
-from overlap_lab.sim.profile import BUILTIN, ROOFLINE, Profile, load_profile
-
-
-def cost_comments(program: Program, gpu: GPU, profile: Profile | None) -> str:
-    """``show --profile``: each op's solo duration and where it comes from, as ``#`` lines the
-    Program parser skips (first rank only)."""
-    from overlap_lab.sim.cost import duration_source, solo_duration_us
-
-    if profile is None:
-        return ""
-    lines = [f"# durations alone on the GPU, profile {profile.name} (rank {program.ranks[0].rank})"]
-    rank = program.ranks[0].rank
-    for r, op in ops_of(program):
-        if r != rank:
-            continue
-        src = duration_source(op, gpu, profile)
-        us = solo_duration_us(op, gpu, profile=profile if src == "profile" else None)
-        lines.append(f"# {op.name} layer={op.layer} mb={op.mb} {us:.3f} us {src}")
-    return "\n".join(lines) + "\n"
-
+from overlap_lab.sim.profile import BUILTIN, ROOFLINE, load_profile
 
 # ---- commands ------------------------------------------------------------------------------------
 
 
 def _out_dir(args) -> Path | None:
-    """The figure folder, checked and made as sim's (``inputs.check_out_dir``); None for ''."""
+    """The figure folder, checked and made as sim's (``outdir.check_out_dir``); None for ''."""
     if not args.out:
         return None
-    from overlap_lab.cli.inputs import check_out_dir
+    from overlap_lab.outdir import check_out_dir
 
     check_out_dir(args.out, mine_only=not args.force)
     return Path(args.out)
-
-
-def _load_trace(path: str, mapping_path: str | None = None, program: Program | None = None):
-    from overlap_lab.shared.ir.program import first_rank_ops
-    from overlap_lab.shared.outputs.analyze import label_ops, load_mapping
-    from overlap_lab.shared.outputs.trace import Trace
-
-    trace = Trace.from_chrome(path)
-    if mapping_path is not None and program is not None:
-        trace = label_ops(trace, load_mapping(mapping_path), first_rank_ops(program))
-    return trace
-
-
-def _file_input(path: str | None) -> dict[str, str] | None:
-    """A file a command read, for its provenance record: the path as typed and the SHA-256 of
-    its bytes, so that the record names the trace (or mapping, or profile) itself and not only
-    where it was; None for an option not given. Reading twice is the price: a trace read once
-    more is cheap beside analysing it."""
-    if path is None:
-        return None
-    import hashlib
-
-    return {"path": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
 
 
 def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -104,49 +62,22 @@ def _workload_inputs(args) -> dict[str, Any]:
     return {**workload_inputs(w, gpu, cfg), "ranks": ranks_from(args)}
 
 
-def _write_beside(path: Path, record: dict[str, Any]) -> Path:
-    """``<path>.provenance.json``, as a sweep writes beside its CSV: the profile format admits no
-    header of its own for it, and a profile must load in any version that reads the format.
-    Sorted keys, no date: the same command writes the same bytes."""
-    side = path.with_name(path.name + ".provenance.json")
-    side.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    return side
-
-
-#: Kernel classes as the timeline's colour families read them (``figures.op_family``).
-FIGURE_LABELS = {
-    "deepep_normal": "DeepEP dispatch/combine",
-    "deepep_ll": "DeepEP LL dispatch/combine",
-    "nccl": "NCCL dispatch",
-    "deepgemm": "DeepGEMM experts",
-    "flashmla": "FlashMLA attention",
-    "flashinfer": "FlashInfer attention",
-}
-
-
 def cmd_analyze(args) -> int:
-    from dataclasses import replace
-
-    from overlap_lab.shared.outputs.analyze import analyze, classify_trace, load_mapping, to_text
-    from overlap_lab.shared.outputs.trace import Trace
+    from overlap_lab.report import write_analyzed
+    from overlap_lab.shared.outputs.analyze import analyze, load_mapping, to_text
+    from overlap_lab.validate import load_measured
 
     mapping = load_mapping(args.map)
-    trace = _load_trace(args.trace)
+    trace = load_measured(args.trace)
     a = analyze(trace, mapping, args.rank)
     res = a.to_json()
     out = _out_dir(args)
     if out is not None:
-        from overlap_lab.figures import save_timeline
-
         fig = out / f"analyze_timeline.{args.figure_format}"
-        shown = classify_trace(trace, mapping)
-        shown = Trace(
-            tuple(replace(s, op=FIGURE_LABELS.get(s.op, s.op)) for s in shown.spans), shown.meta
-        )
-        save_timeline(shown, fig, rank=a.rank, labels=False, title=f"{args.trace}, rank {a.rank}")
+        write_analyzed(trace, mapping, a.rank, fig, title=f"{args.trace}, rank {a.rank}")
         res["files"] = [str(fig)]
     if args.json:
-        inputs = {"trace": _file_input(args.trace), "map": _file_input(args.map), "rank": a.rank}
+        inputs = {"trace": file_input(args.trace), "map": file_input(args.map), "rank": a.rank}
         print(json.dumps({**res, "provenance": _provenance(args, inputs)}, sort_keys=True))
         return 0
     sys.stdout.write(to_text(a))
@@ -156,11 +87,11 @@ def cmd_analyze(args) -> int:
 
 
 def _program_for(args, schedule: str):
-    from overlap_lab.api import lower_ranks
-    from overlap_lab.shared.schedules import build
+    from overlap_lab.simcase import SimCase, build
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    return lower_ranks(build(schedule, w, gpu, cfg), w, gpu, ranks_from(args)), w, gpu
+    w, program, _ = build(SimCase(schedule, w, gpu, cfg, ranks_from(args)))
+    return program, w, gpu
 
 
 def _sizes(text: str, mode: str) -> tuple[int, ...]:
@@ -178,8 +109,6 @@ def _sizes(text: str, mode: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    from datetime import UTC, datetime
-
     if (args.from_trace is None) == (args.device is None):
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
     if args.device is not None:
@@ -199,31 +128,26 @@ def cmd_calibrate(args) -> int:
             w, gpu, config_from(args), sizes=sizes, budgets=budgets, repeats=args.repeats
         )
     else:
-        from overlap_lab.sim.calibrate import profile_from_trace
+        from overlap_lab.calibrate import calibrate_from_trace
+        from overlap_lab.validate import load_measured
 
         program, _, gpu = _program_for(args, args.schedule)
-        trace = _load_trace(args.from_trace, args.map, program)
+        trace = load_measured(args.from_trace, args.map, program)
         inputs = {
-            "from_trace": _file_input(args.from_trace),
-            "map": _file_input(args.map),
+            "from_trace": file_input(args.from_trace),
+            "map": file_input(args.map),
             "schedule": args.schedule,
             **_workload_inputs(args),
         }
-        meta = trace.meta
-        profile = profile_from_trace(
+        profile = calibrate_from_trace(
             trace,
             program,
-            num_sms=int(meta.get("num_sms") or gpu.num_sms),
+            gpu,
             name=Path(args.out).stem,
-            device=str(
-                meta.get("device_name") or meta.get("gpu") or meta.get("device") or gpu.name
-            ),
-            date=datetime.now(UTC).date().isoformat(),
-            software={k: str(v) for k, v in (meta.get("software") or {}).items()},
             source=f"{args.from_trace} (schedule {args.schedule})",
         )
     path = profile.save(args.out)
-    side = _write_beside(path, _provenance(args, inputs))
+    side = write_beside(path, _provenance(args, inputs))
     print(f"wrote {path}: {len(profile.rows)} rows from {profile.source} (provenance: {side})")
     return 0
 
@@ -232,7 +156,7 @@ def cmd_validate(args) -> int:
     from overlap_lab import validate as V
 
     program, _, gpu = _program_for(args, args.schedule)
-    measured = _load_trace(args.trace, args.map, program)
+    measured = V.load_measured(args.trace, args.map, program)
     profile = None if args.profile == "from-trace" else load_profile(args.profile)
     v, predicted, profile = V.validate(measured, program, gpu, profile, getattr(args, "seed", 0))
     res: dict[str, Any] = {"schedule": args.schedule, "profile": profile.name, **v.to_json()}
@@ -240,14 +164,14 @@ def cmd_validate(args) -> int:
     prov = _provenance(
         args,
         {
-            "trace": _file_input(args.trace),
-            "map": _file_input(args.map),
+            "trace": file_input(args.trace),
+            "map": file_input(args.map),
             "schedule": args.schedule,
             "predict": args.predict,
             **_workload_inputs(args),
             "profile": profile.name,  # the one the prediction used (from-trace: the trace's)
             "profile_given": args.profile,
-            "profile_file": None if named else _file_input(args.profile),
+            "profile_file": None if named else file_input(args.profile),
             "seed": getattr(args, "seed", 0),
         },
     )
@@ -256,12 +180,7 @@ def cmd_validate(args) -> int:
         other, _, _ = _program_for(args, args.predict)
         tr = V.predict(other, gpu, profile)
         extra[f"predicted {args.predict}"] = tr
-        res["what_if"] = {
-            "schedule": args.predict,
-            "predicted_step_time_us": tr.step_time_us,
-            "speedup_vs_measured": measured.step_time_us / tr.step_time_us,
-            "speedup_vs_predicted": predicted.step_time_us / tr.step_time_us,
-        }
+        res["what_if"] = V.what_if(args.predict, tr, measured, predicted)
     out = _out_dir(args)
     if out is not None:
         fig = V.figure(measured, predicted, out / f"validate.{args.figure_format}", extra)

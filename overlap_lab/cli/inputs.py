@@ -4,26 +4,21 @@
 ``LIMITS`` a checking argparse type (finite, in range) and states the range in its ``-h`` text;
 ``check_args(args)`` then checks what one option alone cannot: options meaningful only for one
 mode or schedule, names (case-insensitive, like ``--model`` and ``--gpu``), routing files, the
-memory of the run (model weights plus KV cache against the GPU's ``mem_gib``; the simulator's own
-footprint against this machine's memory), and the output folder (``check_out_dir``), so that bad
-input fails in one line before any simulation starts. Every failure is a ConfigError whose
+memory of the run (:mod:`overlap_lab.checks`) and the output folder
+(:func:`overlap_lab.outdir.check_out_dir`), so that bad input fails in one line before any
+simulation starts. Every failure is a ConfigError whose
 message says what is allowed.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
-import re
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
-from overlap_lab.shared.inputs.preset_files import read_capped
 from overlap_lab.shared.schedules import schedule_knobs
 
 # ---- per-option limits ---------------------------------------------------------------------------
@@ -260,6 +255,8 @@ def _check_args(args) -> None:
         return
     _check_ranks(args)
     if getattr(args, "out", None):
+        from overlap_lab.outdir import check_out_dir
+
         check_out_dir(args.out, mine_only=not getattr(args, "force", False))
 
 
@@ -328,16 +325,11 @@ def _check_knobs(args, names: list[str]) -> None:
 
 
 def _check_hardware(args) -> None:
-    """Nominal link bandwidth overrides carry over to DeepEP's achievable one (same ratio)."""
+    """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
+    achievable rate in ``overlap_lab.api.gpu``)."""
     from overlap_lab.shared.inputs.hardware import get_gpu
 
     gpu = get_gpu(args.gpu)
-    for link in ("nvlink", "rdma"):
-        nominal, eff = getattr(args, f"{link}_gbps", None), f"{link}_eff_gbps"
-        if nominal is not None and getattr(args, eff, None) is None:
-            preset_eff = getattr(gpu, eff)
-            if preset_eff > 0:
-                setattr(args, eff, preset_eff * nominal / getattr(gpu, f"{link}_gbps"))
     num_sms = getattr(args, "num_sms", None) or gpu.num_sms
     for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
         v = getattr(args, dest, None)
@@ -345,46 +337,21 @@ def _check_hardware(args) -> None:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
-#: A value more than this many times the fastest built-in preset's is warned about.
-IMPLAUSIBLE = 2.0
 _WARNED: set[str] = set()
-
-
-@functools.cache
-def _fastest_presets() -> dict[str, tuple[float, str]]:
-    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
-    from overlap_lab.shared.inputs.hardware import GPUS
-
-    out = {}
-    for k in gpu_fields():
-        if k.scalar in (int, float):
-            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
-            if getattr(GPUS[name], k.name) > 0:
-                out[k.name] = (getattr(GPUS[name], k.name), name)
-    return out
 
 
 def warn_implausible(values: dict[str, float | None]) -> None:
     """One line on stderr for each hardware option given (``values``: GPU field -> the value
-    typed, None: not given) above ``IMPLAUSIBLE`` times the fastest built-in preset's value:
-    such a value is taken, but is most likely typed in another unit (``--rdma-gbps 400`` for a
-    400 Gb/s NIC, which is 50 GB/s). Each is said once per run (a sweep checks every case)."""
+    typed, None: not given) that looks typed in another unit (``checks.implausible``); each is
+    said once per run (a sweep checks every case)."""
     import sys
 
-    units = {k.name: k.unit for k in gpu_fields()}
-    for field, (top, name) in _fastest_presets().items():
-        v = values.get(field)
-        if v is None or v <= IMPLAUSIBLE * top:
-            continue
-        unit = units[field]
-        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
-        msg = (
-            f"overlap-lab: warning: {_flag(field)} {v:g} {unit} is over {IMPLAUSIBLE:g}x the "
-            f"fastest built-in GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
-        )
+    from overlap_lab.checks import implausible
+
+    for msg in implausible(values):
         if msg not in _WARNED:
             _WARNED.add(msg)
-            print(msg, file=sys.stderr)
+            print(f"overlap-lab: warning: {msg}", file=sys.stderr)
 
 
 #: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
@@ -448,40 +415,12 @@ def _check_ranks(args) -> None:
         )
     imb = parse_imbalance(args.imbalance)
     if imb.kind == "file":
+        from overlap_lab.checks import check_routing_file
+
         check_routing_file(imb.path, model.num_experts, model.top_k)
 
 
 # ---- files ---------------------------------------------------------------------------------------
-
-#: Routing files larger than this are refused (a routing sample is a few MB).
-MAX_ROUTING_FILE_BYTES = 256 << 20
-MAX_EXPERT_COUNT = 1e15
-
-
-def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
-    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
-    from overlap_lab.shared.inputs.routing import read_sample
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"routing file {path}: is a directory")
-    if not p.is_file():
-        raise ConfigError(f"routing file {path}: no such file")
-    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
-    if "\x00" in text:
-        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
-    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
-        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
-    sample = read_sample(path, num_experts, top_k)
-    counts = getattr(sample, "counts", None)
-    if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):
-        raise ConfigError(
-            f"routing file {path}: expert counts must be finite numbers in 0..{MAX_EXPERT_COUNT:g}"
-        )
 
 
 def add_force_option(s: argparse.ArgumentParser) -> None:
@@ -492,173 +431,17 @@ def add_force_option(s: argparse.ArgumentParser) -> None:
     )
 
 
-def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> None:
-    """An output folder that exists as a writable folder or can be made under one, never a
-    filesystem root. With ``mine_only`` (sim, compare, analyze, validate without --force) it must
-    also be new, empty or hold only what the tool wrote (:mod:`overlap_lab.outdir`), and it is
-    marked as the tool's now, before anything runs. Without it (the experiments' results folder,
-    which keeps other runs' files that ``--draw`` reads; a folder written into with --force) the
-    folder is written into as it is and left unmarked."""
-    from overlap_lab import outdir
-
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a folder")
-    if outdir.is_root(p):
-        raise ConfigError(f"--out {out}: a filesystem root; give a folder for the outputs")
-    if mine_only and p.is_dir():
-        try:
-            foreign = outdir.foreign_files(p)
-        except OSError as e:
-            raise ConfigError(f"--out {out}: cannot list it ({e.strerror})") from None
-        if foreign:
-            raise ConfigError(
-                f"--out {out}: holds files overlap-lab did not write ({foreign[0]}, ...); "
-                "give a new or empty folder, or --force to write there anyway"
-            )
-    probe = p
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"--out {out}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: folder {probe} is not writable")
-    try:  # make it and write into it now: what os.access cannot tell (/proc, read-only mounts)
-        p.mkdir(parents=True, exist_ok=True)
-        if mine_only:
-            outdir.mark(p)
-        else:
-            with tempfile.TemporaryFile(dir=p):
-                pass
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
-
-
-# ---- memory --------------------------------------------------------------------------------------
-
-GIB = 1 << 30
-
-
-def _bytes_per(dtype: str) -> int:
-    return 1 if dtype == "fp8" else 2
-
-
-def gpu_memory_bytes(w) -> tuple[float, float]:
-    """(weights, KV cache) bytes one GPU holds: its pipeline stage's layers, its share of the
-    experts and attention heads, the embedding and LM head; the KV cache of its sequences."""
-    m, par, b = w.model, w.parallel, w.batch
-    layers = math.ceil(m.num_layers / par.pp)
-    wb = _bytes_per(m.gemm_dtype)
-    if m.attention == "mla":
-        q = (
-            m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
-            if m.q_lora_rank
-            else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
-        )
-        kv = m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-        kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
-        attn = q + kv + m.num_heads * m.v_head_dim * m.hidden
-        kv_per_token = (m.kv_lora_rank + m.qk_rope_dim) * _bytes_per(m.attn_dtype)
-    else:
-        attn = m.hidden * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        attn += m.num_heads * m.head_dim * m.hidden
-        kv_heads = max(1, m.num_kv_heads // par.attn_tp)
-        kv_per_token = 2 * kv_heads * m.head_dim * _bytes_per(m.attn_dtype)
-    attn //= par.attn_tp
-    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
-    frac = layers / m.num_layers
-    n_moe, n_dense = sum(moe) * frac, (len(moe) - sum(moe)) * frac
-    expert = 3 * m.hidden * m.expert_inter
-    moe_layer = expert * (m.num_experts // par.ep + m.num_shared_experts) + m.hidden * m.num_experts
-    dense_layer = 3 * m.hidden * m.dense_inter
-    weights = wb * (layers * attn + n_moe * moe_layer + n_dense * dense_layer)
-    weights += 2 * 2 * m.vocab * m.hidden  # embedding and LM head, bf16
-    cached = sum(b.seq_cached(i) + b.seq_tokens(i) for i in range(b.num_seqs))
-    return float(weights), float(cached * kv_per_token * layers)
-
-
-def check_memory(w, gpu, allow: bool) -> None:
-    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``)."""
-    weights, kv = gpu_memory_bytes(w)
-    have = gpu.mem_gib * GIB
-    if weights + kv > have and not allow:
-        raise ConfigError(
-            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache "
-            f"{kv / GIB:.1f} GiB > {gpu.mem_gib:g} GiB ({gpu.name}, --mem-gib); use fewer or "
-            "shorter sequences, more --ep/--pp-size, or --allow-oversubscribe"
-        )
-
-
-def host_memory_bytes() -> float:
-    """This machine's physical memory."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return float("inf")
-
-
-def sim_memory_bytes(w, args) -> float:
-    """A rough upper estimate of the simulator's own memory for an explicit-rank run: the
-    routing draw of every MoE layer when sampled (tokens of all ranks × experts: the int64
-    ``argpartition`` result ``shared.inputs.routing`` keeps per layer, and one float32 score array at a
-    time) plus the explicit Program (about 1 KB per op, 32 ops
-    per layer and rank, and 128 B per flow of its four all-to-alls per layer; a DeepSeek-V3
-    decode step at EP 32 measures under 100 MB)."""
-    if getattr(args, "ranks", "symmetric") != "explicit":
-        return 0.0
-    m, par = w.model, w.parallel
-    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
-    tokens = w.batch.num_tokens * par.ep
-    sampled = str(getattr(args, "imbalance", "balanced")) != "balanced"
-    routing = (moe_layers * 8 + 4) * tokens * m.num_experts if sampled else 0
-    program = par.ep * m.num_layers * (32 * 1024 + 4 * par.ep * 128)
-    return float(routing + program)
-
-
-def check_sim_memory(w, args) -> None:
-    """Refuse an explicit-rank run whose estimated footprint exceeds 80 % of this machine."""
-    need, have = sim_memory_bytes(w, args), 0.8 * host_memory_bytes()
-    if need > have:
-        raise ConfigError(
-            f"the simulation would need about {need / GIB:.1f} GiB of memory, more than the "
-            f"{have / GIB:.1f} GiB it may use here (80 % of this machine); use fewer --layers, "
-            "tokens or --ep, or --ranks symmetric"
-        )
-
-
 def check_workload(w, gpu, args) -> None:
-    """The memory checks of a built workload (sim, compare, run)."""
-    check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
+    """The memory checks of a built workload (sim, compare, run): ``overlap_lab.checks``."""
+    from overlap_lab import checks
+
+    checks.check_memory(w, gpu, getattr(args, "allow_oversubscribe", False))
     if getattr(args, "command", None) in ("sim", "compare"):
-        check_sim_memory(w, args)
+        ranks = getattr(args, "ranks", "symmetric")
+        checks.check_sim_memory(w, ranks, getattr(args, "imbalance", "balanced"))
 
 
 # ---- output --------------------------------------------------------------------------------------
-
-
-def to_json(obj) -> str:
-    """RFC 8259 JSON (no NaN or Infinity): a non-finite result is refused with its key."""
-    import json
-
-    try:
-        return json.dumps(obj, sort_keys=True, allow_nan=False)
-    except ValueError:
-        raise ConfigError(
-            f"the result holds a non-finite number ({', '.join(_non_finite(obj)) or '?'}); "
-            "check the hardware options"
-        ) from None
-
-
-def _non_finite(obj, path: str = "") -> list[str]:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return [path or "value"]
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _non_finite(v, f"{path}.{k}".lstrip("."))]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in _non_finite(v, f"{path}[{i}]")]
-    return []
 
 
 def closed_stdout() -> int:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from overlap_lab import report
 from overlap_lab.cli import inputs
-from overlap_lab.cli.calibrate import cost_comments, register_calibration_commands
+from overlap_lab.cli.calibrate import register_calibration_commands
 from overlap_lab.cli.options import (
     Parser,
     add_model_options,
@@ -39,69 +40,15 @@ from overlap_lab.cli.options import (
 )
 from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
-from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.ir.validate import ProgramError
-from overlap_lab.shared.schedules import BASELINE, SCHEDULES, prepare_workload
-from overlap_lab.shared.schedules import build as build_schedule
+from overlap_lab.shared.schedules import BASELINE, SCHEDULES
 
 if TYPE_CHECKING:
-    from overlap_lab.shared.inputs.hardware import GPU
-    from overlap_lab.shared.inputs.workload import Workload
-    from overlap_lab.shared.schedules import ScheduleConfig
+    pass
 
 
 # ---- commands ------------------------------------------------------------------------------------
-
-
-def _print_summary(res: dict) -> None:
-    stages = res["gpus"] // res["ep"]  # pipeline stages of EP-sized groups of GPUs
-    print(
-        f"{res['schedule']}: {res['model']} {res['mode']} on {res['gpu']}, "
-        f"{res['batch']} seqs ({res['tokens']} tokens) per GPU, EP {res['ep']}"
-        + (f", PP {stages} ({res['gpus']} GPUs)" if stages > 1 else "")
-    )
-    it = res["iterations"]
-    per = f" per iteration ({it} simulated)" if it > 1 else ""
-    print(f"  step time        {res['iteration_us'] / 1e3:10.3f} ms{per}")
-    print(f"  throughput       {res['tokens_per_s_gpu']:10.0f} tokens/s per GPU")
-    print(f"  communication    {res['comm_us'] / 1e3:10.3f} ms{per}")
-    print(f"  exposed comm     {res['exposed_comm_us'] / 1e3:10.3f} ms{per}")
-    print(
-        f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
-        f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle"
-    )
-    print(f"  ops              {res['num_ops']:10d}")
-    if "cost_sources" in res:  # where the durations come from: a measurement or the roofline
-        n: dict[str, int] = {}
-        for by in res["cost_sources"].values():
-            for s, k in by.items():
-                n[s] = n.get(s, 0) + k
-        measured = f"{n['profile']} from profile {res['profile']}, " if n.get("profile") else ""
-        if n.keys() <= {"profile", "roofline", "link"}:
-            print(
-                f"  op durations     {measured}{n.get('roofline', 0)} from the roofline "
-                f"(no measurement), {n.get('link', 0)} from the link model"
-            )
-        else:  # a plugged cost model's own sources
-            print(f"  op durations     {', '.join(f'{k} from {s}' for s, k in sorted(n.items()))}")
-    if "straggler_cost_us" in res:
-        steps = [r["window_us"] for r in res["per_rank"]]
-        print(f"  ranks explicit   {len(steps):10d}  ({res['imbalance']})")
-        print(f"  straggler cost   {res['straggler_cost_us'] / 1e3:10.3f} ms{per}")
-        print(f"  rank window ms   {min(steps) / 1e3:10.3f} .. {max(steps) / 1e3:.3f}")
-    for mb in res["micro_batches"]:
-        cut = ", splits a sequence" if mb.get("split_seq") else ""
-        print(
-            f"  micro-batch {mb['index']}: seqs [{mb['seq_lo']}, {mb['seq_hi']}), "
-            f"{mb['tokens']} tokens padded to {mb['padded_tokens']}{cut}"
-        )
-    if "comm_sms" in res:
-        print(f"  communication SMs {res['comm_sms']}")
-    for note in res.get("notes", []):
-        print(f"  note: {note}")
-    for lane, busy in sorted(res["busy_us"].items()):
-        print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
 
 
 def cmd_sim(args) -> int:
@@ -122,93 +69,44 @@ def cmd_sim(args) -> int:
     )
     res = result.as_dict()
     if args.out:
-        from overlap_lab.figures import save_timeline
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result.trace.to_chrome(out / "trace.json", provenance=_provenance(args, result))
-        fig = out / f"timeline.{args.figure_format}"
-        save_timeline(
-            result.trace,
-            fig,
+        files = report.write_run(
+            result,
+            Path(args.out),
+            provenance=_provenance(args, result),
+            figure_format=args.figure_format,
             window=args.window,
             rank=args.rank,
             width=args.width,
-            title=_title(result),
         )
-        res["files"] = [str(out / "trace.json"), str(fig)]
+        res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
-        print(inputs.to_json({**res, "provenance": _provenance(args, result)}))
+        print(report.to_json({**res, "provenance": _provenance(args, result)}))
     else:
-        _print_summary(res)
+        print(report.summary(res))
         for f in res.get("files", []):
             print(f"  wrote {f}")
     return 0
 
 
 def _provenance(args, result) -> dict:
-    """What a written trace and ``sim --json`` record of their run: the version, the command
-    line as typed and the full inputs as simulated (the model with its layers, the GPU with its
-    overrides, the batch and layout, every schedule knob, the ranks and the profile the durations
-    came from), so that a results file alone says how to reproduce it."""
-    from overlap_lab.shared.outputs.trace import provenance
-    from overlap_lab.sim.calibrate import profile_name
+    """What a written trace and ``sim --json`` record of their run (``provenance.run_record``)."""
+    from overlap_lab.provenance import run_record
 
-    inputs = {
-        "schedule": result.schedule,
-        **workload_inputs(result.workload, result.gpu, result.config),
-        "ranks": ranks_from(args),
-        "profile": profile_name(result.profile),
-        "cost_model": result.trace.meta["cost_model"],
-        "network": result.trace.meta["network"],
-    }
-    return provenance(getattr(args, "command_line", None), inputs)
-
-
-def _compare_provenance(
-    args: argparse.Namespace, names: list[str], w: Workload, gpu: GPU, cfg: ScheduleConfig
-) -> dict[str, Any]:
-    """``compare --json``'s record: the schedules compared and the one workload they share (the
-    trace files record each schedule's own run, as ``sim``'s does)."""
-    from overlap_lab.shared.outputs.trace import provenance
-    from overlap_lab.sim.calibrate import profile_name
-    from overlap_lab.sim.profile import profile_for
-
-    inputs = {
-        "schedules": names,
-        **workload_inputs(w, gpu, cfg),
-        "ranks": ranks_from(args),
-        "profile": profile_name(profile_for(args.profile, gpu)),
-        "cost_model": args.cost_model,
-        "network": args.network,
-        "pp_stages": args.pp_size,
-        "sensitivity": args.sensitivity,
-    }
-    return provenance(getattr(args, "command_line", None), inputs)
-
-
-def _title(result) -> str:
-    """The workload in a figure's title: model, mode, batch, layout, GPU."""
-    w = result.workload
-    lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
-    return (
-        f"{result.schedule}: {w.model.label} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
-        f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
-    )
+    return run_record(getattr(args, "command_line", None), result, ranks_from(args))
 
 
 def cmd_show(args) -> int:
-    from overlap_lab import api
     from overlap_lab.shared.ir.validate import validate
+    from overlap_lab.simcase import SimCase, build
 
     check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    w, _ = prepare_workload(args.schedule, w)  # the schedule's workload defaults, as simulated
-    program = build_schedule(args.schedule, w, gpu, cfg)
-    lowered = api.lower_ranks(program, w, gpu, ranks_from(args))
+    _, lowered, _ = build(SimCase(args.schedule, w, gpu, cfg, ranks_from(args)))
     validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
+        from overlap_lab.calibrate import cost_comments
+
         sys.stdout.write(cost_comments(lowered, gpu, profile_from(args, gpu)))
     return 0
 
@@ -245,39 +143,34 @@ def cmd_compare(args) -> int:
         sensitivity=args.sensitivity,
     )
     files = []
-    if args.out and table.sensitivity is not None:  # the ranges figure (docs/uncertainty.md)
-        from overlap_lab.figures import sensitivity_ranges
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        files.append(Path(args.out) / f"sensitivity.{args.figure_format}")
-        sensitivity_ranges(
-            table.sensitivity, files[-1], title=_title(table.baseline).split(": ", 1)[1]
-        )
     if args.out:
-        from overlap_lab.figures import compare_timelines
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        fig = out / f"compare.{args.figure_format}"
-        compare_timelines(
+        files = report.write_comparison(
             table,
-            fig,
+            Path(args.out),
+            provenance_of=lambda result: _provenance(args, result),
+            figure_format=args.figure_format,
             window=args.window,
             rank=args.rank,
             width=args.width,
-            title=_title(table.baseline).split(": ", 1)[1],
         )
-        files.append(fig)
-        for row in table.rows:
-            if row.result is not None:
-                row.result.trace.to_chrome(
-                    out / f"trace_{row.schedule.replace('+', '_')}.json",
-                    provenance=_provenance(args, row.result),
-                )
     if args.json:
+        from overlap_lab.provenance import compare_record
+
         sens = {} if table.sensitivity is None else {"sensitivity": table.sensitivity.as_dict()}
-        prov = _compare_provenance(args, names, w, gpu, cfg)
-        print(inputs.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
+        prov = compare_record(
+            getattr(args, "command_line", None),
+            names,
+            w,
+            gpu,
+            cfg,
+            ranks=ranks_from(args),
+            profile=args.profile,
+            pp_stages=args.pp_size,
+            sensitivity=args.sensitivity,
+            cost_model=args.cost_model,
+            network=args.network,
+        )
+        print(report.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:

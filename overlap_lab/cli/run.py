@@ -2,10 +2,9 @@
 
 :func:`cmd_run` checks the options a run cannot honour and builds the workload as `sim` does;
 :func:`run_main` turns the parsed options (any object with attributes; missing ones take the
-defaults below) into the arguments of :mod:`overlap_lab.measure` and prints what comes back:
-schedule, model, gpu, mode, batch, workload (the GPU run's, built by :func:`cmd_run` like `sim`'s),
-prefix_len, ep, layers, backend, device, check, ranks, json, out, warmup, repeats, seed, tolerance,
-kernels (the kernel families preferred: ``real.kernels``).
+defaults below: :data:`DEFAULTS`; ``workload`` is the GPU run's, built by :func:`cmd_run` like
+`sim`'s) into the arguments of :mod:`overlap_lab.measure` and prints what comes back (``kernels``:
+the kernel families preferred, ``real.kernels``).
 
 - GPU: run the schedule, write the measured trace (Chrome JSON, its ``otherData.provenance``
   the command line and the inputs: ``measure.run_provenance``) and a timeline figure under
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import json as _json
 import sys
-from typing import Any
 
 from overlap_lab.cli import inputs
 from overlap_lab.cli.options import config_from, flag, subcommand_parser, workload_from
@@ -119,41 +117,26 @@ def _run_cpu(args) -> int:
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
     if _opt(args, "json"):  # the check writes no file: this JSON, redirected, is its record
-        out = {**out, "provenance": _check_provenance(args, names, model, tol)}
+        from overlap_lab.provenance import check_record
+
+        prov = check_record(
+            getattr(args, "command_line", None),
+            names,
+            model=model,
+            gpu=_opt(args, "gpu"),
+            ranks=ranks,
+            seed=_opt(args, "seed"),
+            tolerance=tol,
+            cfg=_opt(args, "cfg"),
+            kernels=list(_opt(args, "kernels")),
+        )
+        out = {**out, "provenance": prov}
         print(_json.dumps(out, indent=2, sort_keys=True))
     else:
-        for name, d in out[key].items():
-            mark = "ok" if d <= tol else "FAIL"
-            print(f"{name:16s} max rel diff {d:.2e}  {mark}")
-        for name, e in out.get("errors", {}).items():
-            print(f"{name:16s} ERROR {e}")
-        for name, e in out.get("skipped", {}).items():
-            print(f"{name:16s} skipped for a workload: {e}")
-        for name, e in out.get("unsplit", {}).items():
-            print(f"{name:16s} ran unsplit on {e}")
+        from overlap_lab.report import check_text
+
+        print(check_text(out, key, tol))
     return 0 if out["ok"] else 1
-
-
-def _check_provenance(args, names: list[str], model: str, tolerance: float) -> dict[str, Any]:
-    """The CPU check's record (``shared.outputs.trace.provenance``): the schedules, the tiny model it
-    ran, the GPU preset its costs assume, ranks, seed, tolerance and knobs as given; the
-    workloads are the check's own (``real.check.default_workloads``), fixed by the model."""
-    from overlap_lab.shared.inputs.hardware import get_gpu
-    from overlap_lab.shared.outputs.trace import provenance
-    from overlap_lab.shared.schedules import ScheduleConfig
-
-    cfg = _opt(args, "cfg")
-    inputs = {
-        "schedules": names,
-        "model": model,
-        "gpu": get_gpu(_opt(args, "gpu")),
-        "ranks": int(_opt(args, "ranks")),
-        "seed": _opt(args, "seed"),
-        "tolerance": tolerance,
-        "knobs": (cfg if cfg is not None else ScheduleConfig()).as_dict(),
-        "kernels": list(_opt(args, "kernels")),
-    }
-    return provenance(getattr(args, "command_line", None), inputs)
 
 
 def _run_gpu(args) -> int:
@@ -184,14 +167,9 @@ def _run_gpu(args) -> int:
             )
         )
     else:
-        for name, s in summaries.items():
-            g = s.get("graph_replay_step_time_us")
-            print(
-                f"{name:16s} step {s['step_time_us']:.1f} us (op-by-op spans)"
-                + (f"  graph replay {g:.1f} us" if g else "")
-                + f"  exposed comm {s['exposed_comm_us']:.1f} us  backend {s['backend']}"
-                f"  device {s['device']}" + ("  [pp: stages share one GPU]" if "note" in s else "")
-            )
+        from overlap_lab.report import gpu_run_text
+
+        print(gpu_run_text(summaries))
     return 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Union
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.ir.content import content_key
 from overlap_lab.shared.ir.program_meta import ProgramMeta
 
 
@@ -282,6 +283,13 @@ class Program:
 
     def __str__(self) -> str:
         return to_text(self)
+
+    def content_key(self) -> str:
+        """A SHA-256 of what an interpreter runs of this Program: its ranks, world and symmetry
+        (``shared.ir.content``). Programs that run alike share it, and only they, so a batch of
+        simulations runs each once; ``meta``, the schedule's report about the Program, is not
+        part of it (two seeds of balanced routing report two seeds and run alike)."""
+        return content_key((self.ranks, self.world, self.symmetric))
 
 
 def iter_gpu_instrs(instrs: tuple[Instr, ...]):

@@ -1,0 +1,180 @@
+"""What is checked of a run's inputs before it starts, beyond each value's own range.
+
+- Memory: the GPU's (the model's weights and the KV cache of the batch against ``GPU.mem_gib``)
+  and the simulator's own (an explicit-rank run's routing draw and Program against this
+  machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
+  swapping the machine to a halt.
+- Routing files: a regular text file of finite, sensible numbers.
+- Hardware values that look typed in another unit (:func:`implausible`): taken, but said.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.inputs.hardware import gpu_fields
+from overlap_lab.shared.inputs.preset_files import read_capped
+
+GIB = 1 << 30
+
+
+def _bytes_per(dtype: str) -> int:
+    return 1 if dtype == "fp8" else 2
+
+
+def gpu_memory_bytes(w) -> tuple[float, float]:
+    """(weights, KV cache) bytes one GPU holds: its pipeline stage's layers, its share of the
+    experts and attention heads, the embedding and LM head; the KV cache of its sequences."""
+    m, par, b = w.model, w.parallel, w.batch
+    layers = math.ceil(m.num_layers / par.pp)
+    wb = _bytes_per(m.gemm_dtype)
+    if m.attention == "mla":
+        q = (
+            m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+            if m.q_lora_rank
+            else m.hidden * m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+        )
+        kv = m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+        kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_dim + m.v_head_dim)
+        attn = q + kv + m.num_heads * m.v_head_dim * m.hidden
+        kv_per_token = (m.kv_lora_rank + m.qk_rope_dim) * _bytes_per(m.attn_dtype)
+    else:
+        attn = m.hidden * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        attn += m.num_heads * m.head_dim * m.hidden
+        kv_heads = max(1, m.num_kv_heads // par.attn_tp)
+        kv_per_token = 2 * kv_heads * m.head_dim * _bytes_per(m.attn_dtype)
+    attn //= par.attn_tp
+    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    frac = layers / m.num_layers
+    n_moe, n_dense = sum(moe) * frac, (len(moe) - sum(moe)) * frac
+    expert = 3 * m.hidden * m.expert_inter
+    moe_layer = expert * (m.num_experts // par.ep + m.num_shared_experts) + m.hidden * m.num_experts
+    dense_layer = 3 * m.hidden * m.dense_inter
+    weights = wb * (layers * attn + n_moe * moe_layer + n_dense * dense_layer)
+    weights += 2 * 2 * m.vocab * m.hidden  # embedding and LM head, bf16
+    cached = sum(b.seq_cached(i) + b.seq_tokens(i) for i in range(b.num_seqs))
+    return float(weights), float(cached * kv_per_token * layers)
+
+
+def check_memory(w, gpu, allow: bool) -> None:
+    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``)."""
+    weights, kv = gpu_memory_bytes(w)
+    have = gpu.mem_gib * GIB
+    if weights + kv > have and not allow:
+        raise ConfigError(
+            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache "
+            f"{kv / GIB:.1f} GiB > {gpu.mem_gib:g} GiB ({gpu.name}, --mem-gib); use fewer or "
+            "shorter sequences, more --ep/--pp-size, or --allow-oversubscribe"
+        )
+
+
+def host_memory_bytes() -> float:
+    """This machine's physical memory."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return float("inf")
+
+
+def sim_memory_bytes(w, ranks: str = "symmetric", imbalance: str = "balanced") -> float:
+    """A rough upper estimate of the simulator's own memory for an explicit-rank run: the
+    routing draw of every MoE layer when sampled (tokens of all ranks × experts: the int64
+    ``argpartition`` result ``shared.inputs.routing`` keeps per layer, and one float32 score array at a
+    time) plus the explicit Program (about 1 KB per op, 32 ops
+    per layer and rank, and 128 B per flow of its four all-to-alls per layer; a DeepSeek-V3
+    decode step at EP 32 measures under 100 MB)."""
+    if ranks != "explicit":
+        return 0.0
+    m, par = w.model, w.parallel
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    tokens = w.batch.num_tokens * par.ep
+    sampled = str(imbalance) != "balanced"
+    routing = (moe_layers * 8 + 4) * tokens * m.num_experts if sampled else 0
+    program = par.ep * m.num_layers * (32 * 1024 + 4 * par.ep * 128)
+    return float(routing + program)
+
+
+def check_sim_memory(w, ranks: str = "symmetric", imbalance: str = "balanced") -> None:
+    """Refuse an explicit-rank run whose estimated footprint exceeds 80 % of this machine."""
+    need, have = sim_memory_bytes(w, ranks, imbalance), 0.8 * host_memory_bytes()
+    if need > have:
+        raise ConfigError(
+            f"the simulation would need about {need / GIB:.1f} GiB of memory, more than the "
+            f"{have / GIB:.1f} GiB it may use here (80 % of this machine); use fewer --layers, "
+            "tokens or --ep, or --ranks symmetric"
+        )
+
+
+#: Routing files larger than this are refused (a routing sample is a few MB).
+MAX_ROUTING_FILE_BYTES = 256 << 20
+MAX_EXPERT_COUNT = 1e15
+
+
+def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
+    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
+    from overlap_lab.shared.inputs.routing import read_sample
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"routing file {path}: is a directory")
+    if not p.is_file():
+        raise ConfigError(f"routing file {path}: no such file")
+    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
+    if "\x00" in text:
+        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
+    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
+        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
+    sample = read_sample(path, num_experts, top_k)
+    counts = getattr(sample, "counts", None)
+    if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):
+        raise ConfigError(
+            f"routing file {path}: expert counts must be finite numbers in 0..{MAX_EXPERT_COUNT:g}"
+        )
+
+
+#: A value more than this many times the fastest built-in preset's is said to be implausible.
+IMPLAUSIBLE = 2.0
+
+
+@functools.cache
+def _fastest_presets() -> dict[str, tuple[float, str]]:
+    """GPU field -> (its largest value among the built-in presets, that preset's name)."""
+    from overlap_lab.shared.inputs.hardware import GPUS
+
+    out = {}
+    for k in gpu_fields():
+        if k.scalar in (int, float):
+            name = max(GPUS, key=lambda n: getattr(GPUS[n], k.name))
+            if getattr(GPUS[name], k.name) > 0:
+                out[k.name] = (getattr(GPUS[name], k.name), name)
+    return out
+
+
+def implausible(values: Mapping[str, float | None]) -> list[str]:
+    """What to say of the hardware values given (``values``: GPU field -> the value, None: not
+    given) above :data:`IMPLAUSIBLE` times the fastest built-in preset's: such a value is taken,
+    but is most likely in another unit (``--rdma-gbps 400`` for a 400 Gb/s NIC, which is
+    50 GB/s)."""
+    records = {k.name: k for k in gpu_fields()}
+    out = []
+    for field, (top, name) in _fastest_presets().items():
+        v = values.get(field)
+        if v is None or v <= IMPLAUSIBLE * top:
+            continue
+        unit = records[field].unit
+        hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
+        out.append(
+            f"{records[field].flag} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
+            f"GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
+        )
+    return out
