@@ -311,6 +311,97 @@ def figure(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+NOTES = """\
+# CPU-GPU overlap scheduler: host time hidden up to the GPU time; TTFT cost of a prefill
+
+{stamp}  ·  schedule `sglang-overlap` (and its
+`--disable-overlap-schedule` path), simulated. Host costs are `shared.inputs.hardware.HostCosts`
+(estimates, not measurements) scaled by the factor shown; kernel launches cost `launch_us` each
+(one `graph_launch_us` for a CUDA-graph decode forward).
+
+## (a) Iteration time = max(GPU, host) with overlap, GPU + host without
+DeepSeek-V2-Lite decode, 32 requests per GPU, EP8, H100. Host time per iteration = recv +
+get_next_batch_to_run + the launches + processing and sending the previous batch.
+
+| host | host ms | GPU ms | overlap ms | max(GPU, host) | normal ms | GPU + host | speed-up |
+|---|---|---|---|---|---|---|---|
+{rows_a}
+
+The overlap loop's iteration matches max(GPU, host) within {worst_pct:.1f} % over the sweep and
+the normal loop matches GPU + host: the host work is hidden completely while it is shorter than the
+forward, and once it is longer the GPU idles (forward stream gap) for the difference. The one
+host block per iteration (`copy_done.synchronize()`) keeps the host exactly one step ahead.
+
+## (b) What it buys on DeepSeek-V3 (EP32, H800, default host costs)
+
+| requests/GPU | host ms | GPU ms | overlap ms | normal ms | speed-up |
+|---|---|---|---|---|---|
+{rows_b}
+
+With a 61-layer model at EP32 the forward is tens of ms and the scheduler's host work (under a few
+ms with these estimates) is small beside it: overlap buys the host fraction, a few percent. It
+matters where the GPU step is short (small models, small batches, fast GPUs), as in (a).
+
+## (c) TTFT of a prefill under overlap
+A cohort of 8 x 32-token prompts is prefilled, decoded twice, then a second cohort is prefilled
+(step {step}) and joins the decode batch. TTFT here = from the `recv_requests` of the iteration that
+picks the prompt up to its first token reaching the detokenizer.
+
+| host | overlap iteration ms | TTFT normal | TTFT overlap | cost | of which lookahead | of which deferral | iterations late (overlap / normal) |
+|---|---|---|---|---|---|---|---|
+{rows_c}
+
+- The token always leaves one loop iteration later under overlap (its result is processed in
+  iteration {next_step}, after batch {next_step} has been scheduled and launched; the normal loop
+  processes it in iteration {step}): SGLang's "one iteration".
+- In time, at default-ish host costs (x{low[0][host_scale]:g}..x1) the cost is
+  {cost_lo:.2f}-{cost_hi:.2f}
+  of an overlap iteration, and it is almost all *lookahead*, not deferral: the host picks the
+  prompt up while the GPU is still running the previous decode (the host is one step ahead), so
+  the prefill's forward starts up to one forward later than in the normal loop, which picks it up
+  with the GPU idle. The result itself is processed as soon as its copy lands, because the host
+  has already scheduled and launched the next batch and is waiting in `copy_done.synchronize()`.
+- The *deferral* (time from the forward's end to the result being processed) costs extra only
+  when the next iteration's host work (its recv, scheduling, launches and the processing of the
+  batch before) outlasts the prefill's forward: then the result sits in the queue for the
+  difference (the rising curve in (c) at large host costs), up to one host iteration.
+- As host cost grows the loop becomes host-bound, the GPU is idle when the prompt is picked up,
+  the lookahead part vanishes and the total cost falls towards the deferral part.
+
+## (d) The consecutive-prefill switch
+Two prefill cohorts in a row, then decodes; TTFT of the first (and second) prefill, total time
+of 5 iterations and GPU idle time:
+
+| host | loop | TTFT 1st ms | wait after forward ms | TTFT 2nd ms | total ms | GPU idle ms |
+|---|---|---|---|---|---|---|
+{rows_d}
+
+SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP processes the first prefill before launching the
+second. It helps the first prefill's TTFT only by the host work that overlap puts between that
+prefill's forward and its processing beyond what the forward hides (here: scheduling the second
+prefill and launching its eager forward, one launch per kernel, longer than this short prefill's
+forward): {switch}. It costs the GPU the idle time of processing the first result before the
+second forward can be launched, and the second prefill's TTFT.
+
+## Where the model disagrees with SGLang's description, and why
+- SGLang's design notes say the deferred prefill's first token waits one more iteration of GPU
+  forward time. The model agrees on the count (one loop iteration) but in time the cost is the
+  lookahead (the forward starting one forward later) when the GPU is the bottleneck, and the
+  result's processing delay only when the host is: overlapping does not add a full forward
+  between a prefill's end and its processing unless the host lags. Real schedulers also have host
+  syncs the model leaves out (e.g. attention-backend planning that reads sequence lengths on the
+  host), which would make the deferral closer to that description.
+- The D2H copy runs on the copy stream after a wait on the forward stream, as SGLang's design
+  001 §3 describe; upstream's `copy_to_cpu` issues `.to("cpu", non_blocking=True)` on the current
+  (forward) stream. The two differ only in whether the next forward queues behind a few-µs copy.
+- Host costs are estimates (HostCosts); the sweep shows the shape, not SGLang's measured overhead.
+  Spec-v2 draft/verify kernels and grammar mask building are not modeled (only their effect on the
+  loop: the forced-serial case and the delayed sample).
+- Figure (e): the loop at host x{show_scale} around the measured prefill (host lane, schedule / forward /
+  copy streams, links).
+"""
+
+
 def notes(doc: dict) -> str:
     dec, v3, tt, cons = (sweep(doc["rows"], k) for k in ("decode", "v3", "ttft", "consecutive"))
 
@@ -320,6 +411,13 @@ def notes(doc: dict) -> str:
             f"{r['overlap_us'] / 1e3:.2f} | {r['overlap_bound_us'] / 1e3:.2f} | "
             f"{r['normal_us'] / 1e3:.2f} | {r['normal_bound_us'] / 1e3:.2f} | "
             f"{100 * r['throughput_change']:+.0f} % |"
+        )
+
+    def row_b(r):
+        return (
+            f"| {r['requests_per_gpu']} | {r['host_us'] / 1e3:.2f} | {r['gpu_us'] / 1e3:.1f} | "
+            f"{r['overlap_us'] / 1e3:.1f} | {r['normal_us'] / 1e3:.1f} | "
+            f"{100 * r['throughput_change']:+.1f} % |"
         )
 
     def row_c(r):
@@ -353,94 +451,21 @@ def notes(doc: dict) -> str:
     )
     worst = max(r["overlap_bound_error"] for r in dec)
     low = [r for r in tt if r["host_scale"] <= 1]
-    return f"""# CPU-GPU overlap scheduler: host time hidden up to the GPU time; TTFT cost of a prefill
-
-{stamp(doc)}  ·  schedule `sglang-overlap` (and its
-`--disable-overlap-schedule` path), simulated. Host costs are `shared.inputs.hardware.HostCosts`
-(estimates, not measurements) scaled by the factor shown; kernel launches cost `launch_us` each
-(one `graph_launch_us` for a CUDA-graph decode forward).
-
-## (a) Iteration time = max(GPU, host) with overlap, GPU + host without
-DeepSeek-V2-Lite decode, 32 requests per GPU, EP8, H100. Host time per iteration = recv +
-get_next_batch_to_run + the launches + processing and sending the previous batch.
-
-| host | host ms | GPU ms | overlap ms | max(GPU, host) | normal ms | GPU + host | speed-up |
-|---|---|---|---|---|---|---|---|
-{chr(10).join(row_a(r) for r in dec)}
-
-The overlap loop's iteration matches max(GPU, host) within {100 * worst:.1f} % over the sweep and
-the normal loop matches GPU + host: the host work is hidden completely while it is shorter than the
-forward, and once it is longer the GPU idles (forward stream gap) for the difference. The one
-host block per iteration (`copy_done.synchronize()`) keeps the host exactly one step ahead.
-
-## (b) What it buys on DeepSeek-V3 (EP32, H800, default host costs)
-
-| requests/GPU | host ms | GPU ms | overlap ms | normal ms | speed-up |
-|---|---|---|---|---|---|
-{chr(10).join(f"| {r['requests_per_gpu']} | {r['host_us'] / 1e3:.2f} | {r['gpu_us'] / 1e3:.1f} | {r['overlap_us'] / 1e3:.1f} | {r['normal_us'] / 1e3:.1f} | {100 * r['throughput_change']:+.1f} % |" for r in v3)}
-
-With a 61-layer model at EP32 the forward is tens of ms and the scheduler's host work (under a few
-ms with these estimates) is small beside it: overlap buys the host fraction, a few percent. It
-matters where the GPU step is short (small models, small batches, fast GPUs), as in (a).
-
-## (c) TTFT of a prefill under overlap
-A cohort of 8 x 32-token prompts is prefilled, decoded twice, then a second cohort is prefilled
-(step {TTFT_STEP}) and joins the decode batch. TTFT here = from the `recv_requests` of the iteration that
-picks the prompt up to its first token reaching the detokenizer.
-
-| host | overlap iteration ms | TTFT normal | TTFT overlap | cost | of which lookahead | of which deferral | iterations late (overlap / normal) |
-|---|---|---|---|---|---|---|---|
-{chr(10).join(row_c(r) for r in tt)}
-
-- The token always leaves one loop iteration later under overlap (its result is processed in
-  iteration {TTFT_STEP + 1}, after batch {TTFT_STEP + 1} has been scheduled and launched; the normal loop
-  processes it in iteration {TTFT_STEP}): SGLang's "one iteration".
-- In time, at default-ish host costs (x{low[0]["host_scale"]:g}..x1) the cost is
-  {min(r["ttft_cost_iterations"] for r in low):.2f}-{max(r["ttft_cost_iterations"] for r in low):.2f}
-  of an overlap iteration, and it is almost all *lookahead*, not deferral: the host picks the
-  prompt up while the GPU is still running the previous decode (the host is one step ahead), so
-  the prefill's forward starts up to one forward later than in the normal loop, which picks it up
-  with the GPU idle. The result itself is processed as soon as its copy lands, because the host
-  has already scheduled and launched the next batch and is waiting in `copy_done.synchronize()`.
-- The *deferral* (time from the forward's end to the result being processed) costs extra only
-  when the next iteration's host work (its recv, scheduling, launches and the processing of the
-  batch before) outlasts the prefill's forward: then the result sits in the queue for the
-  difference (the rising curve in (c) at large host costs), up to one host iteration.
-- As host cost grows the loop becomes host-bound, the GPU is idle when the prompt is picked up,
-  the lookahead part vanishes and the total cost falls towards the deferral part.
-
-## (d) The consecutive-prefill switch
-Two prefill cohorts in a row, then decodes; TTFT of the first (and second) prefill, total time
-of 5 iterations and GPU idle time:
-
-| host | loop | TTFT 1st ms | wait after forward ms | TTFT 2nd ms | total ms | GPU idle ms |
-|---|---|---|---|---|---|---|
-{chr(10).join(row_d(r) for r in cons)}
-
-SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP processes the first prefill before launching the
-second. It helps the first prefill's TTFT only by the host work that overlap puts between that
-prefill's forward and its processing beyond what the forward hides (here: scheduling the second
-prefill and launching its eager forward, one launch per kernel, longer than this short prefill's
-forward): {switch_text}. It costs the GPU the idle time of processing the first result before the
-second forward can be launched, and the second prefill's TTFT.
-
-## Where the model disagrees with SGLang's description, and why
-- SGLang's design notes say the deferred prefill's first token waits one more iteration of GPU
-  forward time. The model agrees on the count (one loop iteration) but in time the cost is the
-  lookahead (the forward starting one forward later) when the GPU is the bottleneck, and the
-  result's processing delay only when the host is: overlapping does not add a full forward
-  between a prefill's end and its processing unless the host lags. Real schedulers also have host
-  syncs the model leaves out (e.g. attention-backend planning that reads sequence lengths on the
-  host), which would make the deferral closer to that description.
-- The D2H copy runs on the copy stream after a wait on the forward stream, as SGLang's design
-  001 §3 describe; upstream's `copy_to_cpu` issues `.to("cpu", non_blocking=True)` on the current
-  (forward) stream. The two differ only in whether the next forward queues behind a few-µs copy.
-- Host costs are estimates (HostCosts); the sweep shows the shape, not SGLang's measured overhead.
-  Spec-v2 draft/verify kernels and grammar mask building are not modeled (only their effect on the
-  loop: the forced-serial case and the delayed sample).
-- Figure (e): the loop at host x{SHOW_SCALE} around the measured prefill (host lane, schedule / forward /
-  copy streams, links).
-"""
+    return NOTES.format(
+        show_scale=SHOW_SCALE,
+        step=TTFT_STEP,
+        low=low,
+        switch=switch_text,
+        stamp=stamp(doc),
+        rows_a="\n".join(row_a(r) for r in dec),
+        worst_pct=100 * worst,
+        rows_b="\n".join(row_b(r) for r in v3),
+        rows_c="\n".join(row_c(r) for r in tt),
+        next_step=TTFT_STEP + 1,
+        cost_lo=min(r["ttft_cost_iterations"] for r in low),
+        cost_hi=max(r["ttft_cost_iterations"] for r in low),
+        rows_d="\n".join(row_d(r) for r in cons),
+    )
 
 
 EXPERIMENT = Experiment(

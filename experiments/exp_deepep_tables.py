@@ -188,6 +188,28 @@ def max_error(doc: dict) -> float:
     return max(abs(r[w]["error"]) for r in doc["rows"] for w in ("dispatch", "combine"))
 
 
+NOTES = """\
+# DeepEP published tables vs the model (H800, hidden 7168, top-8)
+
+{stamp}
+
+Source: {doc[source]}. Model: explicit ranks, seeded uniform routing (each row the mean of seeds
+{seeds}; the spread of one draw is in the JSON, `error_range`),
+preset NVLink {gpu[nvlink_eff_gbps]:g} GB/s, RDMA {gpu[rdma_eff_gbps]:g} GB/s over the links,
+low-latency receive fixed cost {gpu[deepep_ll_recv_us]:g} µs (`shared/inputs/hardware.py`).
+
+## Normal kernels ({doc[normal_tokens]} tokens per rank), bottleneck bandwidth
+
+{normal_table}
+
+## Low-latency kernels (128 tokens per rank), latency
+
+{low_latency_table}
+
+Largest |error| {worst:.1%}: {verdict} rows within {tolerance:.0%}.
+"""
+
+
 def to_markdown(doc: dict) -> str:
     gpu = doc["presets"]["gpus"]["h800"]
     normal, ll = _split(doc)
@@ -206,19 +228,15 @@ def to_markdown(doc: dict) -> str:
     ]  # fmt: skip
     worst = max_error(doc)
     verdict = "all" if worst <= TOLERANCE else "NOT all"
-    return f"""# DeepEP published tables vs the model (H800, hidden 7168, top-8)
-
-{stamp(doc)}
-
-Source: {doc["source"]}. Model: explicit ranks, seeded uniform routing (each row the mean of seeds
-{", ".join(map(str, doc["seeds"]))}; the spread of one draw is in the JSON, `error_range`),
-preset NVLink {gpu["nvlink_eff_gbps"]:g} GB/s, RDMA {gpu["rdma_eff_gbps"]:g} GB/s over the links,
-low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/inputs/hardware.py`).
-
-## Normal kernels ({doc["normal_tokens"]} tokens per rank), bottleneck bandwidth
-
-{
-        md_table(
+    return NOTES.format(
+        tolerance=TOLERANCE,
+        doc=doc,
+        gpu=gpu,
+        verdict=verdict,
+        worst=worst,
+        stamp=stamp(doc),
+        seeds=", ".join(map(str, doc["seeds"])),
+        normal_table=md_table(
             [
                 "EP",
                 "link",
@@ -231,13 +249,8 @@ low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/inputs/
             ],
             n_tab,
             "---:",
-        )
-    }
-
-## Low-latency kernels (128 tokens per rank), latency
-
-{
-        md_table(
+        ),
+        low_latency_table=md_table(
             [
                 "EP",
                 "dispatch published",
@@ -249,11 +262,8 @@ low-latency receive fixed cost {gpu["deepep_ll_recv_us"]:g} µs (`shared/inputs/
             ],
             l_tab,
             "---:",
-        )
-    }
-
-Largest |error| {worst:.1%}: {verdict} rows within {TOLERANCE:.0%}.
-"""
+        ),
+    )
 
 
 def plot(doc: dict, path: Path) -> None:

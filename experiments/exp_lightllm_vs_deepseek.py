@@ -226,8 +226,78 @@ def figure(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+NOTES = """\
+# LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?
+
+{stamp}  ·  numbers in `{name}.json`, figure `{name}.png` / `.svg`.
+Simulator, {gpu_name} preset, DeepSeek-V3, the EP sizes of DeepSeek's published profiles
+(deepseek-ai/profile-data): decode EP{doc[decode_ep]} with {context_k}K contexts,
+prefill EP{doc[prefill_ep]} with {context_k}K prompts. Schedules: `lightllm`
+(docs/schedules.md, upstream `overlap_tpsp_token_forward` / `overlap_tpsp_context_forward`),
+`deepseek` (docs/schedules.md, the day-6 blog figures), `serial` as reference. "Comm-only" is
+`Trace.comm_only_us`: GPU time in which communication (a comm kernel or a transfer in flight)
+runs and no compute or copy does; per-layer numbers are for layer {layer}, one steady-state
+period (micro-batch 0's first attention kernel of layer {layer} to that of the next).
+"DeepSeek ahead": the share of the {design} at which DeepSeek's
+step is shorter than LightLLM's, both perturbed alike.
+
+## What the model shows
+
+Decode (requests per GPU; ms per step; comm-only in ms; per-layer comm-only in µs):
+
+{decode_table}
+
+- At {dec[0]} requests LightLLM's and DeepSeek's steps take {small_lt_ms} and {small_ds_ms} ms,
+  {small_lt_loss:.0f} and {small_ds_loss:.0f} % slower than serial: splitting
+  halves the grouped GEMMs' M while each half still reads the expert weights, the small-batch
+  loss SGLang reports for TBO.
+- From {big[0][requests]} requests on, LightLLM leaves the GPU with only communication
+  {ratio_lo:.1f}-{ratio_hi:.1f}x as long as DeepSeek's pipeline and is
+  {slower_lo:.0f}-{slower_hi:.0f} % slower; DeepSeek's order is ahead at every
+  point of the design at {sure} requests.
+  Where, at {show_decode} requests: the largest comm-only window of LightLLM's layer
+  {layer} is "{shown[layer_comm_only_top][where]}" ({shown[layer_comm_only_top][us]:.0f} µs of
+  {shown[layer_comm_only_us]:.0f}). LightLLM moves the MoE block one slot later and runs a
+  micro-batch's attention and shared expert back to back, so a combine or dispatch is covered by
+  a single expert GEMM: what LightLLM's design notes suspect.
+
+Prefill ({context_k}K prompts per GPU; ms per step; comm-only in ms):
+
+{prefill_table}
+
+- One prompt: LightLLM splits by request count, so its second micro-batch holds
+  {one_lt[micro_batches][1][tokens]} tokens and nothing overlaps
+  (x{one_lt[speedup_over_serial]:.2f} against serial); DeepSeek cuts the prompt
+  ({one_ds[micro_batches][0][tokens]} / {one_ds[micro_batches][1][tokens]} tokens) so that
+  the attention pairs balance (x{one_ds[speedup_over_serial]:.2f}).
+- With balanced micro-batches ({show_prefill} prompts) little communication is left exposed
+  by either order: DeepSeek's pipeline leaves {p_ds_comm_only_pct:.1f} % of its step
+  with only communication, LightLLM's {p_lt_comm_only_pct:.1f} %. LightLLM is still
+  {p_lt_slower_pct:.0f} % slower ({p_lt_ms} against {p_ds_ms} ms),
+  and DeepSeek's order is ahead at {p_lt_share} of the points: the difference lies in which
+  kernels run side by side and how the SMs are split (DeepSeek's static split gives
+  {p_ds[comm_sms]} of {gpu[num_sms]} SMs to communication; LightLLM never limits
+  DeepGEMM's SMs), not in communication left bare.
+
+## Where the model may disagree with the published figures, and why
+
+- Prefill traffic follows DeepEP's internode normal kernels (`shared/ir/deepep.py`): one RDMA copy
+  per token and destination node to the same-rail GPU, then NVLink forwarding.
+- DeepSeek's decode figure draws SHARED + ATTN-0 as long as a DISPATCH; in the model the
+  low-latency dispatch over RDMA can outlast them, and its receive hook is then exposed (the
+  per-layer comm-only column). The relative sizes of DeepSeek's ATTN-0 and dispatch are not
+  published; the cost model's are estimates (GPU preset, docs/uncertainty.md).
+- Who gets the SMs when a communication kernel and a GEMM are released by the same event is the
+  simulator's rule (stream priority, then launch order; no preemption: docs/sm-sharing.md); on
+  hardware it depends on the block scheduler. The size of LightLLM's prefill gap rests on that
+  tie, its existence on the missing SM reservation.
+- Host side: both prefill Programs include the host busy-wait of DeepEP's normal dispatch for the
+  received-token counts (`shared/ir/lowering.py`).
+"""
+
+
 def notes(doc: dict) -> str:
-    """The notes, every number from the results file (tests/test_experiment_notes.py)."""
+    """:data:`NOTES` over the results file (tests/test_experiment_notes.py)."""
     rows = doc["rows"]
     at = {(r["mode"], r["requests"], r["schedule"]): r for r in rows}
     layer = rows[0]["layer"]
@@ -281,73 +351,66 @@ def notes(doc: dict) -> str:
     )
     gpu = doc["presets"]["gpus"][GPU]
     sure_dec = [r for r in big if r["deepseek_ahead_share"] == 1.0]
-    return f"""# LightLLM's order against DeepSeek's: when does the GPU sit with only communication running?
-
-{stamp(doc)}  ·  numbers in `{NAME}.json`, figure `{NAME}.png` / `.svg`.
-Simulator, {GPU} preset, DeepSeek-V3, the EP sizes of DeepSeek's published profiles
-(deepseek-ai/profile-data): decode EP{doc["decode_ep"]} with {doc["context"] // 1024}K contexts,
-prefill EP{doc["prefill_ep"]} with {doc["context"] // 1024}K prompts. Schedules: `lightllm`
-(docs/schedules.md, upstream `overlap_tpsp_token_forward` / `overlap_tpsp_context_forward`),
-`deepseek` (docs/schedules.md, the day-6 blog figures), `serial` as reference. "Comm-only" is
-`Trace.comm_only_us`: GPU time in which communication (a comm kernel or a transfer in flight)
-runs and no compute or copy does; per-layer numbers are for layer {layer}, one steady-state
-period (micro-batch 0's first attention kernel of layer {layer} to that of the next).
-"DeepSeek ahead": the share of the {design_sentence(doc["sensitivity"])} at which DeepSeek's
-step is shorter than LightLLM's, both perturbed alike.
-
-## What the model shows
-
-Decode (requests per GPU; ms per step; comm-only in ms; per-layer comm-only in µs):
-
-{md_table(["req/GPU", "serial", "lightllm", "deepseek", "lightllm comm-only", "deepseek comm-only", f"layer {layer}: lightllm / deepseek", "DeepSeek ahead"], dec_tab, "---:")}
-
-- At {dec[0]} requests LightLLM's and DeepSeek's steps take {ms(small_lt)} and {ms(small_ds)} ms,
-  {100 * (1 - small_lt["speedup_over_serial"]):.0f} and {100 * (1 - small_ds["speedup_over_serial"]):.0f} % slower than serial: splitting
-  halves the grouped GEMMs' M while each half still reads the expert weights, the small-batch
-  loss SGLang reports for TBO.
-- From {big[0]["requests"]} requests on, LightLLM leaves the GPU with only communication
-  {min(ratios):.1f}-{max(ratios):.1f}x as long as DeepSeek's pipeline and is
-  {100 * min(slower):.0f}-{100 * max(slower):.0f} % slower; DeepSeek's order is ahead at every
-  point of the design at {", ".join(str(r["requests"]) for r in sure_dec) or "none"} requests.
-  Where, at {SHOW_DECODE} requests: the largest comm-only window of LightLLM's layer
-  {layer} is "{shown["layer_comm_only_top"]["where"]}" ({shown["layer_comm_only_top"]["us"]:.0f} µs of
-  {shown["layer_comm_only_us"]:.0f}). LightLLM moves the MoE block one slot later and runs a
-  micro-batch's attention and shared expert back to back, so a combine or dispatch is covered by
-  a single expert GEMM: what LightLLM's design notes suspect.
-
-Prefill ({doc["context"] // 1024}K prompts per GPU; ms per step; comm-only in ms):
-
-{md_table(["prompts (K tokens)", "serial", "lightllm", "deepseek", "lightllm comm-only", "deepseek comm-only", "DeepSeek ahead"], pre_tab, "---:")}
-
-- One prompt: LightLLM splits by request count, so its second micro-batch holds
-  {one_lt["micro_batches"][1]["tokens"]} tokens and nothing overlaps
-  (x{one_lt["speedup_over_serial"]:.2f} against serial); DeepSeek cuts the prompt
-  ({one_ds["micro_batches"][0]["tokens"]} / {one_ds["micro_batches"][1]["tokens"]} tokens) so that
-  the attention pairs balance (x{one_ds["speedup_over_serial"]:.2f}).
-- With balanced micro-batches ({SHOW_PREFILL} prompts) little communication is left exposed
-  by either order: DeepSeek's pipeline leaves {100 * p_ds["comm_only_share"]:.1f} % of its step
-  with only communication, LightLLM's {100 * p_lt["comm_only_share"]:.1f} %. LightLLM is still
-  {100 * p_lt["slower_than_deepseek"]:.0f} % slower ({ms(p_lt, d=0)} against {ms(p_ds, d=0)} ms),
-  and DeepSeek's order is ahead at {share(p_lt)} of the points: the difference lies in which
-  kernels run side by side and how the SMs are split (DeepSeek's static split gives
-  {p_ds["comm_sms"]} of {gpu["num_sms"]} SMs to communication; LightLLM never limits
-  DeepGEMM's SMs), not in communication left bare.
-
-## Where the model may disagree with the published figures, and why
-
-- Prefill traffic follows DeepEP's internode normal kernels (`shared/ir/deepep.py`): one RDMA copy
-  per token and destination node to the same-rail GPU, then NVLink forwarding.
-- DeepSeek's decode figure draws SHARED + ATTN-0 as long as a DISPATCH; in the model the
-  low-latency dispatch over RDMA can outlast them, and its receive hook is then exposed (the
-  per-layer comm-only column). The relative sizes of DeepSeek's ATTN-0 and dispatch are not
-  published; the cost model's are estimates (GPU preset, docs/uncertainty.md).
-- Who gets the SMs when a communication kernel and a GEMM are released by the same event is the
-  simulator's rule (stream priority, then launch order; no preemption: docs/sm-sharing.md); on
-  hardware it depends on the block scheduler. The size of LightLLM's prefill gap rests on that
-  tie, its existence on the missing SM reservation.
-- Host side: both prefill Programs include the host busy-wait of DeepEP's normal dispatch for the
-  received-token counts (`shared/ir/lowering.py`).
-"""
+    return NOTES.format(
+        gpu_name=GPU,
+        name=NAME,
+        show_decode=SHOW_DECODE,
+        show_prefill=SHOW_PREFILL,
+        big=big,
+        dec=dec,
+        doc=doc,
+        gpu=gpu,
+        layer=layer,
+        one_ds=one_ds,
+        one_lt=one_lt,
+        p_ds=p_ds,
+        shown=shown,
+        stamp=stamp(doc),
+        context_k=doc["context"] // 1024,
+        design=design_sentence(doc["sensitivity"]),
+        decode_table=md_table(
+            [
+                "req/GPU",
+                "serial",
+                "lightllm",
+                "deepseek",
+                "lightllm comm-only",
+                "deepseek comm-only",
+                f"layer {layer}: lightllm / deepseek",
+                "DeepSeek ahead",
+            ],
+            dec_tab,
+            "---:",
+        ),
+        small_lt_ms=ms(small_lt),
+        small_ds_ms=ms(small_ds),
+        small_lt_loss=100 * (1 - small_lt["speedup_over_serial"]),
+        small_ds_loss=100 * (1 - small_ds["speedup_over_serial"]),
+        ratio_lo=min(ratios),
+        ratio_hi=max(ratios),
+        slower_lo=100 * min(slower),
+        slower_hi=100 * max(slower),
+        sure=", ".join(str(r["requests"]) for r in sure_dec) or "none",
+        prefill_table=md_table(
+            [
+                "prompts (K tokens)",
+                "serial",
+                "lightllm",
+                "deepseek",
+                "lightllm comm-only",
+                "deepseek comm-only",
+                "DeepSeek ahead",
+            ],
+            pre_tab,
+            "---:",
+        ),
+        p_ds_comm_only_pct=100 * p_ds["comm_only_share"],
+        p_lt_comm_only_pct=100 * p_lt["comm_only_share"],
+        p_lt_slower_pct=100 * p_lt["slower_than_deepseek"],
+        p_lt_ms=ms(p_lt, d=0),
+        p_ds_ms=ms(p_ds, d=0),
+        p_lt_share=share(p_lt),
+    )
 
 
 EXPERIMENT = Experiment(

@@ -117,34 +117,14 @@ def figure(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def notes(doc: dict) -> str:
-    rows = doc["rows"]
-    header = ["pp_size", "micro-batches", "idle per rank (%)", "mean idle", "tokens/s/GPU"]
-    tab = []
-    for r in rows:
-        per = " ".join(f"{100 * x:.0f}" for x in r["idle_per_rank"])
-        tab.append(
-            [
-                r["pp_size"],
-                r["micro_batches"],
-                per,
-                f"{100 * r['idle_mean']:.0f} %",
-                f"{r['tokens_per_s_per_gpu']:.0f}",
-            ]
-        )
-    at = {(r["pp_size"], r["micro_batches"]): r for r in rows}
-    pps = sorted({r["pp_size"] for r in rows})
-    base = ", ".join(f"pp {p}: {100 * at[(p, p)]['idle_mean']:.0f} %" for p in pps)
-    best = ", ".join(
-        f"pp {p}: {100 * min(r['idle_mean'] for r in rows if r['pp_size'] == p):.0f} %" for p in pps
-    )
-    return f"""# PP bubbles against the number of micro-batches
+NOTES = """\
+# PP bubbles against the number of micro-batches
 
-{stamp(doc)}  ·  DeepSeek-V3 decode, {TOKENS} tokens per
-micro-batch per GPU, {CONTEXT} context, EP {EP} per stage, {GPU}, CUDA graphs,
-DeepEP low-latency; {ROUNDS} rounds of event_loop_pp simulated, idle measured over the middle ones.
+{stamp}  ·  DeepSeek-V3 decode, {tokens} tokens per
+micro-batch per GPU, {context} context, EP {ep} per stage, {gpu}, CUDA graphs,
+DeepEP low-latency; {rounds} rounds of event_loop_pp simulated, idle measured over the middle ones.
 
-{md_table(header, tab)}
+{table}
 
 Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in the sweep: {best}.
 
@@ -179,6 +159,40 @@ Mean idle at SGLang's own setting (micro-batches = pp_size): {base}; lowest in t
   launch overhead of a non-graph (prefill) forward would move.
 - Balanced routing, identical micro-batches; no chunked prefill in flight.
 """
+
+
+def notes(doc: dict) -> str:
+    rows = doc["rows"]
+    header = ["pp_size", "micro-batches", "idle per rank (%)", "mean idle", "tokens/s/GPU"]
+    tab = []
+    for r in rows:
+        per = " ".join(f"{100 * x:.0f}" for x in r["idle_per_rank"])
+        tab.append(
+            [
+                r["pp_size"],
+                r["micro_batches"],
+                per,
+                f"{100 * r['idle_mean']:.0f} %",
+                f"{r['tokens_per_s_per_gpu']:.0f}",
+            ]
+        )
+    at = {(r["pp_size"], r["micro_batches"]): r for r in rows}
+    pps = sorted({r["pp_size"] for r in rows})
+    base = ", ".join(f"pp {p}: {100 * at[(p, p)]['idle_mean']:.0f} %" for p in pps)
+    best = ", ".join(
+        f"pp {p}: {100 * min(r['idle_mean'] for r in rows if r['pp_size'] == p):.0f} %" for p in pps
+    )
+    return NOTES.format(
+        context=CONTEXT,
+        ep=EP,
+        gpu=GPU,
+        rounds=ROUNDS,
+        tokens=TOKENS,
+        base=base,
+        best=best,
+        stamp=stamp(doc),
+        table=md_table(header, tab),
+    )
 
 
 EXPERIMENT = Experiment(

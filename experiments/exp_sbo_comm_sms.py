@@ -193,6 +193,65 @@ def _plateau_sms(pts: list[dict]) -> int:
     return min(r["comm_sms"] for r in pts if r["gain"] >= best - 1e-3)
 
 
+NOTES = """\
+# SBO: gain per mode and its dependence on the communication SMs
+
+{stamp}  ·  DeepSeek-V3 decode, EP{ep}, 4K context,
+DeepEP low-latency kernels, CUDA graph. Gain = SGLang-without-SBO step / SBO step - 1: the baseline
+is `sbo-off`, SGLang's own DeepEP path with SBO off (the shared experts on the alt stream beside
+dispatch, routed experts and combine on the compute stream; shared/schedules/sbo_off.py).
+"vs serial" is the gain over `serial` (everything on one stream).
+
+{table}
+
+The baselines:
+
+{base_table}
+
+## What the model shows
+- SGLang without SBO runs no faster than serial here: the alt stream overlaps the shared experts
+  with another kernel of the layer only for the time in the last column. In the trace, the shared
+  experts are forked to the alt stream after the router GEMM and issued before top-k, so at equal
+  stream priority the block scheduler starts them first; they are a persistent (DeepGEMM) grid sized
+  to every SM, so top-k waits until they end, and the routed path then runs exactly as in serial.
+  Later in the layer there is nothing to overlap them with anyway: the low-latency receive hooks
+  spin on most of the SMs while the dispatch and combine transfers are in flight.
+- SBO's gains at the preset SMs over that baseline run from {gain_lo} to {gain_hi} (the modes
+  SGLang runs). On {gpu0} at {n0} tokens/GPU a layer takes {base_layer:.1f} µs without SBO,
+  {m3[layer_us]:.1f} µs with mode 3 (the shared experts, {m3[baseline_shared_us_layer]:.1f} µs,
+  run in the dispatch hook while the dispatch transfer flies, so the receive hook waits that much
+  less) and {m1[layer_us]:.1f} µs with mode 1, which adds to that the combine's transfer starting
+  at the down GEMM's first signal instead of after the whole routed-experts GEMM; its one resident
+  send kernel takes {m1[combine_send_us_layer]:.0f} µs per layer. That matters most at small
+  batches, where the per-layer chain is short. Mode 2 on its own only hides the shared experts
+  under the combine.
+- Mode 3 does not depend on the comm SMs: nothing runs on the alt stream.
+- Modes 1 and 2 depend on the comm SMs only below a few SMs: with DeepEP's low-latency combine the
+  RDMA transfer, not the send kernel, bounds the combine, so once the send kernel is faster than
+  the transfer (mode 1 at {tokens_max} tokens is within 0.1 point of its best gain from
+  {plateau} in this model) more SMs change nothing, and the SMs they take from the down GEMM are hidden behind the
+  same transfer. With {fewest_sms} SM on {gpu0} the send kernel itself becomes the
+  bottleneck: mode 1 gains {m1s1_gain} at {n0} tokens/GPU.
+- So the model supports Hopper's small preset (3 SMs): it is about the fewest SMs at which the
+  send keeps up with the link. Blackwell's 32 are more than the model needs at EP 32 over RDMA;
+  they would matter where the combine is NVLink-bound (a single NVL72 domain), not modelled here.
+
+## Where it may disagree with published figures, and why
+- SGLang reports SBO's gain on full servers; the model's send kernel speed on few SMs comes from
+  the cost model's HBM cap per SM fraction, not from a measurement of DeepEP's combine on 3 SMs.
+- The baseline's shared experts gain nothing from the alt stream because of two rules the model
+  takes from upstream. DeepEP launches its kernels cooperatively (`cudaLaunchAttributeCooperative`
+  in `csrc/kernels/launch.cuh`), so a low-latency kernel starts only with all its SMs free. Current
+  DeepGEMM sizes a persistent grid to every SM it may use unless `DG_JIT_MINIMIZE_NUM_SMS=1`;
+  earlier releases always launched the fewest SMs that keep the number of waves. Under that
+  older rule (an assumption to test with `Op.ctas`), part of the shared experts would overlap
+  top-k and the dispatch send, and SBO's gain over `sbo-off` would be smaller than over `serial`.
+- The combine is one kernel resident on its SMs that polls every Hopper signal
+  (num_local_experts x ceil(rows/64)) or Blackwell signal (one per local expert). Part i of its
+  work and traffic waits for signal i, with no chunking constant.
+"""
+
+
 def notes(doc: dict) -> str:
     rows = doc["rows"]
     gpus = sorted({r["gpu"] for r in rows}, key=GPUS.index)
@@ -247,62 +306,23 @@ def notes(doc: dict) -> str:
         for k in [_plateau_sms(pts(g, tokens[-1], 1))]
     )
     bh, bl = _baseline_table(rows)
-    return f"""# SBO: gain per mode and its dependence on the communication SMs
-
-{stamp(doc)}  ·  DeepSeek-V3 decode, EP{EP}, 4K context,
-DeepEP low-latency kernels, CUDA graph. Gain = SGLang-without-SBO step / SBO step - 1: the baseline
-is `sbo-off`, SGLang's own DeepEP path with SBO off (the shared experts on the alt stream beside
-dispatch, routed experts and combine on the compute stream; shared/schedules/sbo_off.py).
-"vs serial" is the gain over `serial` (everything on one stream).
-
-{md_table(header, lines)}
-
-The baselines:
-
-{md_table(bh, bl)}
-
-## What the model shows
-- SGLang without SBO runs no faster than serial here: the alt stream overlaps the shared experts
-  with another kernel of the layer only for the time in the last column. In the trace, the shared
-  experts are forked to the alt stream after the router GEMM and issued before top-k, so at equal
-  stream priority the block scheduler starts them first; they are a persistent (DeepGEMM) grid sized
-  to every SM, so top-k waits until they end, and the routed path then runs exactly as in serial.
-  Later in the layer there is nothing to overlap them with anyway: the low-latency receive hooks
-  spin on most of the SMs while the dispatch and combine transfers are in flight.
-- SBO's gains at the preset SMs over that baseline run from {_pct(lo)} to {_pct(hi)} (the modes
-  SGLang runs). On {g0.upper()} at {n0} tokens/GPU a layer takes {base_layer:.1f} µs without SBO,
-  {m3["layer_us"]:.1f} µs with mode 3 (the shared experts, {m3["baseline_shared_us_layer"]:.1f} µs,
-  run in the dispatch hook while the dispatch transfer flies, so the receive hook waits that much
-  less) and {m1["layer_us"]:.1f} µs with mode 1, which adds to that the combine's transfer starting
-  at the down GEMM's first signal instead of after the whole routed-experts GEMM; its one resident
-  send kernel takes {m1["combine_send_us_layer"]:.0f} µs per layer. That matters most at small
-  batches, where the per-layer chain is short. Mode 2 on its own only hides the shared experts
-  under the combine.
-- Mode 3 does not depend on the comm SMs: nothing runs on the alt stream.
-- Modes 1 and 2 depend on the comm SMs only below a few SMs: with DeepEP's low-latency combine the
-  RDMA transfer, not the send kernel, bounds the combine, so once the send kernel is faster than
-  the transfer (mode 1 at {tokens[-1]} tokens is within 0.1 point of its best gain from
-  {plateau} in this model) more SMs change nothing, and the SMs they take from the down GEMM are hidden behind the
-  same transfer. With {min(COMM_SMS)} SM on {g0.upper()} the send kernel itself becomes the
-  bottleneck: mode 1 gains {_pct(m1s1["gain"])} at {n0} tokens/GPU.
-- So the model supports Hopper's small preset (3 SMs): it is about the fewest SMs at which the
-  send keeps up with the link. Blackwell's 32 are more than the model needs at EP 32 over RDMA;
-  they would matter where the combine is NVLink-bound (a single NVL72 domain), not modelled here.
-
-## Where it may disagree with published figures, and why
-- SGLang reports SBO's gain on full servers; the model's send kernel speed on few SMs comes from
-  the cost model's HBM cap per SM fraction, not from a measurement of DeepEP's combine on 3 SMs.
-- The baseline's shared experts gain nothing from the alt stream because of two rules the model
-  takes from upstream. DeepEP launches its kernels cooperatively (`cudaLaunchAttributeCooperative`
-  in `csrc/kernels/launch.cuh`), so a low-latency kernel starts only with all its SMs free. Current
-  DeepGEMM sizes a persistent grid to every SM it may use unless `DG_JIT_MINIMIZE_NUM_SMS=1`;
-  earlier releases always launched the fewest SMs that keep the number of waves. Under that
-  older rule (an assumption to test with `Op.ctas`), part of the shared experts would overlap
-  top-k and the dispatch send, and SBO's gain over `sbo-off` would be smaller than over `serial`.
-- The combine is one kernel resident on its SMs that polls every Hopper signal
-  (num_local_experts x ceil(rows/64)) or Blackwell signal (one per local expert). Part i of its
-  work and traffic waits for signal i, with no chunking constant.
-"""
+    return NOTES.format(
+        ep=EP,
+        base_layer=base_layer,
+        m1=m1,
+        m3=m3,
+        n0=n0,
+        plateau=plateau,
+        stamp=stamp(doc),
+        table=md_table(header, lines),
+        base_table=md_table(bh, bl),
+        gain_lo=_pct(lo),
+        gain_hi=_pct(hi),
+        gpu0=g0.upper(),
+        tokens_max=tokens[-1],
+        fewest_sms=min(COMM_SMS),
+        m1s1_gain=_pct(m1s1["gain"]),
+    )
 
 
 EXPERIMENT = Experiment(

@@ -279,6 +279,68 @@ def _ahead(r: dict, rows: list[dict]) -> str:
     return f"{100 * r['ahead_share']:.0f} %"
 
 
+#: the sentences of part 1 that depend on how the waved variants compare
+WAVED_BEATS_SPLIT = (
+    "This beats the split: the GEMMs use every SM while DeepEP is idle and give way within one "
+    "wave when it needs its SMs"
+)
+WAVED_WAITS = "The communication still waits up to one wave each time"
+PRIORITY_CHANGES_NOTHING = (
+    "Identical: the host issues far ahead of the GPU, and in DeepSeek's issue order each DeepEP "
+    "kernel is launched before the GEMM it overlaps, so launch order alone already gives it "
+    "precedence at the GEMM's wave boundaries; the stream priority decides only when a GEMM "
+    "issued earlier is still waving."
+)
+LAUNCH_ORDER_DECIDES = (
+    "Without the priority, pending CTAs go in launch order: a GEMM launched first keeps its SMs "
+    "wave after wave and DeepEP fills in only behind its last wave."
+)
+NOTES = """\
+# {doc[title]}
+
+{stamp}
+
+## 1. DeepSeek's 108/24 split (DeepSeek-V3 prefill, H800, EP32, 16K tokens per GPU)
+
+{split_table}
+
+- **Published 108/24: {pub_ms} ms.** DeepEP's kernels always find their 24 SMs free, so each micro-batch's dispatch and combine run beside the other's computation ({pub[layer_comm_beside_compute_us]:.0f} of {pub[layer_comm_kernel_us]:.0f} µs per layer).
+- **Uncapped, persistent GEMMs: {per_ms} ms.** DeepGEMM-style kernels size their grid to all 132 SMs and hold them to the end; a DeepEP kernel (24 coresident CTAs) issued while one runs waits for it to finish, even from its high-priority stream (the block scheduler never preempts a running CTA). The communication is still hidden (exposed {per_exposed_ms} ms), but the GEMMs pay: a GEMM launched while DeepEP holds 24 SMs starts 108 of its 132 persistent CTAs, and the other 24, each with 1/132 of the tiles, start only when DeepEP ends, so the GEMM ends one CTA-length after the communication. Computation holds {per[layer_compute_sms_avg]:.0f} SMs on average instead of {pub[layer_compute_sms_avg]:.0f}, and the layer takes {per[layer_time_us]:.0f} µs instead of {pub[layer_time_us]:.0f}.
+- **Uncapped, waved GEMMs: {wav_ms} ms.** cuBLAS-style GEMMs release SMs at every wave boundary; DeepEP's stream has the higher priority, so its CTAs take 24 SMs at the next boundary and the GEMM continues on the rest. {waved_verdict} (compute holds {wav[layer_compute_sms_avg]:.0f} SMs on average vs {pub[layer_compute_sms_avg]:.0f}).
+- **Same, DeepEP's stream at default priority: {flat_ms} ms.** {priority_verdict}
+
+So the reservation is what persistent GEMMs need: DeepGEMM's static grid never gives an SM back, and only a cap on it leaves SMs for DeepEP. Waved GEMMs beside a high-priority comm stream would not need one. How long DeepEP then waits depends on the wave length, which follows from the assumed CTA size (`WAVED_CTA_FLOPS`), and real cuBLAS GEMMs reach lower efficiency than DeepGEMM, which this variant does not charge.
+
+## 2. LightLLM's order against DeepSeek's (same prefill)
+
+{systems_table}
+
+LightLLM {lightllm_ms} ms vs DeepSeek {deepseek_ms} ms. As modelled, LightLLM caps nothing: its DeepGEMM grouped GEMMs are persistent on all 132 SMs, and each micro-batch's DeepEP Buffer runs on its own high-priority comm stream with DeepEP's default 20 SMs. Where a dispatch's completion releases the other micro-batch's combine and this micro-batch's expert GEMM at the same instant, the combine's higher-priority stream now takes its SMs first, by rule (before, SimPy's event order gave the GEMM all 132 SMs). What remains is the persistent-grid cost of part 1: GEMMs issued while a DeepEP kernel runs start part of their CTAs late (compute holds {sysb[lightllm][layer_compute_sms_avg]:.0f} SMs on average). The what-if row caps LightLLM's GEMMs beside DeepEP's 20 SMs: {capped_ms} ms. Whether LightLLM can run such a split is an open question (see docs/schedules.md); the row is a what-if, not LightLLM's configuration.
+
+## 3. TBO against TBO+SBO (decode, 128 requests per GPU, 4 layers, EP32)
+
+{sbo_table}
+
+SBO's combine is one kernel resident on its comm SMs from the down GEMM's start event, polling the GEMM's per-block signals (Hopper: 64-row blocks per local expert; Blackwell: one per local expert) and sending each block when signalled; other kernels cannot take its SMs between blocks. SGLang creates the alt stream at default priority, so a tie between the alt-stream combine and the other micro-batch's kernel goes to the one issued first. Under TBO mode 3 changes nothing (TBO's stages already place the shared experts), so its rows equal TBO's. Mode 2 on Hopper is a what-if SGLang does not run (mode 2 is its Blackwell set-up). Where TBO+SBO is slower, the trace shows why (last column): the combine holds its comm SMs while the other micro-batch's attention (a persistent FlashMLA-style grid sized to every SM) is launched, so that many of the attention's CTAs start only when the combine ends and the attention ends late; the gain from hiding the combine behind the down GEMM is smaller than that on Hopper's 3 comm SMs with a short combine, and larger on Blackwell. This depends on the assumption that decode attention is persistent (`sim.cost.PERSISTENT_CLASSES`).
+
+## Assumptions the results depend on
+
+- Within one stream priority, pending CTAs are dispatched in launch order (NVIDIA does not document the order; `sim/cost.py`). Row 4 of part 1 drops the priority.
+- Which kernels are persistent and how much work one waved CTA holds (`sim.cost.PERSISTENT_CLASSES`, `WAVED_CTA_FLOPS`, `WAVED_CTA_BYTES`).
+- Static against dynamic tile scheduling. DeepGEMM's tile scheduler is static, so CTAs that start late run their full share, and so is FlashMLA's decode split. Both are read from upstream. FlashAttention-3's prefill scheduler is dynamic (an atomic tile counter), so its late CTAs share the work that is left. Parts 1 and 2 turn on the static DeepGEMM grid; part 3 turns on the static decode-attention split.
+- A coresident (DeepEP) kernel starts only when all its CTAs fit; freed SMs are kept for the first such kernel in precedence order.
+- DeepEP normal kernels: DeepSeek's profile uses 24 SMs; SGLang and LightLLM are taken to run DeepEP's default `Buffer.num_sms` = 20.
+
+
+## How sure
+
+Each case re-run at {design}, both sides of a comparison perturbed alike. Share of the points at which each variant is faster than its reference:
+
+{ahead_table}
+
+Ties count half. A share strictly between 0 and 100 % (other than a tie at every point) marks a comparison the model does not settle: moving one input within its range swaps the two."""
+
+
 def notes(doc: dict) -> str:
     split, systems, sbo = _rows(doc, "split"), _rows(doc, "systems"), _rows(doc, "sbo")
     by = {r["variant"]: r for r in split}
@@ -287,14 +349,14 @@ def notes(doc: dict) -> str:
     wav = by["uncapped, waved GEMMs"]
     flat = by["uncapped, waved GEMMs, comm stream at default priority"]
     sysb = {r["variant"]: r for r in systems}
-    out = [
-        f"# {doc['title']}",
-        "",
-        stamp(doc),
-        "",
-        "## 1. DeepSeek's 108/24 split (DeepSeek-V3 prefill, H800, EP32, 16K tokens per GPU)",
-        "",
-        md_table(
+    return NOTES.format(
+        doc=doc,
+        per=per,
+        pub=pub,
+        sysb=sysb,
+        wav=wav,
+        stamp=stamp(doc),
+        split_table=md_table(
             [
                 "variant",
                 "step ms",
@@ -318,55 +380,19 @@ def notes(doc: dict) -> str:
                 ]
                 for r in split
             ],
-        ),  # fmt: skip
-        "",
-        f"- **Published 108/24: {_ms(pub['step_time_us'])} ms.** DeepEP's kernels always find "
-        f"their 24 SMs free, so each micro-batch's dispatch and combine run beside the other's "
-        f"computation ({pub['layer_comm_beside_compute_us']:.0f} of "
-        f"{pub['layer_comm_kernel_us']:.0f} µs per layer).",
-        f"- **Uncapped, persistent GEMMs: {_ms(per['step_time_us'])} ms.** DeepGEMM-style "
-        "kernels size their grid to all 132 SMs and hold them to the end; a DeepEP kernel (24 "
-        "coresident CTAs) issued while one runs waits for it to finish, even from its "
-        "high-priority stream (the block scheduler never preempts a running CTA). The "
-        "communication is still hidden (exposed "
-        f"{_ms(per['exposed_comm_us'])} ms), but the GEMMs pay: a GEMM launched while DeepEP "
-        "holds 24 SMs starts 108 of its 132 persistent CTAs, and the other 24, each with 1/132 "
-        "of the tiles, start only when DeepEP ends, so the GEMM ends one CTA-length after the "
-        "communication. Computation holds "
-        f"{per['layer_compute_sms_avg']:.0f} SMs on average instead of "
-        f"{pub['layer_compute_sms_avg']:.0f}, and the layer takes "
-        f"{per['layer_time_us']:.0f} µs instead of {pub['layer_time_us']:.0f}.",
-        f"- **Uncapped, waved GEMMs: {_ms(wav['step_time_us'])} ms.** cuBLAS-style GEMMs release "
-        "SMs at every wave boundary; DeepEP's stream has the higher priority, so its CTAs take "
-        "24 SMs at the next boundary and the GEMM continues on the rest. "
-        + (
-            "This beats the split: the GEMMs use every SM while DeepEP is idle and give way "
-            "within one wave when it needs its SMs"
-            if wav["step_time_us"] < pub["step_time_us"]
-            else "The communication still waits up to one wave each time"
-        )
-        + f" (compute holds {wav['layer_compute_sms_avg']:.0f} SMs on average vs "
-        f"{pub['layer_compute_sms_avg']:.0f}).",
-        f"- **Same, DeepEP's stream at default priority: {_ms(flat['step_time_us'])} ms.** "
-        + (
-            "Identical: the host issues far ahead of the GPU, and in DeepSeek's issue order each "
-            "DeepEP kernel is launched before the GEMM it overlaps, so launch order alone already "
-            "gives it precedence at the GEMM's wave boundaries; the stream priority decides only "
-            "when a GEMM issued earlier is still waving."
-            if abs(flat["step_time_us"] - wav["step_time_us"]) < 1e-6 * wav["step_time_us"]
-            else "Without the priority, pending CTAs go in launch order: a GEMM launched first "
-            "keeps its SMs wave after wave and DeepEP fills in only behind its last wave."
         ),
-        "",
-        "So the reservation is what persistent GEMMs need: DeepGEMM's static grid never gives an "
-        "SM back, and only a cap on it leaves SMs for DeepEP. Waved GEMMs beside a "
-        "high-priority comm stream would not need one. How long DeepEP then waits depends on "
-        "the wave length, which follows from the assumed CTA size (`WAVED_CTA_FLOPS`), and real "
-        "cuBLAS GEMMs reach lower efficiency than DeepGEMM, which this variant does not charge.",
-        "",
-        "## 2. LightLLM's order against DeepSeek's (same prefill)",
-        "",
-        md_table(
+        pub_ms=_ms(pub["step_time_us"]),
+        per_ms=_ms(per["step_time_us"]),
+        per_exposed_ms=_ms(per["exposed_comm_us"]),
+        wav_ms=_ms(wav["step_time_us"]),
+        waved_verdict=WAVED_BEATS_SPLIT
+        if wav["step_time_us"] < pub["step_time_us"]
+        else WAVED_WAITS,
+        flat_ms=_ms(flat["step_time_us"]),
+        priority_verdict=PRIORITY_CHANGES_NOTHING
+        if abs(flat["step_time_us"] - wav["step_time_us"]) < 1e-6 * wav["step_time_us"]
+        else LAUNCH_ORDER_DECIDES,
+        systems_table=md_table(
             ["schedule", "step ms", "exposed comm ms", "comm-only ms", "compute SMs (avg)"],
             [
                 [
@@ -378,26 +404,11 @@ def notes(doc: dict) -> str:
                 ]
                 for r in systems
             ],
-        ),  # fmt: skip
-        "",
-        f"LightLLM {_ms(sysb['lightllm']['step_time_us'])} ms vs DeepSeek "
-        f"{_ms(sysb['deepseek']['step_time_us'])} ms. As modelled, LightLLM caps nothing: its "
-        "DeepGEMM grouped GEMMs are persistent on all 132 SMs, and each micro-batch's DeepEP "
-        "Buffer runs on its own high-priority comm stream with DeepEP's default 20 SMs. "
-        "Where a dispatch's completion releases the other micro-batch's combine and this "
-        "micro-batch's expert GEMM at the same instant, the combine's higher-priority stream "
-        "now takes its SMs first, by rule (before, SimPy's event order gave the GEMM all 132 "
-        "SMs). What remains is the persistent-grid cost of part 1: GEMMs issued while a DeepEP "
-        "kernel runs start part of their CTAs late (compute holds "
-        f"{sysb['lightllm']['layer_compute_sms_avg']:.0f} SMs on average). The what-if row caps "
-        "LightLLM's GEMMs beside DeepEP's 20 SMs: "
-        f"{_ms(sysb['lightllm, GEMMs capped to 112 SMs (what-if)']['step_time_us'])} ms. Whether "
-        "LightLLM can run such a split is an open question (see docs/schedules.md); the row "
-        "is a what-if, not LightLLM's configuration.",
-        "",
-        "## 3. TBO against TBO+SBO (decode, 128 requests per GPU, 4 layers, EP32)",
-        "",
-        md_table(
+        ),
+        lightllm_ms=_ms(sysb["lightllm"]["step_time_us"]),
+        deepseek_ms=_ms(sysb["deepseek"]["step_time_us"]),
+        capped_ms=_ms(sysb["lightllm, GEMMs capped to 112 SMs (what-if)"]["step_time_us"]),
+        sbo_table=md_table(
             [
                 "gpu",
                 "schedule",
@@ -417,50 +428,9 @@ def notes(doc: dict) -> str:
                 ]
                 for r in sbo
             ],
-        ),  # fmt: skip
-        "",
-        "SBO's combine is one kernel resident on its comm SMs from the down GEMM's start event, "
-        "polling the GEMM's per-block signals (Hopper: 64-row blocks per local expert; "
-        "Blackwell: one per local expert) and sending each block when signalled; other kernels "
-        "cannot take its SMs between blocks. SGLang creates the alt stream at default priority, "
-        "so a tie between the alt-stream combine and the other micro-batch's kernel goes to the "
-        "one issued first. Under TBO mode 3 changes nothing (TBO's stages already place the "
-        "shared experts), so its rows equal TBO's. Mode 2 on Hopper is a what-if SGLang does not "
-        "run (mode 2 is its Blackwell set-up). Where TBO+SBO is slower, the trace shows why "
-        "(last column): "
-        "the combine holds its comm SMs while the other micro-batch's attention (a persistent "
-        "FlashMLA-style grid sized to every SM) is launched, so that many of the attention's "
-        "CTAs start only when the combine ends and the attention ends late; the gain from "
-        "hiding the combine behind the down GEMM is smaller than that on Hopper's 3 comm SMs "
-        "with a short combine, and larger on Blackwell. This depends on the assumption that "
-        "decode attention is persistent (`sim.cost.PERSISTENT_CLASSES`).",
-        "",
-        "## Assumptions the results depend on",
-        "",
-        "- Within one stream priority, pending CTAs are dispatched in launch order (NVIDIA does "
-        "not document the order; `sim/cost.py`). Row 4 of part 1 drops the priority.",
-        "- Which kernels are persistent and how much work one waved CTA holds "
-        "(`sim.cost.PERSISTENT_CLASSES`, `WAVED_CTA_FLOPS`, `WAVED_CTA_BYTES`).",
-        "- Static against dynamic tile scheduling. DeepGEMM's tile scheduler is static, so CTAs "
-        "that start late run their full share, and so is FlashMLA's decode split. Both are read "
-        "from upstream. FlashAttention-3's prefill scheduler is dynamic (an atomic tile counter), "
-        "so its late CTAs share the work that is left. Parts 1 and 2 turn on the static "
-        "DeepGEMM grid; part 3 turns on the static decode-attention split.",
-        "- A coresident (DeepEP) kernel starts only when all its CTAs fit; freed SMs are kept for "
-        "the first such kernel in precedence order.",
-        "- DeepEP normal kernels: DeepSeek's profile uses 24 SMs; SGLang and LightLLM are taken "
-        "to run DeepEP's default `Buffer.num_sms` = 20.",
-        "",
-    ]
-    out += [
-        "",
-        "## How sure",
-        "",
-        f"Each case re-run at {design_sentence(doc['sensitivity'])}, both sides of a comparison "
-        "perturbed alike. Share of the points at which each variant is faster than its "
-        "reference:",
-        "",
-        md_table(
+        ),
+        design=design_sentence(doc["sensitivity"]),
+        ahead_table=md_table(
             ["part", "GPU", "variant", "reference", "ahead at"],
             [
                 [r["part"], r["gpu"], r["variant"], r["ahead_of"], _ahead(r, doc["rows"])]
@@ -468,12 +438,7 @@ def notes(doc: dict) -> str:
                 if "ahead_of" in r
             ],
         ),
-        "",
-        "Ties count half. A share strictly between 0 and 100 % (other than a tie at every "
-        "point) marks a comparison the model does not settle: moving one input within its "
-        "range swaps the two.",
-    ]
-    return "\n".join(out)
+    )
 
 
 EXPERIMENT = Experiment(

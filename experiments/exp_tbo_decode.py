@@ -197,8 +197,66 @@ def figure(doc: dict, path: Path) -> None:
     )
 
 
+NOTES = """\
+# TBO decode: throughput against serial
+
+{stamp}  ·  DeepSeek-V3, {gpu}, {context_k}K context,
+DeepEP low-latency kernels, CUDA graph (both micro-batches in one graph), DeepSeek decode strategy
+({doc[decode_stages]} stages, delta {doc[decode_delta]}). Throughput change = serial step /
+TBO step - 1; in brackets its range over {design}, serial and TBO
+perturbed alike at each point.
+
+{table}
+
+Break-even (throughput change crosses 0): {break_even}.
+Sizes at which TBO's sign against serial depends on the perturbation: {flips}.
+
+## What the model shows
+- TBO loses at small batches and wins at large ones, as the SGLang team's deployment blog shows
+  for {pub[gpu]} GPUs at EP {pub[decode_ep]} (read off its figure: about
+  {pub[change_at_32_pct]} % at 32 tokens per GPU, break-even between {lo_be} and {hi_be}, about
+  +{pub[change_at_256_pct]} % at 256). At 32 tokens/GPU (EP{ep}) the model gives
+  {small_change}, at 256 {big_change}.
+- Why it loses when small: every sparse layer issues each kernel twice on half the tokens, and the
+  small kernels sit at the per-kernel floor (`kernel_min_us`) or are weight-bound (the expert and
+  projection GEMMs read the same weights for each half), so the GPU time of the compute kernels
+  grows ({small_serial_compute_ms:.1f} -> {small_tbo_compute_ms:.1f} ms
+  at 32 tokens) while there is little communication to hide (exposed comm
+  {small_serial_exposed_ms:.1f} -> {small_tbo_exposed_ms:.1f} ms).
+- Why it wins when large: the dispatch/combine transfers (RDMA-bound at EP{ep}) grow with the tokens
+  and TBO hides one micro-batch's transfer under the other's attention and experts
+  (exposed comm {big_serial_exposed_ms:.1f} -> {big_tbo_exposed_ms:.1f} ms at 256),
+  while the compute kernels are large enough that halving them costs little
+  ({big_serial_compute_ms:.1f} -> {big_tbo_compute_ms:.1f} ms).
+- TBO+SBO is below TBO here; at 128 tokens/GPU (EP{ep}) TBO is ahead at
+  {mid_ahead_pct:.0f} % of the points. SBO's combine is one kernel resident on
+  {sbo_comm_sms} SMs from the down GEMM's start event on
+  (docs/sm-sharing.md). While it holds them, the other micro-batch's decode attention is
+  launched. That attention is a FlashMLA-style persistent grid with a static split over every
+  SM, so the CTAs it cannot place start only when the combine ends, and the attention ends late.
+  The combine hidden behind the down GEMM gains less than that costs. This depends on the static
+  split of decode attention (`sim.cost.PERSISTENT_CLASSES`); `sm_sharing.md`, part 3, shows the
+  per-layer attention time.
+
+## Where it disagrees with the published numbers, and why
+- The published points are from {pub[gpu]} GPUs at EP {pub[decode_ep]}, the model's from the
+  H800 preset at EP {ep_list}: the H800's NVLink is export-limited
+  and the EP sizes differ, so only the shape of the curve is comparable.
+- The magnitudes depend on the cost model's per-kernel floor and launch costs and on the
+  RDMA bandwidth figure (DeepEP's measured {rdma_gbps:.0f} GB/s); none were tuned for this
+  experiment. The ranges above cover the costs the design perturbs; the kernel floor is not
+  among them.
+- The model's routing is balanced and has no straggler: real decode steps wait for the slowest
+  rank in each all-to-all, which penalises serial (whose waits are exposed) more than TBO, so the
+  measured gain at large batches can exceed the model's.
+- The blog measured whole-server throughput (with the CPU-GPU overlap scheduler); the model
+  compares one decode step of one rank.
+- Figure `{name}_timeline.png`: one MoE layer of serial and TBO at {show[0]} and {show[1]} tokens/GPU.
+"""
+
+
 def notes(doc: dict) -> str:
-    """The notes, every number from the results file (tests/test_experiment_notes.py)."""
+    """:data:`NOTES` over the results file (tests/test_experiment_notes.py)."""
     rows = doc["rows"]
     pub = doc["published"]
     ep = min(r["ep"] for r in rows)
@@ -244,61 +302,38 @@ def notes(doc: dict) -> str:
         or "none"
     )
     lo_be, hi_be = pub["break_even_tokens"]
-    return f"""# TBO decode: throughput against serial
-
-{stamp(doc)}  ·  DeepSeek-V3, {GPU}, {CONTEXT // 1024}K context,
-DeepEP low-latency kernels, CUDA graph (both micro-batches in one graph), DeepSeek decode strategy
-({doc["decode_stages"]} stages, delta {doc["decode_delta"]}). Throughput change = serial step /
-TBO step - 1; in brackets its range over {design_sentence(doc["sensitivity"])}, serial and TBO
-perturbed alike at each point.
-
-{md_table(header, tab)}
-
-Break-even (throughput change crosses 0): {", ".join(f"EP{e}: {v:.0f} tokens/GPU" if v else f"EP{e}: none in range" for e, v in be.items())}.
-Sizes at which TBO's sign against serial depends on the perturbation: {flip_text}.
-
-## What the model shows
-- TBO loses at small batches and wins at large ones, as the SGLang team's deployment blog shows
-  for {pub["gpu"]} GPUs at EP {pub["decode_ep"]} (read off its figure: about
-  {pub["change_at_32_pct"]} % at 32 tokens per GPU, break-even between {lo_be} and {hi_be}, about
-  +{pub["change_at_256_pct"]} % at 256). At 32 tokens/GPU (EP{ep}) the model gives
-  {pct(small["tbo"]["throughput_change"])}, at 256 {pct(big["tbo"]["throughput_change"])}.
-- Why it loses when small: every sparse layer issues each kernel twice on half the tokens, and the
-  small kernels sit at the per-kernel floor (`kernel_min_us`) or are weight-bound (the expert and
-  projection GEMMs read the same weights for each half), so the GPU time of the compute kernels
-  grows ({small["serial"]["compute_kernel_us"] / 1e3:.1f} -> {small["tbo"]["compute_kernel_us"] / 1e3:.1f} ms
-  at 32 tokens) while there is little communication to hide (exposed comm
-  {small["serial"]["exposed_comm_us"] / 1e3:.1f} -> {small["tbo"]["exposed_comm_us"] / 1e3:.1f} ms).
-- Why it wins when large: the dispatch/combine transfers (RDMA-bound at EP{ep}) grow with the tokens
-  and TBO hides one micro-batch's transfer under the other's attention and experts
-  (exposed comm {big["serial"]["exposed_comm_us"] / 1e3:.1f} -> {big["tbo"]["exposed_comm_us"] / 1e3:.1f} ms at 256),
-  while the compute kernels are large enough that halving them costs little
-  ({big["serial"]["compute_kernel_us"] / 1e3:.1f} -> {big["tbo"]["compute_kernel_us"] / 1e3:.1f} ms).
-- TBO+SBO is below TBO here; at 128 tokens/GPU (EP{ep}) TBO is ahead at
-  {100 * mid["tbo_ahead_share"]:.0f} % of the points. SBO's combine is one kernel resident on
-  {doc["presets"]["gpus"][GPU]["sbo_comm_sms"]} SMs from the down GEMM's start event on
-  (docs/sm-sharing.md). While it holds them, the other micro-batch's decode attention is
-  launched. That attention is a FlashMLA-style persistent grid with a static split over every
-  SM, so the CTAs it cannot place start only when the combine ends, and the attention ends late.
-  The combine hidden behind the down GEMM gains less than that costs. This depends on the static
-  split of decode attention (`sim.cost.PERSISTENT_CLASSES`); `sm_sharing.md`, part 3, shows the
-  per-layer attention time.
-
-## Where it disagrees with the published numbers, and why
-- The published points are from {pub["gpu"]} GPUs at EP {pub["decode_ep"]}, the model's from the
-  H800 preset at EP {", EP ".join(str(e) for e in eps)}: the H800's NVLink is export-limited
-  and the EP sizes differ, so only the shape of the curve is comparable.
-- The magnitudes depend on the cost model's per-kernel floor and launch costs and on the
-  RDMA bandwidth figure (DeepEP's measured {doc["presets"]["gpus"][GPU]["rdma_eff_gbps"]:.0f} GB/s); none were tuned for this
-  experiment. The ranges above cover the costs the design perturbs; the kernel floor is not
-  among them.
-- The model's routing is balanced and has no straggler: real decode steps wait for the slowest
-  rank in each all-to-all, which penalises serial (whose waits are exposed) more than TBO, so the
-  measured gain at large batches can exceed the model's.
-- The blog measured whole-server throughput (with the CPU-GPU overlap scheduler); the model
-  compares one decode step of one rank.
-- Figure `{NAME}_timeline.png`: one MoE layer of serial and TBO at {SHOW[0]} and {SHOW[1]} tokens/GPU.
-"""
+    return NOTES.format(
+        gpu=GPU,
+        name=NAME,
+        show=SHOW,
+        doc=doc,
+        ep=ep,
+        flips=flip_text,
+        hi_be=hi_be,
+        lo_be=lo_be,
+        pub=pub,
+        stamp=stamp(doc),
+        context_k=CONTEXT // 1024,
+        design=design_sentence(doc["sensitivity"]),
+        table=md_table(header, tab),
+        break_even=", ".join(
+            f"EP{e}: {v:.0f} tokens/GPU" if v else f"EP{e}: none in range" for e, v in be.items()
+        ),
+        small_change=pct(small["tbo"]["throughput_change"]),
+        big_change=pct(big["tbo"]["throughput_change"]),
+        small_serial_compute_ms=small["serial"]["compute_kernel_us"] / 1e3,
+        small_tbo_compute_ms=small["tbo"]["compute_kernel_us"] / 1e3,
+        small_serial_exposed_ms=small["serial"]["exposed_comm_us"] / 1e3,
+        small_tbo_exposed_ms=small["tbo"]["exposed_comm_us"] / 1e3,
+        big_serial_exposed_ms=big["serial"]["exposed_comm_us"] / 1e3,
+        big_tbo_exposed_ms=big["tbo"]["exposed_comm_us"] / 1e3,
+        big_serial_compute_ms=big["serial"]["compute_kernel_us"] / 1e3,
+        big_tbo_compute_ms=big["tbo"]["compute_kernel_us"] / 1e3,
+        mid_ahead_pct=100 * mid["tbo_ahead_share"],
+        sbo_comm_sms=doc["presets"]["gpus"][GPU]["sbo_comm_sms"],
+        ep_list=", EP ".join(str(e) for e in eps),
+        rdma_gbps=doc["presets"]["gpus"][GPU]["rdma_eff_gbps"],
+    )
 
 
 EXPERIMENT = Experiment(

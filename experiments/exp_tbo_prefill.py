@@ -135,7 +135,46 @@ def figure(doc: dict, path: Path) -> None:
     )
 
 
+NOTES = """\
+# TBO prefill gain
+
+{stamp}  ·  DeepSeek-V3 on {gpu}, EP{ep},
+DeepEP normal kernels ({preset.deepep_normal_sms} SMs, DeepEP's default `Buffer.num_sms`, own high-priority stream), DeepGEMM limited to {deep_gemm_sms} SMs in the
+sparse layers under TBO, no CUDA graph.
+
+{table}
+
+## What the model shows
+- TBO speeds prefill up by {gain_lo:.0f}-{gain_hi:.0f} % for 4K prompts: the
+  dispatch/combine of one micro-batch (RDMA-bound at EP{ep}, exposed in serial) runs on DeepEP's
+  stream while the other micro-batch's attention and experts compute; the 3-stage, delta-0
+  strategy pairs A's communication with B's computation stage by stage.
+- The cost: DeepGEMM's GEMMs run on {deep_gemm_sms} of {preset.num_sms} SMs in the sparse layers (DeepEP's
+  {preset.deepep_normal_sms} SMs are reserved even when no communication is running), and each kernel works on half
+  the tokens. Kernels SGLang does not cap (attention, the router GEMM, elementwise kernels) share
+  the SMs with DeepEP's kernels by the block scheduler's rules (docs/sm-sharing.md).
+- A single long prompt is still split (two-chunk: SGLang cuts the sequence at half the tokens), so
+  TBO helps it nearly as much as a batch of prompts (the second half attends over the first, so
+  the two halves' attention is unequal); the mixed batch's balanced split on sequence
+  boundaries would leave {mixed[extend_lens][0]} of {mixed[tokens_per_gpu]} tokens on one side
+  (more than 1 - {doc[tbo_threshold]} of them: SGLang's `tbo_token_distribution_threshold`),
+  so the two-chunk split is used there too.
+
+## Where it disagrees with published numbers, and why
+- The model's gain is larger than the prefill gains published for TBO (tens of percent): in the
+  model serial prefill spends {exposed_share:.0f} % of its step with communication exposed (4x4K
+  prompts), which TBO mostly hides. The figure depends on the RDMA bandwidth and on the GEMM
+  efficiency on fewer SMs, none tuned here.
+- The traffic follows DeepEP's internode normal kernels (one RDMA copy per token and destination
+  node, then NVLink forwarding: `shared/ir/deepep.py`); serial prefill waits for each dispatch and
+  combine at the preset's effective RDMA rate. Real deployments also chunk prefill and run other
+  requests' work, which one simulated step does not.
+- Figure `{name}_timeline.png`: one MoE layer of serial and TBO at {show}x4K tokens/GPU.
+"""
+
+
 def notes(doc: dict) -> str:
+    """:data:`NOTES` over the results file: the table, the gains, the mixed batch's split."""
     rows = doc["rows"]
     serial = {str(r["extend_lens"]): r for r in rows if r["schedule"] == "serial"}
     header = [
@@ -167,43 +206,21 @@ def notes(doc: dict) -> str:
         r["throughput_change"] for r in rows if r["schedule"] == "tbo" and r["kind"] == "4K prompts"
     ]
     ref = serial[str([4096] * 4)] if str([4096] * 4) in serial else next(iter(serial.values()))
-    exposed_share = 100 * ref["exposed_comm_share"]
-    mixed = next(r for r in rows if r["kind"] == "mixed")
-    return f"""# TBO prefill gain
-
-{stamp(doc)}  ·  DeepSeek-V3 on {GPU}, EP{EP},
-DeepEP normal kernels ({get_gpu(GPU).deepep_normal_sms} SMs, DeepEP's default `Buffer.num_sms`, own high-priority stream), DeepGEMM limited to {rows[1]["deep_gemm_sms"]} SMs in the
-sparse layers under TBO, no CUDA graph.
-
-{md_table(header, tab)}
-
-## What the model shows
-- TBO speeds prefill up by {100 * min(gains):.0f}-{100 * max(gains):.0f} % for 4K prompts: the
-  dispatch/combine of one micro-batch (RDMA-bound at EP{EP}, exposed in serial) runs on DeepEP's
-  stream while the other micro-batch's attention and experts compute; the 3-stage, delta-0
-  strategy pairs A's communication with B's computation stage by stage.
-- The cost: DeepGEMM's GEMMs run on {rows[1]["deep_gemm_sms"]} of {get_gpu(GPU).num_sms} SMs in the sparse layers (DeepEP's
-  {get_gpu(GPU).deepep_normal_sms} SMs are reserved even when no communication is running), and each kernel works on half
-  the tokens. Kernels SGLang does not cap (attention, the router GEMM, elementwise kernels) share
-  the SMs with DeepEP's kernels by the block scheduler's rules (docs/sm-sharing.md).
-- A single long prompt is still split (two-chunk: SGLang cuts the sequence at half the tokens), so
-  TBO helps it nearly as much as a batch of prompts (the second half attends over the first, so
-  the two halves' attention is unequal); the mixed batch's balanced split on sequence
-  boundaries would leave {mixed["extend_lens"][0]} of {mixed["tokens_per_gpu"]} tokens on one side
-  (more than 1 - {doc["tbo_threshold"]} of them: SGLang's `tbo_token_distribution_threshold`),
-  so the two-chunk split is used there too.
-
-## Where it disagrees with published numbers, and why
-- The model's gain is larger than the prefill gains published for TBO (tens of percent): in the
-  model serial prefill spends {exposed_share:.0f} % of its step with communication exposed (4x4K
-  prompts), which TBO mostly hides. The figure depends on the RDMA bandwidth and on the GEMM
-  efficiency on fewer SMs, none tuned here.
-- The traffic follows DeepEP's internode normal kernels (one RDMA copy per token and destination
-  node, then NVLink forwarding: `shared/ir/deepep.py`); serial prefill waits for each dispatch and
-  combine at the preset's effective RDMA rate. Real deployments also chunk prefill and run other
-  requests' work, which one simulated step does not.
-- Figure `{NAME}_timeline.png`: one MoE layer of serial and TBO at {SHOW}x4K tokens/GPU.
-"""
+    return NOTES.format(
+        stamp=stamp(doc),
+        gpu=GPU,
+        ep=EP,
+        preset=get_gpu(GPU),
+        deep_gemm_sms=rows[1]["deep_gemm_sms"],
+        table=md_table(header, tab),
+        gain_lo=100 * min(gains),
+        gain_hi=100 * max(gains),
+        mixed=next(r for r in rows if r["kind"] == "mixed"),
+        doc=doc,
+        exposed_share=100 * ref["exposed_comm_share"],
+        name=NAME,
+        show=SHOW,
+    )
 
 
 EXPERIMENT = Experiment(

@@ -1,6 +1,7 @@
 """The committed experiment notes say what their data says: every number a note prints is one of
 its results file's values (or of a string in it: the command, a preset's name) at the rounding
-the note prints it with, possibly scaled to the unit printed (ms, %, K tokens). A hand-edited or
+the note prints it with, possibly scaled to the unit printed (ms, %, K tokens), and each note
+is, to the byte, its experiment's template over the committed results file. A hand-edited or
 stale note fails here; regenerate with `python -m overlap_lab.experiments --out
 experiments/results` (or `--draw` when only the notes changed)."""
 
@@ -77,6 +78,14 @@ def test_every_declared_experiment_writes_its_notes():
     for name, exp in declared().items():
         if (RESULTS / f"{name}.md").is_file():
             assert exp.notes is not None, f"{name}.md has no notes function to generate it"
+
+
+@pytest.mark.parametrize("name", _notes())
+def test_the_notes_are_their_template_over_the_committed_json(name):
+    """Each committed note is, to the byte, what its experiment's notes template makes of the
+    committed results file (no simulation: the generator reads the file alone)."""
+    doc = json.loads((RESULTS / f"{name}.json").read_text())
+    assert declared()[name].notes(doc) == (RESULTS / f"{name}.md").read_text()
 
 
 @pytest.mark.parametrize("name", _notes())

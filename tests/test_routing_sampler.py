@@ -1,4 +1,4 @@
-"""The race sampler (shared/inputs/routing.py ``_Race``) against the dense Gumbel top-k it replaces.
+"""The race sampler (shared/inputs/race.py ``Race``) against the dense Gumbel top-k it replaces.
 
 Both are seeded, so every statistic here is a fixed number; the thresholds are the 1e-5 upper
 quantiles of the statistics' laws under "same distribution", and
@@ -14,10 +14,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-# internals tested directly: the race (_Race), its counter-based draws (_bits, _uniform,
-# _exponential) and the numba switch (_compiled), against the dense sampler and numpy
+# internals tested directly: the race, its counter-based draws and the numba switch
+# (routing's _compiled), against the dense sampler and numpy
+from overlap_lab.shared.inputs import race as race_mod
 from overlap_lab.shared.inputs import routing as routing_mod
-from overlap_lab.shared.inputs.routing import Imbalance, LayerRouting, RoutingConfig, _Race
+from overlap_lab.shared.inputs.race import Race
+from overlap_lab.shared.inputs.routing import Imbalance, LayerRouting, RoutingConfig
 
 #: z of the one-sided 1e-5 tail of a normal
 Z = 4.265
@@ -38,7 +40,8 @@ def dense_topk(rng, p, n_group, topk_group, k, n, score="two"):
 
 
 def race_topk(rng, p, n_group, topk_group, k, n):
-    return _Race(p, n_group, topk_group, k).draw(int(rng.integers(2**63)), 0, n).T
+    race = Race(p, n_group, topk_group, k)
+    return race.draw(int(rng.integers(2**63)), 0, n, loop=routing_mod.compiled_race_loop()).T
 
 
 def _zipf(e, s, seed):
@@ -126,7 +129,7 @@ def test_draws_without_replacement_follow_the_rest_of_the_group():
     heaviest expert is taken (drawn from the table without it) and one with a light expert
     taken (rejection): all proportional to the rest."""
     p = np.array([0.5, 0.45, 0.03, 0.02, 0.4, 0.3, 0.2, 0.1])
-    race = _Race(p / p.sum(), 2, 2, 2)
+    race = Race(p / p.sum(), 2, 2, 2)
     n = 60_000
     for g, taken in ((0, 1), (1, 0), (1, 2)):
         race.seen = np.zeros(8 * n, dtype=bool)
@@ -224,19 +227,19 @@ def _configs():
 
 @pytest.mark.parametrize("cfg", range(7))
 def test_compiled_loop_draws_the_numpy_ids(cfg, monkeypatch):
-    """With numba the tokens are drawn by ``_race_loop``; it must give the numpy code's ids, bit
+    """With numba the tokens are drawn by ``race_loop``; it must give the numpy code's ids, bit
     for bit (the same random numbers, the same float operations), or a seed would mean
     different routings on machines with and without the ``fast`` extra. Several keys (the top
     bit set in one), token ranges not starting at 0."""
     pytest.importorskip("numba")
     p, n_group, topk_group, k = _configs()[cfg]
-    race = _Race(p, n_group, topk_group, k)
+    race = Race(p, n_group, topk_group, k)
     for key in (11, 2**64 - 3, 0x5EED_0000_0001):
-        monkeypatch.setattr(routing_mod, "_compiled", False)
         numpy_ids = race.draw(key, 500, 3500)
         monkeypatch.setattr(routing_mod, "_compiled", None)
-        assert routing_mod.compiled_race_loop() is not None
-        assert (race.draw(key, 500, 3500) == numpy_ids).all(), key
+        loop = routing_mod.compiled_race_loop()
+        assert loop is not None
+        assert (race.draw(key, 500, 3500, loop=loop) == numpy_ids).all(), key
 
 
 def test_draws_do_not_depend_on_the_split_into_blocks(monkeypatch):
@@ -244,7 +247,7 @@ def test_draws_do_not_depend_on_the_split_into_blocks(monkeypatch):
     as 0..1000 and 1000..3000 gives the same ids (numpy), and a layer's table is the same
     whatever BLOCK is."""
     monkeypatch.setattr(routing_mod, "_compiled", False)
-    race = _Race(P16, 4, 2, 3)
+    race = Race(P16, 4, 2, 3)
     whole = race.draw(7, 0, 3000)
     assert (
         np.concatenate([race.draw(7, 0, 1000), race.draw(7, 1000, 3000)], axis=1) == whole
@@ -260,15 +263,15 @@ def test_the_generator_s_uniforms_and_exponentials():
     exponentials -ln U within an ulp of numpy's log (mean and variance 1), at the ends of
     their range too (U = 1 gives 0, the smallest U = 2^-52 gives 52 ln 2)."""
     key = np.uint64(0x1234_5678_9ABC_DEF0)
-    z = routing_mod._bits(key, np.arange(1 << 20, dtype=np.uint64))
-    u = routing_mod._uniform(z)
+    z = race_mod.random_bits(key, np.arange(1 << 20, dtype=np.uint64))
+    u = race_mod.uniform(z)
     assert 0.0 <= u.min() and u.max() < 1.0
     hist = np.bincount((u * 1024).astype(int), minlength=1024)
     expect = len(u) / 1024
     assert float(((hist - expect) ** 2 / expect).sum()) < _chi2_limit(1023)
     ends = np.array([0, 2**64 - 1, 2**12 - 1, 2**12], dtype=np.uint64)
     z = np.concatenate([z, ends])
-    x = routing_mod._exponential(z)
+    x = race_mod.exponential(z)
     ref = -np.log(1.0 - (z >> np.uint64(12)).astype(np.float64) * 2.0**-52)  # exact U
     assert np.all(np.abs(x - ref) <= 2.3e-16 * np.maximum(ref, 1e-300))
     assert x[-4] == 0.0 and x[-3] == 52 * math.log(2) and x[-2] == 0.0 and 0 < x[-1] < 1e-15
@@ -281,8 +284,8 @@ def test_compiled_numbers_are_the_numpy_numbers():
     numba = pytest.importorskip("numba")
     from overlap_lab.shared.jit import inline
 
-    inline(routing_mod._bits, routing_mod._uniform, routing_mod._exponential)
-    bits, uni, exp_ = routing_mod._bits, routing_mod._uniform, routing_mod._exponential
+    inline(race_mod.random_bits, race_mod.uniform, race_mod.exponential)
+    bits, uni, exp_ = race_mod.random_bits, race_mod.uniform, race_mod.exponential
 
     @numba.njit
     def numbers(key, ctr):
@@ -294,11 +297,11 @@ def test_compiled_numbers_are_the_numpy_numbers():
 
     key = np.uint64(99)
     ctr = np.append(np.arange(100_000, dtype=np.uint64), np.uint64(2**64 - 1))
-    z = routing_mod._bits(key, ctr)
+    z = race_mod.random_bits(key, ctr)
     got = numbers(key, ctr)
     assert (got[0] == (z >> np.uint64(11)).astype(np.float64)).all()
-    assert (got[1] == routing_mod._uniform(z)).all()
-    assert (got[2] == routing_mod._exponential(z)).all()
+    assert (got[1] == race_mod.uniform(z)).all()
+    assert (got[2] == race_mod.exponential(z)).all()
 
 
 def test_compiled_counts_are_the_numpy_counts(monkeypatch):
@@ -320,7 +323,7 @@ def test_compiled_counts_are_the_numpy_counts(monkeypatch):
 
 def test_compiled_draw_into_the_table_gives_the_numpy_ids_and_load(monkeypatch):
     """With numba a layer's ids are written by the loop straight into its table and its expert
-    load counted there (``_Race.draw(into=, load=)``); without, the numpy ids are copied in and
+    load counted there (``Race.draw(into=, load=)``); without, the numpy ids are copied in and
     counted by bincount: the same table and load, over several blocks (the last one short)."""
     pytest.importorskip("numba")
     monkeypatch.setattr(routing_mod, "BLOCK", 1000)
