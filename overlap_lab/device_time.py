@@ -26,6 +26,12 @@ The mapping (:func:`map_kernels`, a pure function over the Chrome trace dict):
    replays of its matched kernels' time. :func:`op_device_us` prefers the replay (what the
    measured step runs) and falls back to eager device time for ops outside any graph.
 
+Inside a replayed graph consecutive kernels are not back to back: each starts a fraction of a
+microsecond after the previous one ends (:func:`graph_gap_us` measures it). The simulator charges
+that gap once per op it runs from a graph (``GPU.graph_kernel_gap_us``, ``sim.engine``); an op of
+the executor is often several kernels, so :func:`op_device_us` given the gap adds the gaps
+between an op's own kernels to its time, ``(kernels - 1) x gap``: the op as the graph runs it.
+
 No torch import here: the functions take dicts, so they run and are tested on the CPU against a
 recorded trace; :func:`profile_device_time` (torch, CUDA) records one.
 """
@@ -97,6 +103,7 @@ class OpTime:
     eager_runs: int
     replays: int
     kernels: int  # kernels per run (the last eager run's)
+    in_graph: bool = False  # its replay time is kernels of a captured graph
 
     @property
     def us(self) -> float | None:
@@ -233,6 +240,7 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
         for op, ks in r.ops.items():
             eager_us[op].append(sum(k.dur for k in ks))
     replay_us: dict[OpId, list[float]] = defaultdict(list)
+    in_graph: set[OpId] = set()
     matched, unmatched = [], []
     last = eager[-1] if eager else Run(replay=False)
     for r in replays:
@@ -246,6 +254,7 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
         for op in body:
             if last.ops[op]:
                 replay_us[op].append(per_op.get(op, 0.0))
+                in_graph.add(op)
         for op, ks in r.ops.items():  # ops of the replay run outside the graph (by range)
             eager_us.setdefault(op, [])  # keep: they are eager work of a replay run
             replay_us[op].append(sum(k.dur for k in ks))
@@ -256,6 +265,7 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
             eager_runs=len(eager_us.get(op, ())),
             replays=len(replay_us.get(op, ())),
             kernels=len(last.ops.get(op, ())),
+            in_graph=op in in_graph,
         )
         for op in set(eager_us) | set(replay_us)
     }
@@ -273,9 +283,33 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
     )
 
 
-def op_device_us(km: KernelMap) -> dict[OpId, float]:
-    """Per op the calibrated duration (:attr:`OpTime.us`), ops with no time left out."""
-    return {op: t.us for op, t in km.ops.items() if t.us is not None}
+def op_device_us(km: KernelMap, gap_us: float = 0.0) -> dict[OpId, float]:
+    """Per op the calibrated duration (:attr:`OpTime.us`), ops with no time left out; an op
+    that ran inside a graph as several kernels also takes the ``gap_us`` between each two of
+    them (the module docstring: the simulator charges the gap before each op, not inside it)."""
+    return {
+        op: t.us + (max(t.kernels - 1, 0) * gap_us if t.in_graph and t.replay_us else 0.0)
+        for op, t in km.ops.items()
+        if t.us is not None
+    }
+
+
+def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
+    """The gap a CUDA-graph replay leaves between consecutive kernels, per kernel: the replay's
+    step time ``replay_step_us`` (measured by CUDA events, without the profiler) less its
+    kernels' device time (this trace's median replay), over its kernels. None without replays
+    or a step time.
+
+    Why not the gaps inside the profiled replays: the profiler's own activity records lengthen
+    them (the H200 recording of decode 128 serial: a median gap of 0.42 µs between the 715
+    kernels of a profiled replay, 10,964 µs of kernels; the unprofiled replay step, 11,156 µs,
+    leaves 0.27 µs per kernel)."""
+    if not km.replay_device_us or not replay_step_us:
+        return None
+    kernels = statistics.median(m + u for m, u in zip(km.replay_matched, km.replay_unmatched))
+    if kernels <= 0:
+        return None
+    return max(0.0, (replay_step_us - statistics.median(km.replay_device_us)) / kernels)
 
 
 def with_device_time(trace, times: Mapping[OpId, float]):
@@ -327,6 +361,82 @@ def profile_device_time(fn: Callable[[], Any]) -> tuple[Any, dict]:
         p = Path(d) / "trace.json"
         prof.export_chrome_trace(str(p))
         return out, load_chrome(p)
+
+
+def kernel_records(trace: Mapping[str, Any] | list, *, last: int | None = None) -> dict:
+    """A Chrome trace holding only what :func:`map_kernels` reads (the executor's op ranges,
+    the launches with device records, the device records, each with ``args`` cut to
+    ``correlation`` and ``stream``), so a loop's archive can keep its calibration runs' kernel
+    records at a fraction of the profiler's size. ``last``: only the last ``last`` eager runs
+    and the last ``last`` graph replays (a small fixture). Mapped again, the result gives the
+    same times for the runs it keeps."""
+    ev = [e for e in _events(trace) if e.get("ph") == "X"]
+    dev = {
+        int(e["args"]["correlation"])
+        for e in ev
+        if e.get("cat") in DEVICE_CATS and "correlation" in e.get("args", {})
+    }
+    keep = []
+    for e in ev:
+        cat, a = e.get("cat"), e.get("args", {})
+        base = {"ph": "X", "cat": cat, "name": e.get("name"), "ts": e["ts"],
+                "dur": e.get("dur", 0.0)}  # fmt: skip
+        if cat == "user_annotation" and parse_range(str(e.get("name"))) is not None:
+            keep.append(base)
+        elif cat in ("cuda_runtime", "cuda_driver") and int(a.get("correlation", -1)) in dev:
+            keep.append(base | {"args": {"correlation": int(a["correlation"])}})
+        elif cat in DEVICE_CATS and "correlation" in a:
+            keep.append(base | {"args": {"correlation": int(a["correlation"]),
+                                         "stream": int(a.get("stream", -1))}})  # fmt: skip
+    if last is not None:
+        keep = _last_runs(keep, last)
+    return {"traceEvents": keep}
+
+
+def _last_runs(ev: list[dict], last: int) -> list[dict]:
+    """``ev`` cut to the events of the last ``last`` eager runs and replays: a run spans on the
+    host from its first boundary (an op range or a graph launch starting it, as
+    :func:`split_runs` cuts) to the next run's; device records follow their launches."""
+    runs = _run_starts(ev)
+    bounds = [(t, runs[i + 1][0] if i + 1 < len(runs) else float("inf"))
+              for i, (t, _) in enumerate(runs)]  # fmt: skip
+    chosen = [b for kind in (False, True)
+              for b in [b for b, (_, r) in zip(bounds, runs) if r == kind][-last:]]  # fmt: skip
+    host = [e for e in ev if e.get("cat") not in DEVICE_CATS]
+    kept = [e for e in host if any(a <= float(e["ts"]) < b for a, b in chosen)]
+    corr = {e["args"]["correlation"] for e in kept if "args" in e}
+    return kept + [
+        e for e in ev if e.get("cat") in DEVICE_CATS and e["args"]["correlation"] in corr
+    ]
+
+
+def _run_starts(ev: list[dict]) -> list[tuple[float, bool]]:
+    """(host start, is a replay) of each run of :func:`split_runs`, with its boundaries."""
+    ranges = sorted(
+        (float(e["ts"]), parse_range(str(e["name"])))
+        for e in ev
+        if e.get("cat") == "user_annotation" and parse_range(str(e["name"])) is not None
+    )
+    first = ranges[0][1] if ranges else None
+    items: list[tuple[float, int, Any]] = [(ts, 0, op) for ts, op in ranges]
+    items += [
+        (float(e["ts"]), 1, None)
+        for e in ev
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") == GRAPH_LAUNCH
+    ]
+    items.sort(key=lambda x: (x[0], x[1]))
+    starts: list[tuple[float, bool]] = []
+    seen: set = set()
+    for ts, kind, op in items:
+        if kind == 1:
+            starts.append((ts, True))
+            seen = set()
+        elif not starts or op in seen or (starts[-1][1] and op == first):
+            starts.append((ts, False))
+            seen = {op}
+        else:
+            seen.add(op)
+    return starts
 
 
 def trim(trace: Mapping[str, Any], keep: Iterable[dict]) -> dict:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.device_time import (
+    graph_gap_us,
+    kernel_records,
     load_chrome,
     map_kernels,
     op_device_us,
@@ -169,10 +171,51 @@ def test_calibration_runs_take_the_device_time_of_their_profile(chrome, monkeypa
              for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
     run_trace = Trace(spans, {"spans_source": "eager pass"})
     monkeypatch.setattr(DT, "profile_device_time", lambda fn: (fn(), chrome))
-    out, summary = device_timed(lambda: run_trace)
+    rec = device_timed(lambda: run_trace)
+    out, summary = rec.trace, rec.summary
     got = {(s.op, s.layer, s.mb): s.duration for s in out.spans}
     for op in ops:
         assert got[op] == pytest.approx(km.ops[op].replay_us)
     assert summary["ops_timed"] == len(ops) == summary["ops_from_replay"]
     assert out.meta["device_time"]["replay_unmatched"] == [0]
     assert out.meta["spans_source"].startswith("device time")
+    # what a replay needs is kept: the run as the executor returned it, and its kernel records
+    assert rec.executor_trace is run_trace
+    assert map_kernels(rec.kernels) == km
+    # with a graph gap, an op of k replayed kernels also takes its k - 1 inner gaps
+    gapped = device_timed(lambda: run_trace, gap_us=0.5).trace
+    got = {(s.op, s.layer, s.mb): s.duration for s in gapped.spans}
+    t = km.ops[("attn.prepare", 1, 0)]
+    assert got[("attn.prepare", 1, 0)] == pytest.approx(t.replay_us + 64 * 0.5)
+    assert got[("gate", 1, 0)] == pytest.approx(km.ops[("gate", 1, 0)].replay_us)  # 1 kernel
+
+
+def test_kernel_records_keep_what_the_mapping_reads(chrome):
+    """The archive's copy of a profiler trace: only ranges, launches and device records, args
+    cut; mapped again it gives the same times, and ``last=1`` keeps one eager run and one
+    replay of the recording (the last of each)."""
+    full = map_kernels(chrome)
+    kept = kernel_records(chrome)
+    assert map_kernels(kept) == full
+    assert all(set(e.get("args", {})) <= {"correlation", "stream"} for e in kept["traceEvents"])
+    one = kernel_records(chrome, last=1)
+    runs, _ = split_runs(one)
+    assert [r.replay for r in runs] == [False, True]
+    km = map_kernels(one)
+    assert km.replay_device_us == full.replay_device_us[-1:]
+    assert km.eager_step_device_us == full.eager_step_device_us[-1:]
+
+
+def test_the_graph_gap_is_the_unprofiled_step_less_kernel_time_per_kernel(chrome):
+    """graph_gap_us: (replay step - the replay's kernel time) / its kernels; None without a
+    step or replays; never negative."""
+    km = map_kernels(chrome)
+    kernel_us = km.replay_device_us[0]
+    assert graph_gap_us(km, kernel_us + 197 * 0.25) == pytest.approx(0.25)
+    assert graph_gap_us(km, kernel_us - 10.0) == 0.0
+    assert graph_gap_us(km, None) is None
+    eager_only = kernel_records(chrome)
+    eager_only["traceEvents"] = [
+        e for e in eager_only["traceEvents"] if e.get("name") != "cudaGraphLaunch"
+    ]
+    assert graph_gap_us(map_kernels(eager_only), 1000.0) is None
