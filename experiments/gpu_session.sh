@@ -20,7 +20,7 @@ WHL=${1:-.whl}
 mkdir -p "$OUT/results"
 exec > >(tee -a "$OUT/session.log") 2>&1
 
-SITE=/tmp/ol_site
+SITE=/tmp/site
 rm -rf "$SITE" /tmp/ol && mkdir -p "$SITE" /tmp/ol/overlap_lab
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHL"/*.whl \
     || { echo "session: the wheels in $WHL did not install"; exit 2; }
