@@ -210,23 +210,30 @@ def split_runs(trace: Mapping[str, Any] | list) -> tuple[list[Run], int]:
     return runs, unattributed
 
 
+def _template(last: Run, r: Run) -> list[tuple[OpId, DeviceKernel]]:
+    """The kernels a replay's graph runs, as ``last`` (an eager run) launched them: the ops
+    the replay run did not launch by range, in launch order."""
+    body = [op for op in last.ops if op not in r.ops]  # ops the graph ran, not by range
+    return sorted(((op, k) for op in body for k in last.ops[op]), key=lambda x: x[1].correlation)
+
+
 def _match(template: list[tuple[OpId, DeviceKernel]], replay: list[DeviceKernel]):
     """Step 3: each replay kernel (device order) to the first unmatched template kernel of the
-    same name; returns (per-op time, matched, unmatched)."""
+    same name; returns (per-op time, [(op, replay kernel)] matched, unmatched)."""
     queues: dict[str, list[int]] = defaultdict(list)
     for i, (_, k) in enumerate(template):
         queues[k.name].append(i)
     heads: dict[str, int] = defaultdict(int)
     per_op: dict[OpId, float] = defaultdict(float)
-    matched = 0
+    pairs = []
     for k in replay:
         q, h = queues.get(k.name), heads[k.name]
         if not q or h >= len(q):
             continue
         heads[k.name] = h + 1
         per_op[template[q[h]][0]] += k.dur
-        matched += 1
-    return per_op, matched, len(replay) - matched
+        pairs.append((template[q[h]][0], k))
+    return per_op, pairs, len(replay) - len(pairs)
 
 
 def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
@@ -244,12 +251,9 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
     matched, unmatched = [], []
     last = eager[-1] if eager else Run(replay=False)
     for r in replays:
-        body = [op for op in last.ops if op not in r.ops]  # ops the graph ran, not by range
-        template = sorted(
-            ((op, k) for op in body for k in last.ops[op]), key=lambda x: x[1].correlation
-        )
-        per_op, m, u = _match(template, r.graph_kernels)
-        matched.append(m)
+        body = [op for op in last.ops if op not in r.ops]
+        per_op, pairs, u = _match(_template(last, r), r.graph_kernels)
+        matched.append(len(pairs))
         unmatched.append(u)
         for op in body:
             if last.ops[op]:
@@ -338,6 +342,35 @@ def with_device_time(trace, times: Mapping[OpId, float]):
         f"; CUDA-event spans kept for {sorted(kept)}" if kept else ""
     )
     return Trace(tuple(spans), meta)
+
+
+def replay_trace(trace, kernels: Mapping[str, Any] | list):
+    """The last graph replay of ``kernels`` (a torch.profiler trace of the executor's run whose
+    trace is ``trace``) as a Trace: each kernel of it a span of its op, on its op's lane and of
+    its op's kind (read off ``trace``'s spans), at its device start and duration, the replay's
+    first kernel at 0. What a replayed step ran side by side, which the eager pass's spans do
+    not show (they hold launch gaps): the measured exposed communication of a graph-replayed
+    step. None without a replay."""
+    from overlap_lab.shared.outputs.trace import Span, Trace
+
+    runs, _ = split_runs(kernels)
+    eager = [r for r in runs if not r.replay]
+    replays = [r for r in runs if r.replay and r.graph_kernels]
+    if not eager or not replays:
+        return None
+    r = replays[-1]
+    _, pairs, _ = _match(_template(eager[-1], r), r.graph_kernels)
+    pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
+    like = {(s.op, s.layer, s.mb): s for s in trace.spans if s.lane.startswith("stream:")}
+    t0 = min(k.ts for _, k in pairs)
+    spans = [
+        Span(
+            s.rank, s.lane, s.op, s.kind, k.ts - t0, k.ts - t0 + k.dur, s.sms, s.mb, s.layer, s.step
+        )  # fmt: skip
+        for op, k in pairs
+        if (s := like.get(op)) is not None
+    ]
+    return Trace(tuple(spans), {"spans_source": "graph replay: kernel device times"})
 
 
 def load_chrome(path: str | Path) -> dict:

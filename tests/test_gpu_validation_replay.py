@@ -242,3 +242,18 @@ def test_the_gpu_session_scripts_loop_commands_parse():
     assert sum("--gemm-dtype" in " ".join(a) for a in calls) == 2
     assert any("--kernels" in a and "--pytest" in a for a in calls)
     assert "overlap_lab.experiments.gpu_interference" in text
+
+
+def test_a_replayed_steps_exposed_communication_is_its_replays_not_the_eager_passs(replayed):
+    """A graph-replayed step's exposed communication is measured on the replay's timeline (its
+    kernels' device times, each on its op's lane): serial runs everything on one stream, so its
+    comm kernels are all exposed; the eager pass's spans, which hold launch gaps, say far more."""
+    report, _ = replayed
+    ops, _ = _by_hand(_member("calibration/serial_128.kernels.json.gz"))
+    comm = sum(us for (op, *_), (_, us) in ops.items()
+               if op in ("dispatch_a", "dispatch_b", "combine_a", "combine_b"))  # fmt: skip
+    ex = report["cases"]["decode_128"]["runs"]["serial"]["comparison"]
+    assert ex["exposed_comm_source"].startswith("a graph replay")
+    assert ex["exposed_comm_us"]["measured"] == pytest.approx(comm, rel=1e-9)
+    eager = Trace.from_chrome(_member("serial.measured.trace.json.gz"))
+    assert eager.exposed_comm_us(eager.ranks[0]) > 1.5 * comm

@@ -2,8 +2,9 @@
 ``step_times.png`` and, per case (``<mode>_<size>/``) and schedule, the predicted and measured
 traces (Chrome JSON, gzipped) and a two-row timeline; and what a replay needs to calibrate
 again (``replay``): per case the calibration runs (``calibration/serial_<tokens>``: the
-executor's trace and its kernel records, :meth:`Archive.keep_run`) and per schedule with rows
-of its own run that run's (``<schedule>.own``). The report names each file it refers to by its
+executor's trace and its kernel records, :meth:`Archive.keep_run`) and, on a GPU, per schedule a
+short run under the profiler (``<schedule>.recorded``: its graph replay's timeline, the
+device time of rows from its own run). The report names each file it refers to by its
 path inside the archive, under the archive's name (``files``).
 
 The archive is packed from a working folder and rewritten whole after every schedule (to a

@@ -114,6 +114,8 @@ def convert(old: str | Path, calibration: dict[str, list[tuple[str, str | None]]
                     write_json_gz(archive.work / files["kernels"], doc)
                 entries.append({"schedule": sname, "size": int(size), "half": False,
                                 "replay_step_us": step, "files": files})  # fmt: skip
+                if kpath and sname in runs:  # its replay's timeline: the exposed communication
+                    runs[sname]["files"]["recorded"] = dict(files)
             cases[key] = {
                 "workload": {"mode": mode, "size": int(size),
                              "tokens": old_case["workload"]["tokens"]},

@@ -24,7 +24,6 @@ from overlap_lab.experiments.gpu_validation.predict import (
     build,
     calibrate,
     judge,
-    roofline_ops,
 )
 from overlap_lab.experiments.gpu_validation.report import (
     figure,
@@ -57,6 +56,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
     """Calibrate, predict, measure and compare every schedule on one workload; the case is
     ``cases[key]`` from the start, and ``saved()`` runs after every schedule. The calibration
     runs, and each schedule's own-rows run, are kept in the archive for a replay."""
+    from overlap_lab.device_time import replay_trace
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
 
@@ -107,12 +107,12 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                 meas = serial_run
             else:
                 meas = ctx.measure(prog, wv)
-            own = None
-            if ctx.device == "cuda" and roofline_ops(setup, prog, profile):
-                rec = ctx.record(prog, wv, warmup=1, repeats=1)  # device time, not spans
-                own = rec.trace
-                files["own"] = archive.keep_run(key, f"{name}.own", rec)
-            run, pred = judge(setup, name, wv, meas, profile, own)
+            own = replayed = None
+            if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
+                rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
+                own, replayed = rec.trace, replay_trace(rec.executor_trace, rec.kernels)
+                files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
+            run, pred = judge(setup, name, wv, meas, profile, own, replayed)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)

@@ -232,10 +232,12 @@ def build(ctx, name: str, w):
     return comm_program(w, ctx.gpu) if name == COMM_ONLY else S.build(name, w, ctx.gpu)
 
 
-def judge(ctx, name: str, w, measured, profile, own_run=None) -> tuple[dict, object]:
+def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> tuple:
     """Predict schedule ``name`` on ``w`` as the executor ran it (:func:`as_executed` of its
     ``measured`` trace; rows of its ``own_run`` where the profile has none) and compare with
-    the measurement: (the run's record for the report, the predicted trace)."""
+    the measurement (its exposed communication from ``replayed``, the timeline of a graph
+    replay, where given: ``overlap_lab.device_time.replay_trace``): (the run's record for the
+    report, the predicted trace)."""
     comm = name == COMM_ONLY
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
@@ -250,7 +252,8 @@ def judge(ctx, name: str, w, measured, profile, own_run=None) -> tuple[dict, obj
     m = measured.meta
     own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
     return {
-        "comparison": comparison(measured, pred, step_m),
+        "comparison": comparison(measured, pred, step_m, replayed if source == "graph replay"
+                                 else None),  # fmt: skip
         "measured_step_source": source,
         "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
         "step_times_us": m.get("step_times_us"),
@@ -285,12 +288,19 @@ def executed_note(measured, prog) -> str:
             + (f"; left out (no kernel in this run): {', '.join(out)}" if out else ""))  # fmt: skip
 
 
-def comparison(measured, predicted, measured_step_us: float) -> dict:
+def comparison(measured, predicted, measured_step_us: float, replayed=None) -> dict:
     """``overlap_lab.validate.compare`` (the simulator's validation), against the step time the
-    run reports (graph replay where captured), with each op's error summarised per op name."""
+    run reports (graph replay where captured), with each op's error summarised per op name.
+    ``replayed``: the timeline of a graph replay of the run (kernel records), whose exposed
+    communication is the step's; else the measured trace's (its eager pass where graphs were
+    replayed, which holds launch gaps: ``exposed_comm_source`` says which)."""
     from overlap_lab.validate import compare
 
     v = dataclasses.replace(compare(measured, predicted), measured_step_us=measured_step_us)
+    exposed_from = "the measured trace's spans"
+    if replayed is not None and replayed.spans:
+        v = dataclasses.replace(v, measured_exposed_us=replayed.exposed_comm_us(replayed.ranks[0]))
+        exposed_from = "a graph replay's kernels (torch.profiler)"
     by_op: dict[str, list[float]] = {}
     for o in v.ops:
         if o.measured_us > 0:
@@ -301,6 +311,7 @@ def comparison(measured, predicted, measured_step_us: float) -> dict:
                          "rel_error": v.step_error if v.measured_step_us else None},
         "exposed_comm_us": {"predicted": v.predicted_exposed_us,
                             "measured": v.measured_exposed_us, "abs_error_us": v.exposed_error_us},
+        "exposed_comm_source": exposed_from,
         "per_op": {n: {"median_rel_error": statistics.median(es), "n": len(es)}
                    for n, es in sorted(by_op.items())},
         "per_op_median_abs_rel_error": statistics.median(errs) if errs else None,

@@ -94,6 +94,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
     with today's simulator and compared with its recorded measurement (the predicted traces
     written under ``work/<key>/`` where given)."""
     from overlap_lab.calibrate import apply_device_time
+    from overlap_lab.device_time import replay_trace
     from overlap_lab.shared import schedules as S
 
     runs_in = case.get("calibration_runs")
@@ -125,18 +126,20 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         if "measured" not in files:
             out["runs"][name] = {k: v for k, v in rec.items() if k in ("error", "skipped")}
             continue
-        own_files = files.get("own") or {}
-        own = _trace(root, own_files.get("trace"))
-        if own is not None and own_files.get("kernels"):
-            own = apply_device_time(own, _kernels(root, own_files["kernels"]),
-                                    gpu.graph_kernel_gap_us)  # fmt: skip
+        rec_files = files.get("recorded") or {}  # a run under the profiler, where kept
+        own = replayed = _trace(root, rec_files.get("trace"))
+        if own is not None and rec_files.get("kernels"):
+            kernels = _kernels(root, rec_files["kernels"])
+            own = apply_device_time(own, kernels, gpu.graph_kernel_gap_us)
+            replayed = replay_trace(replayed, kernels)
         wv = w
         if name != COMM_ONLY and S.supports_pp(name):
             from overlap_lab.real.check import workload_variants  # torch: pipelines only
 
             wv = workload_variants(name, w)[0]
         try:
-            run, pred = judge(at, name, wv, _trace(root, files["measured"]), profile, own)
+            measured = _trace(root, files["measured"])
+            run, pred = judge(at, name, wv, measured, profile, own, replayed)
         except Exception as e:  # recorded; the next schedule goes on
             out["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "files": files}
             continue
