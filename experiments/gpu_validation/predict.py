@@ -249,11 +249,12 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
     )  # fmt: skip
     missing = roofline_ops(ctx, executed(build(ctx, name, wp)), prof)
     step_m, source = measured_step(measured)
+    # a replay timeline is one graph's: the step's where the Program is one step of one graph
+    one_step = source == "graph replay" and len({op.step for _, op in ops_of(prog)}) == 1
     m = measured.meta
     own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
     return {
-        "comparison": comparison(measured, pred, step_m, replayed if source == "graph replay"
-                                 else None),  # fmt: skip
+        "comparison": comparison(measured, pred, step_m, replayed if one_step else None),
         "measured_step_source": source,
         "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
         "step_times_us": m.get("step_times_us"),
