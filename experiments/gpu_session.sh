@@ -3,8 +3,8 @@
 # device time on one H100/H200 with torch (CUDA) and triton, Python 3.12, no network, no simpy:
 #   1. the GPU tests, then the loop on decode (BF16 GEMMs) with the kernel table;
 #   2. the loop on prefill (BF16);
-#   3. the loop on decode and prefill in FP8 (DeepGEMM), where deep_gemm imports;
-#   4. the interference measurement (real/interference.py).
+#   3. the interference measurement (real/interference.py);
+#   4. the loop on decode and prefill in FP8 (DeepGEMM), where deep_gemm imports.
 # Everything lands under $OUT: each command's archive and log, the results files
 # (gpu_<preset>[_fp8].{json,md}, kernels_<preset>.{json,md}: commit them to experiments/results)
 # and env.txt. A command stopped at its time limit still leaves its archive (rewritten after
@@ -25,7 +25,7 @@ rm -rf "$SITE" /tmp/ol && mkdir -p "$SITE" /tmp/ol/overlap_lab
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHL"/*.whl \
     || { echo "session: the wheels in $WHL did not install"; exit 2; }
 # the namespace mapped onto the checkout (pyproject.toml's package-dir table; no build step)
-cp overlap_lab/*.py /tmp/ol/overlap_lab/
+cp -r overlap_lab/. /tmp/ol/overlap_lab/
 for d in shared sim real experiments; do ln -sfn "$PWD/$d" "/tmp/ol/overlap_lab/$d"; done
 export PYTHONPATH=/tmp/ol:$SITE PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 PY="python3 -P"
@@ -48,17 +48,18 @@ loop() {  # name, hard limit in seconds, then the loop's options
     tail -n 1 "$OUT/$name.log"
 }
 
-loop bf16_decode 200 --modes decode --gemm-dtype bf16 --pytest --pytest-timeout-s 90 \
+loop bf16_decode 190 --modes decode --gemm-dtype bf16 --pytest --pytest-timeout-s 80 \
     --kernels --budget-s 100
-loop bf16_prefill 110 --modes prefill --gemm-dtype bf16 --budget-s 80
-if $PY -c "import deep_gemm" 2> /dev/null; then
-    loop fp8_decode 160 --modes decode --budget-s 110
-    loop fp8_prefill 100 --modes prefill --budget-s 70
-else
-    echo "== FP8 skipped: deep_gemm does not import (add its wheel to $WHL)"
-fi
+loop bf16_prefill 100 --modes prefill --gemm-dtype bf16 --budget-s 75
 echo "== interference ($(date -u +%T))"
-timeout 90 $PY -m overlap_lab.experiments.gpu_interference --out "$OUT" \
+timeout 70 $PY -m overlap_lab.experiments.gpu_interference --out "$OUT" \
     > "$OUT/interference.log" 2>&1
 echo "   exit $?; session ${SECONDS}s"
+if $PY -c "import deep_gemm" 2> /dev/null; then
+    loop fp8_decode 120 --modes decode --budget-s 90
+    loop fp8_prefill 70 --modes prefill --budget-s 55
+else
+    echo "== FP8 skipped: deep_gemm does not import (add its wheel to $WHL)"
+    $PY -c "import deep_gemm" 2>&1 | tail -n 3
+fi
 ls -la "$OUT" "$OUT/results"
