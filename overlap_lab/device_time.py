@@ -350,7 +350,8 @@ def replay_trace(trace, kernels: Mapping[str, Any] | list):
     its op's kind (read off ``trace``'s spans), at its device start and duration, the replay's
     first kernel at 0. What a replayed step ran side by side, which the eager pass's spans do
     not show (they hold launch gaps): the measured exposed communication of a graph-replayed
-    step. None without a replay."""
+    step. None without a replay, or when none of its kernels maps to an op (pp's ranks in one
+    process: the last eager run is not the replay's template)."""
     from overlap_lab.shared.outputs.trace import Span, Trace
 
     runs, _ = split_runs(kernels)
@@ -361,6 +362,8 @@ def replay_trace(trace, kernels: Mapping[str, Any] | list):
     r = replays[-1]
     _, pairs, _ = _match(_template(eager[-1], r), r.graph_kernels)
     pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
+    if not pairs:
+        return None
     like = {(s.op, s.layer, s.mb): s for s in trace.spans if s.lane.startswith("stream:")}
     t0 = min(k.ts for _, k in pairs)
     spans = [
