@@ -280,37 +280,81 @@ def run_sweep(
     what deduplication saves). Returns counts: cases, done before, simulated, duplicates,
     errors."""
     from overlap_lab import sweep_csv
+    from overlap_lab.outdir import check_out_file, file_target
 
     if limit is not None and limit < 1:
         raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
-    out = Path(out)
+    out = file_target(out)  # links followed: one file, one lock, whatever name reaches it
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    if parquet and out.exists():
+        raise ConfigError(
+            f"sweep: {out} exists (a finished sweep, or another file); a .parquet sweep writes a "
+            "new file: choose another --out"
+        )
+    file_target(csv_path)
+    check_out_file(out.with_name(out.name + ".provenance.json"), beside=())
     record = inputs if inputs is not None else {"knobs": spec.knobs, "cases": spec.cases}
     job = SweepJob(parse)
     with sweep_csv.locked(csv_path):
-        sweep_csv.write_provenance(out, command, record)
-        stats = _run_locked(spec, csv_path, job, backend, progress, limit, dedupe)
-    if parquet and len(sweep_csv.read_rows(csv_path)) == len(spec.cases):
-        sweep_csv.to_parquet(csv_path, out)
-        csv_path.unlink()
+        f, done_rows = sweep_csv.open_rows(csv_path, columns(spec))
+        try:
+            _check_resumed(done_rows, spec, out)  # before the record of this run replaces it
+            sweep_csv.write_provenance(out, command, record)
+            stats = _run_locked(spec, f, done_rows, job, backend, progress, limit, dedupe)
+        finally:
+            f.close()
+        if parquet and len(sweep_csv.read_rows(csv_path)) == len(spec.cases):
+            sweep_csv.to_parquet(csv_path, out)
+            csv_path.unlink()
     return stats
+
+
+def _check_resumed(rows: Sequence[Mapping[str, str]], spec: Spec, out: Path) -> None:
+    """The rows an earlier run left in ``out`` are this spec's: each case once, with the knobs
+    this spec gives it. A changed spec of the same columns would otherwise skip the cases it
+    shares by index and keep rows of knobs it no longer has."""
+    from overlap_lab.sweep_csv import cell
+
+    seen: set[int] = set()
+    for r in rows:
+        try:
+            i = int(r["case"])
+        except ValueError:
+            raise ConfigError(f"sweep: {out} holds a row whose case is {r['case']!r}") from None
+        if i in seen:
+            raise ConfigError(
+                f"sweep: {out} holds case {i} twice; it is not one sweep's file: choose another "
+                "--out"
+            )
+        seen.add(i)
+        case = spec.cases[i] if 0 <= i < len(spec.cases) else None
+        diff = ["case"] if case is None else [k for k in spec.knobs if r[k] != cell(case.get(k))]
+        if diff:
+            there = f"{diff[0]} {r.get(diff[0])!r} there" + (
+                "" if case is None else f", {cell(case.get(diff[0]))!r} here"
+            )
+            raise ConfigError(
+                f"sweep: {out} holds another spec's results (case {i}: {there}); choose "
+                "another --out, or run the spec that wrote it"
+            )
 
 
 def _run_locked(
     spec: Spec,
-    csv_path: Path,
+    f: Any,
+    done_rows: list[dict[str, str]],
     job: SweepJob,
     backend: runner.Backend | None,
     progress: bool,
     limit: int | None,
     dedupe: bool,
 ) -> dict[str, int]:
-    """:func:`run_sweep` with the output's lock held."""
+    """:func:`run_sweep` with the output's lock held and its file ``f`` open for appending
+    (``done_rows``: the rows it held)."""
     from overlap_lab import sweep_csv
 
     cols = columns(spec)
-    f, done_rows = sweep_csv.open_rows(csv_path, cols)
     done = {int(r["case"]) for r in done_rows}
     known: dict[str, tuple[int, dict[str, str]]] = {}
     for r in done_rows:
@@ -349,5 +393,4 @@ def _run_locked(
             f.flush()
     finally:
         outcomes.close()  # the bar is closed and the workers stopped, also on Ctrl-C
-        f.close()
     return stats

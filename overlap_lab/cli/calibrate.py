@@ -109,8 +109,11 @@ def _sizes(text: str, mode: str) -> tuple[int, ...]:
 
 
 def cmd_calibrate(args) -> int:
+    from overlap_lab.outdir import check_out_file
+
     if (args.from_trace is None) == (args.device is None):
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
+    check_out_file(args.out, force=args.force)  # before the work: nothing replaced unasked
     if args.device is not None:
         from overlap_lab.calibrate import calibrate_on_device, parse_ints
 
@@ -225,6 +228,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--sm-budgets", default=None, help="--device: SM counts (default: all SMs)")
     s.add_argument("--repeats", type=int, default=5, help="--device: timed runs per case")
     s.add_argument("--out", default="overlap-lab-out/profile.json", help="profile file to write")
+    s.add_argument("--force", action="store_true", help="replace --out even if another wrote it")
     workload_options(s)
     rank_options(s)
     s.set_defaults(func=cmd_calibrate)
