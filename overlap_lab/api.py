@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from overlap_lab.checks import check_overrides
 from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
@@ -106,6 +107,7 @@ def gpu(spec: str | Path | GPU = "h800", **overrides: Any) -> GPU:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ConfigError(f"unknown gpu field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+    check_overrides(overrides)  # the fields' ranges, as the command line's options check them
     for link in ("nvlink", "rdma"):  # as the command line: DeepEP's rate follows the line rate
         nominal, eff = overrides.get(f"{link}_gbps"), f"{link}_eff_gbps"
         if nominal is not None and eff not in overrides and getattr(g, eff) > 0:
@@ -148,8 +150,9 @@ def workload(
     tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``).
     ``mtp``: multi-token-prediction modules (None: the model's own; they run in decode steps of
     more than one token per sequence, verifying the draft tokens)."""
+    mode = str(mode).lower()  # as the command line: names are case-insensitive
     if mode not in ("decode", "prefill"):
-        raise ConfigError(f"--mode must be decode or prefill, got {mode!r}")
+        raise ConfigError(f"mode must be decode or prefill, got {mode!r}", names=("mode",))
     m = model(model_spec, layers=layers)
     if mtp is not None and mtp != m.mtp:
         m = replace(m, mtp=mtp)
@@ -194,10 +197,20 @@ class Ranks:
     reduce: bool = True
 
     def __post_init__(self) -> None:
+        from overlap_lab.shared.inputs.routing import parse_imbalance
+
+        names = ("imbalance", "dp_imbalance", "ranks")
         if self.mode not in ("symmetric", "explicit"):
-            raise ConfigError(f"ranks must be symmetric or explicit, got {self.mode!r}")
+            raise ConfigError(
+                f"ranks must be symmetric or explicit, got {self.mode!r}", names=names
+            )
         if not 0.0 <= self.dp_imbalance < 1.0:
-            raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {self.dp_imbalance}")
+            raise ConfigError(
+                f"dp_imbalance must lie in [0, 1), got {self.dp_imbalance}", names=names
+            )
+        skewed = parse_imbalance(self.imbalance).kind != "balanced" or self.dp_imbalance > 0
+        if skewed and self.mode == "symmetric":  # refused when the record is made: before a run
+            raise ConfigError("imbalance and dp_imbalance need ranks explicit", names=names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,10 +516,6 @@ def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
     from overlap_lab.shared.inputs.routing import dp_token_counts, parse_imbalance, routing_for
 
     imb = parse_imbalance(r.imbalance)
-    if r.mode == "symmetric":
-        if imb.kind != "balanced" or r.dp_imbalance > 0:
-            raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
-        return program
     if not program.symmetric:  # a pipeline's Program lists its ranks itself
         raise ConfigError(
             f"--ranks explicit does not apply to --schedule {program.meta.schedule} (its Program "
@@ -667,8 +676,10 @@ def compare(
     """
     from tqdm import tqdm
 
+    from overlap_lab.sensitivity import design_from
     from overlap_lab.sim.models import check_model_names
 
+    design = design_from(sensitivity)  # a bad design: one line before anything runs
     names = list(dict.fromkeys(s.strip() for s in (schedules or SCHEDULES) if s.strip()))
     for n in names:
         if n not in SCHEDULES:
@@ -695,17 +706,16 @@ def compare(
     check_model_names(cost_model, network)  # a bad name or profile: one line, before the bar
     if cost_model is None or isinstance(cost_model, str):
         resolve_profile(profile, g)
+    base = run(BASELINE, w1)  # before the bar: a refusal of the workload is one line alone
     # in a terminal the bar is erased when done; written to a file (stderr redirected, often
     # with stdout) its last state is kept and ends its line, so the table starts on its own
     bar = tqdm(
-        total=len(names) + 1,
+        total=len(names),
         desc="simulating",
         unit="schedule",
         disable=not progress,
         leave=not sys.stderr.isatty(),
     )
-    base = run(BASELINE, w1)
-    bar.update()
     rows = []
     for n in names:
         if n == BASELINE:
@@ -731,7 +741,7 @@ def compare(
         rows.append(CompareRow(n, res, speedup, label, note))
     bar.close()
     table = Comparison(tuple(rows), base, cfg)
-    if sensitivity is None or sensitivity is False:
+    if design is None:
         return table
     from overlap_lab.sensitivity import sensitivity as over_design
 
@@ -751,7 +761,7 @@ def compare(
         cost_model = build(cost_model, resolve_profile(profile, g))[0]
     s = over_design(
         table,
-        sensitivity,
+        design,
         cost_model=cost_model,
         network=network,
         profile=profile,

@@ -5,7 +5,9 @@
   machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
   swapping the machine to a halt.
 - Routing files: a regular text file of finite, sensible numbers.
-- Hardware values that look typed in another unit (:func:`implausible`): taken, but said.
+- Hardware overrides (:func:`check_overrides`): each in its field's range (the knob record's,
+  which the command line's options check too), and one that looks typed in another unit
+  (:func:`implausible`) taken, but said.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -163,8 +166,8 @@ def _fastest_presets() -> dict[str, tuple[float, str]]:
 def implausible(values: Mapping[str, float | None]) -> list[str]:
     """What to say of the hardware values given (``values``: GPU field -> the value, None: not
     given) above :data:`IMPLAUSIBLE` times the fastest built-in preset's: such a value is taken,
-    but is most likely in another unit (``--rdma-gbps 400`` for a 400 Gb/s NIC, which is
-    50 GB/s)."""
+    but is most likely in another unit (``rdma_gbps 400`` for a 400 Gb/s NIC, which is 50 GB/s).
+    Each names its field as the API does; the command line shows its option."""
     records = {k.name: k for k in gpu_fields()}
     out = []
     for field, (top, name) in _fastest_presets().items():
@@ -174,7 +177,23 @@ def implausible(values: Mapping[str, float | None]) -> list[str]:
         unit = records[field].unit
         hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
         out.append(
-            f"{records[field].flag} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
+            f"{field} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
             f"GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
         )
     return out
+
+
+class ImplausibleValue(UserWarning):
+    """A hardware value taken that most likely is in another unit (:func:`implausible`)."""
+
+
+def check_overrides(overrides: Mapping[str, float]) -> None:
+    """GPU fields given to replace a preset's (``overlap_lab.gpu(..., hbm_gbps=...)``, which the
+    command line's hardware options call): each within its knob record's range, the same as the
+    option's (``hbm_gbps=3.35`` is TB/s typed as GB/s: refused, naming ``hbm_gbps``); a value in
+    range that looks typed in another unit is an :class:`ImplausibleValue` warning."""
+    records = {k.name: k for k in gpu_fields()}
+    for name, v in overrides.items():
+        records[name].validate(v)
+    for msg in implausible(overrides):
+        warnings.warn(msg, ImplausibleValue, stacklevel=3)

@@ -219,6 +219,11 @@ class Point:
         return 1.0
 
 
+#: What a design's refusals name: the API's keyword (``compare(sensitivity=...)``), which a
+#: command line shows as its option
+_NAMES = ("sensitivity",)
+
+
 @dataclass(frozen=True)
 class Design:
     """Which perturbations to run: one-at-a-time (each input at its range's ends, the others
@@ -233,16 +238,25 @@ class Design:
 
     def __post_init__(self) -> None:
         if self.lhs < 0:
-            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}")
+            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}", names=_NAMES)
+        if not 0 <= self.seed < 2**32:  # numpy's seeds
+            raise ConfigError(
+                f"sensitivity: seed must lie in 0..{2**32 - 1}, got {self.seed}", names=_NAMES
+            )
         for n in self.inputs or ():
             if n not in _BY_NAME:
                 raise ConfigError(
-                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}"
+                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}",
+                    names=_NAMES,
                 )
             if not _BY_NAME[n].varied:
-                raise ConfigError(f"sensitivity: input {n!r} is documented but not varied")
+                raise ConfigError(
+                    f"sensitivity: input {n!r} is documented but not varied", names=_NAMES
+                )
         if not self.oat and self.lhs == 0:
-            raise ConfigError("sensitivity: the design has no points (no one-at-a-time, lhs 0)")
+            raise ConfigError(
+                "sensitivity: the design has no points (no one-at-a-time, lhs 0)", names=_NAMES
+            )
 
     def varied(self) -> tuple[Input, ...]:
         names = self.inputs or tuple(i.name for i in INPUTS if i.varied)
@@ -300,22 +314,23 @@ def design_from(spec: Design | bool | str | Mapping[str, Any] | None) -> Design 
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = part.partition("=")
         key = key.strip()
-        try:
-            if key == "lhs":
-                kw["lhs"] = int(val)
-            elif key == "seed":
-                kw["seed"] = int(val)
-            elif key == "oat":
-                kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
-            elif key == "inputs":
-                kw["inputs"] = tuple(x for x in val.split("+") if x)
-            else:
+        if key not in ("lhs", "seed", "oat", "inputs"):
+            raise ConfigError(
+                f"sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
+                "(e.g. lhs=8,seed=1,inputs=hbm+rdma)",
+                names=_NAMES,
+            )
+        if key in ("lhs", "seed"):
+            try:
+                kw[key] = int(val)
+            except ValueError:
                 raise ConfigError(
-                    f"--sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
-                    "(e.g. lhs=8,seed=1,inputs=hbm+rdma)"
-                )
-        except ValueError:
-            raise ConfigError(f"--sensitivity: {key} needs an integer, got {val!r}") from None
+                    f"sensitivity: {key} needs an integer, got {val!r}", names=_NAMES
+                ) from None
+        elif key == "oat":
+            kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
+        else:
+            kw["inputs"] = tuple(x for x in val.split("+") if x)
     return Design(**kw)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ from overlap_lab.cli.options import (
 from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.inputs.preset_files import hold_notes
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import BASELINE, SCHEDULES
 
@@ -255,17 +257,24 @@ def _add_plugins(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from overlap_lab.checks import ImplausibleValue
+
+    warnings.simplefilter("ignore", ImplausibleValue)  # said once checks pass (check_args)
     args = parser().parse_args(argv)
     # as typed: what the results files record (provenance)
     args.command_line = ["overlap-lab", *(sys.argv[1:] if argv is None else argv)]
+    hold_notes(True)  # said once the command succeeded: never a line before an error's
     try:
         inputs.check_args(args)  # every option, alone and together, before anything runs
         if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
             w, gpu = workload_from(args), gpu_from(args)
             inputs.check_workload(w, gpu, args)
-        return args.func(args)
+        code = args.func(args)
+        for kind, msg in hold_notes(False):
+            print(f"overlap-lab: {kind}: {msg}", file=sys.stderr)
+        return code
     except ConfigError as e:
-        msg = str(e).strip()
+        msg = inputs.as_options(str(e).strip(), e.names)
         if isinstance(e, ProgramError):
             # a built-in schedule's Program: the instructions listed under the first line point
             # a schedule's author at the fault (the API keeps them); a user typed options
@@ -278,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap-lab {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # writing the outputs failed after the checks (disk full, say)
-        print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"overlap-lab: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    finally:
+        hold_notes(False)
 
 
 if __name__ == "__main__":

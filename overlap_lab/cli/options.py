@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from pathlib import Path
 
 from overlap_lab.cli import inputs
 from overlap_lab.shared import schedules
@@ -289,7 +290,7 @@ def workload_from(args) -> Workload:
     if pp is None:  # one stage; a schedule's own default applies in the API (prepare_workload)
         pp = 1
     return api.workload(
-        getattr(args, "model_file", None) or args.model,
+        model_spec(args),
         mode=args.mode,
         batch=args.batch,
         kv_len=args.kv_len,
@@ -323,8 +324,19 @@ def gpu_from(args) -> GPU:
     (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
     from overlap_lab import api
 
-    spec = getattr(args, "gpu_file", None) or args.gpu
-    return api.gpu(spec, **_overrides(args, _gpu_overrides()))
+    return api.gpu(_spec(args, "gpu"), **_overrides(args, _gpu_overrides()))
+
+
+def _spec(args, what: str) -> str | Path:
+    """``--model``/``--gpu`` as typed (a preset's name, or a path to a file), or the path
+    ``--model-file``/``--gpu-file`` gives: a path always, so a file is never read as a name."""
+    file = getattr(args, f"{what}_file", None)
+    return Path(file) if file else getattr(args, what)
+
+
+def model_spec(args) -> str | Path:
+    """The model the options name: :func:`_spec` of ``--model``/``--model-file``."""
+    return _spec(args, "model")
 
 
 def config_from(args) -> ScheduleConfig:

@@ -65,10 +65,6 @@ def _opt(args, name):
     return DEFAULTS[name] if v is None else v
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
 def run_main(args) -> int:
     try:
         return _run(args)
@@ -100,8 +96,6 @@ def _run_cpu(args) -> int:
     from overlap_lab.measure import check_on_cpu, schedules_to_run
 
     model = _cpu_model(args)
-    if model != _opt(args, "model"):
-        _say(f"note: the CPU check runs {model} (scaled down), not {_opt(args, 'model')}")
     ranks = int(_opt(args, "ranks"))
     names = schedules_to_run(_opt(args, "schedule"))
     out = check_on_cpu(
@@ -114,6 +108,10 @@ def _run_cpu(args) -> int:
         cfg=_opt(args, "cfg"),
         kernels=tuple(_opt(args, "kernels")),
     )
+    if model != _opt(args, "model"):
+        from overlap_lab.shared.inputs.preset_files import note
+
+        note(f"the CPU check ran {model} (scaled down), not {_opt(args, 'model')}")
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
     if _opt(args, "json"):  # the check writes no file: this JSON, redirected, is its record

@@ -262,7 +262,11 @@ def add_parser(sub) -> None:
 
 
 def cmd_sweep(args) -> int:
+    from overlap_lab.shared.inputs.preset_files import hold_notes
+
     spec = load_spec(args.spec)
+    for kind, msg in hold_notes(False):  # a case's notes are said as it is read, in its worker
+        print(f"overlap-lab: {kind}: {msg}", file=sys.stderr)
     out = Path(args.out) if args.out else Path(args.spec).with_suffix(".csv")
     try:
         stats = run_sweep(

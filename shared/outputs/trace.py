@@ -23,6 +23,7 @@ import gzip
 import json
 import operator
 import re
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -903,7 +904,10 @@ def _read_json(src: str | Path | dict | list) -> Any:
         raise ConfigError(f"no such trace file: {path}")
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError, no strerror
+            raise ConfigError(f"{path}: not a readable gzip file ({e})") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read

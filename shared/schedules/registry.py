@@ -299,12 +299,8 @@ def check_own_knobs(given: Mapping[str, Any]) -> dict[str, Any]:
     for n in given:
         if n not in accepted:  # refused by every schedule declaring it: by the span of their
             why = _merged(n, table[n]).refusal(given[n])  # ranges if that refuses it too
-            raise ConfigError(f"{_flag(n)} {why}" if why else refusal[n])
+            raise ConfigError(f"{n} {why}" if why else refusal[n], names=tuple(given))
     return accepted
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _refused(cls: type, values: Mapping[str, Any]) -> str | None:
