@@ -4,6 +4,7 @@ in a sweep grid, --version, help that said its default twice, MTP that cost noth
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,63 @@ def test_a_missing_head_dim_is_noted(tmp_path, capsys):
     assert main(["sim", "--model-file", str(_config(tmp_path, head_dim=...)), "--ep", "8",
                  "--layers", "2", "--out", ""]) == 0  # fmt: skip
     assert "note: HF config of qwen3-30b-a3b: head_dim missing" in capsys.readouterr().err
+
+
+# ---- a broken plug-in schedule costs its own name only --------------------------------------
+
+BROKEN = {
+    "bad_syntax": "def oops(:\n",
+    "bad_nosummary": "UPSTREAM = 'x'\ndef build(w, g, c):\n    return None\n",
+    "bad_none": "UPSTREAM = 'x'\nSUMMARY = 'returns None'\ndef build(w, g, c):\n    return None\n",
+}
+
+
+@pytest.fixture
+def broken(tmp_path):
+    from plugin_dist import installed
+
+    eps = {"syn": "bad_syntax", "nosum": "bad_nosummary", "none": "bad_none"}
+    with installed(tmp_path / "site", "badplug", BROKEN, {"overlap_lab.schedules": eps}):
+        yield
+
+
+def test_a_broken_plugin_is_listed_with_its_error(broken, capsys):
+    assert main(["schedules"]) == 0
+    out = capsys.readouterr().out
+    assert "serial " in out and "upstream: " in out
+    assert re.search(r"\nsyn +BROKEN: schedule 'syn' \(bad_syntax, package badplug\) cannot be "
+                     r"loaded: SyntaxError", out)  # fmt: skip
+    assert re.search(r"\nnosum +BROKEN: schedule 'nosum' .* lacks SUMMARY", out)
+    assert re.search(r"\nnone +returns None\n +upstream: x", out)  # it loads; its build fails
+
+
+def test_every_other_command_works_beside_a_broken_plugin(broken, tmp_path, capsys):
+    small = ["--layers", "2", "--out", ""]
+    assert main(["sim", "--schedule", "serial", *small]) == 0
+    assert main(["show", "--schedule", "tbo", "--layers", "1"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "-h"])
+    assert e.value.code == 0
+    assert main(["compare", *small]) == 0  # every schedule: the broken ones are refused rows
+    out = capsys.readouterr().out
+    assert "refused: schedule 'syn'" in out and "refused: schedule 'nosum'" in out
+    assert "refused: schedule 'none' (bad_none, package badplug): build() returned NoneType" in out
+    assert main(["run", "--device", "cpu", "--check", "--schedule", "serial"]) == 0
+    capsys.readouterr()
+    assert main(["sim", "--schedule", "none", *small]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "build() returned NoneType, not a Program" in err
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps({"base": {"layers": 2}, "grid": {"schedule": ["serial", "syn"]}}))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "s.csv"), "--no-progress"]) == 2
+    assert "sweep: grid: schedule 'syn'" in capsys.readouterr().err
+    assert not (tmp_path / "s.csv").exists()
+
+
+def test_a_misspelled_schedule_in_a_sweep_is_refused_up_front(tmp_path, capsys):
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps({"base": {"layers": 2}, "grid": {"schedule": ["serial", "tbbo"]}}))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "s.csv"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sweep: unknown schedule 'tbbo' in grid; choose from" in err
+    assert not (tmp_path / "s.csv").exists()

@@ -118,9 +118,10 @@ def cmd_schedules(args) -> int:
 
     rows = describe()
     width = max(len(n) for n, _, _ in rows)
-    for name, upstream, summary in rows:
-        print(f"{name:<{width}}  {summary}")
-        print(f"{'':<{width}}  upstream: {upstream}")
+    for name, upstream, summary in rows:  # a broken plug-in: listed with its error
+        print(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
+        if upstream:
+            print(f"{'':<{width}}  upstream: {upstream}")
     print("\nRules and references of each: docs/schedules.md in the repository.")
     return 0
 

@@ -144,14 +144,14 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
             "split it into several specs"
         )
     listed = [_normalise(c, actions, "cases") for c in raw_cases]
-    for k, v in base.items():
+    for where, k, v in [
+        *(("base", k, v) for k, v in base.items()),
+        *(("grid", k, v) for k, vs in grid.items() for v in vs),
+        *((f"cases[{i}]", k, v) for i, c in enumerate(listed) for k, v in c.items()),
+    ]:
         _convert(actions[k], v)
-    for k, values in grid.items():
-        for v in values:
-            _convert(actions[k], v)
-    for c in listed:
-        for k, v in c.items():
-            _convert(actions[k], v)
+        if k == "schedule":  # refused up front, as a misspelled knob is: not an error row each
+            _check_schedule(v, where)
     knobs = list(base)
     for k in [*grid, *(k for c in listed for k in c)]:
         if k not in knobs:
@@ -165,6 +165,21 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
             cases.append({k: c.get(k) for k in knobs})
     cases += [{k: {**base, **c}.get(k) for k in knobs} for c in listed]
     return Spec(tuple(knobs), tuple(cases))
+
+
+def _check_schedule(value: Any, where: str) -> None:
+    """A schedule a spec names is registered and loads (a broken plug-in: its one-line error)."""
+    from overlap_lab.shared.schedules import SCHEDULES, module
+
+    name = str(value).strip().lower()
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"sweep: unknown schedule {value!r} in {where}; choose from {', '.join(SCHEDULES)}"
+        )
+    try:
+        module(name)
+    except ConfigError as e:
+        raise ConfigError(f"sweep: {where}: {e}") from None
 
 
 def case_inputs(knobs: Mapping[str, Any]) -> SimCase:

@@ -173,12 +173,31 @@ def prepare_workload(name: str, workload) -> tuple[Any, tuple[str, ...]]:
     return ready, tuple(notes)
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(name, upstream reference, one-line summary) for every schedule."""
-    out = []
+def describe() -> list[tuple[str, str | None, str]]:
+    """(name, upstream reference, one-line summary) for every schedule; a schedule that cannot
+    be used (a plug-in that fails to load or lacks a part) is listed with upstream None and its
+    one-line error as the summary, and every other one all the same."""
+    out: list[tuple[str, str | None, str]] = []
     for name in SCHEDULES:
-        m = module(name)
+        try:
+            m = module(name)
+        except ConfigError as e:
+            out.append((name, None, str(e)))
+            continue
         out.append((name, m.UPSTREAM, m.SUMMARY))
+    return out
+
+
+def loadable() -> list[str]:
+    """The schedules that load and pass their module's check, in listing order (what "every
+    schedule" runs: a broken plug-in is reported by name where it is named, and skipped here)."""
+    out = []
+    for name in REGISTRY.usable():
+        try:
+            module(name)
+        except ConfigError:
+            continue
+        out.append(name)
     return out
 
 
