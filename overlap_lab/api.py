@@ -604,8 +604,9 @@ class Comparison:
                 continue
             m = res.metrics
             exposed = m.exposed_comm_us / 1e3
+            its = f"{m.iterations} {registry.iteration_unit(row.schedule)}".strip()  # "8 mb"
             lines.append(
-                f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
+                f"{row.schedule:<15}{m.gpus:>6}{its:>6}{m.iteration_us / 1e3:>10.3f}"
                 f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
                 f"{exposed:>11.3f} ms  {row.note}"
             )

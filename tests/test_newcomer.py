@@ -133,3 +133,17 @@ def test_a_misspelled_schedule_in_a_sweep_is_refused_up_front(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sweep: unknown schedule 'tbbo' in grid; choose from" in err
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_pps_iteration_is_said_in_the_iteration_column():
+    """pp's ms/iter was the lowest at 0.646x serial's throughput: its iteration is a micro-batch."""
+    import overlap_lab as ol
+    from overlap_lab.shared import schedules as S
+
+    assert S.iteration_unit("pp") == "mb" and S.iteration_unit("serial") == ""
+    w = ol.workload("deepseek-v3", layers=2, ep=8, batch=16)
+    text = ol.compare(["serial", "pp"], w).text()
+    pp = next(ln for ln in text.splitlines() if ln.startswith("pp "))
+    serial = next(ln for ln in text.splitlines() if ln.startswith("serial "))
+    assert pp.split()[1:4] == ["16", "8", "mb"] and serial.split()[2] == "1"
+    assert "iters are micro-batch iterations (mb)" in " ".join(text.split())

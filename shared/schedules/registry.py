@@ -214,6 +214,13 @@ def iterations_and_tokens(name: str | None, program, workload) -> tuple[int, int
     return hook(program, workload)
 
 
+def iteration_unit(name: str | None) -> str:
+    """What one iteration of schedule ``name``'s window is, in the few letters a table's
+    iteration count carries (its module's ``ITERATION``, beside its ``iterations_and_tokens``;
+    '': one scheduler step, the default)."""
+    return str(_hook(name, "ITERATION", ""))
+
+
 def drawing(name: str | None) -> Drawing:
     """How figures draw a trace of schedule ``name`` (its module's ``DRAWING``)."""
     return _hook(name, "DRAWING", DEFAULT_DRAWING)
