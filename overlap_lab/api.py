@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from overlap_lab.checks import check_overrides
+from overlap_lab.checks import check_overrides, verify_tokens
 from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
@@ -130,7 +130,7 @@ def workload(
     batch: int | None = None,
     kv_len: int = 4096,
     kv_lens: Sequence[int] | None = None,
-    tokens_per_seq: int = 1,
+    tokens_per_seq: int | None = None,
     extend_len: int = 4096,
     extend_lens: Sequence[int] | None = None,
     prefix_len: int = 0,
@@ -148,14 +148,16 @@ def workload(
     Decode: ``batch`` sequences of ``kv_len`` cached tokens (or explicit ``kv_lens``), each
     computing ``tokens_per_seq`` tokens. Prefill: ``batch`` sequences of ``extend_len`` new
     tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``).
-    ``mtp``: multi-token-prediction modules (None: the model's own; they run in decode steps of
-    more than one token per sequence, verifying the draft tokens)."""
+    ``mtp``: MTP draft steps per decode step, each a run of the model's MTP module; the step
+    then verifies ``mtp + 1`` tokens per sequence (``checks.verify_tokens``). None: the model's
+    own module drafts ``tokens_per_seq - 1`` tokens (default 1: no drafts); 0: no MTP."""
     mode = str(mode).lower()  # as the command line: names are case-insensitive
     if mode not in ("decode", "prefill"):
         raise ConfigError(f"mode must be decode or prefill, got {mode!r}", names=("mode",))
     m = model(model_spec, layers=layers)
-    if mtp is not None and mtp != m.mtp:
-        m = replace(m, mtp=mtp)
+    tokens_per_seq = verify_tokens(mtp, tokens_per_seq, mode)
+    if mtp is not None and (mtp == 0) != (m.mtp == 0):  # off, or a module where it has none
+        m = replace(m, mtp=min(mtp, 1))
     if mode == "decode":
         if kv_lens is not None:
             b = Batch.decode(batch, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq)

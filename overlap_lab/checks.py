@@ -197,3 +197,26 @@ def check_overrides(overrides: Mapping[str, float]) -> None:
         records[name].validate(v)
     for msg in implausible(overrides):
         warnings.warn(msg, ImplausibleValue, stacklevel=3)
+
+
+def verify_tokens(mtp: int | None, tokens_per_seq: int | None, mode: str) -> int:
+    """Tokens per sequence a decode step computes, given ``mtp`` MTP draft steps (None: the
+    model's own module drafts ``tokens_per_seq - 1``; 0: none): with ``mtp`` N >= 1 the MTP module
+    runs N times per step (SGLang's EAGLE worker, ``speculative_num_steps``: the draft extend
+    after verification, then N - 1 draft decodes, each a forward of DeepSeek-V3's one module,
+    python/sglang/srt/speculative/eagle_worker.py) and the step verifies N + 1 tokens per
+    sequence (``speculative_num_draft_tokens = speculative_num_steps + 1`` at top-k 1,
+    python/sglang/srt/server_args.py), so a ``tokens_per_seq`` given otherwise is refused."""
+    if mtp is None or mtp == 0:
+        return 1 if tokens_per_seq is None else tokens_per_seq
+    names = ("mtp", "tokens_per_seq")
+    if mode != "decode":
+        raise ConfigError(f"mtp applies to decode steps, not {mode}", names=names)
+    if tokens_per_seq not in (None, mtp + 1):
+        raise ConfigError(
+            f"mtp {mtp} drafts {mtp} tokens per sequence, so the step verifies {mtp + 1} "
+            f"(tokens_per_seq {mtp + 1}, SGLang's draft tokens = steps + 1), got "
+            f"tokens_per_seq {tokens_per_seq}",
+            names=names,
+        )
+    return mtp + 1

@@ -147,3 +147,54 @@ def test_pps_iteration_is_said_in_the_iteration_column():
     serial = next(ln for ln in text.splitlines() if ln.startswith("serial "))
     assert pp.split()[1:4] == ["16", "8", "mb"] and serial.split()[2] == "1"
     assert "iters are micro-batch iterations (mb)" in " ".join(text.split())
+
+
+# ---- MTP draft steps ------------------------------------------------------------------------
+
+
+def test_each_mtp_draft_step_runs_the_module_again(capsys):
+    """--mtp 2 ... 8 gave --mtp 1's result: the option set the model's module count, which only
+    switched MTP on, and the draft steps followed --tokens-per-seq (1 unless given)."""
+    import overlap_lab as ol
+
+    def sim(*extra):
+        argv = ["sim", "--layers", "3", "--ep", "8", "--batch", "16", "--json", "--out", ""]
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    runs = {n: sim("--mtp", str(n)) for n in (1, 2, 4)}
+    assert [runs[n]["tokens"] for n in (1, 2, 4)] == [32, 48, 80]  # verifies N + 1 per sequence
+    assert runs[1]["step_time_us"] < runs[2]["step_time_us"] < runs[4]["step_time_us"]
+    assert sim("--tokens-per-seq", "3")["step_time_us"] == runs[2]["step_time_us"]
+    mtp_layers = {n: {s.layer for s in _spans("mtp.eh_proj", n)} for n in (1, 2, 4)}
+    assert {n: len(v) for n, v in mtp_layers.items()} == {1: 1, 2: 2, 4: 4}
+    w = ol.workload("deepseek-v3", layers=3, ep=8, batch=16, mtp=2)
+    assert w.batch.tokens_per_seq == 3 and w.model.mtp == 1  # one module, run twice
+
+
+def _spans(op: str, mtp: int):
+    import overlap_lab as ol
+
+    w = ol.workload("deepseek-v3", layers=3, ep=8, batch=16, mtp=mtp)
+    return [s for s in ol.simulate("serial", w).trace.spans if s.op == op]
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            ["--mtp", "2", "--tokens-per-seq", "1"],
+            "--mtp 2 drafts 2 tokens per sequence, so the step verifies 3 (--tokens-per-seq 3",
+        ),  # fmt: skip
+        (["--mtp", "1", "--tokens-per-seq", "4"], "verifies 2 (--tokens-per-seq 2"),
+        (["--mtp", "2", "--mode", "prefill"], "--mtp applies to --mode decode only"),
+    ],
+)
+def test_mtp_that_would_be_ignored_is_refused(capsys, extra, fragment):
+    assert main(["sim", "--layers", "2", "--out", "", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err, err
+    import overlap_lab as ol
+
+    with pytest.raises(ConfigError, match="^mtp 2 drafts 2 tokens per sequence"):
+        ol.workload(mtp=2, tokens_per_seq=1)

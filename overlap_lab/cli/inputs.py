@@ -67,7 +67,7 @@ LIMITS: dict[str, Knob] = {
     "prefix_len": Limit(_I, 0, MAX_TOKENS),
     "prefix_lens": Limit(_I, 0, MAX_TOKENS, is_list=True),
     "layers": Limit(_I, 1, 1000),
-    "mtp": Limit(_I, 0, 8, unit="modules"),
+    "mtp": Limit(_I, 0, 8, unit="draft steps"),
     "ep": Limit(_I, 1, 1024),
     "gpus_per_node": Limit(_I, 1, 72),
     "attn_tp": Limit(_I, 1, 1024),
@@ -286,8 +286,9 @@ def _check_mode_options(args) -> None:
             other = "prefill" if args.mode == "decode" else "decode"
             raise ConfigError(f"{_flag(dest)} applies to --mode {other} only, not {args.mode}")
     for dest, v in MODE_DEFAULTS.items():
-        if getattr(args, dest, None) is None:
-            setattr(args, dest, v)
+        mtp = dest == "tokens_per_seq" and getattr(args, "mtp", None)
+        if getattr(args, dest, None) is None and not mtp:
+            setattr(args, dest, v)  # --mtp N: N + 1 tokens per sequence (api.workload)
     if args.mode == "decode" and args.kv_lens is not None and _given(args, "batch"):
         if args.batch != len(args.kv_lens):
             raise ConfigError(f"--batch {args.batch} but {len(args.kv_lens)} --kv-lens")

@@ -169,8 +169,9 @@ def workload_options(p: argparse.ArgumentParser) -> None:
         "--mtp",
         type=int,
         default=None,
-        help="decode: multi-token-prediction modules run per step when --tokens-per-seq > 1 "
-        "(default: the model's, 1 for deepseek-v3; 0: off)",
+        help="decode: MTP draft steps, each a run of the model's MTP module; the step then "
+        "verifies N+1 tokens per sequence (SGLang's --speculative-num-steps at top-k 1). "
+        "Default: the model's module drafts --tokens-per-seq - 1 tokens; 0: no MTP",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=positive_int, default=32, help="expert-parallel size")
