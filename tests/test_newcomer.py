@@ -198,3 +198,40 @@ def test_mtp_that_would_be_ignored_is_refused(capsys, extra, fragment):
 
     with pytest.raises(ConfigError, match="^mtp 2 drafts 2 tokens per sequence"):
         ol.workload(mtp=2, tokens_per_seq=1)
+
+
+# ---- --version and help ----------------------------------------------------------------------
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"overlap-lab {version('overlap-lab')}\n"
+
+
+def _helps():
+    import argparse
+
+    from overlap_lab.cli.main import parser
+
+    def walk(p, cmd):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, name)
+            elif a.help and a.option_strings:
+                yield cmd, a.option_strings[0], a.help
+
+    return list(walk(parser(), ""))
+
+
+def test_help_says_each_default_once_and_never_none():
+    """`(default: GPU preset) (default: None)`: a default said twice, one of them None."""
+    helps = _helps()
+    assert len(helps) > 300
+    for cmd, opt, text in helps:
+        assert text.count("(default") <= 1, (cmd, opt, text)
+        assert "(default: None)" not in text, (cmd, opt, text)

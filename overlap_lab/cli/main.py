@@ -182,7 +182,11 @@ def cmd_compare(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from overlap_lab.shared.outputs.trace import provenance
+
     p = Parser(prog="overlap-lab", description=__doc__.split("\n\n")[0])
+    version = provenance(None)["version"]  # the installed version, as every results file records
+    p.add_argument("--version", action="version", version=f"overlap-lab {version}")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     sub.required = True
 

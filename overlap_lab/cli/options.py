@@ -97,13 +97,15 @@ def _add_knob_options(
             continue
         default = shown_default if shown_default is not None else k.default
         kw = dict(nargs="?", const=True) if parse is _bool else {}
+        # a default of None is said by the help itself ("None: the preset's"), not once more
+        said = default is None and "None" in k.help
         group.add_argument(
             flag(prefix + k.name),
             dest=prefix + k.name,
             type=parse,
             default=None,
             metavar=k.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
-            help=f"{k.help} (default: {default})".strip(),
+            help=k.help if said else f"{k.help} (default: {default})".strip(),
             **kw,
         )
 
