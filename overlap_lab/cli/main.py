@@ -79,6 +79,7 @@ def cmd_sim(args) -> int:
             window=args.window,
             rank=args.rank,
             width=args.width,
+            title=args.title,
         )
         res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
@@ -155,6 +156,7 @@ def cmd_compare(args) -> int:
             window=args.window,
             rank=args.rank,
             width=args.width,
+            title=args.title,
         )
     if args.json:
         from overlap_lab.provenance import compare_record

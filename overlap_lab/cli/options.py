@@ -231,6 +231,8 @@ def figure_options(p: argparse.ArgumentParser) -> None:
         default="double",
         help="figure width: single (3.3 in, one column), double (7 in, two columns) or inches",
     )
+    g.add_argument("--title", default=None, help="the figure's heading ('': none; default: "
+                   "the workload, and the window drawn)")  # fmt: skip
 
 
 def rank_options(p: argparse.ArgumentParser) -> None:
