@@ -4,7 +4,9 @@
   and the simulator's own (an explicit-rank run's routing draw and Program against this
   machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
   swapping the machine to a halt.
-- Routing files: a regular text file of finite, sensible numbers.
+- Routing files: a regular text file of finite, sensible numbers; routing options that fit the
+  model (:func:`check_ranks`).
+- Own knobs given to schedules none of which reads them (:func:`check_knobs_read`).
 - Hardware overrides (:func:`check_overrides`): each in its field's range (the knob record's,
   which the command line's options check too), and one that looks typed in another unit
   (:func:`implausible`) taken, but said.
@@ -17,8 +19,9 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields
@@ -220,3 +223,40 @@ def verify_tokens(mtp: int | None, tokens_per_seq: int | None, mode: str) -> int
             names=names,
         )
     return mtp + 1
+
+
+def check_ranks(model: Any, group_limited: bool | None, imbalance: str) -> None:
+    """Routing options against the model: group-limited routing needs expert groups, and a
+    routing file (``file:PATH``) must hold the model's experts and top-k (:func:`check_routing_file`)."""
+    from overlap_lab.shared.inputs.routing import parse_imbalance
+
+    if group_limited and model.n_group <= 1:
+        raise ConfigError(
+            f"group_limited true needs a model with expert groups; {model.name} has none "
+            "(n_group 1)",
+            names=("group_limited",),
+        )
+    imb = parse_imbalance(imbalance)
+    if imb.kind == "file":
+        check_routing_file(imb.path, model.num_experts, model.top_k)
+
+
+def partial_knob_readers() -> dict[str, tuple[str, ...]]:
+    """Schedule knobs read by only some schedules -> those schedules (each schedule module
+    declares its own, ``shared.schedules.knob_readers``)."""
+    from overlap_lab.shared.schedules import SCHEDULES, knob_readers
+
+    return {n: r for n, r in knob_readers().items() if len(r) < len(SCHEDULES)}
+
+
+def check_knobs_read(given: Mapping[str, Any], schedules: Sequence[str]) -> None:
+    """Refuse a schedule knob given (``given``: knob -> value; None, empty or False: not given)
+    that none of ``schedules`` reads: it would change nothing."""
+    for name, owners in partial_knob_readers().items():
+        v = given.get(name)
+        if v is None or v == () or v is False or set(schedules) & set(owners):
+            continue
+        raise ConfigError(
+            f"{name} applies to schedule {' or '.join(owners)} only, not {', '.join(schedules)}",
+            names=(name, "schedule"),
+        )

@@ -29,7 +29,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,94 @@ class Spec:
 
     knobs: tuple[str, ...]
     cases: tuple[dict[str, Any], ...]
+
+
+#: The most cases one spec may expand to. Counted from the grid's sizes before anything is
+#: expanded, so a grid that multiplies out to 1e8 cases is refused at once instead of filling
+#: memory (each expanded case is a dict of its knobs, ~1 KB); 100,000 cases take hours to
+#: simulate on a workstation, so a larger study is several specs (or a Ray cluster's sweeps).
+MAX_CASES = 100_000
+
+
+def expand(
+    src: Mapping[str, Any], known: Collection[str], check: Callable[[str, str, Any], None]
+) -> Spec:
+    """A spec's ``base``, ``grid`` and ``cases`` expanded: the grid's cartesian product (first
+    key slowest) over base, then each listed case over base. Every knob must be one ``known``
+    names (written with ``-`` or ``_``), every value passes ``check(where, knob, value)`` and
+    every schedule named is registered and loads, all before anything is expanded (a misspelled
+    schedule is refused as a misspelled knob is, not made an error row of each case it is in);
+    at most :data:`MAX_CASES` cases."""
+    extra = set(src) - {"base", "grid", "cases"}
+    if extra:
+        raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
+    for key in ("base", "grid"):
+        if not isinstance(src.get(key) or {}, Mapping):
+            raise ConfigError(f"sweep: {key} must be a mapping of knob: value")
+    raw_cases = src.get("cases") or []
+    if not isinstance(raw_cases, list):
+        raise ConfigError("sweep: cases must be a list of mappings of knob: value")
+    for i, c in enumerate(raw_cases):
+        if not isinstance(c, Mapping):
+            raise ConfigError(f"sweep: cases[{i}] must be a mapping of knob: value, got {c!r:.40}")
+    base = _names(src.get("base") or {}, known, "base")
+    grid = _names(src.get("grid") or {}, known, "grid")
+    for k, v in grid.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"sweep: grid {k} needs a non-empty list of values")
+    count = math.prod(len(v) for v in grid.values()) if grid or not raw_cases else 0
+    count += len(raw_cases)
+    if count > MAX_CASES:
+        raise ConfigError(
+            f"sweep: the spec expands to {count:,} cases, more than {MAX_CASES:,}: "
+            "split it into several specs"
+        )
+    listed = [_names(c, known, "cases") for c in raw_cases]
+    for where, k, v in [
+        *(("base", k, v) for k, v in base.items()),
+        *(("grid", k, v) for k, vs in grid.items() for v in vs),
+        *((f"cases[{i}]", k, v) for i, c in enumerate(listed) for k, v in c.items()),
+    ]:
+        check(where, k, v)
+        if k == "schedule":
+            _check_schedule(v, where)
+    knobs = list(dict.fromkeys([*base, *grid, *(k for c in listed for k in c)]))
+    if "schedule" not in knobs:
+        knobs.insert(0, "schedule")
+    cases = []
+    if grid or not listed:
+        for values in itertools.product(*grid.values()):
+            c = {**base, **dict(zip(grid, values))}
+            cases.append({k: c.get(k) for k in knobs})
+    cases += [{k: {**base, **c}.get(k) for k in knobs} for c in listed]
+    return Spec(tuple(knobs), tuple(cases))
+
+
+def _names(knobs: Mapping[str, Any], known: Collection[str], where: str) -> dict[str, Any]:
+    out = {}
+    for k, v in knobs.items():
+        name = str(k).replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)"
+            )
+        out[name] = v
+    return out
+
+
+def _check_schedule(value: Any, where: str) -> None:
+    """A schedule a spec names is registered and loads (a broken plug-in: its one-line error)."""
+    from overlap_lab.shared.schedules import SCHEDULES, module
+
+    name = str(value).strip().lower()
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"sweep: unknown schedule {value!r} in {where}; choose from {', '.join(SCHEDULES)}"
+        )
+    try:
+        module(name)
+    except ConfigError as e:
+        raise ConfigError(f"sweep: {where}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,8 +49,8 @@ def test_the_published_config_is_the_preset(tmp_path):
         ({"model_type": "qwen3moe"}, "model_type 'qwen3moe' is not a MoE this reader knows"),
         ({"num_hidden_layers": 48.5}, "num_hidden_layers must be a whole number, got 48.5"),
         ({"hidden_size": "2048"}, "hidden_size must be a whole number, got '2048'"),
-        ({"num_experts": ...}, "num_experts missing (a qwen3_moe config gives it)"),
-        ({"num_experts_per_tok": ...}, "num_experts_per_tok missing"),
+        ({"num_experts": ...}, "missing num_experts (a qwen3_moe config gives it)"),
+        ({"num_experts_per_tok": ...}, "missing num_experts_per_tok"),
     ],
 )
 def test_a_wrong_config_is_refused_naming_the_field(tmp_path, changes, fragment):

@@ -94,20 +94,6 @@ def _program_for(args, schedule: str):
     return program, w, gpu
 
 
-def _sizes(text: str, mode: str) -> tuple[int, ...]:
-    """--sizes, each within what one workload may hold: a decode size is a batch of that many
-    sequences, a prefill size one sequence of that many tokens (``calibrate.sized_workload``);
-    beyond, building the batch overflows or exhausts memory before anything runs."""
-    from overlap_lab.calibrate import parse_ints
-    from overlap_lab.cli.inputs import MAX_SEQS, MAX_TOKENS
-
-    sizes = parse_ints(text, "--sizes")
-    limit, what = (MAX_SEQS, "sequences") if mode == "decode" else (MAX_TOKENS, "tokens")
-    if max(sizes) > limit:
-        raise ConfigError(f"--sizes: {max(sizes)} is beyond {limit} ({what} per rank in {mode})")
-    return sizes
-
-
 def cmd_calibrate(args) -> int:
     from overlap_lab.outdir import check_out_file
 
@@ -115,10 +101,10 @@ def cmd_calibrate(args) -> int:
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
     check_out_file(args.out, force=args.force)  # before the work: nothing replaced unasked
     if args.device is not None:
-        from overlap_lab.calibrate import calibrate_on_device, parse_ints
+        from overlap_lab.calibrate import calibrate_on_device, parse_ints, parse_sizes
 
         w, gpu = workload_from(args), gpu_from(args)
-        sizes = _sizes(args.sizes, w.batch.mode)
+        sizes = parse_sizes(args.sizes, w.batch.mode)
         budgets = parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,)
         inputs = {
             "device": args.device,

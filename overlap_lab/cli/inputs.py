@@ -22,12 +22,9 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.schedules import schedule_knobs
+from overlap_lab.shared.schedules.common import MAX_SEQS, MAX_TOKENS
 
 # ---- per-option limits ---------------------------------------------------------------------------
-
-
-MAX_TOKENS = 1 << 20  # tokens of one sequence (KV, extend or prefix)
-MAX_SEQS = 1 << 16  # sequences per GPU
 
 
 def Limit(kind: type, lo: float, hi: float, *, is_list: bool = False, **kw: Any) -> Knob:
@@ -188,22 +185,6 @@ DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
 PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
 
 
-def knob_schedules() -> dict[str, tuple[str, ...]]:
-    """Schedule knobs read by only some schedules -> those schedules (each schedule module
-    declares its own, ``shared.schedules.knob_readers``; the registry loads every schedule
-    module once, and only when a command is checked): giving one to none of them is refused."""
-    from overlap_lab.shared.schedules import SCHEDULES, knob_readers
-
-    return {n: r for n, r in knob_readers().items() if len(r) < len(SCHEDULES)}
-
-
-def __getattr__(name: str):
-    """``KNOB_SCHEDULES`` (:func:`knob_schedules`), computed on first use."""
-    if name == "KNOB_SCHEDULES":
-        return knob_schedules()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 #: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
 MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
 
@@ -237,7 +218,9 @@ def _check_args(args) -> None:
     _check_names(args, cmd)
     _check_mode_options(args)
     if cmd != "run":
-        _check_knobs(args, _schedules(args, cmd))
+        from overlap_lab.checks import check_knobs_read
+
+        check_knobs_read(vars(args), _schedules(args, cmd))
     _check_hardware(args)
     if cmd == "run":
         _check_run(args)
@@ -302,18 +285,6 @@ def _check_mode_options(args) -> None:
         raise ConfigError("--prefix-lens needs --extend-lens (one prefix per sequence)")
 
 
-def _check_knobs(args, names: list[str]) -> None:
-    for dest, owners in knob_schedules().items():
-        v = getattr(args, dest, None)
-        if v is None or v == () or v is False:
-            continue
-        if not set(names) & set(owners):
-            raise ConfigError(
-                f"{_flag(dest)} applies to --schedule {' or '.join(owners)} only, "
-                f"not {', '.join(names)}"
-            )
-
-
 def _check_hardware(args) -> None:
     """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
     achievable rate in ``overlap_lab.api.gpu``)."""
@@ -351,57 +322,25 @@ def tiny_cpu_model(args) -> bool:
 
 
 def _check_run(args) -> None:
-    from overlap_lab.measure import comm_backends, kernel_families
+    from overlap_lab.measure import run_choices
 
-    args.device = str(args.device).lower()
-    backends = comm_backends()  # registered plug-ins too (real.comm)
-    b = str(args.backend)
-    args.backend = b.lower() if b not in backends and b.lower() in backends else b
-    if args.backend not in backends:
-        raise ConfigError(f"--backend must be one of {', '.join(backends)}, got {args.backend!r}")
-    if isinstance(args.kernels, str):
-        args.kernels = tuple(k for k in args.kernels.split(",") if k)
-    families = kernel_families()
-    unknown = [k for k in args.kernels if k not in families]
-    if unknown:
-        raise ConfigError(
-            f"--kernels: unknown kernel family {unknown[0]!r}; choose from {', '.join(families)}"
-        )
-    devices = ("auto", "cuda", "cpu")
-    if args.device not in devices:
-        raise ConfigError(f"--device must be one of {', '.join(devices)}, got {args.device!r}")
+    args.device, args.backend, args.kernels = run_choices(args.device, args.backend, args.kernels)
     if _given(args, "batch") and args.batch > RUN_LIMITS["batch"]:
         raise ConfigError(f"run: --batch must be at most {RUN_LIMITS['batch']}, got {args.batch}")
     if args.ranks > RUN_LIMITS["ranks"]:
         raise ConfigError(f"run: --ranks must be at most {RUN_LIMITS['ranks']}, got {args.ranks}")
-    if args.device != "cpu":  # a GPU run needs a GPU: say so on stderr, before anything else
-        try:
-            import torch
-        except ImportError:
-            raise ConfigError("run: the real executor needs torch (pip install torch)") from None
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check "
-                "for the CPU equivalence check"
-            )
+    if args.device != "cpu" and args.out:  # the GPU run writes traces there, as sim does
+        from overlap_lab.outdir import check_out_dir
+
+        check_out_dir(args.out, mine_only=not args.force)
 
 
 def _check_ranks(args) -> None:
+    from overlap_lab.checks import check_ranks
     from overlap_lab.cli.options import model_spec
     from overlap_lab.shared.inputs.presets import load_model
-    from overlap_lab.shared.inputs.routing import parse_imbalance
 
-    model = load_model(model_spec(args))
-    if args.group_limited and model.n_group <= 1:
-        raise ConfigError(
-            f"--group-limited true needs a model with expert groups; {model.name} has none "
-            "(n_group 1)"
-        )
-    imb = parse_imbalance(args.imbalance)
-    if imb.kind == "file":
-        from overlap_lab.checks import check_routing_file
-
-        check_routing_file(imb.path, model.num_experts, model.top_k)
+    check_ranks(load_model(model_spec(args)), args.group_limited, args.imbalance)
 
 
 # ---- files ---------------------------------------------------------------------------------------

@@ -470,6 +470,7 @@ def add_run_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tolerance", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="overlap-lab-out")
+    inputs.add_force_option(s)
     s.add_argument("--json", action="store_true")
     workload_options(s)
 

@@ -122,7 +122,7 @@ def _int(hf: dict[str, Any], key: str, name: str, default: Any = _MISSING) -> in
     if v is None:
         if default is _MISSING:
             mt = hf.get("model_type")
-            raise ConfigError(f"HF config of {name}: {key} missing (a {mt} config gives it)")
+            raise ConfigError(f"HF config of {name}: missing {key} (a {mt} config gives it)")
         return default
     whole = isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
     if isinstance(v, bool) or not whole:
