@@ -219,6 +219,11 @@ class Point:
         return 1.0
 
 
+#: What a design's refusals name: the API's keyword (``compare(sensitivity=...)``), which a
+#: command line shows as its option
+_NAMES = ("sensitivity",)
+
+
 @dataclass(frozen=True)
 class Design:
     """Which perturbations to run: one-at-a-time (each input at its range's ends, the others
@@ -233,16 +238,25 @@ class Design:
 
     def __post_init__(self) -> None:
         if self.lhs < 0:
-            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}")
+            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}", names=_NAMES)
+        if not 0 <= self.seed < 2**32:  # numpy's seeds
+            raise ConfigError(
+                f"sensitivity: seed must lie in 0..{2**32 - 1}, got {self.seed}", names=_NAMES
+            )
         for n in self.inputs or ():
             if n not in _BY_NAME:
                 raise ConfigError(
-                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}"
+                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}",
+                    names=_NAMES,
                 )
             if not _BY_NAME[n].varied:
-                raise ConfigError(f"sensitivity: input {n!r} is documented but not varied")
+                raise ConfigError(
+                    f"sensitivity: input {n!r} is documented but not varied", names=_NAMES
+                )
         if not self.oat and self.lhs == 0:
-            raise ConfigError("sensitivity: the design has no points (no one-at-a-time, lhs 0)")
+            raise ConfigError(
+                "sensitivity: the design has no points (no one-at-a-time, lhs 0)", names=_NAMES
+            )
 
     def varied(self) -> tuple[Input, ...]:
         names = self.inputs or tuple(i.name for i in INPUTS if i.varied)
@@ -276,8 +290,6 @@ class Design:
         return " + ".join(parts)
 
 
-#: Pairs whose order flips that the table lists (closest first).
-MAX_PAIRS = 12
 #: What ``compare --sensitivity`` and ``compare(..., sensitivity=True)`` run.
 DEFAULT_DESIGN = Design()
 
@@ -300,22 +312,23 @@ def design_from(spec: Design | bool | str | Mapping[str, Any] | None) -> Design 
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = part.partition("=")
         key = key.strip()
-        try:
-            if key == "lhs":
-                kw["lhs"] = int(val)
-            elif key == "seed":
-                kw["seed"] = int(val)
-            elif key == "oat":
-                kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
-            elif key == "inputs":
-                kw["inputs"] = tuple(x for x in val.split("+") if x)
-            else:
+        if key not in ("lhs", "seed", "oat", "inputs"):
+            raise ConfigError(
+                f"sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
+                "(e.g. lhs=8,seed=1,inputs=hbm+rdma)",
+                names=_NAMES,
+            )
+        if key in ("lhs", "seed"):
+            try:
+                kw[key] = int(val)
+            except ValueError:
                 raise ConfigError(
-                    f"--sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
-                    "(e.g. lhs=8,seed=1,inputs=hbm+rdma)"
-                )
-        except ValueError:
-            raise ConfigError(f"--sensitivity: {key} needs an integer, got {val!r}") from None
+                    f"sensitivity: {key} needs an integer, got {val!r}", names=_NAMES
+                ) from None
+        elif key == "oat":
+            kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
+        else:
+            kw["inputs"] = tuple(x for x in val.split("+") if x)
     return Design(**kw)
 
 
@@ -458,34 +471,38 @@ class Sensitivity:
                 subsequent_indent="  ",
             ),
             f"{'schedule':<15}{'ms/iter':>10}{'range':>20}{'tok/s/GPU range':>20}"
-            f"{'wins':>7}  not separated from",
+            f"{'wins':>7}  group",
         ]
+        groups = self.groups()
+        group_of = {s: str(k) for k, g in enumerate(groups, 1) for s in g}
         for r in self.ranges:
             rng = f"{r.lo_us / 1e3:.3f}-{r.hi_us / 1e3:.3f}"
             tps = f"{r.lo_tps:.0f}-{r.hi_tps:.0f}"
             lines.append(
                 f"{r.schedule:<15}{r.nominal_us / 1e3:>10.3f}{rng:>20}{tps:>20}"
-                f"{100 * r.wins:>6.0f}%  {', '.join(r.not_separated) or '-'}"
+                f"{100 * r.wins:>6.0f}%  {group_of.get(r.schedule, '-')}"
             )
-        pairs = [t for t in self._close_pairs() if 0.0 < t[2] < 1.0]
-        if pairs:
-            lines.append("")
-            lines.append(
-                "Not separated, and their order flips (each point perturbs both alike; nominally "
-                "faster first):"
-            )
-            for a, b, p in pairs[:MAX_PAIRS]:
-                lines.append(f"  {a} vs {b}: {a} ahead at {100 * p:.0f} % of the points")
-            if len(pairs) > MAX_PAIRS:
-                more = len(pairs) - MAX_PAIRS
-                lines.append(f"  ... {more} more pairs (Sensitivity.paired_share)")
+        if groups:
+            lines += ["", *textwrap.wrap(
+                "Groups not separated (their tok/s/GPU ranges overlap, directly or through another "
+                "of the group), nominally faster first; [P %] between two: the share of points at "
+                "which the one before has more tok/s/GPU than the one after (each point perturbs "
+                "both alike):", 100, subsequent_indent="  ")]  # fmt: skip
+            for k, g in enumerate(groups, 1):
+                chain = g[0] + "".join(
+                    f" [{100 * self.paired_share(a, b):.0f} %] {b}" for a, b in zip(g, g[1:])
+                )
+                lines += textwrap.wrap(
+                    f"{k}: {chain}", 100, initial_indent="  ", subsequent_indent="     "
+                )
         lines.append("")
         fixed = [i for i in INPUTS if not i.varied]
         slow = _BY_NAME["interference"].hi
         lines += textwrap.wrap(
             "range: lowest to highest time per iteration over the points; wins: share of the "
-            "points where the schedule has the most tokens/s per GPU (ties split); not "
-            "separated: tokens/s-per-GPU ranges overlap. Only costs vary (the Programs are "
+            "points where the schedule has the most tokens/s per GPU (ties split); group: the "
+            "group of schedules it is not separated from (listed above). Only costs vary (the "
+            "Programs are "
             f"the nominal run's). Not varied: {', '.join(i.name for i in fixed)} "
             "(docs/uncertainty.md); of these, interference means a kernel beside another may "
             f"run up to {slow:g}x slower than simulated (measured beside decode-size GEMMs), so "
@@ -495,20 +512,24 @@ class Sensitivity:
         )
         return "\n".join(lines)
 
-    def _close_pairs(self) -> list[tuple[str, str, float]]:
-        """Not-separated pairs, each once, the nominally faster first, closest first."""
-        out = []
+    def groups(self) -> list[list[str]]:
+        """The schedules not separated, each group once: those whose throughput ranges overlap,
+        directly or through another member (connected), nominally fastest first, groups in the
+        order of their fastest; a schedule separated from every other is in none."""
         by = {r.schedule: r for r in self.ranges}
-        seen: set[frozenset[str]] = set()
-        for r in self.ranges:
-            for o in r.not_separated:
-                key = frozenset((r.schedule, o))
-                if key in seen:
-                    continue
-                seen.add(key)
-                a, b = sorted((r.schedule, o), key=lambda s: -by[s].nominal_tps)
-                out.append((a, b, self.paired_share(a, b)))
-        out.sort(key=lambda t: abs(t[2] - 0.5))
+        seen: set[str] = set()
+        out = []
+        for r in sorted(self.ranges, key=lambda r: -r.nominal_tps):
+            if r.schedule in seen or not r.not_separated:
+                continue
+            group, todo = [], [r.schedule]
+            while todo:
+                s = todo.pop()
+                if s not in seen:
+                    seen.add(s)
+                    group.append(s)
+                    todo += by[s].not_separated
+            out.append(sorted(group, key=lambda s: -by[s].nominal_tps))
         return out
 
 

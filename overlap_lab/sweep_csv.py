@@ -2,7 +2,7 @@
 
 Rows are flushed one by one, so an interrupted sweep leaves every finished row whole and at most
 one torn last row (:func:`read_rows` drops it; :func:`open_rows` cuts it off before appending).
-One sweep writes a file at a time (:func:`locked`). Beside the CSV, ``<out>.provenance.json``
+One sweep writes a file at a time (:func:`locked`, a lock on the file itself). Beside the CSV, ``<out>.provenance.json``
 records what produced it (:func:`write_provenance`); a finished sweep may become a Parquet file
 (:func:`to_parquet`).
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import os
 import re
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -81,32 +83,50 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path``'s lock file (``<out>.lock``, beside it) while a sweep
+    """Hold an exclusive lock on the results file itself (made, empty, if new) while a sweep
     writes it: a second sweep on the same file would append duplicate and interleaved rows, so
-    it is refused. The lock goes with the process (flock), so a killed sweep leaves none; the
-    empty file stays, as removing it could race with a sweep taking it."""
+    it is refused, whatever name it reaches the file by (a symbolic or a hard link: the lock is
+    the file's own). The lock goes with the process (flock), so a killed sweep leaves none, and
+    nothing is left beside the results."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
-    with open(lock, "a") as f:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)  # a FIFO must not block
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"sweep: {path} is not a regular file")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(
                 f"sweep: another sweep is writing {path}; wait for it or choose another --out"
             ) from None
         yield
+    finally:
+        os.close(fd)
+
+
+#: The longest first line read to check a results file's columns (this project's are ~1 KB)
+MAX_HEADER = 1 << 16
 
 
 def open_rows(path: Path, columns: Sequence[str]) -> tuple[TextIO, list[dict[str, str]]]:
-    """Open the CSV for appending, keeping its complete rows; check it is this sweep's file."""
+    """Open the CSV for appending, keeping its complete rows; check it is this sweep's file
+    (its first line, read up to :data:`MAX_HEADER` bytes, is ``columns``)."""
     done: list[dict[str, str]] = []
     if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as fh:
+            head = fh.readline(MAX_HEADER).decode(errors="replace").rstrip("\r\n")
+        try:
+            ours = next(csv.reader([head]), None) == list(columns)
+        except csv.Error:  # a NUL byte, a field over csv's limit: not a sweep's file
+            ours = False
+        if not ours:
+            raise ConfigError(
+                f"sweep: {path} is not this sweep's results file (its first line is not the "
+                "spec's columns); choose another --out"
+            )
         raw = path.read_bytes()
-        head = raw.split(b"\n", 1)[0].decode().rstrip("\r")
-        if next(csv.reader([head])) != list(columns):
-            raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
         cut, _ = complete(raw)
         if cut < len(raw):  # a torn last row: drop it before appending
             with open(path, "rb+") as f:

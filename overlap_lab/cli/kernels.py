@@ -1,6 +1,6 @@
 """``overlap-lab kernels --device cuda|cpu``: the executor's kernels against the device's best on
-the same shapes (``real.kernel_table``), as a table and, with ``--out``, a JSON file and its
-markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
+the same shapes (``real.kernel_table``), as a table and, with ``--out DIR``, ``kernels.json`` and
+its markdown ``kernels.md`` in that folder (checked as every ``--out`` folder is). The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
 JSON file's ``provenance`` (``shared.outputs.trace.provenance``) records the version, the command line
 and the options; the shapes are the version's own (``real.kernel_table.SHAPES``)."""
 
@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
     )
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     s.add_argument("--out", default=None,
-                   help="JSON file to write (the markdown table beside it, .md)")  # fmt: skip
+                   help="folder for kernels.json and kernels.md (default: print only)")  # fmt: skip
+    s.add_argument("--force", action="store_true", help="write into --out even if it holds "
+                   "other files")  # fmt: skip
     s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
     s.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     s.set_defaults(func=cmd_kernels)
@@ -40,6 +42,10 @@ def cmd_kernels(args) -> int:
                           "(--device cpu for the dry run)")  # fmt: skip
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    if args.out:  # before the timing: a folder of other files is refused without --force
+        from overlap_lab.outdir import check_out_dir
+
+        check_out_dir(args.out, mine_only=not args.force)
     from overlap_lab.real.kernel_table import kernel_table, table_text
 
     report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)
@@ -49,12 +55,11 @@ def cmd_kernels(args) -> int:
 
         inputs = {"device": args.device, "repeats": args.repeats, "warmup": args.warmup}
         prov = provenance(getattr(args, "command_line", None), inputs)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out, md = Path(args.out) / "kernels.json", Path(args.out) / "kernels.md"
         out.write_text(json.dumps({**report, "provenance": prov}, indent=2, sort_keys=True) + "\n")
-        out.with_suffix(".md").write_text(text)
+        md.write_text(text)
         text = text.rstrip("\n")
         head, _, goal = text.rpartition("\n")
-        text = f"{head}\nwrote {out}, {out.with_suffix('.md')}\n{goal}\n"
+        text = f"{head}\nwrote {out}, {md}\n{goal}\n"
     print(text, end="")
     return 0

@@ -130,10 +130,12 @@ class Knob:
         self, value: Any, owner: Any = None, *, label: str | None = None, ranged: bool = True
     ) -> None:
         """Refuse a value outside the knob's type, range or choices, or its ``check``; the
-        message names it as ``label`` (default: its option, ``--comm-sms``)."""
+        message names it as ``label`` (default: its field name, ``comm_sms``, which a command
+        line shows as its option: ``ConfigError.names``)."""
         why = self.refusal(value, owner, ranged=ranged)
         if why:
-            raise ConfigError(f"{label or self.flag} {why}")
+            names = () if label else (self.name,)
+            raise ConfigError(f"{label or self.name} {why}", names=names)
 
 
 _UnionType = type(int | None)

@@ -14,6 +14,7 @@ import dataclasses
 import gzip
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -334,7 +335,10 @@ def _read_json(src: str | Path | dict | list) -> Any:
         raise ConfigError(f"no such trace file: {path}")
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError, no strerror
+            raise ConfigError(f"{path}: not a readable gzip file ({e})") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read

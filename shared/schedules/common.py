@@ -85,7 +85,8 @@ def resolve_comm_sms(value: int | None, gpu: GPU, *, default: int, least: int = 
     n = default if value is None else value
     if not least <= n < gpu.num_sms:
         raise ConfigError(
-            f"--comm-sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}"
+            f"comm_sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}",
+            names=("comm_sms",),
         )
     return n
 

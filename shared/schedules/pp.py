@@ -79,6 +79,9 @@ SUPPORTS_PP = True
 DEFAULT_STAGES = 2
 #: A pipeline's bubbles lie across its stages and iterations: every rank, the whole window.
 DRAWING = Drawing(whole_window=True, every_rank=True)
+#: One iteration of its window is one micro-batch on every stage (``iterations_and_tokens``):
+#: what a table's iteration count says beside the number ("8 mb")
+ITERATION = "mb"
 STREAMS = ("main", "pp_recv", "pp_send")
 
 
@@ -282,4 +285,7 @@ def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
 
 
 def window_note(cfg: ScheduleConfig) -> str:
-    return "pp: iterations x micro-batches on each stage."
+    return (
+        "pp: iters are micro-batch iterations (mb): iterations x micro-batches on each stage, "
+        "each a micro-batch's share of the batch."
+    )
