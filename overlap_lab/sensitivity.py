@@ -552,14 +552,16 @@ Rerun = Callable[["Program", "Workload", "CostModel"], float]
 
 @dataclass(frozen=True)
 class _Run:
-    """What one schedule's re-runs need: its lowered Program and workload, and the iterations
-    and tokens of its window (fixed by the Program: only the window's length changes)."""
+    """What one schedule's re-runs need: its lowered Program, workload and GPU, and the
+    iterations and tokens of its window (fixed by the Program: only the window's length
+    changes)."""
 
     schedule: str
     program: Program
     workload: Workload
     iterations: int
-    tokens: int
+    tokens: float
+    gpu: GPU
 
 
 def sensitivity(
@@ -574,6 +576,7 @@ def sensitivity(
     workers: int | None = None,
     progress: bool = False,
     backend: Backend | None = None,
+    scale: Mapping[str, float] | None = None,
 ) -> Sensitivity:
     """Re-run ``comparison``'s schedules at every point of ``design`` and summarise.
 
@@ -588,7 +591,9 @@ def sensitivity(
     ``workers``: local processes that share the points (None: the CPUs this process may use; 1:
     in this process); ``backend``: where else to run them (``overlap_lab.runner.Ray()``). Each
     point is simulated alone, so any count gives the same result. ``progress``: a bar over the
-    points on stderr."""
+    points on stderr. ``scale``: a factor on the tokens a row's throughput counts, by its
+    name (``overlap-lab tune``: the accepted share of multi-token prediction's drafts). Each
+    row is re-run on its own GPU record (a tune's rows may differ in DeepEP's fields)."""
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.profile import profile_for
 
@@ -604,17 +609,21 @@ def sensitivity(
     else:
         inner = RooflineCostModel(profile_for(profile, g))
     done = [row for row in comparison.rows if row.result is not None]
-    runs = [_run_of(row.schedule, row.result) for row in done]
+    factor = dict(scale or {})
+    runs = [_run_of(row.schedule, row.result, factor.get(row.schedule, 1.0)) for row in done]
     points = d.points()
     # the nominal point is the comparison itself
     its = {row.schedule: [row.result.metrics.iteration_us] for row in done}
-    tps = {row.schedule: [row.result.metrics.tokens_per_s_gpu] for row in done}
+    tps = {
+        row.schedule: [row.result.metrics.tokens_per_s_gpu * factor.get(row.schedule, 1.0)]
+        for row in done
+    }
     # The comparison's traces and Programs are a large live heap; every full collection the
     # re-runs trigger would walk it again. Frozen, they are skipped (and, in forked workers,
     # left unwritten, so the pages stay shared); the re-runs' own garbage is still collected.
     gc.freeze()
     try:
-        job = _Job(points, runs, inner, g, network, max_events, rerun)
+        job = _Job(points, runs, inner, network, max_events, rerun)
         windows = in_order(
             job.windows,
             range(len(points)),
@@ -646,23 +655,29 @@ class _Job:
     points: tuple[Point, ...]
     runs: list[_Run]
     inner: CostModel
-    gpu: GPU
     network: NetworkFactory | None
     max_events: int | None
     rerun: Rerun | None
 
     def windows(self, i: int) -> list[float]:
-        """Each run's window at point ``i``."""
-        cm = PerturbedCostModel(self.inner, self.gpu, self.points[i])
-        if self.rerun is not None:
-            return [self.rerun(r.program, r.workload, cm) for r in self.runs]
-        return [_window(r.program, self.gpu, cm, self.network, self.max_events) for r in self.runs]
+        """Each run's window at point ``i`` (a cost model per GPU record the runs hold)."""
+        models: dict[GPU, PerturbedCostModel] = {}
+        out = []
+        for r in self.runs:
+            if r.gpu not in models:
+                models[r.gpu] = PerturbedCostModel(self.inner, r.gpu, self.points[i])
+            cm = models[r.gpu]
+            if self.rerun is not None:
+                out.append(self.rerun(r.program, r.workload, cm))
+            else:
+                out.append(_window(r.program, r.gpu, cm, self.network, self.max_events))
+        return out
 
 
-def _run_of(schedule: str, res: Any) -> _Run:
-    """``res``: an ``overlap_lab.api.Result``."""
+def _run_of(schedule: str, res: Any, scale: float = 1.0) -> _Run:
+    """``res``: an ``overlap_lab.api.Result``; ``scale``: a factor on the tokens counted."""
     iters, tokens = iterations_and_tokens(res.program, res.workload)
-    return _Run(schedule, res.program, res.workload, iters, tokens)
+    return _Run(schedule, res.program, res.workload, iters, tokens * scale, res.gpu)
 
 
 def _window(

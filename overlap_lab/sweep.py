@@ -353,7 +353,7 @@ def run_sweep(
     parse: Callable[[Mapping[str, Any]], SimCase],
     *,
     backend: runner.Backend | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     limit: int | None = None,
     dedupe: bool = True,
     command: Sequence[str] | None = None,
@@ -365,7 +365,8 @@ def run_sweep(
     ``<out>.provenance.json`` records what produced it: the tool's version, ``command`` (the
     command line as typed; None from Python) and ``inputs`` (default: the spec's knobs and
     cases); each row names its own GPU, model and profile (:data:`PROVENANCE`).
-    ``backend``: ``runner.Local`` (the default) or ``runner.Ray``. ``limit`` stops after that
+    ``backend``: ``runner.Local`` (the default) or ``runner.Ray``; ``progress``: a bar on
+    stderr, labelled ``sweep`` or by the string given. ``limit`` stops after that
     many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
     what deduplication saves). Returns counts: cases, done before, simulated, duplicates,
     errors."""
@@ -436,7 +437,7 @@ def _run_locked(
     done_rows: list[dict[str, str]],
     job: SweepJob,
     backend: runner.Backend | None,
-    progress: bool,
+    progress: bool | str,
     limit: int | None,
     dedupe: bool,
 ) -> dict[str, int]:
@@ -462,7 +463,7 @@ def _run_locked(
         backend=backend,
         known=known,
         dedupe=dedupe,
-        progress="sweep" if progress else None,
+        progress=(progress if isinstance(progress, str) else "sweep") if progress else None,
     )
     try:
         for o in outcomes:

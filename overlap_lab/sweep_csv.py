@@ -161,3 +161,21 @@ def to_parquet(csv_path: str | Path, out: str | Path) -> Path:
     table = table.sort_by("case")
     pq.write_table(table, str(out))
     return Path(out)
+
+
+def read_table(path: str | Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The columns and complete rows of a results file, as strings: a sweep's (or tune's) CSV,
+    or its Parquet file (needs pyarrow)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no such results file {path}")
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ConfigError("reading a .parquet results file needs pyarrow") from e
+        table = pq.read_table(str(p))
+        rows = [{k: "" if v is None else str(v) for k, v in r.items()} for r in table.to_pylist()]
+        return list(table.column_names), rows
+    head = p.read_bytes().split(b"\n", 1)[0].decode(errors="replace").rstrip("\r")
+    return next(csv.reader([head]), []), read_rows(p)

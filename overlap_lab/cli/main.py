@@ -5,6 +5,7 @@
     overlap-lab schedules                         # each schedule, with the upstream code it follows
     overlap-lab compare --schedules serial,tbo,sbo ...
     overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
+    overlap-lab tune --gpus 32 --max-ms 50        # the best schedule, batch and knobs
 
 The entry point: the parser of every subcommand and the handlers of ``sim``, ``show``,
 ``schedules`` and ``compare``; the options are built in :mod:`overlap_lab.cli.options`, the other
@@ -41,6 +42,7 @@ from overlap_lab.cli.options import (
 )
 from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
+from overlap_lab.cli.tune import add_parsers as add_tune
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.preset_files import hold_notes
 from overlap_lab.shared.ir.validate import ProgramError
@@ -237,6 +239,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub)
     add_sweep(sub)
+    add_tune(sub)
     __import__("overlap_lab.cli.kernels", fromlist=["add_parser"]).add_parser(sub)
     _add_plugins(sub)
     return inputs.apply_limits(p)

@@ -2,8 +2,9 @@
 
 In modules by job: :mod:`~overlap_lab.figures.style` (categories, colours, units, widths, files),
 :mod:`~overlap_lab.figures.windows` (what a timeline shows), :mod:`~overlap_lab.figures.timeline`
-(one trace) and :mod:`~overlap_lab.figures.panels` (a comparison's stacked timelines, a
-sensitivity design's ranges); every name is importable from here.
+(one trace), :mod:`~overlap_lab.figures.panels` (a comparison's stacked timelines, a
+sensitivity design's ranges) and :mod:`~overlap_lab.figures.curves` (a tune's Pareto frontier, a
+results file's columns); every name is importable from here.
 
 What a reader of a paper needs, and how this package gives it:
 
@@ -41,6 +42,7 @@ matplotlib is imported inside the functions and only through ``matplotlib.figure
 pyplot, no global backend state, no ``plt.show()``; figures render off-screen (Agg for PNG).
 """
 
+from overlap_lab.figures.curves import SERIES_COLORS, frontier_figure, results_figure
 from overlap_lab.figures.panels import compare_timelines, sensitivity_ranges
 from overlap_lab.figures.style import (
     CATEGORY_COLORS,
@@ -103,6 +105,7 @@ __all__ = [
     "MB_HATCHES",
     "OP_CATEGORY",
     "PAPER_RC",
+    "SERIES_COLORS",
     "SERIES_STYLES",
     "STREAM_ORDER",
     "SUFFIXES",
@@ -119,6 +122,7 @@ __all__ = [
     "flow_pieces",
     "figure_unit",
     "fmt_time",
+    "frontier_figure",
     "lane_key",
     "layer_clip",
     "layer_window",
@@ -131,6 +135,7 @@ __all__ = [
     "paper_style",
     "parse_window",
     "resolve_window",
+    "results_figure",
     "save_figure",
     "save_timeline",
     "sensitivity_ranges",

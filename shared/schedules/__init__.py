@@ -5,8 +5,9 @@ declares"): ``UPSTREAM``, ``SUMMARY`` and ``build(workload, gpu, cfg)`` always; 
 its own knobs (``Knobs``), whether it runs pipeline stages (``SUPPORTS_PP``), its workload
 defaults (``prepare_workload``), how its window's iterations and tokens are counted
 (``iterations_and_tokens``), how figures draw it (``DRAWING``), what a comparison says of its
-window (``window_note``), the configuration the CPU check runs it with (``cpu_check_config``) and
-its own summary of a trace (``report``). Code outside this package asks the functions below
+window (``window_note``), the configuration the CPU check runs it with (``cpu_check_config``),
+its own summary of a trace (``report``) and how a configuration is launched on the system that
+runs it (``launch_flags``). Code outside this package asks the functions below
 (:mod:`~overlap_lab.shared.schedules.registry`) and never names a schedule: a schedule in another
 package does everything a built-in one does.
 
@@ -38,6 +39,7 @@ from overlap_lab.shared.schedules.registry import (
     knob_default,
     knob_readers,
     knobs_of,
+    launch_flags,
     loadable,
     module,
     own_knobs,
@@ -69,6 +71,7 @@ __all__ = [
     "knob_default",
     "knob_readers",
     "knobs_of",
+    "launch_flags",
     "loadable",
     "module",
     "own_knobs",

@@ -65,6 +65,13 @@ from overlap_lab.shared.ir.ops import mtp_ops
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, Op, Program
 from overlap_lab.shared.schedules.common import MAX_TOKENS, ScheduleKnobs
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import (
+    LIGHTLLM_ARGS,
+    Deployment,
+    Flag,
+    ServerLaunch,
+    lightllm,
+)
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
@@ -363,3 +370,11 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         ),
         **extra,
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """LightLLM's server with its micro-batch overlap for the workload's phase
+    (``--enable_decode_microbatch_overlap`` or ``--enable_prefill_microbatch_overlap``,
+    ``lightllm/server/api_cli.py``; docs/tune.md)."""
+    name = f"--enable_{d.workload.batch.mode}_microbatch_overlap"
+    return lightllm(d, (Flag(name, None, LIGHTLLM_ARGS, "lightllm"),))

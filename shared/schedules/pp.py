@@ -50,6 +50,7 @@ from overlap_lab.shared.ir.ops_pp import (
 from overlap_lab.shared.ir.program import Op, Program
 from overlap_lab.shared.schedules.common import MAX_ITERATIONS, Drawing, ScheduleKnobs
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang, sglang_flag
 from overlap_lab.shared.schedules.serial import launch_all
 
 UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
@@ -68,7 +69,12 @@ class Knobs(ScheduleKnobs):
         hi=MAX_ITERATIONS,
     )
     micro_batches: int | None = knob(
-        None, "micro-batches in flight (None = pp_size)", unit="micro-batches", lo=1, hi=64
+        None,
+        "micro-batches in flight (None = pp_size)",
+        unit="micro-batches",
+        lo=1,
+        hi=64,
+        tune=(4, 8),
     )
     return_logprob: bool = knob(False, "copy logprobs to the host with next_token_ids")
 
@@ -289,3 +295,23 @@ def window_note(cfg: ScheduleConfig) -> str:
         "pp: iters are micro-batch iterations (mb): iterations x micro-batches on each stage, "
         "each a micro-batch's share of the batch."
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with pipeline stages: ``--pp-size`` (in the layout) and
+    ``--pp-max-micro-batch-size``, the sequences of one micro-batch per DP rank; SGLang keeps
+    ``pp_size`` micro-batches in flight, so ``micro_batches`` has no flag (docs/tune.md)."""
+    k = d.cfg.of(Knobs)
+    b = d.workload.batch.num_seqs
+    flags = (sglang_flag("pp_max_micro_batch_size", b, "batch"),)
+    unmapped = ()
+    if k.micro_batches is not None and k.micro_batches != d.workload.parallel.pp:
+        unmapped = (
+            (
+                "micro_batches",
+                "SGLang's event_loop_pp keeps pp_size micro-batches in flight "
+                "(python/sglang/srt/managers/scheduler_pp_mixin.py); no flag",
+            ),
+        )
+    in_flight = k.micro_batches or d.workload.parallel.pp
+    return sglang(d, flags, unmapped, running=b * in_flight)

@@ -48,7 +48,14 @@ BUILTINS: dict[str, str] = {
 BASELINE = "serial"
 
 #: The optional hooks a schedule module may define, each a function (docs/schedules.md).
-HOOKS = ("prepare_workload", "iterations_and_tokens", "window_note", "cpu_check_config", "report")
+HOOKS = (
+    "prepare_workload",
+    "iterations_and_tokens",
+    "window_note",
+    "cpu_check_config",
+    "report",
+    "launch_flags",
+)
 
 
 def _check(m: ModuleType) -> str | None:
@@ -239,6 +246,16 @@ def cpu_check_config(name: str, cfg: CommonKnobs) -> CommonKnobs:
     workloads reach its split path), else ``cfg``."""
     hook = _hook(name, "cpu_check_config")
     return cfg if hook is None else hook(cfg)
+
+
+def launch_flags(name: str, deployment: Any) -> Any:
+    """How a configuration of schedule ``name`` is launched on the system that runs it (its
+    module's ``launch_flags(deployment)``: a ``shared.schedules.launch.ServerLaunch``); a schedule
+    whose module declares none gets a Launch that says so (docs/tune.md)."""
+    from overlap_lab.shared.schedules.launch import no_launch
+
+    hook = _hook(name, "launch_flags")
+    return no_launch(name) if hook is None else hook(deployment)
 
 
 # ---- knobs -----------------------------------------------------------------------------------

@@ -67,6 +67,14 @@ from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import ScheduleKnobs, comm_sms_knob, resolve_comm_sms
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import (
+    Deployment,
+    Flag,
+    ServerLaunch,
+    sglang,
+    sglang_env,
+    sglang_flag,
+)
 from overlap_lab.shared.schedules.stages import launches
 
 UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
@@ -82,10 +90,15 @@ class Knobs(ScheduleKnobs):
 
     comm_sms: int | None = comm_sms_knob(
         "SMs of DeepEP's low-latency combine send (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS; "
-        "None: the GPU preset's sbo_comm_sms)"
+        "None: the GPU preset's sbo_comm_sms)",
+        tune=(2, 6, 12),
     )
     sbo_mode: int = knob(
-        1, "1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared", lo=1, hi=3
+        1,
+        "1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared",
+        lo=1,
+        hi=3,
+        tune=(1, 2, 3),
     )
 
 
@@ -336,3 +349,26 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         sbo_signals=signals,
         **p.meta(),
     )
+
+
+def sbo_launch(d: Deployment) -> tuple[tuple[Flag, ...], tuple[tuple[str, str], ...]]:
+    """SBO's flags and what has none: ``--enable-single-batch-overlap``; the combine's SMs as
+    ``SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS`` (set where ``comm_sms`` was given); the mode has no
+    flag (SGLang's ``SboFlags`` picks the overlaps by GPU and MoE kernels). tbo+sbo adds these."""
+    k = d.cfg.of(Knobs)
+    flags = [sglang_flag("enable_single_batch_overlap", carries="sbo")]
+    if k.comm_sms is not None:
+        flags.append(sglang_env("SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS", k.comm_sms, "comm_sms"))
+    p = plan(d.gpu, d.cfg)
+    why = (
+        "SGLang's SboFlags (python/sglang/srt/batch_overlap/single_batch_overlap.py) picks the "
+        "overlaps from the GPU and the MoE kernels (Hopper with DeepGEMM: mode 1)"
+    )
+    if not p.upstream:
+        why += f"; mode {p.mode} on {p.arch} is a what-if SGLang does not run"
+    return tuple(flags), (("sbo_mode", why),)
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with Single Batch Overlap (:func:`sbo_launch`; docs/tune.md)."""
+    return sglang(d, *sbo_launch(d))

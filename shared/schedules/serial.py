@@ -13,6 +13,7 @@ from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, whole_batch
 from overlap_lab.shared.ir.program import Launch, Op, Program
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang, sglang_flag
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
@@ -62,3 +63,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         deepep_mode=mode,
         micro_batches=[mb.as_meta()],
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with its overlap scheduler off: ``--disable-overlap-schedule`` runs
+    ``event_loop_normal``, the host waiting for each step's result (docs/tune.md)."""
+    return sglang(d, (sglang_flag("disable_overlap_schedule", carries="schedule"),))

@@ -46,6 +46,7 @@ from overlap_lab.shared.ir.program import HIGH_PRIORITY, GpuInstr, Launch, Op, P
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import Deployment, Flag, ServerLaunch, sglang, sglang_flag
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
 from overlap_lab.shared.schedules.tbo_split import SplitKnobs, TboSplit, tbo_split
 
@@ -62,7 +63,12 @@ class Knobs(SplitKnobs):
     run; tbo+sbo reads them too."""
 
     delta_stages: int | None = knob(
-        None, "None = the strategy's own (decode 2, prefill 0)", unit="stages", lo=0, hi=16
+        None,
+        "None = the strategy's own (decode 2, prefill 0)",
+        unit="stages",
+        lo=0,
+        hi=16,
+        tune=(0, 1, 3),
     )
 
 
@@ -287,3 +293,29 @@ def build(
     )
     meta.update(extra_meta or {})
     return program([rank], world=w.parallel.ep, **meta)
+
+
+def tbo_launch(d: Deployment) -> tuple[tuple[Flag, ...], tuple[tuple[str, str], ...]]:
+    """TBO's flags and what has none: ``--enable-two-batch-overlap`` and
+    ``--tbo-token-distribution-threshold``; ``delta_stages`` is the operations strategy's own
+    (``operations_strategy.py``), with no flag. tbo+sbo adds these."""
+    k = d.cfg.of(Knobs)
+    flags = (
+        sglang_flag("enable_two_batch_overlap", carries="tbo"),
+        sglang_flag("tbo_token_distribution_threshold", k.tbo_threshold, "tbo_threshold"),
+    )
+    unmapped = ()
+    if k.delta_stages is not None:
+        unmapped = (
+            (
+                "delta_stages",
+                "fixed per model and mode by SGLang's operations strategy "
+                "(python/sglang/srt/operations_strategy.py): running another means editing it",
+            ),
+        )
+    return flags, unmapped
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with Two Batch Overlap (:func:`tbo_launch`; docs/tune.md)."""
+    return sglang(d, *tbo_launch(d))

@@ -73,6 +73,14 @@ from overlap_lab.shared.schedules.common import (
     resolve_comm_sms,
 )
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import (
+    VLLM_ARGS,
+    Deployment,
+    Flag,
+    ServerLaunch,
+    vllm,
+    vllm_env,
+)
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 
 UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
@@ -88,12 +96,23 @@ class Knobs(ScheduleKnobs):
         "prefill: VLLM_DBO_COMM_SMS, the SMs DeepEP's kernels keep while DeepGEMM takes the "
         f"rest, capped at DeepEP's 20 (None: {VLLM_DBO_COMM_SMS}; 0: SM control off)",
         least=0,
+        tune=(0, 10),
     )
     dbo_decode_token_threshold: int = knob(
-        32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+        32,
+        "vLLM --dbo-decode-token-threshold",
+        unit="tokens",
+        lo=0,
+        hi=MAX_TOKENS,
+        tune=(64, 256),
     )
     dbo_prefill_token_threshold: int = knob(
-        512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+        512,
+        "vLLM --dbo-prefill-token-threshold",
+        unit="tokens",
+        lo=0,
+        hi=MAX_TOKENS,
+        tune=(2048, 8192),
     )
     dp_peer_tokens: tuple[int, ...] = knob(
         (), "other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
@@ -462,3 +481,20 @@ def cpu_check_config(cfg: ScheduleConfig) -> ScheduleConfig:
         if f not in given or given[f] == getattr(Knobs(), f)
     }
     return replace(cfg, **lowered)
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """vLLM with Dual Batch Overlap: ``--enable-dbo`` and its two split thresholds
+    (``vllm/engine/arg_utils.py`` over ``vllm/config/parallel.py``), the SMs DeepEP keeps as
+    ``VLLM_DBO_COMM_SMS`` (``vllm/envs.py``) where given (docs/tune.md)."""
+    k = d.cfg.of(Knobs)
+    extra = [
+        Flag("--enable-dbo", None, VLLM_ARGS, "dbo"),
+        Flag("--dbo-decode-token-threshold", k.dbo_decode_token_threshold, VLLM_ARGS,
+             "dbo_decode_token_threshold"),
+        Flag("--dbo-prefill-token-threshold", k.dbo_prefill_token_threshold, VLLM_ARGS,
+             "dbo_prefill_token_threshold"),
+    ]  # fmt: skip
+    if k.comm_sms is not None:
+        extra.append(vllm_env("VLLM_DBO_COMM_SMS", k.comm_sms, "comm_sms"))
+    return vllm(d, tuple(extra))
