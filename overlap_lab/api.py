@@ -303,12 +303,16 @@ class Result:
         """``profile`` and ``cost_sources`` (``sim.calibrate.add_provenance``'s keys); a reduced
         run's ranks hold rank 0's ops (only flow destinations differ, which no duration source
         reads): rank 0's counts times the ranks."""
+        from overlap_lab.caveats import result_caveats
         from overlap_lab.sim.calibrate import cost_sources, profile_name
+        from overlap_lab.sources import cost_share
 
         p = self.program
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
         out["cost_sources"] = cost_sources(one, self.gpu, self.profile, self.cost_model)
+        out["cost_share"] = cost_share(self)  # of rank 0's kernel time, by source
+        out["caveats"] = [c.line() for c in result_caveats(self)]
         dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
         if dropped and dropped not in out.setdefault("notes", []):
             out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
@@ -578,13 +582,22 @@ class Comparison:
     def as_dicts(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.rows]
 
+    def caveats(self) -> list[str]:
+        """One line per caveat of the comparison (``overlap_lab.caveats``): what a result rests
+        on that the model treats roughly, each printed once for the schedules it concerns."""
+        from overlap_lab.caveats import comparison_caveats
+
+        return [c.line() for c in comparison_caveats(self)]
+
     def text(self) -> str:
         """The table ``overlap-lab compare`` prints, with the footnotes that say how."""
+        from overlap_lab.sources import cost_share, share_text
+
         b = self.baseline
         w = b.workload
         head = (
             f"{'schedule':<15}{'GPUs':>6}{'iters':>6}{'ms/iter':>10}{'tok/s/GPU':>11}"
-            f"{'tok/s/node':>12}{'vs ' + BASELINE:>10}{'exposed comm':>14}  note"
+            f"{'tok/s/node':>12}{'vs ' + BASELINE:>10}{'exposed comm':>14}{'p/r/l %':>10}  note"
         )
         lines = [
             f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
@@ -592,11 +605,17 @@ class Comparison:
             f"{w.parallel.gpus_per_node} GPUs per node",
             head,
         ]
+        marks, shared = _shared_notes(self.rows)
         for row in self.rows:
             res = row.result
+            note = "; ".join(
+                [f"({marks[n]})" for n in _note_parts(row.note) if n in marks]
+                + [n for n in _note_parts(row.note) if n not in marks]
+            )
             if res is None:
                 lines.append(
-                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}"
+                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}"
+                    f"{'-':>14}{'-':>10}  {note}"
                 )
                 continue
             m = res.metrics
@@ -604,7 +623,17 @@ class Comparison:
             lines.append(
                 f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
                 f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
-                f"{exposed:>11.3f} ms  {row.note}"
+                f"{exposed:>11.3f} ms{share_text(cost_share(res)):>10}  {note}"
+            )
+        lines.append("")
+        caveats = self.caveats()
+        lines += caveats + ([""] if caveats else [])
+        for note, mark in marks.items():
+            lines += textwrap.wrap(
+                f"({mark}) {', '.join(shared[note])}: {note}",
+                100,
+                subsequent_indent="  ",
+                break_on_hyphens=False,
             )
         ran = [r for r in self.rows if r.result is not None]
         windows = [registry.window_note(r.schedule, self.config) for r in ran]
@@ -626,17 +655,34 @@ class Comparison:
             ),
             "exposed comm: per iteration, time with communication in flight and no compute "
             "kernel running (rank 0).",
+            "p/r/l %: the share of rank 0's kernel time timed from the calibration profile, the "
+            "roofline and the link model (cost_share in --json).",
             "Overlap gains assume kernels running together slow each other only through the "
             f"SMs and HBM they share; measured on an H200, kernels lost up to {slow:.0f} % more "
             "beside decode-size GEMMs (docs/sm-sharing.md), so gains from overlapping GEMMs are "
             "optimistic.",
         ]
-        lines.append("")
         for n in notes:
             lines += textwrap.wrap(n, 100, subsequent_indent="  ", break_on_hyphens=False)
         if self.sensitivity is not None:
             lines.append(self.sensitivity.text())
         return "\n".join(lines)
+
+
+def _note_parts(note: str) -> list[str]:
+    """A row's note as the notes it joins (``"; "``-separated, as ``compare`` joins them)."""
+    return [n for n in note.split("; ") if n] if note else []
+
+
+def _shared_notes(rows: Sequence[CompareRow]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Notes that several rows carry, each printed once under the table: note -> its mark
+    (``a``, ``b``, ...) and note -> the schedules that carry it."""
+    who: dict[str, list[str]] = {}
+    for row in rows:
+        for n in dict.fromkeys(_note_parts(row.note)):
+            who.setdefault(n, []).append(row.schedule)
+    shared = {n: ws for n, ws in who.items() if len(ws) > 1}
+    return {n: chr(ord("a") + i) for i, n in enumerate(shared)}, shared
 
 
 def compare(

@@ -100,6 +100,8 @@ def _print_summary(res: dict) -> None:
         print(f"  communication SMs {res['comm_sms']}")
     for note in res.get("notes", []):
         print(f"  note: {note}")
+    for caveat in res.get("caveats", []):
+        print(f"  {caveat}")
     for lane, busy in sorted(res["busy_us"].items()):
         print(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
 
@@ -277,7 +279,8 @@ def cmd_compare(args) -> int:
     if args.json:
         sens = {} if table.sensitivity is None else {"sensitivity": table.sensitivity.as_dict()}
         prov = _compare_provenance(args, names, w, gpu, cfg)
-        print(inputs.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
+        doc = {"results": table.as_dicts(), "caveats": table.caveats(), **sens}
+        print(inputs.to_json({**doc, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:
