@@ -26,12 +26,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from overlap_lab.sources import slowed_us, time_by_source, unlike
 
-if TYPE_CHECKING:
-    from overlap_lab.api import Comparison, Result
+#: ``overlap_lab.api``'s Result and Comparison (not imported: the API imports this module).
+Result = Comparison = Any
 
 DOC = "docs/uncertainty.md"
 #: Exposed communication above this share of the step makes the result rest on the link model.

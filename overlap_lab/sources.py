@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from overlap_lab.shared.ir.program import Op, first_rank_ops
 
-if TYPE_CHECKING:
-    from overlap_lab.api import Result
+#: ``overlap_lab.api.Result`` (not imported: the API imports this module).
+Result = Any
 
 #: The built-in sources, in the order tables print them.
 SOURCES: tuple[str, ...] = ("profile", "roofline", "link")

@@ -119,6 +119,8 @@ M_TILE = 64
 #: as those GEMMs (relative): the elementwise work fused into a GEMM op (norms, RoPE: 0.06 % of
 #: DeepSeek-V3's ``attn.prepare``) stays inside it.
 SHAPE_TOL = 2e-3
+#: Lookups a profile remembers (one per distinct op and SM count) before it starts again.
+_MEMO_SIZE = 1 << 16
 #: Op classes whose rows on the tokens axis are GEMMs padded to whole M tiles.
 GEMM_CLASSES: tuple[str, ...] = ("gemm", "grouped_gemm")
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
@@ -303,9 +305,12 @@ class Profile:
         if not profiled(op):
             return None
         memo = (op.name, op.op_class, op.dtype, op.tokens, op.flops, op.grid, sms)
-        if memo not in self._memo:
-            self._memo[memo] = self._lookup(op, sms)
-        return self._memo[memo]
+        hit = self._memo.get(memo, self._memo)  # the dict itself: not looked up yet
+        if hit is self._memo:
+            if len(self._memo) >= _MEMO_SIZE:  # a long sweep: start again rather than grow
+                self._memo.clear()
+            hit = self._memo[memo] = self._lookup(op, sms)
+        return hit
 
     def _lookup(self, op: Op, sms: int) -> Match | None:
         kind = _grid_kind(op)
