@@ -543,6 +543,14 @@ class CompareRow:
     baseline: str
     note: str
 
+    @property
+    def cost_share(self) -> dict[str, float]:
+        """The share of rank 0's kernel time timed from each source (profile, roofline, link;
+        ``overlap_lab.sources.cost_share``); empty when the schedule refused."""
+        from overlap_lab.sources import cost_share
+
+        return {} if self.result is None else cost_share(self.result)
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schedule": self.schedule,

@@ -11,7 +11,7 @@ from typing import Any
 
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.schedules import BASELINE
-from overlap_lab.sources import cost_share, share_text
+from overlap_lab.sources import share_text
 
 #: ``overlap_lab.api``'s Comparison and CompareRow (not imported: the API imports this module).
 Comparison = CompareRow = Any
@@ -49,7 +49,7 @@ def comparison_text(table: Comparison) -> str:
         lines.append(
             f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
             f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
-            f"{exposed:>11.3f} ms{share_text(cost_share(res)):>10}  {note}"
+            f"{exposed:>11.3f} ms{share_text(row.cost_share):>10}  {note}"
         )
     lines.append("")
     caveats = table.caveats()

@@ -201,6 +201,8 @@ def test_every_schedules_share_of_profile_timed_gemms_is_serials():
     for name, by in shares.items():
         assert by == shares["serial"], name
     assert not any("Not like for like" in line for line in c.caveats())
+    for r in c.rows:  # the API's per-row share of kernel time by source
+        assert sum(r.cost_share.values()) == pytest.approx(1.0) and r.cost_share["profile"] > 0
 
 
 def test_cost_share_is_in_the_json_and_sums_to_one(decode_json):
