@@ -89,7 +89,7 @@ _LL_2025_02 = ((8, 163, 318), (16, 173, 329), (32, 182, 350), (64, 186, 353), (1
 _NORMAL_2025_04 = ((8, 153, 158), (16, 43, 43), (32, 58, 57), (64, 51, 50))
 #: The V1 line's tables, as each README states them: the first README (pure-RDMA low-latency
 #: kernels), after the internode optimisation (IBGDA, a QP per channel; PR #130), and after the
-#: low-latency kernels took NVLink for peers of their node (PR #173), which docs/legacy.md keeps.
+#: low-latency kernels took NVLink for peers of their node (PR #173), which DeepEP's docs/legacy.md keeps.
 V1_TABLES: tuple[Table, ...] = (
     Table("2025-02-24", "ebfe47e", ((8, 153, 158), (16, 43, 43), (32, 44, 47), (64, 46, 45)),
           _LL_2025_02, ll_nvlink=False),
