@@ -78,6 +78,12 @@ def tables() -> dict[str, tuple[str, tuple, bool]]:
     return out
 
 
+def readme_dates(label: str) -> list[str]:
+    """Every README date that states the table ``label`` names."""
+    kind = label.split("@")[0]
+    return [t.date for t in RELEASES["v1"].tables if table_label(kind, t.date) == label]
+
+
 def table_label(kind: str, date: str) -> str:
     """The label (:func:`tables`) of the table of ``kind`` that the README of ``date`` states
     (a README that repeats an earlier table: that table's)."""
@@ -259,7 +265,8 @@ def to_markdown(doc: dict) -> str:
                 "combine published", "combine model", "error"]  # fmt: skip
         nic = rows[0]["nic_gbps"]
         sections.append(
-            f"## Normal kernels, README of {date} ({NORMAL_TOKENS} tokens per rank), bottleneck "
+            f"## Normal kernels, README of {', '.join(readme_dates('normal@' + date))} "
+            f"({NORMAL_TOKENS} tokens per rank), bottleneck "
             f"bandwidth\n\nAt this README's NIC rate, {nic:.1f} GB/s (its EP 32 and 64 rows over "
             f"the NIC).\n\n{md_table(head, tab, '---:')}"
         )
@@ -275,7 +282,8 @@ def to_markdown(doc: dict) -> str:
         head = ["EP", "dispatch published", "dispatch model", "error", "balanced",
                 "combine published", "combine model", "error", "balanced"]  # fmt: skip
         sections.append(
-            f"## Low-latency kernels, README of {date} ({LL_TOKENS} tokens per rank, "
+            f"## Low-latency kernels, README of {', '.join(readme_dates('low_latency@' + date))} "
+            f"({LL_TOKENS} tokens per rank, "
             f"{rows[0]['path']}), latency\n\n{md_table(head, tab, '---:')}"
         )
     worst = max_error(doc)
