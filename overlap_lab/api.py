@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -312,12 +311,16 @@ class Result:
         """``profile`` and ``cost_sources`` (``sim.calibrate.add_provenance``'s keys); a reduced
         run's ranks hold rank 0's ops (only flow destinations differ, which no duration source
         reads): rank 0's counts times the ranks."""
+        from overlap_lab.caveats import result_caveats
         from overlap_lab.sim.calibrate import cost_sources, profile_name
+        from overlap_lab.sources import cost_share
 
         p = self.program
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
         out["cost_sources"] = cost_sources(one, self.gpu, self.profile, self.cost_model)
+        out["cost_share"] = cost_share(self)  # of rank 0's kernel time, by source
+        out["caveats"] = [c.line() for c in result_caveats(self)]
         dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
         if dropped and dropped not in out.setdefault("notes", []):
             out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
@@ -545,6 +548,14 @@ class CompareRow:
     baseline: str
     note: str
 
+    @property
+    def cost_share(self) -> dict[str, float]:
+        """The share of rank 0's kernel time timed from each source (profile, roofline, link;
+        ``overlap_lab.sources.cost_share``); empty when the schedule refused."""
+        from overlap_lab.sources import cost_share
+
+        return {} if self.result is None else cost_share(self.result)
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schedule": self.schedule,
@@ -583,66 +594,19 @@ class Comparison:
     def as_dicts(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.rows]
 
-    def text(self) -> str:
-        """The table ``overlap-lab compare`` prints, with the footnotes that say how."""
-        b = self.baseline
-        w = b.workload
-        head = (
-            f"{'schedule':<15}{'GPUs':>6}{'iters':>6}{'ms/iter':>10}{'tok/s/GPU':>11}"
-            f"{'tok/s/node':>12}{'vs ' + BASELINE:>10}{'exposed comm':>14}  note"
-        )
-        lines = [
-            f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
-            f"({w.batch.num_tokens} tokens) per GPU, EP {w.parallel.ep}, "
-            f"{w.parallel.gpus_per_node} GPUs per node",
-            head,
-        ]
-        for row in self.rows:
-            res = row.result
-            if res is None:
-                lines.append(
-                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}"
-                )
-                continue
-            m = res.metrics
-            exposed = m.exposed_comm_us / 1e3
-            its = f"{m.iterations} {registry.iteration_unit(row.schedule)}".strip()  # "8 mb"
-            lines.append(
-                f"{row.schedule:<15}{m.gpus:>6}{its:>6}{m.iteration_us / 1e3:>10.3f}"
-                f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
-                f"{exposed:>11.3f} ms  {row.note}"
-            )
-        ran = [r for r in self.rows if r.result is not None]
-        windows = [registry.window_note(r.schedule, self.config) for r in ran]
-        staged = [r.schedule for r in ran if r.result.workload.parallel.pp > 1]
-        from overlap_lab.sensitivity import INPUTS
+    def caveats(self) -> list[str]:
+        """One line per caveat of the comparison (``overlap_lab.caveats``): what a result rests
+        on that the model treats roughly, each printed once for the schedules it concerns."""
+        from overlap_lab.caveats import comparison_caveats
 
-        slow = 100 * (next(i for i in INPUTS if i.name == "interference").hi - 1)
-        notes = [
-            "ms/iter: each schedule's simulated window divided by its scheduler iterations "
-            "(iters). One-step schedules simulate one iteration: their host waits for each "
-            "step's result before scheduling the next, so N iterations take N times as long."
-            + "".join(f" {n}" for n in windows if n),
-            f"vs {BASELINE}: tokens/s per GPU over {BASELINE}'s on the same GPUs"
-            + (
-                f" ({', '.join(staged)}: {BASELINE} on its stages x EP GPUs, the same sequences "
-                "in flight)."
-                if staged
-                else "."
-            ),
-            "exposed comm: per iteration, time with communication in flight and no compute "
-            "kernel running (rank 0).",
-            "Overlap gains assume kernels running together slow each other only through the "
-            f"SMs and HBM they share; measured on an H200, kernels lost up to {slow:.0f} % more "
-            "beside decode-size GEMMs (docs/sm-sharing.md), so gains from overlapping GEMMs are "
-            "optimistic.",
-        ]
-        lines.append("")
-        for n in notes:
-            lines += textwrap.wrap(n, 100, subsequent_indent="  ", break_on_hyphens=False)
-        if self.sensitivity is not None:
-            lines.append(self.sensitivity.text())
-        return "\n".join(lines)
+        return [c.line() for c in comparison_caveats(self)]
+
+    def text(self) -> str:
+        """The table ``overlap-lab compare`` prints, with the footnotes that say how
+        (``overlap_lab.compare_table``)."""
+        from overlap_lab.compare_table import comparison_text
+
+        return comparison_text(self)
 
 
 def compare(

@@ -64,6 +64,8 @@ def summary(res: Mapping[str, Any]) -> str:
         say(f"  communication SMs {res['comm_sms']}")
     for note in res.get("notes", []):
         say(f"  note: {note}")
+    for caveat in res.get("caveats", []):
+        say(f"  {caveat}")
     for lane, busy in sorted(res["busy_us"].items()):
         say(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
     return "\n".join(lines)

@@ -147,12 +147,12 @@ INPUTS: tuple[Input, ...] = (
     ),
     Input(
         "rdma",
-        "effective RDMA rate of DeepEP kernels (46 GB/s per GPU on H800 / ConnectX-7)",
+        "effective RDMA rate of DeepEP kernels (44 GB/s per GPU over the NIC on H800 / ConnectX-7)",
         0.85,
-        1.25,
+        1.1,
         "published tables",
-        "DeepEP README: 43-58 GB/s RDMA bottleneck bandwidth measured on CX7 (normal and "
-        "low-latency kernels); the line rate is 50 GB/s",
+        "DeepEP README: its internode rows over the NIC (shared.ir.deepep.nic_gbps) are 33-40 "
+        "GB/s (2025-02) and 43-45 GB/s (2025-04 on); the line rate, 50 GB/s, bounds it above",
     ),
     Input(
         "deepep_fixed",

@@ -21,10 +21,10 @@ def _step(comm_sms: int, release: str = "v1") -> float:
 
 
 def test_rate_follows_the_sms_per_release():
-    assert deepep_normal_rate("v1", 24, "rdma") == pytest.approx(46.0)
-    assert deepep_normal_rate("v1", 8, "rdma") == pytest.approx(46.0 * 8 / 24)
+    assert deepep_normal_rate("v1", 24, "rdma") == pytest.approx(44.0)
+    assert deepep_normal_rate("v1", 8, "rdma") == pytest.approx(44.0 * 8 / 24)
     assert deepep_normal_rate("v1", 64, "nvlink") == pytest.approx(134.0)
-    assert deepep_normal_rate("v2", 6, "rdma") == pytest.approx(46.0)
+    assert deepep_normal_rate("v2", 6, "rdma") == pytest.approx(44.0)
     assert deepep_normal_rate("v2", 3, "rdma", link_gbps=50.0) == pytest.approx(25.0)
     for r in RELEASES.values():
         assert r.sources and r.date

@@ -177,7 +177,8 @@ def cmd_compare(args) -> int:
             cost_model=args.cost_model,
             network=args.network,
         )
-        print(report.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
+        doc = {"results": table.as_dicts(), "caveats": table.caveats(), **sens}
+        print(report.to_json({**doc, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:
