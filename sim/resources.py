@@ -16,6 +16,7 @@ same instant an event would have.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Hashable
@@ -546,7 +547,9 @@ class Gpu(Fluid):
             take = min(k.limit - k.held, math.ceil(k.pending / g.per_sm), self.free)
             if take <= 0:
                 continue
-            if g.kind == "dynamic" and k.started and self._grow(k, take):
+            if g.kind == "dynamic":
+                if not (k.cohorts and self._grow(k, take)):
+                    self._dynamic_cohort(k, take)
                 continue
             slots = take * g.per_sm
             if k.pending >= slots:
@@ -554,17 +557,31 @@ class Gpu(Fluid):
             else:
                 self._cohort(k, take, k.pending, 1)
 
+    def _dynamic_cohort(self, k: Kernel, sms: int) -> None:
+        """A dynamic persistent kernel's first CTAs (FlashAttention-3's
+        ``DynamicPersistentTileScheduler``: CTAs take tiles from an atomic counter): the cohort
+        owns the kernel's whole work, whatever CTAs are resident, so on the SMs it got it runs
+        the work over those SMs. The CTAs that found no SM stay pending with no work of their
+        own: they join the cohort if SMs free up before the tiles run out (``_grow``) and are
+        dropped when it ends (``_finish``), rather than running as a second wave."""
+        n = min(k.pending, sms * k.grid.per_sm)
+        work = k.pending  # every CTA's share: the tiles all of them would have taken
+        self._cohort(k, sms, work, 1)
+        k.pending = work - n
+        if k.pending and k not in self.pending:
+            self.pending.append(k)
+
     def _grow(self, k: Kernel, sms: int) -> bool:
-        """A dynamic persistent kernel's late CTAs join its running cohort and share the work
-        left (it then ends when all of them run out of tiles); False if it has none running."""
+        """A dynamic persistent kernel's late CTAs join its cohort (running, or dispatched but
+        not yet started) and share the work left: the cohort's rate follows its SMs, and its work
+        is the kernel's (``_dynamic_cohort``), so it ends when all of them run out of tiles.
+        False if it has none."""
         c = next((c for c in self.jobs if c.kernel is k), None)
+        if c is None:
+            c = next(iter(k.staged), None)
         if c is None:
             return False
         n = min(k.pending, sms * k.grid.per_sm)
-        old = c.per_wave
-        # the cohort's work left plus the joining CTAs' share, spread over all of them
-        c.left = (c.left * old + n) / (old + n)
-        c.per_wave = old + n
         c.sms += sms
         k.pending -= n
         k.held += sms
@@ -644,6 +661,9 @@ class Gpu(Fluid):
         self.free += c.sms
         k.held -= c.sms
         k.cohorts -= 1
+        if k.pending and k.grid.kind == "dynamic":  # the tiles ran out before they got SMs
+            k.pending = 0
+            self.pending.remove(k)
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched, and
             # so is its time alone: sharing never makes a kernel faster (``_solo_us``)
@@ -734,6 +754,8 @@ class Gpu(Fluid):
         demands = [self._demand(c) for c in running]
         shares = cost.water_fill([d.cap for d in demands], self._hbm_usable)
         shares = self._kernel_caps(running, shares, demands)
+        if any(d.headroom for d in demands):
+            demands = self._loaded(running, demands, shares)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
@@ -747,6 +769,24 @@ class Gpu(Fluid):
         if d is None:
             d = demands[key] = self.model.demand(c.kernel.op, self.gpu, c.sms or 1)
         return d
+
+    def _loaded(self, running: list, demands: list, shares: list[float]) -> list:
+        """``demands`` with each latency-bound copy kernel's (``KernelDemand.headroom``, DeepEP's
+        normal kernels) time raised by what the other kernels' HBM load does to its copies
+        (``cost.loaded_t_compute``): the load is the bandwidth they draw now, a fraction of what
+        all kernels can use. The kernel's own draw is left out, so alone it runs as alone."""
+        out = list(demands)
+        for i, d in enumerate(demands):
+            if not d.headroom:
+                continue
+            k = running[i].kernel
+            # (fsum: exactly rounded, so the cohorts' order cannot change the float)
+            others = math.fsum(s for c, s in zip(running, shares) if c.kernel is not k)
+            slowdown = cost.loaded_latency(others / self._hbm_usable)
+            t = cost.loaded_t_compute(d, slowdown)
+            if t > d.t_compute:
+                out[i] = dataclasses.replace(d, t_compute=t)
+        return out
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
