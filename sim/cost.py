@@ -66,6 +66,7 @@ an op may state its own (``Op.grid``, ``Op.ctas``, ``Op.ctas_per_sm``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -297,6 +298,25 @@ def loaded_t_compute(d: KernelDemand, slowdown: float) -> float:
     if d.headroom <= 0.0 or slowdown <= 1.0:
         return d.t_compute
     return max(d.t_compute, d.link_us * slowdown / d.headroom)
+
+
+def loaded_demands(
+    demands: list[KernelDemand], shares: list[float], owners: list, usable: float
+) -> list[KernelDemand]:
+    """``demands`` (of running cohorts; ``owners[i]`` the kernel of cohort ``i``, ``shares`` their
+    HBM shares) with each latency-bound copy kernel's time raised by what the other kernels' HBM
+    load does to its copies (:func:`loaded_t_compute`): the load is the bandwidth they draw now,
+    a fraction of ``usable``. The kernel's own draw is left out, so alone it runs as alone."""
+    out = list(demands)
+    for i, d in enumerate(demands):
+        if not d.headroom:
+            continue
+        # (fsum: exactly rounded, so the cohorts' order cannot change the float)
+        others = math.fsum(s for k, s in zip(owners, shares) if k is not owners[i])
+        t = loaded_t_compute(d, loaded_latency(others / usable))
+        if t > d.t_compute:
+            out[i] = dataclasses.replace(d, t_compute=t)
+    return out
 
 
 def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:

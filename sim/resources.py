@@ -16,7 +16,6 @@ same instant an event would have.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Hashable
@@ -754,8 +753,9 @@ class Gpu(Fluid):
         demands = [self._demand(c) for c in running]
         shares = cost.water_fill([d.cap for d in demands], self._hbm_usable)
         shares = self._kernel_caps(running, shares, demands)
-        if any(d.headroom for d in demands):
-            demands = self._loaded(running, demands, shares)
+        if any(d.headroom for d in demands):  # DeepEP's copies beside the others' HBM load
+            owners = [c.kernel for c in running]
+            demands = cost.loaded_demands(demands, shares, owners, self._hbm_usable)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0
@@ -769,24 +769,6 @@ class Gpu(Fluid):
         if d is None:
             d = demands[key] = self.model.demand(c.kernel.op, self.gpu, c.sms or 1)
         return d
-
-    def _loaded(self, running: list, demands: list, shares: list[float]) -> list:
-        """``demands`` with each latency-bound copy kernel's (``KernelDemand.headroom``, DeepEP's
-        normal kernels) time raised by what the other kernels' HBM load does to its copies
-        (``cost.loaded_t_compute``): the load is the bandwidth they draw now, a fraction of what
-        all kernels can use. The kernel's own draw is left out, so alone it runs as alone."""
-        out = list(demands)
-        for i, d in enumerate(demands):
-            if not d.headroom:
-                continue
-            k = running[i].kernel
-            # (fsum: exactly rounded, so the cohorts' order cannot change the float)
-            others = math.fsum(s for c, s in zip(running, shares) if c.kernel is not k)
-            slowdown = cost.loaded_latency(others / self._hbm_usable)
-            t = cost.loaded_t_compute(d, slowdown)
-            if t > d.t_compute:
-                out[i] = dataclasses.replace(d, t_compute=t)
-        return out
 
     def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
         """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
