@@ -279,10 +279,10 @@ def forward_body(e: Emitter) -> None:
     e.call_hook(0)
     if decode and prev_moe is not None:
         _decode_mlp(e, 1, prev_moe)
-    e.launch(e.head(0)["logits"])
+    e.launch_head(0, "logits")
     if e.has(1):
         e.call_hook(1)
-        e.launch(e.head(1)["logits"])
+        e.launch_head(1, "logits")
     assert not e.hooks, f"hooks left pending after the last layer: {sorted(e.hooks)}"
     for i in mbs:
         e.launch(e.head(i)["sample"])

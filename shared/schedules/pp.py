@@ -38,7 +38,7 @@ from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
-from overlap_lab.shared.ir.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, parts, whole_batch
 from overlap_lab.shared.ir.ops_pp import (
     PP_HOST_COSTS,
     allgather_op,
@@ -116,7 +116,7 @@ def stage_ops(
     for layer in layers:
         ops += layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step).values()
     if last:
-        ops += [head["logits"], head["sample"]]
+        ops += [*parts(head, "logits"), head["sample"]]
     return ops
 
 

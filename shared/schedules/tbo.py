@@ -41,7 +41,7 @@ from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload, dense_layers, moe_layers
 from overlap_lab.shared.ir.builder import program
-from overlap_lab.shared.ir.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.config import ScheduleConfig
@@ -167,19 +167,22 @@ def _ev(op: Op, what: str) -> str:
 
 
 def lower_op(key: str, ops: dict[str, Op]) -> list[GpuInstr]:
-    """One operation of a stage. Normal-mode DeepEP halves go through DeepEP's comm stream."""
+    """One operation of a stage: its parts (``shared.ir.ops.PARTS``) in order. A normal-mode
+    DeepEP ``*_a`` goes through DeepEP's comm stream with its parts (``get_dispatch_layout`` and
+    ``notify_dispatch``, ``cached_notify``: ``Buffer.get_dispatch_layout`` / ``dispatch`` /
+    ``combine`` with ``previous_event`` and ``allocate_on_comm_stream``)."""
     op = ops[key]
     if op.coll is not None and op.coll.role == "sendrecv":  # normal *_a on DeepEP's stream
         return [
             Record(_ev(op, "previous"), MAIN),
             Wait(COMM, _ev(op, "previous")),
-            Launch(op, COMM),
+            *launches(parts(ops, key), COMM),
             Record(_ev(op, "done"), COMM),
         ]
     partner = {"dispatch_b": "dispatch_a", "combine_b": "combine_a"}.get(key)
     if partner and ops[partner].coll is not None and ops[partner].coll.role == "sendrecv":
         return [Wait(MAIN, _ev(ops[partner], "done")), Launch(op, MAIN)]
-    return [Launch(op, MAIN)]
+    return launches(parts(ops, key))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,16 +201,16 @@ def micro_batch_operations(
     lower: Lowering,
 ) -> list:
     """The concatenated operations of every sparse layer for one micro-batch (OperationsStrategy
-    .concat), each operation already lowered to its instructions."""
+    .concat), each operation already lowered to its instructions (its parts included)."""
     out: list = []
     for layer in moe_layers(w.model):
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
         if strategy.limit_deep_gemm:
             ops = {k: limit_deep_gemm(op, deep_gemm_sms(gpu)) for k, op in ops.items()}
-        for key in expand_keys(strategy.operations):  # keys with parts launch each
+        for key in strategy.operations:  # a key lowers with its parts (lower_op)
             if key is YIELD:
                 out.append(YIELD)
-            elif key in ops:  # a part the model has (no quantisation with BF16 GEMMs)
+            elif key in ops:
                 out.append(lower(key, ops))
     return out
 
@@ -240,7 +243,7 @@ def tbo_body(
     for _mb, stage in interleave(stages[0], stages[1], delta):
         for instrs in stage:
             body += instrs
-    body += launches([head["logits"], head["sample"]])
+    body += launches([*parts(head, "logits"), head["sample"]])
     body += launches(mtp_ops(w, gpu, whole, deepep_mode=mode, step=step))  # the draft, unsplit
     return body, strategy, delta
 

@@ -53,7 +53,7 @@ def make_lowering(w: Workload, gpu: GPU, p: sbo.SboPlan):
     def lower(key: str, ops: dict[str, Op]) -> list[GpuInstr]:
         signals = sbo.signal_count(w, gpu, ops["experts"].tokens)
         if key == "experts":
-            return sbo.lower_experts(p, ops["experts"], signals)
+            return sbo.lower_experts(p, ops, signals)
         if key == "combine_a":
             return sbo.lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
         if key == "combine_b":
