@@ -33,7 +33,7 @@ imbalance are drawn, seeded, when the Program is built: ``shared.inputs.routing`
 from __future__ import annotations
 
 import dataclasses
-import gc
+import math
 from collections import defaultdict, deque
 from functools import partial
 
@@ -56,7 +56,7 @@ from overlap_lab.shared.ir.program import (
     iter_gpu_instrs,
 )
 from overlap_lab.shared.ir.validate import issue_order, validate
-from overlap_lab.shared.outputs.trace import Span, Trace
+from overlap_lab.shared.outputs.trace import Span, Trace, no_gc
 from overlap_lab.shared.outputs.trace import new_span as _span
 from overlap_lab.sim import cost
 from overlap_lab.sim.budget import default_max_events, run_budgeted
@@ -74,6 +74,45 @@ _COUNT_WITH_NUMPY = 64
 #: A network link kind's index: its position in ``NET_KINDS`` (the order of ``kinds`` given to
 #: the network model).
 _KIND_INDEX = {k: i for i, k in enumerate(NET_KINDS)}
+
+
+#: What a host step does (``host_plan``): launch a kernel or a graph (pays the launch cost, then
+#: enqueues its parts), enqueue a record or wait, run host work, block on an event, or yield.
+_LAUNCH, _ENQUEUE, _HOST, _SYNC, _YIELD = range(5)
+
+
+def host_plan(rp: RankProgram) -> list[tuple]:
+    """The rank's host steps in issue order (``shared.ir.validate.issue_order``), each
+    ``(code, instruction, lane, position, parts, (thread, index))``: ``parts`` are the
+    ``(position, GPU instruction)`` pairs a launch enqueues. Positions number every instruction
+    and every graph body entry in issue order (a graph's own position, then its body's): the
+    rank's issue order, which the block scheduler's ties and the fast-forward read."""
+    plan, pos = [], 0
+    for it in issue_order(rp):
+        ins, lane = it.instr, f"host:{it.thread}"
+        where = (it.thread, it.index)
+        t = type(ins)
+        if t is Launch:
+            plan.append((_LAUNCH, ins, lane, pos, ((pos, ins),), where))
+        elif t is Graph:
+            parts = tuple((pos + 1 + i, part) for i, part in enumerate(ins.body))
+            plan.append((_LAUNCH, ins, lane, pos, parts, where))
+            pos += len(parts)
+        elif t is Host:
+            plan.append((_HOST, ins, lane, pos, (), where))
+        elif t is Sync:
+            plan.append((_SYNC, ins, lane, pos, (), where))
+        elif t is Yield:
+            plan.append((_YIELD, ins, lane, pos, (), where))
+        else:  # Record, Wait, WaitStream
+            plan.append((_ENQUEUE, ins, lane, pos, ((pos, ins),), where))
+        pos += 1
+    return plan
+
+
+def _signal(gpu: Gpu, k: Kernel, _ev=None) -> None:
+    """An event ``k`` polls has fired (its SimPy event's callback)."""
+    gpu.signal(k)
 
 
 class SimulationStalled(RuntimeError):
@@ -103,7 +142,20 @@ class _Rank:
         self.busy: dict[str, object] = {}  # stream -> what holds it now (for stall reports)
         self.pumping: set[str] = set()  # streams whose queue is being walked right now
         self.host_at = "not started"
-        self.issued = 0  # launch sequence numbers: pending CTAs of equal priority go in this order
+        #: the host's steps in issue order (``host_plan``) and the next one's index
+        self.plan, self.pc = host_plan(rp), 0
+        #: per stream, the position of the item it took last (-1: none yet)
+        self.popped: dict[str, int] = dict.fromkeys(rp.streams, -1)
+        self.host_wait: tuple | None = None  # what the host waits on: ("t", t0), ("sync", ev, t0)
+        self.launch_run: dict[str, list[float]] = {}  # lane -> [start, end] of its open launches
+        #: position whose taking from its queue is a cut of the fast-forward (-1: none)
+        self.anchor = -1
+        self.log: list | None = None  # events fired since the fast-forward's last cut
+        #: instructions from ``rename_from`` on are renamed when taken (``sim.fastforward``:
+        #: blocks were skipped before them), by the layers ``renames`` gives per position
+        self.rename_from: float = math.inf
+        self.renames: list[tuple[int, int]] = []
+        self.host_proc = None  # the SimPy process walking ``plan``
 
     def event(self, name: str) -> simpy.Event:
         """The SimPy event of ``name`` for a waiter that must block: only events someone waits
@@ -115,6 +167,8 @@ class _Rank:
 
     def record(self, name: str) -> None:
         self.fired.add(name)
+        if self.log is not None:  # the fast-forward reads which events fired since its last cut
+            self.log.append(name)
         ev = self.waited.get(name)
         if ev is not None:
             ev.succeed()
@@ -133,12 +187,16 @@ class Engine:
         cost_model: CostModel | None = None,
         network: NetworkFactory | None = None,
         env: simpy.Environment | None = None,
+        fast_forward: bool = True,
     ):
         """``profile`` (a ``sim.profile.Profile``) feeds the default cost model and is not read
         when ``cost_model`` is given; ``cost_model`` and ``network`` replace the defaults,
         ``sim.cost.RooflineCostModel`` and ``sim.network.Network`` (``sim.models``). ``env``: a
         fresh SimPy environment to run in (default ``simpy.Environment()``; tests pass one that
-        processes simultaneous events in a shuffled order)."""
+        processes simultaneous events in a shuffled order). ``fast_forward``: layers whose state
+        repeats an earlier layer's are not simulated but copied (``sim.fastforward``: the same
+        Trace to float round-off; ``meta["fast_forward"]`` says what was skipped, or why
+        nothing was); False simulates every layer (and the meta has no such key)."""
         self.program, self.gpu, self.seed = program, gpu, seed
         self.profile = profile
         self.cost_model = cost.RooflineCostModel(profile) if cost_model is None else cost_model
@@ -166,95 +224,121 @@ class Engine:
                         for f in c.flows:  # part per signal
                             dst = rp.rank if f.dst is None else f.dst
                             self._expected[(c.key, dst)] += parts
-        self._implicit = 0
         kinds = {k: self.cost_model.link(gpu, k) for k in NET_KINDS}
         make_net = Network if network is None else network
         self.net = make_net(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
+        self._ff = None  # the fast-forward (``sim.fastforward``), when the Program repeats
+        self._arrived_log: list | None = None  # collectives complete since the last cut
+        self._partial: set = set()  # collectives some but not all of whose flows arrived
         self._sinks: dict[tuple[str, int], int] = {}
         self._sink_keys: list[tuple[str, int]] = []
         self._bundles: list[list] = []  # [rank, op, t0, {kind: flows left}]
+        self._ff_note: str | None = None
+        if fast_forward:
+            from overlap_lab.sim.fastforward import FastForward  # (it reads this module)
+
+            ff = FastForward.attach(self)
+            if isinstance(ff, str):
+                self._ff_note = f"not used: {ff}"
+            else:
+                self._ff = ff
 
     # -- processes -----------------------------------------------------------------------------
 
     def run(self) -> Trace:
         for r in self.ranks.values():
-            self.env.process(self._host(r))
+            r.host_proc = self.env.process(self._host(r))
         # the run makes many short-lived objects and no garbage cycles worth collecting
-        # mid-run; the collector would walk the Program's objects over and over (~12 % of a run)
-        gc_on = gc.isenabled()
-        gc.disable()
-        try:
+        # mid-run; the collector would walk the Program's objects over and over (~12 % of a run),
+        # and so would the thousands of spans the Trace is built from
+        with no_gc():
             run_budgeted(self.env, self.max_events)
-        finally:
-            if gc_on:
-                gc.enable()
-        self._check_finished()
-        meta = self.program.meta.as_dict()
-        meta.update(
-            gpu=self.gpu.name,
-            num_sms=self.gpu.num_sms,
-            world=self.program.world,
-            symmetric=self.program.symmetric,
-            backend="sim",
-            seed=self.seed,
-        )
-        if self.profile is not None and "cost_model" not in self._custom:
-            meta["profile"] = self.profile.name
-        meta.update(self._custom)  # a plugged model's class name
-        # Trace stores its spans in canonical order (every field of a span in its key): the
-        # order events were processed in is no part of the result
-        return Trace(tuple(self.spans), meta)
+            self._check_finished()
+            spans = self.spans
+            if self._ff is not None:
+                spans = self._ff.spans(spans)
+                self._ff_note = self._ff.note()
+            meta = self.program.meta.as_dict()
+            meta.update(
+                gpu=self.gpu.name,
+                num_sms=self.gpu.num_sms,
+                world=self.program.world,
+                symmetric=self.program.symmetric,
+                backend="sim",
+                seed=self.seed,
+            )
+            if self.profile is not None and "cost_model" not in self._custom:
+                meta["profile"] = self.profile.name
+            meta.update(self._custom)  # a plugged model's class name
+            if self._ff_note is not None:  # (absent when switched off)
+                meta["fast_forward"] = self._ff_note
+            # Trace stores its spans in canonical order (every field of a span in its key): the
+            # order events were processed in is no part of the result
+            return Trace(tuple(spans), meta)
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank
-        launch_open: dict[str, int] = {}  # lane -> index of its last launch span
-        for it in issue_order(r.rp):
-            ins, lane = it.instr, f"host:{it.thread}"
-            r.host_at = f"thread {it.thread} instruction {it.index}"
-            if isinstance(ins, (Launch, Graph)):
+        while r.pc < len(r.plan):  # (the fast-forward may rewrite the steps not taken yet)
+            code, ins, lane, pos, parts, where = r.plan[r.pc]
+            r.pc += 1
+            r.host_at = where
+            if pos >= r.rename_from and not parts:  # (what it enqueues is renamed when taken)
+                ins = self._ff.rename(r, pos, ins)
+            if code == _LAUNCH:
                 t0 = env.now
+                r.host_wait = ("t", t0)
                 yield env.timeout(
-                    self.gpu.graph_launch_us if isinstance(ins, Graph) else self.gpu.launch_us
+                    self.gpu.graph_launch_us if type(ins) is Graph else self.gpu.launch_us
                 )
-                i = launch_open.get(lane)
-                if i is not None and self.spans[i].end == t0:  # extend a run of launches
-                    self.spans[i] = _span(
-                        rank, lane, "launch", "host", self.spans[i].start, env.now
-                    )
+                r.host_wait = None
+                run = r.launch_run.get(lane)
+                if run is not None and run[1] == t0:  # extend a run of launches
+                    run[1] = env.now
                 else:
-                    launch_open[lane] = len(self.spans)
-                    self.spans.append(_span(rank, lane, "launch", "host", t0, env.now))
-                for part in ins.body if isinstance(ins, Graph) else (ins,):
-                    self._enqueue(r, part)
-            elif isinstance(ins, (Record, Wait, WaitStream)):
-                self._enqueue(r, ins)
-            elif isinstance(ins, Host):
+                    if run is not None:
+                        self._launch_span(r, lane, run)
+                    r.launch_run[lane] = [t0, env.now]
+                for p, part in parts:
+                    self._enqueue(r, part, p)
+            elif code == _ENQUEUE:
+                for p, part in parts:
+                    self._enqueue(r, part, p)
+            elif code == _HOST:
                 t0 = env.now
+                r.host_wait = ("t", t0)
                 yield env.timeout(ins.us)
+                r.host_wait = None
                 self.spans.append(
                     _span(rank, lane, ins.name, "host", t0, env.now, 0, ins.mb, ins.layer, ins.step)
                 )
-            elif isinstance(ins, Sync):
+            elif code == _SYNC:
                 t0 = env.now
                 if ins.event not in r.fired:
+                    r.host_wait = ("sync", ins.event, t0)
                     yield r.event(ins.event)
+                    t0 = r.host_wait[2]  # (the fast-forward moves it when it skipped time)
+                    r.host_wait = None
                 if env.now > t0:
                     self.spans.append(_span(rank, lane, f"sync {ins.event}", "sync", t0, env.now))
-            elif isinstance(ins, Yield):
-                pass  # issue_order already hands control to the next thread
+            # _YIELD: ``host_plan`` already hands control to the next thread
+        for lane, run in r.launch_run.items():
+            self._launch_span(r, lane, run)
+        r.launch_run = {}
         r.host_at = "done"
 
-    def _enqueue(self, r: _Rank, ins) -> None:
-        """Hand ``ins`` to its stream with its launch (issue) sequence number on the rank."""
-        r.issued += 1
-        if isinstance(ins, WaitStream):
-            self._implicit += 1
-            ev = f"__wait_stream_{self._implicit}"
-            self._put(r, ins.other, (r.issued, Record(ev, ins.other)))
-            self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev)))
+    def _launch_span(self, r: _Rank, lane: str, run: list[float]) -> None:
+        self.spans.append(_span(r.rp.rank, lane, "launch", "host", run[0], run[1]))
+
+    def _enqueue(self, r: _Rank, ins, pos: int) -> None:
+        """Hand ``ins`` to its stream with its position in the rank's issue order (``host_plan``:
+        pending CTAs of equal priority go in this order)."""
+        if type(ins) is WaitStream:
+            ev = ("wait_stream", pos, ins.stream)  # an event of its own, named by its position
+            self._put(r, ins.other, (pos, Record(ev, ins.other)))
+            self._put(r, ins.stream, (pos, Wait(ins.stream, ev)))
         else:  # ``_put``, inline
             stream = ins.stream
-            r.queues[stream].append((r.issued, ins))
+            r.queues[stream].append((pos, ins))
             if stream not in r.busy:
                 self._pump(r, stream)
 
@@ -273,19 +357,22 @@ class Engine:
         try:
             while q and name not in busy:
                 seq, ins = q.popleft()
+                r.popped[name] = seq
+                if seq >= r.rename_from:  # past blocks the fast-forward skipped
+                    ins = self._ff.rename(r, seq, ins)
+                if seq == r.anchor:  # a cut of the fast-forward: compare states at its instant
+                    self._ff.cut(r)
                 if type(ins) is Record:
                     r.record(ins.event)
                 elif type(ins) is Wait:
                     if ins.event not in r.fired:
                         busy[name] = ins
-                        r.event(ins.event).callbacks.append(
-                            lambda _e, r=r, name=name: self._release(r, name)
-                        )
+                        r.event(ins.event).callbacks.append(partial(self._released, r, name))
                 else:
                     busy[name] = ins
                     op = ins.op
                     if op.kind == "copy":
-                        self._copy(r, name, op)
+                        self._copy(r, name, op, seq)
                     else:  # a kernel: to the block scheduler
                         limit = num_sms if op.sms is None else op.sms
                         r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
@@ -297,22 +384,33 @@ class Engine:
         del r.busy[name]
         self._pump(r, name)
 
+    def _released(self, r: _Rank, name: str, _ev=None) -> None:
+        """The event a stream waits on has fired (its SimPy event's callback)."""
+        self._release(r, name)
+
     # -- one op --------------------------------------------------------------------------------
 
-    def _copy(self, r: _Rank, stream: str, op: Op) -> None:
+    def _copy(self, r: _Rank, stream: str, op: Op, pos: int) -> None:
         """A copy (D2H/H2D) is a flow on the rank's PCIe link; the stream waits for it."""
-        env, rank = self.env, r.rp.rank
-        t0 = env.now
+        r.links["pcie"].send(op.hbm_bytes, partial(self._copied, r, stream, op, self.env.now, pos))
 
-        def copied() -> None:
-            self.spans.append(
-                _span(
-                    rank, r.lanes[stream], op.name, "copy", t0, env.now, 0, op.mb, op.layer, op.step
-                )
+    def _copied(self, r: _Rank, stream: str, op: Op, t0: float, pos: int) -> None:
+        """A copy's last byte has arrived (``pos``: its position, read by the fast-forward)."""
+        self.spans.append(
+            _span(
+                r.rp.rank,
+                r.lanes[stream],
+                op.name,
+                "copy",
+                t0,
+                self.env.now,
+                0,
+                op.mb,
+                op.layer,
+                op.step,
             )
-            self._release(r, stream)
-
-        r.links["pcie"].send(op.hbm_bytes, copied)
+        )
+        self._release(r, stream)
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
@@ -352,7 +450,7 @@ class Engine:
                     self._start_flows(r, op, flows)
                 else:
                     for f in flows:
-                        self._start_flow(r, op, f)
+                        self._start_flow(r, op, f, k.seq)
 
             if parts == 1:
                 send()
@@ -369,46 +467,43 @@ class Engine:
                     k.waiting_data = True
                 else:
                     k.gated = True
-                self._on_arrival.setdefault(key, []).append(lambda: r.gpu.data_arrived(k))
+                self._on_arrival.setdefault(key, []).append(partial(r.gpu.data_arrived, k))
         for ev in op.waits:  # signals the kernel polls while it runs
             if ev in r.fired:
                 k.fired += 1
             else:
-                r.event(ev).callbacks.append(lambda _e: r.gpu.signal(k))
+                r.event(ev).callbacks.append(partial(_signal, r.gpu, k))
         r.gpu.start(k)
 
     def _arrive(self, key: tuple[str, int], n: int = 1) -> None:
         """``n`` flows of collective ``key`` have arrived; the last one releases its receivers."""
-        self._expected[key] -= n
-        if self._expected[key] == 0:
+        left = self._expected[key] = self._expected[key] - n
+        if left == 0:
             self._arrived.add(key)
+            if self._arrived_log is not None:  # read by the fast-forward's next cut
+                self._arrived_log.append(key)
+                self._partial.discard(key)
             for fn in self._on_arrival.pop(key, ()):
                 fn()
+        elif self._arrived_log is not None:
+            self._partial.add(key)
 
-    def _start_flow(self, r: _Rank, op: Op, f) -> None:
+    def _start_flow(self, r: _Rank, op: Op, f, pos: int) -> None:
         """A symmetric flow (to the mirror peer): it only shares its rank's egress link, as every
         rank's ingress carries the same load as its egress."""
-        env, t0 = self.env, self.env.now
-        key = (op.coll.key, r.rp.rank)
+        r.links[f.link].send(
+            f.nbytes, partial(self._flow_arrived, r, op, f.link, self.env.now, pos)
+        )
 
-        def arrived(rank=r.rp.rank) -> None:
-            self.spans.append(
-                _span(
-                    rank,
-                    f"link:{f.link}",
-                    op.name,
-                    "link",
-                    t0,
-                    env.now,
-                    0,
-                    op.mb,
-                    op.layer,
-                    op.step,
-                )
+    def _flow_arrived(self, r: _Rank, op: Op, link: str, t0: float, pos: int) -> None:
+        """A symmetric flow's last byte has arrived (``pos``: its op's position)."""
+        self.spans.append(
+            _span(
+                r.rp.rank, f"link:{link}", op.name, "link", t0, self.env.now, 0, op.mb, op.layer,
+                op.step,
             )
-            self._arrive(key)
-
-        r.links[f.link].send(f.nbytes, arrived)
+        )  # fmt: skip
+        self._arrive((op.coll.key, r.rp.rank))
 
     def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
@@ -468,7 +563,10 @@ class Engine:
         problems = []
         for rank, r in self.ranks.items():
             if r.host_at != "done":
-                problems.append(f"rank {rank} host blocked at {r.host_at}")
+                at = r.host_at
+                if isinstance(at, tuple):
+                    at = f"thread {at[0]} instruction {at[1]}"
+                problems.append(f"rank {rank} host blocked at {at}")
             for s, ins in r.busy.items():
                 if isinstance(ins, Wait):
                     what = f"waiting for event {ins.event!r}"
@@ -491,10 +589,12 @@ def simulate(
     max_events: int | None = None,
     cost_model: CostModel | None = None,
     network: NetworkFactory | None = None,
+    fast_forward: bool = True,
 ) -> Trace:
     """Validate ``program`` and simulate it on ``gpu`` (op durations from ``profile``, a
     ``sim.profile.Profile``, where it has rows, or from ``cost_model``; flows with a destination
-    through ``network``: ``sim.models``); deterministic for the same inputs."""
+    through ``network``: ``sim.models``; repeated layers copied unless ``fast_forward`` is
+    False: ``Engine``); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
     return Engine(
         program,
@@ -504,4 +604,5 @@ def simulate(
         max_events=max_events,
         cost_model=cost_model,
         network=network,
+        fast_forward=fast_forward,
     ).run()
