@@ -2,8 +2,7 @@
 
 A model's layers are the same work with another layer index, so a Program's issue order is, past
 its first layers and before its last, one block of instructions repeated with the layer numbers
-shifted (``find_region``: every field of every instruction equal but the layer, and the layer
-tokens ``L<n>`` of event and collective names shifted by the same amount). The simulation is
+shifted (``sim.repeats``). The simulation is
 deterministic and invariant under a shift of time and a consistent renaming of events, so once
 its whole state at the start of one block equals its state at the start of an earlier block,
 shifted by a period ``P`` in time and by the blocks between them in layers, every later block
@@ -39,323 +38,40 @@ holds every span as if simulated. ``Engine(fast_forward=False)`` simulates every
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
-import re
 from collections import deque
 from functools import partial
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 import simpy
 
-from overlap_lab.shared.ir.program import (
-    Coll,
-    Graph,
-    Host,
-    Launch,
-    Op,
-    Record,
-    Sync,
-    Wait,
-    WaitStream,
-)
+from overlap_lab.shared.ir.program import Launch, Record, Wait
 from overlap_lab.sim import engine as _engine
 from overlap_lab.sim import network as _network
 from overlap_lab.sim import resources as _resources
+from overlap_lab.sim.repeats import (
+    MIN_BLOCKS,
+    RankIndex,
+    Region,
+    atoms_of,
+    index_rank,
+    shift_instr,
+    shift_name,
+)
 
-#: A layer token in an event or collective name: ``L<n>`` between dots (``s0.L12.mb0.dispatch``).
-_L_TOKEN = re.compile(r"(?<![^.])L(0|-?[1-9][0-9]*)(?![^.])")
 #: Times (relative to the cut) of two states agree within this fraction of the clock, plus
 #: ``TIME_ABS``: the same instant reached at another clock differs in its last bits.
 TIME_TOL = 1e-13
 TIME_ABS = 1e-12
 #: Work left, rates and sizes of two states agree within this relative difference.
 VALUE_TOL = 1e-9
-#: Fewest repeated blocks worth watching for.
-MIN_BLOCKS = 4
-
 _RESUME = simpy.events.Process._resume  # a host process's resumption (its timeout's callback)
 _FIRST = itemgetter(0)
 _POS = itemgetter(3)  # a host step's position (``sim.engine.host_plan``)
 
-#: Op fields compared as they are (layer, coll and waits are compared shifted).
-_OP_FIELDS = attrgetter(
-    "name",
-    "kind",
-    "mb",
-    "step",
-    "flops",
-    "hbm_bytes",
-    "dtype",
-    "op_class",
-    "sms",
-    "tokens",
-    "grid",
-    "ctas",
-    "ctas_per_sm",
-)
-
 
 class _NotComparable(Exception):
     """The state holds something the comparison cannot express: this cut is skipped."""
-
-
-def shift_name(name, d: int):
-    """``name`` with every layer token ``L<n>`` made ``L<n+d>`` (other names as they are)."""
-    if type(name) is not str or "L" not in name:
-        return name
-    return _L_TOKEN.sub(lambda m: f"L{int(m.group(1)) + d}", name)
-
-
-def _shift_op(op: Op, d: int) -> Op:
-    """``op`` with its layer and the layer tokens of its names shifted by ``d``."""
-    c = op.coll
-    coll = c if c is None else Coll(shift_name(c.key, d), c.role, c.flows)
-    waits = tuple(shift_name(w, d) for w in op.waits)
-    layer = None if op.layer is None else op.layer + d
-    if layer == op.layer and coll == c and waits == op.waits:
-        return op
-    return dataclasses.replace(op, layer=layer, coll=coll, waits=waits)
-
-
-def shift_instr(ins, d: int):
-    """A GPU or host instruction with its layers and layer tokens shifted by ``d``."""
-    t = type(ins)
-    if t is Launch:
-        op = _shift_op(ins.op, d)
-        return ins if op is ins.op else Launch(op, ins.stream)
-    if t is Record or t is Wait:
-        ev = shift_name(ins.event, d)
-        return ins if ev == ins.event else dataclasses.replace(ins, event=ev)
-    if t is Sync:
-        ev = shift_name(ins.event, d)
-        return ins if ev == ins.event else Sync(ev)
-    if t is Host and ins.layer is not None:
-        return dataclasses.replace(ins, layer=ins.layer + d)
-    return ins
-
-
-def _ops_shifted(a: Op, b: Op, d: int) -> bool:
-    """Whether ``b`` is ``a`` shifted by ``d`` layers."""
-    if a.layer is None:
-        if b.layer is not None:
-            return False
-    elif b.layer != a.layer + d:
-        return False
-    if _OP_FIELDS(a) != _OP_FIELDS(b):
-        return False
-    ca, cb = a.coll, b.coll
-    if ca is not cb:
-        if ca is None or cb is None or ca.role != cb.role or ca.flows != cb.flows:
-            return False
-        if shift_name(ca.key, d) != cb.key:
-            return False
-    if a.waits or b.waits:
-        return tuple(shift_name(w, d) for w in a.waits) == b.waits
-    return True
-
-
-def _shifted(x, y, d: int) -> bool:
-    """Whether atom ``y`` is atom ``x`` shifted by ``d`` layers (``_atoms``)."""
-    t = type(x)
-    if t is not type(y):
-        return False
-    if t is Launch:
-        return x.stream == y.stream and _ops_shifted(x.op, y.op, d)
-    if t is Record or t is Wait:
-        return x.stream == y.stream and shift_name(x.event, d) == y.event
-    if t is Sync:
-        return shift_name(x.event, d) == y.event
-    if t is Host:
-        if (x.name, x.us, x.mb, x.step) != (y.name, y.us, y.mb, y.step):
-            return False
-        return y.layer is None if x.layer is None else y.layer == x.layer + d
-    if t is Graph:  # a graph's launch (its body follows it)
-        return shift_name(x.name, d) == y.name
-    return x == y  # WaitStream, Yield
-
-
-def _run_end(atoms: list, i: int, p: int, d: int) -> int:
-    """The first position from ``i`` on whose instruction a block later is not it shifted by
-    ``d`` layers (``_shifted``, with its commonest case, a launch of an op with no collective
-    and no signals, inline: this runs once per instruction of the Program)."""
-    n = len(atoms) - p
-    fields = _OP_FIELDS
-    seen: dict[int, tuple] = {}  # position -> its op's fields: each is read twice, made once
-    while i < n:
-        u, v = atoms[i], atoms[i + p]
-        if type(u) is Launch and type(v) is Launch:
-            a, b = u.op, v.op
-            la = a.layer
-            if la is None or b.layer != la + d or u.stream != v.stream:
-                if not _shifted(u, v, d):
-                    return i
-            elif a.coll is None and b.coll is None and not a.waits and not b.waits:
-                fa = seen.pop(i, None)
-                fb = seen[i + p] = fields(b)
-                if (fields(a) if fa is None else fa) != fb:
-                    return i
-            elif not _ops_shifted(a, b, d):
-                return i
-        elif not _shifted(u, v, d):
-            return i
-        i += 1
-    return i
-
-
-def _atoms(plan: list[tuple]) -> list:
-    """The rank's instructions by position (``sim.engine.host_plan``): a graph's launch, then its
-    body."""
-    out: list = []
-    for _code, ins, _lane, pos, parts, _where in plan:
-        assert pos == len(out)
-        if type(ins) is Graph:
-            out.append(ins)
-            out.extend(p for _, p in parts)
-        else:
-            out.append(ins)
-    return out
-
-
-@dataclasses.dataclass
-class Region:
-    """Repeated blocks of one rank's issue order: positions ``[a, a + k * p)`` are ``k`` blocks
-    of ``p`` instructions, each the one before shifted by ``d`` layers; ``anchor`` is the first
-    launch of the first block (block ``j``'s cut is taking ``anchor + j * p`` from its queue)."""
-
-    a: int
-    p: int
-    k: int
-    d: int
-    anchor: int
-    #: the earliest position in the blocks whose event or collective an instruction after them
-    #: reads (none: ``end``): blocks before it are not taken out (``FastForward._skip``)
-    read_after: int = -1
-
-    @property
-    def end(self) -> int:
-        return self.a + self.k * self.p
-
-
-@dataclasses.dataclass
-class RankIndex:
-    """What the cuts read of one rank's issue order (``_atoms``)."""
-
-    atoms: list
-    regions: list[Region]
-    #: per stream, the positions of its instructions, ascending
-    stream_pos: dict[str, list[int]]
-    #: event -> the last position that reads it (a wait, a sync, a polled signal)
-    last_ref: dict
-    #: collective key -> the last position of a half that receives it
-    last_recv: dict
-    #: positions of the launches that send flows, ascending
-    sends: list[int]
-
-
-def find_regions(atoms: list, plan: list[tuple]) -> list[Region]:
-    """Every run of at least ``MIN_BLOCKS`` repeated blocks in a rank's issue order, in order.
-
-    From a launch with a layer, the block is the distance to the next launch of the same name,
-    stream, micro-batch and step; the run is as far as each instruction is the one a block
-    before shifted (``_shifted``). A graph launched inside a run must end inside it (the blocks
-    taken out, and those renamed after the run, are whole graphs)."""
-    n = len(atoms)
-    graph_end = {
-        pos: pos + 1 + len(parts)
-        for _code, ins, _lane, pos, parts, _where in plan
-        if type(ins) is Graph
-    }
-    regions: list[Region] = []
-    x = 0
-    while x < n:
-        u = atoms[x]
-        if type(u) is not Launch or u.op.layer is None:
-            x += 1
-            continue
-        op = u.op
-        y = x + 1
-        while y < n:
-            v = atoms[y]
-            if (
-                type(v) is Launch
-                and v.op.name == op.name
-                and v.stream == u.stream
-                and v.op.mb == op.mb
-                and v.op.step == op.step
-            ):
-                break
-            y += 1
-        if y == n or v.op.layer is None or v.op.layer <= op.layer:
-            x += 1
-            continue
-        p, d = y - x, v.op.layer - op.layer
-        hi = _run_end(atoms, x, p, d)  # atoms[i + p] is atoms[i] shifted for i in [lo, hi)
-        lo = x
-        start = regions[-1].end if regions else 0
-        while lo > start and _shifted(atoms[lo - 1], atoms[lo - 1 + p], d):
-            lo -= 1
-        k = (hi + p - lo) // p
-        while k >= MIN_BLOCKS and any(lo <= g < lo + k * p < e for g, e in graph_end.items()):
-            k -= 1
-        anchor = next((i for i in range(lo, lo + p) if type(atoms[i]) is Launch), None)
-        if k < MIN_BLOCKS or anchor is None:
-            # a run of this period from any later start up to ``hi`` ends at ``hi`` too
-            x = max(x + 1, hi)
-            continue
-        regions.append(Region(lo, p, k, d, anchor))
-        x = lo + k * p
-    return regions
-
-
-def index_rank(plan: list[tuple], streams: tuple[str, ...]) -> RankIndex:
-    """The rank's instructions by position, its repeated blocks and what its cuts look up."""
-    atoms = _atoms(plan)
-    stream_pos: dict[str, list[int]] = {s: [] for s in streams}
-    last_ref: dict = {}
-    last_recv: dict = {}
-    sends: list[int] = []
-    for i, x in enumerate(atoms):
-        t = type(x)
-        if t is Launch:
-            stream_pos[x.stream].append(i)
-            for w in x.op.waits:
-                last_ref[w] = i
-            c = x.op.coll
-            if c is not None and c.role != "send":
-                last_recv[c.key] = i
-            if c is not None and c.role != "recv" and c.flows:
-                sends.append(i)
-        elif t is Record:
-            stream_pos[x.stream].append(i)
-        elif t is Wait:
-            stream_pos[x.stream].append(i)
-            last_ref[x.event] = i
-        elif t is WaitStream:
-            stream_pos[x.stream].append(i)
-            stream_pos[x.other].append(i)
-        elif t is Sync:
-            last_ref[x.event] = i
-    regions = find_regions(atoms, plan)
-    if regions:
-        # (reader, writer) positions of events and collectives: what each run's later
-        # instructions read of it
-        written: dict = {}
-        for i, x in enumerate(atoms):
-            t = type(x)
-            if t is Record and type(x.event) is str:
-                written.setdefault(x.event, i)
-            elif t is Launch and x.op.coll is not None and x.op.coll.role != "recv":
-                written.setdefault(("coll", x.op.coll.key), i)
-        reads = [(i, written.get(n)) for n, i in last_ref.items()]
-        reads += [(i, written.get(("coll", k))) for k, i in last_recv.items()]
-        reads = [(i, w) for i, w in reads if w is not None and w < i]
-        for reg in regions:
-            end = reg.end
-            reg.read_after = min(
-                (w for i, w in reads if i >= end and reg.a <= w < end), default=end
-            )
-    return RankIndex(atoms, regions, stream_pos, last_ref, last_recv, sends)
 
 
 class FastForward:
@@ -398,7 +114,7 @@ class FastForward:
         if not isinstance(engine.net, _network.Network) and any(
             f.dst is not None
             for rp in engine.program.ranks
-            for ins in _atoms_of(rp)
+            for ins in atoms_of(rp)
             if type(ins) is Launch and ins.op.coll is not None
             for f in ins.op.coll.flows
         ):
@@ -910,12 +626,3 @@ def _close_values(a: list[float], b: list[float]) -> bool:
         if x != y and not abs(x - y) <= VALUE_TOL * max(abs(x), abs(y)):
             return False
     return True
-
-
-def _atoms_of(rp):
-    for th in rp.threads:
-        for ins in th.instrs:
-            if type(ins) is Graph:
-                yield from ins.body
-            else:
-                yield ins

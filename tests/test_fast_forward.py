@@ -21,7 +21,7 @@ from overlap_lab.shared.ir.builder import RankBuilder, program
 from overlap_lab.shared.ir.program import Coll, Flow, Op
 from overlap_lab.shared.ir.validate import validate
 from overlap_lab.sim.engine import Engine
-from overlap_lab.sim.fastforward import shift_name
+from overlap_lab.sim.repeats import shift_name
 
 GPU = get_gpu("h800")
 MODEL = get_model("deepseek-v3", num_layers=14)  # 3 dense layers, 11 MoE layers
