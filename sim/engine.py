@@ -43,23 +43,21 @@ import simpy
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.ir.program import (
     Graph,
-    Host,
     Launch,
     Op,
     Program,
     RankProgram,
     Record,
-    Sync,
     Wait,
     WaitStream,
-    Yield,
     iter_gpu_instrs,
 )
-from overlap_lab.shared.ir.validate import issue_order, validate
+from overlap_lab.shared.ir.validate import validate
 from overlap_lab.shared.outputs.trace import Span, Trace, no_gc
 from overlap_lab.shared.outputs.trace import new_span as _span
 from overlap_lab.sim import cost
 from overlap_lab.sim.budget import default_max_events, run_budgeted
+from overlap_lab.sim.host_plan import ENQUEUE, HOST, LAUNCH, SYNC, host_plan
 from overlap_lab.sim.models import CostModel, NetworkFactory
 from overlap_lab.sim.network import Network
 from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link
@@ -74,40 +72,6 @@ _COUNT_WITH_NUMPY = 64
 #: A network link kind's index: its position in ``NET_KINDS`` (the order of ``kinds`` given to
 #: the network model).
 _KIND_INDEX = {k: i for i, k in enumerate(NET_KINDS)}
-
-
-#: What a host step does (``host_plan``): launch a kernel or a graph (pays the launch cost, then
-#: enqueues its parts), enqueue a record or wait, run host work, block on an event, or yield.
-_LAUNCH, _ENQUEUE, _HOST, _SYNC, _YIELD = range(5)
-
-
-def host_plan(rp: RankProgram) -> list[tuple]:
-    """The rank's host steps in issue order (``shared.ir.validate.issue_order``), each
-    ``(code, instruction, lane, position, parts, (thread, index))``: ``parts`` are the
-    ``(position, GPU instruction)`` pairs a launch enqueues. Positions number every instruction
-    and every graph body entry in issue order (a graph's own position, then its body's): the
-    rank's issue order, which the block scheduler's ties and the fast-forward read."""
-    plan, pos = [], 0
-    for it in issue_order(rp):
-        ins, lane = it.instr, f"host:{it.thread}"
-        where = (it.thread, it.index)
-        t = type(ins)
-        if t is Launch:
-            plan.append((_LAUNCH, ins, lane, pos, ((pos, ins),), where))
-        elif t is Graph:
-            parts = tuple((pos + 1 + i, part) for i, part in enumerate(ins.body))
-            plan.append((_LAUNCH, ins, lane, pos, parts, where))
-            pos += len(parts)
-        elif t is Host:
-            plan.append((_HOST, ins, lane, pos, (), where))
-        elif t is Sync:
-            plan.append((_SYNC, ins, lane, pos, (), where))
-        elif t is Yield:
-            plan.append((_YIELD, ins, lane, pos, (), where))
-        else:  # Record, Wait, WaitStream
-            plan.append((_ENQUEUE, ins, lane, pos, ((pos, ins),), where))
-        pos += 1
-    return plan
 
 
 def _signal(gpu: Gpu, k: Kernel, _ev=None) -> None:
@@ -284,7 +248,7 @@ class Engine:
             r.host_at = where
             if pos >= r.rename_from and not parts:  # (what it enqueues is renamed when taken)
                 ins = self._ff.rename(r, pos, ins)
-            if code == _LAUNCH:
+            if code == LAUNCH:
                 t0 = env.now
                 r.host_wait = ("t", t0)
                 yield env.timeout(
@@ -300,10 +264,10 @@ class Engine:
                     r.launch_run[lane] = [t0, env.now]
                 for p, part in parts:
                     self._enqueue(r, part, p)
-            elif code == _ENQUEUE:
+            elif code == ENQUEUE:
                 for p, part in parts:
                     self._enqueue(r, part, p)
-            elif code == _HOST:
+            elif code == HOST:
                 t0 = env.now
                 r.host_wait = ("t", t0)
                 yield env.timeout(ins.us)
@@ -311,7 +275,7 @@ class Engine:
                 self.spans.append(
                     _span(rank, lane, ins.name, "host", t0, env.now, 0, ins.mb, ins.layer, ins.step)
                 )
-            elif code == _SYNC:
+            elif code == SYNC:
                 t0 = env.now
                 if ins.event not in r.fired:
                     r.host_wait = ("sync", ins.event, t0)
@@ -320,7 +284,7 @@ class Engine:
                     r.host_wait = None
                 if env.now > t0:
                     self.spans.append(_span(rank, lane, f"sync {ins.event}", "sync", t0, env.now))
-            # _YIELD: ``host_plan`` already hands control to the next thread
+            # YIELD: ``host_plan`` already hands control to the next thread
         for lane, run in r.launch_run.items():
             self._launch_span(r, lane, run)
         r.launch_run = {}

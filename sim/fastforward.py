@@ -46,9 +46,9 @@ from operator import itemgetter
 import simpy
 
 from overlap_lab.shared.ir.program import Launch, Record, Wait
-from overlap_lab.sim import engine as _engine
 from overlap_lab.sim import network as _network
 from overlap_lab.sim import resources as _resources
+from overlap_lab.sim.host_plan import LAUNCH
 from overlap_lab.sim.repeats import (
     MIN_BLOCKS,
     RankIndex,
@@ -67,7 +67,7 @@ TIME_ABS = 1e-12
 VALUE_TOL = 1e-9
 _RESUME = simpy.events.Process._resume  # a host process's resumption (its timeout's callback)
 _FIRST = itemgetter(0)
-_POS = itemgetter(3)  # a host step's position (``sim.engine.host_plan``)
+_POS = itemgetter(3)  # a host step's position (``sim.host_plan``)
 
 
 class _NotComparable(Exception):
@@ -223,7 +223,7 @@ class FastForward:
                 s0, s1 = r.launch_run[lane]
                 launching = (
                     step is not None
-                    and step[0] == _engine._LAUNCH
+                    and step[0] == LAUNCH
                     and step[2] == lane
                     and r.host_wait is not None
                     and r.host_wait[1] == s1

@@ -2,7 +2,7 @@
 repeated with its layer numbers shifted (the fast-forward's input: ``sim.fastforward``).
 
 A model's layers are the same work with another layer index, so a rank's issue order
-(``sim.engine.host_plan``: its instructions and graph bodies by position) is, past its first
+(``sim.host_plan``: its instructions and graph bodies by position) is, past its first
 layers and before its last, one block repeated: every field of every instruction equal but the
 layer, and the layer tokens ``L<n>`` of event and collective names (``shift_name``) shifted by
 the same amount. ``find_regions`` finds every such run (a scheduler iteration each, in a
@@ -154,7 +154,7 @@ def _run_end(atoms: list, i: int, p: int, d: int) -> int:
 
 
 def _atoms(plan: list[tuple]) -> list:
-    """The rank's instructions by position (``sim.engine.host_plan``): a graph's launch, then its
+    """The rank's instructions by position (``sim.host_plan``): a graph's launch, then its
     body."""
     out: list = []
     for _code, ins, _lane, pos, parts, _where in plan:
