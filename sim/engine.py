@@ -50,7 +50,6 @@ from overlap_lab.shared.ir.program import (
     Record,
     Wait,
     WaitStream,
-    iter_gpu_instrs,
 )
 from overlap_lab.shared.ir.validate import validate
 from overlap_lab.shared.outputs.trace import Span, Trace, no_gc
@@ -169,25 +168,30 @@ class Engine:
             for name, m in (("cost_model", cost_model), ("network", network))
             if m is not None
         }
-        self.max_events = max_events or default_max_events(  # sim.budget
-            program, gpu.num_sms, self.cost_model.grid
-        )
         self.env = simpy.Environment() if env is None else env
+        with no_gc():  # (thousands of tuples, none in a cycle: see ``run``)
+            self._setup(program, gpu, max_events, network, net_group_tol, fast_forward)
+
+    def _setup(self, program, gpu, max_events, network, net_group_tol, fast_forward) -> None:
+        """The ranks, the flows each collective expects, the network, the fast-forward."""
+        self.max_events = max_events or default_max_events(  # sim.budget
+            program, gpu.num_sms, self.cost_model.grid, self.cost_model.key
+        )
         self.spans: list[Span] = []
         self.costs = CostCache()  # the cost model's answers (shared by every rank's GPU)
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
         self._arrived: set[tuple[str, int]] = set()  # collectives whose data is all in
         self._on_arrival: dict[tuple[str, int], list] = {}  # their waiting kernels' callbacks
-        for rp in program.ranks:  # the flows each rank will receive, per collective
-            for th in rp.threads:
-                for ins in iter_gpu_instrs(th.instrs):
+        expected = self._expected
+        for rank, r in self.ranks.items():  # the flows each rank will receive, per collective
+            for step in r.plan:
+                for _pos, ins in step[4]:
                     c = ins.op.coll if type(ins) is Launch else None
                     if c is not None and c.role != "recv":
                         parts = max(1, len(ins.op.waits))  # a kernel polling signals sends one
                         for f in c.flows:  # part per signal
-                            dst = rp.rank if f.dst is None else f.dst
-                            self._expected[(c.key, dst)] += parts
+                            expected[(c.key, rank if f.dst is None else f.dst)] += parts
         kinds = {k: self.cost_model.link(gpu, k) for k in NET_KINDS}
         make_net = Network if network is None else network
         self.net = make_net(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)

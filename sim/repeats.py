@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from functools import lru_cache
 from operator import attrgetter
 
 from overlap_lab.shared.ir.program import (
@@ -50,11 +51,34 @@ _OP_FIELDS = attrgetter(
 )
 
 
+@lru_cache(maxsize=1 << 16)
+def _parse(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``name`` cut at its layer tokens: the text around them and their numbers (names repeat
+    from one Program to the next: each is cut once)."""
+    parts = _L_TOKEN.split(name)
+    return tuple(parts[0::2]), tuple(map(int, parts[1::2]))
+
+
 def shift_name(name, d: int):
     """``name`` with every layer token ``L<n>`` made ``L<n+d>`` (other names as they are)."""
     if type(name) is not str or "L" not in name:
         return name
-    return _L_TOKEN.sub(lambda m: f"L{int(m.group(1)) + d}", name)
+    text, nums = _parse(name)
+    if not nums or not d:
+        return name
+    out = [text[0]]
+    for n, rest in zip(nums, text[1:]):
+        out += ("L", str(n + d), rest)
+    return "".join(out)
+
+
+def _name_shifted(a, b, d: int) -> bool:
+    """Whether ``b`` is ``shift_name(a, d)``."""
+    if type(a) is not str or type(b) is not str:
+        return a == b
+    ta, na = _parse(a)
+    tb, nb = _parse(b)
+    return ta == tb and all(y - x == d for x, y in zip(na, nb))
 
 
 def _shift_op(op: Op, d: int) -> Op:
@@ -98,10 +122,12 @@ def _ops_shifted(a: Op, b: Op, d: int) -> bool:
     if ca is not cb:
         if ca is None or cb is None or ca.role != cb.role or ca.flows != cb.flows:
             return False
-        if shift_name(ca.key, d) != cb.key:
+        if not _name_shifted(ca.key, cb.key, d):
             return False
     if a.waits or b.waits:
-        return tuple(shift_name(w, d) for w in a.waits) == b.waits
+        return len(a.waits) == len(b.waits) and all(
+            _name_shifted(x, y, d) for x, y in zip(a.waits, b.waits)
+        )
     return True
 
 
@@ -113,15 +139,15 @@ def _shifted(x, y, d: int) -> bool:
     if t is Launch:
         return x.stream == y.stream and _ops_shifted(x.op, y.op, d)
     if t is Record or t is Wait:
-        return x.stream == y.stream and shift_name(x.event, d) == y.event
+        return x.stream == y.stream and _name_shifted(x.event, y.event, d)
     if t is Sync:
-        return shift_name(x.event, d) == y.event
+        return _name_shifted(x.event, y.event, d)
     if t is Host:
         if (x.name, x.us, x.mb, x.step) != (y.name, y.us, y.mb, y.step):
             return False
         return y.layer is None if x.layer is None else y.layer == x.layer + d
     if t is Graph:  # a graph's launch (its body follows it)
-        return shift_name(x.name, d) == y.name
+        return _name_shifted(x.name, y.name, d)
     return x == y  # WaitStream, Yield
 
 
