@@ -43,6 +43,7 @@ from collections import deque
 from functools import partial
 from operator import itemgetter
 
+import numpy as np
 import simpy
 
 from overlap_lab.shared.ir.program import Launch, Record, Wait
@@ -575,7 +576,7 @@ class FastForward:
         for period_spans, dt, dl, period, dlp, n in self.copies:
             for i in range(1, n + 1):
                 out += _shift_spans(period_spans, dt + i * period, dl + i * dlp)
-        return out
+        return _snap(out)
 
 
 def _shift_spans(spans, dt: float, dl: int) -> list:
@@ -595,6 +596,45 @@ def _shift_spans(spans, dt: float, dl: int) -> list:
         c = new(span_type)
         set_dict(c, "__dict__", d)
         out.append(c)
+    return out
+
+
+#: Times within this many ulps of each other are one instant (``_snap``).
+SNAP_ULPS = 64
+
+
+def _snap(spans: list) -> list:
+    """``spans`` with times that differ by round-off made one float (the smallest of them).
+
+    A span shifted by ``i`` periods ends at ``end + i * P`` and the span after it, made in the
+    next period or after the cut, starts at a time computed from another clock: the two are one
+    instant but may differ in their last bits. Left so, a kernel and the next on its stream
+    would overlap by an ulp, and the layout would put one on a track of its own."""
+    if not spans:
+        return spans
+    t = np.fromiter(
+        (x for s in spans for x in (s.start, s.end)), dtype=np.float64, count=2 * len(spans)
+    )
+    order = np.argsort(t, kind="stable")
+    v = t[order]
+    # a new instant where the gap to the previous time exceeds the round-off of either
+    gap = np.diff(v) > SNAP_ULPS * np.spacing(np.maximum(np.abs(v[1:]), np.abs(v[:-1])))
+    first = np.concatenate(([0], np.flatnonzero(gap) + 1))
+    rep = v[first][np.cumsum(np.concatenate(([True], gap))) - 1]
+    snapped = np.empty_like(t)
+    snapped[order] = rep
+    moved = np.flatnonzero(snapped != t)
+    if not len(moved):
+        return spans
+    out = list(spans)
+    new, set_dict = object.__new__, object.__setattr__
+    for i in np.unique(moved // 2).tolist():
+        s = out[i]
+        d = s.__dict__.copy()
+        d["start"], d["end"] = float(snapped[2 * i]), float(snapped[2 * i + 1])
+        c = new(type(s))
+        set_dict(c, "__dict__", d)
+        out[i] = c
     return out
 
 

@@ -22,6 +22,7 @@ from overlap_lab.shared.ir.program import Coll, Flow, Op
 from overlap_lab.shared.ir.validate import validate
 from overlap_lab.sim.engine import Engine
 from overlap_lab.sim.repeats import shift_name
+from tests import invariants
 
 GPU = get_gpu("h800")
 MODEL = get_model("deepseek-v3", num_layers=14)  # 3 dense layers, 11 MoE layers
@@ -53,6 +54,10 @@ def assert_same_spans(full, fast) -> None:
         for x, y in zip(a[key], b[key]):
             assert x == pytest.approx(y, rel=REL, abs=1e-9), key
     assert fast.step_time_us == pytest.approx(full.step_time_us, rel=REL)
+    for r in full.ranks:  # the same tracks: no span moved onto a track of its own by round-off
+        assert [(t.name, len(t.spans)) for t in fast.tracks(r)] == [
+            (t.name, len(t.spans)) for t in full.tracks(r)
+        ]
 
 
 def _run(p, fast_forward: bool, **kw):
@@ -71,11 +76,27 @@ def test_every_schedule_gives_the_full_runs_spans(name, mode):
     full, fast = _run(p, False), _run(p, True)
     assert "fast_forward" not in full.meta
     assert_same_spans(full, fast)
+    invariants.check_all(p, fast, GPU.num_sms)
     note = fast.meta["fast_forward"]
     if (name, mode) in REPEATING:
         assert " layers not simulated: layers " in note, note
     else:
         assert note.startswith("not used: "), note
+
+
+@pytest.mark.parametrize(
+    "name,batch",
+    [("tbo", Batch.decode(3)), ("tbo", Batch.decode(16)), ("tbo+sbo", Batch.decode(16))],
+)
+def test_small_batches_on_a_small_model(name, batch):
+    """Kernels of a few µs: a kernel and the next on its stream stay one instant apart (no
+    round-off overlap across the copied periods), as the trace invariants require."""
+    w = Workload(get_model("deepseek-v2-lite"), batch, Parallel(ep=8))
+    p = schedules.build(name, w, GPU)
+    full, fast = _run(p, False), _run(p, True)
+    assert " layers not simulated" in fast.meta["fast_forward"]
+    assert_same_spans(full, fast)
+    invariants.check_all(p, fast, GPU.num_sms)
 
 
 @pytest.mark.parametrize("name", ["tbo", "sbo", "deepseek"])
@@ -232,6 +253,7 @@ def test_random_repeated_layers_give_the_full_runs_spans(p):
         assume(False)
     full, fast = _run(p, False), _run(p, True)
     assert_same_spans(full, fast)
+    invariants.check_all(p, fast, GPU.num_sms)
 
 
 def test_a_late_read_of_an_early_layer_keeps_that_layer_simulated():
