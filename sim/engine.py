@@ -25,6 +25,12 @@ receive hook spins on its SMs until the data is there); a sendrecv op (DeepEP's 
 works from its start but cannot finish before its data has arrived. In a symmetric program a flow
 with ``dst=None`` returns to its sender, standing for the identical flow of the mirror peer.
 
+Repeated layers are copied once the state repeats (``sim.fastforward``, switched off by
+``Engine(fast_forward=False)``); the engine's hooks for it are the positions of the host plan
+(``sim.host_plan``), each stream's last position taken, callbacks that say what they do
+(``functools.partial`` of the engine's methods) and the renaming of instructions past the blocks
+it skipped.
+
 Nothing here is random: the same Program and GPU give the same Trace (routing noise and load
 imbalance are drawn, seeded, when the Program is built: ``shared.inputs.routing``, ``shared.ir.ranks``;
 ``seed`` is recorded in the trace).

@@ -22,9 +22,14 @@ def host_plan(rp: RankProgram) -> list[tuple]:
     and every graph body entry in issue order (a graph's own position, then its body's): the
     rank's issue order, which the block scheduler's ties and the fast-forward read."""
     plan, pos = [], 0
-    for it in issue_order(rp):
-        ins, lane = it.instr, f"host:{it.thread}"
-        where = (it.thread, it.index)
+    if len(rp.threads) == 1:  # one thread issues its instructions in order
+        th = rp.threads[0]
+        order = ((th.name, i, ins) for i, ins in enumerate(th.instrs))
+    else:
+        order = ((it.thread, it.index, it.instr) for it in issue_order(rp))
+    lanes = {th.name: f"host:{th.name}" for th in rp.threads}
+    for thread, index, ins in order:
+        lane, where = lanes[thread], (thread, index)
         t = type(ins)
         if t is Launch:
             plan.append((LAUNCH, ins, lane, pos, ((pos, ins),), where))
