@@ -161,13 +161,21 @@ def no_gc():
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
     """Merge intervals into sorted disjoint ones (touching intervals merge)."""
-    out: list[list[float]] = []
-    for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
+    it = iter(sorted(intervals))
+    first = next(it, None)
+    if first is None:
+        return []
+    out: list[Interval] = []
+    lo, hi = first
+    for a, b in it:  # (the open interval in locals: this runs per span of every lane)
+        if a <= hi:
+            if b > hi:
+                hi = b
         else:
-            out.append([lo, hi])
-    return [(lo, hi) for lo, hi in out]
+            out.append((lo, hi))
+            lo, hi = a, b
+    out.append((lo, hi))
+    return out
 
 
 def length(intervals: Iterable[Interval]) -> float:
