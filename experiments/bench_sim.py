@@ -324,7 +324,9 @@ def routing_layer(tokens_per_rank: int = 65536, compiled: bool = True) -> dict:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {
-        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2",
+        # (the numpy loop's case named apart: its last results are its own)
+        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2"
+        + ("" if compiled else "_numpy"),
         "tokens_per_rank": tokens_per_rank,
         "compiled": loop is not None,
         "total_cpu_ms": round(cpu * 1e3, 1),

@@ -248,7 +248,11 @@ class Engine:
                 meta["fast_forward"] = self._ff_note
             # Trace stores its spans in canonical order (every field of a span in its key): the
             # order events were processed in is no part of the result
-            return Trace(tuple(spans), meta)
+            trace = Trace(tuple(spans), meta)
+        for r in self.ranks.values():  # (an engine kept alive keeps none of a run's bulk)
+            r.plan = []
+        self.spans, self._ff = [], None
+        return trace
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank

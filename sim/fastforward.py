@@ -120,11 +120,12 @@ class FastForward:
             for f in ins.op.coll.flows
         ):
             return "a plugged network model carries flows"
-        index = {rank: index_rank(r.plan, r.rp.streams) for rank, r in engine.ranks.items()}
-        runs = {len(ix.regions) for ix in index.values()}
-        if runs == {0}:
-            return f"no {MIN_BLOCKS} repeated layers"
-        if len(runs) > 1:
+        index = {}
+        for rank, r in engine.ranks.items():  # (every rank must repeat: stop at one that does not)
+            ix = index[rank] = index_rank(r.plan, r.rp.streams)
+            if not ix.regions:
+                return f"rank {rank}: no {MIN_BLOCKS} repeated layers"
+        if len({len(ix.regions) for ix in index.values()}) > 1:
             return "ranks repeat differently"
         if len({reg.d for ix in index.values() for reg in ix.regions}) > 1:
             return "runs repeat at different layer steps"

@@ -267,8 +267,12 @@ def find_regions(atoms: list, plan: list[tuple]) -> list[Region]:
             continue
         p, d = y - x, v.op.layer - op.layer
         hi = _run_end(atoms, x, p, d)  # atoms[i + p] is atoms[i] shifted for i in [lo, hi)
-        lo = x
-        start = regions[-1].end if regions else 0
+        if (hi - x) // p + 2 < MIN_BLOCKS:  # too short even with a block before ``x``
+            x = max(x + 1, hi)
+            continue
+        # the run may start up to a block before its first launch with a layer (host work, a
+        # record): an earlier start would have been found from an earlier launch
+        lo, start = x, max(regions[-1].end if regions else 0, x - p)
         while lo > start and _shifted(atoms[lo - 1], atoms[lo - 1 + p], d):
             lo -= 1
         k = (hi + p - lo) // p
@@ -285,8 +289,12 @@ def find_regions(atoms: list, plan: list[tuple]) -> list[Region]:
 
 
 def index_rank(plan: list[tuple], streams: tuple[str, ...]) -> RankIndex:
-    """The rank's instructions by position, its repeated blocks and what its cuts look up."""
+    """The rank's instructions by position, its repeated blocks and what its cuts look up
+    (nothing to look up where no block repeats)."""
     atoms = _atoms(plan)
+    regions = find_regions(atoms, plan)
+    if not regions:
+        return RankIndex(atoms, [], {}, {}, {}, [])
     stream_pos: dict[str, list[int]] = {s: [] for s in streams}
     last_ref: dict = {}
     last_recv: dict = {}
@@ -312,7 +320,6 @@ def index_rank(plan: list[tuple], streams: tuple[str, ...]) -> RankIndex:
             stream_pos[x.other].append(i)
         elif t is Sync:
             last_ref[x.event] = i
-    regions = find_regions(atoms, plan)
     if regions:
         # (reader, writer) positions of events and collectives: what each run's later
         # instructions read of it
