@@ -24,6 +24,15 @@ race sampler's compiled loop off; ``sweep_1000_no_dedupe`` the sweep with every 
 ``sweep_1000`` runs the issue's 1,000-case sweep (5 schedules x 5 batches x 4 EP sizes x 10
 comm-SM values, full DeepSeek-V3 decode on H800) through ``overlap_lab.cli.sweep`` on 2
 worker processes; its CPU time is this process's plus its workers'.
+Every simulation runs as ``overlap-lab sim`` does, its repeated layers fast-forwarded where the
+state repeats (``sim.fastforward``); ``*_no_ff`` repeats a case with every layer simulated. The
+schedule's module is imported before the clock starts (a search imports it once, not per case).
+
+Regressions: each case's CPU time (``total_cpu_ms``) is compared with the case's last line in the
+committed results (``git show HEAD:`` of ``--baseline``, default this script's
+``results/bench_sim.jsonl``; the file as it is outside a git checkout); a case more than
+``REGRESSION`` times slower gets a line on stderr, the run exits with status 1
+(``--allow-regressions``: 0) and every line carries its ratio (``vs_last_cpu``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 import simpy
 
@@ -83,6 +93,11 @@ CASES["decode_tbo_b128_ep32_explicit_balanced_reduced"] = CASES[
 CASES["decode_tbo_b128_ep32_explicit_zipf1.2_numpy_rerate"] = CASES[
     "decode_tbo_b128_ep32_explicit_zipf1.2"
 ]
+# the same symmetric and reduced steps with every layer simulated (what the fast-forward buys)
+CASES["decode_tbo_b128_ep32_symmetric_no_ff"] = CASES["decode_tbo_b128_ep32_symmetric"]
+CASES["decode_tbo_b128_ep32_explicit_balanced_reduced_no_ff"] = CASES[
+    "decode_tbo_b128_ep32_explicit_balanced"
+]
 SPECIAL = (
     "raw_simpy",
     "routing_layer_64k",
@@ -92,6 +107,9 @@ SPECIAL = (
 )
 #: the explicit network's grouping tolerance, as `overlap-lab sim` uses it
 NET_GROUP_TOL = 0.02
+#: a case whose CPU time is more than this many times its last committed one has regressed
+REGRESSION = 1.5
+RESULTS = Path(__file__).parent / "results" / "bench_sim.jsonl"
 
 
 def _count_events(env: simpy.Environment) -> list[int]:
@@ -135,10 +153,13 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload, get_model
     from overlap_lab.shared.ir.program import Graph, Launch
     from overlap_lab.shared.ir.validate import validate
-    from overlap_lab.shared.schedules import ScheduleConfig, build
+    from overlap_lab.shared.schedules import ScheduleConfig, build, module
     from overlap_lab.sim.engine import Engine
 
     schedule, mode, n, ep, ranks, imbalance, reps = CASES[name]
+    module(schedule)  # imported once per process, as a search or a sweep does
+    ff = not name.endswith("_no_ff")
+    name = name.removesuffix("_no_ff")
     if name.endswith("_numpy_rerate"):
         from overlap_lab.sim import network
 
@@ -171,10 +192,10 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     sims, posts, events = [], [], 0
     for _ in range(reps):
         if red is not None:
-            eng = Engine(red.program, gpu, 0)
+            eng = Engine(red.program, gpu, 0, fast_forward=ff)
         else:
             tol = 0.0 if ranks == "symmetric" else NET_GROUP_TOL
-            eng = Engine(lowered, gpu, 0, net_group_tol=tol)
+            eng = Engine(lowered, gpu, 0, net_group_tol=tol, fast_forward=ff)
         counter = _count_events(eng.env)
         t = _clock()
         trace = eng.run()
@@ -190,7 +211,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
     sim_cpu = statistics.median(c for c, _ in sims)
     post_cpu = statistics.median(c for c, _ in posts)
     return {
-        "case": name,
+        "case": name if ff else f"{name}_no_ff",
         "tokens_per_rank": w.batch.num_tokens,
         "total_cpu_ms": round((build_t[0] + sim_cpu + post_cpu) * 1e3, 1),
         "total_wall_ms": round(
@@ -213,6 +234,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
         "events_per_cpu_s": round(events / sim_cpu) if sim_cpu > 0 else None,
         "repeats": reps,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "fast_forward": trace.meta.get("fast_forward", "off"),
     }
 
 
@@ -302,7 +324,9 @@ def routing_layer(tokens_per_rank: int = 65536, compiled: bool = True) -> dict:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {
-        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2",
+        # (the numpy loop's case named apart: its last results are its own)
+        "case": f"routing_layer_{tokens_per_rank // 1024}k_ep32_zipf1.2"
+        + ("" if compiled else "_numpy"),
         "tokens_per_rank": tokens_per_rank,
         "compiled": loop is not None,
         "total_cpu_ms": round(cpu * 1e3, 1),
@@ -322,18 +346,74 @@ def _one(name: str, repeats: int | None) -> dict:
     return run_case(name, repeats)
 
 
-def main(argv=None) -> None:
+def last_results(path: Path) -> dict[str, dict]:
+    """Each case's last line in the committed ``path`` (``git show HEAD:``), or in the file as
+    it is where git has none; {} when there is neither."""
+    text = None
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(path.parent), "rev-parse", "--show-toplevel"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        rel = path.resolve().relative_to(Path(top).resolve()).as_posix()
+        text = subprocess.run(
+            ["git", "-C", top, "show", f"HEAD:{rel}"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        text = path.read_text() if path.exists() else ""
+    last = {}
+    for line in text.splitlines():
+        if line.strip():
+            res = json.loads(line)
+            last[res.get("case")] = res
+    return last
+
+
+def regressions(results: list[dict], last: dict[str, dict], limit: float = REGRESSION) -> list:
+    """Cases of ``results`` whose CPU time is more than ``limit`` times their line in ``last``:
+    one line each, saying by how much (each result gets ``vs_last_cpu``, its ratio)."""
+    out = []
+    for res in results:
+        old = last.get(res.get("case"), {})
+        new_ms, old_ms = res.get("total_cpu_ms"), old.get("total_cpu_ms")
+        if not new_ms or not old_ms:
+            continue
+        ratio = new_ms / old_ms
+        res["vs_last_cpu"] = round(ratio, 2)
+        if ratio > limit:
+            at = ", ".join(str(old[k]) for k in ("date", "revision") if k in old)
+            out.append(
+                f"REGRESSION {res['case']}: {new_ms:.1f} ms CPU, {ratio:.2f}x its last committed "
+                f"{old_ms:.1f} ms ({at}; limit {limit}x)"
+            )
+    return out
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=None, help="override each case's repeats")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--out", default=None, help="also append the lines to this file")
+    ap.add_argument(
+        "--baseline",
+        default=str(RESULTS),
+        help="results to compare CPU times with: each case's last committed line",
+    )
+    ap.add_argument(
+        "--allow-regressions",
+        action="store_true",
+        help=f"exit 0 even when a case is more than {REGRESSION}x slower than its last results",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one case, print it
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(_one(args.child, args.repeats)))
-        return
+        return 0
     names = args.cases.split(",") if args.cases else [*SPECIAL[:3], *CASES, *SPECIAL[3:]]
-    lines = []
+    last = last_results(Path(args.baseline))
+    lines, slow = [], []
     for name in names:
         cmd = [sys.executable, "-m", "overlap_lab.experiments.bench_sim", "--child", name]
         if args.repeats:
@@ -347,12 +427,22 @@ def main(argv=None) -> None:
             machine=f"{platform.machine()} {platform.python_version()}",
             date=date.today().isoformat(),
         )
+        slow += regressions([res], last)
         lines.append(json.dumps(res))
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n")
+    for line in slow:
+        print(line, file=sys.stderr)
+    if slow:
+        print(
+            f"bench_sim: {len(slow)} case(s) more than {REGRESSION}x slower in CPU time than "
+            f"their last committed results",
+            file=sys.stderr,
+        )
+    return 1 if slow and not args.allow_regressions else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

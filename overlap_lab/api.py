@@ -188,7 +188,10 @@ class Ranks:
     ``reduce``: explicit ranks that provably cannot differ (``shared.ir.symmetry``: every rank's
     program is rank 0's relabeled, as with balanced routing) are simulated once and the Trace
     copied to every rank; the result is the full run's, without its network grouping tolerance.
-    False simulates every rank all the same."""
+    False simulates every rank all the same. ``fast_forward``: likewise for layers, every run:
+    once the simulation's state at a layer repeats an earlier layer's, the layers that follow
+    are copied rather than simulated (``sim.fastforward``; the same Trace to float round-off,
+    said in ``trace.meta["fast_forward"]``); False simulates every layer."""
 
     mode: str = "symmetric"
     imbalance: str = "balanced"
@@ -196,6 +199,7 @@ class Ranks:
     group_limited: bool | None = None
     seed: int = 0
     reduce: bool = True
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         from overlap_lab.shared.inputs.routing import parse_imbalance
@@ -282,6 +286,8 @@ class Result:
             out["per_rank"] = self._per_rank(busy)
             if "reduction" in self.trace.meta:  # simulated once for all ranks, or why not
                 out["reduction"] = self.trace.meta["reduction"]
+        if "fast_forward" in self.trace.meta:  # layers copied rather than simulated, or why not
+            out["fast_forward"] = self.trace.meta["fast_forward"]
         if self.balanced_window_us is not None:
             out["balanced_window_us"] = self.balanced_window_us
             out["straggler_cost_window_us"] = m.window_us - self.balanced_window_us
@@ -374,6 +380,7 @@ def simulate(
     group_limited: bool | None = None,
     seed: int = 0,
     reduce: bool = True,
+    fast_forward: bool = True,
     profile: Any = "auto",
     max_events: int | None = None,
     transform: Callable[[Program], Program] | None = None,
@@ -387,7 +394,8 @@ def simulate(
     in ``notes``. ``ranks="explicit"`` simulates every EP rank, with
     the given routing and DP imbalance; its Result also carries the balanced run's window, so the
     straggler cost is ``window_us - balanced_window_us``; ranks that cannot differ (balanced
-    routing) are simulated once unless ``reduce`` is False (:class:`Ranks`). ``profile`` gives
+    routing) are simulated once unless ``reduce`` is False, and repeated layers once unless
+    ``fast_forward`` is False (:class:`Ranks`). ``profile`` gives
     op durations measured on a GPU: a ``sim.profile.Profile``, a file, a built-in name
     (``h800-published``), ``roofline``, or ``auto`` (the GPU preset's built-in profile if it has
     one, else roofline).
@@ -409,12 +417,12 @@ def simulate(
     r = (
         ranks
         if isinstance(ranks, Ranks)
-        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce)
+        else Ranks(ranks, imbalance, dp_imbalance, group_limited, seed, reduce, fast_forward)
     )
     check_model_names(cost_model, network)  # an unknown name fails before the build
     named = cost_model is None or isinstance(cost_model, str)  # built with the profile
     prof = resolve_profile(profile, g) if named else None
-    models = {"cost_model": cost_model, "network": network}
+    models = {"cost_model": cost_model, "network": network, "fast_forward": r.fast_forward}
     w, changed = registry.prepare_workload(schedule, w)
     notes = list(changed)
     program = build_schedule(schedule, w, g, cfg)
@@ -483,7 +491,7 @@ def simulate_explicit(
     from overlap_lab.sim import simulate as sim_run
     from overlap_lab.sim.engine import Engine
 
-    models = models or {}
+    models = {**(models or {}), "fast_forward": r.fast_forward}
     red = reduce_program(lowered, w.parallel.gpus_per_node) if r.reduce else "reduce=False"
     if isinstance(red, Reduction):
         quotient = sim_run(

@@ -25,7 +25,7 @@ and simulate in reasonable time are refused before this, by their own budget
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import simpy
 
@@ -48,7 +48,10 @@ class SimulationBudgetExceeded(ConfigError):
 
 
 def default_max_events(
-    program: Program, num_sms: int | None = None, grid: Callable[[Op, int], Grid] | None = None
+    program: Program,
+    num_sms: int | None = None,
+    grid: Callable[[Op, int], Grid] | None = None,
+    key: Callable[[Op], Hashable] | None = None,
 ) -> int:
     """The event budget of ``program`` when none is given (see the module docstring):
     ``PER_INSTR`` per instruction and ``PER_FLOW`` per flow, and, with the GPU's ``num_sms`` and
@@ -59,9 +62,10 @@ def default_max_events(
     change hands, each wave at least ``ctas_per_sm`` CTAs on one SM, so it runs as at most
     ``ceil(ctas / ctas_per_sm)`` cohorts (one for a coresident kernel), each ending once: the
     bound that lets a stream of small kernels run beside large waved ones, where each small
-    kernel's waves (and the large kernel's) can end at instants of their own."""
+    kernel's waves (and the large kernel's) can end at instants of their own. ``key``: the cost
+    model's ``key`` (ops of equal keys have equal grids: each is asked once)."""
     instrs = flows = cohorts = 0
-    counted: dict[tuple[int, int], int] = {}  # (id(op), limit) -> its cohorts (ops repeat)
+    counted: dict[tuple, int] = {}  # (key or id of the op, limit) -> its cohorts (ops repeat)
     for rp in program.ranks:
         beside = grid is not None and num_sms is not None and _launching_streams(rp) > 1
         for th in rp.threads:
@@ -74,12 +78,12 @@ def default_max_events(
                     flows += len(op.coll.flows)
                 if beside:
                     limit = num_sms if op.sms is None else op.sms
-                    key = (id(op), limit)
-                    n = counted.get(key)
+                    k = (id(op) if key is None else key(op), limit, len(op.waits))
+                    n = counted.get(k)
                     if n is None:
                         g = grid(op, limit)
                         n = 1 if g.kind == "coresident" else -(-g.ctas // g.per_sm)
-                        n = counted[key] = n + len(op.waits)
+                        n = counted[k] = n + len(op.waits)
                     cohorts += n
     return MIN_EVENTS + PER_INSTR * instrs + PER_FLOW * flows + PER_COHORT * cohorts
 

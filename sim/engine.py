@@ -29,6 +29,12 @@ receive hook spins on its SMs until the data is there); a sendrecv op (DeepEP's 
 works from its start but cannot finish before its data has arrived. In a symmetric program a flow
 with ``dst=None`` returns to its sender, standing for the identical flow of the mirror peer.
 
+Repeated layers are copied once the state repeats (``sim.fastforward``, switched off by
+``Engine(fast_forward=False)``); the engine's hooks for it are the positions of the host plan
+(``sim.host_plan``), each stream's last position taken, callbacks that say what they do
+(``functools.partial`` of the engine's methods) and the renaming of instructions past the blocks
+it skipped.
+
 Nothing here is random: the same Program and GPU give the same Trace (routing noise and load
 imbalance are drawn, seeded, when the Program is built: ``shared.inputs.routing``, ``shared.ir.ranks``;
 ``seed`` is recorded in the trace).
@@ -37,7 +43,7 @@ imbalance are drawn, seeded, when the Program is built: ``shared.inputs.routing`
 from __future__ import annotations
 
 import dataclasses
-import gc
+import math
 from collections import defaultdict, deque
 from functools import partial
 
@@ -47,23 +53,20 @@ import simpy
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.ir.program import (
     Graph,
-    Host,
     Launch,
     Op,
     Program,
     RankProgram,
     Record,
-    Sync,
     Wait,
     WaitStream,
-    Yield,
-    iter_gpu_instrs,
 )
-from overlap_lab.shared.ir.validate import issue_order, validate
-from overlap_lab.shared.outputs.trace import Span, Trace
+from overlap_lab.shared.ir.validate import validate
+from overlap_lab.shared.outputs.trace import Span, Trace, no_gc
 from overlap_lab.shared.outputs.trace import new_span as _span
 from overlap_lab.sim import models
 from overlap_lab.sim.budget import default_max_events, run_budgeted
+from overlap_lab.sim.host_plan import ENQUEUE, HOST, LAUNCH, SYNC, host_plan
 from overlap_lab.sim.models import CostModel, NetworkFactory
 from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link
 
@@ -77,6 +80,11 @@ _COUNT_WITH_NUMPY = 64
 #: A network link kind's index: its position in ``NET_KINDS`` (the order of ``kinds`` given to
 #: the network model).
 _KIND_INDEX = {k: i for i, k in enumerate(NET_KINDS)}
+
+
+def _signal(gpu: Gpu, k: Kernel, _ev=None) -> None:
+    """An event ``k`` polls has fired (its SimPy event's callback)."""
+    gpu.signal(k)
 
 
 class SimulationStalled(RuntimeError):
@@ -106,7 +114,20 @@ class _Rank:
         self.busy: dict[str, object] = {}  # stream -> what holds it now (for stall reports)
         self.pumping: set[str] = set()  # streams whose queue is being walked right now
         self.host_at = "not started"
-        self.issued = 0  # launch sequence numbers: pending CTAs of equal priority go in this order
+        #: the host's steps in issue order (``host_plan``) and the next one's index
+        self.plan, self.pc = host_plan(rp), 0
+        #: per stream, the position of the item it took last (-1: none yet)
+        self.popped: dict[str, int] = dict.fromkeys(rp.streams, -1)
+        self.host_wait: tuple | None = None  # what the host waits on: ("t", t0), ("sync", ev, t0)
+        self.launch_run: dict[str, list[float]] = {}  # lane -> [start, end] of its open launches
+        #: position whose taking from its queue is a cut of the fast-forward (-1: none)
+        self.anchor = -1
+        self.log: list | None = None  # events fired since the fast-forward's last cut
+        #: instructions from ``rename_from`` on are renamed when taken (``sim.fastforward``:
+        #: blocks were skipped before them), by the layers ``renames`` gives per position
+        self.rename_from: float = math.inf
+        self.renames: list[tuple[int, int]] = []
+        self.host_proc = None  # the SimPy process walking ``plan``
 
     def event(self, name: str) -> simpy.Event:
         """The SimPy event of ``name`` for a waiter that must block: only events someone waits
@@ -118,6 +139,8 @@ class _Rank:
 
     def record(self, name: str) -> None:
         self.fired.add(name)
+        if self.log is not None:  # the fast-forward reads which events fired since its last cut
+            self.log.append(name)
         ev = self.waited.get(name)
         if ev is not None:
             ev.succeed()
@@ -136,130 +159,167 @@ class Engine:
         cost_model: CostModel | str | None = None,
         network: NetworkFactory | str | None = None,
         env: simpy.Environment | None = None,
+        fast_forward: bool = True,
     ):
         """``cost_model`` and ``network``: objects, registered names or None for the defaults,
         ``roofline`` (``sim.cost.RooflineCostModel``) and ``max-min`` (``sim.network.Network``)
         (``sim.models``). ``profile`` (a ``sim.profile.Profile``) goes to a cost model built by
         name (or by default) and is not read when ``cost_model`` is an object. ``env``: a fresh
         SimPy environment to run in (default ``simpy.Environment()``; tests pass one that
-        processes simultaneous events in a shuffled order)."""
+        processes simultaneous events in a shuffled order). ``fast_forward``: layers whose state
+        repeats an earlier layer's are not simulated but copied (``sim.fastforward``: the same
+        Trace to float round-off; ``meta["fast_forward"]`` says what was skipped, or why
+        nothing was); False simulates every layer (and the meta has no such key)."""
         self.program, self.gpu, self.seed = program, gpu, seed
         built = cost_model is None or isinstance(cost_model, str)
         self.profile = profile if built else None
         self.cost_model, cost_name = models.cost_model(cost_model, self.profile)
-        make_net, net_name = models.network(network)
+        network, net_name = models.network(network)
         self._names = {"cost_model": cost_name, "network": net_name}  # recorded in the meta
-        self.max_events = max_events or default_max_events(  # sim.budget
-            program, gpu.num_sms, self.cost_model.grid
-        )
         self.env = simpy.Environment() if env is None else env
+        with no_gc():  # (thousands of tuples, none in a cycle: see ``run``)
+            self._setup(program, gpu, max_events, network, net_group_tol, fast_forward)
+
+    def _setup(self, program, gpu, max_events, network, net_group_tol, fast_forward) -> None:
+        """The ranks, the flows each collective expects, the network, the fast-forward."""
+        self.max_events = max_events or default_max_events(  # sim.budget
+            program, gpu.num_sms, self.cost_model.grid, self.cost_model.key
+        )
         self.spans: list[Span] = []
         self.costs = CostCache()  # the cost model's answers (shared by every rank's GPU)
         self.ranks = {rp.rank: _Rank(self, rp) for rp in program.ranks}
         self._expected: dict[tuple[str, int], int] = defaultdict(int)
         self._arrived: set[tuple[str, int]] = set()  # collectives whose data is all in
         self._on_arrival: dict[tuple[str, int], list] = {}  # their waiting kernels' callbacks
-        for rp in program.ranks:  # the flows each rank will receive, per collective
-            for th in rp.threads:
-                for ins in iter_gpu_instrs(th.instrs):
+        expected = self._expected
+        for rank, r in self.ranks.items():  # the flows each rank will receive, per collective
+            for step in r.plan:
+                for _pos, ins in step[4]:
                     c = ins.op.coll if type(ins) is Launch else None
                     if c is not None and c.role != "recv":
                         parts = max(1, len(ins.op.waits))  # a kernel polling signals sends one
                         for f in c.flows:  # part per signal
-                            dst = rp.rank if f.dst is None else f.dst
-                            self._expected[(c.key, dst)] += parts
-        self._implicit = 0
+                            expected[(c.key, rank if f.dst is None else f.dst)] += parts
         kinds = {k: self.cost_model.link(gpu, k) for k in NET_KINDS}
-        self.net = make_net(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
+        self.net = network(self.env, max(self.ranks) + 1, kinds, self._net_done, net_group_tol)
+        self._ff = None  # the fast-forward (``sim.fastforward``), when the Program repeats
+        self._arrived_log: list | None = None  # collectives complete since the last cut
+        self._partial: set = set()  # collectives some but not all of whose flows arrived
         self._sinks: dict[tuple[str, int], int] = {}
         self._sink_keys: list[tuple[str, int]] = []
         self._bundles: list[list] = []  # [rank, op, t0, {kind: flows left}]
+        self._ff_note: str | None = None
+        if fast_forward:
+            from overlap_lab.sim.fastforward import FastForward  # (it reads this module)
+
+            ff = FastForward.attach(self)
+            if isinstance(ff, str):
+                self._ff_note = f"not used: {ff}"
+            else:
+                self._ff = ff
 
     # -- processes -----------------------------------------------------------------------------
 
     def run(self) -> Trace:
         for r in self.ranks.values():
-            self.env.process(self._host(r))
+            r.host_proc = self.env.process(self._host(r))
         # the run makes many short-lived objects and no garbage cycles worth collecting
-        # mid-run; the collector would walk the Program's objects over and over (~12 % of a run)
-        gc_on = gc.isenabled()
-        gc.disable()
-        try:
+        # mid-run; the collector would walk the Program's objects over and over (~12 % of a run),
+        # and so would the thousands of spans the Trace is built from
+        with no_gc():
             run_budgeted(self.env, self.max_events)
-        finally:
-            if gc_on:
-                gc.enable()
-        self._check_finished()
-        meta = self.program.meta.as_dict()
-        meta.update(
-            gpu=self.gpu.name,
-            num_sms=self.gpu.num_sms,
-            world=self.program.world,
-            symmetric=self.program.symmetric,
-            backend="sim",
-            seed=self.seed,
-        )
-        if self.profile is not None:  # handed to the cost model
-            meta["profile"] = self.profile.name
-        meta.update(self._names)  # the models that made it
-        # Trace stores its spans in canonical order (every field of a span in its key): the
-        # order events were processed in is no part of the result
-        return Trace(tuple(self.spans), meta)
+            self._check_finished()
+            spans = self.spans
+            if self._ff is not None:
+                spans = self._ff.spans(spans)
+                self._ff_note = self._ff.note()
+            meta = self.program.meta.as_dict()
+            meta.update(
+                gpu=self.gpu.name,
+                num_sms=self.gpu.num_sms,
+                world=self.program.world,
+                symmetric=self.program.symmetric,
+                backend="sim",
+                seed=self.seed,
+            )
+            if self.profile is not None:  # handed to the cost model
+                meta["profile"] = self.profile.name
+            meta.update(self._names)  # the models that made it
+            if self._ff_note is not None:  # (absent when switched off)
+                meta["fast_forward"] = self._ff_note
+            # Trace stores its spans in canonical order (every field of a span in its key): the
+            # order events were processed in is no part of the result
+            trace = Trace(tuple(spans), meta)
+        for r in self.ranks.values():  # (an engine kept alive keeps none of a run's bulk)
+            r.plan = []
+        self.spans, self._ff = [], None
+        return trace
 
     def _host(self, r: _Rank):
         env, rank = self.env, r.rp.rank
-        launch_open: dict[str, int] = {}  # lane -> index of its last launch span
-        for it in issue_order(r.rp):
-            ins, lane = it.instr, f"host:{it.thread}"
-            r.host_at = f"thread {it.thread} instruction {it.index}"
-            if isinstance(ins, (Launch, Graph)):
+        while r.pc < len(r.plan):  # (the fast-forward may rewrite the steps not taken yet)
+            code, ins, lane, pos, parts, where = r.plan[r.pc]
+            r.pc += 1
+            r.host_at = where
+            if pos >= r.rename_from and not parts:  # (what it enqueues is renamed when taken)
+                ins = self._ff.rename(r, pos, ins)
+            if code == LAUNCH:
                 t0 = env.now
+                r.host_wait = ("t", t0)
                 yield env.timeout(
-                    self.gpu.graph_launch_us if isinstance(ins, Graph) else self.gpu.launch_us
+                    self.gpu.graph_launch_us if type(ins) is Graph else self.gpu.launch_us
                 )
-                i = launch_open.get(lane)
-                if i is not None and self.spans[i].end == t0:  # extend a run of launches
-                    self.spans[i] = _span(
-                        rank, lane, "launch", "host", self.spans[i].start, env.now
-                    )
+                r.host_wait = None
+                run = r.launch_run.get(lane)
+                if run is not None and run[1] == t0:  # extend a run of launches
+                    run[1] = env.now
                 else:
-                    launch_open[lane] = len(self.spans)
-                    self.spans.append(_span(rank, lane, "launch", "host", t0, env.now))
-                if isinstance(ins, Graph):
-                    for part in ins.body:
-                        self._enqueue(r, part, self.gpu.graph_kernel_gap_us)
-                else:
-                    self._enqueue(r, ins)
-            elif isinstance(ins, (Record, Wait, WaitStream)):
-                self._enqueue(r, ins)
-            elif isinstance(ins, Host):
+                    if run is not None:
+                        self._launch_span(r, lane, run)
+                    r.launch_run[lane] = [t0, env.now]
+                gap = self.gpu.graph_kernel_gap_us if type(ins) is Graph else 0.0
+                for p, part in parts:
+                    self._enqueue(r, part, p, gap)
+            elif code == ENQUEUE:
+                for p, part in parts:
+                    self._enqueue(r, part, p)
+            elif code == HOST:
                 t0 = env.now
+                r.host_wait = ("t", t0)
                 yield env.timeout(ins.us)
+                r.host_wait = None
                 self.spans.append(
                     _span(rank, lane, ins.name, "host", t0, env.now, 0, ins.mb, ins.layer, ins.step)
                 )
-            elif isinstance(ins, Sync):
+            elif code == SYNC:
                 t0 = env.now
                 if ins.event not in r.fired:
+                    r.host_wait = ("sync", ins.event, t0)
                     yield r.event(ins.event)
+                    t0 = r.host_wait[2]  # (the fast-forward moves it when it skipped time)
+                    r.host_wait = None
                 if env.now > t0:
                     self.spans.append(_span(rank, lane, f"sync {ins.event}", "sync", t0, env.now))
-            elif isinstance(ins, Yield):
-                pass  # issue_order already hands control to the next thread
+            # YIELD: ``host_plan`` already hands control to the next thread
+        for lane, run in r.launch_run.items():
+            self._launch_span(r, lane, run)
+        r.launch_run = {}
         r.host_at = "done"
 
-    def _enqueue(self, r: _Rank, ins, gap: float = 0.0) -> None:
-        """Hand ``ins`` to its stream with its launch (issue) sequence number on the rank and
-        the gap its op waits before it starts (a graph's: ``gpu.graph_kernel_gap_us``)."""
-        r.issued += 1
-        if isinstance(ins, WaitStream):
-            self._implicit += 1
-            ev = f"__wait_stream_{self._implicit}"
-            self._put(r, ins.other, (r.issued, Record(ev, ins.other), 0.0))
-            self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev), 0.0))
+    def _launch_span(self, r: _Rank, lane: str, run: list[float]) -> None:
+        self.spans.append(_span(r.rp.rank, lane, "launch", "host", run[0], run[1]))
+
+    def _enqueue(self, r: _Rank, ins, pos: int, gap: float = 0.0) -> None:
+        """Hand ``ins`` to its stream with its position in the rank's issue order (``host_plan``:
+        pending CTAs of equal priority go in this order) and the gap its op waits before it
+        starts (a replayed graph's: ``gpu.graph_kernel_gap_us``)."""
+        if type(ins) is WaitStream:
+            ev = ("wait_stream", pos, ins.stream)  # an event of its own, named by its position
+            self._put(r, ins.other, (pos, Record(ev, ins.other), 0.0))
+            self._put(r, ins.stream, (pos, Wait(ins.stream, ev), 0.0))
         else:  # ``_put``, inline
             stream = ins.stream
-            r.queues[stream].append((r.issued, ins, gap))
+            r.queues[stream].append((pos, ins, gap))
             if stream not in r.busy:
                 self._pump(r, stream)
 
@@ -278,55 +338,75 @@ class Engine:
         try:
             while q and name not in busy:
                 seq, ins, gap = q.popleft()
+                r.popped[name] = seq
+                if seq >= r.rename_from:  # past blocks the fast-forward skipped
+                    ins = self._ff.rename(r, seq, ins)
+                if seq == r.anchor:  # a cut of the fast-forward: compare states at its instant
+                    self._ff.cut(r)
                 if type(ins) is Record:
                     r.record(ins.event)
                 elif type(ins) is Wait:
                     if ins.event not in r.fired:
                         busy[name] = ins
-                        r.event(ins.event).callbacks.append(
-                            lambda _e, r=r, name=name: self._release(r, name)
-                        )
+                        r.event(ins.event).callbacks.append(partial(self._released, r, name))
                 else:
                     busy[name] = ins
                     if gap > 0:  # the stream idles through the graph's gap, then runs it
-                        run = (r, name, ins, seq)
-                        self.env.timeout(gap).callbacks.append(lambda _e, a=run: self._run(*a))
+                        self.env.timeout(gap).callbacks.append(
+                            partial(self._gap_over, r, name, ins, seq)
+                        )
                     else:
-                        self._run(r, name, ins, seq)
+                        self._start(r, name, ins, seq)
         finally:
             r.pumping.discard(name)
 
-    def _run(self, r: _Rank, name: str, ins: Launch, seq: int) -> None:
+    def _start(self, r: _Rank, name: str, ins: Launch, seq: int) -> None:
         """Start the op of ``ins`` on stream ``name``: a copy on the PCIe link, a kernel to the
         block scheduler."""
         op = ins.op
         if op.kind == "copy":
-            self._copy(r, name, op)
+            self._copy(r, name, op, seq)
         else:
             limit = self.gpu.num_sms if op.sms is None else op.sms
             r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
+
+    def _gap_over(self, r: _Rank, name: str, ins: Launch, seq: int, _ev=None) -> None:
+        """A replayed graph's gap before ``ins`` is over (its timer's callback, which the
+        fast-forward reads: ``sim.fastforward``)."""
+        self._start(r, name, ins, seq)
 
     def _release(self, r: _Rank, name: str) -> None:
         """What held the stream is over: go on with its queue."""
         del r.busy[name]
         self._pump(r, name)
 
+    def _released(self, r: _Rank, name: str, _ev=None) -> None:
+        """The event a stream waits on has fired (its SimPy event's callback)."""
+        self._release(r, name)
+
     # -- one op --------------------------------------------------------------------------------
 
-    def _copy(self, r: _Rank, stream: str, op: Op) -> None:
+    def _copy(self, r: _Rank, stream: str, op: Op, pos: int) -> None:
         """A copy (D2H/H2D) is a flow on the rank's PCIe link; the stream waits for it."""
-        env, rank = self.env, r.rp.rank
-        t0 = env.now
+        r.links["pcie"].send(op.hbm_bytes, partial(self._copied, r, stream, op, self.env.now, pos))
 
-        def copied() -> None:
-            self.spans.append(
-                _span(
-                    rank, r.lanes[stream], op.name, "copy", t0, env.now, 0, op.mb, op.layer, op.step
-                )
+    def _copied(self, r: _Rank, stream: str, op: Op, t0: float, pos: int) -> None:
+        """A copy's last byte has arrived (``pos``: its position, read by the fast-forward)."""
+        self.spans.append(
+            _span(
+                r.rp.rank,
+                r.lanes[stream],
+                op.name,
+                "copy",
+                t0,
+                self.env.now,
+                0,
+                op.mb,
+                op.layer,
+                op.step,
             )
-            self._release(r, stream)
-
-        r.links["pcie"].send(op.hbm_bytes, copied)
+        )
+        self._release(r, stream)
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
@@ -366,7 +446,7 @@ class Engine:
                     self._start_flows(r, op, flows)
                 else:
                     for f in flows:
-                        self._start_flow(r, op, f)
+                        self._start_flow(r, op, f, k.seq)
 
             if parts == 1:
                 send()
@@ -383,46 +463,43 @@ class Engine:
                     k.waiting_data = True
                 else:
                     k.gated = True
-                self._on_arrival.setdefault(key, []).append(lambda: r.gpu.data_arrived(k))
+                self._on_arrival.setdefault(key, []).append(partial(r.gpu.data_arrived, k))
         for ev in op.waits:  # signals the kernel polls while it runs
             if ev in r.fired:
                 k.fired += 1
             else:
-                r.event(ev).callbacks.append(lambda _e: r.gpu.signal(k))
+                r.event(ev).callbacks.append(partial(_signal, r.gpu, k))
         r.gpu.start(k)
 
     def _arrive(self, key: tuple[str, int], n: int = 1) -> None:
         """``n`` flows of collective ``key`` have arrived; the last one releases its receivers."""
-        self._expected[key] -= n
-        if self._expected[key] == 0:
+        left = self._expected[key] = self._expected[key] - n
+        if left == 0:
             self._arrived.add(key)
+            if self._arrived_log is not None:  # read by the fast-forward's next cut
+                self._arrived_log.append(key)
+                self._partial.discard(key)
             for fn in self._on_arrival.pop(key, ()):
                 fn()
+        elif self._arrived_log is not None:
+            self._partial.add(key)
 
-    def _start_flow(self, r: _Rank, op: Op, f) -> None:
+    def _start_flow(self, r: _Rank, op: Op, f, pos: int) -> None:
         """A symmetric flow (to the mirror peer): it only shares its rank's egress link, as every
         rank's ingress carries the same load as its egress."""
-        env, t0 = self.env, self.env.now
-        key = (op.coll.key, r.rp.rank)
+        r.links[f.link].send(
+            f.nbytes, partial(self._flow_arrived, r, op, f.link, self.env.now, pos)
+        )
 
-        def arrived(rank=r.rp.rank) -> None:
-            self.spans.append(
-                _span(
-                    rank,
-                    f"link:{f.link}",
-                    op.name,
-                    "link",
-                    t0,
-                    env.now,
-                    0,
-                    op.mb,
-                    op.layer,
-                    op.step,
-                )
+    def _flow_arrived(self, r: _Rank, op: Op, link: str, t0: float, pos: int) -> None:
+        """A symmetric flow's last byte has arrived (``pos``: its op's position)."""
+        self.spans.append(
+            _span(
+                r.rp.rank, f"link:{link}", op.name, "link", t0, self.env.now, 0, op.mb, op.layer,
+                op.step,
             )
-            self._arrive(key)
-
-        r.links[f.link].send(f.nbytes, arrived)
+        )  # fmt: skip
+        self._arrive((op.coll.key, r.rp.rank))
 
     def _start_flows(self, r: _Rank, op: Op, flows) -> None:
         """Hand the op's flows to the network as one bundle (one link span per kind)."""
@@ -482,7 +559,10 @@ class Engine:
         problems = []
         for rank, r in self.ranks.items():
             if r.host_at != "done":
-                problems.append(f"rank {rank} host blocked at {r.host_at}")
+                at = r.host_at
+                if isinstance(at, tuple):
+                    at = f"thread {at[0]} instruction {at[1]}"
+                problems.append(f"rank {rank} host blocked at {at}")
             for s, ins in r.busy.items():
                 if isinstance(ins, Wait):
                     what = f"waiting for event {ins.event!r}"
@@ -505,10 +585,12 @@ def simulate(
     max_events: int | None = None,
     cost_model: CostModel | str | None = None,
     network: NetworkFactory | str | None = None,
+    fast_forward: bool = True,
 ) -> Trace:
     """Validate ``program`` and simulate it on ``gpu`` (op durations from ``cost_model``, by
     default the roofline with ``profile``'s rows, a ``sim.profile.Profile``; flows with a
-    destination through ``network``: ``sim.models``); deterministic for the same inputs."""
+    destination through ``network``: ``sim.models``; repeated layers copied unless
+    ``fast_forward`` is False: ``Engine``); deterministic for the same inputs."""
     validate(program, gpu.num_sms)
     return Engine(
         program,
@@ -518,4 +600,5 @@ def simulate(
         max_events=max_events,
         cost_model=cost_model,
         network=network,
+        fast_forward=fast_forward,
     ).run()

@@ -29,6 +29,7 @@ the equal split of one egress link.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import simpy
@@ -199,6 +200,11 @@ def _compiled_step_loops():
     return _step_loops or None
 
 
+def _arrived(on_done: Callable, tags: np.ndarray, kinds: np.ndarray, _e=None) -> None:
+    """Flows' arrival, reported a link latency after their last byte left."""
+    on_done(tags, kinds)
+
+
 class Network:
     """Flows between ranks over link kinds; ``send`` injects, ``on_done`` reports arrivals."""
 
@@ -278,7 +284,8 @@ class Network:
             self.left = np.maximum(self.left - self.rate * dt, 0.0)
         self._t = now
 
-    def _timer(self, _e, gen: int, due: np.ndarray) -> None:
+    def _timer(self, gen: int, due: np.ndarray, _e=None) -> None:
+        """The timer of the next completion (stale unless ``gen`` is the current re-rate's)."""
         if gen == self._gen:
             self._advance()
             self._changed(due)
@@ -333,9 +340,8 @@ class Network:
             nxt = float(t_left[due].max())
         else:
             due = t_left <= nxt
-        gen = self._gen
         t = self.env.timeout(max(nxt, 0.0))
-        t.callbacks.append(lambda e, g=gen, d=due: self._timer(e, g, d))
+        t.callbacks.append(partial(self._timer, self._gen, due))
 
     def _changed_compiled(self, due, finish, next_due) -> None:
         """:meth:`_changed` with its loops over flows compiled (~1000 live flows at EP 32, where
@@ -357,9 +363,8 @@ class Network:
         nxt, due = next_due(self.left, self.rate, self.t0, self.env.now, self.group_tol)
         if not nxt < np.inf:  # a stall, as in _changed
             return
-        gen = self._gen
         t = self.env.timeout(max(nxt, 0.0))
-        t.callbacks.append(lambda e, g=gen, d=due: self._timer(e, g, d))
+        t.callbacks.append(partial(self._timer, self._gen, due))
 
     def _time_left(self) -> np.ndarray:
         """Each flow's time to its last byte at its rate (inf where it has none)."""
@@ -389,6 +394,6 @@ class Network:
             lat = float(self.latency[k])
             if lat > 0:
                 t = self.env.timeout(lat)
-                t.callbacks.append(lambda _e, a=a, b=b: self.on_done(a, b))
+                t.callbacks.append(partial(_arrived, self.on_done, a, b))
             else:
                 self.on_done(a, b)

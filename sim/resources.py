@@ -57,6 +57,9 @@ class Timers(InstantTimers):
         #: True while ``sim.budget.run_budgeted`` drives the environment: it runs the passes
         #: itself once the instant's ordinary events are done, so they need no SimPy event
         self.inline_passes = False
+        #: called once the current instant is over (``sim.simpy_fast.run_steps``; the
+        #: fast-forward compares states there), then cleared
+        self.at_end = None
 
     def request_pass(self, gpu: Gpu) -> None:
         """Queue ``gpu``'s pass for the end of this instant. The first request of an instant

@@ -102,6 +102,8 @@ class EndOfInstant(Protocol):
 
     #: None when nothing is pending
     passes: list | None
+    #: called once the current instant is over (no event of now, no pass left), then cleared
+    at_end: Callable[[], None] | None
 
     def run_passes(self) -> None:
         """Run what is pending (it may make more pending, or schedule events)."""
@@ -113,7 +115,9 @@ def run_steps(env: simpy.Environment, max_steps: int, work: EndOfInstant, priori
     no work pending), False if steps ran out first. A step is one SimPy event (``env.step``), or
     one call of ``work.run_passes()``, made while ``work.passes`` is pending as soon as no event
     of the current time with ``priority`` or a higher (lower-numbered) one is queued: exactly
-    when an event of its own at ``priority``, scheduled now, would have been processed."""
+    when an event of its own at ``priority``, scheduled now, would have been processed.
+    ``work.at_end``, when set, is called (as a step) once the instant is over: no event of now
+    is queued and no pass is pending."""
     queue, step = env._queue, env.step
     for _ in range(max_steps):
         if work.passes is not None and (
@@ -121,6 +125,10 @@ def run_steps(env: simpy.Environment, max_steps: int, work: EndOfInstant, priori
         ):
             work.run_passes()
         elif queue:
+            if work.at_end is not None and queue[0][0] > env._now:
+                at_end, work.at_end = work.at_end, None
+                at_end()
+                continue
             step()
         else:
             return True

@@ -84,7 +84,7 @@ def test_a_subclass_or_instance_schedule_is_called(tie_shuffled):
 
 class _Work:
     def __init__(self, env: simpy.Environment, log: list):
-        self.env, self.log, self.passes = env, log, None
+        self.env, self.log, self.passes, self.at_end = env, log, None, None
 
     def run_passes(self) -> None:
         self.passes = None

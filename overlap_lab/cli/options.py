@@ -271,6 +271,14 @@ def rank_options(p: argparse.ArgumentParser) -> None:
         help="explicit ranks that provably cannot differ (balanced routing) are simulated once "
         "and copied to every rank, the same result (shared/ir/symmetry.py); false: every rank",
     )
+    g.add_argument(
+        "--fast-forward",
+        type=_bool,
+        default=True,
+        help="once the simulation's state at a layer repeats an earlier layer's, the layers "
+        "that follow are copied, not simulated: the same result to float round-off "
+        "(sim/fastforward.py); false: simulate every layer",
+    )
 
 
 def ranks_from(args) -> Ranks:
@@ -284,6 +292,7 @@ def ranks_from(args) -> Ranks:
         getattr(args, "group_limited", None),
         getattr(args, "seed", 0),
         getattr(args, "reduce_ranks", True),
+        getattr(args, "fast_forward", True),
     )
 
 

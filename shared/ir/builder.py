@@ -32,7 +32,8 @@ class ThreadBuilder:
 
     def emit(self, ins: Instr) -> ThreadBuilder:
         """Append any instruction (as built elsewhere, e.g. a stage list of Launch objects)."""
-        return self._emit(ins)
+        (self._graph if self._graph is not None else self.instrs).append(ins)  # ``_emit``, inline
+        return self
 
     def _emit(self, ins: Instr) -> ThreadBuilder:
         (self._graph if self._graph is not None else self.instrs).append(ins)

@@ -716,29 +716,35 @@ def layer_ops(
 
 
 def _stamp(template: tuple, layer: int, mb: MicroBatch, step: int | None) -> dict[str, Op]:
-    """A layer template's ops with ``layer`` and its collectives' keys stamped on."""
+    """A layer template's ops with ``layer`` and its collectives' keys stamped on: each a copy
+    of the template op's fields with those two set (``Op(...)`` without its ``__init__``, which
+    stores every field through ``object.__setattr__``: this ran for every op of every layer, and
+    the template's fields were checked when it was built)."""
     prefix = f"s{step}.L{layer}.mb{mb.index}."
+    new, set_dict = object.__new__, object.__setattr__
     out = {}
-    for name, kw, coll in template:
-        if coll is None:
-            out[name] = Op(layer=layer, **kw)
-        else:
+    for name, fields, coll in template:
+        d = fields.copy()
+        d["layer"] = layer
+        if coll is not None:
             what, role, flows = coll
-            out[name] = Op(layer=layer, coll=Coll(prefix + what, role, flows), **kw)
+            c = new(Coll)
+            set_dict(c, "__dict__", {"key": prefix + what, "role": role, "flows": flows})
+            d["coll"] = c
+        op = new(Op)
+        set_dict(op, "__dict__", d)
+        out[name] = op
     return out
-
-
-_STAMPED = ("layer", "coll")
-_OP_FIELDS = tuple(f for f in Op.__dataclass_fields__ if f not in _STAMPED)
 
 
 @lru_cache(maxsize=512)
 def _layer_template(
     w: Workload, gpu: GPU, mb: MicroBatch, mode: str, moe: bool, step: int | None
 ) -> tuple[tuple[str, dict, tuple[str, str, tuple[Flow, ...]] | None], ...]:
-    """One layer's ops as (key, Op fields but ``layer`` and ``coll``, (what, role, flows) of the
-    collective or None): what ``layer_ops`` stamps per layer. Built with a layer-less maker,
-    so the collective's key ends in ``.{what}`` after the layer part, which is replaced."""
+    """One layer's ops as (key, the Op's fields with no ``layer`` or ``coll``, (what, role,
+    flows) of the collective or None): what ``layer_ops`` stamps per layer. Built with a
+    layer-less maker, so the collective's key ends in ``.{what}`` after the layer part, which is
+    replaced."""
     mk = _Maker(None, mb, step)
     ops = _attention_ops(w, mb, mk)
     if moe:
@@ -757,9 +763,9 @@ def _layer_template(
     lead = mk.key("")
     out = []
     for name, op in ops.items():
-        kw = {f: getattr(op, f) for f in _OP_FIELDS}
         c = op.coll
-        out.append((name, kw, None if c is None else (c.key[len(lead) :], c.role, c.flows)))
+        fields = {**vars(op), "coll": None}  # every field, in Op's order (``_stamp`` copies it)
+        out.append((name, fields, None if c is None else (c.key[len(lead) :], c.role, c.flows)))
     return tuple(out)
 
 

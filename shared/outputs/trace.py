@@ -97,13 +97,21 @@ def no_gc():
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
     """Merge intervals into sorted disjoint ones (touching intervals merge)."""
-    out: list[list[float]] = []
-    for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
+    it = iter(sorted(intervals))
+    first = next(it, None)
+    if first is None:
+        return []
+    out: list[Interval] = []
+    lo, hi = first
+    for a, b in it:  # (the open interval in locals: this runs per span of every lane)
+        if a <= hi:
+            if b > hi:
+                hi = b
         else:
-            out.append([lo, hi])
-    return [(lo, hi) for lo, hi in out]
+            out.append((lo, hi))
+            lo, hi = a, b
+    out.append((lo, hi))
+    return out
 
 
 def length(intervals: Iterable[Interval]) -> float:
@@ -176,6 +184,27 @@ def _canonical_key(s: Span) -> tuple:
     )
 
 
+_START = operator.attrgetter("start")
+
+
+def _canonical_order(spans: Iterable[Span]) -> tuple[Span, ...]:
+    """``spans`` sorted by :func:`_canonical_key`: by start time alone (a C-level key), then each
+    run of equal starts by the whole key (a run's spans are few; building the whole key for
+    every span was most of a Trace's construction)."""
+    out = sorted(spans, key=_START)
+    starts = list(map(_START, out))
+    ties = [i for i, (a, b) in enumerate(zip(starts, starts[1:])) if a == b]
+    k = 0
+    while k < len(ties):
+        lo = hi = ties[k]
+        while k + 1 < len(ties) and ties[k + 1] == hi + 1:
+            k += 1
+            hi += 1
+        out[lo : hi + 2] = sorted(out[lo : hi + 2], key=_canonical_key)
+        k += 1
+    return tuple(out)
+
+
 def _none_last(x: int | None) -> tuple[int, int]:
     return (1, 0) if x is None else (0, x)
 
@@ -216,8 +245,7 @@ class Trace:
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        spans = tuple(sorted(self.spans, key=_canonical_key))
-        object.__setattr__(self, "spans", spans)
+        object.__setattr__(self, "spans", _canonical_order(self.spans))
 
     @classmethod
     def replicated(
