@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.provenance import workload_inputs
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Workload
@@ -303,16 +304,6 @@ def run_on_gpu(
             )
         summaries[name] = s
     return summaries
-
-
-def workload_inputs(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> dict[str, Any]:
-    """One workload on one GPU as a provenance record's inputs: the model (its layers
-    included), the batch, the layout, the GPU (overrides included) and every knob. One function
-    for the measured run and every command that simulates or reads a workload (``sim``,
-    ``compare``, ``calibrate``, ``validate``), so a measured trace and its prediction name their
-    inputs under the same keys."""
-    knobs = cfg.as_dict()  # every knob, each schedule's own included, defaults too
-    return {"model": w.model, "batch": w.batch, "parallel": w.parallel, "gpu": gpu, "knobs": knobs}
 
 
 def run_provenance(

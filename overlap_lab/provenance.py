@@ -9,10 +9,25 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from overlap_lab.measure import workload_inputs
 from overlap_lab.shared.outputs.trace import provenance
+
+if TYPE_CHECKING:
+    from overlap_lab.shared.inputs.hardware import GPU
+    from overlap_lab.shared.inputs.workload import Workload
+    from overlap_lab.shared.schedules import ScheduleConfig
+
+
+def workload_inputs(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> dict[str, Any]:
+    """One workload on one GPU as a provenance record's inputs: the model (its layers
+    included), the batch, the layout, the GPU (overrides included) and every knob. One function
+    for the measured run and every command that simulates or reads a workload (``sim``,
+    ``compare``, ``calibrate``, ``validate``), so a measured trace and its prediction name their
+    inputs under the same keys."""
+    knobs = cfg.as_dict()  # every knob, each schedule's own included, defaults too
+    return {"model": w.model, "batch": w.batch, "parallel": w.parallel, "gpu": gpu, "knobs": knobs}
+
 
 Command = Sequence[str] | None
 

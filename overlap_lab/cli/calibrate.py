@@ -56,7 +56,7 @@ def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _workload_inputs(args) -> dict[str, Any]:
     """The workload, GPU, knobs and ranks the options name, under `sim`'s keys."""
-    from overlap_lab.measure import workload_inputs
+    from overlap_lab.provenance import workload_inputs
 
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
     return {**workload_inputs(w, gpu, cfg), "ranks": ranks_from(args)}

@@ -16,10 +16,12 @@ import argparse
 import dataclasses
 import math
 import os
+import typing
+from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.hardware import GPU, gpu_fields, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.schedules import schedule_knobs
 from overlap_lab.shared.schedules.common import MAX_SEQS, MAX_TOKENS
@@ -288,8 +290,6 @@ def _check_mode_options(args) -> None:
 def _check_hardware(args) -> None:
     """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
     achievable rate in ``overlap_lab.api.gpu``)."""
-    from overlap_lab.cli.options import gpu_from
-
     num_sms = gpu_from(args).num_sms  # --gpu, --gpu-file (a file), --num-sms
     for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
         v = getattr(args, dest, None)
@@ -337,7 +337,6 @@ def _check_run(args) -> None:
 
 def _check_ranks(args) -> None:
     from overlap_lab.checks import check_ranks
-    from overlap_lab.cli.options import model_spec
     from overlap_lab.shared.inputs.presets import load_model
 
     check_ranks(load_model(model_spec(args)), args.group_limited, args.imbalance)
@@ -394,3 +393,41 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ---- what the options name ---------------------------------------------------------------------
+
+_GPU_IDENTITY = ("name", "arch")
+
+
+def _gpu_overrides() -> tuple[Knob, ...]:
+    return tuple(k for k in gpu_fields() if k.name not in _GPU_IDENTITY)
+
+
+def _overrides(args, records: tuple[Knob, ...], prefix: str = "") -> dict[str, typing.Any]:
+    """The knobs of ``records`` given on the command line (None: left out), by field name."""
+    return {
+        k.name: getattr(args, prefix + k.name)
+        for k in records
+        if getattr(args, prefix + k.name, None) is not None
+    }
+
+
+def gpu_from(args) -> GPU:
+    """The preset or ``--gpu-file``, with the hardware overrides; a changed GPU is renamed
+    (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
+    from overlap_lab import api
+
+    return api.gpu(_spec(args, "gpu"), **_overrides(args, _gpu_overrides()))
+
+
+def _spec(args, what: str) -> str | Path:
+    """``--model``/``--gpu`` as typed (a preset's name, or a path to a file), or the path
+    ``--model-file``/``--gpu-file`` gives: a path always, so a file is never read as a name."""
+    file = getattr(args, f"{what}_file", None)
+    return Path(file) if file else getattr(args, what)
+
+
+def model_spec(args) -> str | Path:
+    """The model the options name: :func:`_spec` of ``--model``/``--model-file``."""
+    return _spec(args, "model")

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import typing
-from pathlib import Path
 
 from overlap_lab.cli import inputs
+from overlap_lab.cli.inputs import _gpu_overrides, _overrides, model_spec
+from overlap_lab.cli.inputs import (
+    gpu_from as gpu_from,  # (re-exported: every command reads it here)
+)
 from overlap_lab.shared import schedules
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.inputs.workload import MODELS, Workload
 from overlap_lab.shared.schedules import BASELINE, SCHEDULES, ScheduleConfig, schedule_knobs
@@ -111,11 +114,6 @@ def _add_knob_options(
 
 
 #: The GPU fields that are no hardware override (a GPU is chosen by --gpu / --gpu-file).
-_GPU_IDENTITY = ("name", "arch")
-
-
-def _gpu_overrides() -> tuple[Knob, ...]:
-    return tuple(k for k in gpu_fields() if k.name not in _GPU_IDENTITY)
 
 
 def workload_options(p: argparse.ArgumentParser) -> None:
@@ -322,35 +320,6 @@ def workload_from(args) -> Workload:
         dp_attention=args.dp_attention,
         pp=pp,
     )
-
-
-def _overrides(args, records: tuple[Knob, ...], prefix: str = "") -> dict[str, typing.Any]:
-    """The knobs of ``records`` given on the command line (None: left out), by field name."""
-    return {
-        k.name: getattr(args, prefix + k.name)
-        for k in records
-        if getattr(args, prefix + k.name, None) is not None
-    }
-
-
-def gpu_from(args) -> GPU:
-    """The preset or ``--gpu-file``, with the hardware overrides; a changed GPU is renamed
-    (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
-    from overlap_lab import api
-
-    return api.gpu(_spec(args, "gpu"), **_overrides(args, _gpu_overrides()))
-
-
-def _spec(args, what: str) -> str | Path:
-    """``--model``/``--gpu`` as typed (a preset's name, or a path to a file), or the path
-    ``--model-file``/``--gpu-file`` gives: a path always, so a file is never read as a name."""
-    file = getattr(args, f"{what}_file", None)
-    return Path(file) if file else getattr(args, what)
-
-
-def model_spec(args) -> str | Path:
-    """The model the options name: :func:`_spec` of ``--model``/``--model-file``."""
-    return _spec(args, "model")
 
 
 def config_from(args) -> ScheduleConfig:
