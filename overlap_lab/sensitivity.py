@@ -219,6 +219,12 @@ class Point:
         return 1.0
 
 
+#: The most Latin-hypercube points a design may have: each re-simulates every schedule (a
+#: thousand take minutes on a workstation for a few layers; 10^8 filled 18 GB before the first
+#: ran), and with at most the few inputs varied here more points no longer move the ranges.
+MAX_LHS = 1000
+
+
 @dataclass(frozen=True)
 class Design:
     """Which perturbations to run: one-at-a-time (each input at its range's ends, the others
@@ -232,8 +238,8 @@ class Design:
     inputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.lhs < 0:
-            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}")
+        if not 0 <= self.lhs <= MAX_LHS:
+            raise ConfigError(f"sensitivity: lhs must be in 0..{MAX_LHS}, got {self.lhs}")
         for n in self.inputs or ():
             if n not in _BY_NAME:
                 raise ConfigError(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import check_regular
 
 
 def cell(v: Any) -> str:
@@ -102,10 +103,15 @@ def locked(path: Path) -> Iterator[None]:
 def open_rows(path: Path, columns: Sequence[str]) -> tuple[TextIO, list[dict[str, str]]]:
     """Open the CSV for appending, keeping its complete rows; check it is this sweep's file."""
     done: list[dict[str, str]] = []
+    check_regular(path, "sweep: --out")  # a FIFO would block the read below, a device never end
     if path.exists() and path.stat().st_size > 0:
         raw = path.read_bytes()
-        head = raw.split(b"\n", 1)[0].decode().rstrip("\r")
-        if next(csv.reader([head])) != list(columns):
+        head = raw.split(b"\n", 1)[0].decode(errors="replace").rstrip("\r")
+        try:
+            same = next(csv.reader([head])) == list(columns)
+        except csv.Error:  # not a CSV line at all (a field over the csv module's 128 KiB)
+            same = False
+        if not same:
             raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
         cut, _ = complete(raw)
         if cut < len(raw):  # a torn last row: drop it before appending

@@ -111,6 +111,9 @@ def _sizes(text: str, mode: str) -> tuple[int, ...]:
 def cmd_calibrate(args) -> int:
     if (args.from_trace is None) == (args.device is None):
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
+    from overlap_lab.shared.files import check_regular
+
+    check_regular(args.out, "calibrate --out")  # a FIFO would block the write, after the work
     if args.device is not None:
         from overlap_lab.calibrate import calibrate_on_device, parse_ints
 

@@ -11,6 +11,11 @@ from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
 
+#: The most timed and untimed calls per kernel of the CPU dry run: its host timings of tiny
+#: shapes mean nothing, and at the GPU's maxima (10,000 and 1,000) it ran past two minutes.
+CPU_REPEATS = 100
+CPU_WARMUP = 10
+
 
 def add_parser(sub) -> None:
     """Register ``kernels`` on the CLI's subparsers."""
@@ -25,8 +30,14 @@ def add_parser(sub) -> None:
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     s.add_argument("--out", default=None,
                    help="JSON file to write (the markdown table beside it, .md)")  # fmt: skip
-    s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
-    s.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help=f"timed calls per kernel (median; --device cpu: at most {CPU_REPEATS})",
+    )
+    s.add_argument("--warmup", type=int, default=3,
+                   help=f"untimed calls first (--device cpu: at most {CPU_WARMUP})")  # fmt: skip
     s.set_defaults(func=cmd_kernels)
 
 
@@ -40,6 +51,15 @@ def cmd_kernels(args) -> int:
                           "(--device cpu for the dry run)")  # fmt: skip
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    if args.device == "cpu" and (args.repeats > CPU_REPEATS or args.warmup > CPU_WARMUP):
+        raise ConfigError(
+            f"kernels --device cpu is a dry run: --repeats at most {CPU_REPEATS} and --warmup at "
+            f"most {CPU_WARMUP}, got {args.repeats} and {args.warmup}"
+        )
+    if args.out:
+        from overlap_lab.shared.files import check_regular
+
+        check_regular(args.out, "kernels --out")  # a FIFO would block the write, after the run
     from overlap_lab.real.kernel_table import kernel_table, table_text
 
     report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)

@@ -113,10 +113,8 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
     """Read and expand a spec (a YAML/JSON file, or the mapping itself); every value is checked
     by its option's own parser before any simulation starts, once per distinct value."""
     if not isinstance(src, Mapping):
-        from overlap_lab.shared.inputs.preset_files import read_mapping
+        from overlap_lab.shared.files import read_mapping
 
-        if not Path(src).is_file():
-            raise ConfigError(f"sweep: no such spec file {src}")
         src = read_mapping(src, "sweep spec")
     extra = set(src) - {"base", "grid", "cases"}
     if extra:
