@@ -21,7 +21,8 @@ machine without a GPU; only :func:`measure_on_gpu` needs one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -117,31 +118,53 @@ def measure_on_gpu(
                 gpu=gpu,
             ).trace
 
-        out.append((device_timed(run)[0] if device_time else run(), c.program))
+        out.append((device_timed(run).trace if device_time else run(), c.program))
     return out
 
 
-def device_timed(run: Callable[[], Trace]) -> tuple[Trace, dict]:
-    """``run()`` (an executor run on a CUDA device, returning its trace) under torch.profiler:
-    the trace with each op's stream spans scaled to its kernels' device time
-    (``overlap_lab.device_time``), and a summary of the mapping (also in the trace's meta
-    ``device_time``): per-run kernel totals, replay kernels matched and unmatched."""
-    from overlap_lab.device_time import (
-        map_kernels,
-        op_device_us,
-        profile_device_time,
-        with_device_time,
-    )
+@dataclass(frozen=True)
+class DeviceTimed:
+    """An executor run recorded for calibration: ``trace`` with each op's spans scaled to its
+    kernels' device time, the run as the executor returned it (``executor_trace``: CUDA-event
+    spans), the profiler's kernel records of it (``kernels``: what
+    ``overlap_lab.device_time.map_kernels`` reads, trimmed by ``kernel_records``; kept so that a
+    later calibration can map them again) and the mapping's summary."""
+
+    trace: Trace
+    executor_trace: Trace
+    kernels: dict
+    summary: dict
+
+
+def device_timed(run: Callable[[], Trace], gap_us: float = 0.0) -> DeviceTimed:
+    """``run()`` (an executor run on a CUDA device, returning its trace) under torch.profiler,
+    its spans scaled to device time by :func:`apply_device_time`."""
+    from overlap_lab.device_time import kernel_records, profile_device_time
 
     trace, chrome = profile_device_time(run)
-    km = map_kernels(chrome)
-    times = op_device_us(km)
+    kernels = kernel_records(chrome)
+    timed = apply_device_time(trace, kernels, gap_us)
+    return DeviceTimed(timed, trace, kernels, timed.meta["device_time"])
+
+
+def apply_device_time(trace: Trace, kernels: Mapping, gap_us: float = 0.0) -> Trace:
+    """``trace`` (an executor run) with each op's stream spans scaled to its kernels' device
+    time in ``kernels`` (a torch.profiler Chrome trace of that run: ``overlap_lab.device_time``),
+    an op replayed from a graph as several kernels with ``gap_us`` between each two (the
+    simulator charges the gap before each op: ``GPU.graph_kernel_gap_us``); the mapping's
+    summary in the meta ``device_time`` (per-run kernel totals, replay kernels matched and
+    unmatched, the gap)."""
+    from overlap_lab.device_time import map_kernels, op_device_us, with_device_time
+
+    km = map_kernels(kernels)
+    times = op_device_us(km, gap_us)
     out = with_device_time(trace, times)
     summary = {k: v for k, v in km.as_dict().items() if k != "ops"}
     summary["ops_timed"] = len(times)
     summary["ops_from_replay"] = sum(1 for t in km.ops.values() if t.replay_us is not None)
+    summary["graph_kernel_gap_us"] = gap_us
     out.meta["device_time"] = summary
-    return out, summary
+    return out
 
 
 def unprofiled_rows(

@@ -26,6 +26,12 @@ The mapping (:func:`map_kernels`, a pure function over the Chrome trace dict):
    replays of its matched kernels' time. :func:`op_device_us` prefers the replay (what the
    measured step runs) and falls back to eager device time for ops outside any graph.
 
+Inside a replayed graph consecutive kernels are not back to back: each starts a fraction of a
+microsecond after the previous one ends (:func:`graph_gap_us` measures it). The simulator charges
+that gap once per op it runs from a graph (``GPU.graph_kernel_gap_us``, ``sim.engine``); an op of
+the executor is often several kernels, so :func:`op_device_us` given the gap adds the gaps
+between an op's own kernels to its time, ``(kernels - 1) x gap``: the op as the graph runs it.
+
 No torch import here: the functions take dicts, so they run and are tested on the CPU against a
 recorded trace; :func:`profile_device_time` (torch, CUDA) records one.
 """
@@ -95,6 +101,7 @@ class OpTime:
     eager_runs: int
     replays: int
     kernels: int  # kernels per run (the last eager run's)
+    in_graph: bool = False  # its replay time is kernels of a captured graph
 
     @property
     def us(self) -> float | None:
@@ -201,23 +208,30 @@ def split_runs(trace: Mapping[str, Any] | list) -> tuple[list[Run], int]:
     return runs, unattributed
 
 
+def _template(last: Run, r: Run) -> list[tuple[OpId, DeviceKernel]]:
+    """The kernels a replay's graph runs, as ``last`` (an eager run) launched them: the ops
+    the replay run did not launch by range, in launch order."""
+    body = [op for op in last.ops if op not in r.ops]  # ops the graph ran, not by range
+    return sorted(((op, k) for op in body for k in last.ops[op]), key=lambda x: x[1].correlation)
+
+
 def _match(template: list[tuple[OpId, DeviceKernel]], replay: list[DeviceKernel]):
     """Step 3: each replay kernel (device order) to the first unmatched template kernel of the
-    same name; returns (per-op time, matched, unmatched)."""
+    same name; returns (per-op time, [(op, replay kernel)] matched, unmatched)."""
     queues: dict[str, list[int]] = defaultdict(list)
     for i, (_, k) in enumerate(template):
         queues[k.name].append(i)
     heads: dict[str, int] = defaultdict(int)
     per_op: dict[OpId, float] = defaultdict(float)
-    matched = 0
+    pairs = []
     for k in replay:
         q, h = queues.get(k.name), heads[k.name]
         if not q or h >= len(q):
             continue
         heads[k.name] = h + 1
         per_op[template[q[h]][0]] += k.dur
-        matched += 1
-    return per_op, matched, len(replay) - matched
+        pairs.append((template[q[h]][0], k))
+    return per_op, pairs, len(replay) - len(pairs)
 
 
 def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
@@ -231,19 +245,18 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
         for op, ks in r.ops.items():
             eager_us[op].append(sum(k.dur for k in ks))
     replay_us: dict[OpId, list[float]] = defaultdict(list)
+    in_graph: set[OpId] = set()
     matched, unmatched = [], []
     last = eager[-1] if eager else Run(replay=False)
     for r in replays:
-        body = [op for op in last.ops if op not in r.ops]  # ops the graph ran, not by range
-        template = sorted(
-            ((op, k) for op in body for k in last.ops[op]), key=lambda x: x[1].correlation
-        )
-        per_op, m, u = _match(template, r.graph_kernels)
-        matched.append(m)
+        body = [op for op in last.ops if op not in r.ops]
+        per_op, pairs, u = _match(_template(last, r), r.graph_kernels)
+        matched.append(len(pairs))
         unmatched.append(u)
         for op in body:
             if last.ops[op]:
                 replay_us[op].append(per_op.get(op, 0.0))
+                in_graph.add(op)
         for op, ks in r.ops.items():  # ops of the replay run outside the graph (by range)
             eager_us.setdefault(op, [])  # keep: they are eager work of a replay run
             replay_us[op].append(sum(k.dur for k in ks))
@@ -254,6 +267,7 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
             eager_runs=len(eager_us.get(op, ())),
             replays=len(replay_us.get(op, ())),
             kernels=len(last.ops.get(op, ())),
+            in_graph=op in in_graph,
         )
         for op in set(eager_us) | set(replay_us)
     }
@@ -271,9 +285,33 @@ def map_kernels(trace: Mapping[str, Any] | list) -> KernelMap:
     )
 
 
-def op_device_us(km: KernelMap) -> dict[OpId, float]:
-    """Per op the calibrated duration (:attr:`OpTime.us`), ops with no time left out."""
-    return {op: t.us for op, t in km.ops.items() if t.us is not None}
+def op_device_us(km: KernelMap, gap_us: float = 0.0) -> dict[OpId, float]:
+    """Per op the calibrated duration (:attr:`OpTime.us`), ops with no time left out; an op
+    that ran inside a graph as several kernels also takes the ``gap_us`` between each two of
+    them (the module docstring: the simulator charges the gap before each op, not inside it)."""
+    return {
+        op: t.us + (max(t.kernels - 1, 0) * gap_us if t.in_graph and t.replay_us else 0.0)
+        for op, t in km.ops.items()
+        if t.us is not None
+    }
+
+
+def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
+    """The gap a CUDA-graph replay leaves between consecutive kernels, per kernel: the replay's
+    step time ``replay_step_us`` (measured by CUDA events, without the profiler) less its
+    kernels' device time (this trace's median replay), over its kernels. None without replays
+    or a step time.
+
+    Why not the gaps inside the profiled replays: the profiler's own activity records lengthen
+    them (the H200 recording of decode 128 serial: a median gap of 0.42 µs between the 715
+    kernels of a profiled replay, 10,964 µs of kernels; the unprofiled replay step, 11,156 µs,
+    leaves 0.27 µs per kernel)."""
+    if not km.replay_device_us or not replay_step_us:
+        return None
+    kernels = statistics.median(m + u for m, u in zip(km.replay_matched, km.replay_unmatched))
+    if kernels <= 0:
+        return None
+    return max(0.0, (replay_step_us - statistics.median(km.replay_device_us)) / kernels)
 
 
 def with_device_time(trace, times: Mapping[OpId, float]):
@@ -304,6 +342,38 @@ def with_device_time(trace, times: Mapping[OpId, float]):
     return Trace(tuple(spans), meta)
 
 
+def replay_trace(trace, kernels: Mapping[str, Any] | list):
+    """The last graph replay of ``kernels`` (a torch.profiler trace of the executor's run whose
+    trace is ``trace``) as a Trace: each kernel of it a span of its op, on its op's lane and of
+    its op's kind (read off ``trace``'s spans), at its device start and duration, the replay's
+    first kernel at 0. What a replayed step ran side by side, which the eager pass's spans do
+    not show (they hold launch gaps): the measured exposed communication of a graph-replayed
+    step. None without a replay, or when none of its kernels maps to an op (pp's ranks in one
+    process: the last eager run is not the replay's template)."""
+    from overlap_lab.shared.outputs.trace import Span, Trace
+
+    runs, _ = split_runs(kernels)
+    eager = [r for r in runs if not r.replay]
+    replays = [r for r in runs if r.replay and r.graph_kernels]
+    if not eager or not replays:
+        return None
+    r = replays[-1]
+    _, pairs, _ = _match(_template(eager[-1], r), r.graph_kernels)
+    pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
+    if not pairs:
+        return None
+    like = {(s.op, s.layer, s.mb): s for s in trace.spans if s.lane.startswith("stream:")}
+    t0 = min(k.ts for _, k in pairs)
+    spans = [
+        Span(
+            s.rank, s.lane, s.op, s.kind, k.ts - t0, k.ts - t0 + k.dur, s.sms, s.mb, s.layer, s.step
+        )  # fmt: skip
+        for op, k in pairs
+        if (s := like.get(op)) is not None
+    ]
+    return Trace(tuple(spans), {"spans_source": "graph replay: kernel device times"})
+
+
 def load_chrome(path: str | Path) -> dict:
     """A Chrome trace (``.json`` or ``.json.gz``) as a dict, read with a trace's bounds."""
     from overlap_lab.shared.files import MAX_TRACE_BYTES, read_json
@@ -324,6 +394,82 @@ def profile_device_time(fn: Callable[[], Any]) -> tuple[Any, dict]:
         p = Path(d) / "trace.json"
         prof.export_chrome_trace(str(p))
         return out, load_chrome(p)
+
+
+def kernel_records(trace: Mapping[str, Any] | list, *, last: int | None = None) -> dict:
+    """A Chrome trace holding only what :func:`map_kernels` reads (the executor's op ranges,
+    the launches with device records, the device records, each with ``args`` cut to
+    ``correlation`` and ``stream``), so a loop's archive can keep its calibration runs' kernel
+    records at a fraction of the profiler's size. ``last``: only the last ``last`` eager runs
+    and the last ``last`` graph replays (a small fixture). Mapped again, the result gives the
+    same times for the runs it keeps."""
+    ev = [e for e in _events(trace) if e.get("ph") == "X"]
+    dev = {
+        int(e["args"]["correlation"])
+        for e in ev
+        if e.get("cat") in DEVICE_CATS and "correlation" in e.get("args", {})
+    }
+    keep = []
+    for e in ev:
+        cat, a = e.get("cat"), e.get("args", {})
+        base = {"ph": "X", "cat": cat, "name": e.get("name"), "ts": e["ts"],
+                "dur": e.get("dur", 0.0)}  # fmt: skip
+        if cat == "user_annotation" and parse_range(str(e.get("name"))) is not None:
+            keep.append(base)
+        elif cat in ("cuda_runtime", "cuda_driver") and int(a.get("correlation", -1)) in dev:
+            keep.append(base | {"args": {"correlation": int(a["correlation"])}})
+        elif cat in DEVICE_CATS and "correlation" in a:
+            keep.append(base | {"args": {"correlation": int(a["correlation"]),
+                                         "stream": int(a.get("stream", -1))}})  # fmt: skip
+    if last is not None:
+        keep = _last_runs(keep, last)
+    return {"traceEvents": keep}
+
+
+def _last_runs(ev: list[dict], last: int) -> list[dict]:
+    """``ev`` cut to the events of the last ``last`` eager runs and replays: a run spans on the
+    host from its first boundary (an op range or a graph launch starting it, as
+    :func:`split_runs` cuts) to the next run's; device records follow their launches."""
+    runs = _run_starts(ev)
+    bounds = [(t, runs[i + 1][0] if i + 1 < len(runs) else float("inf"))
+              for i, (t, _) in enumerate(runs)]  # fmt: skip
+    chosen = [b for kind in (False, True)
+              for b in [b for b, (_, r) in zip(bounds, runs) if r == kind][-last:]]  # fmt: skip
+    host = [e for e in ev if e.get("cat") not in DEVICE_CATS]
+    kept = [e for e in host if any(a <= float(e["ts"]) < b for a, b in chosen)]
+    corr = {e["args"]["correlation"] for e in kept if "args" in e}
+    return kept + [
+        e for e in ev if e.get("cat") in DEVICE_CATS and e["args"]["correlation"] in corr
+    ]
+
+
+def _run_starts(ev: list[dict]) -> list[tuple[float, bool]]:
+    """(host start, is a replay) of each run of :func:`split_runs`, with its boundaries."""
+    ranges = sorted(
+        (float(e["ts"]), parse_range(str(e["name"])))
+        for e in ev
+        if e.get("cat") == "user_annotation" and parse_range(str(e["name"])) is not None
+    )
+    first = ranges[0][1] if ranges else None
+    items: list[tuple[float, int, Any]] = [(ts, 0, op) for ts, op in ranges]
+    items += [
+        (float(e["ts"]), 1, None)
+        for e in ev
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") == GRAPH_LAUNCH
+    ]
+    items.sort(key=lambda x: (x[0], x[1]))
+    starts: list[tuple[float, bool]] = []
+    seen: set = set()
+    for ts, kind, op in items:
+        if kind == 1:
+            starts.append((ts, True))
+            seen = set()
+        elif not starts or op in seen or (starts[-1][1] and op == first):
+            starts.append((ts, False))
+            seen = {op}
+        else:
+            seen.add(op)
+    return starts
 
 
 def trim(trace: Mapping[str, Any], keep: Iterable[dict]) -> dict:

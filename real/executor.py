@@ -39,6 +39,10 @@ from overlap_lab.shared.ir.program import Graph, Program, ops_of
 from overlap_lab.shared.ir.validate import validate
 from overlap_lab.shared.outputs.trace import Trace
 
+#: The kernel family whose ops launch no kernel (no-ops, and ops computed inside another op):
+#: the trace meta ``no_kernel_ops`` names the run's, so a prediction can leave them out.
+PLACEHOLDERS = "placeholders"
+
 __all__ = [
     "ExecMeta",
     "ExecResult",
@@ -223,6 +227,9 @@ def execute(
         repeats=repeats,
         gpu=gpu_meta(su),
         kernel_families=su.kernels.families_of(op.name for _, op in ops_of(program)),
+        no_kernel_ops=tuple(
+            su.kernels.bound_by((op.name for _, op in ops_of(program)), PLACEHOLDERS)
+        ),
     )
     trace.meta.update(em.as_dict())
     outputs = {r.rp.rank: r.states for r in su.runners}

@@ -107,6 +107,7 @@ class ExecMeta:
     repeats: int
     gpu: dict  # clocks, cuda_graphs (a GPU run)
     kernel_families: dict  # family -> how many of the Program's op names its kernels ran
+    no_kernel_ops: tuple[str, ...] = ()  # op names bound to no kernel (placeholders)
 
     def as_dict(self) -> dict:
         d = dict(self.program)
@@ -124,6 +125,7 @@ class ExecMeta:
         )
         d.update(self.gpu)
         d["kernel_families"] = dict(self.kernel_families)
+        d["no_kernel_ops"] = list(self.no_kernel_ops)
         return d
 
 

@@ -212,25 +212,21 @@ def is_deepep_ll_recv(op: Op) -> bool:
 
 def channel_time_us(op: Op, gpu: GPU) -> float:
     """How long a DeepEP normal kernel's channels need to move its flows on the SMs it holds
-    (``shared.ir.deepep.deepep_normal_rate`` of the GPU's ``deepep_release``): the links' rate where
-    it holds enough SMs, proportionally less below. A sendrecv kernel cannot finish before
-    this (nor before its data arrives: ``sim.resources``), so with too few SMs its span outlasts
-    the link time. 0 for every other op (NCCL's kernels included)."""
+    (``shared.ir.links.channel_us`` at ``channel_rates`` of the GPU's ``deepep_release``: the
+    rule the emulated backend holds its send kernel by): the links' rate where it holds enough
+    SMs, proportionally less below. A sendrecv kernel cannot finish before this (nor before its
+    data arrives: ``sim.resources``), so with too few SMs its span outlasts the link time. 0 for
+    every other op (NCCL's kernels included)."""
     c = op.coll
     deepep = op.kind == "comm" and op.op_class == DEEPEP_CLASS
     if not deepep or c is None or c.role != "sendrecv" or not op.sms:
         return 0.0
-    from overlap_lab.shared.ir.deepep import deepep_normal_fraction
+    from overlap_lab.shared.ir.links import channel_rates, channel_us, gpu_links
 
     per_link: dict[str, float] = {}
     for f in c.flows:
-        per_link[f.link] = per_link.get(f.link, 0.0) + f.nbytes
-    t = 0.0
-    for link, nbytes in per_link.items():
-        frac = deepep_normal_fraction(gpu.deepep_release, op.sms, link)
-        if frac < 1.0:
-            t = max(t, nbytes / (gpu.link_bytes_per_us(link, effective=True) * frac))
-    return t
+        per_link[str(f.link)] = per_link.get(str(f.link), 0.0) + f.nbytes
+    return channel_us(per_link, channel_rates(gpu_links(gpu)[0], gpu.deepep_release, op.sms))
 
 
 def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:

@@ -5,6 +5,9 @@ Per rank:
   one host thread runs at a time and hands over at ``Yield``), paying the launch cost per kernel
   (one graph-launch cost per ``Graph``), host time per ``Host`` and blocking at ``Sync``; its spans
   land on the lane of the thread that issued them;
+- an op replayed from a ``Graph`` starts ``gpu.graph_kernel_gap_us`` after its stream could run
+  it: a replayed graph leaves that gap between consecutive kernels (measured on an H200: the
+  preset's source), which its stream spends idle;
 - each stream takes instructions in FIFO order from a queue: a launch runs once it holds its SMs;
   a record fires its event; a wait holds the stream until the event has fired. A stream is not a
   SimPy process: it is driven by callbacks (an instruction issued to an idle stream, its kernel's
@@ -222,8 +225,11 @@ class Engine:
                 else:
                     launch_open[lane] = len(self.spans)
                     self.spans.append(_span(rank, lane, "launch", "host", t0, env.now))
-                for part in ins.body if isinstance(ins, Graph) else (ins,):
-                    self._enqueue(r, part)
+                if isinstance(ins, Graph):
+                    for part in ins.body:
+                        self._enqueue(r, part, self.gpu.graph_kernel_gap_us)
+                else:
+                    self._enqueue(r, ins)
             elif isinstance(ins, (Record, Wait, WaitStream)):
                 self._enqueue(r, ins)
             elif isinstance(ins, Host):
@@ -242,17 +248,18 @@ class Engine:
                 pass  # issue_order already hands control to the next thread
         r.host_at = "done"
 
-    def _enqueue(self, r: _Rank, ins) -> None:
-        """Hand ``ins`` to its stream with its launch (issue) sequence number on the rank."""
+    def _enqueue(self, r: _Rank, ins, gap: float = 0.0) -> None:
+        """Hand ``ins`` to its stream with its launch (issue) sequence number on the rank and
+        the gap its op waits before it starts (a graph's: ``gpu.graph_kernel_gap_us``)."""
         r.issued += 1
         if isinstance(ins, WaitStream):
             self._implicit += 1
             ev = f"__wait_stream_{self._implicit}"
-            self._put(r, ins.other, (r.issued, Record(ev, ins.other)))
-            self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev)))
+            self._put(r, ins.other, (r.issued, Record(ev, ins.other), 0.0))
+            self._put(r, ins.stream, (r.issued, Wait(ins.stream, ev), 0.0))
         else:  # ``_put``, inline
             stream = ins.stream
-            r.queues[stream].append((r.issued, ins))
+            r.queues[stream].append((r.issued, ins, gap))
             if stream not in r.busy:
                 self._pump(r, stream)
 
@@ -266,11 +273,11 @@ class Engine:
         event not fired yet (whose firing, or the op's end, calls this again)."""
         if name in r.pumping:
             return  # an op that ended at once, inside the walk below: the walk goes on
-        q, busy, num_sms = r.queues[name], r.busy, self.gpu.num_sms
+        q, busy = r.queues[name], r.busy
         r.pumping.add(name)
         try:
             while q and name not in busy:
-                seq, ins = q.popleft()
+                seq, ins, gap = q.popleft()
                 if type(ins) is Record:
                     r.record(ins.event)
                 elif type(ins) is Wait:
@@ -281,14 +288,23 @@ class Engine:
                         )
                 else:
                     busy[name] = ins
-                    op = ins.op
-                    if op.kind == "copy":
-                        self._copy(r, name, op)
-                    else:  # a kernel: to the block scheduler
-                        limit = num_sms if op.sms is None else op.sms
-                        r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
+                    if gap > 0:  # the stream idles through the graph's gap, then runs it
+                        run = (r, name, ins, seq)
+                        self.env.timeout(gap).callbacks.append(lambda _e, a=run: self._run(*a))
+                    else:
+                        self._run(r, name, ins, seq)
         finally:
             r.pumping.discard(name)
+
+    def _run(self, r: _Rank, name: str, ins: Launch, seq: int) -> None:
+        """Start the op of ``ins`` on stream ``name``: a copy on the PCIe link, a kernel to the
+        block scheduler."""
+        op = ins.op
+        if op.kind == "copy":
+            self._copy(r, name, op)
+        else:
+            limit = self.gpu.num_sms if op.sms is None else op.sms
+            r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
 
     def _release(self, r: _Rank, name: str) -> None:
         """What held the stream is over: go on with its queue."""

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.device_time import (
+    graph_gap_us,
+    kernel_records,
     load_chrome,
     map_kernels,
     op_device_us,
     parse_range,
+    replay_trace,
     split_runs,
     with_device_time,
 )
@@ -169,10 +172,73 @@ def test_calibration_runs_take_the_device_time_of_their_profile(chrome, monkeypa
              for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
     run_trace = Trace(spans, {"spans_source": "eager pass"})
     monkeypatch.setattr(DT, "profile_device_time", lambda fn: (fn(), chrome))
-    out, summary = device_timed(lambda: run_trace)
+    rec = device_timed(lambda: run_trace)
+    out, summary = rec.trace, rec.summary
     got = {(s.op, s.layer, s.mb): s.duration for s in out.spans}
     for op in ops:
         assert got[op] == pytest.approx(km.ops[op].replay_us)
     assert summary["ops_timed"] == len(ops) == summary["ops_from_replay"]
     assert out.meta["device_time"]["replay_unmatched"] == [0]
     assert out.meta["spans_source"].startswith("device time")
+    # what a replay needs is kept: the run as the executor returned it, and its kernel records
+    assert rec.executor_trace is run_trace
+    assert map_kernels(rec.kernels) == km
+    # with a graph gap, an op of k replayed kernels also takes its k - 1 inner gaps
+    gapped = device_timed(lambda: run_trace, gap_us=0.5).trace
+    got = {(s.op, s.layer, s.mb): s.duration for s in gapped.spans}
+    t = km.ops[("attn.prepare", 1, 0)]
+    assert got[("attn.prepare", 1, 0)] == pytest.approx(t.replay_us + 64 * 0.5)
+    assert got[("gate", 1, 0)] == pytest.approx(km.ops[("gate", 1, 0)].replay_us)  # 1 kernel
+
+
+def test_kernel_records_keep_what_the_mapping_reads(chrome):
+    """The archive's copy of a profiler trace: only ranges, launches and device records, args
+    cut; mapped again it gives the same times, and ``last=1`` keeps one eager run and one
+    replay of the recording (the last of each)."""
+    full = map_kernels(chrome)
+    kept = kernel_records(chrome)
+    assert map_kernels(kept) == full
+    assert all(set(e.get("args", {})) <= {"correlation", "stream"} for e in kept["traceEvents"])
+    one = kernel_records(chrome, last=1)
+    runs, _ = split_runs(one)
+    assert [r.replay for r in runs] == [False, True]
+    km = map_kernels(one)
+    assert km.replay_device_us == full.replay_device_us[-1:]
+    assert km.eager_step_device_us == full.eager_step_device_us[-1:]
+
+
+def test_the_graph_gap_is_the_unprofiled_step_less_kernel_time_per_kernel(chrome):
+    """graph_gap_us: (replay step - the replay's kernel time) / its kernels; None without a
+    step or replays; never negative."""
+    km = map_kernels(chrome)
+    kernel_us = km.replay_device_us[0]
+    assert graph_gap_us(km, kernel_us + 197 * 0.25) == pytest.approx(0.25)
+    assert graph_gap_us(km, kernel_us - 10.0) == 0.0
+    assert graph_gap_us(km, None) is None
+    eager_only = kernel_records(chrome)
+    eager_only["traceEvents"] = [
+        e for e in eager_only["traceEvents"] if e.get("name") != "cudaGraphLaunch"
+    ]
+    assert graph_gap_us(map_kernels(eager_only), 1000.0) is None
+
+
+def test_the_replay_trace_is_the_replayed_kernels_on_their_ops_lanes(chrome):
+    """replay_trace: every kernel of the (last) replay a span of its op, on the lane and of the
+    kind its op has in the executor's trace, at device time from the replay's first kernel."""
+    km = map_kernels(chrome)
+    ops = sorted(km.ops)
+    kind = {op: "comm" if op[0].startswith(("dispatch", "combine")) else "compute" for op in ops}
+    spans = [Span(0, "stream:main", op, kind[(op, layer, mb)], 10.0 * i, 10.0 * i + 5.0, 0, mb,
+                  layer, 0) for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
+    rt = replay_trace(Trace(spans, {}), chrome)
+    assert len(rt.spans) == 197 and min(s.start for s in rt.spans) == 0.0
+    assert sum(s.duration for s in rt.spans) == pytest.approx(km.replay_device_us[-1])
+    assert rt.step_time_us == pytest.approx(km.replay_span_us[-1])
+    per_op: dict = {}
+    for s in rt.spans:
+        per_op[(s.op, s.layer, s.mb)] = per_op.get((s.op, s.layer, s.mb), 0.0) + s.duration
+        assert s.kind == kind[(s.op, s.layer, s.mb)] and s.lane == "stream:main"
+    assert per_op == pytest.approx({op: km.ops[op].replay_us for op in ops})
+    eager_only = {"traceEvents": [e for e in chrome["traceEvents"]
+                                  if e.get("name") != "cudaGraphLaunch"]}  # fmt: skip
+    assert replay_trace(Trace(spans, {}), eager_only) is None

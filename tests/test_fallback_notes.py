@@ -47,9 +47,12 @@ def test_each_fallback_is_a_note(schedule, w, fragment):
 
 
 def test_sbo_off_says_it_ran_as_serial():
+    """Serial's time: its shared experts on the other stream overlap nothing but the gaps a
+    replayed graph leaves before each kernel (``graph_kernel_gap_us``: one per MoE layer)."""
     for w in (api.workload(**LITE, batch=16), one_prefill()):
         res, ser = api.simulate("sbo-off", w), api.simulate("serial", w)
-        assert res.metrics.iteration_us == pytest.approx(ser.metrics.iteration_us)
+        gaps = w.model.num_layers * api.gpu("h800").graph_kernel_gap_us
+        assert res.metrics.iteration_us == pytest.approx(ser.metrics.iteration_us, abs=gaps)
         assert any(n.startswith("ran as serial: the shared experts") for n in res.notes)
 
 

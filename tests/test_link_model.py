@@ -33,6 +33,37 @@ def test_arrival_is_latency_plus_bytes_over_bandwidth_links_in_parallel():
     assert b["nvlink"] == g.nvlink_eff_gbps * 1e3 and la["rdma"] == g.rdma_lat_us
 
 
+def test_at_deepeps_sm_budget_both_sides_take_the_channel_rate():
+    """DeepSeek-V3 prefill 4096 on an H200 (EP 32, DeepEP's default 20 SMs): the simulator holds
+    each normal dispatch/combine until its channels on 20 SMs have moved its bytes (20/24 of the
+    link rate: V1's tables saturate at 24), longer than the links' arrival; the emulated
+    backend's flight for the same bytes and SMs is that same time, to 1e-9 (not the links'
+    arrival alone: 1,780 / 3,449 µs per layer where the simulator charges 2,132 / 4,135)."""
+    from overlap_lab.experiments.gpu_validation import comm_program
+    from overlap_lab.real.comm.bytes import LinkParams
+    from overlap_lab.shared.inputs.workload import get_model, with_layers
+    from overlap_lab.sim import simulate
+
+    g = get_gpu("h200")
+    w = Workload(with_layers(get_model("deepseek-v3"), 4), Batch.prefill(extend_lens=[2048] * 2),
+                 Parallel(ep=32))  # fmt: skip
+    prog = comm_program(w, g)
+    tr = simulate(prog, g)
+    span = {(s.op, s.layer): s.duration for s in tr.spans if s.lane.startswith("stream:")}
+    lp = LinkParams.from_gpu(g)
+    sends = program_sends(prog)
+    assert {s.op.sms for s in sends} == {g.deepep_normal_sms} == {20}
+    for s in sends:
+        links_only = arrival_us(s.nbytes, *gpu_links(g))
+        emulated = lp.arrival_us(s.nbytes, s.op.sms)
+        assert emulated == pytest.approx(span[(s.op.name, s.op.layer)], rel=1e-9)
+        assert emulated == pytest.approx(links_only * 24 / 20, rel=0.01)  # the RDMA bytes bind
+    by = {s.what: round(lp.arrival_us(s.nbytes, 20)) for s in sends}
+    assert by == {"dispatch": 2132, "combine": 4135}
+    assert lp.arrival_us(sends[0].nbytes, 24) == arrival_us(sends[0].nbytes, *gpu_links(g))
+    assert lp.arrival_us(sends[0].nbytes) == arrival_us(sends[0].nbytes, *gpu_links(g))
+
+
 def test_the_emulated_link_model_is_the_simulators():
     from overlap_lab.real.comm.bytes import ByteCount, LinkParams
 
@@ -121,3 +152,34 @@ def test_every_emulated_transfer_counts_its_flight_from_its_ops_start(schedule, 
             {"op start"} if on else {"send kernel"}
         )
         assert be._t_start is None
+
+
+def test_the_emulated_normal_kernels_hold_until_their_channels_have_moved_the_bytes():
+    """Through the executor: each normal dispatch/combine's modelled flight is the link model's
+    at its kernel's CTAs (one per SM), so below V1's 24 SMs the channel rate binds; the
+    low-latency kernels keep the links' arrival (no channel bound on either side)."""
+    from overlap_lab.experiments.gpu_validation import comm_kernels, comm_program
+    from overlap_lab.real.comm import make_backend
+    from overlap_lab.real.comm.bytes import LinkParams
+    from overlap_lab.real.executor import execute
+
+    g = get_gpu("h200")
+    slow = LinkParams(nvlink_gbps=0.01, nvlink_lat_us=0.0, rdma_gbps=0.01, rdma_lat_us=0.0)
+    for mode, kinds in (("prefill", {"normal_dispatch", "normal_combine"}),
+                        ("decode", {"ll_dispatch", "ll_combine"})):  # fmt: skip
+        w = _w(mode, 4, 2)
+        prog = comm_program(w, g)
+        be = make_backend("emulated", rank=0, world=4, num_experts=w.model.num_experts,
+                          hidden=w.model.hidden, link=slow, num_sms=g.deepep_normal_sms,
+                          device_sms=132)  # fmt: skip
+        be.plan_links(prog)
+        execute(prog, w, backend=be, warmup=0, repeats=1, gpu=g, kernels=[comm_kernels()])
+        runs = be.launches
+        assert {r["kind"] for r in runs} == kinds
+        for r in runs:
+            links_only = slow.arrival_us(r["bytes"])
+            if mode == "prefill":
+                assert r["ctas"] < 24
+                assert r["delay_us"] == pytest.approx(links_only * 24 / r["ctas"], rel=1e-9)
+            else:
+                assert r["delay_us"] == pytest.approx(links_only, rel=1e-12)

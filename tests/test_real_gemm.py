@@ -294,7 +294,8 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     ab = dict(a="*bf16", b="*bf16", c="*bf16")
     blocks = {"BM": 64, "BN": 128, "BK": 64}
     link = dict(src="*i32", dst="*i32", stats="*i64", t_arrive="*i64")
-    link |= {k: "fp32" for k in ("nv_lat_ns", "nv_ns_per_byte", "rd_lat_ns", "rd_ns_per_byte")}
+    link |= {k: "fp32" for k in ("nv_lat_ns", "nv_ns_per_byte", "rd_lat_ns", "rd_ns_per_byte",
+                                 "nv_chan_ns_per_byte", "rd_chan_ns_per_byte")}  # fmt: skip
     link |= {"t_start": "*i64"}
     cases = [
         (TG.persistent_mm, {**ab, **mm}, {**blocks, "GM": 8}, 8),

@@ -231,7 +231,8 @@ def test_readme_gpu_setup_lines_map_the_package_for_the_loop(tmp_path):
     # otherwise hide a module the map lacks)
     mods = ["overlap_lab", "overlap_lab.api", "overlap_lab.metrics", "overlap_lab.sim.calibrate",
             "overlap_lab.validate", "overlap_lab.experiments.gpu_validation",
-            "overlap_lab.real.executor", "overlap_lab.real.fp8"]  # fmt: skip
+            "overlap_lab.real.executor", "overlap_lab.real.fp8", "overlap_lab.figures",
+            "overlap_lab.cli.main"]  # fmt: skip
     code = f"import importlib; print(*[importlib.import_module(m).__file__ for m in {mods!r}])"
     r = subprocess.run([sys.executable, "-P", "-c", code], cwd=root, env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -100,8 +100,11 @@ def test_launch_costs_accumulate_on_one_host_thread():
     assert kernels_on(tr, 0, "stream:a")[-1][1] >= 40.0 - 1e-9
 
 
-def test_graph_launch_pays_once():
-    g = get_gpu("h100", launch_us=4.0, graph_launch_us=9.0)
+def test_graph_launch_pays_once_and_each_replayed_kernel_its_gap():
+    """One graph-launch cost on the host; on the device, a replayed graph starts each kernel
+    ``graph_kernel_gap_us`` after its stream could run it (the gap between consecutive kernels
+    of a replay); outside a graph no gap."""
+    g = get_gpu("h100", launch_us=4.0, graph_launch_us=9.0, graph_kernel_gap_us=0.5)
     tiny = Op("t", flops=1.0, sms=1)
 
     def build(t):
@@ -111,7 +114,11 @@ def test_graph_launch_pays_once():
         t.end_graph("g")
 
     _, tr = run(build, gpu=g)
-    assert kernels_on(tr, 0, "stream:a")[0][1] == pytest.approx(9.0)
+    ks = kernels_on(tr, 0, "stream:a")
+    assert ks[0][1] == pytest.approx(9.5)
+    assert [b[1] - a[2] for a, b in zip(ks, ks[1:])] == pytest.approx([0.5] * 9)
+    _, eager = run(lambda t: [t.launch(tiny, "a") for _ in range(2)], gpu=g)
+    assert kernels_on(eager, 0, "stream:a")[0][1] == pytest.approx(4.0)
 
 
 def test_collective_recv_waits_for_arrival_over_the_link():

@@ -5,25 +5,38 @@ DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
 1. calibration: ``serial`` measured at the token counts the schedules run (the batch and its
    half, for micro-batched schedules) under torch.profiler: each op's duration is the sum of
    its kernels' DEVICE times (``overlap_lab.device_time``; graph replays where the op ran in
-   one), never its CUDA-event span, which holds launch gaps; made a profile by the simulator's
-   own calibration path (``sim.calibrate.profile_from_trace``);
-2. prediction: ``overlap_lab.simulate(schedule, ..., profile=that profile)``. Compute ops a
-   profile row cannot name (outside ``sim.profile.PROFILED_OPS``: SBO's and LightLLM's split
-   expert kernels) get class rows measured in a short profiled run of the schedule itself
-   (``own_rows``): no roofline rows in a validation; each row says per op class where the
+   one, with the gaps between its own kernels), never its CUDA-event span, which holds launch
+   gaps; made a profile by the simulator's own calibration path
+   (``sim.calibrate.profile_from_trace``). The gap a replayed graph leaves before each kernel
+   is measured too (serial's unprofiled replay step less its kernels' device time, per kernel)
+   and predicted with (``GPU.graph_kernel_gap_us``);
+2. prediction: ``overlap_lab.simulate(schedule, ..., profile=that profile)`` of the Program as
+   the executor ran it (``predict.as_executed``: the executor's host spans for the Program's
+   host work, not SGLang's scheduler costs; every SM for an op whose SM limit the run reports
+   not enforced; no op the run launched no kernel for). Compute ops a profile row cannot name
+   (outside ``sim.profile.PROFILED_OPS``: SBO's and LightLLM's split expert kernels) get class
+   rows measured in a short run of the schedule itself recorded with its kernels (device time,
+   ``own_rows``): no roofline rows in a validation; each row says per op class where the
    predicted durations came from (``cost_sources``) and lists any op the roofline still times
-   (``roofline_ops``). Communication: the link model on both sides (``shared.ir.links``: the
-   emulated backend times each send by the bytes of the Program's own flows, ``--link-bytes``);
-   the ``comm-only`` case (dispatch and combine alone) checks it, target within 5 %;
+   (``roofline_ops``). Communication: one link model on both sides (``shared.ir.links``: the
+   emulated backend times each send by the bytes of the Program's own flows, ``--link-bytes``,
+   and holds a normal kernel by its channels' rate on its SMs, as the simulator does); the
+   ``comm-only`` case (dispatch and combine alone) checks it, target within 5 %;
 3. measurement: the schedule on the device (CUDA graphs replayed for the step time, plus an
    eager pass for per-op spans; the trace meta says which number is which);
 4. comparison: step time, exposed communication, per-op error; a markdown table, a JSON file,
    the predicted and measured traces (Chrome JSON) and figures, all packed into ONE archive
-   ``<out>/<name>.tar.gz`` (``--out``; on a machine that hands back a folder, that folder).
+   ``<out>/<name>.tar.gz`` (``--out``; on a machine that hands back a folder, that folder),
+   with what a replay needs (the calibration runs and own-rows runs with their kernel records).
+
+``--replay ARCHIVE`` re-judges a recorded archive offline with today's calibration and
+simulator (``replay``; no GPU); ``convert`` makes an archive from before replays replayable,
+``residual`` attributes what a replay of an older executor's recording leaves.
 
 ``--device cpu`` is a dry run of exactly the same path on a scaled-down model (tiny-mla, CPU
-tensors, the emulated backend's data path): its times are host wall-clock and meaningless, and
-the table and JSON say so. It runs in CI (tests/test_real_validation.py).
+tensors, the emulated backend's data path, one timed run): its times are host wall-clock and
+meaningless, the table says so and its last line says that it judged nothing. It runs in CI
+(tests/test_real_validation.py).
 ``--device cuda`` without a GPU prints one line and exits 2. ``pp`` runs both pipeline stages in
 one process on one GPU: it is measured and predicted but left out of the error medians and the
 ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 4096``,
@@ -31,7 +44,8 @@ ranking. Options: ``--modes decode,prefill``, ``--batches 32,128``, ``--prefill 
 ``--warmup 2``, ``--budget-s 540`` (cases left when it is spent are recorded as skipped),
 ``--pytest`` (run the GPU tests first), ``--name`` (the archive's name), ``--results`` (where
 ``gpu_<device>.{json,md}`` go: experiments/results on a GPU), ``--kernels`` (also the kernel
-table, ``kernels_<device>.{json,md}``), ``--link-bytes program|routing``.
+table, ``kernels_<device>.{json,md}``), ``--link-bytes program|routing``, ``--gemm-dtype
+model|bf16`` (a BF16 loop where the executor could run FP8).
 
 The LAST line printed is the verdict (:func:`verdict_line`): median |step-time error| <= 5 %,
 max <= 10 %, the same ranking on both sides (schedules within 2 % tied), exposed communication
@@ -43,10 +57,11 @@ returns the report (``report["table"]``, ``report["archive"]``, per case and sch
 comparison of ``overlap_lab.validate.compare``, the simulator's validation).
 
 The package, by job: ``driver`` (the loop and its command line), ``context`` (what the cases
-share, and the measured run), ``comm_only`` (the communication-only case), ``predict`` (the
-calibration, the prediction and the comparison), ``verdict`` (PASS/FAIL), ``report`` (the
-table, the figures, the results files), ``archive`` (the one archive), ``environment`` (the
-machine, the GPU tests).
+share, and the measured and recorded runs), ``comm_only`` (the communication-only case),
+``predict`` (the calibration, the prediction as executed and the comparison), ``verdict``
+(PASS/FAIL), ``report`` (the table, the figures, the results files), ``archive`` (the one
+archive), ``environment`` (the machine, the GPU tests), ``replay`` (an archive re-judged),
+``convert`` and ``residual`` (recordings from before replays).
 """
 
 from overlap_lab.experiments.gpu_validation.archive import Archive
@@ -57,12 +72,16 @@ from overlap_lab.experiments.gpu_validation.comm_only import (
     comm_only,
     comm_program,
 )
-from overlap_lab.experiments.gpu_validation.context import Context, loop_precision
+from overlap_lab.experiments.gpu_validation.context import (
+    Context,
+    Setup,
+    case_workload,
+    loop_precision,
+)
 from overlap_lab.experiments.gpu_validation.driver import (
     CPU_DEFAULTS,
     GPU_DEFAULTS,
     NO_GPU,
-    NOT_COMPARABLE,
     main,
     parse,
     run_case,
@@ -75,8 +94,13 @@ from overlap_lab.experiments.gpu_validation.environment import (
     run_pytest,
 )
 from overlap_lab.experiments.gpu_validation.predict import (
+    CalibrationRun,
+    as_executed,
+    build,
+    calibrate,
     calibrate_profile,
     comparison,
+    judge,
     measured_step,
     own_rows,
     predict,
@@ -84,6 +108,7 @@ from overlap_lab.experiments.gpu_validation.predict import (
     roofline_ops,
     sources_text,
 )
+from overlap_lab.experiments.gpu_validation.replay import replay, replay_setup
 from overlap_lab.experiments.gpu_validation.report import (
     merged,
     results_stem,
@@ -92,8 +117,11 @@ from overlap_lab.experiments.gpu_validation.report import (
     write_results,
 )
 from overlap_lab.experiments.gpu_validation.verdict import (
+    DRY_RUN_LINE,
+    NOT_COMPARABLE,
     TARGETS,
     discordant_pairs,
+    not_comparable,
     ranking,
     summarize,
     verdict,
@@ -104,14 +132,21 @@ __all__ = [
     "COMM_ONLY",
     "COMM_OPS",
     "CPU_DEFAULTS",
+    "DRY_RUN_LINE",
     "GPU_DEFAULTS",
     "NOT_COMPARABLE",
     "NO_GPU",
     "ROOT",
     "TARGETS",
     "Archive",
+    "CalibrationRun",
     "Context",
+    "Setup",
+    "as_executed",
+    "build",
+    "calibrate",
     "calibrate_profile",
+    "case_workload",
     "comm_kernels",
     "comm_only",
     "comm_program",
@@ -119,15 +154,19 @@ __all__ = [
     "device_preset",
     "discordant_pairs",
     "environment",
+    "judge",
     "loop_precision",
     "main",
     "measured_step",
     "merged",
+    "not_comparable",
     "own_rows",
     "parse",
     "predict",
     "prediction_workload",
     "ranking",
+    "replay",
+    "replay_setup",
     "results_stem",
     "roofline_ops",
     "run_case",

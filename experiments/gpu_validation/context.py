@@ -1,12 +1,56 @@
 """What every case of the loop shares (device, GPU preset, model, weights, options) and how it
-measures a Program: the executor with the emulated backend, timed by device time for a
-calibration."""
+measures a Program: the executor with the emulated backend, recorded with its kernels' device
+time for a calibration. :class:`Setup` and :func:`case_workload` are the part a replay of a
+recorded archive needs too (no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from overlap_lab.experiments.gpu_validation.comm_only import comm_kernels
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a prediction needs of the machine a loop ran on: its GPU preset (with the graph gap
+    the calibration measured, where it did), its SMs and its environment record."""
+
+    gpu: Any
+    device_sms: int
+    env: Mapping = field(default_factory=dict)
+
+
+def model_config(name: str, layers: int | None):
+    """The model of a loop: a shared preset (no torch) or one of the executor's tiny ones,
+    cut to ``layers`` layers."""
+    from overlap_lab.shared.errors import ConfigError
+    from overlap_lab.shared.inputs.workload import get_model, with_layers
+
+    try:
+        return with_layers(get_model(name), layers)
+    except ConfigError:
+        from overlap_lab.real import model as M
+
+        return M.get_model_config_layers(name, layers)
+
+
+def case_workload(mc, mode: str, size: int, *, ep: int, kv_len: int, half: bool = False):
+    """Decode: ``size`` sequences of ``kv_len`` cached tokens. Prefill: two sequences of half
+    the tokens each (TBO splits them evenly); ``half``: one of those sequences alone (what a
+    micro-batch of it runs: attention cost depends on the sequence, not only on the token
+    count)."""
+    from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
+
+    if mode == "decode":
+        b = Batch.decode(size, kv_len=kv_len)
+    elif half:
+        b = Batch.prefill(extend_lens=[size])
+    else:
+        b = Batch.prefill(extend_lens=[size - size // 2, size // 2])
+    return Workload(mc, b, Parallel(ep=ep))
 
 
 class Context:
@@ -22,15 +66,16 @@ class Context:
         self.env = env or {}
         self.device = opts.device
         self.gpu = get_gpu(opts.gpu)
-        mc = M.get_model_config_layers(opts.model, opts.layers)
+        mc = model_config(opts.model, opts.layers)
+        asked = "bf16" if getattr(opts, "gemm_dtype", "model") == "bf16" else mc.gemm_dtype
         # Precision, the same on both sides: the model's GEMM dtype where the executor can run
         # it (FP8 through DeepGEMM, probed once so a JIT failure makes the whole loop BF16),
         # else BF16 on both sides; dispatch is counted and timed as FP8 + scales on both sides
         # (the emulated backend's link model, the simulator's ops).
-        gp = loop_precision(mc.gemm_dtype, self.device)
+        gp = loop_precision(asked, self.device)
         self.precision = {
-            "gemm": {"model": mc.gemm_dtype, "executor_and_simulator": gp.used,
-                     "reason": gp.reason},
+            "gemm": {"model": mc.gemm_dtype, "asked": asked,
+                     "executor_and_simulator": gp.used, "reason": gp.reason},
             "gemm_scope": "FP8 where an op's dtype is the model's GEMM dtype and its GEMMs run "
             "through the SM budget (routed and shared experts, dense MLP); attention "
             "projections (attn.prepare, o_proj) run BF16 (their measured durations are the "
@@ -51,19 +96,15 @@ class Context:
         else:
             self.device_sms = self.gpu.num_sms
 
-    def workload(self, mode: str, size: int, *, half: bool = False):
-        """Decode: ``size`` sequences. Prefill: two sequences of half the tokens each (TBO
-        splits them evenly); ``half``: one of those sequences alone (what a micro-batch of it
-        runs: attention cost depends on the sequence, not only on the token count)."""
-        from overlap_lab.shared.inputs.workload import Batch, Parallel, Workload
+    @property
+    def setup(self) -> Setup:
+        return Setup(self.gpu, self.device_sms, self.env)
 
-        if mode == "decode":
-            b = Batch.decode(size, kv_len=self.opts.kv_len)
-        elif half:
-            b = Batch.prefill(extend_lens=[size])
-        else:
-            b = Batch.prefill(extend_lens=[size - size // 2, size // 2])
-        return Workload(self.mc, b, Parallel(ep=self.opts.ep))
+    def workload(self, mode: str, size: int, *, half: bool = False):
+        """:func:`case_workload` of this loop's model and options."""
+        return case_workload(
+            self.mc, mode, size, ep=self.opts.ep, kv_len=self.opts.kv_len, half=half
+        )
 
     def backend(self):
         from overlap_lab.real.comm import make_backend
@@ -77,34 +118,36 @@ class Context:
         be.dispatch_fp8 = True  # the simulator models DeepEP's FP8 dispatch
         return be
 
-    def measure(self, program, w, *, device_time: bool = False, warmup: int | None = None,
-                repeats: int | None = None):  # fmt: skip
-        """The executor's run of ``program`` (its trace). ``device_time`` (calibration): on a
-        GPU under torch.profiler, each op's spans scaled to its kernels' device time
-        (``overlap_lab.calibrate.device_timed``), so no launch gap enters a profile row; on the
-        CPU there are no kernel records and the spans stay host wall-clock (meta says which)."""
+    def measure(self, program, w, *, warmup: int | None = None, repeats: int | None = None):
+        """The executor's run of ``program`` (its trace), unprofiled: the timed run."""
         from overlap_lab.real.executor import execute
 
+        be = self.backend()
+        if self.opts.link_bytes == "program":  # the simulator's bytes, its link model
+            be.plan_links(program)
+        return execute(
+            program, w, weights=self.weights, backend=be, device=self.device,
+            seed=self.opts.seed, check_hazards=False,
+            warmup=self.opts.warmup if warmup is None else warmup,
+            repeats=self.opts.repeats if repeats is None else repeats, cuda_graphs=True,
+            gpu=self.gpu, kernels=[comm_kernels()],
+        ).trace  # fmt: skip
+
+    def record(self, program, w, *, warmup: int | None = None, repeats: int | None = None):
+        """A run recorded for calibration (``overlap_lab.calibrate.DeviceTimed``): on a GPU under
+        torch.profiler, with its kernel records, each op's spans scaled to its kernels' device
+        time, so no launch gap enters a profile row; on the CPU there are no kernel records
+        (``kernels`` None) and the spans stay host wall-clock (meta ``device_time`` None)."""
+        from overlap_lab.calibrate import DeviceTimed, device_timed
+
         def run():
-            be = self.backend()
-            if self.opts.link_bytes == "program":  # the simulator's bytes, its link model
-                be.plan_links(program)
-            return execute(
-                program, w, weights=self.weights, backend=be, device=self.device,
-                seed=self.opts.seed, check_hazards=False,
-                warmup=self.opts.warmup if warmup is None else warmup,
-                repeats=self.opts.repeats if repeats is None else repeats, cuda_graphs=True,
-                gpu=self.gpu, kernels=[comm_kernels()],
-            ).trace  # fmt: skip
+            return self.measure(program, w, warmup=warmup, repeats=repeats)
 
-        if device_time and self.device == "cuda":
-            from overlap_lab.calibrate import device_timed
-
-            return device_timed(run)[0]
+        if self.device == "cuda":
+            return device_timed(run, self.gpu.graph_kernel_gap_us)
         tr = run()
-        if device_time:
-            tr.meta["device_time"] = None  # no kernel records: the spans are the durations
-        return tr
+        tr.meta["device_time"] = None  # no kernel records: the spans are the durations
+        return DeviceTimed(tr, tr, None, None)
 
 
 def loop_precision(model_dtype: str, device: str):

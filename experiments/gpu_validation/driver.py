@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from overlap_lab.experiments.gpu_validation.archive import Archive
-from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY, comm_only, comm_program
+from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY
 from overlap_lab.experiments.gpu_validation.context import Context
 from overlap_lab.experiments.gpu_validation.environment import (
     ROOT,
@@ -19,13 +20,10 @@ from overlap_lab.experiments.gpu_validation.environment import (
     run_pytest,
 )
 from overlap_lab.experiments.gpu_validation.predict import (
-    calibrate_profile,
-    comparison,
-    measured_step,
-    own_rows,
-    predict,
-    prediction_workload,
-    roofline_ops,
+    CalibrationRun,
+    build,
+    calibrate,
+    judge,
 )
 from overlap_lab.experiments.gpu_validation.report import (
     figure,
@@ -33,134 +31,128 @@ from overlap_lab.experiments.gpu_validation.report import (
     write_kernel_table,
     write_results,
 )
-from overlap_lab.experiments.gpu_validation.verdict import summarize, verdict, verdict_line
+from overlap_lab.experiments.gpu_validation.verdict import (
+    not_comparable,
+    summarize,
+    verdict,
+    verdict_line,
+)
 
 DESCRIPTION = "Predicted vs measured on one device, in one command per mode."
 NO_GPU = "gpu_validation: no CUDA GPU found; nothing was run (--device cpu for the dry run)"
-NOT_COMPARABLE = {
-    "comm-only": "dispatch and combine alone (the link model on both sides; target: within "
-    "5 %): not a schedule, excluded from the error medians and the ranking",
-}
-#: why a schedule that runs pipeline stages (``schedules.supports_pp``) is not judged here
-PIPELINE_NOTE = (
-    "{name} runs every pipeline stage in one process on one GPU: not comparable with a "
-    "one-stage-per-GPU prediction; excluded from the error medians and the ranking"
+#: The dry run's: one decode batch and one prefill of the tiny model, one timed run each (it
+#: checks the path, not times: under a minute on a CPU).
+CPU_DEFAULTS = dict(
+    model="tiny-mla", layers=3, ep=2, batches="4", prefill=16, kv_len=64, repeats=1, warmup=0
 )
-
-
-def not_comparable(name: str) -> str | None:
-    """Why ``name``'s measurement is excluded from the verdict (None: it is judged)."""
-    from overlap_lab.shared import schedules as S
-
-    if name in NOT_COMPARABLE:
-        return NOT_COMPARABLE[name]
-    return PIPELINE_NOTE.format(name=name) if S.supports_pp(name) else None
-
-
-CPU_DEFAULTS = dict(model="tiny-mla", layers=3, ep=2, batches="4,8", prefill=24, kv_len=64)
 GPU_DEFAULTS = dict(
-    model="deepseek-v3", layers=4, ep=32, batches="32,128", prefill=4096, kv_len=2048
-)
+    model="deepseek-v3", layers=4, ep=32, batches="32,128", prefill=4096, kv_len=2048,
+    repeats=5, warmup=2,
+)  # fmt: skip
 
 
-def run_case(ctx: Context, mode: str, size: int, names: list[str], work: Path, deadline: float,
-             cases: dict, key: str, saved=lambda: None) -> dict:  # fmt: skip
+def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Archive,
+             deadline: float, cases: dict, key: str, saved=lambda: None) -> dict:  # fmt: skip
     """Calibrate, predict, measure and compare every schedule on one workload; the case is
-    ``cases[key]`` from the start, and ``saved()`` runs after every schedule."""
+    ``cases[key]`` from the start, and ``saved()`` runs after every schedule. The calibration
+    runs, and each schedule's own-rows run, are kept in the archive for a replay."""
+    from overlap_lab.device_time import replay_trace
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
 
     w = ctx.workload(mode, size)
-    calib = []
     sizes = sorted({size, max(1, size // 2)}, reverse=True)
     t = time.time()
     case = cases[key] = {
-        "workload": {"mode": mode, "tokens": w.batch.num_tokens, "sizes_calibrated": sizes},
+        "workload": {"mode": mode, "size": size, "tokens": w.batch.num_tokens,
+                     "sizes_calibrated": sizes},
         "runs": {},
-    }
+    }  # fmt: skip
+    serial_run = None  # serial's unprofiled run at the case's size: the gap, and serial's step
     try:
+        runs, kept = [], []
         for s in sizes:  # isolated op durations at the token counts the schedules run
             ws = ctx.workload(mode, s, half=s != size)
             p = S.build("serial", ws, ctx.gpu)
-            calib.append((p, ctx.measure(p, ws, device_time=True)))
-        profile = calibrate_profile(ctx, calib, mode)
+            rec = ctx.record(p, ws)
+            step = None
+            if s == size:
+                serial_run = ctx.measure(p, ws)
+                step = serial_run.meta.get("graph_replay_step_time_us")
+            runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}"))
+            kept.append({"schedule": "serial", "size": s, "half": s != size,
+                         "replay_step_us": step,
+                         "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip
+        profile, gpu, info = calibrate(ctx.setup, runs, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
         case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
         saved()
         return case
     case["calibration_seconds"] = round(time.time() - t, 1)
-    case["profile_rows"] = len(profile.rows)
-    dt = [tr.meta.get("device_time") for _, tr in calib]
-    case["calibration_durations"] = (
-        "kernel device time (torch.profiler records mapped to ops; graph replays where the op "
-        "ran in one)"
-        if all(dt)
-        else "CUDA-event / host spans (no kernel records on this device)"
-    )
-    case["calibration_device_time"] = dt
-    case_dir = work / f"{mode}_{size}"
-    case_dir.mkdir(parents=True, exist_ok=True)
+    case["calibration_runs"] = kept
+    case.update(info)
+    setup = dataclasses.replace(ctx.setup, gpu=gpu)
+    case_dir = archive.work / key
     for name in names:
         if time.time() > deadline:
             case["runs"][name] = {"skipped": "time budget spent"}
             continue
         t = time.time()
+        files = {}
         try:
             comm = name == COMM_ONLY
             wv = w if comm else workload_variants(name, w)[0]
-            prog = comm_program(wv, ctx.gpu) if comm else S.build(name, wv, ctx.gpu)
-            meas = ctx.measure(prog, wv)
-            wp = prediction_workload(wv, meas.meta)
-            prof, own = own_rows(ctx, name, profile, prog, wv, meas)
-            pred, sources = predict(ctx, "serial" if comm else name, wp, prof,
-                                    transform=comm_only if comm else None)  # fmt: skip
-            missing = roofline_ops(
-                ctx, comm_program(wp, ctx.gpu) if comm else S.build(name, wp, ctx.gpu), prof
-            )
+            prog = build(setup, name, wv)
+            if name == S.BASELINE and serial_run is not None:
+                meas = serial_run
+            else:
+                meas = ctx.measure(prog, wv)
+            own = replayed = None
+            if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
+                rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
+                own, replayed = rec.trace, replay_trace(rec.executor_trace, rec.kernels)
+                files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
+            run, pred = judge(setup, name, wv, meas, profile, own, replayed)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)
             saved()
             continue
-        step_m, source = measured_step(meas)
-        m = meas.meta
-        case["runs"][name] = {
-            "comparison": comparison(meas, pred, step_m),
-            "measured_step_source": source,
-            "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
-            "step_times_us": m.get("step_times_us"),
-            "cuda_graphs": m.get("cuda_graphs"),
-            "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
-            "sm_limits": m.get("sm_limits"),
-            "kernel_notes": m.get("kernel_notes"),
-            "attention_kernels": m.get("attention_kernels"),
-            "gemm_precision": m.get("gemm_precision"),
-            "predicted_gemm_dtype": wp.model.gemm_dtype,
-            "deep_gemm_errors": m.get("deep_gemm_errors"),
-            "cost_sources": sources,
-            "rows_from_own_run": own,
-            "roofline_ops": missing,
-            "comparable": not_comparable(name) is None,
-            "note": not_comparable(name),
-            "seconds": round(time.time() - t, 1),
-        }
+        run.update(comparable=not_comparable(name) is None, note=not_comparable(name),
+                   seconds=round(time.time() - t, 1))  # fmt: skip
+        files["measured"] = f"{key}/{name}.measured.trace.json.gz"
+        run["files"] = files
+        case["runs"][name] = run
         pred.to_chrome(case_dir / f"{name}.predicted.trace.json.gz")
-        meas.to_chrome(case_dir / f"{name}.measured.trace.json.gz")
+        meas.to_chrome(archive.work / files["measured"])
         figure(ctx, {f"{name} predicted": pred, f"{name} measured": meas},
-                case_dir / f"{name}.png", case["runs"][name])  # fmt: skip
-        st = case["runs"][name]["comparison"]["step_time_us"]
+               case_dir / f"{name}.png", run)  # fmt: skip
+        st = run["comparison"]["step_time_us"]
         print(f"  {key} {name}: predicted {st['predicted']:.1f} us, measured "
-              f"{st['measured']:.1f} us ({source})", flush=True)  # fmt: skip
+              f"{st['measured']:.1f} us ({run['measured_step_source']})", flush=True)  # fmt: skip
         saved()
     return case
 
 
 def run_validation(opts) -> dict:
     """The whole loop; returns the report (also packed with everything into the archive)."""
-    from overlap_lab.shared import schedules as S
-
     t0 = time.time()
     deadline = t0 + opts.budget_s
+    if opts.device == "cpu":  # the tiny model's tensors: threads would only add waiting
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _run_validation(opts, t0, deadline)
+        finally:
+            torch.set_num_threads(threads)
+    return _run_validation(opts, t0, deadline)
+
+
+def _run_validation(opts, t0: float, deadline: float) -> dict:
+    from overlap_lab.shared import schedules as S
+
     env = environment(opts.device)
     if opts.gpu is None:
         opts.gpu = device_preset(env["device"]) if opts.device == "cuda" else "h100"
@@ -170,6 +162,8 @@ def run_validation(opts) -> dict:
         "model": opts.model,
         "layers": opts.layers,
         "ep": opts.ep,
+        "kv_len": opts.kv_len,
+        "seed": opts.seed,
         "backend": "emulated (single-GPU emulation of DeepEP; not DeepEP)",
         "timing_meaningful": opts.device == "cuda",
         "commands": opts.argv,
@@ -211,7 +205,7 @@ def run_validation(opts) -> dict:
                 if time.time() > deadline:
                     cases[key] = {"skipped": "time budget spent", "runs": {}}
                     continue
-                run_case(ctx, mode, size, names, archive.work, deadline, cases, key,
+                run_case(ctx, mode, size, names, archive, deadline, cases, key,
                          lambda: save(False))  # fmt: skip
                 print(f"{key}: {len(cases[key]['runs'])} schedules, "
                       f"{time.time() - t0:.0f} s so far", flush=True)  # fmt: skip
@@ -231,6 +225,9 @@ def parse(argv: list[str] | None = None):
         prog="python -m overlap_lab.experiments.gpu_validation", description=DESCRIPTION
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--replay", metavar="ARCHIVE", default=None,
+                   help="re-judge a recorded archive offline: every schedule predicted again "
+                   "with today's simulator (no GPU; --out, --name: where its archive goes)")  # fmt: skip
     p.add_argument("--modes", default="decode,prefill")
     p.add_argument("--batches", default=None, help="decode batch sizes (GPU: 32,128)")
     p.add_argument("--prefill", type=int, default=None, help="prefill tokens (GPU: 4096)")
@@ -239,9 +236,12 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--ep", type=int, default=None)
     p.add_argument("--kv-len", dest="kv_len", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=None, help="timed runs (GPU: 5, CPU: 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (GPU: 2, CPU: 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gemm-dtype", dest="gemm_dtype", choices=("model", "bf16"), default="model",
+                   help="GEMM precision of both sides: the model's where the executor can run "
+                   "it (DeepSeek-V3: FP8 through DeepGEMM), or BF16")  # fmt: skip
     p.add_argument(
         "--gpu", default=None, help="shared.inputs.hardware preset (default: from the name)"
     )
@@ -264,6 +264,8 @@ def parse(argv: list[str] | None = None):
         "--name", default=None, help="archive name (default gpu_validation_<dev>_<modes>)"
     )
     opts = p.parse_args(argv)
+    opts.out_given = any(a == "--out" or a.startswith("--out=") for a in (argv or sys.argv[1:]))
+    opts.name_given = opts.name
     defaults = GPU_DEFAULTS if opts.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(opts, k) is None:
@@ -276,6 +278,8 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    if opts.replay:
+        return main_replay(opts)
     from overlap_lab.real.deps import no_device
 
     why = no_device(opts.device)
@@ -301,3 +305,20 @@ def main(argv: list[str] | None = None) -> int:
         print(verdict_line(report["verdict"], dry_run=dry))
     pyt = report["pytest_gpu"].get("status")
     return 0 if not bad and pyt in ("ok", "not run") else 1
+
+
+def main_replay(opts) -> int:
+    """``--replay ARCHIVE``: the table of the archive predicted again, the verdict last."""
+    from overlap_lab.experiments.gpu_validation.replay import replay
+    from overlap_lab.shared.errors import ConfigError
+
+    try:
+        report = replay(opts.replay, opts.out if opts.out_given else None, opts.name_given)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    print(report["table"].rstrip("\n").rpartition("\n")[0])
+    if report.get("archive"):
+        print(f"wrote {report['archive']}")
+    print(verdict_line(report["verdict"], dry_run=not report["timing_meaningful"]))
+    return 0

@@ -31,6 +31,11 @@ def device_preset(name: str) -> str:
     return "h100"
 
 
+def environment_commit() -> str | None:
+    """The checkout's commit (None outside a git checkout)."""
+    return _cmd(["git", "rev-parse", "HEAD"])
+
+
 def environment(device: str) -> dict:
     import torch
 
@@ -44,7 +49,7 @@ def environment(device: str) -> dict:
         "versions": {k: v.get("version") for k, v in deps.items()},
         "distributions": {k: v.get("distribution") for k, v in deps.items()},
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _cmd(["git", "rev-parse", "HEAD"]),
+        "commit": environment_commit(),
         "dirty": bool(_cmd(["git", "status", "--porcelain"])),
     }
     if device == "cuda":

@@ -1,14 +1,18 @@
-"""The simulator's side of the loop: the calibration profile from measured serial runs, the
-prediction of each schedule with it (plus rows measured in the schedule's own run, so no
-roofline rows remain), and the comparison of predicted with measured."""
+"""The simulator's side of the loop: the calibration profile from recorded serial runs
+(:func:`calibrate`), the prediction of each schedule with it as the executor ran it (plus rows
+measured in the schedule's own run, so no roofline rows remain), and the comparison of predicted
+with measured (:func:`judge`). Nothing here runs the executor: a live loop hands it the runs it
+just recorded, a replay (``replay``) the runs an archive kept."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from overlap_lab.experiments.gpu_validation.context import Context
-from overlap_lab.shared.ir.program import ops_of
+from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY, comm_only, comm_program
+from overlap_lab.shared.ir.program import Graph, Host, Launch, ops_of
 
 
 def prediction_workload(w, measured_meta: dict):
@@ -27,7 +31,68 @@ def measured_step(tr) -> tuple[float, str]:
     return tr.meta.get("median_step_time_us", tr.step_time_us), "eager"
 
 
-def calibrate_profile(ctx: Context, runs: list, mode: str):
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One recorded calibration run: the Program, the executor's trace of it (CUDA-event or
+    host spans), its kernel records (a torch.profiler trace of the run, ``None`` where the
+    device records none) and the unprofiled graph-replay step of the same Program (for the
+    gap between a graph's kernels; ``None`` where it was not measured)."""
+
+    program: object
+    trace: object
+    kernels: Mapping | None = None
+    replay_step_us: float | None = None
+    label: str = ""  # "serial 128": the schedule and its size, for the record
+
+
+def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
+    """The profile of recorded calibration runs, and the GPU to predict with: the setup's
+    with the gap between a replayed graph's kernels measured where a run has replays and an
+    unprofiled step (``overlap_lab.device_time.graph_gap_us``), else the preset's. Each op's
+    duration is its kernels' device time (graph replays where it ran in one, the gaps between
+    its own kernels included), or its span where there are no kernel records. Returns
+    (profile, gpu, info for the case's record)."""
+    from overlap_lab.calibrate import apply_device_time
+    from overlap_lab.device_time import graph_gap_us, map_kernels
+
+    gpu, source = setup.gpu, f"the {setup.gpu.name} preset"
+    for r in runs:
+        if r.kernels and r.replay_step_us:
+            gap = graph_gap_us(map_kernels(r.kernels), r.replay_step_us)
+            if gap is not None:
+                gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap)
+                source = (f"measured: unprofiled replay step {r.replay_step_us:.1f} us less its "
+                          "kernels' device time, per kernel")  # fmt: skip
+                break
+    timed = [
+        (r.program, apply_device_time(r.trace, r.kernels, gpu.graph_kernel_gap_us))
+        if r.kernels
+        else (r.program, r.trace)
+        for r in runs
+    ]
+    profile = calibrate_profile(dataclasses.replace(setup, gpu=gpu), timed, mode)
+    dt = [tr.meta.get("device_time") for _, tr in timed]
+    info = {
+        "profile_rows": len(profile.rows),
+        "calibration_durations": (
+            "kernel device time (torch.profiler records mapped to ops; graph replays where the "
+            "op ran in one)"
+            if all(dt)
+            else "CUDA-event / host spans (no kernel records on this device)"
+            if not any(dt)
+            else "kernel device time where a run has kernel records ("
+            + ", ".join(r.label for r, d in zip(runs, dt) if d)
+            + "), CUDA-event spans elsewhere ("
+            + ", ".join(r.label for r, d in zip(runs, dt) if not d)
+            + ")"
+        ),
+        "calibration_device_time": dt,
+        "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
+    }
+    return profile, gpu, info
+
+
+def calibrate_profile(ctx, runs: list, mode: str):
     """The simulator's calibration path (``sim.calibrate.profile_from_trace``) on measured
     ``serial`` runs [(Program, Trace)]: per profiled compute op, its measured duration by token
     count and SMs. Ops outside ``sim.profile.PROFILED_OPS`` get no row (the roofline times
@@ -43,7 +108,7 @@ def calibrate_profile(ctx: Context, runs: list, mode: str):
     )  # fmt: skip
 
 
-def predict(ctx: Context, name: str, w, profile, transform=None):
+def predict(ctx, name: str, w, profile, transform=None):
     """The simulator's prediction of schedule ``name`` with the calibration ``profile``
     (``overlap_lab.simulate(..., profile=...)``; ``transform`` rewrites the Program first):
     (trace, cost sources per op class)."""
@@ -54,23 +119,88 @@ def predict(ctx: Context, name: str, w, profile, transform=None):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def own_rows(ctx: Context, name: str, profile, prog, w, measured) -> tuple:
+def as_executed(measured) -> Callable:
+    """A Program transform: the Program as the executor ran it, read off its ``measured``
+    trace (:func:`executed_changes` lists what it changes). Host work takes what the
+    executor's host spans took (it runs no scheduler: under a microsecond each, where the
+    Program carries SGLang's scheduler costs), 0 where it has no span; a compute op whose SM
+    limit the run reports ``not enforced`` (attention, norms and elementwise kernels run on
+    every SM: DeepSeek's prefill gives attention 108) runs on every SM, as it ran; an op the
+    run launched no kernel for (``no_kernel_ops``: no-ops, and ops computed inside another op,
+    whose measured time holds theirs) or did not run at all is left out. The simulator's
+    defaults (``sim``) keep SGLang's host costs and every limit."""
+    host: dict[tuple, list[float]] = {}
+    for s in measured.spans:
+        if s.lane.startswith("host:") and s.kind == "host":
+            host.setdefault((s.op, s.mb, s.layer, s.step), []).append(s.duration)
+            host.setdefault((s.op,), []).append(s.duration)
+    free, gone = executed_changes(measured)
+
+    def host_us(h: Host) -> float:
+        got = host.get((h.name, h.mb, h.layer, h.step)) or host.get((h.name,))
+        return statistics.median(got) if got else 0.0
+
+    def unlimited(op):
+        base = op.name.rsplit(".", 1)[0] if op.name.rsplit(".", 1)[-1].isdigit() else op.name
+        if op.kind == "compute" and op.sms and (op.name in free or base in free):
+            return dataclasses.replace(op, sms=None)
+        return op
+
+    def instrs(seq) -> tuple:
+        out = []
+        for ins in seq:
+            if isinstance(ins, Host):
+                ins = dataclasses.replace(ins, us=host_us(ins))
+            elif isinstance(ins, Graph):
+                ins = dataclasses.replace(ins, body=instrs(ins.body))
+            elif isinstance(ins, Launch):
+                if gone(ins.op.name):
+                    continue
+                ins = dataclasses.replace(ins, op=unlimited(ins.op))
+            out.append(ins)
+        return tuple(out)
+
+    def transform(prog):
+        ranks = tuple(
+            dataclasses.replace(rp, threads=tuple(
+                dataclasses.replace(th, instrs=instrs(th.instrs)) for th in rp.threads))
+            for rp in prog.ranks
+        )  # fmt: skip
+        return dataclasses.replace(prog, ranks=ranks)
+
+    return transform
+
+
+def executed_changes(measured) -> tuple[set[str], Callable[[str], bool]]:
+    """What :func:`as_executed` reads off ``measured``: the compute ops (by base name) whose
+    SM limit was not enforced, and a test of an op name: whether the run launched no kernel
+    for it or never ran it."""
+    limits = (measured.meta.get("sm_limits") or {}).get("compute") or {}
+    free = {n for n, v in limits.items() if str(v.get("status", "")).startswith("not enforced")}
+    none = set(measured.meta.get("no_kernel_ops") or ())
+    ran = {s.op for s in measured.spans if s.lane.startswith("stream:")}
+
+    def gone(name: str) -> bool:
+        return name in none or name not in ran
+
+    return free, gone
+
+
+def own_rows(ctx, name: str, profile, prog, own_run) -> tuple:
     """``profile`` plus rows for the compute ops of ``prog`` that it cannot time (no roofline
     rows in a validation): class rows for names a profile cannot carry (SBO's and LightLLM's
     split expert kernels), name rows for known names serial does not run (SGLang's
-    overlap-scheduler ops), measured in a run of ``prog`` itself: on a GPU a short extra run
-    under torch.profiler (device time; the timed run stays unprofiled), on the CPU the measured
-    run's spans. Ops whose kernels took no time (bound as no-ops in the executor) stay on the
-    roofline and are listed. Returns (profile, {row key: [op names]} of the rows added)."""
+    overlap-scheduler ops), measured in ``own_run``, a run of ``prog`` itself: on a GPU a short
+    extra run recorded with its kernels (device time, like the calibration's: an eager span
+    holds the launch gaps between an op's kernels), on the CPU the measured run. Ops whose
+    kernels took no time (bound as no-ops in the executor) stay on the roofline and are listed.
+    Returns (profile, {row key: [op names]} of the rows added)."""
     from overlap_lab.calibrate import unprofiled_rows, with_rows
 
     names = set(roofline_ops(ctx, prog, profile))
-    if not names:
+    if not names or own_run is None:
         return profile, {}
-    tr = measured
-    if ctx.device == "cuda":
-        tr = ctx.measure(prog, w, device_time=True, warmup=1, repeats=1)
-    rows = unprofiled_rows([(tr, prog)], num_sms=ctx.device_sms, names=names,
+    rows = unprofiled_rows([(own_run, prog)], num_sms=ctx.device_sms, names=names,
                            source=f"gpu_validation: {name}'s own run")  # fmt: skip
     if not rows:
         return profile, {}
@@ -82,7 +212,7 @@ def own_rows(ctx: Context, name: str, profile, prog, w, measured) -> tuple:
     return with_rows(profile, rows), {c: sorted(n) for c, n in sorted(own.items())}
 
 
-def roofline_ops(ctx: Context, prog, profile) -> list[str]:
+def roofline_ops(ctx, prog, profile) -> list[str]:
     """Compute ops of the simulated Program ``prog`` that no profile row times (the roofline
     does): a validation should have none. Ops without work (the communication-only case's
     stand-ins) take no time either way and are not listed."""
@@ -95,12 +225,83 @@ def roofline_ops(ctx: Context, prog, profile) -> list[str]:
     )  # fmt: skip
 
 
-def comparison(measured, predicted, measured_step_us: float) -> dict:
+def build(ctx, name: str, w):
+    """The Program of ``name`` (the communication-only case's for ``comm-only``) for ``w``."""
+    from overlap_lab.shared import schedules as S
+
+    return comm_program(w, ctx.gpu) if name == COMM_ONLY else S.build(name, w, ctx.gpu)
+
+
+def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> tuple:
+    """Predict schedule ``name`` on ``w`` as the executor ran it (:func:`as_executed` of its
+    ``measured`` trace; rows of its ``own_run`` where the profile has none) and compare with
+    the measurement (its exposed communication from ``replayed``, the timeline of a graph
+    replay, where given: ``overlap_lab.device_time.replay_trace``): (the run's record for the
+    report, the predicted trace)."""
+    comm = name == COMM_ONLY
+    prog = build(ctx, name, w)
+    wp = prediction_workload(w, measured.meta)
+    prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
+    executed = as_executed(measured)
+    pred, sources = predict(
+        ctx, "serial" if comm else name, wp, prof,
+        transform=(lambda p: executed(comm_only(p))) if comm else executed,
+    )  # fmt: skip
+    missing = roofline_ops(ctx, executed(build(ctx, name, wp)), prof)
+    step_m, source = measured_step(measured)
+    # a replay timeline is one graph's: the step's where the Program is one step of one graph
+    one_step = source == "graph replay" and len({op.step for _, op in ops_of(prog)}) == 1
+    m = measured.meta
+    own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
+    return {
+        "comparison": comparison(measured, pred, step_m, replayed if one_step else None),
+        "measured_step_source": source,
+        "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
+        "step_times_us": m.get("step_times_us"),
+        "cuda_graphs": m.get("cuda_graphs"),
+        "sm_budget_mechanisms": m.get("sm_budget_mechanisms"),
+        "sm_limits": m.get("sm_limits"),
+        "kernel_notes": m.get("kernel_notes"),
+        "attention_kernels": m.get("attention_kernels"),
+        "gemm_precision": m.get("gemm_precision"),
+        "predicted_gemm_dtype": wp.model.gemm_dtype,
+        "deep_gemm_errors": m.get("deep_gemm_errors"),
+        "cost_sources": sources,
+        "rows_from_own_run": own,
+        "own_run_durations": None if not own else (
+            "kernel device time" if own_dt else "CUDA-event / host spans of the measured run"
+        ),
+        "roofline_ops": missing,
+        "predicted_as_executed": executed_note(measured, prog),
+    }, pred  # fmt: skip
+
+
+def executed_note(measured, prog) -> str:
+    """What :func:`as_executed` changes in ``prog``, in words (the run's record)."""
+    free, gone = executed_changes(measured)
+    names = {op.name for _, op in ops_of(prog)}
+    out = sorted(n for n in names if gone(n))
+    limited = sorted(free)
+    host = sum(s.duration for s in measured.spans if s.lane.startswith("host:")
+               and s.kind == "host")  # fmt: skip
+    return (f"host work as the executor's spans ({host:.1f} us per run in all)"
+            + (f"; on every SM (limit not enforced): {', '.join(limited)}" if limited else "")
+            + (f"; left out (no kernel in this run): {', '.join(out)}" if out else ""))  # fmt: skip
+
+
+def comparison(measured, predicted, measured_step_us: float, replayed=None) -> dict:
     """``overlap_lab.validate.compare`` (the simulator's validation), against the step time the
-    run reports (graph replay where captured), with each op's error summarised per op name."""
+    run reports (graph replay where captured), with each op's error summarised per op name.
+    ``replayed``: the timeline of a graph replay of the run (kernel records), whose exposed
+    communication is the step's; else the measured trace's (its eager pass where graphs were
+    replayed, which holds launch gaps: ``exposed_comm_source`` says which)."""
     from overlap_lab.validate import compare
 
     v = dataclasses.replace(compare(measured, predicted), measured_step_us=measured_step_us)
+    exposed_from = "the measured trace's spans"
+    if replayed is not None and replayed.spans:
+        v = dataclasses.replace(v, measured_exposed_us=replayed.exposed_comm_us(replayed.ranks[0]))
+        exposed_from = "a graph replay's kernels (torch.profiler)"
     by_op: dict[str, list[float]] = {}
     for o in v.ops:
         if o.measured_us > 0:
@@ -111,6 +312,7 @@ def comparison(measured, predicted, measured_step_us: float) -> dict:
                          "rel_error": v.step_error if v.measured_step_us else None},
         "exposed_comm_us": {"predicted": v.predicted_exposed_us,
                             "measured": v.measured_exposed_us, "abs_error_us": v.exposed_error_us},
+        "exposed_comm_source": exposed_from,
         "per_op": {n: {"median_rel_error": statistics.median(es), "n": len(es)}
                    for n, es in sorted(by_op.items())},
         "per_op_median_abs_rel_error": statistics.median(errs) if errs else None,

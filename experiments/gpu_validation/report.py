@@ -20,6 +20,12 @@ def table(report: dict) -> str:
         lines.append("**DRY RUN on the CPU: times are host wall-clock of a scaled-down model; "
                      "they mean nothing about a GPU.**\n")  # fmt: skip
     env = report["environment"]
+    rp = report.get("replay")
+    if rp:
+        lines.append(f"**REPLAY of {rp['archive']}** (recorded at commit "
+                     f"{str(rp.get('recorded_commit'))[:10]}): every schedule predicted again by "
+                     f"today's calibration and simulator (commit {str(rp.get('commit'))[:10]}); "
+                     "the measured side as recorded.\n")  # fmt: skip
     lines.append(f"device {env.get('device')}, preset {report['preset']}, model {report['model']}"
                  f" ({report['layers']} layers, EP {report['ep']} emulated), "
                  f"commit {str(env.get('commit'))[:10]}\n")  # fmt: skip
@@ -59,7 +65,10 @@ def table(report: dict) -> str:
     lines.append("")
     for key, case in report["cases"].items():
         if case.get("calibration_durations"):
-            lines.append(f"- {key}: profile rows from {case['calibration_durations']}")
+            gap = case.get("graph_kernel_gap_us") or {}
+            lines.append(f"- {key}: profile rows from {case['calibration_durations']}"
+                         + (f"; graph gap {gap['us']:.3f} µs per kernel ({gap['source']})"
+                            if gap else ""))  # fmt: skip
     for key, s in report.get("summary", {}).items():
         lines.append(f"- {key}: median |step error| {s['median_abs_step_error']:.1%}; ranking "
                      f"{'the same' if s['same_ranking'] else 'DIFFERS'} (predicted "

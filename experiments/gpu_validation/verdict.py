@@ -8,6 +8,25 @@ import statistics
 
 from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY
 
+NOT_COMPARABLE = {
+    "comm-only": "dispatch and combine alone (the link model on both sides; target: within "
+    "5 %): not a schedule, excluded from the error medians and the ranking",
+}
+#: why a schedule that runs pipeline stages (``schedules.supports_pp``) is not judged here
+PIPELINE_NOTE = (
+    "{name} runs every pipeline stage in one process on one GPU: not comparable with a "
+    "one-stage-per-GPU prediction; excluded from the error medians and the ranking"
+)
+
+
+def not_comparable(name: str) -> str | None:
+    """Why ``name``'s measurement is excluded from the verdict (None: it is judged)."""
+    from overlap_lab.shared import schedules as S
+
+    if name in NOT_COMPARABLE:
+        return NOT_COMPARABLE[name]
+    return PIPELINE_NOTE.format(name=name) if S.supports_pp(name) else None
+
 
 def ranking(step_us: dict[str, float]) -> list[str]:
     """Schedule names, fastest first."""
@@ -111,9 +130,19 @@ def verdict(cases: dict, targets: dict = TARGETS) -> dict:
     }  # fmt: skip
 
 
+#: The last line of a CPU dry run: its times are host wall-clock, so it judges nothing.
+DRY_RUN_LINE = (
+    "VERDICT: nothing judged (CPU dry run: host wall-clock times of a scaled-down model; the "
+    "loop ran end to end, {runs} runs predicted and compared)"
+)
+
+
 def verdict_line(v: dict, *, dry_run: bool = False) -> str:
-    """One line: PASS/FAIL with the numbers behind each check (the loop prints it last)."""
-    head = "VERDICT" + (" (CPU dry run: meaningless numbers)" if dry_run else "")
+    """One line: PASS/FAIL with the numbers behind each check (the loop prints it last); a dry
+    run's says that it judged nothing (:data:`DRY_RUN_LINE`)."""
+    if dry_run:
+        return DRY_RUN_LINE.format(runs=v.get("runs", 0))
+    head = "VERDICT"
     if v.get("reason"):
         return f"{head} FAIL: {v['reason']}"
     t, c = v["targets"], v["checks"]

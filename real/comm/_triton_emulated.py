@@ -23,13 +23,15 @@ def stamp_kernel(t_start):
 
 @triton.jit
 def send_kernel(
-    src, dst, stats, t_arrive, nv_lat_ns, nv_ns_per_byte, rd_lat_ns, rd_ns_per_byte, t_start,
+    src, dst, stats, t_arrive, nv_lat_ns, nv_ns_per_byte, rd_lat_ns, rd_ns_per_byte,
+    nv_chan_ns_per_byte, rd_chan_ns_per_byte, t_start,
     SPIN: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
 ):  # fmt: skip
     """Move this rank's remote bytes through HBM and stamp the modelled arrival time; with SPIN,
     hold the SMs until then. ``stats`` = [local, nvlink, rdma, messages] bytes on the device
-    (no host sync); delay = max over links of α + bytes/β (LinkParams.arrival_us), counted from
-    ``t_start`` (the op's start, stamped before its data path) with HAS_START, else from now."""
+    (no host sync); delay = max over links of α + bytes/β and of bytes / channel rate (0 ns per
+    byte: no channel bound) (LinkParams.arrival_us), counted from ``t_start`` (the op's start,
+    stamped before its data path) with HAS_START, else from now."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_START:
@@ -40,6 +42,8 @@ def send_kernel(
     rd = tl.load(stats + 2)
     d_nv = tl.where(nv > 0, nv_lat_ns + nv.to(tl.float32) * nv_ns_per_byte, 0.0)
     d_rd = tl.where(rd > 0, rd_lat_ns + rd.to(tl.float32) * rd_ns_per_byte, 0.0)
+    d_nv = tl.maximum(d_nv, nv.to(tl.float32) * nv_chan_ns_per_byte)
+    d_rd = tl.maximum(d_rd, rd.to(tl.float32) * rd_chan_ns_per_byte)
     delay = tl.maximum(d_nv, d_rd).to(tl.int64)
     n_words = (nv + rd) // 4
     if pid == 0:

@@ -112,7 +112,9 @@ def bytes_from_rank_counts(
 
 @dataclass(frozen=True)
 class LinkParams:
-    """The α-β link model of one rank: bandwidth per direction in GB/s (1e9 B/s), latency µs."""
+    """The α-β link model of one rank: bandwidth per direction in GB/s (1e9 B/s), latency µs,
+    and the DeepEP release whose normal kernels' channel rate on few SMs bounds a send
+    (``shared.ir.links.channel_rates``)."""
 
     name: str = "h100-nvlink-rdma"
     nvlink_gbps: float = 450.0
@@ -120,15 +122,25 @@ class LinkParams:
     rdma_gbps: float = 50.0
     rdma_lat_us: float = 5.0
     gpus_per_node: int = 8
+    release: str = "v1"
 
-    def arrival_us(self, b: ByteCount | dict) -> float:
+    def arrival_us(self, b: ByteCount | dict, sms: int | None = None) -> float:
         """Modelled time from send to arrival of the last byte: the simulator's link model
         (``shared.ir.links.arrival_us``: links in parallel, each α + bytes/β; zero for purely
-        local traffic), on a ByteCount or bytes per link kind."""
+        local traffic), on a ByteCount or bytes per link kind; ``sms``: a normal kernel's SMs,
+        whose channels may bound it below the links' rate (:meth:`channel_rates`)."""
         from overlap_lab.shared.ir.links import arrival_us
 
         nb = b if isinstance(b, dict) else {"nvlink": b.nvlink, "rdma": b.rdma}
-        return arrival_us(nb, *self.links())
+        return arrival_us(nb, *self.links(), self.channel_rates(sms))
+
+    def channel_rates(self, sms: int | None) -> dict[str, float]:
+        """Bytes per µs per link kind a normal kernel on ``sms`` SMs moves where its channels
+        bound it (``shared.ir.links.channel_rates``, the simulator's rule); {} for ``None`` (the
+        low-latency kernels: no channel bound)."""
+        from overlap_lab.shared.ir.links import channel_rates
+
+        return {} if sms is None else channel_rates(self.links()[0], self.release, sms)
 
     def links(self) -> tuple[dict[str, float], dict[str, float]]:
         """(bytes per µs, latency µs) per link kind, as ``shared.ir.links.gpu_links`` gives them
@@ -150,4 +162,5 @@ class LinkParams:
             nvlink_lat_us=gpu.nvlink_lat_us,
             rdma_gbps=gpu.rdma_eff_gbps or gpu.rdma_gbps,
             rdma_lat_us=gpu.rdma_lat_us,
+            release=gpu.deepep_release,
         )

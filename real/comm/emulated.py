@@ -7,7 +7,8 @@ Time and SMs (real_executor_notes.md §5.3): Triton kernels launch the CTAs Deep
 (normal mode: ``num_sms`` CTAs; low-latency: ``ceil(E / ceil(E / device_SMs))`` CTAs), move the
 bytes this rank would send to peers through HBM (a copy of that many bytes), and hold their SMs
 until the modelled arrival time ``t_start + α + bytes/β`` (real.comm.bytes.LinkParams) read from
-``%globaltimer``. With a receive hook the send kernel only copies and stamps ``t_arrive``; the
+``%globaltimer``, and a normal kernel at least until its channels on those CTAs have moved the
+bytes (``bytes / channel rate``: ``shared.ir.links.channel_rates``, the simulator's rule). With a receive hook the send kernel only copies and stamps ``t_arrive``; the
 hook launches a receive kernel on the current stream that spins until ``t_arrive`` (at once if
 compute has already passed it), so nothing is resident in between, as with DeepEP's hook.
 The byte counts reach the kernels as a device tensor ([local, nvlink, rdma, messages], from
@@ -178,14 +179,22 @@ class EmulatedBackend(LoopbackBackend):
             if rec.get("planned") is not None:  # the Program's bytes, as the simulator's
                 nb = rec["planned"]
                 r.update(remote_bytes=nb["nvlink"] + nb["rdma"], bytes=dict(nb),
-                         delay_us=self.link.arrival_us(nb), bytes_from="program")  # fmt: skip
+                         delay_us=self.link.arrival_us(nb, self._channel_sms(rec)),
+                         bytes_from="program")  # fmt: skip
                 out.append(r)
                 continue
             b = ByteCount(*(int(v) for v in rec["stats"].tolist()))
             r.update(remote_bytes=b.remote, bytes={"nvlink": b.nvlink, "rdma": b.rdma},
-                     delay_us=self.link.arrival_us(b), bytes_from="routing")  # fmt: skip
+                     delay_us=self.link.arrival_us(b, self._channel_sms(rec)),
+                     bytes_from="routing")  # fmt: skip
             out.append(r)
         return out
+
+    @staticmethod
+    def _channel_sms(rec: dict) -> int | None:
+        """The SMs whose channels bound a send: a normal kernel's CTAs (one per SM); None for
+        the low-latency kernels (no channel bound, as in the simulator)."""
+        return rec["ctas"] if rec["kind"].startswith("normal") else None
 
     def _exchange_start(self, chunks, kind: str) -> Pending:
         """Normal mode (and the variable LL path): rows counted on the host already."""
@@ -223,6 +232,7 @@ class EmulatedBackend(LoopbackBackend):
         src, dst = self._buffers(words, device)
         t_arrive = torch.full((1,), _UNSET, dtype=torch.int64, device=device)
         L = self.link
+        chan = L.channel_rates(self._channel_sms(rec))  # bytes/µs = 1e-3 bytes/ns
         send_kernel[(rec["ctas"],)](
             src,
             dst,
@@ -232,6 +242,8 @@ class EmulatedBackend(LoopbackBackend):
             1.0 / L.nvlink_gbps,
             L.rdma_lat_us * 1e3,
             1.0 / L.rdma_gbps,
+            1e3 / chan["nvlink"] if "nvlink" in chan else 0.0,
+            1e3 / chan["rdma"] if "rdma" in chan else 0.0,
             t_start if t_start is not None else t_arrive,
             SPIN=not hook_split,
             BLOCK=1024,

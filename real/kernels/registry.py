@@ -123,6 +123,14 @@ class Bindings:
                 out[fam] = out.get(fam, 0) + 1
         return dict(sorted(out.items()))
 
+    def bound_by(self, names: Iterable[str], family: str) -> list[str]:
+        """The op names of ``names`` that ``family`` binds, sorted."""
+        return sorted({n for n in names if self._source(n) == family})
+
+    def _source(self, name: str) -> str | None:
+        table, key = self._entry(name)
+        return table.source.get(key)
+
 
 def bindings(prefer: Sequence[str | KernelFamily] = ()) -> Bindings:
     """The kernels of a run: the families of ``prefer`` (registered names or

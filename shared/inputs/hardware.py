@@ -86,6 +86,13 @@ class GPU:
     deepep_release: str = knob(
         "v1", "DeepEP release of the normal kernels: v1 or v2", choices=("v1", "v2")
     )
+    graph_kernel_gap_us: float = knob(
+        0.0,
+        "GPU-side gap before each kernel of a replayed CUDA graph",
+        unit="µs",
+        lo=0,
+        hi=1e3,
+    )
 
     def __post_init__(self) -> None:
         """Each field's type and sign, then what one field alone cannot say. The ranges of the

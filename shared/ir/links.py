@@ -13,6 +13,13 @@ An uncontended flow in the simulator arrives exactly ``latency + bytes / bandwid
 leaves (one flow per link kind of a symmetric rank: nothing to share the link with); with
 contention (several collectives in flight on one link) the simulator's max-min sharing is slower
 and the emulation, one collective at a time, does not model it.
+
+DeepEP's normal kernels move their bytes through channels, a pair of SMs each: on fewer SMs
+than saturate a link their rate is the SMs' share of it (``shared.ir.deepep.deepep_normal_rate``),
+so such a kernel lasts at least ``bytes / channel rate`` (:func:`channel_rates`,
+:func:`channel_us`). The simulator holds a normal kernel that long (``sim.cost``); the emulated
+backend holds its send kernel until the same time (``arrival_us`` given the channel rates):
+at the 20 SMs of DeepEP's default ``Buffer`` a V1 kernel moves 20/24 of the link's rate.
 """
 
 from __future__ import annotations
@@ -30,15 +37,45 @@ def arrival_us(
     nbytes: Mapping[str, float],
     bytes_per_us: Mapping[str, float],
     latency_us: Mapping[str, float],
+    channel_bytes_per_us: Mapping[str, float] | None = None,
 ) -> float:
     """Time from send to the last byte's arrival: per link kind with bytes, ``latency +
-    bytes / bandwidth``; kinds run in parallel (the max); 0 for no remote bytes (local copies
-    stay in HBM)."""
+    bytes / bandwidth``, and no less than ``bytes / channel rate`` where the sending kernel's
+    channels bound it (``channel_bytes_per_us``, :func:`channel_rates`); kinds run in parallel
+    (the max); 0 for no remote bytes (local copies stay in HBM)."""
     t = 0.0
     for kind in LINK_KINDS:
         b = float(nbytes.get(kind, 0.0))
         if b > 0:
             t = max(t, latency_us[kind] + b / bytes_per_us[kind])
+    return max(t, channel_us(nbytes, channel_bytes_per_us or {}))
+
+
+def channel_rates(bytes_per_us: Mapping[str, float], release: str, sms: int) -> dict[str, float]:
+    """Per link kind, the rate (bytes per µs) DeepEP ``release``'s normal kernels on ``sms`` SMs
+    move where their channels, not the link, bound it (``shared.ir.deepep``: the link's rate
+    times ``sms`` over the release's saturating SMs); kinds the SMs saturate are left out, and
+    so is everything for a kernel that holds no SMs (a completion marker)."""
+    from overlap_lab.shared.ir.deepep import deepep_normal_fraction
+
+    out: dict[str, float] = {}
+    if sms <= 0:
+        return out
+    for kind in LINK_KINDS:
+        f = deepep_normal_fraction(release, sms, kind)
+        if f < 1.0:
+            out[kind] = bytes_per_us[kind] * f
+    return out
+
+
+def channel_us(nbytes: Mapping[str, float], channel_bytes_per_us: Mapping[str, float]) -> float:
+    """How long channels at ``channel_bytes_per_us`` (:func:`channel_rates`) need to move
+    ``nbytes`` per link kind, kinds in parallel; 0 where no kind is channel-bound."""
+    t = 0.0
+    for kind, rate in channel_bytes_per_us.items():
+        b = float(nbytes.get(kind, 0.0))
+        if b > 0:
+            t = max(t, b / rate)
     return t
 
 
