@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from overlap_lab.checks import check_overrides, verify_tokens
 from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
@@ -106,6 +106,7 @@ def gpu(spec: str | Path | GPU = "h800", **overrides: Any) -> GPU:
     bad = sorted(set(overrides) - known)
     if bad:
         raise ConfigError(f"unknown gpu field {bad[0]!r}; fields are {', '.join(sorted(known))}")
+    check_overrides(overrides)  # the fields' ranges, as the command line's options check them
     for link in ("nvlink", "rdma"):  # as the command line: DeepEP's rate follows the line rate
         nominal, eff = overrides.get(f"{link}_gbps"), f"{link}_eff_gbps"
         if nominal is not None and eff not in overrides and getattr(g, eff) > 0:
@@ -128,7 +129,7 @@ def workload(
     batch: int | None = None,
     kv_len: int = 4096,
     kv_lens: Sequence[int] | None = None,
-    tokens_per_seq: int = 1,
+    tokens_per_seq: int | None = None,
     extend_len: int = 4096,
     extend_lens: Sequence[int] | None = None,
     prefix_len: int = 0,
@@ -146,13 +147,16 @@ def workload(
     Decode: ``batch`` sequences of ``kv_len`` cached tokens (or explicit ``kv_lens``), each
     computing ``tokens_per_seq`` tokens. Prefill: ``batch`` sequences of ``extend_len`` new
     tokens over ``prefix_len`` cached ones (or explicit ``extend_lens``/``prefix_lens``).
-    ``mtp``: multi-token-prediction modules (None: the model's own; they run in decode steps of
-    more than one token per sequence, verifying the draft tokens)."""
+    ``mtp``: MTP draft steps per decode step, each a run of the model's MTP module; the step
+    then verifies ``mtp + 1`` tokens per sequence (``checks.verify_tokens``). None: the model's
+    own module drafts ``tokens_per_seq - 1`` tokens (default 1: no drafts); 0: no MTP."""
+    mode = str(mode).lower()  # as the command line: names are case-insensitive
     if mode not in ("decode", "prefill"):
-        raise ConfigError(f"--mode must be decode or prefill, got {mode!r}")
+        raise ConfigError(f"mode must be decode or prefill, got {mode!r}", names=("mode",))
     m = model(model_spec, layers=layers)
-    if mtp is not None and mtp != m.mtp:
-        m = replace(m, mtp=mtp)
+    tokens_per_seq = verify_tokens(mtp, tokens_per_seq, mode)
+    if mtp is not None and (mtp == 0) != (m.mtp == 0):  # off, or a module where it has none
+        m = replace(m, mtp=min(mtp, 1))
     if mode == "decode":
         if kv_lens is not None:
             b = Batch.decode(batch, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq)
@@ -194,10 +198,20 @@ class Ranks:
     reduce: bool = True
 
     def __post_init__(self) -> None:
+        from overlap_lab.shared.inputs.routing import parse_imbalance
+
+        names = ("imbalance", "dp_imbalance", "ranks")
         if self.mode not in ("symmetric", "explicit"):
-            raise ConfigError(f"ranks must be symmetric or explicit, got {self.mode!r}")
+            raise ConfigError(
+                f"ranks must be symmetric or explicit, got {self.mode!r}", names=names
+            )
         if not 0.0 <= self.dp_imbalance < 1.0:
-            raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {self.dp_imbalance}")
+            raise ConfigError(
+                f"dp_imbalance must lie in [0, 1), got {self.dp_imbalance}", names=names
+            )
+        skewed = parse_imbalance(self.imbalance).kind != "balanced" or self.dp_imbalance > 0
+        if skewed and self.mode == "symmetric":  # refused when the record is made: before a run
+            raise ConfigError("imbalance and dp_imbalance need ranks explicit", names=names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,12 +311,16 @@ class Result:
         """``profile`` and ``cost_sources`` (``sim.calibrate.add_provenance``'s keys); a reduced
         run's ranks hold rank 0's ops (only flow destinations differ, which no duration source
         reads): rank 0's counts times the ranks."""
+        from overlap_lab.caveats import result_caveats
         from overlap_lab.sim.calibrate import cost_sources, profile_name
+        from overlap_lab.sources import cost_share
 
         p = self.program
         one = _one_of_alike(p, self.trace)
         out["profile"] = profile_name(self.profile)
         out["cost_sources"] = cost_sources(one, self.gpu, self.profile, self.cost_model)
+        out["cost_share"] = cost_share(self)  # of rank 0's kernel time, by source
+        out["caveats"] = [c.line() for c in result_caveats(self)]
         dropped = None if self.profile is None else self.profile.for_gpu(self.gpu)[1]
         if dropped and dropped not in out.setdefault("notes", []):
             out["notes"].append(dropped)  # which measured rows the GPU's overrides invalidate
@@ -503,10 +521,6 @@ def lower_ranks(program: Program, w: Workload, g: GPU, r: Ranks) -> Program:
     from overlap_lab.shared.inputs.routing import dp_token_counts, parse_imbalance, routing_for
 
     imb = parse_imbalance(r.imbalance)
-    if r.mode == "symmetric":
-        if imb.kind != "balanced" or r.dp_imbalance > 0:
-            raise ConfigError("--imbalance and --dp-imbalance need --ranks explicit")
-        return program
     if not program.symmetric:  # a pipeline's Program lists its ranks itself
         raise ConfigError(
             f"--ranks explicit does not apply to --schedule {program.meta.schedule} (its Program "
@@ -533,6 +547,14 @@ class CompareRow:
     speedup: float | None
     baseline: str
     note: str
+
+    @property
+    def cost_share(self) -> dict[str, float]:
+        """The share of rank 0's kernel time timed from each source (profile, roofline, link;
+        ``overlap_lab.sources.cost_share``); empty when the schedule refused."""
+        from overlap_lab.sources import cost_share
+
+        return {} if self.result is None else cost_share(self.result)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -572,65 +594,19 @@ class Comparison:
     def as_dicts(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.rows]
 
-    def text(self) -> str:
-        """The table ``overlap-lab compare`` prints, with the footnotes that say how."""
-        b = self.baseline
-        w = b.workload
-        head = (
-            f"{'schedule':<15}{'GPUs':>6}{'iters':>6}{'ms/iter':>10}{'tok/s/GPU':>11}"
-            f"{'tok/s/node':>12}{'vs ' + BASELINE:>10}{'exposed comm':>14}  note"
-        )
-        lines = [
-            f"{w.model.label} {w.batch.mode} on {b.gpu.name}: {w.batch.num_seqs} seqs "
-            f"({w.batch.num_tokens} tokens) per GPU, EP {w.parallel.ep}, "
-            f"{w.parallel.gpus_per_node} GPUs per node",
-            head,
-        ]
-        for row in self.rows:
-            res = row.result
-            if res is None:
-                lines.append(
-                    f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}{'-':>14}  {row.note}"
-                )
-                continue
-            m = res.metrics
-            exposed = m.exposed_comm_us / 1e3
-            lines.append(
-                f"{row.schedule:<15}{m.gpus:>6}{m.iterations:>6}{m.iteration_us / 1e3:>10.3f}"
-                f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
-                f"{exposed:>11.3f} ms  {row.note}"
-            )
-        ran = [r for r in self.rows if r.result is not None]
-        windows = [registry.window_note(r.schedule, self.config) for r in ran]
-        staged = [r.schedule for r in ran if r.result.workload.parallel.pp > 1]
-        from overlap_lab.sensitivity import INPUTS
+    def caveats(self) -> list[str]:
+        """One line per caveat of the comparison (``overlap_lab.caveats``): what a result rests
+        on that the model treats roughly, each printed once for the schedules it concerns."""
+        from overlap_lab.caveats import comparison_caveats
 
-        slow = 100 * (next(i for i in INPUTS if i.name == "interference").hi - 1)
-        notes = [
-            "ms/iter: each schedule's simulated window divided by its scheduler iterations "
-            "(iters). One-step schedules simulate one iteration: their host waits for each "
-            "step's result before scheduling the next, so N iterations take N times as long."
-            + "".join(f" {n}" for n in windows if n),
-            f"vs {BASELINE}: tokens/s per GPU over {BASELINE}'s on the same GPUs"
-            + (
-                f" ({', '.join(staged)}: {BASELINE} on its stages x EP GPUs, the same sequences "
-                "in flight)."
-                if staged
-                else "."
-            ),
-            "exposed comm: per iteration, time with communication in flight and no compute "
-            "kernel running (rank 0).",
-            "Overlap gains assume kernels running together slow each other only through the "
-            f"SMs and HBM they share; measured on an H200, kernels lost up to {slow:.0f} % more "
-            "beside decode-size GEMMs (docs/sm-sharing.md), so gains from overlapping GEMMs are "
-            "optimistic.",
-        ]
-        lines.append("")
-        for n in notes:
-            lines += textwrap.wrap(n, 100, subsequent_indent="  ", break_on_hyphens=False)
-        if self.sensitivity is not None:
-            lines.append(self.sensitivity.text())
-        return "\n".join(lines)
+        return [c.line() for c in comparison_caveats(self)]
+
+    def text(self) -> str:
+        """The table ``overlap-lab compare`` prints, with the footnotes that say how
+        (``overlap_lab.compare_table``)."""
+        from overlap_lab.compare_table import comparison_text
+
+        return comparison_text(self)
 
 
 def compare(
@@ -667,8 +643,10 @@ def compare(
     """
     from tqdm import tqdm
 
+    from overlap_lab.sensitivity import design_from
     from overlap_lab.sim.models import check_model_names
 
+    design = design_from(sensitivity)  # a bad design: one line before anything runs
     names = list(dict.fromkeys(s.strip() for s in (schedules or SCHEDULES) if s.strip()))
     for n in names:
         if n not in SCHEDULES:
@@ -695,17 +673,16 @@ def compare(
     check_model_names(cost_model, network)  # a bad name or profile: one line, before the bar
     if cost_model is None or isinstance(cost_model, str):
         resolve_profile(profile, g)
+    base = run(BASELINE, w1)  # before the bar: a refusal of the workload is one line alone
     # in a terminal the bar is erased when done; written to a file (stderr redirected, often
     # with stdout) its last state is kept and ends its line, so the table starts on its own
     bar = tqdm(
-        total=len(names) + 1,
+        total=len(names),
         desc="simulating",
         unit="schedule",
         disable=not progress,
         leave=not sys.stderr.isatty(),
     )
-    base = run(BASELINE, w1)
-    bar.update()
     rows = []
     for n in names:
         if n == BASELINE:
@@ -731,7 +708,7 @@ def compare(
         rows.append(CompareRow(n, res, speedup, label, note))
     bar.close()
     table = Comparison(tuple(rows), base, cfg)
-    if sensitivity is None or sensitivity is False:
+    if design is None:
         return table
     from overlap_lab.sensitivity import sensitivity as over_design
 
@@ -751,7 +728,7 @@ def compare(
         cost_model = build(cost_model, resolve_profile(profile, g))[0]
     s = over_design(
         table,
-        sensitivity,
+        design,
         cost_model=cost_model,
         network=network,
         profile=profile,

@@ -50,6 +50,19 @@ def parse_ints(text: str | None, what: str) -> tuple[int, ...]:
     return vals
 
 
+def parse_sizes(text: str, mode: str) -> tuple[int, ...]:
+    """``--sizes``, each within what one workload may hold: a decode size is a batch of that
+    many sequences, a prefill size one sequence of that many tokens (:func:`sized_workload`);
+    beyond, building the batch overflows or exhausts memory before anything runs."""
+    from overlap_lab.shared.schedules.common import MAX_SEQS, MAX_TOKENS
+
+    sizes = parse_ints(text, "--sizes")
+    limit, what = (MAX_SEQS, "sequences") if mode == "decode" else (MAX_TOKENS, "tokens")
+    if max(sizes) > limit:
+        raise ConfigError(f"--sizes: {max(sizes)} is beyond {limit} ({what} per rank in {mode})")
+    return sizes
+
+
 def sized_workload(w: Workload, tokens: int) -> Workload:
     """``w`` with ``tokens`` tokens per rank: decode keeps its KV length, prefill its layout
     (one sequence of ``tokens`` new tokens)."""

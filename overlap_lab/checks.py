@@ -4,8 +4,12 @@
   and the simulator's own (an explicit-rank run's routing draw and Program against this
   machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
   swapping the machine to a halt.
-- Routing files: a regular text file of finite, sensible numbers.
-- Hardware values that look typed in another unit (:func:`implausible`): taken, but said.
+- Routing files: a regular text file of finite, sensible numbers; routing options that fit the
+  model (:func:`check_ranks`).
+- Own knobs given to schedules none of which reads them (:func:`check_knobs_read`).
+- Hardware overrides (:func:`check_overrides`): each in its field's range (the knob record's,
+  which the command line's options check too), and one that looks typed in another unit
+  (:func:`implausible`) taken, but said.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields
@@ -160,8 +166,8 @@ def _fastest_presets() -> dict[str, tuple[float, str]]:
 def implausible(values: Mapping[str, float | None]) -> list[str]:
     """What to say of the hardware values given (``values``: GPU field -> the value, None: not
     given) above :data:`IMPLAUSIBLE` times the fastest built-in preset's: such a value is taken,
-    but is most likely in another unit (``--rdma-gbps 400`` for a 400 Gb/s NIC, which is
-    50 GB/s)."""
+    but is most likely in another unit (``rdma_gbps 400`` for a 400 Gb/s NIC, which is 50 GB/s).
+    Each names its field as the API does; the command line shows its option."""
     records = {k.name: k for k in gpu_fields()}
     out = []
     for field, (top, name) in _fastest_presets().items():
@@ -171,7 +177,83 @@ def implausible(values: Mapping[str, float | None]) -> list[str]:
         unit = records[field].unit
         hint = " (a link sold in Gb/s: divide by 8)" if unit == "GB/s" else ""
         out.append(
-            f"{records[field].flag} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
+            f"{field} {v:g} {unit} is over {IMPLAUSIBLE:g}x the fastest built-in "
             f"GPU's ({name}: {top:g} {unit}); is it in {unit}?{hint}"
         )
     return out
+
+
+class ImplausibleValue(UserWarning):
+    """A hardware value taken that most likely is in another unit (:func:`implausible`)."""
+
+
+def check_overrides(overrides: Mapping[str, float]) -> None:
+    """GPU fields given to replace a preset's (``overlap_lab.gpu(..., hbm_gbps=...)``, which the
+    command line's hardware options call): each within its knob record's range, the same as the
+    option's (``hbm_gbps=3.35`` is TB/s typed as GB/s: refused, naming ``hbm_gbps``); a value in
+    range that looks typed in another unit is an :class:`ImplausibleValue` warning."""
+    records = {k.name: k for k in gpu_fields()}
+    for name, v in overrides.items():
+        records[name].validate(v)
+    for msg in implausible(overrides):
+        warnings.warn(msg, ImplausibleValue, stacklevel=3)
+
+
+def verify_tokens(mtp: int | None, tokens_per_seq: int | None, mode: str) -> int:
+    """Tokens per sequence a decode step computes, given ``mtp`` MTP draft steps (None: the
+    model's own module drafts ``tokens_per_seq - 1``; 0: none): with ``mtp`` N >= 1 the MTP module
+    runs N times per step (SGLang's EAGLE worker, ``speculative_num_steps``: the draft extend
+    after verification, then N - 1 draft decodes, each a forward of DeepSeek-V3's one module,
+    python/sglang/srt/speculative/eagle_worker.py) and the step verifies N + 1 tokens per
+    sequence (``speculative_num_draft_tokens = speculative_num_steps + 1`` at top-k 1,
+    python/sglang/srt/server_args.py), so a ``tokens_per_seq`` given otherwise is refused."""
+    if mtp is None or mtp == 0:
+        return 1 if tokens_per_seq is None else tokens_per_seq
+    names = ("mtp", "tokens_per_seq")
+    if mode != "decode":
+        raise ConfigError(f"mtp applies to decode steps, not {mode}", names=names)
+    if tokens_per_seq not in (None, mtp + 1):
+        raise ConfigError(
+            f"mtp {mtp} drafts {mtp} tokens per sequence, so the step verifies {mtp + 1} "
+            f"(tokens_per_seq {mtp + 1}, SGLang's draft tokens = steps + 1), got "
+            f"tokens_per_seq {tokens_per_seq}",
+            names=names,
+        )
+    return mtp + 1
+
+
+def check_ranks(model: Any, group_limited: bool | None, imbalance: str) -> None:
+    """Routing options against the model: group-limited routing needs expert groups, and a
+    routing file (``file:PATH``) must hold the model's experts and top-k (:func:`check_routing_file`)."""
+    from overlap_lab.shared.inputs.routing import parse_imbalance
+
+    if group_limited and model.n_group <= 1:
+        raise ConfigError(
+            f"group_limited true needs a model with expert groups; {model.name} has none "
+            "(n_group 1)",
+            names=("group_limited",),
+        )
+    imb = parse_imbalance(imbalance)
+    if imb.kind == "file":
+        check_routing_file(imb.path, model.num_experts, model.top_k)
+
+
+def partial_knob_readers() -> dict[str, tuple[str, ...]]:
+    """Schedule knobs read by only some schedules -> those schedules (each schedule module
+    declares its own, ``shared.schedules.knob_readers``)."""
+    from overlap_lab.shared.schedules import SCHEDULES, knob_readers
+
+    return {n: r for n, r in knob_readers().items() if len(r) < len(SCHEDULES)}
+
+
+def check_knobs_read(given: Mapping[str, Any], schedules: Sequence[str]) -> None:
+    """Refuse a schedule knob given (``given``: knob -> value; None, empty or False: not given)
+    that none of ``schedules`` reads: it would change nothing."""
+    for name, owners in partial_knob_readers().items():
+        v = given.get(name)
+        if v is None or v == () or v is False or set(schedules) & set(owners):
+            continue
+        raise ConfigError(
+            f"{name} applies to schedule {' or '.join(owners)} only, not {', '.join(schedules)}",
+            names=(name, "schedule"),
+        )

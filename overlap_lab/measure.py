@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.schedules import ScheduleConfig
@@ -25,8 +26,13 @@ def schedules_to_run(name: str | None) -> list[str]:
     named, after serial (the equivalence check's reference)."""
     from overlap_lab.shared import schedules as S
 
-    if name in (None, "all"):
-        return S.available()
+    if name in (None, "all"):  # every schedule that loads; a broken plug-in is said, not run
+        from overlap_lab.shared.inputs.preset_files import note
+
+        for _, upstream, why in S.describe():
+            if upstream is None:
+                note(f"not checked: {why}")
+        return S.loadable()
     S.module(name)  # ConfigError for an unknown or missing schedule
     return [S.BASELINE, name] if name != S.BASELINE else [S.BASELINE]
 
@@ -41,6 +47,7 @@ def check_on_cpu(
     tolerance: float | None,
     cfg: ScheduleConfig | None,
     kernels: Sequence[str] = (),
+    command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Each schedule of ``names`` against serial on the CPU (``ranks`` > 1: through that many
     gloo processes, against one process), on the tiny ``model``'s own workloads. The report:
@@ -48,7 +55,11 @@ def check_on_cpu(
     ``max_rel_diff_vs_one_process`` with ``ranks``), errors, skipped schedules, ``unsplit`` (the
     schedules that ran one micro-batch on some workload, so checked less than a split) and
     ``ok``. ``kernels``: kernel families whose kernels bind their ops first
-    (:func:`kernel_families`), on both sides of every comparison."""
+    (:func:`kernel_families`), on both sides of every comparison. ``provenance``: what ran
+    (``provenance.check_record``, with ``command`` as typed; the check writes no file)."""
+    from overlap_lab.provenance import check_record
+
+    asked = cfg
     from overlap_lab.real.check import (
         DEFAULT_TOLERANCE,
         check_equivalence,
@@ -57,7 +68,7 @@ def check_on_cpu(
         unsplit_runs,
     )
 
-    cfg = split_config(cfg)  # the tiny workloads reach vllm-dbo's split path
+    cfg = split_config(cfg, names)  # the tiny workloads reach vllm-dbo's split path
     tol = tolerance or DEFAULT_TOLERANCE
     workloads = default_workloads(model, ep=max(2, ranks))
     out: dict = {"device": "cpu", "model": model, "tolerance": tol}
@@ -95,6 +106,10 @@ def check_on_cpu(
         )
         ok = cr.ok
     out["ok"] = ok
+    out["provenance"] = check_record(
+        command, names, model=model, gpu=gpu, ranks=ranks, seed=seed, tolerance=tol,
+        cfg=asked, kernels=list(kernels),
+    )  # fmt: skip
     return out
 
 
@@ -113,6 +128,43 @@ def kernel_families() -> list[str]:
     from overlap_lab.real.kernels.registry import FAMILIES
 
     return FAMILIES.names()
+
+
+def run_choices(device: str, backend: str, kernels: str | Sequence[str]) -> tuple:
+    """``device``, ``backend`` and ``kernels`` of a run checked and as the executor takes them
+    (lower case where the registered name is, kernels as a tuple), or a ConfigError naming the
+    parameter; a device other than cpu needs torch with a CUDA GPU, said before anything runs."""
+    device, backends, families = str(device).lower(), comm_backends(), kernel_families()
+    backend = str(backend)
+    backend = (
+        backend.lower() if backend not in backends and backend.lower() in backends else backend
+    )
+    if backend not in backends:
+        raise ConfigError(
+            f"backend must be one of {', '.join(backends)}, got {backend!r}", names=("backend",)
+        )
+    kernels = tuple(k for k in kernels.split(",") if k) if isinstance(kernels, str) else kernels
+    unknown = [k for k in kernels if k not in families]
+    if unknown:
+        raise ConfigError(
+            f"kernels: unknown kernel family {unknown[0]!r}; choose from {', '.join(families)}",
+            names=("kernels",),
+        )
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(
+            f"device must be one of auto, cuda, cpu, got {device!r}", names=("device",)
+        )
+    if device != "cpu":
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError("run: the real executor needs torch (pip install torch)") from None
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check "
+                "for the CPU equivalence check"
+            )
+    return device, backend, tuple(kernels)
 
 
 def comm_backend(name: str, w: Workload, gpu: GPU):

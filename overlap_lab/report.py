@@ -64,18 +64,21 @@ def summary(res: Mapping[str, Any]) -> str:
         say(f"  communication SMs {res['comm_sms']}")
     for note in res.get("notes", []):
         say(f"  note: {note}")
+    for caveat in res.get("caveats", []):
+        say(f"  {caveat}")
     for lane, busy in sorted(res["busy_us"].items()):
         say(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms{per}")
     return "\n".join(lines)
 
 
-def title(result: Any) -> str:
+def workload_title(result: Any) -> str:
     """The workload in a figure's title: model, mode, batch, layout, GPU."""
     w = result.workload
     lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
+    tok = f" ({w.batch.num_tokens} tok)" if w.batch.num_tokens != w.batch.num_seqs else ""
     return (
-        f"{result.schedule}: {w.model.label} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU "
-        f"({w.batch.num_tokens} tok), {lay}, {result.gpu.name}"
+        f"{result.schedule}: {w.model.label} {w.batch.mode}, {w.batch.num_seqs} seqs/GPU{tok}, "
+        f"{lay}, {result.gpu.name}"
     )
 
 
@@ -88,15 +91,21 @@ def write_run(
     window: str = "auto",
     rank: int | None = None,
     width: str = "double",
+    title: str | None = None,
 ) -> list[Path]:
     """``out/trace.json`` (with ``provenance``) and ``out/timeline.<figure_format>`` of one
-    simulated run (an ``overlap_lab.api.Result``); the paths written."""
+    simulated run (an ``overlap_lab.api.Result``), headed ``title`` (None: the workload, '':
+    none); the paths written."""
     from overlap_lab.figures import save_timeline
 
     out.mkdir(parents=True, exist_ok=True)
     result.trace.to_chrome(out / "trace.json", provenance=provenance)
     fig = out / f"timeline.{figure_format}"
-    save_timeline(result.trace, fig, window=window, rank=rank, width=width, title=title(result))
+    head = workload_title(result) if title is None else title  # a title given: all of it
+    save_timeline(
+        result.trace, fig, window=window, rank=rank, width=width, title=head,
+        say_window=title is None,
+    )  # fmt: skip
     return [out / "trace.json", fig]
 
 
@@ -109,20 +118,25 @@ def write_comparison(
     window: str = "auto",
     rank: int | None = None,
     width: str = "double",
+    title: str | None = None,
 ) -> list[Path]:
-    """The figures of a comparison (an ``overlap_lab.api.Comparison``): its sensitivity ranges
-    when it has them (docs/uncertainty.md) and the stacked timelines; then each schedule's trace
-    (``trace_<schedule>.json``, with ``provenance_of(result)``). The figures' paths."""
+    """The figures of a comparison (an ``overlap_lab.api.Comparison``), headed ``title`` (None:
+    the workload, '': none): its sensitivity ranges when it has them (docs/uncertainty.md) and
+    the stacked timelines; then each schedule's trace (``trace_<schedule>.json``, with
+    ``provenance_of(result)``). The figures' paths."""
     from overlap_lab.figures import compare_timelines, sensitivity_ranges
 
     out.mkdir(parents=True, exist_ok=True)
-    head = title(table.baseline).split(": ", 1)[1]
+    head = workload_title(table.baseline).split(": ", 1)[1] if title is None else title
     files = []
     if table.sensitivity is not None:
         files.append(out / f"sensitivity.{figure_format}")
         sensitivity_ranges(table.sensitivity, files[-1], title=head)
     files.append(out / f"compare.{figure_format}")
-    compare_timelines(table, files[-1], window=window, rank=rank, width=width, title=head)
+    compare_timelines(
+        table, files[-1], window=window, rank=rank, width=width, title=head,
+        say_window=title is None,
+    )  # fmt: skip
     for row in table.rows:
         if row.result is not None:
             row.result.trace.to_chrome(

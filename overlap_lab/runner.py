@@ -196,7 +196,9 @@ class Local:
 
     def __post_init__(self) -> None:
         if self.processes is not None and self.processes < 1:
-            raise ConfigError(f"processes must be at least 1, got {self.processes}")
+            raise ConfigError(
+                f"processes must be at least 1, got {self.processes}", names=("processes",)
+            )
 
     def workers(self, cases: int) -> int:
         """How many processes ``cases`` cases run on (1: this one)."""

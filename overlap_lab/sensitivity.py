@@ -147,12 +147,12 @@ INPUTS: tuple[Input, ...] = (
     ),
     Input(
         "rdma",
-        "effective RDMA rate of DeepEP kernels (46 GB/s per GPU on H800 / ConnectX-7)",
+        "effective RDMA rate of DeepEP kernels (44 GB/s per GPU over the NIC on H800 / ConnectX-7)",
         0.85,
-        1.25,
+        1.1,
         "published tables",
-        "DeepEP README: 43-58 GB/s RDMA bottleneck bandwidth measured on CX7 (normal and "
-        "low-latency kernels); the line rate is 50 GB/s",
+        "DeepEP README: its internode rows over the NIC (shared.ir.deepep.nic_gbps) are 33-40 "
+        "GB/s (2025-02) and 43-45 GB/s (2025-04 on); the line rate, 50 GB/s, bounds it above",
     ),
     Input(
         "deepep_fixed",
@@ -224,6 +224,10 @@ class Point:
 #: ran), and with at most the few inputs varied here more points no longer move the ranges.
 MAX_LHS = 1000
 
+#: What a design's refusals name: the API's keyword (``compare(sensitivity=...)``), which a
+#: command line shows as its option
+_NAMES = ("sensitivity",)
+
 
 @dataclass(frozen=True)
 class Design:
@@ -239,16 +243,27 @@ class Design:
 
     def __post_init__(self) -> None:
         if not 0 <= self.lhs <= MAX_LHS:
-            raise ConfigError(f"sensitivity: lhs must be in 0..{MAX_LHS}, got {self.lhs}")
+            raise ConfigError(
+                f"sensitivity: lhs must be in 0..{MAX_LHS}, got {self.lhs}", names=_NAMES
+            )
+        if not 0 <= self.seed < 2**32:  # numpy's seeds
+            raise ConfigError(
+                f"sensitivity: seed must lie in 0..{2**32 - 1}, got {self.seed}", names=_NAMES
+            )
         for n in self.inputs or ():
             if n not in _BY_NAME:
                 raise ConfigError(
-                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}"
+                    f"sensitivity: unknown input {n!r}; inputs are {', '.join(_BY_NAME)}",
+                    names=_NAMES,
                 )
             if not _BY_NAME[n].varied:
-                raise ConfigError(f"sensitivity: input {n!r} is documented but not varied")
+                raise ConfigError(
+                    f"sensitivity: input {n!r} is documented but not varied", names=_NAMES
+                )
         if not self.oat and self.lhs == 0:
-            raise ConfigError("sensitivity: the design has no points (no one-at-a-time, lhs 0)")
+            raise ConfigError(
+                "sensitivity: the design has no points (no one-at-a-time, lhs 0)", names=_NAMES
+            )
 
     def varied(self) -> tuple[Input, ...]:
         names = self.inputs or tuple(i.name for i in INPUTS if i.varied)
@@ -282,8 +297,6 @@ class Design:
         return " + ".join(parts)
 
 
-#: Pairs whose order flips that the table lists (closest first).
-MAX_PAIRS = 12
 #: What ``compare --sensitivity`` and ``compare(..., sensitivity=True)`` run.
 DEFAULT_DESIGN = Design()
 
@@ -306,22 +319,23 @@ def design_from(spec: Design | bool | str | Mapping[str, Any] | None) -> Design 
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = part.partition("=")
         key = key.strip()
-        try:
-            if key == "lhs":
-                kw["lhs"] = int(val)
-            elif key == "seed":
-                kw["seed"] = int(val)
-            elif key == "oat":
-                kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
-            elif key == "inputs":
-                kw["inputs"] = tuple(x for x in val.split("+") if x)
-            else:
+        if key not in ("lhs", "seed", "oat", "inputs"):
+            raise ConfigError(
+                f"sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
+                "(e.g. lhs=8,seed=1,inputs=hbm+rdma)",
+                names=_NAMES,
+            )
+        if key in ("lhs", "seed"):
+            try:
+                kw[key] = int(val)
+            except ValueError:
                 raise ConfigError(
-                    f"--sensitivity: unknown key {key!r}; keys are lhs, seed, oat, inputs "
-                    "(e.g. lhs=8,seed=1,inputs=hbm+rdma)"
-                )
-        except ValueError:
-            raise ConfigError(f"--sensitivity: {key} needs an integer, got {val!r}") from None
+                    f"sensitivity: {key} needs an integer, got {val!r}", names=_NAMES
+                ) from None
+        elif key == "oat":
+            kw["oat"] = val.strip().lower() not in ("0", "false", "no", "off")
+        else:
+            kw["inputs"] = tuple(x for x in val.split("+") if x)
     return Design(**kw)
 
 
@@ -464,34 +478,38 @@ class Sensitivity:
                 subsequent_indent="  ",
             ),
             f"{'schedule':<15}{'ms/iter':>10}{'range':>20}{'tok/s/GPU range':>20}"
-            f"{'wins':>7}  not separated from",
+            f"{'wins':>7}  group",
         ]
+        groups = self.groups()
+        group_of = {s: str(k) for k, g in enumerate(groups, 1) for s in g}
         for r in self.ranges:
             rng = f"{r.lo_us / 1e3:.3f}-{r.hi_us / 1e3:.3f}"
             tps = f"{r.lo_tps:.0f}-{r.hi_tps:.0f}"
             lines.append(
                 f"{r.schedule:<15}{r.nominal_us / 1e3:>10.3f}{rng:>20}{tps:>20}"
-                f"{100 * r.wins:>6.0f}%  {', '.join(r.not_separated) or '-'}"
+                f"{100 * r.wins:>6.0f}%  {group_of.get(r.schedule, '-')}"
             )
-        pairs = [t for t in self._close_pairs() if 0.0 < t[2] < 1.0]
-        if pairs:
-            lines.append("")
-            lines.append(
-                "Not separated, and their order flips (each point perturbs both alike; nominally "
-                "faster first):"
-            )
-            for a, b, p in pairs[:MAX_PAIRS]:
-                lines.append(f"  {a} vs {b}: {a} ahead at {100 * p:.0f} % of the points")
-            if len(pairs) > MAX_PAIRS:
-                more = len(pairs) - MAX_PAIRS
-                lines.append(f"  ... {more} more pairs (Sensitivity.paired_share)")
+        if groups:
+            lines += ["", *textwrap.wrap(
+                "Groups not separated (their tok/s/GPU ranges overlap, directly or through another "
+                "of the group), nominally faster first; [P %] between two: the share of points at "
+                "which the one before has more tok/s/GPU than the one after (each point perturbs "
+                "both alike):", 100, subsequent_indent="  ")]  # fmt: skip
+            for k, g in enumerate(groups, 1):
+                chain = g[0] + "".join(
+                    f" [{100 * self.paired_share(a, b):.0f} %] {b}" for a, b in zip(g, g[1:])
+                )
+                lines += textwrap.wrap(
+                    f"{k}: {chain}", 100, initial_indent="  ", subsequent_indent="     "
+                )
         lines.append("")
         fixed = [i for i in INPUTS if not i.varied]
         slow = _BY_NAME["interference"].hi
         lines += textwrap.wrap(
             "range: lowest to highest time per iteration over the points; wins: share of the "
-            "points where the schedule has the most tokens/s per GPU (ties split); not "
-            "separated: tokens/s-per-GPU ranges overlap. Only costs vary (the Programs are "
+            "points where the schedule has the most tokens/s per GPU (ties split); group: the "
+            "group of schedules it is not separated from (listed above). Only costs vary (the "
+            "Programs are "
             f"the nominal run's). Not varied: {', '.join(i.name for i in fixed)} "
             "(docs/uncertainty.md); of these, interference means a kernel beside another may "
             f"run up to {slow:g}x slower than simulated (measured beside decode-size GEMMs), so "
@@ -501,20 +519,24 @@ class Sensitivity:
         )
         return "\n".join(lines)
 
-    def _close_pairs(self) -> list[tuple[str, str, float]]:
-        """Not-separated pairs, each once, the nominally faster first, closest first."""
-        out = []
+    def groups(self) -> list[list[str]]:
+        """The schedules not separated, each group once: those whose throughput ranges overlap,
+        directly or through another member (connected), nominally fastest first, groups in the
+        order of their fastest; a schedule separated from every other is in none."""
         by = {r.schedule: r for r in self.ranges}
-        seen: set[frozenset[str]] = set()
-        for r in self.ranges:
-            for o in r.not_separated:
-                key = frozenset((r.schedule, o))
-                if key in seen:
-                    continue
-                seen.add(key)
-                a, b = sorted((r.schedule, o), key=lambda s: -by[s].nominal_tps)
-                out.append((a, b, self.paired_share(a, b)))
-        out.sort(key=lambda t: abs(t[2] - 0.5))
+        seen: set[str] = set()
+        out = []
+        for r in sorted(self.ranges, key=lambda r: -r.nominal_tps):
+            if r.schedule in seen or not r.not_separated:
+                continue
+            group, todo = [], [r.schedule]
+            while todo:
+                s = todo.pop()
+                if s not in seen:
+                    seen.add(s)
+                    group.append(s)
+                    todo += by[s].not_separated
+            out.append(sorted(group, key=lambda s: -by[s].nominal_tps))
         return out
 
 
@@ -537,14 +559,16 @@ Rerun = Callable[["Program", "Workload", "CostModel"], float]
 
 @dataclass(frozen=True)
 class _Run:
-    """What one schedule's re-runs need: its lowered Program and workload, and the iterations
-    and tokens of its window (fixed by the Program: only the window's length changes)."""
+    """What one schedule's re-runs need: its lowered Program, workload and GPU, and the
+    iterations and tokens of its window (fixed by the Program: only the window's length
+    changes)."""
 
     schedule: str
     program: Program
     workload: Workload
     iterations: int
-    tokens: int
+    tokens: float
+    gpu: GPU
 
 
 def sensitivity(
@@ -559,6 +583,7 @@ def sensitivity(
     workers: int | None = None,
     progress: bool = False,
     backend: Backend | None = None,
+    scale: Mapping[str, float] | None = None,
 ) -> Sensitivity:
     """Re-run ``comparison``'s schedules at every point of ``design`` and summarise.
 
@@ -573,7 +598,9 @@ def sensitivity(
     ``workers``: local processes that share the points (None: the CPUs this process may use; 1:
     in this process); ``backend``: where else to run them (``overlap_lab.runner.Ray()``). Each
     point is simulated alone, so any count gives the same result. ``progress``: a bar over the
-    points on stderr."""
+    points on stderr. ``scale``: a factor on the tokens a row's throughput counts, by its
+    name (``overlap-lab tune``: the accepted share of multi-token prediction's drafts). Each
+    row is re-run on its own GPU record (a tune's rows may differ in DeepEP's fields)."""
     from overlap_lab.sim.cost import RooflineCostModel
     from overlap_lab.sim.profile import profile_for
 
@@ -589,17 +616,21 @@ def sensitivity(
     else:
         inner = RooflineCostModel(profile_for(profile, g))
     done = [row for row in comparison.rows if row.result is not None]
-    runs = [_run_of(row.schedule, row.result) for row in done]
+    factor = dict(scale or {})
+    runs = [_run_of(row.schedule, row.result, factor.get(row.schedule, 1.0)) for row in done]
     points = d.points()
     # the nominal point is the comparison itself
     its = {row.schedule: [row.result.metrics.iteration_us] for row in done}
-    tps = {row.schedule: [row.result.metrics.tokens_per_s_gpu] for row in done}
+    tps = {
+        row.schedule: [row.result.metrics.tokens_per_s_gpu * factor.get(row.schedule, 1.0)]
+        for row in done
+    }
     # The comparison's traces and Programs are a large live heap; every full collection the
     # re-runs trigger would walk it again. Frozen, they are skipped (and, in forked workers,
     # left unwritten, so the pages stay shared); the re-runs' own garbage is still collected.
     gc.freeze()
     try:
-        job = _Job(points, runs, inner, g, network, max_events, rerun)
+        job = _Job(points, runs, inner, network, max_events, rerun)
         windows = in_order(
             job.windows,
             range(len(points)),
@@ -631,23 +662,29 @@ class _Job:
     points: tuple[Point, ...]
     runs: list[_Run]
     inner: CostModel
-    gpu: GPU
     network: NetworkFactory | None
     max_events: int | None
     rerun: Rerun | None
 
     def windows(self, i: int) -> list[float]:
-        """Each run's window at point ``i``."""
-        cm = PerturbedCostModel(self.inner, self.gpu, self.points[i])
-        if self.rerun is not None:
-            return [self.rerun(r.program, r.workload, cm) for r in self.runs]
-        return [_window(r.program, self.gpu, cm, self.network, self.max_events) for r in self.runs]
+        """Each run's window at point ``i`` (a cost model per GPU record the runs hold)."""
+        models: dict[GPU, PerturbedCostModel] = {}
+        out = []
+        for r in self.runs:
+            if r.gpu not in models:
+                models[r.gpu] = PerturbedCostModel(self.inner, r.gpu, self.points[i])
+            cm = models[r.gpu]
+            if self.rerun is not None:
+                out.append(self.rerun(r.program, r.workload, cm))
+            else:
+                out.append(_window(r.program, r.gpu, cm, self.network, self.max_events))
+        return out
 
 
-def _run_of(schedule: str, res: Any) -> _Run:
-    """``res``: an ``overlap_lab.api.Result``."""
+def _run_of(schedule: str, res: Any, scale: float = 1.0) -> _Run:
+    """``res``: an ``overlap_lab.api.Result``; ``scale``: a factor on the tokens counted."""
     iters, tokens = iterations_and_tokens(res.program, res.workload)
-    return _Run(schedule, res.program, res.workload, iters, tokens)
+    return _Run(schedule, res.program, res.workload, iters, tokens * scale, res.gpu)
 
 
 def _window(

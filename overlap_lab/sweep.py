@@ -29,7 +29,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,94 @@ class Spec:
 
     knobs: tuple[str, ...]
     cases: tuple[dict[str, Any], ...]
+
+
+#: The most cases one spec may expand to. Counted from the grid's sizes before anything is
+#: expanded, so a grid that multiplies out to 1e8 cases is refused at once instead of filling
+#: memory (each expanded case is a dict of its knobs, ~1 KB); 100,000 cases take hours to
+#: simulate on a workstation, so a larger study is several specs (or a Ray cluster's sweeps).
+MAX_CASES = 100_000
+
+
+def expand(
+    src: Mapping[str, Any], known: Collection[str], check: Callable[[str, str, Any], None]
+) -> Spec:
+    """A spec's ``base``, ``grid`` and ``cases`` expanded: the grid's cartesian product (first
+    key slowest) over base, then each listed case over base. Every knob must be one ``known``
+    names (written with ``-`` or ``_``), every value passes ``check(where, knob, value)`` and
+    every schedule named is registered and loads, all before anything is expanded (a misspelled
+    schedule is refused as a misspelled knob is, not made an error row of each case it is in);
+    at most :data:`MAX_CASES` cases."""
+    extra = set(src) - {"base", "grid", "cases"}
+    if extra:
+        raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
+    for key in ("base", "grid"):
+        if not isinstance(src.get(key) or {}, Mapping):
+            raise ConfigError(f"sweep: {key} must be a mapping of knob: value")
+    raw_cases = src.get("cases") or []
+    if not isinstance(raw_cases, list):
+        raise ConfigError("sweep: cases must be a list of mappings of knob: value")
+    for i, c in enumerate(raw_cases):
+        if not isinstance(c, Mapping):
+            raise ConfigError(f"sweep: cases[{i}] must be a mapping of knob: value, got {c!r:.40}")
+    base = _names(src.get("base") or {}, known, "base")
+    grid = _names(src.get("grid") or {}, known, "grid")
+    for k, v in grid.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"sweep: grid {k} needs a non-empty list of values")
+    count = math.prod(len(v) for v in grid.values()) if grid or not raw_cases else 0
+    count += len(raw_cases)
+    if count > MAX_CASES:
+        raise ConfigError(
+            f"sweep: the spec expands to {count:,} cases, more than {MAX_CASES:,}: "
+            "split it into several specs"
+        )
+    listed = [_names(c, known, "cases") for c in raw_cases]
+    for where, k, v in [
+        *(("base", k, v) for k, v in base.items()),
+        *(("grid", k, v) for k, vs in grid.items() for v in vs),
+        *((f"cases[{i}]", k, v) for i, c in enumerate(listed) for k, v in c.items()),
+    ]:
+        check(where, k, v)
+        if k == "schedule":
+            _check_schedule(v, where)
+    knobs = list(dict.fromkeys([*base, *grid, *(k for c in listed for k in c)]))
+    if "schedule" not in knobs:
+        knobs.insert(0, "schedule")
+    cases = []
+    if grid or not listed:
+        for values in itertools.product(*grid.values()):
+            c = {**base, **dict(zip(grid, values))}
+            cases.append({k: c.get(k) for k in knobs})
+    cases += [{k: {**base, **c}.get(k) for k in knobs} for c in listed]
+    return Spec(tuple(knobs), tuple(cases))
+
+
+def _names(knobs: Mapping[str, Any], known: Collection[str], where: str) -> dict[str, Any]:
+    out = {}
+    for k, v in knobs.items():
+        name = str(k).replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)"
+            )
+        out[name] = v
+    return out
+
+
+def _check_schedule(value: Any, where: str) -> None:
+    """A schedule a spec names is registered and loads (a broken plug-in: its one-line error)."""
+    from overlap_lab.shared.schedules import SCHEDULES, module
+
+    name = str(value).strip().lower()
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"sweep: unknown schedule {value!r} in {where}; choose from {', '.join(SCHEDULES)}"
+        )
+    try:
+        module(name)
+    except ConfigError as e:
+        raise ConfigError(f"sweep: {where}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +353,7 @@ def run_sweep(
     parse: Callable[[Mapping[str, Any]], SimCase],
     *,
     backend: runner.Backend | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     limit: int | None = None,
     dedupe: bool = True,
     command: Sequence[str] | None = None,
@@ -275,42 +365,87 @@ def run_sweep(
     ``<out>.provenance.json`` records what produced it: the tool's version, ``command`` (the
     command line as typed; None from Python) and ``inputs`` (default: the spec's knobs and
     cases); each row names its own GPU, model and profile (:data:`PROVENANCE`).
-    ``backend``: ``runner.Local`` (the default) or ``runner.Ray``. ``limit`` stops after that
+    ``backend``: ``runner.Local`` (the default) or ``runner.Ray``; ``progress``: a bar on
+    stderr, labelled ``sweep`` or by the string given. ``limit`` stops after that
     many new rows (as an interruption would); ``dedupe=False`` simulates every case (to measure
     what deduplication saves). Returns counts: cases, done before, simulated, duplicates,
     errors."""
     from overlap_lab import sweep_csv
+    from overlap_lab.outdir import check_out_file, file_target
 
     if limit is not None and limit < 1:
         raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
-    out = Path(out)
+    out = file_target(out)  # links followed: one file, one lock, whatever name reaches it
     parquet = out.suffix == ".parquet"
     csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    if parquet and out.exists():
+        raise ConfigError(
+            f"sweep: {out} exists (a finished sweep, or another file); a .parquet sweep writes a "
+            "new file: choose another --out"
+        )
+    file_target(csv_path)
+    check_out_file(out.with_name(out.name + ".provenance.json"), beside=())
     record = inputs if inputs is not None else {"knobs": spec.knobs, "cases": spec.cases}
     job = SweepJob(parse)
     with sweep_csv.locked(csv_path):
-        sweep_csv.write_provenance(out, command, record)
-        stats = _run_locked(spec, csv_path, job, backend, progress, limit, dedupe)
-    if parquet and len(sweep_csv.read_rows(csv_path)) == len(spec.cases):
-        sweep_csv.to_parquet(csv_path, out)
-        csv_path.unlink()
+        f, done_rows = sweep_csv.open_rows(csv_path, columns(spec))
+        try:
+            _check_resumed(done_rows, spec, out)  # before the record of this run replaces it
+            sweep_csv.write_provenance(out, command, record)
+            stats = _run_locked(spec, f, done_rows, job, backend, progress, limit, dedupe)
+        finally:
+            f.close()
+        if parquet and len(sweep_csv.read_rows(csv_path)) == len(spec.cases):
+            sweep_csv.to_parquet(csv_path, out)
+            csv_path.unlink()
     return stats
+
+
+def _check_resumed(rows: Sequence[Mapping[str, str]], spec: Spec, out: Path) -> None:
+    """The rows an earlier run left in ``out`` are this spec's: each case once, with the knobs
+    this spec gives it. A changed spec of the same columns would otherwise skip the cases it
+    shares by index and keep rows of knobs it no longer has."""
+    from overlap_lab.sweep_csv import cell
+
+    seen: set[int] = set()
+    for r in rows:
+        try:
+            i = int(r["case"])
+        except ValueError:
+            raise ConfigError(f"sweep: {out} holds a row whose case is {r['case']!r}") from None
+        if i in seen:
+            raise ConfigError(
+                f"sweep: {out} holds case {i} twice; it is not one sweep's file: choose another "
+                "--out"
+            )
+        seen.add(i)
+        case = spec.cases[i] if 0 <= i < len(spec.cases) else None
+        diff = ["case"] if case is None else [k for k in spec.knobs if r[k] != cell(case.get(k))]
+        if diff:
+            there = f"{diff[0]} {r.get(diff[0])!r} there" + (
+                "" if case is None else f", {cell(case.get(diff[0]))!r} here"
+            )
+            raise ConfigError(
+                f"sweep: {out} holds another spec's results (case {i}: {there}); choose "
+                "another --out, or run the spec that wrote it"
+            )
 
 
 def _run_locked(
     spec: Spec,
-    csv_path: Path,
+    f: Any,
+    done_rows: list[dict[str, str]],
     job: SweepJob,
     backend: runner.Backend | None,
-    progress: bool,
+    progress: bool | str,
     limit: int | None,
     dedupe: bool,
 ) -> dict[str, int]:
-    """:func:`run_sweep` with the output's lock held."""
+    """:func:`run_sweep` with the output's lock held and its file ``f`` open for appending
+    (``done_rows``: the rows it held)."""
     from overlap_lab import sweep_csv
 
     cols = columns(spec)
-    f, done_rows = sweep_csv.open_rows(csv_path, cols)
     done = {int(r["case"]) for r in done_rows}
     known: dict[str, tuple[int, dict[str, str]]] = {}
     for r in done_rows:
@@ -328,7 +463,7 @@ def _run_locked(
         backend=backend,
         known=known,
         dedupe=dedupe,
-        progress="sweep" if progress else None,
+        progress=(progress if isinstance(progress, str) else "sweep") if progress else None,
     )
     try:
         for o in outcomes:
@@ -349,5 +484,4 @@ def _run_locked(
             f.flush()
     finally:
         outcomes.close()  # the bar is closed and the workers stopped, also on Ctrl-C
-        f.close()
     return stats

@@ -2,7 +2,7 @@
 
 Rows are flushed one by one, so an interrupted sweep leaves every finished row whole and at most
 one torn last row (:func:`read_rows` drops it; :func:`open_rows` cuts it off before appending).
-One sweep writes a file at a time (:func:`locked`). Beside the CSV, ``<out>.provenance.json``
+One sweep writes a file at a time (:func:`locked`, a lock on the file itself). Beside the CSV, ``<out>.provenance.json``
 records what produced it (:func:`write_provenance`); a finished sweep may become a Parquet file
 (:func:`to_parquet`).
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import os
 import re
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -82,37 +84,51 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path``'s lock file (``<out>.lock``, beside it) while a sweep
+    """Hold an exclusive lock on the results file itself (made, empty, if new) while a sweep
     writes it: a second sweep on the same file would append duplicate and interleaved rows, so
-    it is refused. The lock goes with the process (flock), so a killed sweep leaves none; the
-    empty file stays, as removing it could race with a sweep taking it."""
+    it is refused, whatever name it reaches the file by (a symbolic or a hard link: the lock is
+    the file's own). The lock goes with the process (flock), so a killed sweep leaves none, and
+    nothing is left beside the results."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
-    with open(lock, "a") as f:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)  # a FIFO must not block
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"sweep: {path} is not a regular file")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(
                 f"sweep: another sweep is writing {path}; wait for it or choose another --out"
             ) from None
         yield
+    finally:
+        os.close(fd)
+
+
+#: The longest first line read to check a results file's columns (this project's are ~1 KB)
+MAX_HEADER = 1 << 16
 
 
 def open_rows(path: Path, columns: Sequence[str]) -> tuple[TextIO, list[dict[str, str]]]:
-    """Open the CSV for appending, keeping its complete rows; check it is this sweep's file."""
+    """Open the CSV for appending, keeping its complete rows; check it is this sweep's file
+    (its first line, read up to :data:`MAX_HEADER` bytes, is ``columns``)."""
     done: list[dict[str, str]] = []
     check_regular(path, "sweep: --out")  # a FIFO would block the read below, a device never end
     if path.exists() and path.stat().st_size > 0:
-        raw = path.read_bytes()
-        head = raw.split(b"\n", 1)[0].decode(errors="replace").rstrip("\r")
+        with open(path, "rb") as fh:
+            head = fh.readline(MAX_HEADER).decode(errors="replace").rstrip("\r\n")
         try:
-            same = next(csv.reader([head])) == list(columns)
-        except csv.Error:  # not a CSV line at all (a field over the csv module's 128 KiB)
-            same = False
-        if not same:
-            raise ConfigError(f"sweep: {path} holds another sweep's columns; choose another --out")
+            ours = next(csv.reader([head]), None) == list(columns)
+        except csv.Error:  # a NUL byte, a field over csv's limit: not a sweep's file
+            ours = False
+        if not ours:
+            raise ConfigError(
+                f"sweep: {path} is not this sweep's results file (its first line is not the "
+                "spec's columns); choose another --out"
+            )
+        raw = path.read_bytes()
         cut, _ = complete(raw)
         if cut < len(raw):  # a torn last row: drop it before appending
             with open(path, "rb+") as f:
@@ -147,3 +163,21 @@ def to_parquet(csv_path: str | Path, out: str | Path) -> Path:
     table = table.sort_by("case")
     pq.write_table(table, str(out))
     return Path(out)
+
+
+def read_table(path: str | Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The columns and complete rows of a results file, as strings: a sweep's (or tune's) CSV,
+    or its Parquet file (needs pyarrow)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no such results file {path}")
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ConfigError("reading a .parquet results file needs pyarrow") from e
+        table = pq.read_table(str(p))
+        rows = [{k: "" if v is None else str(v) for k, v in r.items()} for r in table.to_pylist()]
+        return list(table.column_names), rows
+    head = p.read_bytes().split(b"\n", 1)[0].decode(errors="replace").rstrip("\r")
+    return next(csv.reader([head]), []), read_rows(p)

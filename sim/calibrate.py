@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,30 +203,36 @@ def profile_name(profile: Profile | None) -> str:
     return ROOFLINE if profile is None else profile.name
 
 
-def cost_sources(
-    program: Program, gpu: GPU, profile: Profile | None, model: Any = None
-) -> dict[str, dict[str, int]]:
-    """Per op class, how many launched ops take their duration from where. For the roofline
-    model (``model`` None or ``roofline``: the one of ``profile``; or a ``RooflineCostModel``
-    object, with its own profile): the profile, the roofline or the link model (communication
-    kernels and copies). For any other cost model, given by name or as an object, that model
-    (its name, or its class's). Each distinct op object's source is looked up once: explicit
-    ranks share most of their ops (``shared.ir.ranks``), and a lookup is a profile search."""
+def source_of(gpu: GPU, profile: Profile | None, model: Any = None) -> Callable[[Op], str]:
+    """Where a run's op durations come from, as a function of the op. For the roofline model
+    (``model`` None or ``roofline``: the one of ``profile``; or a ``RooflineCostModel`` object,
+    with its own profile): the profile, the roofline or the link model (communication kernels
+    and copies, ``sim.cost.duration_source``). For any other cost model, given by name or as an
+    object, that model (its name, or its class's)."""
     from overlap_lab.sim.cost import RooflineCostModel, duration_source
     from overlap_lab.sim.models import DEFAULT_COST_MODEL, class_name
 
     if type(model) is RooflineCostModel:  # a subclass may cost otherwise: named by its class
         profile, model = model.profile, None
-    label = None
     if model is not None and model != DEFAULT_COST_MODEL:
         label = model if isinstance(model, str) else class_name(model)
+        return lambda op: label
+    return lambda op: duration_source(op, gpu, profile)
+
+
+def cost_sources(
+    program: Program, gpu: GPU, profile: Profile | None, model: Any = None
+) -> dict[str, dict[str, int]]:
+    """Per op class, how many launched ops take their duration from where (:func:`source_of`).
+    Each distinct op object's source is looked up once: explicit ranks share most of their ops
+    (``shared.ir.ranks``), and a lookup is a profile search."""
+    source = source_of(gpu, profile, model)
     every = [op for _, op in ops_of(program)]  # holds every op while their ids are keys
     ops = {id(op): op for op in every}
     counts: dict[str, Counter] = {}
     for key, n in Counter(map(id, every)).items():
         op = ops[key]
-        source = label or duration_source(op, gpu, profile)
-        counts.setdefault(op.op_class, Counter())[source] += n
+        counts.setdefault(op.op_class, Counter())[source(op)] += n
     return {c: dict(sorted(n.items())) for c, n in sorted(counts.items())}
 
 

@@ -66,6 +66,7 @@ an op may state its own (``Op.grid``, ``Op.ctas``, ``Op.ctas_per_sm``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -137,12 +138,21 @@ def bandwidth_cap(op: Op, gpu: GPU, sms: int) -> float:
 
 @dataclass(frozen=True)
 class KernelDemand:
-    """What one running kernel asks of HBM, given its SMs."""
+    """What one running kernel asks of HBM, given its SMs.
+
+    ``link_us`` and ``headroom`` describe a kernel whose SMs move its bytes with fine-grained,
+    latency-bound copies (DeepEP's normal kernels: :func:`channel_time_us`): ``link_us`` is its
+    traffic at the link's rate, ``headroom`` how many times the link's rate its SMs can copy
+    when nothing else loads the memory system. Beside other kernels its copies slow by
+    :func:`loaded_latency` of their HBM load, and where that exceeds the headroom the kernel
+    runs slower than its link (:func:`loaded_t_compute`). 0: the kernel is not such a one."""
 
     t_compute: float
     nbytes: float
     cap: float  # B/µs: the lesser of what its SMs can pull and what keeps it compute-bound
     fixed_us: float = 0.0  # time on top of the roofline, not shared (DeepEP LL receive)
+    link_us: float = 0.0
+    headroom: float = 0.0
 
 
 def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> KernelDemand:
@@ -152,7 +162,10 @@ def demand(op: Op, gpu: GPU, sms: int, profile: Profile | None = None) -> Kernel
     f = profile_factor(op, gpu, sms, profile) if profile is not None else None
     if f is None:
         return base
-    return KernelDemand(base.t_compute * f, base.nbytes * f, base.cap, base.fixed_us * f)
+    return KernelDemand(
+        base.t_compute * f, base.nbytes * f, base.cap, base.fixed_us * f, base.link_us * f,
+        base.headroom,
+    )  # fmt: skip
 
 
 def profile_factor(op: Op, gpu: GPU, sms: int, profile: Profile) -> float | None:
@@ -213,24 +226,106 @@ def is_deepep_ll_recv(op: Op) -> bool:
 def channel_time_us(op: Op, gpu: GPU) -> float:
     """How long a DeepEP normal kernel's channels need to move its flows on the SMs it holds
     (``shared.ir.links.channel_us`` at ``channel_rates`` of the GPU's ``deepep_release``: the
-    rule the emulated backend holds its send kernel by): the links' rate where it holds enough
-    SMs, proportionally less below. A sendrecv kernel cannot finish before this (nor before its
-    data arrives: ``sim.resources``), so with too few SMs its span outlasts the link time. 0 for
-    every other op (NCCL's kernels included)."""
+    rule the emulated backend holds its send kernel by): the links' rate where
+    it holds enough SMs, proportionally less below. A sendrecv kernel cannot finish before
+    this (nor before its data arrives: ``sim.resources``), so with too few SMs its span outlasts
+    the link time; with enough, the kernel's HBM traffic is paced at the link's rate over this
+    time rather than asked for at once (docs/sm-sharing.md, "Communication beside
+    computation"). 0 for every other op (NCCL's kernels included)."""
+    return _channels(op, gpu)[0]
+
+
+def _channels(op: Op, gpu: GPU) -> tuple[float, float, float]:
+    """(channel time, link time, headroom) of a DeepEP normal kernel (:func:`channel_time_us`),
+    set by its slowest link kind; (0, 0, 0) for every other op. The headroom is the SMs' copy
+    rate over the link's (``sms / saturating SMs``, the release's proportional rule)."""
     c = op.coll
     deepep = op.kind == "comm" and op.op_class == DEEPEP_CLASS
     if not deepep or c is None or c.role != "sendrecv" or not op.sms:
-        return 0.0
+        return 0.0, 0.0, 0.0
+    from overlap_lab.shared.ir.deepep import deepep_normal_fraction
     from overlap_lab.shared.ir.links import channel_rates, channel_us, gpu_links
 
     per_link: dict[str, float] = {}
     for f in c.flows:
         per_link[str(f.link)] = per_link.get(str(f.link), 0.0) + f.nbytes
-    return channel_us(per_link, channel_rates(gpu_links(gpu)[0], gpu.deepep_release, op.sms))
+    rates = gpu_links(gpu)[0]
+    channels = channel_rates(rates, gpu.deepep_release, op.sms)
+    best = (0.0, 0.0, 0.0)
+    for link, nbytes in per_link.items():
+        t_link = nbytes / rates[link]
+        t = max(t_link, channel_us({link: nbytes}, channels))
+        # the fraction one SM reaches, times the SMs: uncapped (proportional below saturation)
+        headroom = op.sms * deepep_normal_fraction(gpu.deepep_release, 1, link)
+        if t > best[0]:
+            best = (t, t_link, headroom)
+    return best
+
+
+#: How much slower a latency-bound copy runs as the GPU's HBM load rises: (load, slowdown)
+#: pairs, the load as a fraction of the bandwidth all kernels can use. Measured on an H200
+#: (2026-11-26, the project's interference probe: a Triton copy kernel, one 32-warp CTA per
+#: SM, on 1 to 264 CTAs): one CTA copies 77.4 GB/s; as more CTAs load HBM, each copies less,
+#: 71.9 GB/s at 575 GB/s in all, 62.2 at 1.49 TB/s, 47.6 at 3.04 TB/s, 29.2 at 3.85 TB/s of
+#: the 3.91 TB/s the GPU reached. A CTA keeps a fixed number of loads in flight, so its rate
+#: is the inverse of the memory latency, which rises with the load (docs/sm-sharing.md).
+LOADED_LATENCY: tuple[tuple[float, float], ...] = (
+    (0.0, 1.0),
+    (0.147, 1.077),
+    (0.273, 1.159),
+    (0.382, 1.244),
+    (0.480, 1.319),
+    (0.650, 1.460),
+    (0.778, 1.626),
+    (0.894, 2.121),
+    (0.984, 2.651),
+)
+
+
+def loaded_latency(load: float) -> float:
+    """The copy slowdown at an HBM ``load`` (a fraction of the usable bandwidth), interpolated
+    linearly in :data:`LOADED_LATENCY`; the last point beyond it."""
+    pts = LOADED_LATENCY
+    if load <= 0.0:
+        return 1.0
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if load <= x1:
+            return y0 + (y1 - y0) * (load - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def loaded_t_compute(d: KernelDemand, slowdown: float) -> float:
+    """``d``'s time beside other kernels whose HBM load slows its copies ``slowdown`` times: its
+    channels copy at ``headroom / slowdown`` of the link's rate, so the kernel takes longer than
+    its link only where that falls below 1 (a kernel with SMs to spare absorbs the first of
+    it). ``d.t_compute`` for every other kernel."""
+    if d.headroom <= 0.0 or slowdown <= 1.0:
+        return d.t_compute
+    return max(d.t_compute, d.link_us * slowdown / d.headroom)
+
+
+def loaded_demands(
+    demands: list[KernelDemand], shares: list[float], owners: list, usable: float
+) -> list[KernelDemand]:
+    """``demands`` (of running cohorts; ``owners[i]`` the kernel of cohort ``i``, ``shares`` their
+    HBM shares) with each latency-bound copy kernel's time raised by what the other kernels' HBM
+    load does to its copies (:func:`loaded_t_compute`): the load is the bandwidth they draw now,
+    a fraction of ``usable``. The kernel's own draw is left out, so alone it runs as alone."""
+    out = list(demands)
+    for i, d in enumerate(demands):
+        if not d.headroom:
+            continue
+        # (fsum: exactly rounded, so the cohorts' order cannot change the float)
+        others = math.fsum(s for k, s in zip(owners, shares) if k is not owners[i])
+        t = loaded_t_compute(d, loaded_latency(others / usable))
+        if t > d.t_compute:
+            out[i] = dataclasses.replace(d, t_compute=t)
+    return out
 
 
 def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
-    t_c = max(compute_time_us(op, gpu, sms), channel_time_us(op, gpu))
+    t_channel, t_link, headroom = _channels(op, gpu)
+    t_c = max(compute_time_us(op, gpu, sms), t_channel)
     if op.flops > 0 or op.hbm_bytes > 0:
         t_c = max(t_c, gpu.kernel_min_us)
     cap = 0.0
@@ -239,7 +334,7 @@ def roofline_demand(op: Op, gpu: GPU, sms: int) -> KernelDemand:
         if t_c > 0:
             cap = min(cap, op.hbm_bytes / t_c)
     fixed = gpu.deepep_ll_recv_us if is_deepep_ll_recv(op) else 0.0
-    return KernelDemand(t_c, op.hbm_bytes, cap, fixed)
+    return KernelDemand(t_c, op.hbm_bytes, cap, fixed, t_link, headroom)
 
 
 def water_fill(caps: list[float], total: float) -> list[float]:

@@ -32,6 +32,13 @@ GEMM of an overloaded rank (more FLOPs at the same tokens, ``--ranks explicit``)
 several rows at one key (a layer's GEMM shapes at one M) pool into one throughput
 (sum of FLOPs / sum of time). Without ``flops`` the row is a plain duration.
 
+A throughput row on the tokens axis may name the GEMM it measured, ``"shape": [[N, K]]``
+(``Y[M, N] = X[M, K] W^T``; its ``flops`` must be ``2 · size · N · K``). Rows of one shape form a
+curve of their own: an op whose FLOPs per token equal ``2 · Σ N·K`` over a set of the profile's
+shapes (within :data:`SHAPE_TOL`) is timed as those GEMMs back to back, each from its own
+curve (DeepSeek-V3's ``attn.prepare`` is the fused q_a/kv_a GEMM then q_b; in prefill kv_b too).
+An op that matches no set of shapes takes the pool of every shape at its size, as before.
+
 Which ops a profile times is decided by their kind and class alone, never by name: compute
 kernels of the profiled classes. Communication kernels and copies, whatever they are called,
 are timed by the link model (``sim.network``), whose constants are checked against DeepEP's
@@ -42,10 +49,25 @@ are read off the ops themselves (:func:`profiled_ops`), so a new op of a known c
 edit here.
 
 Lookup (``Profile.lookup``): the rows of the op's SM count (or of the nearest measured count,
-whose duration the wave model then carries to other SM counts: ``sim.cost.profile_factor``) are interpolated log–log in size, which is
-exact on the table points and monotone between them. Below the smallest size the profile does not
-apply (the roofline does); above the largest, rows with ``flops`` keep the largest size's
-throughput (saturated GEMMs), rows without do not apply.
+whose duration the wave model then carries to other SM counts: ``sim.cost.profile_factor``) are
+interpolated log–log in size, which is exact on the table points and monotone between them (the
+measured TFLOP/s curve). Above the largest size, rows with ``flops`` keep the largest size's
+throughput (saturated GEMMs), rows without do not apply. Below the smallest size ``x0`` (a split
+or sliced op: TBO's halves, SBO's down slices, a micro-batch) the rows still apply, so that a
+split op is timed by the same source as the whole (:func:`below_smallest`):
+
+- its work is padded to a whole M tile: a GEMM on the tokens axis with fewer rows than
+  :data:`M_TILE` computes a whole tile of ``M_TILE`` rows (DeepGEMM's smallest ``BLOCK_M``), so it
+  costs as ``min(x0, M_TILE)`` rows;
+- the padded work runs at the smallest size's throughput (time per FLOP, or per unit of size for
+  plain durations): no GEMM runs faster per FLOP than a bigger one of the same shape, so this
+  is a lower bound on its time;
+- the cost model then holds it to the time of reading its HBM bytes at the usable rate
+  (``sim.cost.profile_factor``): at small M a GEMM reads all its weights whatever its rows, so
+  two halves of a decode expert GEMM each pay the whole weight read, as the hardware does.
+
+On the SM axis the wave model carries a duration from the measured SM count to the op's
+(``sim.cost.profile_factor``).
 
 Built-in profiles ship in ``sim/profiles/`` (``h800-published``: DeepSeek's published isolated
 H800 benchmarks); ``roofline`` names no profile at all.
@@ -55,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 from bisect import bisect_left
@@ -88,6 +111,18 @@ def default_depends(dtype: str) -> tuple[str, ...]:
 
 
 SIZE_UNITS: tuple[str, ...] = ("tokens", "flops")
+#: Rows of one M tile: a GEMM with fewer rows computes a whole tile (DeepGEMM
+#: ``deep_gemm/jit_kernels/gemm.py``, ``get_best_configs``: ``block_ms = (64 if m <= 64 else 128,)``),
+#: so below it the time no longer falls with M.
+M_TILE = 64
+#: How close an op's FLOPs per token must come to ``2 · Σ N·K`` of a set of shapes to be timed
+#: as those GEMMs (relative): the elementwise work fused into a GEMM op (norms, RoPE: 0.06 % of
+#: DeepSeek-V3's ``attn.prepare``) stays inside it.
+SHAPE_TOL = 2e-3
+#: Lookups a profile remembers (one per distinct op and SM count) before it starts again.
+_MEMO_SIZE = 1 << 16
+#: Op classes whose rows on the tokens axis are GEMMs padded to whole M tiles.
+GEMM_CLASSES: tuple[str, ...] = ("gemm", "grouped_gemm")
 DTYPES: tuple[str, ...] = ("bf16", "fp8")
 #: Op classes a profile times, and a row may name (communication and copies are the link model's).
 PROFILED_CLASSES: tuple[str, ...] = ("gemm", "grouped_gemm", "attention", "elementwise", "sampling")
@@ -143,8 +178,9 @@ def __getattr__(name: str) -> frozenset[str]:
 ROOFLINE = "roofline"
 BUILTIN: tuple[str, ...] = ("h800-published", "h200-measured")
 _ROW_KEYS = frozenset(
-    {"op", "dtype", "size", "size_unit", "sms", "us", "flops", "source", "depends", "grid"}
-)
+    {"op", "dtype", "size", "size_unit", "sms", "us", "flops", "source", "depends", "grid",
+     "shape"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -165,6 +201,9 @@ class Row:
     #: The kernel's grid kind when the row holds only for one (``sim.cost.grid_kind``: FlashMLA's
     #: decode split is ``persistent``, FlashAttention-3's prefill ``dynamic``); None: any.
     grid: str | None = None
+    #: The GEMMs the row measured, ``((N, K), ...)`` (tokens-axis throughput rows only): rows of
+    #: one shape form their own curve (module docstring); None: the row only joins the pool.
+    shape: tuple[tuple[int, int], ...] | None = None
 
     def depends_on(self) -> tuple[str, ...]:
         return self.depends if self.depends is not None else default_depends(self.dtype)
@@ -207,35 +246,48 @@ class Profile:
     #: stated, so no override can be checked against them and every row is kept.
     gpu: tuple[tuple[str, Any], ...] = ()
     _curves: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: per-shape curves: (op, dtype, unit, sms, grid) -> {shape: _Curve}
+    _shaped: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     _for_gpu: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         groups: dict[tuple, list[Row]] = defaultdict(list)
         for r in self.rows:
             groups[(r.op, r.dtype, r.size_unit, r.sms, r.grid)].append(r)
         for key, rows in groups.items():
-            by_size: dict[float, list[Row]] = defaultdict(list)
+            self._curves[key] = self._curve(key, rows)
+            shapes: dict[tuple, list[Row]] = defaultdict(list)
             for r in rows:
-                by_size[r.size].append(r)
-            with_flops = {r.flops > 0 for r in rows}
-            if len(with_flops) > 1:
-                raise ConfigError(
-                    f"profile {self.name}: rows of {key[0]} {key[1]} on {key[3]} SMs mix rows "
-                    "with and without flops"
-                )
-            sizes = sorted(by_size)
-            if not with_flops.pop():
-                dup = [s for s in sizes if len(by_size[s]) > 1]
-                if dup:
-                    raise ConfigError(
-                        f"profile {self.name}: two rows for {key[0]} {key[1]} size {dup[0]:g} "
-                        f"on {key[3]} SMs (give flops to pool them as a throughput)"
-                    )
-            self._curves[key] = _Curve(
-                tuple(sizes),
-                tuple(sum(r.us for r in by_size[s]) for s in sizes),
-                tuple(sum(r.flops for r in by_size[s]) for s in sizes),
+                if r.shape is not None:
+                    shapes[r.shape].append(r)
+            if shapes:
+                self._shaped[key] = {sh: self._curve(key, rs) for sh, rs in shapes.items()}
+
+    def _curve(self, key: tuple, rows: list[Row]) -> _Curve:
+        """The rows of one key (and shape) as a curve over size, rows of one size pooled."""
+        by_size: dict[float, list[Row]] = defaultdict(list)
+        for r in rows:
+            by_size[r.size].append(r)
+        with_flops = {r.flops > 0 for r in rows}
+        if len(with_flops) > 1:
+            raise ConfigError(
+                f"profile {self.name}: rows of {key[0]} {key[1]} on {key[3]} SMs mix rows "
+                "with and without flops"
             )
+        sizes = sorted(by_size)
+        if not with_flops.pop():
+            dup = [s for s in sizes if len(by_size[s]) > 1]
+            if dup:
+                raise ConfigError(
+                    f"profile {self.name}: two rows for {key[0]} {key[1]} size {dup[0]:g} "
+                    f"on {key[3]} SMs (give flops to pool them as a throughput)"
+                )
+        return _Curve(
+            tuple(sizes),
+            tuple(sum(r.us for r in by_size[s]) for s in sizes),
+            tuple(sum(r.flops for r in by_size[s]) for s in sizes),
+        )
 
     # -- lookup -------------------------------------------------------------------------------
 
@@ -252,6 +304,15 @@ class Profile:
             return self.for_gpu(gpu)[0].lookup(op, sms)
         if not profiled(op):
             return None
+        memo = (op.name, op.op_class, op.dtype, op.tokens, op.flops, op.grid, sms)
+        hit = self._memo.get(memo, self._memo)  # the dict itself: not looked up yet
+        if hit is self._memo:
+            if len(self._memo) >= _MEMO_SIZE:  # a long sweep: start again rather than grow
+                self._memo.clear()
+            hit = self._memo[memo] = self._lookup(op, sms)
+        return hit
+
+    def _lookup(self, op: Op, sms: int) -> Match | None:
         kind = _grid_kind(op)
         for key in self.keys_for(op):
             for unit in SIZE_UNITS:
@@ -273,10 +334,30 @@ class Profile:
                             c = self._curves.get((key, op.dtype, unit, near, g))
                             if c is None or (inside and not c.sizes[0] <= x <= c.sizes[-1]):
                                 continue
-                            us = _evaluate(c, op, unit)
+                            us = self._shaped_us((key, op.dtype, unit, near, g), op, unit)
+                            if us is None:
+                                us = evaluate(c, x, op.flops, _tile(op, unit))
                             if us is not None:
                                 return Match(us, near, key)
         return None
+
+    def _shaped_us(self, key: tuple, op: Op, unit: str) -> float | None:
+        """The op timed as the GEMMs of its shape, each from its own curve, back to back (None:
+        the key has no per-shape rows, or no set of its shapes makes the op's FLOPs per token)."""
+        curves = self._shaped.get(key)
+        if not curves or unit != "tokens" or op.tokens <= 0 or op.flops <= 0:
+            return None
+        parts = match_shapes(tuple(sorted(curves)), op.flops / op.tokens)
+        if parts is None:
+            return None
+        total = 0.0
+        for sh in parts:
+            flops = 2.0 * op.tokens * sum(n * k for n, k in sh)
+            us = evaluate(curves[sh], float(op.tokens), flops, _tile(op, unit))
+            if us is None:
+                return None
+            total += us
+        return total
 
     def invalidated(self, gpu: GPU) -> dict[str, tuple[Any, Any]]:
         """The GPU fields the rows may depend on whose value on ``gpu`` differs from the measured
@@ -308,7 +389,9 @@ class Profile:
                 f"profile {self.name}: {len(self.rows) - len(kept)} of {len(self.rows)} rows "
                 f"dropped ({why} on {gpu.name}); those ops fall back to the roofline"
             )
-            sub = dataclasses.replace(self, rows=kept, gpu=(), _curves={}, _for_gpu={})
+            sub = dataclasses.replace(
+                self, rows=kept, gpu=(), _curves={}, _shaped={}, _for_gpu={}, _memo={}
+            )
             out = (sub, note)
         self._for_gpu[gpu] = out
         return out
@@ -327,6 +410,8 @@ class Profile:
                 d["depends"] = list(r.depends)
             if r.grid is not None:
                 d["grid"] = r.grid
+            if r.shape is not None:
+                d["shape"] = [list(p) for p in r.shape]
             rows.append(d)
         return {
             "format": FORMAT,
@@ -375,19 +460,57 @@ def interpolate_loglog(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
-def _evaluate(c: _Curve, op: Op, unit: str) -> float | None:
-    x = op_size(op, unit)
-    if x <= 0 or x < c.sizes[0]:
+def _tile(op: Op, unit: str) -> int:
+    """Rows of one M tile when ``op`` is a GEMM on the tokens axis (:data:`M_TILE`), else 0."""
+    return M_TILE if unit == "tokens" and op.op_class in GEMM_CLASSES else 0
+
+
+def below_smallest(x: float, x0: float, tile: int = 0) -> float:
+    """The size an op of size ``x`` below the smallest measured size ``x0`` is charged as, at
+    ``x0``'s time per unit: ``x`` padded to a whole tile of ``tile`` rows (0: no tile), never
+    beyond ``x0`` (the measured row already holds its own padding). With ``tile`` = 64 and the
+    published rows' ``x0`` = 64, any M below 64 costs as M = 64: the kernel computes the same
+    tiles; on the FLOPs axis (grouped GEMMs, whose rows per group follow routing) no tile."""
+    return min(x0, max(x, float(tile))) if tile else x
+
+
+def evaluate(c: _Curve, x: float, flops: float, tile: int = 0) -> float | None:
+    """Duration of an op of size ``x`` (and ``flops`` FLOPs) from curve ``c``: log-log between
+    the measured sizes; above the largest, the largest's throughput (rows with flops) or None;
+    below the smallest, :func:`below_smallest`'s padded work at the smallest size's throughput
+    (module docstring). None: the curve does not apply."""
+    if x <= 0:
         return None
     if c.per_flop:
-        if op.flops <= 0:
+        if flops <= 0:
             return None
         q = [u / f for u, f in zip(c.us, c.flops)]
+        if x < c.sizes[0]:
+            return flops * below_smallest(x, c.sizes[0], tile) / x * q[0]
         per = q[-1] if x >= c.sizes[-1] else interpolate_loglog(c.sizes, tuple(q), x)
-        return op.flops * per
+        return flops * per
+    if x < c.sizes[0]:
+        return c.us[0] * below_smallest(x, c.sizes[0], tile) / c.sizes[0]
     if x > c.sizes[-1]:
         return None
     return interpolate_loglog(c.sizes, c.us, x)
+
+
+@functools.lru_cache(maxsize=4096)
+def match_shapes(
+    shapes: tuple[tuple[tuple[int, int], ...], ...], per_token: float
+) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """The set of ``shapes`` (each a row's ``((N, K), ...)``) whose ``2 · Σ N·K`` comes closest
+    to ``per_token`` FLOPs, within :data:`SHAPE_TOL`; fewer shapes win a tie. None: no set
+    does. A profile holds a handful of shapes (DeepGEMM's table: six), so every set is tried."""
+    best, err = None, SHAPE_TOL
+    for n in range(1, len(shapes) + 1):
+        for combo in itertools.combinations(shapes, n):
+            f = 2.0 * sum(a * b for sh in combo for a, b in sh)
+            e = abs(f - per_token) / per_token
+            if e <= err and (best is None or e < err):
+                best, err = combo, e
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,10 +555,34 @@ def _row(name: str, i: int, d: Any) -> Row:
     g = d.get("grid")
     if g is not None and g not in ("persistent", "dynamic", "waved"):
         raise ConfigError(f"{where}: grid must be persistent, dynamic or waved, got {g!r}")
+    flops = float(d.get("flops", 0.0))
+    shape = _shape(where, d.get("shape"), unit, float(d["size"]), flops)
     return Row(
-        op, d["dtype"], float(d["size"]), sms, float(d["us"]), unit, float(d.get("flops", 0.0)),
-        str(d.get("source", "")), depends, g,
+        op, d["dtype"], float(d["size"]), sms, float(d["us"]), unit, flops,
+        str(d.get("source", "")), depends, g, shape,
     )  # fmt: skip
+
+
+def _shape(
+    where: str, v: Any, unit: str, size: float, flops: float
+) -> tuple[tuple[int, int], ...] | None:
+    """A row's ``shape``, checked: a list of [N, K] pairs on a tokens-axis throughput row whose
+    ``flops`` are ``2 · size · Σ N·K``."""
+    if v is None:
+        return None
+    ok = isinstance(v, list) and v and all(
+        isinstance(p, list) and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in p)
+        for p in v
+    )  # fmt: skip
+    if not ok:
+        raise ConfigError(f"{where}: shape must be a list of [N, K] pairs of positive integers")
+    if unit != "tokens" or flops <= 0:
+        raise ConfigError(f"{where}: shape needs a tokens-axis row with flops")
+    want = 2.0 * size * sum(n * k for n, k in v)
+    if abs(flops - want) > 1e-6 * want:
+        raise ConfigError(f"{where}: flops {flops:g} are not 2 x size x N x K = {want:g}")
+    return tuple((n, k) for n, k in v)
 
 
 def from_json(doc: Any, name: str = "<profile>") -> Profile:

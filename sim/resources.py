@@ -546,7 +546,9 @@ class Gpu(Fluid):
             take = min(k.limit - k.held, math.ceil(k.pending / g.per_sm), self.free)
             if take <= 0:
                 continue
-            if g.kind == "dynamic" and k.started and self._grow(k, take):
+            if g.kind == "dynamic":
+                if not (k.cohorts and self._grow(k, take)):
+                    self._dynamic_cohort(k, take)
                 continue
             slots = take * g.per_sm
             if k.pending >= slots:
@@ -554,17 +556,31 @@ class Gpu(Fluid):
             else:
                 self._cohort(k, take, k.pending, 1)
 
+    def _dynamic_cohort(self, k: Kernel, sms: int) -> None:
+        """A dynamic persistent kernel's first CTAs (FlashAttention-3's
+        ``DynamicPersistentTileScheduler``: CTAs take tiles from an atomic counter): the cohort
+        owns the kernel's whole work, whatever CTAs are resident, so on the SMs it got it runs
+        the work over those SMs. The CTAs that found no SM stay pending with no work of their
+        own: they join the cohort if SMs free up before the tiles run out (``_grow``) and are
+        dropped when it ends (``_finish``), rather than running as a second wave."""
+        n = min(k.pending, sms * k.grid.per_sm)
+        work = k.pending  # every CTA's share: the tiles all of them would have taken
+        self._cohort(k, sms, work, 1)
+        k.pending = work - n
+        if k.pending and k not in self.pending:
+            self.pending.append(k)
+
     def _grow(self, k: Kernel, sms: int) -> bool:
-        """A dynamic persistent kernel's late CTAs join its running cohort and share the work
-        left (it then ends when all of them run out of tiles); False if it has none running."""
+        """A dynamic persistent kernel's late CTAs join its cohort (running, or dispatched but
+        not yet started) and share the work left: the cohort's rate follows its SMs, and its work
+        is the kernel's (``_dynamic_cohort``), so it ends when all of them run out of tiles.
+        False if it has none."""
         c = next((c for c in self.jobs if c.kernel is k), None)
+        if c is None:
+            c = next(iter(k.staged), None)
         if c is None:
             return False
         n = min(k.pending, sms * k.grid.per_sm)
-        old = c.per_wave
-        # the cohort's work left plus the joining CTAs' share, spread over all of them
-        c.left = (c.left * old + n) / (old + n)
-        c.per_wave = old + n
         c.sms += sms
         k.pending -= n
         k.held += sms
@@ -644,6 +660,9 @@ class Gpu(Fluid):
         self.free += c.sms
         k.held -= c.sms
         k.cohorts -= 1
+        if k.pending and k.grid.kind == "dynamic":  # the tiles ran out before they got SMs
+            k.pending = 0
+            self.pending.remove(k)
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched, and
             # so is its time alone: sharing never makes a kernel faster (``_solo_us``)
@@ -734,6 +753,9 @@ class Gpu(Fluid):
         demands = [self._demand(c) for c in running]
         shares = cost.water_fill([d.cap for d in demands], self._hbm_usable)
         shares = self._kernel_caps(running, shares, demands)
+        if any(d.headroom for d in demands):  # DeepEP's copies beside the others' HBM load
+            owners = [c.kernel for c in running]
+            demands = cost.loaded_demands(demands, shares, owners, self._hbm_usable)
         for c, d, s in zip(running, demands, shares):
             g = c.kernel.grid
             wave = c.per_wave / g.ctas if g.ctas else 1.0

@@ -105,27 +105,29 @@ def check_simulated(p: Program, gpu) -> None:
     return trace
 
 
-def _keyify(item):
+def _keyify(item, keep=frozenset()):
     """``item`` with every op name that is a part of a key (``shared.ir.ops.PARTS``) replaced by
-    the key: tuples element-wise, ``stream:name`` strings by their name."""
+    the key, but those in ``keep``: tuples element-wise, ``stream:name`` strings by their name."""
     from overlap_lab.shared.ir.ops import KEY_OF
 
     if isinstance(item, tuple):
-        return tuple(_keyify(x) for x in item)
+        return tuple(_keyify(x, keep) for x in item)
     if isinstance(item, str):
         head, sep, name = item.rpartition(":")
-        return head + sep + KEY_OF.get(name, name) if name in KEY_OF else item
+        if name in KEY_OF and name not in keep:
+            return head + sep + KEY_OF[name]
     return item
 
 
-def collapse(items) -> list:
+def collapse(items, keep=frozenset()) -> list:
     """A launch sequence with each key's parts folded back into the key they run for: the order
     the schedules name (attn.quant, attn.prepare, attn.uk_quant, attn.absorb_k -> attn.prepare).
-    Consecutive entries of one key collapse into one."""
+    Consecutive entries of one key collapse into one. Names in ``keep`` stay as they are (a
+    schedule that launches a key's parts one by one, as LightLLM its expert kernels)."""
     out: list = []
     last_changed = False
     for it in items:
-        k = _keyify(it)
+        k = _keyify(it, keep)
         changed = k != it or (isinstance(it, (str, tuple)) and _is_key(it))
         if out and out[-1] == k and (changed or last_changed):
             last_changed = last_changed or changed

@@ -312,23 +312,7 @@ def test_readme_calibration_section_runs_in_order(tmp_path, capsys, monkeypatch)
 # ---- DeepEP's published tables ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ep", [8, 16, 32])
-def test_deepep_low_latency_rows_within_ten_percent(ep):
-    """The mean error of three seeded routings: a row's time is the slowest rank of one draw,
-    and at EP8 (128 tokens a rank) the draw alone moves it by about +-2% (seeds 0-9: -6% to
-    -10%), so one seed would test the draw as much as the model."""
-    from overlap_lab.experiments import exp_deepep_tables as X
-
-    r = X.mean_row("low_latency", ep)  # what the experiment's table reports
-    for what in ("dispatch", "combine"):
-        assert abs(r[what]["error"]) <= X.TOLERANCE
-
-
-def test_deepep_normal_nvlink_row_within_ten_percent():
-    from overlap_lab.experiments import exp_deepep_tables as X
-
-    r = X.mean_row("normal", 8)
-    assert abs(r["dispatch"]["error"]) <= X.TOLERANCE and abs(r["combine"]["error"]) <= X.TOLERANCE
+# every row of every table: tests/test_deepep_tables.py
 
 
 def test_deepep_tables_is_declared_on_the_runner():
@@ -336,4 +320,4 @@ def test_deepep_tables_is_declared_on_the_runner():
 
     exp = declared()["deepep_tables"]
     cases = list(exp.cases())
-    assert len(cases) == 10 and exp.simulate is not None and exp.summary is not None
+    assert len(cases) == 20 and exp.simulate is not None and exp.summary is not None

@@ -21,10 +21,10 @@ def _step(comm_sms: int, release: str = "v1") -> float:
 
 
 def test_rate_follows_the_sms_per_release():
-    assert deepep_normal_rate("v1", 24, "rdma") == pytest.approx(46.0)
-    assert deepep_normal_rate("v1", 8, "rdma") == pytest.approx(46.0 * 8 / 24)
+    assert deepep_normal_rate("v1", 24, "rdma") == pytest.approx(44.0)
+    assert deepep_normal_rate("v1", 8, "rdma") == pytest.approx(44.0 * 8 / 24)
     assert deepep_normal_rate("v1", 64, "nvlink") == pytest.approx(134.0)
-    assert deepep_normal_rate("v2", 6, "rdma") == pytest.approx(46.0)
+    assert deepep_normal_rate("v2", 6, "rdma") == pytest.approx(44.0)
     assert deepep_normal_rate("v2", 3, "rdma", link_gbps=50.0) == pytest.approx(25.0)
     for r in RELEASES.values():
         assert r.sources and r.date
@@ -39,7 +39,11 @@ def test_v2_needs_few_sms():
 
 
 def test_the_trace_shows_the_slow_kernel():
-    """At 8 SMs the dispatch kernel outlasts its data: the span is the channels' time."""
+    """At 8 SMs the dispatch kernel outlasts its data: the span is the channels' time, three times
+    the link's on 8 of V1's 24 SMs, and beside the other micro-batch's computation a little more
+    (its copies slow under the HBM load: docs/sm-sharing.md, "Communication beside computation")."""
+    from overlap_lab.sim.cost import LOADED_LATENCY
+
     g = ol.gpu("h800")
     spans = {}
     for sms in (8, 24):
@@ -49,8 +53,10 @@ def test_the_trace_shows_the_slow_kernel():
         link = [s.duration for s in kern if s.lane == "link:rdma"]
         spans[sms] = (max(stream), max(link))
     assert spans[8][1] == pytest.approx(spans[24][1])  # the same bytes cross RDMA as fast
-    assert spans[8][0] == pytest.approx(3 * spans[8][1], rel=0.01)  # 8 of V1's 24 SMs
-    assert spans[24][0] == pytest.approx(spans[24][1], rel=0.01)
+    top = LOADED_LATENCY[-1][1]
+    assert 3 * spans[8][1] <= spans[8][0] <= 3 * top * spans[8][1]  # 8 of V1's 24 SMs
+    assert spans[24][1] <= spans[24][0] <= top * spans[24][1]
+    assert spans[8][0] > 2.5 * spans[24][0]
 
 
 def test_release_is_a_gpu_knob_the_preset_names():

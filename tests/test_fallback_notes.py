@@ -52,7 +52,12 @@ def test_sbo_off_says_it_ran_as_serial():
     for w in (api.workload(**LITE, batch=16), one_prefill()):
         res, ser = api.simulate("sbo-off", w), api.simulate("serial", w)
         gaps = w.model.num_layers * api.gpu("h800").graph_kernel_gap_us
-        assert res.metrics.iteration_us == pytest.approx(ser.metrics.iteration_us, abs=gaps)
+        # the shared experts' GEMM overlaps nothing; only their SiLU-and-mul, a small waved
+        # kernel, may run beside top-k's for a few µs
+        assert res.metrics.iteration_us == pytest.approx(
+            ser.metrics.iteration_us, rel=0.01, abs=gaps
+        )
+        assert res.metrics.iteration_us <= ser.metrics.iteration_us
         assert any(n.startswith("ran as serial: the shared experts") for n in res.notes)
 
 

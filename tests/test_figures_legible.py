@@ -125,6 +125,73 @@ def test_default_compare_figure_fits_a_page(tmp_path: Path) -> None:
 def test_compare_auto_window_takes_the_layers_every_panel_has() -> None:
     one = make_trace(layers=2)  # one MoE layer
     fig = compare_timelines({"a": one, "b": make_trace()}, None)
-    assert "MoE layer 0 of each schedule" in fig.axes[0].get_title(loc="left")
+    assert "MoE layer 0 of each schedule" in fig.get_suptitle()  # the heading across the figure
     plain = Trace([Span(0, "stream:main", "k", "compute", 0, 5)])
     assert compare_timelines({"plain": plain}, None) is not None  # no layers: the whole step
+
+
+# ---- a newcomer's paper figures (issue 32) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """sim and compare of one small workload (a 1.5 ms step: sim drew it in µs, compare in ms)."""
+    from overlap_lab.cli.main import main
+
+    out = tmp_path_factory.mktemp("figs")
+    base = ["--layers", "2", "--batch", "16", "--figure-format", "svg", "--width", "single"]
+    assert main(["sim", *base, "--out", str(out / "sim")]) == 0
+    assert main(["compare", *base, "--out", str(out / "cmp")]) == 0
+    return out
+
+
+def _svg_texts(path: Path) -> list[str]:
+    import re
+
+    return re.findall(r"<text[^>]*>([^<]*)</text>", path.read_text())
+
+
+def test_sim_and_compare_of_one_workload_share_the_time_unit(small_run):
+    sim = _svg_texts(small_run / "sim" / "timeline.svg")
+    cmp = _svg_texts(small_run / "cmp" / "compare.svg")
+    assert "time (ms)" in sim and "time (ms)" in cmp and "time (µs)" not in sim + cmp
+
+
+def test_a_single_column_compare_figure_has_short_titles_and_a_wide_legend():
+    """Titles wrapped to 5 lines and the legend took two columns (half the figure's height)."""
+    import overlap_lab as ol
+    from overlap_lab.report import workload_title
+
+    table = ol.compare(None, ol.workload("deepseek-v3", layers=2, batch=16))
+    head = workload_title(table.baseline).split(": ", 1)[1]
+    fig = compare_timelines(table, None, width="single", title=head)
+    assert fig.get_suptitle().count("\n") + 1 <= 3  # the workload and the window, full width
+    for ax in fig.axes:
+        assert ax.get_title(loc="left").count("\n") == 0, ax.get_title(loc="left")
+        assert not ax.texts  # no in-bar labels on some schedules and not on others
+    legend = fig.legends[0]
+    assert legend._ncols >= 3
+    fig.draw_without_rendering()
+    assert legend.get_window_extent().height < 0.2 * fig.bbox.height
+    assert compare_timelines(table, None, width="single", title="").get_suptitle() == ""
+
+
+def test_alternate_link_chunks_are_a_shade_not_white_dashes():
+    from matplotlib.colors import to_hex
+
+    from overlap_lab.figures import FLOW_COLOR
+
+    ax = timeline(chunked_link(), window="step")
+    link = [c for c in ax.collections if any(to_hex(f) == FLOW_COLOR for f in c.get_facecolors())]
+    assert link and not any(c.get_hatch() for c in link)
+
+
+def test_the_title_option(tmp_path):
+    from overlap_lab.cli.main import main
+
+    base = ["sim", "--layers", "2", "--batch", "16", "--figure-format", "svg"]
+    assert main([*base, "--title", "Figure 3: serial", "--out", str(tmp_path / "a")]) == 0
+    assert "Figure 3: serial" in _svg_texts(tmp_path / "a" / "timeline.svg")
+    assert main([*base, "--title", "", "--out", str(tmp_path / "b")]) == 0
+    texts = _svg_texts(tmp_path / "b" / "timeline.svg")
+    assert not any("serial" in t or "MoE layer" in t for t in texts)

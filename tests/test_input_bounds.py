@@ -107,7 +107,9 @@ def test_a_fifo_as_an_output_file_is_refused_before_the_work(tmp_path, capsys, m
     trace.write_text('{"traceEvents": []}')
     refused(capsys, ["calibrate", "--from-trace", str(trace), "--out", "f.json"], "FIFO")
     pytest.importorskip("torch")
-    refused(capsys, ["kernels", "--device", "cpu", "--repeats", "1", "--out", "f.json"], "FIFO")
+    refused(
+        capsys, ["kernels", "--device", "cpu", "--repeats", "1", "--out", "f.json"], "not a folder"
+    )
 
 
 @pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom", "/dev/full"])
@@ -288,7 +290,7 @@ def test_a_sweep_out_with_a_long_first_line_is_one_line(tmp_path, capsys):
     spec.write_text("base: {layers: 2}\ngrid: {batch: [16]}\n")
     _sparse(tmp_path / "big.csv", 17 << 20)
     argv = ["sweep", str(spec), "--out", str(tmp_path / "big.csv"), "--no-progress"]
-    refused(capsys, argv, "another sweep's columns")
+    refused(capsys, argv, "not this sweep's results file")
 
 
 # ---- sizes of the work ---------------------------------------------------------------------------

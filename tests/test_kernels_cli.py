@@ -40,8 +40,8 @@ def test_executor_and_best_compute_the_same_thing():
 def test_kernels_dry_run_writes_json_and_markdown(tmp_path, capsys):
     from overlap_lab.cli.main import main
 
-    out = tmp_path / "kernels_cpu.json"
-    rc = main(["kernels", "--device", "cpu", "--out", str(out), "--repeats", "1",
+    out = tmp_path / "k" / "kernels.json"  # --out is a folder, as every other --out folder
+    rc = main(["kernels", "--device", "cpu", "--out", str(out.parent), "--repeats", "1",
                "--warmup", "0"])  # fmt: skip
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()

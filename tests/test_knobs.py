@@ -92,7 +92,7 @@ def test_comm_sms_means_what_each_schedule_declares():
         Parallel(ep=8),
     )
     build("vllm-dbo", w, H800, cfg)
-    with pytest.raises(ConfigError, match=r"--comm-sms must be an integer in 1\.\.1023"):
+    with pytest.raises(ConfigError, match=r"comm_sms must be an integer in 1\.\.1023"):
         build("sbo", w, H800, cfg)
     merged = next(k for k in schedule_knobs() if k.name == "comm_sms")
     assert (merged.lo, merged.hi) == (0, 1023)
@@ -102,24 +102,24 @@ def test_comm_sms_means_what_each_schedule_declares():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(comm_sms=-1), "--comm-sms must be an integer in 0..1023 or None, got -1"),
-        (dict(comm_sms=True), "--comm-sms must be an integer"),
-        (dict(sbo_mode=4), "--sbo-mode must be an integer in 1..3, got 4"),
-        (dict(tbo_threshold=0.6), "--tbo-threshold must be a number in 0.01..0.5"),
-        (dict(delta_stages=-1), "--delta-stages"),
-        (dict(iterations=0), "--iterations must be an integer in 1..64"),
-        (dict(micro_batches=0), "--micro-batches"),
-        (dict(deepep_mode="fast"), "--deepep-mode must be one of auto, normal, low_latency"),
-        (dict(cuda_graph="yes"), "--cuda-graph must be true or false or None"),
-        (dict(dbo_decode_token_threshold=-1), "--dbo-decode-token-threshold"),
-        (dict(dp_ranks_disagree=1), "--dp-ranks-disagree must be true or false"),
-        (dict(dp_peer_tokens=(4, -1)), "--dp-peer-tokens must be a list, each an integer"),
-        (dict(iteration_modes=("extend",)), "--iteration-modes must be a list, each one of"),
+        (dict(comm_sms=-1), "comm_sms must be an integer in 0..1023 or None, got -1"),
+        (dict(comm_sms=True), "comm_sms must be an integer"),
+        (dict(sbo_mode=4), "sbo_mode must be an integer in 1..3, got 4"),
+        (dict(tbo_threshold=0.6), "tbo_threshold must be a number in 0.01..0.5"),
+        (dict(delta_stages=-1), "delta_stages"),
+        (dict(iterations=0), "iterations must be an integer in 1..64"),
+        (dict(micro_batches=0), "micro_batches"),
+        (dict(deepep_mode="fast"), "deepep_mode must be one of auto, normal, low_latency"),
+        (dict(cuda_graph="yes"), "cuda_graph must be true or false or None"),
+        (dict(dbo_decode_token_threshold=-1), "dbo_decode_token_threshold"),
+        (dict(dp_ranks_disagree=1), "dp_ranks_disagree must be true or false"),
+        (dict(dp_peer_tokens=(4, -1)), "dp_peer_tokens must be a list, each an integer"),
+        (dict(iteration_modes=("extend",)), "iteration_modes must be a list, each one of"),
         (dict(iterations=1, iteration_modes=("prefill", "decode")), "lists 2 modes for"),
-        (dict(max_running_requests=0), "--max-running-requests"),
-        (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
-        (dict(context_len=0), "--context-len"),
-        (dict(host=None), "--host must be a HostCosts"),
+        (dict(max_running_requests=0), "max_running_requests"),
+        (dict(chunked_prefill_size=0), "chunked_prefill_size"),
+        (dict(context_len=0), "context_len"),
+        (dict(host=None), "host must be a HostCosts"),
     ],
 )
 def test_each_knob_has_one_validator(kw, message):
@@ -146,7 +146,7 @@ def test_comm_sms_is_checked_against_the_gpu_in_one_place():
     assert resolve_comm_sms(None, H800, default=3) == 3
     assert resolve_comm_sms(0, H800, default=20, least=0) == 0
     for bad, least in ((132, 1), (0, 1), (132, 0)):
-        with pytest.raises(ConfigError, match=f"--comm-sms must lie in {least}..131 on h800"):
+        with pytest.raises(ConfigError, match=f"comm_sms must lie in {least}..131 on h800"):
             resolve_comm_sms(bad, H800, default=3, least=least)
 
 
@@ -214,5 +214,5 @@ def test_a_config_with_own_knobs_is_a_frozen_value():
 
 def test_a_value_is_refused_only_where_no_declaring_schedule_takes_it():
     ScheduleConfig(sbo_mode=2, comm_sms=0)  # sbo refuses 0, vllm-dbo takes it: sbo_mode stays
-    with pytest.raises(ConfigError, match=r"^--comm-sms must be an integer in 0\.\.1023"):
+    with pytest.raises(ConfigError, match=r"^comm_sms must be an integer in 0\.\.1023"):
         ScheduleConfig(comm_sms=-1)  # refused by all three: their ranges' span says so

@@ -86,18 +86,24 @@ def _ops(model, batch, layer=1, parallel=None, mode="low_latency", mb=None, step
 
 def test_gqa_flops_by_hand():
     ops = _ops(TINY_GQA, DECODE2)
-    # qkv: 2*T*hidden*(4+2*2)*8 = 16384; rope: 6*T*(4+2)*8 = 576
-    assert ops["attn.prepare"].flops == 16384 + 576
+    # qkv: 2*T*hidden*(4+2*2)*8 = 16384; RoPE is a kernel of its own: 6*T*(4+2)*8 = 576
+    assert ops["attn.prepare"].flops == 16384
+    assert ops["attn.rope"].flops == 576 and ops["attn.rope"].op_class == "elementwise"
+    assert "attn.norm" not in ops  # no q/k norm in this model
     # attention: 4*heads*d*pairs = 4*4*8*22 = 2816; o_proj: 2*T*32*64 = 8192
     assert ops["attn.core"].flops == 2816
     assert ops["attn.o_proj"].flops == 8192 and ops["attn.o_proj"].op_class == "gemm"
     assert ops["gate"].flops == 2 * 2 * 64 * 8
     # every token's 2 copies through gate_up + down: T*k*6*hidden*inter
     assert ops["experts"].flops == 2 * 2 * 6 * 64 * 16
-    # gate_up 2*T*64*32 + silu-mul 4*T*16 + down 2*T*16*64
-    assert ops["shared_experts"].flops == 8192 + 128 + 4096
+    # gate_up 2*T*64*32 + down 2*T*16*64; silu-mul 4*T*16 is a kernel of its own
+    assert ops["shared_experts"].flops == 8192 + 4096
+    assert ops["shared_experts.act"].flops == 128
+    # low-latency mode: the experts' activation alone (BF16 GEMMs: no quantisation), 4*T*k*16
+    assert ops["experts.act"].flops == 4 * 2 * 2 * 16 and "experts.scatter" not in ops
     dense = _ops(TINY_GQA, DECODE2, layer=0)
-    assert dense["mlp"].flops == 2 * 2 * 64 * 64 + 4 * 2 * 32 + 2 * 2 * 32 * 64
+    assert dense["mlp"].flops == 2 * 2 * 64 * 64 + 2 * 2 * 32 * 64
+    assert dense["mlp.act"].flops == 4 * 2 * 32
 
 
 def test_mla_decode_flops_by_hand():
@@ -105,9 +111,11 @@ def test_mla_decode_flops_by_hand():
     # absorbed: 2*H*pairs*((16+4) + 16) = 3168; W_UV 2*T*H*16*8 = 1024; o_proj 2*T*16*64 = 4096
     assert ops["attn.core"].flops == 3168
     assert ops["attn.absorb_v"].flops == 1024 and ops["attn.o_proj"].flops == 4096
-    # q_proj 2*T*64*2*12 = 6144, kv_a 2*T*64*20 = 5120, kv norm 5*T*16 = 160,
-    # rope 6*T*(2+1)*4 = 144, W_UK 2*T*H*8*16 = 1024
-    assert ops["attn.prepare"].flops == 6144 + 5120 + 160 + 144
+    # q_proj 2*T*64*2*12 = 6144, kv_a 2*T*64*20 = 5120; kernels of their own: kv norm
+    # 5*T*16 = 160, rope 6*T*(2+1)*4 = 144; W_UK 2*T*H*8*16 = 1024
+    assert ops["attn.prepare"].flops == 6144 + 5120
+    assert (ops["attn.norm"].flops, ops["attn.rope"].flops) == (160, 144)
+    assert ops["attn.kv_write"].hbm_bytes == 2 * 20 * (2 + 2)  # latent+rope, bf16 in and out
     assert ops["attn.absorb_k"].flops == 1024
 
 
@@ -247,6 +255,38 @@ def test_normal_dispatch_and_combine_ops():
     assert custom["combine_a"].sms == 20
 
 
+@pytest.mark.parametrize("ep", [8, 32])
+def test_normal_mode_runs_deepep_layout_and_notify_kernels(ep):
+    """DeepEP's normal kernels come with their layout kernel (its grid: one CTA per 4 experts
+    and per 8 ranks) and a notify kernel before dispatch and combine; each notify is a
+    collective of its own that sends a small flow to every peer (NVLink inside the node, RDMA
+    to the same-rail GPU of every other node)."""
+    w = Workload(MODELS["deepseek-v3"], Batch.prefill(2, extend_len=512), Parallel(ep=ep))
+    ops = layer_ops(w, H800, 3, whole_batch(w), deepep_mode="normal", step=0)
+    names = list(ops)
+    order = ["select_experts", "select_experts.ids", "dispatch.quant", "get_dispatch_layout",
+             "notify_dispatch", "dispatch_a", "dispatch_b", "experts.scatter", "experts",
+             "experts.act", "experts.quant", "experts.gather", "cached_notify", "combine_a"]  # fmt: skip
+    assert [n for n in names if n in order] == order
+    layout = ops["get_dispatch_layout"]
+    assert (layout.kind, layout.op_class, layout.ctas) == ("compute", "sampling", 64 + ep // 8)
+    nd, cn = ops["notify_dispatch"], ops["cached_notify"]
+    nodes = ep // 8
+    # DeepEP's grids (intranode / internode) within the Buffer's 20 SMs
+    assert (nd.ctas, nd.sms) == ((1 + ep if nodes == 1 else 1 + nodes), 20)
+    assert (cn.ctas, cn.sms) == ((11, 20) if nodes == 1 else (None, 20))  # 1 + channels / all
+    for op, what in ((nd, "dispatch_notify"), (cn, "combine_notify")):
+        assert (op.kind, op.op_class, op.coll.role) == ("comm", "comm", "sendrecv")
+        assert op.coll.key == f"s0.L3.mb0.{what}"
+        links = {f.link for f in op.coll.flows}
+        assert links == ({"nvlink"} if nodes == 1 else {"nvlink", "rdma"})
+        assert sum(f.nbytes for f in op.coll.flows) < 64 * 1024  # counts and flags, not tokens
+    ll = layer_ops(w, H800, 3, whole_batch(w), deepep_mode="low_latency")
+    assert not {"get_dispatch_layout", "notify_dispatch", "cached_notify", "dispatch.quant",
+                "experts.scatter", "experts.gather", "experts.act", "experts.quant"} & set(ll)  # fmt: skip
+    assert "experts.act_quant" in ll  # the masked layout's fused activation + quantisation
+
+
 def test_auto_mode_follows_sglang():
     assert _ops(TINY_GQA, DECODE2, mode="auto")["dispatch_a"].coll.role == "send"
     prefill = Batch.prefill(1, extend_len=8)
@@ -296,8 +336,10 @@ def test_head_ops():
     w = Workload(TINY_GQA, Batch.prefill(extend_lens=[4, 6]))
     first = head_ops(w, H800, MicroBatch(0, 0, 1, 0, 3, 3, split_seq=True))
     assert first["logits"].flops == 0  # no sequence ends in it
+    assert first["final_norm"].flops == 5 * 3 * 64  # but the final norm runs over its tokens
     whole = head_ops(w, H800, whole_batch(w), step=2)
-    assert whole["logits"].flops == 5 * 2 * 64 + 2 * 2 * 64 * 100  # last token of each sequence
+    assert whole["logits"].flops == 2 * 2 * 64 * 100  # lm_head for the last token of each seq
+    assert whole["final_norm"].flops == 5 * 10 * 64  # the model's last norm: every token
     assert whole["sample"].op_class == "sampling" and whole["logits"].step == 2
     d2h = whole["d2h"]
     assert (d2h.kind, d2h.op_class, d2h.sms, d2h.hbm_bytes, d2h.flops) == (
@@ -308,7 +350,7 @@ def test_head_ops():
         0,
     )
     dec = head_ops(Workload(TINY_GQA, DECODE2), H800, MicroBatch(0, 0, 2, 0, 2, 2))
-    assert dec["logits"].flops == 5 * 2 * 64 + 2 * 2 * 64 * 100
+    assert dec["logits"].flops == 2 * 2 * 64 * 100
 
 
 def test_bad_calls():

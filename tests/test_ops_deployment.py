@@ -10,6 +10,7 @@ import json
 import pytest
 
 import overlap_lab as ol
+from overlap_lab.shared.inputs.hardware import get_gpu
 from overlap_lab.shared.inputs.knobs import knobs
 from overlap_lab.shared.inputs.presets import load_model
 from overlap_lab.shared.inputs.workload import ModelConfig, get_model
@@ -112,3 +113,89 @@ def test_mtp_is_an_option_of_the_model_on_the_command_line(capsys):
         return json.loads(capsys.readouterr().out)["num_ops"]
 
     assert num_ops("--mtp", "0") < num_ops()
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory- and latency-bound kernels around the GEMMs, and DeepEP's notify and layout kernels
+# ----------------------------------------------------------------------------------------------
+
+#: Kernels a DeepSeek-V3 prefill on DeepEP's normal kernels runs besides its GEMMs and attention
+#: (docs/schedules.md, "The kernels a deployment runs"): op -> (stream, cost source)
+PREFILL_KERNELS = {
+    "attn.norm": ("main", "roofline"),
+    "attn.rope": ("main", "roofline"),
+    "attn.kv_write": ("main", "roofline"),
+    "select_experts.ids": ("main", "roofline"),
+    "dispatch.quant": ("main", "roofline"),
+    "get_dispatch_layout": ("comm", "roofline"),
+    "notify_dispatch": ("comm", "link"),
+    "experts.scatter": ("main", "roofline"),
+    "experts.act": ("main", "roofline"),
+    "experts.quant": ("main", "roofline"),
+    "experts.gather": ("main", "roofline"),
+    "cached_notify": ("comm", "link"),
+    "shared_experts.act": ("main", "roofline"),
+    "final_norm": ("main", "roofline"),
+}
+
+
+def _prefill(ep=32, layers=5):
+    return ol.workload("deepseek-v3", mode="prefill", batch=4, layers=layers, ep=ep)
+
+
+def test_deepseek_prefill_trace_shows_the_deployments_kernels_each_with_its_cost_source():
+    res = ol.simulate("deepseek", _prefill(), "h800")
+    prof = load_profile("h800-published")
+    src = {op.name: duration_source(op, res.gpu, prof) for _, op in ops_of(res.program)}
+    lanes: dict[str, set] = {}
+    for s in res.trace.spans:
+        if s.lane.startswith("stream:"):
+            lanes.setdefault(s.op, set()).add(s.lane[len("stream:") :])
+    for name, (stream, source) in PREFILL_KERNELS.items():
+        assert lanes.get(name) == {stream}, name  # an op of its own, on upstream's stream
+        assert src[name] == source, name
+    assert src["experts"] == src["attn.prepare"] == "profile"  # the GEMMs keep their rows
+    # one span per layer and micro-batch: the kernels are cut, not folded into a neighbour
+    moe = [L for L in range(res.workload.model.num_layers) if res.workload.model.is_moe_layer(L)]
+    for name in ("get_dispatch_layout", "notify_dispatch", "experts.scatter", "cached_notify"):
+        got = {(s.layer, s.mb) for s in res.trace.spans if s.op == name and s.lane != "host"}
+        assert got == {(L, mb) for L in moe for mb in (0, 1)}, name
+
+
+def test_memory_bound_passes_run_at_memory_rate_not_gemm_rate():
+    """RoPE, the norms and the MoE's passes are waved elementwise kernels at the roofline's
+    memory rate: their time alone is their bytes over the usable bandwidth (or the launch floor),
+    whatever GEMM they sit beside."""
+    from overlap_lab.shared.ir.ops import layer_ops, whole_batch
+    from overlap_lab.sim import cost
+
+    w = _prefill()
+    g = get_gpu("h800")
+    ops = layer_ops(w, g, 4, whole_batch(w), deepep_mode="normal")
+    for name in ("attn.rope", "attn.norm", "experts.scatter", "experts.act", "experts.gather"):
+        op = ops[name]
+        assert cost.grid_kind(op) == "waved" and op.op_class == "elementwise"
+        mem = op.hbm_bytes / (g.hbm_bytes_per_us * cost.EFFICIENCY["elementwise"][1])
+        assert cost.solo_duration_us(op, g) == pytest.approx(max(mem, g.kernel_min_us), rel=0.02)
+
+
+def test_notify_kernels_wait_for_every_peer_in_explicit_ranks():
+    """A rank that reaches its notify early waits there for the last one: with DP attention's
+    ranks holding different token counts (their attention takes different times), every rank's
+    notify_dispatch ends after the last rank's has started, so the skew is in its span, while the
+    balanced program's notifies take only their link latency."""
+    w = _prefill(ep=16)
+    skew = ol.simulate("serial", w, "h800", ranks="explicit", dp_imbalance=0.5, reduce=False)
+    even = ol.simulate("serial", w, "h800")
+    L = max(L for L in range(w.model.num_layers) if w.model.is_moe_layer(L))
+
+    def spans(res, name):
+        return [s for s in res.trace.spans if s.op == name and s.layer == L and s.lane != "host"]
+
+    notify = [s for s in spans(skew, "notify_dispatch") if s.lane.startswith("stream:")]
+    assert len({s.rank for s in notify}) == 16
+    first, last = min(s.start for s in notify), max(s.start for s in notify)
+    assert last - first > 1000  # the ranks reached it far apart ...
+    assert all(s.end >= last for s in notify)  # ... and each waited for the last one
+    (one,) = [s for s in spans(even, "notify_dispatch") if s.lane.startswith("stream:")]
+    assert one.end - one.start < 10  # no peer to wait for: its link latency

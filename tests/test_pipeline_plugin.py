@@ -95,7 +95,7 @@ def test_the_registry_learns_its_knob_and_rules(plugin):
     assert S.drawing("pp-stall").every_rank
     cfg = S.ScheduleConfig(stall_us=250.0)
     assert cfg.stall_us == 250.0 and S.window_note("pp-stall", cfg).endswith("250 us stall first.")
-    with pytest.raises(ConfigError, match="--stall-us must be a number in 0..1e"):
+    with pytest.raises(ConfigError, match="^stall_us must be a number in 0..1e"):
         S.ScheduleConfig(stall_us=-1.0)
 
 

@@ -84,14 +84,15 @@ def test_interpolation_is_exact_on_table_points_and_monotone_between():
     assert interpolate_loglog(XS, YS, 32.0) == pytest.approx(math.sqrt(20.0 * 31.0))
 
 
-def test_profile_durations_interpolate_and_fall_back_outside_the_table():
+def test_profile_durations_interpolate_and_extrapolate_down_but_not_up():
     p = from_json(doc(*(row(op="attn.prepare", size=x, us=y) for x, y in zip(XS, YS))))
     for x, y in zip(XS, YS):
         assert cost.profiled_us(gemm_op(int(x), nbytes=0), H800, 132, p) == y
-    assert cost.profiled_us(gemm_op(8), H800, 132, p) is None  # below: the roofline
+    # below the smallest row (16 tokens, inside one 64-row M tile): the whole tile's time
+    assert cost.profiled_us(gemm_op(8, nbytes=0), H800, 132, p) == YS[0]
     assert cost.profiled_us(gemm_op(4096), H800, 132, p) is None  # above, plain durations
-    assert cost.duration_source(gemm_op(8), H800, p) == "roofline"
-    assert cost.duration_source(gemm_op(64), H800, p) == "profile"
+    assert cost.duration_source(gemm_op(8), H800, p) == "profile"
+    assert cost.duration_source(gemm_op(4096), H800, p) == "roofline"
 
 
 def test_profiled_durations_follow_the_wave_model_across_sm_counts():

@@ -56,7 +56,7 @@ def test_hbm_override_drops_rows_and_says_so():
 
 def test_api_rdma_override_moves_deepep_rate_as_the_cli():
     g = ol.gpu("h800", rdma_gbps=25.0)
-    assert g.rdma_eff_gbps == pytest.approx(46.0 * 25.0 / 50.0)
+    assert g.rdma_eff_gbps == pytest.approx(44.0 * 25.0 / 50.0)
     slow = ol.simulate("serial", _wl(), g).metrics.iteration_us
     fast = ol.simulate("serial", _wl(), "h800").metrics.iteration_us
     assert slow > fast

@@ -183,8 +183,9 @@ def test_run_cpu_check_json_records_the_check(capsys):
 
 def test_kernels_json_records_its_options(tmp_path, capsys):
     pytest.importorskip("torch")
-    out = tmp_path / "k.json"
-    argv = ["kernels", "--device", "cpu", "--out", str(out), "--repeats", "1", "--warmup", "0"]
+    out = tmp_path / "k" / "kernels.json"  # --out is a folder
+    argv = ["kernels", "--device", "cpu", "--out", str(out.parent), "--repeats", "1",
+            "--warmup", "0"]  # fmt: skip
     assert main(argv) == 0
     first = json.loads(out.read_text())["provenance"]
     assert _check(first, argv) == {"device": "cpu", "repeats": 1, "warmup": 0}

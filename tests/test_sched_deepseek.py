@@ -56,10 +56,14 @@ def test_prefill_sm_split_scales_24_of_132(gpu, comm, compute):
         if not isinstance(ins, Launch):
             continue
         op = ins.op
-        if op.kind == "compute":  # ATTN incl. gate, MLP, SHARED (and everything else computed)
+        if op.name == "get_dispatch_layout":  # DeepEP's layout kernel, on its comm stream
+            assert (ins.stream, op.sms) == ("comm", compute)
+        elif op.kind == "compute":  # ATTN incl. gate, MLP, SHARED (and everything else computed)
             assert (ins.stream, op.sms) == ("main", compute), op.name
-        elif op.name in ("dispatch_a", "combine_a"):
+        elif op.name in ("dispatch_a", "combine_a", "cached_notify"):  # grids of the Buffer's SMs
             assert (ins.stream, op.sms, op.coll.role) == ("comm", comm, "sendrecv")
+        elif op.name == "notify_dispatch":  # DeepEP's own grid, 1 + the nodes, in its SMs
+            assert (ins.stream, op.sms, op.ctas) == ("comm", comm, 5)
         elif op.kind == "comm":
             assert (ins.stream, op.sms) == ("comm", 0)  # the empty completion markers
 
@@ -190,6 +194,7 @@ def test_prefill_window_streams_and_events():
     want = (
         [("main", 0, 0, n) for n in ATTN]  # ATTN 0
         + [("record", "main", e(0, "dispatch_ready")), ("wait", "comm", e(0, "dispatch_ready"))]
+        + [("comm", 0, 0, "dispatch_a")]  # get_dispatch_layout, notify_dispatch
         + counts(0)
         + [("comm", 0, 0, "dispatch_a"), ("comm", 0, 0, "dispatch_b")]  # DISPATCH 0 (24 SMs)
         + [("record", "comm", e(0, "dispatch_done"))]
@@ -197,6 +202,7 @@ def test_prefill_window_streams_and_events():
         + [("main", 1, -1, "output"), ("main", 1, -1, "comm_postprocess_layer")]
         + [("main", 1, 0, n) for n in ATTN]  # ATTN 1 (DISPATCH 0 under it)
         + [("record", "main", e(1, "dispatch_ready")), ("wait", "comm", e(1, "dispatch_ready"))]
+        + [("comm", 1, 0, "dispatch_a")]
         + counts(1)
         + [("comm", 1, 0, "dispatch_a"), ("comm", 1, 0, "dispatch_b")]
         + [("record", "comm", e(1, "dispatch_done"))]

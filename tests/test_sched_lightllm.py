@@ -92,6 +92,8 @@ def test_prefill_split_by_requests_padding_only_when_empty(lens, want):
 # Decode order
 # ----------------------------------------------------------------------------------------------
 
+#: grouped_fused_moe_ep's own kernels, launched one by one (not folded into ``experts``)
+KERNELS = frozenset({"experts.scatter", "experts.act_quant", "experts.gather"})
 # (mb, layer offset from L, op) in issue order: upstream overlap_tpsp_token_forward
 DECODE_WINDOW = [
     (0, 0, "comm_prepare_attn"),
@@ -132,7 +134,7 @@ DECODE_WINDOW = [
 def test_decode_layer_order_is_upstreams():
     p = build("lightllm", decode_w(), H800)
     L = moe_mid_layer(V3)
-    got = collapse([(op.mb, op.layer - L, op.name) for _, op in layer_window(p, L)])
+    got = collapse([(op.mb, op.layer - L, op.name) for _, op in layer_window(p, L)], KERNELS)
     assert got == DECODE_WINDOW
 
 
@@ -229,8 +231,10 @@ PREFILL_WINDOW = [
     ("launch main", 1, 0, "attn.core"),
     ("launch main", 1, 0, "comm_prepare_mlp"),
     ("launch main", 1, 0, "gate"),
-    ("sync", "L{L}.mb0.dispatch_ready"),  # DeepEP normal dispatch: CPU waits for the counts
     ("wait comm0", "L{L}.mb0.dispatch_ready"),  # previous_event
+    ("launch comm0", 0, 0, "dispatch_a"),  # get_dispatch_layout, notify_dispatch
+    ("record comm0", "s0.L{L}.mb0.dispatch.counts"),  # DeepEP normal dispatch: the CPU waits
+    ("sync", "s0.L{L}.mb0.dispatch.counts"),  # for the counts notify_dispatch writes
     ("launch comm0", 0, 0, "dispatch_a"),
     ("launch comm0", 0, 0, "dispatch_b"),
     ("record comm0", "L{L}.mb0.dispatch_done"),
@@ -244,8 +248,10 @@ PREFILL_WINDOW = [
     ("launch main", 0, 0, "experts.act_quant"),
     ("launch main", 0, 0, "experts.down.0"),
     ("launch main", 0, 0, "experts.gather"),
-    ("sync", "L{L}.mb1.dispatch_ready"),
     ("wait comm1", "L{L}.mb1.dispatch_ready"),
+    ("launch comm1", 1, 0, "dispatch_a"),
+    ("record comm1", "s0.L{L}.mb1.dispatch.counts"),
+    ("sync", "s0.L{L}.mb1.dispatch.counts"),
     ("launch comm1", 1, 0, "dispatch_a"),
     ("launch comm1", 1, 0, "dispatch_b"),
     ("record comm1", "L{L}.mb1.dispatch_done"),
@@ -286,7 +292,7 @@ def _instr_key(ins, L):
 def test_prefill_layer_order_events_and_streams_are_upstreams():
     p = build("lightllm", prefill_w(), H800)
     L = moe_mid_layer(V3)
-    got = collapse([_instr_key(ins, L) for ins in layer_window(p, L, instrs=True)])
+    got = collapse([_instr_key(ins, L) for ins in layer_window(p, L, instrs=True)], KERNELS)
     want = [
         tuple(x.format(L=L, p=L - 1) if isinstance(x, str) else x for x in row)
         for row in PREFILL_WINDOW
@@ -301,9 +307,14 @@ def test_prefill_comm_kernels_hold_deepep_sms_compute_unpartitioned():
     for ins in iter_gpu_instrs(main_thread(p).instrs):
         if isinstance(ins, Launch):
             op = ins.op
-            if op.kind == "compute":
+            if op.name == "get_dispatch_layout":  # DeepEP's, on its Buffer's comm stream
+                assert op.sms is None and ins.stream == f"comm{op.mb}"
+            elif op.kind == "compute":
                 assert op.sms is None and ins.stream == "main"
-            elif op.name in ("dispatch_a", "combine_a"):
+            elif op.name == "notify_dispatch":  # DeepEP's grid (1 + nodes) in the Buffer's SMs
+                assert (op.ctas, op.sms) == (5, H800.deepep_normal_sms)
+                assert ins.stream == f"comm{op.mb}"
+            elif op.name in ("dispatch_a", "combine_a", "cached_notify"):
                 assert op.sms == H800.deepep_normal_sms and op.coll.role == "sendrecv"
                 assert ins.stream == f"comm{op.mb}"
             elif op.name in ("dispatch_b", "combine_b"):
@@ -322,10 +333,11 @@ def test_prefill_post_layer_waits_mb1_combine_before_its_logits():
         elif isinstance(ins, Wait):
             seq.append(("wait", ins.stream, ins.event))
     i0 = seq.index((0, None, "logits"))
-    assert seq[i0 + 1 : i0 + 5] == [
+    assert seq[i0 + 1 : i0 + 6] == [
         ("wait", "main", f"L{last}.mb1.combine_done"),
         (1, last, "output"),
         (1, last, "comm_postprocess_layer"),
+        (1, None, "final_norm"),  # post_infer: its final norm and logits
         (1, None, "logits"),
     ]
 
@@ -411,11 +423,21 @@ def test_expert_kernels_conserve_the_experts_work(mode):
     w = decode_w() if mode == "decode" else prefill_w(2)
     mb = (split_decode(w) if mode == "decode" else split_prefill(w))[0]
     L = moe_mid_layer(V3)
-    experts = layer_ops(w, H800, L, mb)["experts"]
-    ks = expert_kernels(w, experts, contiguous=mode == "prefill")
-    assert sum(k.flops for k in ks) == pytest.approx(experts.flops)
-    assert sum(k.hbm_bytes for k in ks) == pytest.approx(experts.hbm_bytes)
+    ops = layer_ops(w, H800, L, mb)
+    ks = expert_kernels(w, ops)
+    gemms = [k for k in ks if k.op_class == "grouped_gemm"]
+    experts = ops["experts"]
+    assert sum(k.flops for k in gemms) == pytest.approx(experts.flops)
+    assert sum(k.hbm_bytes for k in gemms) == pytest.approx(experts.hbm_bytes)
     assert all(k.hbm_bytes >= 0 for k in ks)
+    names = [k.name for k in ks]
+    if mode == "prefill":  # the layer's own scatter and gather, around the fused activation
+        assert names[0] == "experts.scatter" and names[-1] == "experts.gather"
+        assert ks[0] == ops["experts.scatter"] and ks[-1] == ops["experts.gather"]
+        act = ks[names.index("experts.act_quant")]  # silu_and_mul + quant in one pass
+        assert act.hbm_bytes < ops["experts.act"].hbm_bytes + ops["experts.quant"].hbm_bytes
+    else:
+        assert ks[1] == ops["experts.act_quant"]
     # DeepGEMM's grouped GEMMs hold their SMs; the Triton kernels between them release them
     kinds = {k.name: cost.grid_kind(k) for k in ks}
     assert kinds["experts.gate_up"] == kinds["experts.down.0"] == "persistent"

@@ -150,7 +150,8 @@ def test_ops_and_layers_match_the_model():
         for layer, names in per_layer.items():
             want = MOE_OP_NAMES if LITE.is_moe_layer(layer) else DENSE_OP_NAMES
             assert tuple(collapse(names)) == want
-        assert [op.name for op in ops if op.layer is None] == ["embed", "logits", "sample"]
+        head = [op.name for op in ops if op.layer is None]
+        assert head == ["embed", "final_norm", "logits", "sample"]
 
 
 # ----------------------------------------------------------------------------------------------

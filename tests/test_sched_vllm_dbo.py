@@ -126,7 +126,8 @@ def test_ubatch0_runs_first_and_every_op_once():
     w = wl(Batch.decode(64))
     mb = whole_batch(w)
     dense_ops, moe_ops = (len(layer_ops(w, GPU, L, mb)) for L in (0, LITE.first_k_dense))
-    assert per_mb == [1 + dense_ops * LITE.first_k_dense + moe_ops * moe] * 2
+    # embed, the layers, and the final norm that ends each ubatch's forward
+    assert per_mb == [1 + dense_ops * LITE.first_k_dense + moe_ops * moe + 1] * 2
 
 
 # -- thresholds, DP agreement, padding, abort ---------------------------------------------------

@@ -123,7 +123,7 @@ def test_compare_carries_it_and_prints_it(small):
     c = ol.compare(["serial", "tbo"], w, "h800", sensitivity="oat=0,lhs=2")
     assert c.sensitivity is not None and set(c.sensitivity.iteration_us) == {"serial", "tbo"}
     text = c.text()
-    assert "Sensitivity: 3 points" in text and "not separated from" in text
+    assert "Sensitivity: 3 points" in text and "wins  group" in text
     flat = " ".join(text.split())
     assert "Not varied: interference, comm_sms, kernel_floor" in flat  # and says what it means
     assert "up to 1.21x slower than simulated" in flat
@@ -193,3 +193,35 @@ def test_cli_sensitivity_option_and_figure(tmp_path, capsys):
     rc = main(["compare", "--schedules", "serial", "--layers", "3", "--sensitivity", "lhs=x"])
     assert rc == 2
     assert "--sensitivity: lhs needs an integer" in capsys.readouterr().err
+
+
+def _stub(tps: dict[str, tuple[float, ...]]):
+    """A Sensitivity of made-up throughputs per point (nominal first)."""
+    from overlap_lab.sensitivity import Sensitivity, _ranges
+
+    its = {k: tuple(1e6 / t for t in v) for k, v in tps.items()}
+    return Sensitivity(Design(), (), its, tps, _ranges(its, tps))
+
+
+def test_schedules_not_separated_are_shown_as_groups_once():
+    """Nothing separated: every row listed every other schedule, and the pairs were cut."""
+    names = [f"s{i}" for i in range(10)]
+    s = _stub({n: (100.0 + i, 90.0 + i, 120.0 - i) for i, n in enumerate(names)})
+    assert s.groups() == [names[::-1]]  # one group, nominally fastest first
+    text = s.text()
+    rows = [ln for ln in text.splitlines() if ln[:1] == "s" and ln[1:2].isdigit()]
+    assert len(rows) == 10 and all(ln.endswith("%  1") for ln in rows)
+    assert "more pairs" not in text and text.count("s9 [") == 1
+    chain = " ".join(text.split("\n  1: ", 1)[1].split("\n\n")[0].split())
+    assert chain.startswith("s9 [67 %] s8 [67 %] s7") and chain.endswith("s0")  # 2 of 3 points
+
+
+def test_separated_schedules_are_in_no_group():
+    s = _stub({"a": (100.0, 99.0), "b": (98.0, 100.5), "c": (50.0, 51.0), "d": (10.0, 11.0)})
+    assert s.groups() == [["a", "b"]]
+    rows = {
+        ln.split()[0]: ln.split()[-1]
+        for ln in s.text().splitlines()
+        if ln[:2] in ("a ", "b ", "c ", "d ")
+    }
+    assert rows == {"a": "1", "b": "1", "c": "-", "d": "-"}

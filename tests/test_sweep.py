@@ -118,7 +118,7 @@ def test_parallel_workers_give_the_same_rows(tmp_path):
 def test_another_sweeps_file_is_refused(tmp_path):
     out = tmp_path / "s.csv"
     out.write_text("case,x\n")
-    with pytest.raises(ConfigError, match="another sweep"):
+    with pytest.raises(ConfigError, match="not this sweep.s results file"):
         run_sweep(SPEC, out, processes=1, progress=False)
 
 

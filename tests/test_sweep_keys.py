@@ -52,7 +52,7 @@ def test_a_gpu_field_the_build_does_not_read_merges():
 
 
 def test_a_schedule_knob_of_other_schedules_merges():
-    """serial does not read --comm-sms (in inputs.KNOB_SCHEDULES for the four that do): the
+    """serial does not read --comm-sms (in checks.partial_knob_readers() for the four that do): the
     parse gives both serial cases its default, and they merge."""
     cases = [
         {**BASE, "schedule": s, "batch": 16, "comm_sms": c}

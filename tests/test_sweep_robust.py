@@ -30,7 +30,7 @@ LONG = {"base": {**SMALL, "layers": 6}, "grid": {"schedule": ["tbo"], "batch": l
 
 def test_a_second_sweep_on_the_same_output_is_refused(tmp_path, capsys):
     out = tmp_path / "s.csv"
-    with open(tmp_path / "s.csv.lock", "a") as held:  # a sweep writing it now
+    with open(out, "a") as held:  # a sweep writing it now: the lock is the file's own
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ConfigError, match="another sweep is writing"):
             run_sweep(SPEC, out, processes=1, progress=False)
@@ -39,7 +39,7 @@ def test_a_second_sweep_on_the_same_output_is_refused(tmp_path, capsys):
         assert main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "another sweep is writing" in err
-    assert not out.exists()
+    assert out.read_text() == ""  # nothing written by the refused sweep
     run_sweep(SPEC, out, processes=1, progress=False)  # released: runs
     assert len(read_rows(out)) == 4
 

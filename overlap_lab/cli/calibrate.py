@@ -94,31 +94,17 @@ def _program_for(args, schedule: str):
     return program, w, gpu
 
 
-def _sizes(text: str, mode: str) -> tuple[int, ...]:
-    """--sizes, each within what one workload may hold: a decode size is a batch of that many
-    sequences, a prefill size one sequence of that many tokens (``calibrate.sized_workload``);
-    beyond, building the batch overflows or exhausts memory before anything runs."""
-    from overlap_lab.calibrate import parse_ints
-    from overlap_lab.cli.inputs import MAX_SEQS, MAX_TOKENS
-
-    sizes = parse_ints(text, "--sizes")
-    limit, what = (MAX_SEQS, "sequences") if mode == "decode" else (MAX_TOKENS, "tokens")
-    if max(sizes) > limit:
-        raise ConfigError(f"--sizes: {max(sizes)} is beyond {limit} ({what} per rank in {mode})")
-    return sizes
-
-
 def cmd_calibrate(args) -> int:
+    from overlap_lab.outdir import check_out_file
+
     if (args.from_trace is None) == (args.device is None):
         raise ConfigError("calibrate needs exactly one of --from-trace TRACE or --device cuda")
-    from overlap_lab.shared.files import check_regular
-
-    check_regular(args.out, "calibrate --out")  # a FIFO would block the write, after the work
+    check_out_file(args.out, force=args.force)  # before the work: nothing replaced unasked
     if args.device is not None:
-        from overlap_lab.calibrate import calibrate_on_device, parse_ints
+        from overlap_lab.calibrate import calibrate_on_device, parse_ints, parse_sizes
 
         w, gpu = workload_from(args), gpu_from(args)
-        sizes = _sizes(args.sizes, w.batch.mode)
+        sizes = parse_sizes(args.sizes, w.batch.mode)
         budgets = parse_ints(args.sm_budgets, "--sm-budgets") or (gpu.num_sms,)
         inputs = {
             "device": args.device,
@@ -228,6 +214,7 @@ def register_calibration_commands(sub) -> None:
     s.add_argument("--sm-budgets", default=None, help="--device: SM counts (default: all SMs)")
     s.add_argument("--repeats", type=int, default=5, help="--device: timed runs per case")
     s.add_argument("--out", default="overlap-lab-out/profile.json", help="profile file to write")
+    s.add_argument("--force", action="store_true", help="replace --out even if another wrote it")
     workload_options(s)
     rank_options(s)
     s.set_defaults(func=cmd_calibrate)

@@ -13,50 +13,30 @@ message says what is allowed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.schedules import schedule_knobs
+from overlap_lab.shared.schedules.common import MAX_SEQS, MAX_TOKENS
 
 # ---- per-option limits ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Limit:
-    """A numeric option's type and closed range ``lo..hi`` (``open_hi``: ``hi`` excluded)."""
-
-    kind: type  # int or float
-    lo: float
-    hi: float
-    open_hi: bool = False
-    zero_ok: bool = False  # 0 allowed besides lo..hi (0 = "off" / "same as nominal")
-    is_list: bool = False  # a comma-separated list, each value within the range
-    unit: str = ""  # what the number counts or measures, shown in the option's help
-
-    def text(self) -> str:
-        def num(v):
-            return str(int(v)) if self.kind is int else f"{v:g}"
-
-        hi = num(self.hi) + (" (excluded)" if self.open_hi else "")
-        return f"{'0 or ' if self.zero_ok else ''}{num(self.lo)}..{hi}"
-
-    def check(self, v: float) -> bool:
-        if self.zero_ok and v == 0:
-            return True
-        return self.lo <= v and (v < self.hi if self.open_hi else v <= self.hi)
+def Limit(kind: type, lo: float, hi: float, *, is_list: bool = False, **kw: Any) -> Knob:
+    """The range of an option that is no configuration's field (the workload's, ``run``'s), as
+    the knob record every option is checked by (``Knob.refusal``), the API's fields too."""
+    tp = tuple[kind, ...] if is_list else kind  # type: ignore[valid-type]
+    return Knob("", tp, None, "", lo=lo, hi=hi, **kw)
 
 
-MAX_TOKENS = 1 << 20  # tokens of one sequence (KV, extend or prefix)
-MAX_SEQS = 1 << 16  # sequences per GPU
-_I, _F = int, float
-
-
-def _record_limits() -> dict[str, Limit]:
-    """The limits of the schedule knobs, host costs (``host_`` options) and GPU fields: their
-    knob records' ranges, declared once where the field is (the configuration checks the same)."""
+def _record_limits() -> dict[str, Knob]:
+    """The knob records of the schedule knobs, host costs (``host_`` options) and GPU fields
+    with a range, declared once where the field is (the API checks the same records)."""
     out = {}
     for prefix, records in (
         ("", schedule_knobs()),
@@ -65,16 +45,15 @@ def _record_limits() -> dict[str, Limit]:
     ):
         for k in records:
             if k.scalar in (int, float) and k.lo is not None and k.hi is not None:
-                out[prefix + k.name] = Limit(
-                    k.scalar, k.lo, k.hi, zero_ok=k.zero_ok, is_list=k.is_tuple, unit=k.unit
-                )
+                out[prefix + k.name] = k
     return out
 
 
-#: Option destination -> its limit: the workload's and ``run``'s here, every knob's from its
-#: record. Hardware ranges bracket every real device with a wide margin and keep simulated times
-#: far from floating-point trouble.
-LIMITS: dict[str, Limit] = {
+_I, _F = int, float
+#: Option destination -> the record of its range: the workload's and ``run``'s here, every
+#: knob's its own. Hardware ranges bracket every real device with a wide margin and keep
+#: simulated times far from floating-point trouble.
+LIMITS: dict[str, Knob] = {
     # workload and parallelism
     "batch": Limit(_I, 1, MAX_SEQS),
     "kv_len": Limit(_I, 1, MAX_TOKENS),
@@ -85,13 +64,13 @@ LIMITS: dict[str, Limit] = {
     "prefix_len": Limit(_I, 0, MAX_TOKENS),
     "prefix_lens": Limit(_I, 0, MAX_TOKENS, is_list=True),
     "layers": Limit(_I, 1, 1000),
-    "mtp": Limit(_I, 0, 8, unit="modules"),
+    "mtp": Limit(_I, 0, 8, unit="draft steps"),
     "ep": Limit(_I, 1, 1024),
     "gpus_per_node": Limit(_I, 1, 72),
     "attn_tp": Limit(_I, 1, 1024),
     "pp_size": Limit(_I, 1, 16),
     "seed": Limit(_I, 0, 2**32 - 1),
-    "dp_imbalance": Limit(_F, 0, 1, open_hi=True),
+    "dp_imbalance": Limit(_F, 0, 1, unit="(1 excluded)", check=lambda v, _: _below_one(v)),
     "max_events": Limit(_I, 1, 10**10),
     # `run`
     "warmup": Limit(_I, 0, 1000),
@@ -101,6 +80,10 @@ LIMITS: dict[str, Limit] = {
 LIMITS.update(_record_limits())
 #: `run` (CPU equivalence check and GPU) sizes: the real executor allocates them.
 RUN_LIMITS = {"batch": 4096, "ranks": 16}
+
+
+def _below_one(v: float) -> str | None:
+    return f"must be below 1, got {v!r}" if v >= 1 else None
 
 
 def _number(kind: type, s: str):
@@ -119,28 +102,31 @@ def _number(kind: type, s: str):
     return v
 
 
-def limited(limit: Limit, *, is_list: bool = False):
-    """An argparse type: one number (or a comma-separated list of them) within ``limit``."""
+def limited(limit: Knob, *, is_list: bool = False):
+    """An argparse type: one number (or a comma-separated list of them) that ``limit`` (a knob
+    record, :func:`Limit`) accepts, refused in its words."""
+
+    item = dataclasses.replace(limit, type=limit.scalar)  # a list's: each value's record
 
     def one(s: str):
-        v = _number(limit.kind, s)
-        if not limit.check(v):
-            raise argparse.ArgumentTypeError(
-                f"expected a value in {limit.text()}, got {s.strip()!r}"
-            )
+        v = _number(limit.scalar, s)
+        why = item.refusal(v)
+        if why:
+            raise argparse.ArgumentTypeError(why)
         return v
 
     def many(s: str):
         parts = s.split(",")
         if any(not p.strip() for p in parts):
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated values in {limit.text()} with none empty, got {s!r}"
+                f"expected comma-separated values in {limit.range_text()} with none empty, "
+                f"got {s!r}"
             )
         if len(parts) > MAX_SEQS:
             raise argparse.ArgumentTypeError(f"expected at most {MAX_SEQS} values")
         return tuple(one(p) for p in parts)
 
-    return many if is_list else one
+    return many if is_list or limit.is_tuple else one
 
 
 def _actions(parser: argparse.ArgumentParser):
@@ -162,9 +148,9 @@ def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         lim = limits.get(a.dest)
         if lim is None or not a.option_strings or a.nargs == 0:
             continue
-        a.type = limited(lim, is_list=lim.is_list)
+        a.type = limited(lim)
         unit = f" {lim.unit}" if lim.unit else ""
-        a.help = f"{a.help or ''} [{'each ' if lim.is_list else ''}{lim.text()}{unit}]".strip()
+        a.help = f"{a.help or ''} [{'each ' if lim.is_tuple else ''}{lim.range_text()}{unit}]"
         if a.dest in ("nvlink_gbps", "rdma_gbps"):
             a.help += (
                 f"; scales the effective bandwidth too unless --{a.dest[:-5]}-eff-gbps is given"
@@ -197,22 +183,6 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 
 DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
 PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
-
-
-def knob_schedules() -> dict[str, tuple[str, ...]]:
-    """Schedule knobs read by only some schedules -> those schedules (each schedule module
-    declares its own, ``shared.schedules.knob_readers``; the registry loads every schedule
-    module once, and only when a command is checked): giving one to none of them is refused."""
-    from overlap_lab.shared.schedules import SCHEDULES, knob_readers
-
-    return {n: r for n, r in knob_readers().items() if len(r) < len(SCHEDULES)}
-
-
-def __getattr__(name: str):
-    """``KNOB_SCHEDULES`` (:func:`knob_schedules`), computed on first use."""
-    if name == "KNOB_SCHEDULES":
-        return knob_schedules()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
@@ -252,7 +222,9 @@ def _check_args(args) -> None:
     _check_names(args, cmd)
     _check_mode_options(args)
     if cmd != "run":
-        _check_knobs(args, _schedules(args, cmd))
+        from overlap_lab.checks import check_knobs_read
+
+        check_knobs_read(vars(args), _schedules(args, cmd))
     _check_hardware(args)
     if cmd == "run":
         _check_run(args)
@@ -305,8 +277,9 @@ def _check_mode_options(args) -> None:
             other = "prefill" if args.mode == "decode" else "decode"
             raise ConfigError(f"{_flag(dest)} applies to --mode {other} only, not {args.mode}")
     for dest, v in MODE_DEFAULTS.items():
-        if getattr(args, dest, None) is None:
-            setattr(args, dest, v)
+        mtp = dest == "tokens_per_seq" and getattr(args, "mtp", None)
+        if getattr(args, dest, None) is None and not mtp:
+            setattr(args, dest, v)  # --mtp N: N + 1 tokens per sequence (api.workload)
     if args.mode == "decode" and args.kv_lens is not None and _given(args, "batch"):
         if args.batch != len(args.kv_lens):
             raise ConfigError(f"--batch {args.batch} but {len(args.kv_lens)} --kv-lens")
@@ -320,46 +293,27 @@ def _check_mode_options(args) -> None:
         raise ConfigError("--prefix-lens needs --extend-lens (one prefix per sequence)")
 
 
-def _check_knobs(args, names: list[str]) -> None:
-    for dest, owners in knob_schedules().items():
-        v = getattr(args, dest, None)
-        if v is None or v == () or v is False:
-            continue
-        if not set(names) & set(owners):
-            raise ConfigError(
-                f"{_flag(dest)} applies to --schedule {' or '.join(owners)} only, "
-                f"not {', '.join(names)}"
-            )
-
-
 def _check_hardware(args) -> None:
     """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
     achievable rate in ``overlap_lab.api.gpu``)."""
-    from overlap_lab.shared.inputs.hardware import get_gpu
+    from overlap_lab.cli.options import gpu_from
 
-    gpu = get_gpu(args.gpu)
-    num_sms = getattr(args, "num_sms", None) or gpu.num_sms
+    num_sms = gpu_from(args).num_sms  # --gpu, --gpu-file (a file), --num-sms
     for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
         v = getattr(args, dest, None)
         if v is not None and v >= num_sms:
             raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
-_WARNED: set[str] = set()
-
-
 def warn_implausible(values: dict[str, float | None]) -> None:
     """One line on stderr for each hardware option given (``values``: GPU field -> the value
     typed, None: not given) that looks typed in another unit (``checks.implausible``); each is
     said once per run (a sweep checks every case)."""
-    import sys
-
     from overlap_lab.checks import implausible
+    from overlap_lab.shared.inputs.preset_files import note
 
     for msg in implausible(values):
-        if msg not in _WARNED:
-            _WARNED.add(msg)
-            print(f"overlap-lab: warning: {msg}", file=sys.stderr)
+        note(as_options(msg, tuple(values)), "warning")
 
 
 #: The real executor's scaled-down models (``real.model.TINY_NAMES``), for `run --device cpu`.
@@ -376,56 +330,25 @@ def tiny_cpu_model(args) -> bool:
 
 
 def _check_run(args) -> None:
-    from overlap_lab.measure import comm_backends, kernel_families
+    from overlap_lab.measure import run_choices
 
-    args.device = str(args.device).lower()
-    backends = comm_backends()  # registered plug-ins too (real.comm)
-    b = str(args.backend)
-    args.backend = b.lower() if b not in backends and b.lower() in backends else b
-    if args.backend not in backends:
-        raise ConfigError(f"--backend must be one of {', '.join(backends)}, got {args.backend!r}")
-    if isinstance(args.kernels, str):
-        args.kernels = tuple(k for k in args.kernels.split(",") if k)
-    families = kernel_families()
-    unknown = [k for k in args.kernels if k not in families]
-    if unknown:
-        raise ConfigError(
-            f"--kernels: unknown kernel family {unknown[0]!r}; choose from {', '.join(families)}"
-        )
-    devices = ("auto", "cuda", "cpu")
-    if args.device not in devices:
-        raise ConfigError(f"--device must be one of {', '.join(devices)}, got {args.device!r}")
+    args.device, args.backend, args.kernels = run_choices(args.device, args.backend, args.kernels)
     if _given(args, "batch") and args.batch > RUN_LIMITS["batch"]:
         raise ConfigError(f"run: --batch must be at most {RUN_LIMITS['batch']}, got {args.batch}")
     if args.ranks > RUN_LIMITS["ranks"]:
         raise ConfigError(f"run: --ranks must be at most {RUN_LIMITS['ranks']}, got {args.ranks}")
-    if args.device != "cpu":  # a GPU run needs a GPU: say so on stderr, before anything else
-        try:
-            import torch
-        except ImportError:
-            raise ConfigError("run: the real executor needs torch (pip install torch)") from None
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "no CUDA GPU found: `overlap-lab run` measures on a GPU; use --device cpu --check "
-                "for the CPU equivalence check"
-            )
+    if args.device != "cpu" and args.out:  # the GPU run writes traces there, as sim does
+        from overlap_lab.outdir import check_out_dir
+
+        check_out_dir(args.out, mine_only=not args.force)
 
 
 def _check_ranks(args) -> None:
-    from overlap_lab.shared.inputs.routing import parse_imbalance
-    from overlap_lab.shared.inputs.workload import get_model
+    from overlap_lab.checks import check_ranks
+    from overlap_lab.cli.options import model_spec
+    from overlap_lab.shared.inputs.presets import load_model
 
-    model = get_model(args.model)
-    if args.group_limited and model.n_group <= 1:
-        raise ConfigError(
-            f"--group-limited true needs a model with expert groups; {model.name} has none "
-            "(n_group 1)"
-        )
-    imb = parse_imbalance(args.imbalance)
-    if imb.kind == "file":
-        from overlap_lab.checks import check_routing_file
-
-        check_routing_file(imb.path, model.num_experts, model.top_k)
+    check_ranks(load_model(model_spec(args)), args.group_limited, args.imbalance)
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -450,6 +373,16 @@ def check_workload(w, gpu, args) -> None:
 
 
 # ---- output --------------------------------------------------------------------------------------
+
+
+def as_options(message: str, names: tuple[str, ...]) -> str:
+    """An API message as the command line says it: each parameter it names (``names``:
+    ``ConfigError.names``) shown as its option (``comm_sms`` -> ``--comm-sms``)."""
+    import re
+
+    for n in names:
+        message = re.sub(rf"(?<![\w-]){re.escape(n)}(?![\w-])", _flag(n), message)
+    return message
 
 
 def closed_stdout() -> int:

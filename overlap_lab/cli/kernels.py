@@ -1,6 +1,6 @@
 """``overlap-lab kernels --device cuda|cpu``: the executor's kernels against the device's best on
-the same shapes (``real.kernel_table``), as a table and, with ``--out``, a JSON file and its
-markdown beside it. The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
+the same shapes (``real.kernel_table``), as a table and, with ``--out DIR``, ``kernels.json`` and
+its markdown ``kernels.md`` in that folder (checked as every ``--out`` folder is). The CPU run is a dry run of the same path on tiny shapes (CI runs it). The
 JSON file's ``provenance`` (``shared.outputs.trace.provenance``) records the version, the command line
 and the options; the shapes are the version's own (``real.kernel_table.SHAPES``)."""
 
@@ -29,13 +29,11 @@ def add_parser(sub) -> None:
     )
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     s.add_argument("--out", default=None,
-                   help="JSON file to write (the markdown table beside it, .md)")  # fmt: skip
-    s.add_argument(
-        "--repeats",
-        type=int,
-        default=10,
-        help=f"timed calls per kernel (median; --device cpu: at most {CPU_REPEATS})",
-    )
+                   help="folder for kernels.json and kernels.md (default: print only)")  # fmt: skip
+    s.add_argument("--force", action="store_true", help="write into --out even if it holds "
+                   "other files")  # fmt: skip
+    s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median; "
+                   f"--device cpu: at most {CPU_REPEATS})")  # fmt: skip
     s.add_argument("--warmup", type=int, default=3,
                    help=f"untimed calls first (--device cpu: at most {CPU_WARMUP})")  # fmt: skip
     s.set_defaults(func=cmd_kernels)
@@ -56,10 +54,10 @@ def cmd_kernels(args) -> int:
             f"kernels --device cpu is a dry run: --repeats at most {CPU_REPEATS} and --warmup at "
             f"most {CPU_WARMUP}, got {args.repeats} and {args.warmup}"
         )
-    if args.out:
-        from overlap_lab.shared.files import check_regular
+    if args.out:  # before the timing: a folder of other files is refused without --force
+        from overlap_lab.outdir import check_out_dir
 
-        check_regular(args.out, "kernels --out")  # a FIFO would block the write, after the run
+        check_out_dir(args.out, mine_only=not args.force)
     from overlap_lab.real.kernel_table import kernel_table, table_text
 
     report = kernel_table(args.device, warmup=args.warmup, repeats=args.repeats)
@@ -69,12 +67,11 @@ def cmd_kernels(args) -> int:
 
         inputs = {"device": args.device, "repeats": args.repeats, "warmup": args.warmup}
         prov = provenance(getattr(args, "command_line", None), inputs)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out, md = Path(args.out) / "kernels.json", Path(args.out) / "kernels.md"
         out.write_text(json.dumps({**report, "provenance": prov}, indent=2, sort_keys=True) + "\n")
-        out.with_suffix(".md").write_text(text)
+        md.write_text(text)
         text = text.rstrip("\n")
         head, _, goal = text.rpartition("\n")
-        text = f"{head}\nwrote {out}, {out.with_suffix('.md')}\n{goal}\n"
+        text = f"{head}\nwrote {out}, {md}\n{goal}\n"
     print(text, end="")
     return 0

@@ -5,6 +5,7 @@
     overlap-lab schedules                         # each schedule, with the upstream code it follows
     overlap-lab compare --schedules serial,tbo,sbo ...
     overlap-lab run --device cpu --check          # the real executor (GPU, or CPU equivalence)
+    overlap-lab tune --gpus 32 --max-ms 50        # the best schedule, batch and knobs
 
 The entry point: the parser of every subcommand and the handlers of ``sim``, ``show``,
 ``schedules`` and ``compare``; the options are built in :mod:`overlap_lab.cli.options`, the other
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +42,9 @@ from overlap_lab.cli.options import (
 )
 from overlap_lab.cli.run import cmd_run
 from overlap_lab.cli.sweep import add_parser as add_sweep
+from overlap_lab.cli.tune import add_parsers as add_tune
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.inputs.preset_files import hold_notes
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import BASELINE, SCHEDULES
 
@@ -77,6 +81,7 @@ def cmd_sim(args) -> int:
             window=args.window,
             rank=args.rank,
             width=args.width,
+            title=args.title,
         )
         res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
@@ -116,9 +121,10 @@ def cmd_schedules(args) -> int:
 
     rows = describe()
     width = max(len(n) for n, _, _ in rows)
-    for name, upstream, summary in rows:
-        print(f"{name:<{width}}  {summary}")
-        print(f"{'':<{width}}  upstream: {upstream}")
+    for name, upstream, summary in rows:  # a broken plug-in: listed with its error
+        print(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
+        if upstream:
+            print(f"{'':<{width}}  upstream: {upstream}")
     print("\nRules and references of each: docs/schedules.md in the repository.")
     return 0
 
@@ -152,6 +158,7 @@ def cmd_compare(args) -> int:
             window=args.window,
             rank=args.rank,
             width=args.width,
+            title=args.title,
         )
     if args.json:
         from overlap_lab.provenance import compare_record
@@ -170,7 +177,8 @@ def cmd_compare(args) -> int:
             cost_model=args.cost_model,
             network=args.network,
         )
-        print(report.to_json({"results": table.as_dicts(), **sens, "provenance": prov}))
+        doc = {"results": table.as_dicts(), "caveats": table.caveats(), **sens}
+        print(report.to_json({**doc, "provenance": prov}))
         return 0
     print(table.text())
     for f in files:
@@ -179,7 +187,11 @@ def cmd_compare(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from overlap_lab.shared.outputs.trace import provenance
+
     p = Parser(prog="overlap-lab", description=__doc__.split("\n\n")[0])
+    version = provenance(None)["version"]  # the installed version, as every results file records
+    p.add_argument("--version", action="version", version=f"overlap-lab {version}")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
     sub.required = True
 
@@ -228,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
     register_calibration_commands(sub)
     add_sweep(sub)
+    add_tune(sub)
     __import__("overlap_lab.cli.kernels", fromlist=["add_parser"]).add_parser(sub)
     _add_plugins(sub)
     return inputs.apply_limits(p)
@@ -255,17 +268,24 @@ def _add_plugins(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from overlap_lab.checks import ImplausibleValue
+
+    warnings.simplefilter("ignore", ImplausibleValue)  # said once checks pass (check_args)
     args = parser().parse_args(argv)
     # as typed: what the results files record (provenance)
     args.command_line = ["overlap-lab", *(sys.argv[1:] if argv is None else argv)]
+    hold_notes(True)  # said once the command succeeded: never a line before an error's
     try:
         inputs.check_args(args)  # every option, alone and together, before anything runs
         if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
             w, gpu = workload_from(args), gpu_from(args)
             inputs.check_workload(w, gpu, args)
-        return args.func(args)
+        code = args.func(args)
+        for kind, msg in hold_notes(False):
+            print(f"overlap-lab: {kind}: {msg}", file=sys.stderr)
+        return code
     except ConfigError as e:
-        msg = str(e).strip()
+        msg = inputs.as_options(str(e).strip(), e.names)
         if isinstance(e, ProgramError):
             # a built-in schedule's Program: the instructions listed under the first line point
             # a schedule's author at the fault (the API keeps them); a user typed options
@@ -278,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap-lab {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # writing the outputs failed after the checks (disk full, say)
-        print(f"overlap-lab: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"overlap-lab: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    finally:
+        hold_notes(False)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from pathlib import Path
 
 from overlap_lab.cli import inputs
 from overlap_lab.shared import schedules
@@ -96,13 +97,15 @@ def _add_knob_options(
             continue
         default = shown_default if shown_default is not None else k.default
         kw = dict(nargs="?", const=True) if parse is _bool else {}
+        # a default of None is said by the help itself ("None: the preset's"), not once more
+        said = default is None and "None" in k.help
         group.add_argument(
             flag(prefix + k.name),
             dest=prefix + k.name,
             type=parse,
             default=None,
             metavar=k.name.split("_")[-1].upper() if parse is not _bool else "BOOL",
-            help=f"{k.help} (default: {default})".strip(),
+            help=k.help if said else f"{k.help} (default: {default})".strip(),
             **kw,
         )
 
@@ -168,8 +171,9 @@ def workload_options(p: argparse.ArgumentParser) -> None:
         "--mtp",
         type=int,
         default=None,
-        help="decode: multi-token-prediction modules run per step when --tokens-per-seq > 1 "
-        "(default: the model's, 1 for deepseek-v3; 0: off)",
+        help="decode: MTP draft steps, each a run of the model's MTP module; the step then "
+        "verifies N+1 tokens per sequence (SGLang's --speculative-num-steps at top-k 1). "
+        "Default: the model's module drafts --tokens-per-seq - 1 tokens; 0: no MTP",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--ep", type=positive_int, default=32, help="expert-parallel size")
@@ -227,6 +231,8 @@ def figure_options(p: argparse.ArgumentParser) -> None:
         default="double",
         help="figure width: single (3.3 in, one column), double (7 in, two columns) or inches",
     )
+    g.add_argument("--title", default=None, help="the figure's heading ('': none; default: "
+                   "the workload, and the window drawn)")  # fmt: skip
 
 
 def rank_options(p: argparse.ArgumentParser) -> None:
@@ -289,7 +295,7 @@ def workload_from(args) -> Workload:
     if pp is None:  # one stage; a schedule's own default applies in the API (prepare_workload)
         pp = 1
     return api.workload(
-        getattr(args, "model_file", None) or args.model,
+        model_spec(args),
         mode=args.mode,
         batch=args.batch,
         kv_len=args.kv_len,
@@ -323,8 +329,19 @@ def gpu_from(args) -> GPU:
     (``h800+hbm-gbps=2000``) so no output calls it by the preset's name."""
     from overlap_lab import api
 
-    spec = getattr(args, "gpu_file", None) or args.gpu
-    return api.gpu(spec, **_overrides(args, _gpu_overrides()))
+    return api.gpu(_spec(args, "gpu"), **_overrides(args, _gpu_overrides()))
+
+
+def _spec(args, what: str) -> str | Path:
+    """``--model``/``--gpu`` as typed (a preset's name, or a path to a file), or the path
+    ``--model-file``/``--gpu-file`` gives: a path always, so a file is never read as a name."""
+    file = getattr(args, f"{what}_file", None)
+    return Path(file) if file else getattr(args, what)
+
+
+def model_spec(args) -> str | Path:
+    """The model the options name: :func:`_spec` of ``--model``/``--model-file``."""
+    return _spec(args, "model")
 
 
 def config_from(args) -> ScheduleConfig:
@@ -453,6 +470,7 @@ def add_run_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tolerance", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="overlap-lab-out")
+    inputs.add_force_option(s)
     s.add_argument("--json", action="store_true")
     workload_options(s)
 

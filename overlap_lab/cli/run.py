@@ -65,10 +65,6 @@ def _opt(args, name):
     return DEFAULTS[name] if v is None else v
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
 def run_main(args) -> int:
     try:
         return _run(args)
@@ -100,8 +96,6 @@ def _run_cpu(args) -> int:
     from overlap_lab.measure import check_on_cpu, schedules_to_run
 
     model = _cpu_model(args)
-    if model != _opt(args, "model"):
-        _say(f"note: the CPU check runs {model} (scaled down), not {_opt(args, 'model')}")
     ranks = int(_opt(args, "ranks"))
     names = schedules_to_run(_opt(args, "schedule"))
     out = check_on_cpu(
@@ -113,24 +107,15 @@ def _run_cpu(args) -> int:
         tolerance=_opt(args, "tolerance"),
         cfg=_opt(args, "cfg"),
         kernels=tuple(_opt(args, "kernels")),
+        command=getattr(args, "command_line", None),
     )
+    if model != _opt(args, "model"):
+        from overlap_lab.shared.inputs.preset_files import note
+
+        note(f"the CPU check ran {model} (scaled down), not {_opt(args, 'model')}")
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
     if _opt(args, "json"):  # the check writes no file: this JSON, redirected, is its record
-        from overlap_lab.provenance import check_record
-
-        prov = check_record(
-            getattr(args, "command_line", None),
-            names,
-            model=model,
-            gpu=_opt(args, "gpu"),
-            ranks=ranks,
-            seed=_opt(args, "seed"),
-            tolerance=tol,
-            cfg=_opt(args, "cfg"),
-            kernels=list(_opt(args, "kernels")),
-        )
-        out = {**out, "provenance": prov}
         print(_json.dumps(out, indent=2, sort_keys=True))
     else:
         from overlap_lab.report import check_text
@@ -206,6 +191,7 @@ CPU_CHECK_REFUSES = {
     "warmup": "the check measures nothing",
     "repeats": "the check measures nothing",
     "out": "the check writes no files (use --json > FILE)",
+    "force": "the check writes no files",
 }
 
 

@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
-import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.simcase import SimCase
-from overlap_lab.sweep import Spec
+from overlap_lab.sweep import MAX_CASES, Spec, expand  # noqa: F401 - MAX_CASES: the CLI's too
 from overlap_lab.sweep_csv import read_rows
 
 #: `sim` options that are not knobs of a simulation
@@ -90,85 +88,22 @@ def _convert(action: argparse.Action, value: Any) -> Any:
     return out
 
 
-def _normalise(knobs: Mapping[str, Any], actions: Mapping[str, argparse.Action], where: str):
-    out = {}
-    for k, v in knobs.items():
-        name = str(k).replace("-", "_")
-        if name not in actions:
-            raise ConfigError(
-                f"sweep: unknown knob {k!r} in {where} (an option of overlap-lab sim)"
-            )
-        out[name] = v
-    return out
-
-
-#: The most cases one spec may expand to. Counted from the grid's sizes before anything is
-#: expanded, so a grid that multiplies out to 1e8 cases is refused at once instead of filling
-#: memory (each expanded case is a dict of its knobs, ~1 KB); 100,000 cases take hours to
-#: simulate on a workstation, so a larger study is several specs (or a Ray cluster's sweeps).
-MAX_CASES = 100_000
-
-
 def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
-    """Read and expand a spec (a YAML/JSON file, or the mapping itself); every value is checked
-    by its option's own parser before any simulation starts, once per distinct value."""
+    """Read and expand a spec (a YAML/JSON file, or the mapping itself: ``sweep.expand``); every
+    value is checked by its option's own parser before any simulation starts."""
     if not isinstance(src, Mapping):
         from overlap_lab.shared.files import read_mapping
 
         src = read_mapping(src, "sweep spec")
-    extra = set(src) - {"base", "grid", "cases"}
-    if extra:
-        raise ConfigError(f"sweep: unknown spec keys {sorted(extra)} (base, grid, cases)")
-    for key in ("base", "grid"):
-        if not isinstance(src.get(key) or {}, Mapping):
-            raise ConfigError(f"sweep: {key} must be a mapping of knob: value")
-    raw_cases = src.get("cases") or []
-    if not isinstance(raw_cases, list):
-        raise ConfigError("sweep: cases must be a list of mappings of knob: value")
-    for i, c in enumerate(raw_cases):
-        if not isinstance(c, Mapping):
-            raise ConfigError(f"sweep: cases[{i}] must be a mapping of knob: value, got {c!r:.40}")
     actions = _knob_actions()
-    base = _normalise(src.get("base") or {}, actions, "base")
-    grid = _normalise(src.get("grid") or {}, actions, "grid")
-    for k, v in grid.items():
-        if not isinstance(v, list) or not v:
-            raise ConfigError(f"sweep: grid {k} needs a non-empty list of values")
-    count = math.prod(len(v) for v in grid.values()) if grid or not raw_cases else 0
-    count += len(raw_cases)
-    if count > MAX_CASES:
-        raise ConfigError(
-            f"sweep: the spec expands to {count:,} cases, more than {MAX_CASES:,}: "
-            "split it into several specs"
-        )
-    listed = [_normalise(c, actions, "cases") for c in raw_cases]
-    for k, v in base.items():
-        _convert(actions[k], v)
-    for k, values in grid.items():
-        for v in values:
-            _convert(actions[k], v)
-    for c in listed:
-        for k, v in c.items():
-            _convert(actions[k], v)
-    knobs = list(base)
-    for k in [*grid, *(k for c in listed for k in c)]:
-        if k not in knobs:
-            knobs.append(k)
-    if "schedule" not in knobs:
-        knobs.insert(0, "schedule")
-    cases = []
-    if grid or not listed:
-        for values in itertools.product(*grid.values()):
-            c = {**base, **dict(zip(grid, values))}
-            cases.append({k: c.get(k) for k in knobs})
-    cases += [{k: {**base, **c}.get(k) for k in knobs} for c in listed]
-    return Spec(tuple(knobs), tuple(cases))
+    return expand(src, actions, lambda where, k, v: _convert(actions[k], v))
 
 
 def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
     """One case's knobs as ``overlap-lab sim`` reads the same options, with the same checks (the
     memory check included): its :class:`~overlap_lab.simcase.SimCase`."""
     from overlap_lab import api
+    from overlap_lab.checks import partial_knob_readers
     from overlap_lab.cli import inputs
     from overlap_lab.cli.options import config_from, gpu_from, ranks_from, workload_from
 
@@ -181,7 +116,7 @@ def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
     # does not apply to the case's schedule it keeps its default, and such cases merge
     schedule = str(vals.get("schedule", "serial")).strip().lower()
     plain = defaults()
-    for dest, owners in inputs.KNOB_SCHEDULES.items():
+    for dest, owners in partial_knob_readers().items():
         if dest in vals and schedule not in owners:
             vals[dest] = plain.get(dest)
     args = argparse.Namespace(**{**vals, "command": "sim", "out": ""})
@@ -201,34 +136,19 @@ def run_sweep(
     processes: int = 2,
     backend: str = "local",
     address: str | None = None,
-    progress: bool = True,
-    limit: int | None = None,
-    dedupe: bool = True,
-    command: Sequence[str] | None = None,
+    **kw: Any,
 ) -> dict[str, int]:
     """:func:`overlap_lab.sweep.run_sweep` of a spec (a file, a mapping or a loaded
     :class:`~overlap_lab.sweep.Spec`), its cases read as ``sim``'s options; ``backend``:
     ``local`` (``processes`` workers; 1 runs here) or ``ray`` (at ``address``, else
-    ``RAY_ADDRESS``, else a local Ray). The provenance file also records the default of every
-    knob a case leaves out."""
+    ``RAY_ADDRESS``, else a local Ray); ``kw``: that function's (``progress``, ``limit``,
+    ``dedupe``, ``command``). The provenance file also records every knob's default."""
     from overlap_lab import runner, sweep
 
-    if processes < 1:
-        raise ConfigError(f"sweep: --processes must be at least 1, got {processes}")
-    if not isinstance(spec, Spec):
-        spec = load_spec(spec)
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
     inputs = {"knobs": list(spec.knobs), "cases": list(spec.cases), "defaults": defaults()}
-    return sweep.run_sweep(
-        spec,
-        out,
-        case_inputs,
-        backend=runner.backend_of(backend, processes=processes, address=address),
-        progress=progress,
-        limit=limit,
-        dedupe=dedupe,
-        command=command,
-        inputs=inputs,
-    )
+    where = runner.backend_of(backend, processes=processes, address=address)
+    return sweep.run_sweep(spec, out, case_inputs, backend=where, inputs=inputs, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +180,11 @@ def add_parser(sub) -> None:
 
 
 def cmd_sweep(args) -> int:
+    from overlap_lab.shared.inputs.preset_files import hold_notes
+
     spec = load_spec(args.spec)
+    for kind, msg in hold_notes(False):  # a case's notes are said as it is read, in its worker
+        print(f"overlap-lab: {kind}: {msg}", file=sys.stderr)
     out = Path(args.out) if args.out else Path(args.spec).with_suffix(".csv")
     try:
         stats = run_sweep(

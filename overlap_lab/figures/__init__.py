@@ -2,8 +2,9 @@
 
 In modules by job: :mod:`~overlap_lab.figures.style` (categories, colours, units, widths, files),
 :mod:`~overlap_lab.figures.windows` (what a timeline shows), :mod:`~overlap_lab.figures.timeline`
-(one trace) and :mod:`~overlap_lab.figures.panels` (a comparison's stacked timelines, a
-sensitivity design's ranges); every name is importable from here.
+(one trace), :mod:`~overlap_lab.figures.panels` (a comparison's stacked timelines, a
+sensitivity design's ranges) and :mod:`~overlap_lab.figures.curves` (a tune's Pareto frontier, a
+results file's columns); every name is importable from here.
 
 What a reader of a paper needs, and how this package gives it:
 
@@ -13,19 +14,25 @@ What a reader of a paper needs, and how this package gives it:
   to its op class (``trace.meta["op_class"]``: ``grouped_gemm`` -> routed experts) or its kind.
   No substring matching: ``experts.gate_up`` is a routed-expert GEMM, never the router.
 - **Hatches = micro-batches**; labels are written only where they fit inside their bar, on a
-  white box where the bar is hatched or dark, so they never overlap or drown in the hatching.
-- **Time units by scale** (µs, ms, s) on the axis and in titles.
+  white box where the bar is hatched or dark, so they never overlap or drown in the hatching;
+  a comparison's panels carry none (a label fits one schedule's bar and not another's, which
+  reads as a difference that is not there).
+- **Titles and legends measured** (:func:`~overlap_lab.figures.style.text_width`): titles wrap
+  at the width they have, a comparison's workload is one heading across the figure, and the
+  legend takes as many columns as its labels fit, so a one-column figure stays mostly plot.
+- **One time unit per figure** (µs, ms or s, by the run's simulated window: :func:`figure_unit`)
+  on the axis and in titles, the same for ``sim``'s timeline and ``compare``'s panels of a run.
 - **Lanes in one fixed order** (:func:`lane_key`: host threads, then streams in the order the
   schedules name them, then links), the same in every panel; only lanes with spans in the window
   are drawn; a stream's overflow rows (``stream:main #2``: spans that overlap in time on one
   lane) follow it in numeric order and are explained in the legend. A link's concurrent flows
   (SBO's combine, one per chunk) stay in the link's one row: each flow shows where it outlasts
-  the earlier ones, every other one hatched (:func:`flow_pieces`), so the row shows the chunks
-  completing one after another instead of sixteen rows of the same bar.
+  the earlier ones (:func:`flow_pieces`), so the row shows the chunks
+  completing one after another instead of sixteen rows of the same bar; every other flow is a
+  lighter grey (:data:`FLOW_COLOR`).
 - **Windows**: :func:`parse_window` reads ``auto``, ``step`` (the whole window), ``layers:A-B``
   (MoE layers A..B of the first step) and ``T0-T1`` (ms); ``rank`` picks the rank. A window the
   trace does not reach (layers it lacks, times past its end) is refused, not drawn empty.
-- **One time unit per figure**: the panels of a compare figure and their titles share the unit.
 - **Widths** of one and two paper columns (:data:`WIDTHS`: 3.3 and 7 inches); PDF and SVG are
   vector, with no dates inside (same trace, same bytes).
 - **Series that coincide stay visible**: :data:`SERIES_STYLES` gives markers and line styles
@@ -35,12 +42,13 @@ matplotlib is imported inside the functions and only through ``matplotlib.figure
 pyplot, no global backend state, no ``plt.show()``; figures render off-screen (Agg for PNG).
 """
 
+from overlap_lab.figures.curves import SERIES_COLORS, frontier_figure, results_figure
 from overlap_lab.figures.panels import compare_timelines, sensitivity_ranges
 from overlap_lab.figures.style import (
     CATEGORY_COLORS,
     CLASS_CATEGORY,
     FAMILY_COLORS,
-    FLOW_HATCH,
+    FLOW_COLOR,
     KIND_CATEGORY,
     MB_HATCHES,
     OP_CATEGORY,
@@ -51,6 +59,7 @@ from overlap_lab.figures.style import (
     _legend_ncol,
     _style,
     base_name,
+    figure_unit,
     fmt_time,
     mb_hatch,
     op_category,
@@ -90,12 +99,13 @@ __all__ = [
     "CATEGORY_COLORS",
     "CLASS_CATEGORY",
     "FAMILY_COLORS",
-    "FLOW_HATCH",
+    "FLOW_COLOR",
     "KIND_CATEGORY",
     "LINK_ORDER",
     "MB_HATCHES",
     "OP_CATEGORY",
     "PAPER_RC",
+    "SERIES_COLORS",
     "SERIES_STYLES",
     "STREAM_ORDER",
     "SUFFIXES",
@@ -110,7 +120,9 @@ __all__ = [
     "compare_timelines",
     "default_title",
     "flow_pieces",
+    "figure_unit",
     "fmt_time",
+    "frontier_figure",
     "lane_key",
     "layer_clip",
     "layer_window",
@@ -123,6 +135,7 @@ __all__ = [
     "paper_style",
     "parse_window",
     "resolve_window",
+    "results_figure",
     "save_figure",
     "save_timeline",
     "sensitivity_ranges",

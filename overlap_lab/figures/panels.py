@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from overlap_lab.figures.style import _check_suffix, _figure, _save, _style, fmt_time, time_unit
+from overlap_lab.figures.style import (
+    _check_suffix,
+    _figure,
+    _save,
+    _style,
+    figure_unit,
+    fmt_time,
+    text_width,
+)
 from overlap_lab.figures.timeline import (
     _seen_in,
     add_legend,
@@ -32,28 +40,26 @@ def compare_timelines(
     *,
     width: str | float | None = None,
     title: str | None = None,
+    say_window: bool = True,
 ) -> Any:
     """Stacked timelines, one panel per schedule, on one x scale, with one legend.
 
     ``traces`` is a mapping name -> Trace or an :class:`overlap_lab.api.Comparison` (panel titles
     then carry ms per iteration and throughput). Each panel shows the same window of its own
     trace (``auto``: the first two MoE layers) moved to start at 0, so the panels line up layer
-    against layer. Written to ``path`` (png/pdf/svg) when given; the Figure is returned."""
+    against layer. ``title`` (the workload) and, with ``say_window``, the layers drawn are one
+    heading across the figure ('': none). One time unit for axis and titles (:func:`figure_unit`); no in-bar labels
+    (a label that fits one schedule's bar and not another's reads as a difference). Written to
+    ``path`` (png/pdf/svg) when given; the Figure is returned."""
     st = _style(width)
-    heads: dict[str, str] = {}
-    if hasattr(traces, "rows") and hasattr(traces, "traces"):
-        done = [row for row in traces.rows if row.result is not None]
-        unit = time_unit(max((row.result.metrics.iteration_us for row in done), default=0.0))
-        for row in done:
-            m = row.result.metrics
-            heads[row.schedule] = (
-                f"{row.schedule}: {fmt_time(m.iteration_us, unit)}/iter, "
-                f"{m.tokens_per_s_gpu:,.0f} tok/s/GPU ({row.speedup:.2f}x serial)"
-            )
+    rows_of = getattr(traces, "rows", None)
+    if rows_of is not None and hasattr(traces, "traces"):
+        done = [row for row in rows_of if row.result is not None]
         traces = traces.traces()
+    else:
+        done = []
     if not traces:
         raise ConfigError("compare_timelines needs at least one trace")
-    step_unit = time_unit(max(t.step_time_us for t in traces.values()))
     if path is not None:
         path = _check_suffix(path)
     r = 0 if rank is None else rank
@@ -61,52 +67,69 @@ def compare_timelines(
     if win.kind == "auto":  # the first two MoE layers of each, as many as all panels have
         n = min(len(_window_layers(t, r)) for t in traces.values())
         win = Window("layers", 0, min(1, n - 1)) if n else Window("step")
-    if win.kind == "layers":
+    heading = title
+    if win.kind == "layers" and title != "" and say_window:
         what = (
             f"MoE layers {int(win.lo)}-{int(win.hi)}"
             if win.hi > win.lo
             else f"MoE layer {int(win.lo)}"
         )
         what += " of each schedule, each drawn from 0"
-        title = f"{title}\n{what}" if title else what
+        heading = f"{title}\n{what}" if title else what
     if win.kind == "time":  # one window for all: refused only where no panel reaches it
         check_time_window(win, traces.values())
         cuts = {n: (win.lo, win.hi) for n in traces}
     else:
         cuts = {n: resolve_window(t, win, r) for n, t in traces.items()}
     span = max(b - a for a, b in cuts.values())
-    rows = {n: max(len(visible_tracks(t, r, *cuts[n])), 1) for n, t in traces.items()}
-    titles = {}
-    for i, (name, tr) in enumerate(traces.items()):
-        head = heads.get(name, f"{name}: {fmt_time(tr.step_time_us, step_unit)}")
-        titles[name] = st.wrap(f"{title}\n{head}" if i == 0 and title else head)
+    unit = figure_unit(span)  # the axis's and the titles'
+    heads = {
+        row.schedule: f"{row.schedule}: {fmt_time(row.result.metrics.iteration_us, unit)}/iter, "
+        f"{row.result.metrics.tokens_per_s_gpu:,.0f} tok/s/GPU, {row.speedup:.2f}x serial"
+        for row in done
+    }
+    tracks = {n: visible_tracks(t, r, *cuts[n]) for n, t in traces.items()}
+    rows = {n: max(len(v), 1) for n, v in tracks.items()}
+    names = [t.name for v in tracks.values() for t in v]
+    lanes = max((text_width(x, st.font) for x in names), default=0.5) + 0.25  # y labels, ticks
+    titles = {
+        name: st.wrap(
+            heads.get(name, f"{name}: {fmt_time(tr.step_time_us, unit)}"), st.width - lanes, st.font
+        )  # fmt: skip
+        for name, tr in traces.items()
+    }
+    heading = st.wrap(heading, st.width - 0.1) if heading else ""
     items = set().union(*(_seen_in(t, r, cuts[n][0], cuts[n][0] + span) for n, t in traces.items()))
     fig = _figure(
         sum(rows.values()),
         st,
-        titles=sum(h.count("\n") + 1 for h in titles.values()),
+        titles=sum(h.count("\n") + 1 for h in (*titles.values(), heading) if h),
         legend=legend_handles(items),
         panels=len(rows),
         compact=True,
     )
+    if heading:
+        fig.suptitle(heading, x=0.01, ha="left", fontsize=st.font + 1)
     axes = fig.subplots(
         len(rows), 1, sharex=True, squeeze=False, height_ratios=list(rows.values())
     )[:, 0]
     seen: set = set()
     for ax, (name, tr) in zip(axes, traces.items(), strict=True):
         a = cuts[name][0]
-        head = titles[name]
         timeline(
             tr,
             ax,
             rank=r,
-            title=head,
+            title="",
             window=(a, a + span),
             legend=False,
+            labels=False,
             width=st.width,
             shift=True,
             seen=seen,
+            unit=unit,
         )
+        ax.set_title(titles[name], fontsize=st.font, loc="left")
         if ax is not axes[-1]:
             ax.set_xlabel("")
             ax.tick_params(labelbottom=False)

@@ -3,6 +3,7 @@ figure is sized and written (reproducibly: no dates inside)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -109,9 +110,10 @@ KIND_CATEGORY: dict[str, str] = {
     "comm": "other comm",
 }
 MB_HATCHES: tuple[str, ...] = ("", "////", "\\\\\\\\", "xxx", "...", "ooo")
-#: Hatch of every other concurrent flow of a link row (:func:`flow_pieces`), apart from the
-#: micro-batch hatches.
-FLOW_HATCH = "---"
+#: Face of every other concurrent flow of a link row (:func:`flow_pieces`): a lighter shade of
+#: the link's colour, so chunks read as pieces one after another (white dashes across a dark
+#: bar read as a rendering fault), and the micro-batch hatches stay free for micro-batches.
+FLOW_COLOR = "#767676"
 SUFFIXES = (".png", ".pdf", ".svg")
 #: Figure widths in inches: one column and two columns of a two-column paper.
 WIDTHS: dict[str, float] = {"single": 3.3, "double": 7.0}
@@ -178,6 +180,16 @@ def time_unit(span_us: float) -> tuple[str, float]:
     return "µs", 1.0
 
 
+def figure_unit(span_us: float) -> tuple[str, float]:
+    """The one time unit of a timeline figure (axis and titles) drawing ``span_us`` µs: ms from
+    0.1 ms to 10 s, where every step and layer window of these models falls, so that ``sim``'s
+    timeline and ``compare``'s panels of one workload read in the same unit whatever their
+    windows' lengths; µs for a zoom below 0.1 ms, s beyond 10 s."""
+    if span_us >= 1e7:
+        return "s", 1e6
+    return ("ms", 1e3) if span_us >= 100 else ("µs", 1.0)
+
+
 def fmt_time(us: float, unit: tuple[str, float] | None = None) -> str:
     """A duration with a unit chosen by its size: ``850 µs``, ``55.3 ms``, ``2.68 s``; or in
     ``unit`` (from :func:`time_unit`), so that the numbers of one figure compare at a glance."""
@@ -190,25 +202,41 @@ def fmt_time(us: float, unit: tuple[str, float] | None = None) -> str:
 # Sizes, fonts and files
 
 
+@functools.lru_cache(maxsize=4096)
+def text_width(text: str, size: float) -> float:
+    """The width in inches of one line of ``text`` at ``size`` points, as matplotlib lays it
+    out in its default font: what wraps titles and sizes legend columns, not a guess per
+    character."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
+
+    w, _, _ = TextToPath().get_text_width_height_descent(
+        text, FontProperties(size=size), ismath=False
+    )
+    return w / 72
+
+
 @dataclass(frozen=True)
 class _Style:
     width: float
     font: float
 
-    @property
-    def ncol(self) -> int:
-        """Legend columns that fit the width."""
-        return max(1, int(self.width / (1.05 if self.width < 5 else 1.45)))
-
-    def wrap(self, title: str) -> str:
-        """``title`` broken into lines that fit the width at the title's font size."""
-        import textwrap
-
-        # titles start at the axes' left edge, right of the lane names (about an inch)
-        chars = max(20, int((self.width - 1.05) * 72 / ((self.font + 1) * 0.58)))
-        return "\n".join(
-            ln for part in title.split("\n") for ln in textwrap.wrap(part, chars) or [""]
-        )
+    def wrap(self, title: str, avail: float | None = None, size: float | None = None) -> str:
+        """``title`` broken into lines no wider than ``avail`` inches (default: an axes title,
+        right of the lane names) at ``size`` points (default: the title's), measured."""
+        avail = self.width - 1.05 if avail is None else avail
+        size = self.font + 1 if size is None else size
+        out = []
+        for part in title.split("\n"):
+            line = ""
+            for word in part.split(" "):
+                cand = f"{line} {word}" if line else word
+                if line and text_width(cand, size) > avail:
+                    out.append(line)
+                    cand = word
+                line = cand
+            out.append(line)
+        return "\n".join(out)
 
 
 def _style(width: str | float | None) -> _Style:
@@ -231,13 +259,26 @@ def _style(width: str | float | None) -> _Style:
     return _Style(w, 5.5 if w < 5 else 7.0)
 
 
+#: Legend spacing in ems of its font: handle, handle to text, between columns
+LEGEND_EM = {"handlelength": 1.2, "handletextpad": 0.5, "columnspacing": 0.8}
+
+
 def _legend_ncol(handles: list[Any], st: _Style) -> int:
-    """Legend columns that fit the width with the longest label (a fixed count clips a long
-    label off a one-column figure)."""
-    longest = max((len(h.get_label()) for h in handles), default=1)
-    handle = (1.2 if st.width < 5 else 1.4) + (0.8 if st.width < 5 else 1.0) + 0.8  # em
-    col_in = (handle + longest * 0.56) * st.font / 72
-    return max(1, min(len(handles), int((st.width - 0.15) / col_in)))
+    """The most legend columns that fit the width, each as wide as its longest label (filled
+    column by column, as matplotlib does), measured; so a one-column figure's legend takes
+    three columns where its labels allow, not one long list."""
+    import math
+
+    labels = [h.get_label() for h in handles]
+    em = st.font / 72
+    handle = (LEGEND_EM["handlelength"] + LEGEND_EM["handletextpad"]) * em
+    for ncol in range(len(labels), 1, -1):
+        rows = math.ceil(len(labels) / ncol)
+        cols = [labels[i : i + rows] for i in range(0, len(labels), rows)]
+        need = sum(handle + max(text_width(t, st.font) for t in c) for c in cols)
+        if need + (len(cols) - 1) * LEGEND_EM["columnspacing"] * em <= st.width - 0.15:
+            return len(cols)
+    return 1
 
 
 def _figure(

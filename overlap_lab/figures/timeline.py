@@ -11,7 +11,8 @@ from typing import Any
 
 from overlap_lab.figures.style import (
     CATEGORY_COLORS,
-    FLOW_HATCH,
+    FLOW_COLOR,
+    LEGEND_EM,
     _check_suffix,
     _figure,
     _legend_ncol,
@@ -19,9 +20,10 @@ from overlap_lab.figures.style import (
     _save,
     _Style,
     _style,
+    figure_unit,
     mb_hatch,
     op_category,
-    time_unit,
+    text_width,
 )
 from overlap_lab.figures.windows import moe_layers_of, parse_window, resolve_window, whole_window
 from overlap_lab.shared import schedules
@@ -156,13 +158,15 @@ def timeline(
     width: str | float | None = None,
     shift: bool = False,
     seen: set[tuple[str, int | None]] | None = None,
+    unit: tuple[str, float] | None = None,
 ) -> Any:
     """Draw the timeline of ``rank`` on ``ax`` (a new figure's axis when None); return the axis.
 
     One row per visible track, bars coloured by :func:`op_category`, micro-batches hatched.
     ``window`` is anything :func:`parse_window` reads or (t0, t1) in µs; ``shift`` puts t0 at 0
     (panels of different schedules side by side). ``seen`` collects (category, mb) drawn, for a
-    shared legend."""
+    shared legend. ``unit`` (:func:`time_unit`): the figure's one time unit (default: the
+    window's, :func:`figure_unit`)."""
     st = _style(width)
     # (t0, t1): the caller's cut (a panel of a set, checked against the set), drawn as given
     t0, t1 = (
@@ -175,7 +179,7 @@ def timeline(
         fig = _figure(len(tracks), st, legend=legend_handles(_seen_in(trace, rank, t0, t1)))
         ax = fig.add_subplot(1, 1, 1)
     span_us = t1 - t0
-    unit, scale = time_unit(span_us)
+    unit, scale = unit or figure_unit(span_us)
     x0 = t0 if shift else 0.0
     op_class = trace.meta.get("op_class") if isinstance(trace.meta.get("op_class"), dict) else None
     drawn = seen if seen is not None else set()
@@ -194,14 +198,14 @@ def timeline(
                 continue
             cat = op_category(s, op_class)
             # at least half a point wide, so that short kernels of a long window stay visible
-            groups.setdefault((cat, s.mb, flow % 2), []).append(
+            groups.setdefault((cat, s.mb, flow % 2), []).append(  # odd flows: a lighter face
                 ((a - x0) / scale, max(b - a, 0.5 * us_per_pt) / scale)
             )
             if flow:
                 drawn.add(("#flows", None))
             text = _label(s.op)
             if labels and len(text) * st.font * 0.55 * us_per_pt < 0.92 * (b - a):
-                hatched = bool(mb_hatch(s.mb)) or flow % 2 == 1
+                hatched = bool(mb_hatch(s.mb))
                 face, ink = CATEGORY_COLORS[cat]
                 ax.text(
                     ((a + b) / 2 - x0) / scale,
@@ -223,10 +227,10 @@ def timeline(
             ax.broken_barh(
                 bars,
                 (y - 0.42, 0.84),
-                facecolors=CATEGORY_COLORS[cat][0],
+                facecolors=FLOW_COLOR if odd else CATEGORY_COLORS[cat][0],
                 edgecolors="white",  # the hatch colour; no outline (it would whiten thin bars)
                 linewidth=0,
-                hatch=(mb_hatch(mb) + (FLOW_HATCH if odd else "")) or None,
+                hatch=mb_hatch(mb) or None,
             )
             drawn.add((cat, mb))
     ax.set_yticks(range(len(tracks)))
@@ -264,12 +268,7 @@ def legend_handles(seen: Iterable[tuple[str, int | None]]) -> list[Any]:
             for mb in mbs
         ]
     if any(c == "#flows" for c, _ in seen):
-        face = CATEGORY_COLORS["link transfer"][0]
-        handles.append(
-            Patch(
-                facecolor=face, edgecolor="white", hatch=FLOW_HATCH, label="alternate link chunks"
-            )
-        )
+        handles.append(Patch(facecolor=FLOW_COLOR, label="alternate link chunks"))
     if any(c == "#overflow" for c, _ in seen):
         handles.append(
             Patch(facecolor="none", edgecolor="none", label="#2: overlapping on one lane")
@@ -290,8 +289,7 @@ def add_legend(fig: Any, seen: Iterable[tuple[str, int | None]], st: _Style | No
         ncol=ncol,
         fontsize=st.font,
         frameon=False,
-        handlelength=1.2 if st.width < 5 else 1.4,
-        columnspacing=0.8 if st.width < 5 else 1.0,
+        **LEGEND_EM,  # what _legend_ncol measured with
     )
 
 
@@ -304,11 +302,13 @@ def save_timeline(
     width: str | float | None = None,
     title: str | None = None,
     labels: bool = True,
+    say_window: bool = True,
 ) -> Path:
     """Write the timeline of ``trace`` to ``path`` (png, pdf or svg from the suffix).
 
     ``rank`` None draws rank 0, or one panel per rank where the trace's schedule asks for it
-    (``shared.schedules.drawing``: a pipeline's bubbles are across its stages)."""
+    (``shared.schedules.drawing``: a pipeline's bubbles are across its stages). The heading:
+    ``title`` (None: the workload; '': none) and, with ``say_window``, the layers drawn."""
     path = _check_suffix(path)
     st = _style(width)
     ranks = trace.ranks or (0,)
@@ -323,26 +323,30 @@ def save_timeline(
     rows = [len(visible_tracks(trace, r, t0, t1)) for r in ranks]
     win = parse_window(window)
     shown = ""
-    if win.kind == "layers" or (win.kind == "auto" and not whole_window(trace)):
+    if say_window and (win.kind == "layers" or (win.kind == "auto" and not whole_window(trace))):
         lo, hi = (int(win.lo), int(win.hi)) if win.kind == "layers" else (0, 1)
         n = len(moe_layers_of(trace, ranks[0]))
         shown = f"MoE layers {lo}-{hi} of {n}" if hi > lo else f"MoE layer {lo} of {n}"
-    heads = []
-    for i, r in enumerate(ranks):
-        head = title if title is not None else default_title(trace, r)
-        if shown and i == 0:
-            head = f"{head}\n{shown}"
-        if len(ranks) > 1:
-            head = (head + "\n" if i == 0 else "") + f"rank {r}"
-        heads.append(st.wrap(head) if head else "")
+    # one heading across the figure (the full width: no lane names beside it): the workload
+    # and the window drawn, on one line where they fit; a panel per rank says its rank
+    head = (
+        title if title is not None else default_title(trace, None if len(ranks) > 1 else ranks[0])
+    )
+    lines = [x for x in (head, shown) if x]
+    one = "; ".join(lines)
+    heading = one if text_width(one, st.font + 1) <= st.width - 0.1 else "\n".join(lines)
+    heading = st.wrap(heading, st.width - 0.1) if head or (shown and title != "") else ""
+    heads = [f"rank {r}" if len(ranks) > 1 else "" for r in ranks]
     items = set().union(*(_seen_in(trace, r, t0, t1) for r in ranks))
     fig = _figure(
         sum(rows),
         st,
-        titles=sum(h.count("\n") + 1 for h in heads if h),
+        titles=sum(h.count("\n") + 1 for h in (*heads, heading) if h),
         legend=legend_handles(items),
         panels=len(ranks),
     )
+    if heading:
+        fig.suptitle(heading, x=0.01, ha="left", fontsize=st.font + 1)
     axes = fig.subplots(
         len(ranks), 1, sharex=True, squeeze=False, height_ratios=[max(r, 1) for r in rows]
     )[:, 0]
@@ -367,8 +371,9 @@ def save_timeline(
     return path
 
 
-def default_title(trace: Trace, rank: int = 0) -> str:
-    """The workload from the trace's meta: schedule, model, mode, batch, layout, GPU."""
+def default_title(trace: Trace, rank: int | None = 0) -> str:
+    """The workload from the trace's meta: schedule, model, mode, batch, layout, GPU, and the
+    rank where the trace has several (``rank`` None: not said)."""
     m = trace.meta
     parts = [str(m["schedule"])] if "schedule" in m else []
     if "model" in m:
@@ -385,7 +390,7 @@ def default_title(trace: Trace, rank: int = 0) -> str:
         parts.append(" ".join(lay))
     if "gpu" in m:
         parts.append(str(m["gpu"]))
-    if len(trace.ranks) > 1:
+    if len(trace.ranks) > 1 and rank is not None:
         parts.append(f"rank {rank}")
     return " · ".join(parts)
 

@@ -74,7 +74,19 @@ def _expert_groups(num_local: int, n: int) -> list[range]:
 # one with no scatter takes the received rows through the unsplit path.
 
 
+def _folded(ctx: KernelCtx) -> bool:
+    """Whether the Program runs the grouped GEMMs whole (``experts``): then that op computes
+    the whole MoE (``M.experts_weighted`` / ``grouped_experts_masked``) and the passes around
+    its GEMMs (scatter, activation, quantisation, gather) are folded into it here."""
+    if ctx.launched("experts"):
+        ctx.note("computed inside experts on this backend")
+        return True
+    return False
+
+
 def experts_scatter(ctx: KernelCtx) -> None:
+    if _folded(ctx):
+        return
     d = ctx.get("recv")
     if d["ll"]:  # the low-latency layout is already expert-major: nothing to permute
         ctx.note("no-op: DeepEP's low-latency layout is already expert-contiguous")
@@ -84,7 +96,7 @@ def experts_scatter(ctx: KernelCtx) -> None:
 
 
 def _put_gate_up(ctx: KernelCtx, y: torch.Tensor) -> None:
-    if ctx.launched("experts.act_quant"):
+    if ctx.launched("experts.act_quant") or ctx.launched("experts.act"):
         ctx.put("expert_gate_up", y)
     else:
         ctx.put("expert_act", silu_and_mul(y))
@@ -108,12 +120,32 @@ def experts_gate_up(ctx: KernelCtx) -> None:
 def experts_act_quant(ctx: KernelCtx) -> None:
     """``silu_and_mul_masked_post_quant_fwd``: the activation; the FP8 quantisation only where
     the down GEMM runs in FP8 (else reported: the GEMMs take BF16 inputs)."""
+    if _folded(ctx):
+        return
     act = silu_and_mul(ctx.get("expert_gate_up"))
     if ctx.precision.fp8:  # the down GEMM takes FP8 + per-token scales
         ctx.put("expert_act", fp8.quant_tokens(act))
         return
     ctx.note(f"quantisation not run: the expert GEMMs run in BF16 ({ctx.precision.reason})")
     ctx.put("expert_act", act)
+
+
+def experts_act(ctx: KernelCtx) -> None:
+    """``silu_and_mul`` alone (its quantisation, where the GEMMs run in FP8, is
+    ``experts.quant``'s)."""
+    if _folded(ctx):
+        return
+    ctx.put("expert_act", silu_and_mul(ctx.get("expert_gate_up")))
+
+
+def experts_quant(ctx: KernelCtx) -> None:
+    """``per_token_group_quant_fp8`` of the down GEMM's input."""
+    if _folded(ctx):
+        return
+    if ctx.precision.fp8:
+        ctx.put("expert_act", fp8.quant_tokens(ctx.get("expert_act")))
+    else:
+        ctx.note(f"quantisation not run: the expert GEMMs run in BF16 ({ctx.precision.reason})")
 
 
 def experts_down(ctx: KernelCtx) -> None:
@@ -187,6 +219,8 @@ def _rows(act, sl: slice):
 
 def experts_gather(ctx: KernelCtx) -> None:
     """``ep_gather``: each received row's expert outputs, weighted, summed in token order."""
+    if _folded(ctx):
+        return
     d = ctx.get("recv")
     if d["ll"]:  # the low-latency combine reduces; nothing to gather here
         ctx.note("no-op: DeepEP's low-latency combine does the weighted reduction")
@@ -231,6 +265,8 @@ FAMILY = KernelFamily(
         "experts": experts,
         "experts.scatter": experts_scatter,
         "experts.gate_up": experts_gate_up,
+        "experts.act": experts_act,
+        "experts.quant": experts_quant,
         "experts.act_quant": experts_act_quant,
         "experts.gather": experts_gather,
         "shared_experts": shared_experts,

@@ -31,20 +31,33 @@ def noop(ctx: KernelCtx) -> None:
     return None
 
 
-#: The attention half's own GEMMs and the quantisation kernels in front of FP8 GEMMs
-#: (``shared.ir.ops.PARTS``): the simulator times each; this backend computes them inside the op of
-#: their key (``attn.prepare``, ``attn.core``, ``shared_experts``, ``mlp``, whose FP8 GEMMs
-#: quantise their own inputs: real/fp8.py), so here each is an empty kernel that says so.
+#: The attention half's own GEMMs, the quantisation kernels in front of FP8 GEMMs and the small
+#: kernels a deployment runs around them (``shared.ir.ops.PARTS``, ``shared.ir.ops_kernels``):
+#: the simulator times each; this backend computes them inside another op (the op of their key,
+#: whose FP8 GEMMs quantise their own inputs: real/fp8.py; DeepEP's layout and notify kernels run
+#: inside the backend's ``dispatch``/``combine``, which moves the activation in its own dtype),
+#: so here each is an empty kernel that says where.
 FOLDED_OPS: dict[str, str] = {
     "attn.quant": "attn.prepare",
+    "attn.norm": "attn.prepare",
     "attn.uk_quant": "attn.prepare",
     "attn.absorb_k": "attn.prepare",
+    "attn.rope": "attn.prepare",
+    "attn.kv_write": "attn.prepare",
     "attn.uv_quant": "attn.core",
     "attn.absorb_v": "attn.core",
     "attn.o_quant": "attn.core",
     "attn.o_proj": "attn.core",
+    "select_experts.ids": "select_experts",
+    "dispatch.quant": "dispatch_a",
+    "get_dispatch_layout": "dispatch_a",
+    "notify_dispatch": "dispatch_a",
+    "cached_notify": "combine_a",
     "shared_experts.quant": "shared_experts",
+    "shared_experts.act": "shared_experts",
     "mlp.quant": "mlp",
+    "mlp.act": "mlp",
+    "final_norm": "logits",
 }
 
 

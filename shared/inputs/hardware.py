@@ -58,7 +58,7 @@ class GPU:
         hi=1023,
     )
     deepep_normal_sms: int = knob(
-        help="DeepEP normal kernels (Buffer.num_sms)", unit="SMs", lo=1, hi=1023
+        help="DeepEP normal kernels (Buffer.num_sms)", unit="SMs", lo=1, hi=1023, tune=(16, 32)
     )
     nvlink_eff_gbps: float = knob(
         0.0,
@@ -84,7 +84,10 @@ class GPU:
         hi=1e4,
     )
     deepep_release: str = knob(
-        "v1", "DeepEP release of the normal kernels: v1 or v2", choices=("v1", "v2")
+        "v1",
+        "DeepEP release of the normal kernels: v1 or v2",
+        choices=("v1", "v2"),
+        tune=("v1", "v2"),
     )
     graph_kernel_gap_us: float = knob(
         0.0,

@@ -28,6 +28,9 @@ class Knob:
     allows 0 besides it (0 = "off" / "same as nominal"). ``choices`` lists the allowed words.
     ``optional``: None is allowed and means the system's own default. ``check(value, owner)``
     returns why a value is refused given the rest of the configuration (None: accepted).
+    ``tune``: the values a deployment search tries for it (``overlap-lab tune``, besides the
+    default); empty where the knob is no deployment choice (it describes the workload, or sizes
+    the simulated window).
     """
 
     name: str
@@ -41,6 +44,7 @@ class Knob:
     choices: tuple = ()
     optional: bool = False
     check: Callable[[Any, Any], str | None] | None = None
+    tune: tuple = ()
 
     @property
     def flag(self) -> str:
@@ -130,10 +134,12 @@ class Knob:
         self, value: Any, owner: Any = None, *, label: str | None = None, ranged: bool = True
     ) -> None:
         """Refuse a value outside the knob's type, range or choices, or its ``check``; the
-        message names it as ``label`` (default: its option, ``--comm-sms``)."""
+        message names it as ``label`` (default: its field name, ``comm_sms``, which a command
+        line shows as its option: ``ConfigError.names``)."""
         why = self.refusal(value, owner, ranged=ranged)
         if why:
-            raise ConfigError(f"{label or self.flag} {why}")
+            names = () if label else (self.name,)
+            raise ConfigError(f"{label or self.name} {why}", names=names)
 
 
 _UnionType = type(int | None)
@@ -149,9 +155,12 @@ def knob(
     zero_ok: bool = False,
     choices: tuple = (),
     check: Callable[[Any, Any], str | None] | None = None,
+    tune: tuple = (),
 ) -> Any:
     """A dataclass field carrying its knob spec (``optional`` follows from the annotation)."""
-    spec = dict(help=help, unit=unit, lo=lo, hi=hi, zero_ok=zero_ok, choices=choices, check=check)
+    spec = dict(
+        help=help, unit=unit, lo=lo, hi=hi, zero_ok=zero_ok, choices=choices, check=check, tune=tune
+    )
     return dataclasses.field(default=default, metadata={"knob": spec})
 
 

@@ -23,14 +23,32 @@ T = TypeVar("T")
 
 
 _NOTED: set[str] = set()
+#: The notes held back (:func:`hold_notes`), each ``(kind, message)``; None: said at once
+_HELD: list[tuple[str, str]] | None = None
 
 
-def note(message: str) -> None:
+def note(message: str, kind: str = "note") -> None:
     """Say something the user may not expect, once per run, in one line on stderr (a default a
-    file took): not an error, and not repeated for every case of a sweep."""
+    file took; ``kind`` "warning": a value that looks typed in another unit): not an error, and
+    not repeated for every case of a sweep. Held back while :func:`hold_notes` says so."""
     if message not in _NOTED:
         _NOTED.add(message)
-        print(f"overlap-lab: note: {message}", file=sys.stderr)
+        if _HELD is not None:
+            _HELD.append((kind, message))
+        else:
+            print(f"overlap-lab: {kind}: {message}", file=sys.stderr)
+
+
+def hold_notes(hold: bool) -> list[tuple[str, str]]:
+    """Hold notes back from now on (``hold``), or say them at once again; returns the notes held
+    until now, ``(kind, message)``. The command line holds them while a command runs and says
+    them once it succeeded, so that a note never stands before the one line of an error; a
+    command starting to hold says its notes again, once."""
+    global _HELD
+    held, _HELD = _HELD or [], [] if hold else None
+    if hold:  # a new command: its notes are said once more
+        _NOTED.clear()
+    return held
 
 
 def builtin(kind: str, cls: type[T], order: tuple[str, ...]) -> dict[str, T]:

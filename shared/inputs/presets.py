@@ -16,6 +16,7 @@ says which hardware or model it was computed for.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,8 @@ def load_model(spec: str | Path) -> ModelConfig:
     if hf:
         try:
             data = from_hf_config(data, default_name=_hf_name(data, p))
+        except ConfigError as e:  # it names the field: the file is said here
+            raise ConfigError(f"{p}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{p}: HF config field missing or malformed: {e}") from None
     data.setdefault("name", p.stem)
@@ -97,105 +100,143 @@ def _hf_name(data: dict[str, Any], p: Path) -> str:
     return data.get("_name_or_path", p.stem).rsplit("/", 1)[-1].lower() or p.stem
 
 
-def _need(hf: dict[str, Any], key: str, name: str) -> Any:
-    """A field of an HF config that has no safe default (the experts and top-k of a MoE)."""
-    if hf.get(key) is None:
-        raise ConfigError(f"HF config of {name}: missing {key} (a MoE config gives it)")
-    return hf[key]
+#: The HF ``model_type`` values this reader maps, each to how its fields are read: the type
+#: decides what no field says (QK-norm for qwen3_moe; MLA for DeepSeek), so it must be given.
+HF_TYPES = {
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+    "qwen2_moe": "qwen",
+    "qwen3_moe": "qwen",
+    "mixtral": "mixtral",
+}
+#: The types whose configuration classes define the head size as hidden / heads (transformers'
+#: Qwen2MoeConfig and MixtralConfig): a config of another type without ``head_dim`` is noted
+#: (Qwen3-MoE checkpoints give 128, twice hidden / heads for Qwen3-30B-A3B).
+_HEAD_DIM_DERIVED = ("qwen2_moe", "mixtral")
+_MISSING = object()
+
+
+def _int(hf: dict[str, Any], key: str, name: str, default: Any = _MISSING) -> int:
+    """A whole-number field of an HF config (``default`` where it is missing or null; none: a
+    missing field is refused), refused in one line naming it when it is not a whole number."""
+    v = hf.get(key)
+    if v is None:
+        if default is _MISSING:
+            mt = hf.get("model_type")
+            raise ConfigError(f"HF config of {name}: missing {key} (a {mt} config gives it)")
+        return default
+    whole = isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
+    if isinstance(v, bool) or not whole:
+        raise ConfigError(f"HF config of {name}: {key} must be a whole number, got {v!r}")
+    return int(v)
 
 
 def from_hf_config(hf: dict[str, Any], *, default_name: str) -> dict[str, Any]:
-    """ModelConfig fields from a HuggingFace ``config.json``.
+    """ModelConfig fields from a HuggingFace ``config.json``, by its ``model_type``
+    (:data:`HF_TYPES`; missing or another is refused, naming it). Every whole-number field must
+    be one (``num_hidden_layers: 48.5`` is refused, not cut to 48); a field without a safe
+    default (the experts and top-k of a MoE) is refused when missing, naming it.
 
-    - DeepSeek-V2/V3 (``model_type`` deepseek_v2/deepseek_v3): MLA (``kv_lora_rank``,
-      ``q_lora_rank`` null -> 0, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``),
+    - DeepSeek-V2/V3 (``deepseek_v2``/``deepseek_v3``): MLA (``kv_lora_rank``, ``q_lora_rank``
+      null -> 0, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``),
       ``n_routed_experts``, ``n_shared_experts``, ``moe_intermediate_size``,
       ``first_k_dense_replace``, ``n_group``/``topk_group``; fp8 GEMMs when
       ``quantization_config.quant_method`` is fp8.
-    - Qwen2-MoE/Qwen3-MoE: GQA (``num_key_value_heads``, ``head_dim`` or hidden/heads),
-      ``num_experts``, ``moe_intermediate_size``, ``shared_expert_intermediate_size`` (Qwen2-MoE:
-      one shared expert of that width), ``mlp_only_layers``/``decoder_sparse_step`` (only leading
-      dense layers are representable), ``qk_norm`` for qwen3_moe.
+    - Qwen2-MoE/Qwen3-MoE: GQA (``num_key_value_heads``, ``head_dim``: hidden/heads where
+      missing, as transformers takes it, noted for qwen3_moe), ``num_experts``,
+      ``moe_intermediate_size``, ``shared_expert_intermediate_size`` (Qwen2-MoE: one shared
+      expert of that width), ``mlp_only_layers``/``decoder_sparse_step`` (only leading dense
+      layers are representable), QK-norm for qwen3_moe.
     - Mixtral: ``num_local_experts``, ``intermediate_size`` is the expert width, no shared expert.
     """
-    mt = str(hf.get("model_type", "")).lower()
-    need = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
-    missing = [k for k in need if k not in hf]
-    if missing:
-        raise ConfigError(f"HF config of {default_name}: missing {', '.join(missing)}")
-    heads = int(hf["num_attention_heads"])
+    name = default_name
+    mt = hf.get("model_type")
+    if mt is None:
+        raise ConfigError(
+            f"HF config of {name}: model_type missing; it says how the fields are read (one of "
+            f"{', '.join(HF_TYPES)})"
+        )
+    family = HF_TYPES.get(str(mt).lower())
+    if family is None:
+        raise ConfigError(
+            f"HF config of {name}: model_type {mt!r} is not a MoE this reader knows (one of "
+            f"{', '.join(HF_TYPES)})"
+        )
+    mt = str(mt).lower()
+    heads = _int(hf, "num_attention_heads", name)
     out: dict[str, Any] = {
-        "name": default_name,
-        "num_layers": int(hf["num_hidden_layers"]),
-        "hidden": int(hf["hidden_size"]),
-        "vocab": int(hf["vocab_size"]),
+        "name": name,
+        "num_layers": _int(hf, "num_hidden_layers", name),
+        "hidden": _int(hf, "hidden_size", name),
+        "vocab": _int(hf, "vocab_size", name),
         "num_heads": heads,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "num_kv_heads": _int(hf, "num_key_value_heads", name, heads),
     }
     quant = (hf.get("quantization_config") or {}).get("quant_method", "")
     out["gemm_dtype"] = "fp8" if str(quant).lower() == "fp8" else "bf16"
-    if mt.startswith("deepseek") or "kv_lora_rank" in hf:
-        moe_inter = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    if family == "deepseek":
         out.update(
             attention="mla",
             num_kv_heads=heads,
-            q_lora_rank=int(hf.get("q_lora_rank") or 0),
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_dim=int(hf["qk_nope_head_dim"]),
-            qk_rope_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]),
-            num_experts=int(_need(hf, "n_routed_experts", default_name)),
-            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
-            expert_inter=moe_inter,
-            num_shared_experts=int(hf.get("n_shared_experts") or 0),
-            dense_inter=int(hf["intermediate_size"]),
-            first_k_dense=int(hf.get("first_k_dense_replace") or 0),
-            n_group=int(hf.get("n_group") or 1),
-            topk_group=int(hf.get("topk_group") or 1),
-            mtp=int(hf.get("num_nextn_predict_layers") or 0),  # DeepSeek-V3's MTP module
+            q_lora_rank=_int(hf, "q_lora_rank", name, 0),
+            kv_lora_rank=_int(hf, "kv_lora_rank", name),
+            qk_nope_dim=_int(hf, "qk_nope_head_dim", name),
+            qk_rope_dim=_int(hf, "qk_rope_head_dim", name),
+            v_head_dim=_int(hf, "v_head_dim", name),
+            num_experts=_int(hf, "n_routed_experts", name),
+            top_k=_int(hf, "num_experts_per_tok", name),
+            expert_inter=_int(hf, "moe_intermediate_size", name, None)
+            or _int(hf, "intermediate_size", name),
+            num_shared_experts=_int(hf, "n_shared_experts", name, 0),
+            dense_inter=_int(hf, "intermediate_size", name),
+            first_k_dense=_int(hf, "first_k_dense_replace", name, 0),
+            n_group=_int(hf, "n_group", name, 1),
+            topk_group=_int(hf, "topk_group", name, 1),
+            mtp=_int(hf, "num_nextn_predict_layers", name, 0),  # DeepSeek-V3's MTP module
         )
         return out
-    head_dim = int(hf.get("head_dim") or out["hidden"] // heads)
+    derived = out["hidden"] // heads
+    head_dim = _int(hf, "head_dim", name, None)
+    if head_dim is None:
+        head_dim = derived
+        if mt not in _HEAD_DIM_DERIVED:
+            note(
+                f"HF config of {name}: head_dim missing; took hidden_size / num_attention_heads "
+                f"= {derived}, as transformers does ({mt} checkpoints usually give it)"
+            )
     out.update(attention="gqa", head_dim=head_dim)
-    if mt == "mixtral" or hf.get("num_local_experts"):
+    if family == "mixtral":
         out.update(
-            num_experts=int(hf["num_local_experts"]),
-            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
-            expert_inter=int(hf["intermediate_size"]),
-            dense_inter=int(hf["intermediate_size"]),
+            num_experts=_int(hf, "num_local_experts", name),
+            top_k=_int(hf, "num_experts_per_tok", name),
+            expert_inter=_int(hf, "intermediate_size", name),
+            dense_inter=_int(hf, "intermediate_size", name),
             first_k_dense=0,
         )
         return out
-    if hf.get("num_experts"):  # Qwen2-MoE / Qwen3-MoE
-        n = out["num_layers"]
-        step = int(hf.get("decoder_sparse_step") or 1)
-        dense = sorted(
-            set(hf.get("mlp_only_layers") or []) | {i for i in range(n) if (i + 1) % step}
+    n = out["num_layers"]
+    step = _int(hf, "decoder_sparse_step", name, 1) or 1
+    dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(n) if (i + 1) % step})
+    if dense != list(range(len(dense))):
+        raise ConfigError(
+            f"HF config of {name}: dense layers {dense} are not the leading ones; "
+            "only leading dense layers (first_k_dense) are modelled"
         )
-        if dense != list(range(len(dense))):
-            raise ConfigError(
-                f"HF config of {default_name}: dense layers {dense} are not the leading ones; "
-                "only leading dense layers (first_k_dense) are modelled"
-            )
-        shared = int(hf.get("shared_expert_intermediate_size") or 0)
-        expert = int(hf["moe_intermediate_size"])
-        out.update(
-            num_experts=int(hf["num_experts"]),
-            top_k=int(_need(hf, "num_experts_per_tok", default_name)),
-            expert_inter=expert,
-            dense_inter=int(hf.get("intermediate_size") or expert),
-            first_k_dense=len(dense),
-            qk_norm=mt == "qwen3_moe",
-        )
-        if shared:
-            if shared % expert:
-                raise ConfigError(
-                    f"HF config of {default_name}: shared_expert_intermediate_size {shared} is "
-                    f"not a multiple of moe_intermediate_size {expert}"
-                )
-            out["num_shared_experts"] = shared // expert
-        return out
-    raise ConfigError(
-        f"HF config of {default_name}: model_type {mt!r} is not a MoE this reader knows "
-        "(DeepSeek-V2/V3, Qwen2-MoE, Qwen3-MoE, Mixtral)"
+    shared = _int(hf, "shared_expert_intermediate_size", name, 0)
+    expert = _int(hf, "moe_intermediate_size", name)
+    out.update(
+        num_experts=_int(hf, "num_experts", name),
+        top_k=_int(hf, "num_experts_per_tok", name),
+        expert_inter=expert,
+        dense_inter=_int(hf, "intermediate_size", name, None) or expert,
+        first_k_dense=len(dense),
+        qk_norm=mt == "qwen3_moe",
     )
+    if shared:
+        if shared % expert:
+            raise ConfigError(
+                f"HF config of {name}: shared_expert_intermediate_size {shared} is "
+                f"not a multiple of moe_intermediate_size {expert}"
+            )
+        out["num_shared_experts"] = shared // expert
+    return out

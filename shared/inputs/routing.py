@@ -79,11 +79,15 @@ def parse_imbalance(spec: str) -> Imbalance:
         except ValueError:
             s = -1.0
         if not (s >= 0 and math.isfinite(s)):
-            raise ConfigError(f"--imbalance zipf:S needs a number S >= 0, got {spec!r}")
+            raise ConfigError(
+                f"imbalance zipf:S needs a number S >= 0, got {spec!r}", names=("imbalance",)
+            )
         return Imbalance("zipf", s)
     if spec.startswith("file:") and spec[5:]:
         return Imbalance("file", path=spec[5:])
-    raise ConfigError(f"--imbalance must be balanced, zipf:S or file:PATH, got {spec!r}")
+    raise ConfigError(
+        f"imbalance must be balanced, zipf:S or file:PATH, got {spec!r}", names=("imbalance",)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -526,7 +530,7 @@ def dp_token_counts(padded: int, ep: int, spread: float, seed: int) -> tuple[int
     """Real tokens per DP rank: rank 0 holds the padded count, the others a seeded uniform draw
     in [(1 - spread) * padded, padded] (``--dp-imbalance``; 0 gives every rank ``padded``)."""
     if not 0.0 <= spread < 1.0:
-        raise ConfigError(f"--dp-imbalance must lie in [0, 1), got {spread}")
+        raise ConfigError(f"dp_imbalance must lie in [0, 1), got {spread}", names=("dp_imbalance",))
     if spread == 0:
         return (padded,) * ep
     u = np.random.default_rng([seed, 0xD9]).random(ep)

@@ -39,7 +39,19 @@ from overlap_lab.shared.inputs.workload import (
     moe_layers,
     whole_batch,
 )
+from overlap_lab.shared.ir import ops_kernels as K
 from overlap_lab.shared.ir.program import Coll, Flow, Op
+from overlap_lab.shared.ir.work import (
+    ACT,
+    FP8_SCALE_BLOCK,
+    Work,
+    bmm,
+    elementwise,
+    fp8_row_bytes,
+    gemm,
+    quant,
+    rmsnorm,
+)
 
 __all__ = [
     "DENSE_OP_NAMES",
@@ -59,6 +71,7 @@ __all__ = [
     "expected_dest_ranks",
     "expand_keys",
     "experts_work",
+    "gemm",
     "head_ops",
     "layer_ops",
     "ll_num_sms",
@@ -73,16 +86,43 @@ __all__ = [
 ]
 
 #: Ops a schedule launches where it names one of the keys below (``parts``), in this order: the
-#: attention half's own GEMMs and the quantisation kernels in front of each FP8 GEMM. They run
-#: back to back on the stream of their key in every upstream schedule (SGLang's
-#: ``op_prepare_attn`` / ``op_core_attn`` and DeepSeek's ATTN stages each hold them all), so the
-#: schedules keep naming the key and launch its parts. Parts absent for a model (no absorbed
-#: projections under GQA, no quantisation with BF16 GEMMs) are skipped.
+#: attention half's own GEMMs, the quantisation kernels in front of each FP8 GEMM, and the
+#: memory- and latency-bound kernels a deployment runs around them (``shared.ir.ops_kernels``:
+#: the attention's norms, RoPE and KV-cache store; the top-k ids' cast and the dispatch's FP8
+#: quantisation; DeepEP normal mode's layout and notify kernels on its comm stream; the MoE's
+#: scatter, activation and gather passes around the grouped GEMMs; the MLPs' activation; the
+#: final norm before the LM head). They run back to back on the stream of their key in every
+#: upstream schedule (SGLang's ``op_*`` and DeepSeek's stages each hold them all), so the
+#: schedules keep naming the key and launch its parts. Parts absent for a model or mode (no
+#: absorbed projections under GQA, no quantisation with BF16 GEMMs, no layout or notify kernel
+#: with the low-latency kernels) are skipped. Where upstream runs a pass between two GEMMs this
+#: model holds in one op (the grouped GEMMs' activation, the MLPs'), the pass follows the op:
+#: the stream runs the same work, one kernel boundary off (docs/schedules.md).
 PARTS: dict[str, tuple[str, ...]] = {
-    "attn.prepare": ("attn.quant", "attn.prepare", "attn.uk_quant", "attn.absorb_k"),
+    "attn.prepare": (
+        "attn.quant",
+        "attn.prepare",
+        "attn.norm",
+        "attn.uk_quant",
+        "attn.absorb_k",
+        "attn.rope",
+        "attn.kv_write",
+    ),
     "attn.core": ("attn.core", "attn.uv_quant", "attn.absorb_v", "attn.o_quant", "attn.o_proj"),
-    "shared_experts": ("shared_experts.quant", "shared_experts"),
-    "mlp": ("mlp.quant", "mlp"),
+    "select_experts": ("select_experts", "select_experts.ids", "dispatch.quant"),
+    "dispatch_a": ("get_dispatch_layout", "notify_dispatch", "dispatch_a"),
+    "experts": (
+        "experts.scatter",
+        "experts",
+        "experts.act",
+        "experts.quant",
+        "experts.act_quant",
+        "experts.gather",
+    ),
+    "combine_a": ("cached_notify", "combine_a"),
+    "shared_experts": ("shared_experts.quant", "shared_experts", "shared_experts.act"),
+    "mlp": ("mlp.quant", "mlp", "mlp.act"),
+    "logits": ("final_norm", "logits"),
 }
 #: The key each part is launched for (a key's own op maps to itself).
 KEY_OF: dict[str, str] = {p: k for k, ps in PARTS.items() for p in ps}
@@ -113,10 +153,7 @@ DENSE_OP_NAMES: tuple[str, ...] = (
     "mlp",
     "comm_postprocess_layer",
 )
-HEAD_OP_NAMES: tuple[str, ...] = ("embed", "logits", "sample", "d2h")
-
-ACT = 2  # activations are bf16
-FP8_SCALE_BLOCK = 128  # DeepEP / DeepGEMM: one fp32 scale per 128 fp8 values of a token
+HEAD_OP_NAMES: tuple[str, ...] = ("embed", "final_norm", "logits", "sample", "d2h")
 
 
 def parts(ops: Mapping[str, Op], key: str) -> list[Op]:
@@ -134,62 +171,12 @@ def expand_keys(keys: Iterable) -> list:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Work: FLOPs and HBM bytes, with the primitive formulas
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Work:
-    flops: float = 0.0
-    hbm_bytes: float = 0.0
-
-    def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes)
-
-
-def gemm(m: float, k: int, n: int, wbytes: int, out_bytes: int = ACT) -> Work:
-    """Y[m,n] = X[m,k] W[k,n]: 2mkn FLOPs; W read once, X read and Y written once."""
-    if m <= 0:
-        return Work()
-    return Work(2.0 * m * k * n, k * n * wbytes + m * k * ACT + m * n * out_bytes)
-
-
-def bmm(m: float, heads: int, k: int, n: int, wbytes: int) -> Work:
-    """Per-head GEMM (MLA's W_UK / W_UV absorption): ``heads`` GEMMs of m x k x n."""
-    if m <= 0:
-        return Work()
-    return Work(2.0 * m * heads * k * n, heads * k * n * wbytes + m * heads * (k + n) * ACT)
-
-
-def rmsnorm(rows: float, width: int, residual: bool = False) -> Work:
-    """RMSNorm (fused with the residual add): reads x (+residual), writes y (+new residual)."""
-    tensors = 4 if residual else 2
-    return Work(5.0 * rows * width, tensors * rows * width * ACT)
-
-
-def elementwise(rows: float, width: int, reads: int, writes: int, flops_per: float = 1.0) -> Work:
-    """A memory-bound pass over ``rows x width`` bf16 values."""
-    return Work(flops_per * rows * width, (reads + writes) * rows * width * ACT)
-
-
-def quant(rows: float, width: int) -> Work:
-    """Per-token-group FP8 quantisation of a bf16 activation (SGLang's
-    ``per_token_group_quant_fp8`` in front of every block-scaled DeepGEMM GEMM): reads the bf16
-    values, writes fp8 values and one fp32 scale per 128; about 4 FLOPs a value (abs, group max,
-    scale, cast). Memory-bound."""
-    if rows <= 0 or width <= 0:
-        return Work()
-    scales = math.ceil(width / FP8_SCALE_BLOCK) * 4
-    return Work(4.0 * rows * width, rows * (width * (ACT + 1) + scales))
-
-
 def mlp(rows: float, hidden: int, inter: int, wbytes: int) -> Work:
-    """Gated MLP: gate_up GEMM (hidden -> 2*inter), SiLU-and-mul, down GEMM (inter -> hidden)."""
+    """Gated MLP's GEMMs: gate_up (hidden -> 2*inter) and down (inter -> hidden). Its
+    SiLU-and-mul is a kernel of its own (``ops_kernels.silu_and_mul``: the ``*.act`` part)."""
     if rows <= 0 or inter <= 0:
         return Work()
-    act = elementwise(rows, inter, reads=2, writes=1, flops_per=4.0)
-    return gemm(rows, hidden, 2 * inter, wbytes) + act + gemm(rows, inter, hidden, wbytes)
+    return gemm(rows, hidden, 2 * inter, wbytes) + gemm(rows, inter, hidden, wbytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,24 +222,21 @@ def attn_work(batch: Batch, tok_lo: int, tok_hi: int) -> AttnWork:
 
 
 def mla_prepare(w: Workload, rows: int) -> Work:
-    """q down/up projection (or q_proj without q_lora), kv_a (down) projection with its norm,
-    RoPE and the KV-cache write; prefill adds the kv_b up-projection of the new tokens
-    (non-absorbed MHA path). Decode's W_UK absorption is an op of its own (``mla_absorb_k``)."""
+    """The projections' GEMMs: q down/up (or q_proj without q_lora) and kv_a (down); prefill adds
+    the kv_b up-projection of the new tokens (non-absorbed MHA path). Their norms, RoPE and the
+    KV-cache store are kernels of their own (``ops_kernels``: ``attn.norm``, ``attn.rope``,
+    ``attn.kv_write``), as is decode's W_UK absorption (``mla_absorb_k``)."""
     m, h = w.model, w.heads_per_rank
-    wb, kvb = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype]
+    wb = DTYPE_BYTES[m.gemm_dtype]
     dqk, lat = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
     if m.q_lora_rank:
-        q = gemm(rows, m.hidden, m.q_lora_rank, wb) + rmsnorm(rows, m.q_lora_rank)
-        q = q + gemm(rows, m.q_lora_rank, h * dqk, wb)
+        q = gemm(rows, m.hidden, m.q_lora_rank, wb) + gemm(rows, m.q_lora_rank, h * dqk, wb)
     else:
         q = gemm(rows, m.hidden, h * dqk, wb)
-    kv = gemm(rows, m.hidden, lat, wb) + rmsnorm(rows, m.kv_lora_rank)
-    rope = elementwise(rows, (h + 1) * m.qk_rope_dim, reads=1, writes=1, flops_per=6.0)
-    cache_write = Work(0.0, rows * lat * kvb)
+    kv = gemm(rows, m.hidden, lat, wb)
     if w.batch.mode == "decode":
-        return q + kv + rope + cache_write
-    extra = gemm(rows, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
-    return q + kv + rope + cache_write + extra
+        return q + kv
+    return q + kv + gemm(rows, m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim), wb)
 
 
 def mla_absorb_k(w: Workload, rows: int) -> Work:
@@ -296,13 +280,10 @@ def mla_core(w: Workload, aw: AttnWork, rows: int) -> Work:
 
 
 def gqa_prepare(w: Workload, rows: int) -> Work:
-    """Fused qkv projection, q/k RMSNorm (Qwen3), RoPE and the KV-cache write."""
+    """The fused qkv projection; the q/k RMSNorm (Qwen3), RoPE and the KV-cache store are
+    kernels of their own (``ops_kernels``)."""
     m, hq, hkv = w.model, w.heads_per_rank, w.kv_heads_per_rank
-    wb, kvb, d = DTYPE_BYTES[m.gemm_dtype], DTYPE_BYTES[m.attn_dtype], m.head_dim
-    qkv = gemm(rows, m.hidden, (hq + 2 * hkv) * d, wb)
-    norm = rmsnorm(rows, (hq + hkv) * d) if m.qk_norm else Work()
-    rope = elementwise(rows, (hq + hkv) * d, reads=1, writes=1, flops_per=6.0)
-    return qkv + norm + rope + Work(0.0, rows * 2 * hkv * d * kvb)
+    return gemm(rows, m.hidden, (hq + 2 * hkv) * m.head_dim, DTYPE_BYTES[m.gemm_dtype])
 
 
 def gqa_core(w: Workload, aw: AttnWork, rows: int) -> Work:
@@ -352,14 +333,17 @@ def routed_experts(w: Workload, rows: int) -> Work:
 
 
 def experts_work(w: Workload, copies: float, active_experts: float) -> Work:
-    """Grouped GEMM (gate_up, SiLU-and-mul, down) over ``copies`` received token copies; the
-    weights of ``active_experts`` local experts are read (fp8 activations in, bf16 out)."""
+    """The two grouped GEMMs (gate_up, down) over ``copies`` received token copies; the weights
+    of ``active_experts`` local experts are read. Each GEMM reads its fp8 input (with scales)
+    and writes bf16: hidden in and 2 x inter out, inter in and hidden out. The activation
+    between them and the passes around them are kernels of their own (``ops_kernels``)."""
     m, wb = w.model, DTYPE_BYTES[w.model.gemm_dtype]
     if copies <= 0:
         return Work()
     flops = copies * 6.0 * m.hidden * m.expert_inter
     weights = active_experts * 3 * m.hidden * m.expert_inter * wb
-    acts = copies * (m.hidden * (1 + ACT) + 3 * m.expert_inter * ACT + m.expert_inter)
+    ins = fp8_row_bytes(m.hidden) + fp8_row_bytes(m.expert_inter)
+    acts = copies * (ins + (2 * m.expert_inter + m.hidden) * ACT)
     return Work(flops, weights + acts)
 
 
@@ -450,13 +434,16 @@ def _check_mb(w: Workload, mb: MicroBatch) -> None:
         raise ConfigError(f"micro-batch {mb.index}: padded_tokens < tokens ({mb})")
 
 
+_NO_WORK = Work()
+
+
 class _Maker:
     """Stamps layer / micro-batch / step / tokens on every op of one call."""
 
     def __init__(self, layer: int | None, mb: MicroBatch, step: int | None):
         self.layer, self.mb, self.step = layer, mb, step
 
-    def __call__(self, name: str, work: Work = Work(), **kw) -> Op:
+    def __call__(self, name: str, work: Work = _NO_WORK, **kw) -> Op:
         return Op(
             name,
             layer=self.layer,
@@ -478,7 +465,9 @@ def _attention_ops(w: Workload, mb: MicroBatch, mk: _Maker) -> dict[str, Op]:
     With FP8 GEMMs every GEMM input is quantised by a kernel of its own first (``*quant``):
     the hidden states (and, with q_lora, the normed q latent) before the fused q_a/kv_a and q_b
     projections (``attn.quant``: two launches, one op), q_nope before W_UK, the latent output
-    before W_UV and the heads' values before o_proj."""
+    before W_UV and the heads' values before o_proj. The projections' norms (``attn.norm``),
+    RoPE (``attn.rope``) and the KV-cache store (``attn.kv_write``) run at memory rate as the
+    kernels they are upstream, before the attention kernel."""
     m, rows = w.model, mb.padded_tokens
     aw = attn_work(w.batch, mb.tok_lo, mb.tok_hi)
     fp8, h = m.gemm_dtype == "fp8", w.heads_per_rank
@@ -493,10 +482,15 @@ def _attention_ops(w: Workload, mb: MicroBatch, mk: _Maker) -> dict[str, Op]:
         q_in = quant(rows, m.hidden) + (quant(rows, m.q_lora_rank) if m.q_lora_rank else Work())
         out["attn.quant"] = mk("attn.quant", q_in)
     out["attn.prepare"] = mk("attn.prepare", prep, **gemm_kw)
+    norms = K.attn_norms(w, rows)
+    if norms.hbm_bytes:
+        out["attn.norm"] = mk("attn.norm", norms)
     if absorbed:
         if fp8:
             out["attn.uk_quant"] = mk("attn.uk_quant", quant(rows, h * m.qk_nope_dim))
         out["attn.absorb_k"] = mk("attn.absorb_k", mla_absorb_k(w, rows), **gemm_kw)
+    out["attn.rope"] = mk("attn.rope", K.rope(w, rows))
+    out["attn.kv_write"] = mk("attn.kv_write", K.kv_write(w, rows))
     # prefill attention (FlashAttention-3, varlen causal) hands tiles to its persistent CTAs
     # from an atomic counter (DynamicPersistentTileScheduler): CTAs that start late take what
     # is left. Decode attention (FlashMLA) splits the work statically per SM part.
@@ -549,24 +543,94 @@ def _comm_pair(w: Workload, gpu: GPU, mk: _Maker, what: str, rows: int, mode: st
     return {a.name: a, b.name: b}
 
 
+def _notify(w: Workload, gpu: GPU, mk: _Maker, what: str) -> Op:
+    """DeepEP normal mode's notify kernel on the comm stream before the dispatch
+    (``notify_dispatch``: the received-token counts) or the combine (``cached_notify``: a barrier
+    and buffer cleaning). Each waits for every peer's notify, so it is a collective of its own
+    (role sendrecv, a small flow to each peer: ``ops_kernels.notify_payload``) that completes only
+    when every peer's has arrived; in explicit ranks its time holds the skew between the ranks
+    (``shared.ir.ranks``). Its grid is DeepEP's (``ctas``: ``notify_dispatch`` one CTA and one
+    per peer or node, ``cached_notify_combine`` one and one per channel), within the Buffer's
+    SMs (``sms``); across nodes ``cached_notify``'s grid is the Buffer's SMs themselves."""
+    p = w.parallel
+    g = min(p.ep, p.gpus_per_node)
+    nodes = math.ceil(p.ep / g)
+    peers = {"nvlink": g - 1, "rdma": nodes - 1}
+    flows = tuple(
+        Flow(link, n * K.notify_payload(w, link, what)) for link, n in peers.items() if n > 0
+    )
+    nbytes = 2 * sum(f.nbytes for f in flows)
+    coll = Coll(mk.key(f"{what}_notify"), "sendrecv", flows)
+    sms = gpu.deepep_normal_sms
+    common = dict(kind="comm", op_class="comm", dtype="bf16", coll=coll, sms=sms)
+    if what == "dispatch":
+        ctas = K.notify_dispatch_ctas(p.ep, p.gpus_per_node)
+        return mk("notify_dispatch", Work(0.0, nbytes), ctas=min(ctas, sms), **common)
+    ctas = K.cached_notify_ctas(p.ep, p.gpus_per_node, sms)
+    return mk("cached_notify", Work(0.0, nbytes), ctas=ctas if ctas != sms else None, **common)
+
+
+def _expert_passes(w: Workload, rows: int, mode: str) -> dict[str, Work]:
+    """The memory-bound passes around the grouped GEMMs, as SGLang's DeepEP MoE runs them
+    (``DeepEPMoE.forward_deepgemm_contiguous`` / ``forward_deepgemm_masked``,
+    ``layers/moe/ep_moe/layer.py``). Normal mode (received tokens deduplicated per rank):
+    ``ep_scatter`` into expert-contiguous rows, ``silu_and_mul``, the down GEMM's input
+    quantisation, ``ep_gather``'s weighted reduce. Low-latency mode: DeepEP already delivers the
+    masked expert-major layout and its combine does the weighted reduce, so only the activation
+    runs, fused with the quantisation (``silu_and_mul_masked_post_quant_fwd``)."""
+    m, fp8 = w.model, w.model.gemm_dtype == "fp8"
+    copies = K.copies_received(w, rows)
+    if mode == "low_latency":
+        if fp8:
+            return {"experts.act_quant": K.silu_and_mul_quant(copies, m.expert_inter)}
+        return {"experts.act": K.silu_and_mul(copies, m.expert_inter)}
+    out = {"experts.scatter": K.ep_scatter(w, rows)}
+    out["experts.act"] = K.silu_and_mul(copies, m.expert_inter)
+    if fp8:
+        out["experts.quant"] = quant(copies, m.expert_inter)
+    out["experts.gather"] = K.ep_gather(w, rows)
+    return out
+
+
 def _moe_ops(w: Workload, gpu: GPU, mb: MicroBatch, mk: _Maker, mode: str) -> dict[str, Op]:
+    """A MoE layer's ops in launch order (``PARTS`` expanded): the router GEMM, the top-k chain,
+    DeepEP's kernels, the grouped GEMMs with the passes around them, the shared experts."""
     m, rows = w.model, moe_tokens(w, mb)
-    wb = DTYPE_BYTES[m.gemm_dtype]
+    wb, fp8, normal = DTYPE_BYTES[m.gemm_dtype], m.gemm_dtype == "fp8", mode == "normal"
     ops = {
         "comm_prepare_mlp": mk("comm_prepare_mlp", rmsnorm(rows, m.hidden, residual=True)),
         "gate": mk("gate", router_gemm(w, rows), op_class="gemm"),
         "select_experts": mk("select_experts", select_experts_work(w, rows)),
+        "select_experts.ids": mk("select_experts.ids", K.topk_ids_int64(rows, m.top_k)),
     }
+    if normal and fp8:  # dispatch_a's per_token_group_quant_fp8 on the compute stream
+        ops["dispatch.quant"] = mk("dispatch.quant", quant(rows, m.hidden))
+    if normal:  # Buffer.get_dispatch_layout, then notify_dispatch, on DeepEP's comm stream
+        ctas = K.dispatch_layout_ctas(m.num_experts, w.parallel.ep)
+        layout = K.dispatch_layout(w, rows)
+        ops["get_dispatch_layout"] = mk(
+            "get_dispatch_layout", layout, op_class="sampling", ctas=ctas
+        )
+        ops["notify_dispatch"] = _notify(w, gpu, mk, "dispatch")
     ops.update(_comm_pair(w, gpu, mk, "dispatch", rows, mode))
+    passes = _expert_passes(w, rows, mode)
+    if "experts.scatter" in passes:
+        ops["experts.scatter"] = mk("experts.scatter", passes.pop("experts.scatter"))
     ops["experts"] = mk(
         "experts", routed_experts(w, rows), dtype=m.gemm_dtype, op_class="grouped_gemm"
     )
+    for name, work in passes.items():
+        ops[name] = mk(name, work)
+    if normal:
+        ops["cached_notify"] = _notify(w, gpu, mk, "combine")
     ops.update(_comm_pair(w, gpu, mk, "combine", rows, mode))
     shared = mlp(rows, m.hidden, m.shared_inter, wb)  # zero work without shared experts (Qwen3)
-    if m.gemm_dtype == "fp8" and m.shared_inter > 0:  # gate_up's and down's inputs
+    if fp8 and m.shared_inter > 0:  # gate_up's and down's inputs
         sq = quant(rows, m.hidden) + quant(rows, m.shared_inter)
         ops["shared_experts.quant"] = mk("shared_experts.quant", sq)
     ops["shared_experts"] = mk("shared_experts", shared, dtype=m.gemm_dtype, op_class="gemm")
+    if m.shared_inter > 0:
+        ops["shared_experts.act"] = mk("shared_experts.act", K.silu_and_mul(rows, m.shared_inter))
     ops["output"] = mk("output", elementwise(rows, m.hidden, reads=2, writes=1))
     ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
     return ops
@@ -584,7 +648,7 @@ def _postprocess(w: Workload, rows: int) -> Work:
 #: (``eh_proj``), one transformer layer (launched as layer ``num_layers + pass``, its ops named as
 #: every layer's), then the shared head (final norm + lm_head) and the draft token's argmax.
 MTP_OP_NAMES: tuple[str, ...] = ("mtp.embed", "mtp.norm", "mtp.eh_proj")
-MTP_HEAD_NAMES: tuple[str, ...] = ("mtp.logits", "mtp.sample")
+MTP_HEAD_NAMES: tuple[str, ...] = ("mtp.final_norm", "mtp.logits", "mtp.sample")
 
 
 def mtp_passes(w: Workload) -> int:
@@ -622,7 +686,8 @@ def mtp_ops(
         out.append(mk("mtp.eh_proj", eh, op_class="gemm"))
         template = _layer_template(w, gpu, mb, mode, m.num_layers >= m.first_k_dense, step)
         out.extend(_stamp(template, layer, mb, step).values())
-        logits = rmsnorm(rows, m.hidden) + gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
+        out.append(mk("mtp.final_norm", rmsnorm(rows, m.hidden)))
+        logits = gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
         out.append(mk("mtp.logits", logits, op_class="gemm"))
         argmax = Work(2.0 * rows * m.vocab, rows * m.vocab * 4 + rows * 8)
         out.append(mk("mtp.sample", argmax, op_class="sampling"))
@@ -687,6 +752,7 @@ def _layer_template(
             dq = quant(rows, m.hidden) + quant(rows, m.dense_inter)
             ops["mlp.quant"] = mk("mlp.quant", dq)
         ops["mlp"] = mk("mlp", dense, dtype=m.gemm_dtype, op_class="gemm")
+        ops["mlp.act"] = mk("mlp.act", K.silu_and_mul(rows, m.dense_inter))
         ops["comm_postprocess_layer"] = mk("comm_postprocess_layer", _postprocess(w, rows))
     lead = mk.key("")
     out = []
@@ -698,10 +764,13 @@ def _layer_template(
 
 
 def head_ops(w: Workload, gpu: GPU, mb: MicroBatch, step: int | None = None) -> dict[str, Op]:
-    """embed (before layer 0), logits (final norm + lm_head, bf16 in every preset), sample and
-    d2h (the non-blocking copy of the sampled int32 ids to the host, over PCIe, no SMs).
-    Prefill computes logits only for the last token of each sequence ending in the micro-batch;
-    decode for every token (MTP / verify needs them all)."""
+    """embed (before layer 0), final_norm (the model's last RMSNorm, ``DeepseekV2Model.norm``,
+    over every token of the micro-batch), logits (the lm_head GEMM, bf16 in every preset),
+    sample and d2h (the non-blocking copy of the sampled int32 ids to the host, over PCIe, no
+    SMs). Prefill computes logits only for the last token of each sequence ending in the
+    micro-batch (SGLang's LogitsProcessor prunes to them after the norm); decode for every token
+    (MTP / verify needs them all). Whether a schedule runs the head once per step or once per
+    micro-batch is the schedule's (docs/schedules.md)."""
     _check_mb(w, mb)
     m, mk = w.model, _Maker(None, mb, step)
     if w.batch.mode == "prefill":
@@ -709,10 +778,11 @@ def head_ops(w: Workload, gpu: GPU, mb: MicroBatch, step: int | None = None) -> 
     else:
         rows = mb.padded_tokens
     embed = Work(0.0, 2 * mb.padded_tokens * m.hidden * ACT)  # gather rows, write them
-    logits = rmsnorm(rows, m.hidden) + gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
+    logits = gemm(rows, m.hidden, m.vocab, ACT, out_bytes=4)
     sample = Work(5.0 * rows * m.vocab, rows * m.vocab * 4 + rows * 8)
     return {
         "embed": mk("embed", embed),
+        "final_norm": mk("final_norm", rmsnorm(mb.padded_tokens, m.hidden)),
         "logits": mk("logits", logits, op_class="gemm"),
         "sample": mk("sample", sample, op_class="sampling"),
         "d2h": mk("d2h", Work(0.0, rows * 4), kind="copy", op_class="copy", sms=0),

@@ -11,6 +11,12 @@ turns that into ``ep`` rank programs driven by the batch's actual routing (``sha
   NVLink); an op that the schedule split (SBO's pieces) keeps its share of the bytes;
 - ``experts`` runs on the token copies the rank receives and reads the weights of its local
   experts that receive any, so a hot rank computes longer and every collective after it waits;
+  the memory-bound passes around it (``experts.scatter``, ``experts.act``, ...) move bytes in
+  proportion to those copies;
+- DeepEP normal mode's notify kernels (``notify_dispatch``, ``cached_notify``: collectives whose
+  key ends in ``_notify``) get a small flow to every other rank (NVLink inside the node, RDMA
+  across nodes), so each completes only when every peer's notify has arrived: its span holds
+  the skew between the ranks;
 - under DP attention a rank with fewer real tokens than the padded size all ranks replay
   (``dp_tokens``) computes attention over its real tokens only, and dispatches only those; the
   GEMMs keep the padded shape (CUDA graphs replay one size on every rank).
@@ -22,6 +28,8 @@ Program. Balanced routing reproduces the symmetric Program's work and bytes on e
 from __future__ import annotations
 
 from dataclasses import replace
+
+import numpy as np
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
@@ -188,7 +196,9 @@ class _Lowering:
                 key, expected = self._byte_key(op, what)
                 ratio = sum(f.nbytes for f in c.flows) / expected if expected > 0 else 1.0
                 return ("comm", key, ratio)
-        if op.name.split(".")[0] == "experts" and op.flops > 0:
+            if what.endswith("_notify"):
+                return ("comm", self._notify_key(c.flows), 1.0)
+        if op.name.split(".")[0] == "experts" and (op.flops > 0 or op.hbm_bytes > 0):
             return ("experts",)
         if op.name == "attn.core":
             return ("attn", self._range(op)[1])
@@ -215,6 +225,32 @@ class _Lowering:
                 mats,  # keeps id(mats) from being reused while the key lives
             )
         return key, self._bytes[key][1]
+
+    def _notify_key(self, flows: tuple[Flow, ...]) -> tuple:
+        """The key of a notify kernel's per-peer byte matrices in ``_bytes``: its symmetric
+        flows' bytes per link kind, spread over every other rank reached that way (the ranks of
+        its node over NVLink, those of the other nodes over RDMA). DeepEP's notify kernels
+        exchange over NVLink and the same rail, but a rank's counts (and its barrier) depend on
+        every rank through the forwarding GPU of its rail, so it waits for all of them."""
+        total = {str(f.link): f.nbytes for f in flows}
+        key = ("notify", tuple(sorted(total.items())))
+        if key not in self._bytes:
+            ranks = np.arange(self.topo.world)
+            node = ranks // self.topo.gpus_per_node
+            same = node[:, None] == node[None, :]
+            nvl = same & ~np.eye(len(ranks), dtype=bool)
+            out = {}
+            for link, mask in (("nvlink", nvl), ("rdma", ~same)):
+                peers = mask.sum(axis=1, keepdims=True)
+                per = np.divide(
+                    total.get(link, 0.0),
+                    peers,
+                    where=peers > 0,
+                    out=np.zeros_like(peers, dtype=float),
+                )
+                out[link] = np.where(mask, per, 0.0)
+            self._bytes[key] = (out, 0.0, None)
+        return key
 
     def _rank_flows(self, key: tuple, ratio: float, r: int) -> tuple[Flow, ...]:
         """Rank ``r``'s flows of byte matrices ``key`` scaled by ``ratio`` (one tuple shared by
@@ -253,6 +289,12 @@ class _Lowering:
         if hit is not None:
             return hit
         _, _, padded = self._range(op)
+        if op.op_class == "elementwise":  # a pass over the received copies: scales with them
+            nominal = padded * self.w.model.top_k
+            f = key[1] / nominal if nominal > 0 else 1.0
+            new = _evolve(op, flops=op.flops * f, hbm_bytes=op.hbm_bytes * f)
+            self._experts_ops[key] = new
+            return new
         nominal = routed_experts(self.w, padded)
         ratio = op.flops / nominal.flops if nominal.flops > 0 else 1.0
         work = experts_work(self.w, key[1], key[2])

@@ -5,8 +5,9 @@ declares"): ``UPSTREAM``, ``SUMMARY`` and ``build(workload, gpu, cfg)`` always; 
 its own knobs (``Knobs``), whether it runs pipeline stages (``SUPPORTS_PP``), its workload
 defaults (``prepare_workload``), how its window's iterations and tokens are counted
 (``iterations_and_tokens``), how figures draw it (``DRAWING``), what a comparison says of its
-window (``window_note``), the configuration the CPU check runs it with (``cpu_check_config``) and
-its own summary of a trace (``report``). Code outside this package asks the functions below
+window (``window_note``), the configuration the CPU check runs it with (``cpu_check_config``),
+its own summary of a trace (``report``) and how a configuration is launched on the system that
+runs it (``launch_flags``). Code outside this package asks the functions below
 (:mod:`~overlap_lab.shared.schedules.registry`) and never names a schedule: a schedule in another
 package does everything a built-in one does.
 
@@ -33,10 +34,13 @@ from overlap_lab.shared.schedules.registry import (
     cpu_check_config,
     describe,
     drawing,
+    iteration_unit,
     iterations_and_tokens,
     knob_default,
     knob_readers,
     knobs_of,
+    launch_flags,
+    loadable,
     module,
     own_knobs,
     pipeline_schedules,
@@ -62,10 +66,13 @@ __all__ = [
     "cpu_check_config",
     "describe",
     "drawing",
+    "iteration_unit",
     "iterations_and_tokens",
     "knob_default",
     "knob_readers",
     "knobs_of",
+    "launch_flags",
+    "loadable",
     "module",
     "own_knobs",
     "pipeline_schedules",
@@ -85,12 +92,17 @@ def build(name: str, workload, gpu, cfg: ScheduleConfig | None = None):
     for a module that builds through another schedule's ``build``, so that the metric rules and
     figures of the schedule run are those applied."""
     from overlap_lab.shared.ir.lowering import host_wait_for_counts
+    from overlap_lab.shared.ir.program import Program
 
     m = module(name)
     if workload.parallel.pp > 1 and not supports_pp(name):
         use = " or ".join(f"--schedule {n}" for n in pipeline_schedules()) or "a schedule that does"
         raise ConfigError(f"{name} runs one pipeline stage; use {use} for --pp-size > 1")
     program = m.build(workload, gpu, cfg or ScheduleConfig())
+    if not isinstance(program, Program):  # a plug-in's fault, named, rather than a traceback
+        raise ConfigError(
+            f"{REGISTRY.where(name)}: build() returned {type(program).__name__}, not a Program"
+        )
     if program.meta.schedule != name:
         program = dataclasses.replace(program, meta=program.meta.merged(schedule=name))
     return host_wait_for_counts(program)

@@ -55,7 +55,10 @@ class CommonKnobs(ScheduleKnobs):
     own default" (taken from upstream or the hardware preset)."""
 
     deepep_mode: str = knob(
-        "auto", "auto: low_latency for decode, normal for prefill (SGLang)", choices=DEEPEP_MODES
+        "auto",
+        "auto: low_latency for decode, normal for prefill (SGLang)",
+        choices=DEEPEP_MODES,
+        tune=("low_latency", "normal"),
     )
     cuda_graph: bool | None = knob(None, "None: decode uses CUDA graphs, prefill does not")
     host: HostCosts = knob(HOST_COSTS, "host (CPU) costs of the scheduler loop", unit="µs")
@@ -70,12 +73,13 @@ class CommonKnobs(ScheduleKnobs):
         return self.cuda_graph if self.cuda_graph is not None else mode == "decode"
 
 
-def comm_sms_knob(help: str, *, least: int = 1) -> Any:
+def comm_sms_knob(help: str, *, least: int = 1, tune: tuple[int, ...] = ()) -> Any:
     """The ``comm_sms`` knob of a schedule that gives communication kernels their own SMs:
     one option (``--comm-sms``) whose meaning each schedule declares (``help``); ``least`` is 0
     where zero SMs means "no SM partition" (vllm-dbo), else 1. The GPU bounds it from above
-    (:func:`resolve_comm_sms`)."""
-    return knob(None, help, unit="SMs", lo=least, hi=1023)
+    (:func:`resolve_comm_sms`). ``tune``: the SM counts a deployment search tries besides the
+    default."""
+    return knob(None, help, unit="SMs", lo=least, hi=1023, tune=tune)
 
 
 def resolve_comm_sms(value: int | None, gpu: GPU, *, default: int, least: int = 1) -> int:
@@ -85,7 +89,8 @@ def resolve_comm_sms(value: int | None, gpu: GPU, *, default: int, least: int = 
     n = default if value is None else value
     if not least <= n < gpu.num_sms:
         raise ConfigError(
-            f"--comm-sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}"
+            f"comm_sms must lie in {least}..{gpu.num_sms - 1} on {gpu.name}, got {n}",
+            names=("comm_sms",),
         )
     return n
 

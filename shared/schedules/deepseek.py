@@ -59,6 +59,7 @@ from overlap_lab.shared.ir.ops import mtp_ops
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, Program
 from overlap_lab.shared.schedules.common import ScheduleKnobs, comm_sms_knob, resolve_comm_sms
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch
 from overlap_lab.shared.schedules.two_mb import (
     FINISH,
     MAIN,
@@ -80,7 +81,8 @@ class Knobs(ScheduleKnobs):
     """DeepSeek's own knob (``ScheduleConfig.of``)."""
 
     comm_sms: int | None = comm_sms_knob(
-        "prefill: SMs of the communication partition (None: 24 of an H800's 132, scaled)"
+        "prefill: SMs of the communication partition (None: 24 of an H800's 132, scaled)",
+        tune=(16, 32),
     )
 
 
@@ -277,10 +279,10 @@ def forward_body(e: Emitter) -> None:
     e.call_hook(0)
     if decode and prev_moe is not None:
         _decode_mlp(e, 1, prev_moe)
-    e.launch(e.head(0)["logits"])
+    e.launch_head(0, "logits")
     if e.has(1):
         e.call_hook(1)
-        e.launch(e.head(1)["logits"])
+        e.launch_head(1, "logits")
     assert not e.hooks, f"hooks left pending after the last layer: {sorted(e.hooks)}"
     for i in mbs:
         e.launch(e.head(i)["sample"])
@@ -337,4 +339,19 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         deepep_mode=deepep,
         micro_batches=[mb.as_meta() for mb in mbs],
         **meta,
+    )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """None: DeepSeek's inference system is not public, so no server takes this configuration
+    (docs/tune.md). SGLang's tbo is the closest public schedule."""
+    return ServerLaunch(
+        None,
+        unmapped=(
+            (
+                "schedule",
+                "DeepSeek's inference system is not public: no launch flags (the closest public "
+                "schedule: SGLang's tbo)",
+            ),
+        ),
     )

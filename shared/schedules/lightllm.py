@@ -61,10 +61,19 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
+from overlap_lab.shared.ir import ops_kernels as K
 from overlap_lab.shared.ir.ops import mtp_ops
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, Op, Program
 from overlap_lab.shared.schedules.common import MAX_TOKENS, ScheduleKnobs
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import (
+    LIGHTLLM_ARGS,
+    Deployment,
+    Flag,
+    ServerLaunch,
+    lightllm,
+)
+from overlap_lab.shared.schedules.sbo import split_experts
 from overlap_lab.shared.schedules.two_mb import (
     ATTENTION,
     FINISH,
@@ -148,52 +157,36 @@ def dp_max_decode_num(w: Workload, cfg: ScheduleConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def expert_kernels(w: Workload, experts: Op, contiguous: bool) -> list[Op]:
-    """The routed-experts op as the kernels of LightLLM's ``grouped_fused_moe_ep``.
+def expert_kernels(w: Workload, ops: dict[str, Op]) -> list[Op]:
+    """The routed experts as the kernels of LightLLM's ``grouped_fused_moe_ep``.
 
     Prefill (contiguous layout): ``ep_scatter`` (Triton), the DeepGEMM grouped gate-up GEMM,
     ``silu_and_mul_masked_post_quant_fwd`` (Triton activation + FP8 quant), the DeepGEMM grouped
     down GEMM, ``ep_gather`` (Triton). Decode (masked layout, DeepEP LL): the masked gate-up GEMM,
     the activation + quant, the masked down GEMM. The kernel boundaries matter for SM sharing: the
-    Triton kernels are waved, the DeepGEMM ones persistent. Work is the op's own, partitioned:
-    FLOPs 2/3 gate-up and 1/3 down (``sbo.split_experts``); weights likewise; the activation
-    bytes of ``ops.experts_work`` (per copy: hidden fp8 in, 2·inter bf16 gate-up out, inter bf16
-    + inter fp8 through the activation, hidden bf16 out) go to the kernel that moves them.
-    """
-    m = w.model
-    copies = math.ceil(experts.tokens / w.parallel.attn_tp) * m.top_k
-    x_in, up_out = copies * m.hidden, copies * 2 * m.expert_inter * 2
-    act, y_out = copies * 3 * m.expert_inter, copies * m.hidden * 2
-    weights = max(0.0, experts.hbm_bytes - (x_in + up_out + act + y_out))
-
-    def k(name: str, flops: float, nbytes: float, **kw) -> Op:
-        return replace(
-            experts, name=f"experts.{name}", flops=float(flops), hbm_bytes=float(nbytes), **kw
-        )
-
-    f = experts.flops
-    elementwise = dict(op_class="elementwise", dtype="bf16")
-    if not contiguous:
-        return [
-            k("gate_up", f * 2 / 3, weights * 2 / 3 + x_in + up_out),
-            k("act_quant", 0.0, act, **elementwise),
-            k("down.0", f / 3, weights / 3 + y_out),
-        ]
-    return [
-        k("scatter", 0.0, x_in, **elementwise),
-        k("gate_up", f * 2 / 3, weights * 2 / 3 + up_out),
-        k("act_quant", 0.0, act, **elementwise),
-        k("down.0", f / 3, weights / 3),
-        k("gather", 0.0, y_out, **elementwise),
-    ]
+    Triton kernels are waved, the DeepGEMM ones persistent. The passes are the layer's own
+    (``shared.ir.ops_kernels``), the activation fused with its quantisation in both modes (SGLang
+    runs the two apart in normal mode); the GEMMs are the ``experts`` op cut 2:1 into gate-up
+    and down (``sbo.split_experts``: FLOPs and weights)."""
+    gate_up, down = split_experts(ops["experts"])
+    act = ops.get("experts.act_quant")
+    if act is None:  # normal mode's two passes, fused as LightLLM runs them
+        base = ops["experts.act"]
+        rows = math.ceil(base.tokens / w.parallel.attn_tp)  # ops.moe_tokens
+        fused = K.silu_and_mul_quant(K.copies_received(w, rows), w.model.expert_inter)
+        flops, nbytes = float(fused.flops), float(fused.hbm_bytes)
+        act = replace(base, name="experts.act_quant", flops=flops, hbm_bytes=nbytes)
+    kernels = [gate_up, act, replace(down, name="experts.down.0")]
+    if "experts.scatter" in ops:
+        kernels = [ops["experts.scatter"], *kernels, ops["experts.gather"]]
+    return kernels
 
 
 def run_experts(e: Emitter, i: int, L: int) -> None:
     """Micro-batch ``i``'s routed experts at upstream kernel granularity (``expert_kernels``)."""
     if not e.has(i):
         return
-    ops = e.ops(i, L)
-    for op in expert_kernels(e.w, ops["experts"], contiguous=e.w.batch.mode == "prefill"):
+    for op in expert_kernels(e.w, e.ops(i, L)):
         e.launch(op)
 
 
@@ -314,7 +307,7 @@ def forward_body(e: Emitter) -> None:
     # last layer), logits 1
     for i in range(len(e.mbs)):
         e.call_hook(i)
-        e.launch(e.head(i)["logits"])
+        e.launch_head(i, "logits")
     assert not e.hooks, f"hooks left pending after the post layer: {sorted(e.hooks)}"
     for i in range(len(e.mbs)):
         e.launch(e.head(i)["sample"])
@@ -363,3 +356,11 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         ),
         **extra,
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """LightLLM's server with its micro-batch overlap for the workload's phase
+    (``--enable_decode_microbatch_overlap`` or ``--enable_prefill_microbatch_overlap``,
+    ``lightllm/server/api_cli.py``; docs/tune.md)."""
+    name = f"--enable_{d.workload.batch.mode}_microbatch_overlap"
+    return lightllm(d, (Flag(name, None, LIGHTLLM_ARGS, "lightllm"),))

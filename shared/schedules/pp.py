@@ -38,7 +38,7 @@ from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import RankBuilder, ThreadBuilder, program
-from overlap_lab.shared.ir.ops import head_ops, layer_ops, whole_batch
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, parts, whole_batch
 from overlap_lab.shared.ir.ops_pp import (
     PP_HOST_COSTS,
     allgather_op,
@@ -50,6 +50,7 @@ from overlap_lab.shared.ir.ops_pp import (
 from overlap_lab.shared.ir.program import Op, Program
 from overlap_lab.shared.schedules.common import MAX_ITERATIONS, Drawing, ScheduleKnobs
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang, sglang_flag
 from overlap_lab.shared.schedules.serial import launch_all
 
 UPSTREAM = "SGLang Scheduler.event_loop_pp, distributed/parallel_state.py (send/recv_tensor_dict), distributed/utils.py (get_pp_indices)"
@@ -68,7 +69,12 @@ class Knobs(ScheduleKnobs):
         hi=MAX_ITERATIONS,
     )
     micro_batches: int | None = knob(
-        None, "micro-batches in flight (None = pp_size)", unit="micro-batches", lo=1, hi=64
+        None,
+        "micro-batches in flight (None = pp_size)",
+        unit="micro-batches",
+        lo=1,
+        hi=64,
+        tune=(4, 8),
     )
     return_logprob: bool = knob(False, "copy logprobs to the host with next_token_ids")
 
@@ -79,6 +85,9 @@ SUPPORTS_PP = True
 DEFAULT_STAGES = 2
 #: A pipeline's bubbles lie across its stages and iterations: every rank, the whole window.
 DRAWING = Drawing(whole_window=True, every_rank=True)
+#: One iteration of its window is one micro-batch on every stage (``iterations_and_tokens``):
+#: what a table's iteration count says beside the number ("8 mb")
+ITERATION = "mb"
 STREAMS = ("main", "pp_recv", "pp_send")
 
 
@@ -107,7 +116,7 @@ def stage_ops(
     for layer in layers:
         ops += layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step).values()
     if last:
-        ops += [head["logits"], head["sample"]]
+        ops += [*parts(head, "logits"), head["sample"]]
     return ops
 
 
@@ -282,4 +291,27 @@ def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
 
 
 def window_note(cfg: ScheduleConfig) -> str:
-    return "pp: iterations x micro-batches on each stage."
+    return (
+        "pp: iters are micro-batch iterations (mb): iterations x micro-batches on each stage, "
+        "each a micro-batch's share of the batch."
+    )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with pipeline stages: ``--pp-size`` (in the layout) and
+    ``--pp-max-micro-batch-size``, the sequences of one micro-batch per DP rank; SGLang keeps
+    ``pp_size`` micro-batches in flight, so ``micro_batches`` has no flag (docs/tune.md)."""
+    k = d.cfg.of(Knobs)
+    b = d.workload.batch.num_seqs
+    flags = (sglang_flag("pp_max_micro_batch_size", b, "batch"),)
+    unmapped = ()
+    if k.micro_batches is not None and k.micro_batches != d.workload.parallel.pp:
+        unmapped = (
+            (
+                "micro_batches",
+                "SGLang's event_loop_pp keeps pp_size micro-batches in flight "
+                "(python/sglang/srt/managers/scheduler_pp_mixin.py); no flag",
+            ),
+        )
+    in_flight = k.micro_batches or d.workload.parallel.pp
+    return sglang(d, flags, unmapped, running=b * in_flight)

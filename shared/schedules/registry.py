@@ -48,7 +48,14 @@ BUILTINS: dict[str, str] = {
 BASELINE = "serial"
 
 #: The optional hooks a schedule module may define, each a function (docs/schedules.md).
-HOOKS = ("prepare_workload", "iterations_and_tokens", "window_note", "cpu_check_config", "report")
+HOOKS = (
+    "prepare_workload",
+    "iterations_and_tokens",
+    "window_note",
+    "cpu_check_config",
+    "report",
+    "launch_flags",
+)
 
 
 def _check(m: ModuleType) -> str | None:
@@ -173,12 +180,31 @@ def prepare_workload(name: str, workload) -> tuple[Any, tuple[str, ...]]:
     return ready, tuple(notes)
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(name, upstream reference, one-line summary) for every schedule."""
-    out = []
+def describe() -> list[tuple[str, str | None, str]]:
+    """(name, upstream reference, one-line summary) for every schedule; a schedule that cannot
+    be used (a plug-in that fails to load or lacks a part) is listed with upstream None and its
+    one-line error as the summary, and every other one all the same."""
+    out: list[tuple[str, str | None, str]] = []
     for name in SCHEDULES:
-        m = module(name)
+        try:
+            m = module(name)
+        except ConfigError as e:
+            out.append((name, None, str(e)))
+            continue
         out.append((name, m.UPSTREAM, m.SUMMARY))
+    return out
+
+
+def loadable() -> list[str]:
+    """The schedules that load and pass their module's check, in listing order (what "every
+    schedule" runs: a broken plug-in is reported by name where it is named, and skipped here)."""
+    out = []
+    for name in REGISTRY.usable():
+        try:
+            module(name)
+        except ConfigError:
+            continue
+        out.append(name)
     return out
 
 
@@ -193,6 +219,13 @@ def iterations_and_tokens(name: str | None, program, workload) -> tuple[int, int
     if hook is None:
         return 1, workload.batch.num_tokens
     return hook(program, workload)
+
+
+def iteration_unit(name: str | None) -> str:
+    """What one iteration of schedule ``name``'s window is, in the few letters a table's
+    iteration count carries (its module's ``ITERATION``, beside its ``iterations_and_tokens``;
+    '': one scheduler step, the default)."""
+    return str(_hook(name, "ITERATION", ""))
 
 
 def drawing(name: str | None) -> Drawing:
@@ -213,6 +246,16 @@ def cpu_check_config(name: str, cfg: CommonKnobs) -> CommonKnobs:
     workloads reach its split path), else ``cfg``."""
     hook = _hook(name, "cpu_check_config")
     return cfg if hook is None else hook(cfg)
+
+
+def launch_flags(name: str, deployment: Any) -> Any:
+    """How a configuration of schedule ``name`` is launched on the system that runs it (its
+    module's ``launch_flags(deployment)``: a ``shared.schedules.launch.ServerLaunch``); a schedule
+    whose module declares none gets a Launch that says so (docs/tune.md)."""
+    from overlap_lab.shared.schedules.launch import no_launch
+
+    hook = _hook(name, "launch_flags")
+    return no_launch(name) if hook is None else hook(deployment)
 
 
 # ---- knobs -----------------------------------------------------------------------------------
@@ -299,12 +342,8 @@ def check_own_knobs(given: Mapping[str, Any]) -> dict[str, Any]:
     for n in given:
         if n not in accepted:  # refused by every schedule declaring it: by the span of their
             why = _merged(n, table[n]).refusal(given[n])  # ranges if that refuses it too
-            raise ConfigError(f"{_flag(n)} {why}" if why else refusal[n])
+            raise ConfigError(f"{n} {why}" if why else refusal[n], names=tuple(given))
     return accepted
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _refused(cls: type, values: Mapping[str, Any]) -> str | None:

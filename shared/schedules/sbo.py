@@ -7,8 +7,8 @@ Inside each MoE layer of one (unsplit) batch, with DeepEP's low-latency kernels:
     GPU preset (3 Hopper, 32 Blackwell); compute = total - comm.
 
     mode 1, combine <-> down GEMM (two streams, signal tensor):
-      main: dispatch_a | dispatch_b | gate_up GEMM | rec start | down[0] rec sig0 | down[1] ...
-      alt:                                      wait start | combine (polls sig0, sig1, ...)
+      main: dispatch_a | dispatch_b | gate_up GEMM | act+quant | rec start | down[0] rec sig0 | ...
+      alt:                                                  wait start | combine (polls sig0, ...)
       The down GEMM runs on the compute SMs and raises a signal per finished block (Hopper:
       num_local_experts x ceil(rows/64) int32, block_m 64; Blackwell: one uint32 per local
       expert); the combine is one kernel, resident on the comm SMs from the start event on, that
@@ -67,6 +67,14 @@ from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.common import ScheduleKnobs, comm_sms_knob, resolve_comm_sms
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import (
+    Deployment,
+    Flag,
+    ServerLaunch,
+    sglang,
+    sglang_env,
+    sglang_flag,
+)
 from overlap_lab.shared.schedules.stages import launches
 
 UPSTREAM = "SGLang python/sglang/srt/batch_overlap/single_batch_overlap.py, models/deepseek_v2.py"
@@ -82,10 +90,15 @@ class Knobs(ScheduleKnobs):
 
     comm_sms: int | None = comm_sms_knob(
         "SMs of DeepEP's low-latency combine send (SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS; "
-        "None: the GPU preset's sbo_comm_sms)"
+        "None: the GPU preset's sbo_comm_sms)",
+        tune=(2, 6, 12),
     )
     sbo_mode: int = knob(
-        1, "1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared", lo=1, hi=3
+        1,
+        "1 combine<->down GEMM, 2 combine<->shared, 3 dispatch<->shared",
+        lo=1,
+        hi=3,
+        tune=(1, 2, 3),
     )
 
 
@@ -228,20 +241,38 @@ def _ev(op: Op, what: str) -> str:
     return f"s{op.step}.L{op.layer}.mb{op.mb}.sbo.{what}"
 
 
-def lower_experts(p: SboPlan, experts: Op, signals: int) -> list[GpuInstr]:
-    """Routed experts on main. Mode 1: gate-up on all SMs, DownGemmOverlapArgs.start_event,
-    then the down GEMM on the compute SMs, a signal (event) after each chunk. Mode 2: the whole
-    experts op, then ``record_event_after_down`` (recorded in the pre-combine hook)."""
+def lower_experts(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
+    """Routed experts on main, with the passes around the grouped GEMMs (``parts`` of
+    ``experts``; in low-latency mode the activation, fused with the down GEMM's input
+    quantisation). Mode 1: gate-up on all SMs, the activation, DownGemmOverlapArgs.start_event,
+    then the down GEMM on the compute SMs, a signal (event) after each chunk. Mode 2: the
+    experts' kernels, then ``record_event_after_down`` (recorded in the pre-combine hook)."""
+    experts = ops["experts"]
     if p.stream_down_gemm:
         gate_up, down = split_experts(experts)
-        out: list[GpuInstr] = [Launch(gate_up, MAIN), Record(_ev(experts, "start"), MAIN)]
+        before, between, after = _around(ops)
+        out: list[GpuInstr] = launches([*before, gate_up, *between])
+        out.append(Record(_ev(experts, "start"), MAIN))
         for k, piece in enumerate(split_op(down, stream_chunks(signals), sms=p.compute_sms)):
             out += [Launch(piece, MAIN), Record(_ev(experts, f"sig{k}"), MAIN)]
-        return out
-    out = [Launch(experts, MAIN)]
+        return out + launches(after)
+    out = launches(parts(ops, "experts"))
     if p.combine_on_alt:
         out.append(Record(_ev(experts, "down_done"), MAIN))
     return out
+
+
+#: The passes upstream runs between the gate-up and the down GEMM.
+BETWEEN_GEMMS = ("experts.act", "experts.quant", "experts.act_quant")
+
+
+def _around(ops: dict[str, Op]) -> tuple[list[Op], list[Op], list[Op]]:
+    """The parts of ``experts`` before its GEMMs, between the gate-up and the down GEMM once the
+    two are split (the activation and its quantisation), and after them."""
+    ps = parts(ops, "experts")
+    i = ps.index(ops["experts"])
+    between = [op for op in ps[i + 1 :] if op.name in BETWEEN_GEMMS]
+    return ps[:i], between, [op for op in ps[i + 1 :] if op.name not in BETWEEN_GEMMS]
 
 
 def lower_combine_a(p: SboPlan, combine_a: Op, experts: Op, signals: int) -> list[GpuInstr]:
@@ -273,12 +304,14 @@ def moe_layer(p: SboPlan, ops: dict[str, Op], signals: int) -> list[GpuInstr]:
     shared = parts(ops, "shared_experts")  # the input quantisation, then the MLP
     attn = ("comm_prepare_attn", "attn.prepare", "attn.core")
     body = launches(op for k in attn for op in parts(ops, k))
-    body += launches(ops[k] for k in ("comm_prepare_mlp", "gate", "select_experts"))
+    body += launches(
+        op for k in ("comm_prepare_mlp", "gate", "select_experts") for op in parts(ops, k)
+    )
     body.append(Launch(ops["dispatch_a"], MAIN))  # LL send: the traffic is in flight from here
     if p.shared_in_dispatch_hook:  # _deepep_dispatch_hook: shared experts while dispatch flies
         body += launches(shared)
     body.append(Launch(ops["dispatch_b"], MAIN))  # the receive hook
-    body += lower_experts(p, ops["experts"], signals)
+    body += lower_experts(p, ops, signals)
     if p.shared_after_down:  # _pre_combine_hook, DeepGEMM limited to the compute SMs
         body += launches(replace(op, sms=p.compute_sms) for op in shared)
     body += lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
@@ -310,7 +343,7 @@ def forward_body(
     for layer in range(w.model.num_layers):
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
         body += moe(ops) if w.model.is_moe_layer(layer) else launches(ops.values())
-    body += launches([head["logits"], head["sample"]])
+    body += launches([*parts(head, "logits"), head["sample"]])
     body += launches(mtp_ops(w, gpu, mb, deepep_mode=mode, step=step))  # the MTP draft forward
     return body
 
@@ -336,3 +369,26 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig, *, schedule: str = "sbo") 
         sbo_signals=signals,
         **p.meta(),
     )
+
+
+def sbo_launch(d: Deployment) -> tuple[tuple[Flag, ...], tuple[tuple[str, str], ...]]:
+    """SBO's flags and what has none: ``--enable-single-batch-overlap``; the combine's SMs as
+    ``SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS`` (set where ``comm_sms`` was given); the mode has no
+    flag (SGLang's ``SboFlags`` picks the overlaps by GPU and MoE kernels). tbo+sbo adds these."""
+    k = d.cfg.of(Knobs)
+    flags = [sglang_flag("enable_single_batch_overlap", carries="sbo")]
+    if k.comm_sms is not None:
+        flags.append(sglang_env("SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS", k.comm_sms, "comm_sms"))
+    p = plan(d.gpu, d.cfg)
+    why = (
+        "SGLang's SboFlags (python/sglang/srt/batch_overlap/single_batch_overlap.py) picks the "
+        "overlaps from the GPU and the MoE kernels (Hopper with DeepGEMM: mode 1)"
+    )
+    if not p.upstream:
+        why += f"; mode {p.mode} on {p.arch} is a what-if SGLang does not run"
+    return tuple(flags), (("sbo_mode", why),)
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with Single Batch Overlap (:func:`sbo_launch`; docs/tune.md)."""
+    return sglang(d, *sbo_launch(d))

@@ -46,6 +46,7 @@ from overlap_lab.shared.ir.program import (
 from overlap_lab.shared.schedules import sbo, tbo
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang
 from overlap_lab.shared.schedules.stages import launches
 
 UPSTREAM = "SGLang python/sglang/srt/models/deepseek_v2.py (DeepseekV2MoE.forward_deepep, SBO off)"
@@ -96,3 +97,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         micro_batches=[mb.as_meta()],
         shared_experts_stream=ALT,
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang's DeepEP MoE path as it runs by default: SBO off (no
+    ``--enable-single-batch-overlap``), shared experts on the alt stream (docs/tune.md)."""
+    return sglang(d)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload
 from overlap_lab.shared.ir.builder import ThreadBuilder, program
-from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, whole_batch
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
 from overlap_lab.shared.ir.program import Launch, Op, Program
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang, sglang_flag
 
 UPSTREAM = "SGLang Scheduler.event_loop_normal (python/sglang/srt/managers/scheduler.py)"
 SUMMARY = "one stream, ops of each layer in order; the host waits for each step's result"
@@ -37,7 +38,7 @@ def forward_sequence(
     head = head_ops(w, gpu, mb, step=step)
     body = layer_sequence(w, gpu, mb, range(w.model.num_layers), deepep_mode=deepep_mode, step=step)
     mtp = mtp_ops(w, gpu, mb, deepep_mode=deepep_mode, step=step)
-    return [head["embed"], *body, head["logits"], head["sample"], *mtp]
+    return [head["embed"], *body, *parts(head, "logits"), head["sample"], *mtp]
 
 
 def launch_all(t: ThreadBuilder, ops: list[Op], stream: str, *, graph: str | None) -> None:
@@ -62,3 +63,9 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         deepep_mode=mode,
         micro_batches=[mb.as_meta()],
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with its overlap scheduler off: ``--disable-overlap-schedule`` runs
+    ``event_loop_normal``, the host waiting for each step's result (docs/tune.md)."""
+    return sglang(d, (sglang_flag("disable_overlap_schedule", carries="schedule"),))

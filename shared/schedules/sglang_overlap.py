@@ -66,6 +66,13 @@ from overlap_lab.shared.schedules.common import (
     ScheduleKnobs,
 )
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import (
+    Deployment,
+    ServerLaunch,
+    sglang,
+    sglang_env,
+    sglang_flag,
+)
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 
 UPSTREAM = "SGLang Scheduler.event_loop_overlap (python/sglang/srt/managers/scheduler.py), FutureMap (python/sglang/srt/managers/overlap_utils.py)"
@@ -660,3 +667,16 @@ def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
 
 def window_note(cfg: ScheduleConfig) -> str:
     return f"sglang-overlap runs {cfg.of(Knobs).iterations} loop iterations (--iterations)."
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang as it runs by default (the overlap scheduler on); this module's switches as
+    SGLang spells them (docs/tune.md)."""
+    k = d.cfg.of(Knobs)
+    extra = []
+    if k.disable_overlap_schedule:
+        extra.append(sglang_flag("disable_overlap_schedule", carries="disable_overlap_schedule"))
+    if k.disable_consecutive_prefill_overlap:
+        name = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
+        extra.append(sglang_env(name, "true", "disable_consecutive_prefill_overlap"))
+    return sglang(d, tuple(extra))

@@ -41,11 +41,12 @@ from overlap_lab.shared.inputs.hardware import GPU
 from overlap_lab.shared.inputs.knobs import knob
 from overlap_lab.shared.inputs.workload import MicroBatch, Workload, dense_layers, moe_layers
 from overlap_lab.shared.ir.builder import program
-from overlap_lab.shared.ir.ops import expand_keys, head_ops, layer_ops, mtp_ops, whole_batch
+from overlap_lab.shared.ir.ops import head_ops, layer_ops, mtp_ops, parts, whole_batch
 from overlap_lab.shared.ir.program import HIGH_PRIORITY, GpuInstr, Launch, Op, Program, Record, Wait
 from overlap_lab.shared.schedules import serial
 from overlap_lab.shared.schedules.config import ScheduleConfig
 from overlap_lab.shared.schedules.frame import step_frame
+from overlap_lab.shared.schedules.launch import Deployment, Flag, ServerLaunch, sglang, sglang_flag
 from overlap_lab.shared.schedules.stages import YIELD, interleave, launches, to_stages
 from overlap_lab.shared.schedules.tbo_split import SplitKnobs, TboSplit, tbo_split
 
@@ -62,7 +63,12 @@ class Knobs(SplitKnobs):
     run; tbo+sbo reads them too."""
 
     delta_stages: int | None = knob(
-        None, "None = the strategy's own (decode 2, prefill 0)", unit="stages", lo=0, hi=16
+        None,
+        "None = the strategy's own (decode 2, prefill 0)",
+        unit="stages",
+        lo=0,
+        hi=16,
+        tune=(0, 1, 3),
     )
 
 
@@ -161,19 +167,22 @@ def _ev(op: Op, what: str) -> str:
 
 
 def lower_op(key: str, ops: dict[str, Op]) -> list[GpuInstr]:
-    """One operation of a stage. Normal-mode DeepEP halves go through DeepEP's comm stream."""
+    """One operation of a stage: its parts (``shared.ir.ops.PARTS``) in order. A normal-mode
+    DeepEP ``*_a`` goes through DeepEP's comm stream with its parts (``get_dispatch_layout`` and
+    ``notify_dispatch``, ``cached_notify``: ``Buffer.get_dispatch_layout`` / ``dispatch`` /
+    ``combine`` with ``previous_event`` and ``allocate_on_comm_stream``)."""
     op = ops[key]
     if op.coll is not None and op.coll.role == "sendrecv":  # normal *_a on DeepEP's stream
         return [
             Record(_ev(op, "previous"), MAIN),
             Wait(COMM, _ev(op, "previous")),
-            Launch(op, COMM),
+            *launches(parts(ops, key), COMM),
             Record(_ev(op, "done"), COMM),
         ]
     partner = {"dispatch_b": "dispatch_a", "combine_b": "combine_a"}.get(key)
     if partner and ops[partner].coll is not None and ops[partner].coll.role == "sendrecv":
         return [Wait(MAIN, _ev(ops[partner], "done")), Launch(op, MAIN)]
-    return [Launch(op, MAIN)]
+    return launches(parts(ops, key))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,16 +201,16 @@ def micro_batch_operations(
     lower: Lowering,
 ) -> list:
     """The concatenated operations of every sparse layer for one micro-batch (OperationsStrategy
-    .concat), each operation already lowered to its instructions."""
+    .concat), each operation already lowered to its instructions (its parts included)."""
     out: list = []
     for layer in moe_layers(w.model):
         ops = layer_ops(w, gpu, layer, mb, deepep_mode=mode, step=step)
         if strategy.limit_deep_gemm:
             ops = {k: limit_deep_gemm(op, deep_gemm_sms(gpu)) for k, op in ops.items()}
-        for key in expand_keys(strategy.operations):  # keys with parts launch each
+        for key in strategy.operations:  # a key lowers with its parts (lower_op)
             if key is YIELD:
                 out.append(YIELD)
-            elif key in ops:  # a part the model has (no quantisation with BF16 GEMMs)
+            elif key in ops:
                 out.append(lower(key, ops))
     return out
 
@@ -234,7 +243,7 @@ def tbo_body(
     for _mb, stage in interleave(stages[0], stages[1], delta):
         for instrs in stage:
             body += instrs
-    body += launches([head["logits"], head["sample"]])
+    body += launches([*parts(head, "logits"), head["sample"]])
     body += launches(mtp_ops(w, gpu, whole, deepep_mode=mode, step=step))  # the draft, unsplit
     return body, strategy, delta
 
@@ -287,3 +296,29 @@ def build(
     )
     meta.update(extra_meta or {})
     return program([rank], world=w.parallel.ep, **meta)
+
+
+def tbo_launch(d: Deployment) -> tuple[tuple[Flag, ...], tuple[tuple[str, str], ...]]:
+    """TBO's flags and what has none: ``--enable-two-batch-overlap`` and
+    ``--tbo-token-distribution-threshold``; ``delta_stages`` is the operations strategy's own
+    (``operations_strategy.py``), with no flag. tbo+sbo adds these."""
+    k = d.cfg.of(Knobs)
+    flags = (
+        sglang_flag("enable_two_batch_overlap", carries="tbo"),
+        sglang_flag("tbo_token_distribution_threshold", k.tbo_threshold, "tbo_threshold"),
+    )
+    unmapped = ()
+    if k.delta_stages is not None:
+        unmapped = (
+            (
+                "delta_stages",
+                "fixed per model and mode by SGLang's operations strategy "
+                "(python/sglang/srt/operations_strategy.py): running another means editing it",
+            ),
+        )
+    return flags, unmapped
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with Two Batch Overlap (:func:`tbo_launch`; docs/tune.md)."""
+    return sglang(d, *tbo_launch(d))

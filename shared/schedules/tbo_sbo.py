@@ -30,6 +30,7 @@ from overlap_lab.shared.inputs.workload import Workload
 from overlap_lab.shared.ir.program import GpuInstr, Op, Program
 from overlap_lab.shared.schedules import sbo, tbo
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import Deployment, ServerLaunch, sglang
 from overlap_lab.shared.schedules.tbo_split import tbo_split
 
 UPSTREAM = "SGLang two_batch_overlap.py + batch_overlap/single_batch_overlap.py"
@@ -52,7 +53,7 @@ def make_lowering(w: Workload, gpu: GPU, p: sbo.SboPlan):
     def lower(key: str, ops: dict[str, Op]) -> list[GpuInstr]:
         signals = sbo.signal_count(w, gpu, ops["experts"].tokens)
         if key == "experts":
-            return sbo.lower_experts(p, ops["experts"], signals)
+            return sbo.lower_experts(p, ops, signals)
         if key == "combine_a":
             return sbo.lower_combine_a(p, ops["combine_a"], ops["experts"], signals)
         if key == "combine_b":
@@ -92,3 +93,10 @@ def build(w: Workload, gpu: GPU, cfg: ScheduleConfig) -> Program:
         extra_streams=(sbo.ALT,),
         extra_meta=extra,
     )
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """SGLang with both overlaps: TBO's flags and SBO's (docs/tune.md)."""
+    t_flags, t_none = tbo.tbo_launch(d)
+    s_flags, s_none = sbo.sbo_launch(d)
+    return sglang(d, t_flags + s_flags, t_none + s_none)

@@ -29,7 +29,12 @@ class SplitKnobs(ScheduleKnobs):
     """The knobs of TBO's split (tbo's and tbo+sbo's ``Knobs`` hold them)."""
 
     tbo_threshold: float = knob(
-        0.48, "SGLang tbo_token_distribution_threshold", unit="fraction", lo=0.01, hi=0.5
+        0.48,
+        "SGLang tbo_token_distribution_threshold",
+        unit="fraction",
+        lo=0.01,
+        hi=0.5,
+        tune=(0.25, 0.35),
     )
     dp_ranks_disagree: bool = knob(False, "some DP rank cannot split (or runs another mode)")
 

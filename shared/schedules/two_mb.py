@@ -87,10 +87,13 @@ class Emitter:
 
     # -- ops ----------------------------------------------------------------------------------
     def _narrow(self, op: Op) -> Op:
+        """The partition's SMs: every compute kernel capped at ``compute_sms``, and DeepEP's
+        kernels given the Buffer's ``comm_sms`` (a notify kernel's own grid, its ``ctas``, stays
+        within them)."""
         if op.kind == "compute" and self.compute_sms is not None:
             return replace(op, sms=self.compute_sms)
         if op.kind == "comm" and self.comm_sms is not None and op.sms:
-            return replace(op, sms=self.comm_sms)
+            return replace(op, sms=max(self.comm_sms, op.ctas or 0))
         return op
 
     def ops(self, i: int, layer: int) -> dict[str, Op]:
@@ -128,6 +131,12 @@ class Emitter:
     def launch(self, op: Op, stream: str = MAIN) -> None:
         self.body.append(Launch(op, stream))
 
+    def launch_head(self, i: int, key: str, stream: str = MAIN) -> None:
+        """Launch micro-batch ``i``'s head op ``key`` with its parts (the final norm before
+        the logits)."""
+        for op in parts(self.head(i), key):
+            self.launch(op, stream)
+
     def record(self, event: str, stream: str = MAIN) -> None:
         self.body.append(Record(event, stream))
 
@@ -161,19 +170,27 @@ class Emitter:
     ) -> str:
         """DeepEP normal ``dispatch``/``combine`` with ``previous_event=ready`` on ``stream``.
 
-        The comm stream waits for the captured event, runs the kernel (``*_a`` holds DeepEP's SMs
-        until its data has arrived; ``*_b`` is the empty completion marker) and records the event
-        the hook will wait on, which is returned. ``host_sync``: a dispatch without a cached
-        handle makes the CPU busy-wait for the receive counts its notify kernel writes
-        (DeepEP's ``moe_recv_counter``), i.e. until the GPU has reached ``ready``.
+        The comm stream waits for the captured event, runs DeepEP's kernels (the parts of
+        ``*_a``: ``get_dispatch_layout`` and ``notify_dispatch`` or ``cached_notify``, then the
+        kernel that holds DeepEP's SMs until its data has arrived; ``*_b`` is the empty
+        completion marker) and records the event the hook will wait on, which is returned.
+        ``host_sync``: a dispatch without a cached handle makes the CPU busy-wait for the
+        receive counts its notify kernel writes (DeepEP's ``moe_recv_counter``) before it
+        launches the dispatch kernel, i.e. until the comm stream has run the notify.
         """
         done = f"L{layer}.mb{i}.{what}_done"
         if not self.has(i):
             return done
-        if host_sync:
-            self.host_sync(ready)
         self.wait(stream, ready)
-        self.run(i, layer, (f"{what}_a", f"{what}_b"), stream)
+        *before, kernel = parts(self.ops(i, layer), f"{what}_a")
+        for op in before:
+            self.launch(op, stream)
+        if host_sync:
+            counts = f"{kernel.coll.key}.counts"
+            self.record(counts, stream)
+            self.host_sync(counts)
+        self.launch(kernel, stream)
+        self.run(i, layer, (f"{what}_b",), stream)
         self.record(done, stream)
         return done
 

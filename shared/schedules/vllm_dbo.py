@@ -73,6 +73,14 @@ from overlap_lab.shared.schedules.common import (
     resolve_comm_sms,
 )
 from overlap_lab.shared.schedules.config import ScheduleConfig
+from overlap_lab.shared.schedules.launch import (
+    VLLM_ARGS,
+    Deployment,
+    Flag,
+    ServerLaunch,
+    vllm,
+    vllm_env,
+)
 from overlap_lab.shared.schedules.serial import forward_sequence, launch_all
 
 UPSTREAM = "vLLM vllm/v1/worker/ubatching.py, gpu_ubatch_wrapper.py, dp_utils.py, model_executor/layers/fused_moe/modular_kernel.py"
@@ -88,12 +96,23 @@ class Knobs(ScheduleKnobs):
         "prefill: VLLM_DBO_COMM_SMS, the SMs DeepEP's kernels keep while DeepGEMM takes the "
         f"rest, capped at DeepEP's 20 (None: {VLLM_DBO_COMM_SMS}; 0: SM control off)",
         least=0,
+        tune=(0, 10),
     )
     dbo_decode_token_threshold: int = knob(
-        32, "vLLM --dbo-decode-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+        32,
+        "vLLM --dbo-decode-token-threshold",
+        unit="tokens",
+        lo=0,
+        hi=MAX_TOKENS,
+        tune=(64, 256),
     )
     dbo_prefill_token_threshold: int = knob(
-        512, "vLLM --dbo-prefill-token-threshold", unit="tokens", lo=0, hi=MAX_TOKENS
+        512,
+        "vLLM --dbo-prefill-token-threshold",
+        unit="tokens",
+        lo=0,
+        hi=MAX_TOKENS,
+        tune=(2048, 8192),
     )
     dp_peer_tokens: tuple[int, ...] = knob(
         (), "other DP ranks' tokens (empty: as this)", unit="tokens", lo=0, hi=MAX_TOKENS
@@ -232,8 +251,8 @@ class _Dbo:
     def _sm(self, op: Op) -> Op:
         if self.comm_sms <= 0:
             return op
-        if op.kind == "comm" and op.sms:
-            return dataclasses.replace(op, sms=self.comm_sms)
+        if op.kind == "comm" and op.sms:  # (a notify kernel's own grid stays within them)
+            return dataclasses.replace(op, sms=max(self.comm_sms, op.ctas or 0))
         if op.kind == "compute" and op.op_class in DEEPGEMM_CLASSES:
             return dataclasses.replace(op, sms=self.gpu.num_sms - self.comm_sms)
         return op
@@ -266,13 +285,16 @@ class _Dbo:
                 for op in parts(ops, k):
                     self._launch(c, op)
             for k in ("comm_prepare_mlp", "gate", "select_experts"):  # A1 (MoE gate)
-                self._launch(c, ops[k])
+                for op in parts(ops, k):
+                    self._launch(c, op)
             if self.mode == "low_latency":
                 yield from self._moe_ll(c, ops)
             else:
                 yield from self._moe_ht(c, ops)
             for k in ("output", "comm_postprocess_layer"):
                 self._launch(c, ops[k])
+        # the model's last norm, the end of each ubatch's forward (DeepseekV2Model.forward)
+        self._launch(c, head_ops(w, self.gpu, mb, step=self.step)["final_norm"])
         # UBatchContext.__exit__: run a hook still registered with this thread, wake the other.
         self._maybe_run_recv_hook(c)
 
@@ -283,7 +305,8 @@ class _Dbo:
         self._register_recv_hook(c, ops["dispatch_b"])
         c.log.append("yield")
         yield  # dbo_yield
-        self._launch(c, ops["experts"])  # MLP (receiver() unpacks; batched experts)
+        for op in parts(ops, "experts"):  # MLP (receiver() unpacks; batched experts)
+            self._launch(c, op)
         # FusedMoEModularKernel._finalize -> DeepEPLLPrepareAndFinalize._finalize
         self._maybe_run_recv_hook(c)  # the other thread's D recv
         self._launch(c, ops["combine_a"])  # C send
@@ -303,14 +326,17 @@ class _Dbo:
     def _moe_ht(self, c: _Ctx, ops: dict[str, Op]):
         self._maybe_run_recv_hook(c)  # _prepare; HT registers no hooks, so nothing runs
         yield from self._yield_compute_to_comm(c)  # before the dispatch kernel (CPU-blocking)
-        self._launch(c, ops["dispatch_a"], "comm")
+        for op in parts(ops, "dispatch_a"):  # layout and notify, then the dispatch kernel
+            self._launch(c, op, "comm")
         self._launch(c, ops["dispatch_b"], "comm")
         ev = c.event("comm_done")  # dbo_switch_to_compute_sync
         c.t.record(ev, "comm")
         c.t.wait("main", ev)
-        self._launch(c, ops["experts"])
+        for op in parts(ops, "experts"):
+            self._launch(c, op)
         yield from self._yield_compute_to_comm(c)  # HT _finalize, before buffer.combine
-        self._launch(c, ops["combine_a"], "comm")
+        for op in parts(ops, "combine_a"):  # cached_notify, then the combine kernel
+            self._launch(c, op, "comm")
         for op in parts(ops, "shared_experts"):  # dbo_switch_to_compute; shared experts
             self._launch(c, op)
         self._launch(c, ops["combine_b"], "comm")  # receiver: switch_to_comm, output.copy_
@@ -371,7 +397,7 @@ def _head_whole(w: Workload, gpu: GPU, padded: int, step: int) -> dict[str, Op]:
 
 def _finish(t: ThreadBuilder, w: Workload, gpu: GPU, cfg: ScheduleConfig, padded: int, step: int):
     head = _head_whole(w, gpu, padded, step)
-    for k in ("logits", "sample"):
+    for k in ("logits", "sample"):  # (the final norm ran in each ubatch's forward)
         t.launch(head[k], "main")
     n, mode = w.batch.num_tokens, cfg.resolved_deepep_mode(w.batch.mode)
     whole = MicroBatch(0, 0, w.batch.num_seqs, 0, n, padded)
@@ -462,3 +488,20 @@ def cpu_check_config(cfg: ScheduleConfig) -> ScheduleConfig:
         if f not in given or given[f] == getattr(Knobs(), f)
     }
     return replace(cfg, **lowered)
+
+
+def launch_flags(d: Deployment) -> ServerLaunch:
+    """vLLM with Dual Batch Overlap: ``--enable-dbo`` and its two split thresholds
+    (``vllm/engine/arg_utils.py`` over ``vllm/config/parallel.py``), the SMs DeepEP keeps as
+    ``VLLM_DBO_COMM_SMS`` (``vllm/envs.py``) where given (docs/tune.md)."""
+    k = d.cfg.of(Knobs)
+    extra = [
+        Flag("--enable-dbo", None, VLLM_ARGS, "dbo"),
+        Flag("--dbo-decode-token-threshold", k.dbo_decode_token_threshold, VLLM_ARGS,
+             "dbo_decode_token_threshold"),
+        Flag("--dbo-prefill-token-threshold", k.dbo_prefill_token_threshold, VLLM_ARGS,
+             "dbo_prefill_token_threshold"),
+    ]  # fmt: skip
+    if k.comm_sms is not None:
+        extra.append(vllm_env("VLLM_DBO_COMM_SMS", k.comm_sms, "comm_sms"))
+    return vllm(d, tuple(extra))

@@ -11,8 +11,8 @@ M = 64/128/4096, FP8 also with ``deep_gemm.set_num_sms`` 108 and 66; lines 46-63
 (legacy) decode kernel, 128 heads, batch 32/64/128 × KV 1024/2048/4096 × 1 or 2 query tokens per
 sequence (2: a multi-token-prediction verify step). Every profile row cites its line.
 
-GEMM rows carry their FLOPs and pool per (M, SMs) into one ``gemm`` throughput per dtype, as
-``h800-published`` does. FlashMLA rows are ``attn.core`` rows sized by the FLOPs this project's
+GEMM rows carry their FLOPs and their shape, as ``h800-published``'s do: an op made of measured
+shapes is timed from their rows, any other GEMM from their pool per (M, SMs) and dtype. FlashMLA rows are ``attn.core`` rows sized by the FLOPs this project's
 decode attention counts for that batch (``shared.ir.ops``: 2 · heads · query-key pairs ·
 (kv_lora + rope + kv_lora), the KV length counting the new tokens), held to the decode kernel's
 static split (``grid: persistent``) so that no prefill attention (FlashAttention-3's dynamic grid)
@@ -67,7 +67,8 @@ def build() -> dict:
             what = (f"DeepGEMM {dtype} GEMM M={r['M']} N×K={r['N']}×{r['K']} "
                     f"on {r['sms']} SMs: {r['us']} µs")  # fmt: skip
             rows.append({"op": "gemm", "dtype": dtype, "size": r["M"], "sms": r["sms"],
-                         "us": r["us"], "flops": flops, "source": _cite(i, what)})  # fmt: skip
+                         "us": r["us"], "flops": flops, "shape": [[r["N"], r["K"]]],
+                         "source": _cite(i, what)})  # fmt: skip
         elif r["kind"] == "flash_mla_decode":
             flops = mla_decode_flops(r["B"], r["L"], r["s_q"], r["heads"])
             what = (f"FlashMLA decode batch {r['B']} KV {r['L']} s_q {r['s_q']} "

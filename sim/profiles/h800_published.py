@@ -6,9 +6,14 @@ Every row is one cell of a published table, converted from TFLOP/s to µs (``us 
 TFLOP/s``) and citing its cell. GEMM rows carry their FLOPs, so the simulator reads them as
 throughputs (``sim.profile``): the dense table's six shapes are DeepSeek-V3's own layer GEMMs
 (fused q_a+kv_a 2112×7168, q_b 24576×1536, kv_b 32768×512, o_proj 7168×16384, shared-expert
-gate_up 4096×7168 and down 7168×2048), pooled per M into one ``gemm`` throughput at M tokens; the
-grouped tables (expert gate_up 4096×7168 and down 7168×2048) pool per layout into one
-``grouped_gemm`` throughput at the FLOPs of gate_up + down.
+gate_up 4096×7168 and down 7168×2048), each row carrying its shape, so an op made of some of
+them is timed from their own rows (``attn.prepare`` from q_a+kv_a and q_b, ``attn.o_proj`` from
+o_proj, ``shared_experts`` from gate_up and down) and any other FP8 GEMM from their pool at M
+tokens; the grouped tables (expert gate_up 4096×7168 and down 7168×2048) pool per layout into one
+``grouped_gemm`` throughput at the FLOPs of gate_up + down (a grouped op's rows per expert follow
+routing, so its shape cannot be read off its FLOPs per token). Below the smallest row (M = 64, or
+the masked table's 1,024 tokens) split ops take the smallest row's throughput on work padded to
+a whole M tile, held to their HBM bytes' read time (``sim.profile``, "Lookup").
 
 Not rows, and why: FlashMLA publishes peaks (3000 GB/s memory-bound, 580 TFLOP/s compute-bound),
 not a table over sizes; the roofline's attention efficiencies (``sim.cost``: 0.9 × 3350 GB/s,
@@ -63,7 +68,7 @@ def build() -> dict:
             flops = 2.0 * m * n * k
             rows.append({
                 "op": "gemm", "dtype": "fp8", "size": m, "sms": SMS, "us": _us(flops, tf),
-                "flops": flops,
+                "flops": flops, "shape": [[n, k]],
                 "source": f"{DEEPGEMM}, normal GEMM M={m} N×K={n}×{k}: {tf} TFLOP/s",
             })  # fmt: skip
     for layout, configs in GROUPED.items():

@@ -1,0 +1,120 @@
+"""Caveats: ``compare`` and ``sim`` say in one line where a result rests on something the model
+treats roughly, each pointing to its section of docs/uncertainty.md, and print a caveat or a
+note shared by several schedules once."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import overlap_lab as ol
+from overlap_lab.caveats import (
+    EXPOSED,
+    SENSITIVE,
+    SLOWED,
+    comparison_caveats,
+    exposed_share,
+    result_caveats,
+)
+from overlap_lab.cli.main import main
+from overlap_lab.sensitivity import Design
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "uncertainty.md"
+
+
+def _prefill(layers=None):
+    return ol.workload(
+        "deepseek-v3", mode="prefill", batch=4, extend_len=4096, ep=32, layers=layers
+    )
+
+
+def test_every_caveat_points_to_a_section_that_exists():
+    heads = set(re.findall(r"^### (.+)$", DOC.read_text(), re.M))
+    from overlap_lab import caveats
+
+    for name in ("EXPOSED", "SLOWED", "ROOFLINE", "UNLIKE", "SENSITIVE"):
+        assert getattr(caveats, name) in heads, name
+
+
+def test_compare_prints_its_caveat_on_deepseek_v3_prefill(capsys):
+    """DeepSeek-V3 prefill, H800, EP 32, 4 prompts of 4K per GPU: serial's step is more than half
+    exposed communication, so TBO's gain over it rests on the link model, and the table says so
+    once, under it."""
+    argv = ["compare", "--mode", "prefill", "--batch", "4", "--extend-len", "4096", "--ep", "32",
+            "--gpu", "h800", "--schedules", "serial,tbo", "--out", ""]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("caveat (serial")]
+    assert len(lines) == 1, out
+    assert "exposed communication is" in lines[0] and f'"{EXPOSED}"' in lines[0]
+    assert "docs/uncertainty.md" in lines[0]
+
+
+def test_a_shared_note_is_printed_once_under_the_table():
+    c = ol.compare(["serial", "tbo", "lightllm"], _prefill(layers=4), "h800")
+    note = next(n for n in c["tbo"].note.split("; ") if "DeepEP" in n)
+    who = [r.schedule for r in c.rows if note in r.note]
+    assert len(who) > 1
+    text = c.text()
+    flat = text.replace("\n  ", " ")
+    assert flat.count(note) == 1 and f"(a) {', '.join(who)}: {note}" in flat
+    rows = [x for x in text.splitlines() if x.split(" ")[0] in who]
+    assert len(rows) == len(who) and all(x.rstrip().endswith("(a)") for x in rows), rows
+
+
+def test_sim_prints_its_caveats_and_json_carries_them(capsys):
+    argv = ["sim", "--mode", "prefill", "--batch", "4", "--ep", "32", "--out", ""]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert any(
+        x.strip().startswith("caveat (serial): exposed communication") for x in out.splitlines()
+    )
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any(EXPOSED in c for c in d["caveats"])
+    assert sum(d["cost_share"].values()) == pytest.approx(1.0)
+
+
+def test_exposed_caveat_follows_the_threshold():
+    r = ol.simulate("serial", _prefill(layers=4), "h800")
+    has = any(c.kind == "exposed" for c in result_caveats(r))
+    assert has == (exposed_share(r) > 0.5)
+
+
+def test_tbo_sbo_near_serial_in_decode_names_the_sharing_it_rests_on():
+    """TBO+SBO's decode step is slowed by its kernels sharing the GPU (SBO's combine holds 3 SMs
+    while the other micro-batch's attention starts): the caveat names it."""
+    r = ol.simulate("tbo+sbo", ol.workload("deepseek-v3", batch=128, ep=32), "h800")
+    slowed = [c for c in result_caveats(r) if c.kind == "slowed"]
+    assert len(slowed) == 1 and f'"{SLOWED}"' in slowed[0].line()
+
+
+def test_the_roofline_caveat_says_when_everything_is_the_roofline():
+    w = ol.workload("deepseek-v3", batch=64, ep=16, layers=3)
+    r = ol.simulate("serial", w, "h800", profile="roofline")
+    roof = [c for c in result_caveats(r) if c.kind == "roofline"]
+    assert len(roof) == 1 and roof[0].text.startswith("100 %")
+
+
+def test_a_win_inside_the_sensitivity_range_is_named():
+    """Whatever the design gives, the caveats say exactly what its ranges say: the schedules
+    ahead of serial it does not separate from serial, and the fastest one's close rivals."""
+    w = ol.workload("deepseek-v3", batch=128, ep=32, layers=4)
+    design = Design(oat=True, lhs=0, inputs=("hbm", "rdma"))
+    c = ol.compare(["serial", "tbo", "tbo+sbo"], w, "h800", sensitivity=design)
+    s = c.sensitivity
+    got = [x for x in comparison_caveats(c) if x.kind == "sensitivity"]
+    ahead = {r.schedule for r in c.rows if r.schedule != "serial" and r.speedup > 1
+             and not s.separated(r.schedule, "serial")}  # fmt: skip
+    gain = [x for x in got if "gain over serial" in x.text]
+    assert set(gain[0].schedules if gain else ()) == ahead
+    best = max(c.rows, key=lambda r: r.result.metrics.tokens_per_s_gpu).schedule
+    rivals = [
+        r.schedule for r in c.rows if r.schedule != best and not s.separated(best, r.schedule)
+    ]
+    fastest = [x for x in got if "fastest" in x.text]
+    assert bool(fastest) == bool(rivals)
+    assert all(f'"{SENSITIVE}"' in x.line() for x in got)
