@@ -47,6 +47,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
+from overlap_lab.checks import check_profile_file
 from overlap_lab.cli import inputs
 from overlap_lab.metrics import compute_kernel_us
 from overlap_lab.outdir import check_out_dir
@@ -180,6 +181,7 @@ def run(
     labels = [c.keep for c in cases if c.keep]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{exp.name}: two cases keep a trace under the same label")
+    check_profile_file(profile)  # bounded (shared.files), before sim.profile parses it
     for c in cases:  # a bad profile fails here, in one line, not in a worker
         _profile(profile, c.gpu)
     one = (
@@ -235,10 +237,9 @@ def draw(exp: Experiment, path: Path) -> None:
             f"--draw: no results for {exp.name} at {path}: run `python -m overlap_lab.experiments "
             f"{exp.name} --out {path.parent}` first"
         )
-    try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--draw: results file {path} is not valid JSON ({e})") from None
+    from overlap_lab.shared.files import read_json
+
+    doc = read_json(path, "--draw: results file")
     if not isinstance(doc, dict):
         raise ConfigError(f"--draw: results file {path} holds no results object")
     try:

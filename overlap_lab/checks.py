@@ -17,15 +17,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields
-from overlap_lab.shared.inputs.preset_files import read_capped
 
 GIB = 1 << 30
 
@@ -117,29 +114,29 @@ def check_sim_memory(w, ranks: str = "symmetric", imbalance: str = "balanced") -
         )
 
 
-#: Routing files larger than this are refused (a routing sample is a few MB).
-MAX_ROUTING_FILE_BYTES = 256 << 20
+def check_profile_file(spec) -> None:
+    """A ``--profile`` naming a file is read through ``shared.files`` first (a regular JSON
+    file of at most 16 MiB, nested at most 100 deep), so that a FIFO, a device, a 2 GiB file or
+    deeply nested JSON is one line here rather than a hang, gigabytes or a RecursionError in
+    ``sim.profile.load_profile``, which then parses it. A missing file is left to it (its
+    message lists the built-in profiles)."""
+    from overlap_lab.shared.files import read_json
+    from overlap_lab.sim.profile import BUILTIN, ROOFLINE
+
+    if not isinstance(spec, (str, os.PathLike)) or str(spec) in ("auto", ROOFLINE, *BUILTIN):
+        return
+    if os.path.lexists(spec):
+        read_json(spec, "profile")
+
+
 MAX_EXPERT_COUNT = 1e15
 
 
 def check_routing_file(path: str, num_experts: int, top_k: int) -> None:
-    """A routing file: a regular UTF-8 text file whose numbers are finite and sensible."""
+    """A routing file: a regular UTF-8 text file (``shared.inputs.routing.read_sample`` reads it
+    through ``shared.files``) whose numbers are finite and sensible."""
     from overlap_lab.shared.inputs.routing import read_sample
 
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"routing file {path}: is a directory")
-    if not p.is_file():
-        raise ConfigError(f"routing file {path}: no such file")
-    raw = read_capped(p, "routing file", MAX_ROUTING_FILE_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"routing file {path}: not a UTF-8 text file (binary?)") from None
-    if "\x00" in text:
-        raise ConfigError(f"routing file {path}: not a text file (NUL bytes)")
-    if re.search(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])", text):
-        raise ConfigError(f"routing file {path}: numbers must be finite (found NaN or Infinity)")
     sample = read_sample(path, num_experts, top_k)
     counts = getattr(sample, "counts", None)
     if counts and any(not math.isfinite(c) or c > MAX_EXPERT_COUNT for c in counts):

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import gzip
-import json
 import re
 import statistics
 import tempfile
@@ -377,11 +375,10 @@ def replay_trace(trace, kernels: Mapping[str, Any] | list):
 
 
 def load_chrome(path: str | Path) -> dict:
-    """A Chrome trace (``.json`` or ``.json.gz``) as a dict."""
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt") as f:
-        return json.load(f)
+    """A Chrome trace (``.json`` or ``.json.gz``) as a dict, read with a trace's bounds."""
+    from overlap_lab.shared.files import MAX_TRACE_BYTES, read_json
+
+    return read_json(path, "trace", MAX_TRACE_BYTES, gunzip=True)
 
 
 def profile_device_time(fn: Callable[[], Any]) -> tuple[Any, dict]:

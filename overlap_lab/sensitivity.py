@@ -219,6 +219,11 @@ class Point:
         return 1.0
 
 
+#: The most Latin-hypercube points a design may have: each re-simulates every schedule (a
+#: thousand take minutes on a workstation for a few layers; 10^8 filled 18 GB before the first
+#: ran), and with at most the few inputs varied here more points no longer move the ranges.
+MAX_LHS = 1000
+
 #: What a design's refusals name: the API's keyword (``compare(sensitivity=...)``), which a
 #: command line shows as its option
 _NAMES = ("sensitivity",)
@@ -237,8 +242,10 @@ class Design:
     inputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.lhs < 0:
-            raise ConfigError(f"sensitivity: lhs must be >= 0, got {self.lhs}", names=_NAMES)
+        if not 0 <= self.lhs <= MAX_LHS:
+            raise ConfigError(
+                f"sensitivity: lhs must be in 0..{MAX_LHS}, got {self.lhs}", names=_NAMES
+            )
         if not 0 <= self.seed < 2**32:  # numpy's seeds
             raise ConfigError(
                 f"sensitivity: seed must lie in 0..{2**32 - 1}, got {self.seed}", names=_NAMES

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import check_regular
 
 
 def cell(v: Any) -> str:
@@ -114,6 +115,7 @@ def open_rows(path: Path, columns: Sequence[str]) -> tuple[TextIO, list[dict[str
     """Open the CSV for appending, keeping its complete rows; check it is this sweep's file
     (its first line, read up to :data:`MAX_HEADER` bytes, is ``columns``)."""
     done: list[dict[str, str]] = []
+    check_regular(path, "sweep: --out")  # a FIFO would block the read below, a device never end
     if path.exists() and path.stat().st_size > 0:
         with open(path, "rb") as fh:
             head = fh.readline(MAX_HEADER).decode(errors="replace").rstrip("\r\n")

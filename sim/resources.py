@@ -555,7 +555,7 @@ class Gpu(Fluid):
                 continue
             slots = take * g.per_sm
             if k.pending >= slots:
-                self._cohort(k, take, slots, k.pending // slots)
+                self._cohort(k, take, slots, self._share(k, take, k.pending // slots))
             else:
                 self._cohort(k, take, k.pending, 1)
 
@@ -572,6 +572,20 @@ class Gpu(Fluid):
         k.pending = work - n
         if k.pending and k not in self.pending:
             self.pending.append(k)
+
+    def _share(self, k: Kernel, take: int, waves: int) -> int:
+        """How many of ``waves`` whole waves a new cohort of ``k`` on ``take`` SMs runs: all of
+        them when ``k`` holds no SMs yet, else as many as each of its SMs has left when the CTAs
+        still to run are spread over all of them (the hardware hands a CTA to whichever of the
+        kernel's SMs frees first, so they all run out together). Giving every pending CTA to the
+        first SMs to come free made the next boundary cut them back and hand them over again:
+        one event per wave, without bound in the CTA count."""
+        if not k.held:
+            return waves
+        running = sum(c.left * c.per_wave for c in self.jobs if c.kernel is k)
+        running += sum(c.left * c.per_wave for c in k.staged)
+        each = (running + k.pending) / ((k.held + take) * k.grid.per_sm)
+        return max(1, min(waves, int(each + 1e-9)))
 
     def _grow(self, k: Kernel, sms: int) -> bool:
         """A dynamic persistent kernel's late CTAs join its cohort (running, or dispatched but
@@ -641,7 +655,9 @@ class Gpu(Fluid):
             boundary = max(1, math.ceil(done - 1e-9))
             if boundary >= c.waves:
                 continue
-            wants_more = self.free > 0 and k.held < k.limit
+            # (its own pending CTAs take free SMs first, spread by ``_share``: cutting it too
+            # would hand the same CTAs back and forth at every boundary)
+            wants_more = self.free > 0 and k.held < k.limit and not k.pending
             if ahead:
                 # (``<=``: its own pending CTAs, the rest of its grid, do not come after it)
                 if not (wants_more and first is not None and k.key <= first):
@@ -747,55 +763,30 @@ class Gpu(Fluid):
             solo = (k.ckey, c.sms, c.per_wave)
             rate = self._solo.get(solo)
             if rate is None:
-                d = self._demand(c)
+                d = self._demand_on(k, c.sms)
                 dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
                 dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
                 rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
             c.rate = rate
             return
-        demands = [self._demand(c) for c in running]
+        groups: dict[Kernel, list[Cohort]] = {}  # a kernel's running cohorts, in job order
+        for c in running:
+            groups.setdefault(c.kernel, []).append(c)
+        kernels = list(groups)
+        demands = [self._demand_on(k, sum(c.sms for c in groups[k])) for k in kernels]
         shares = cost.water_fill([d.cap for d in demands], self._hbm_usable)
-        shares = self._kernel_caps(running, shares, demands)
         if any(d.headroom for d in demands):  # DeepEP's copies beside the others' HBM load
-            owners = [c.kernel for c in running]
-            demands = cost.loaded_demands(demands, shares, owners, self._hbm_usable)
-        for c, d, s in zip(running, demands, shares):
-            g = c.kernel.grid
-            wave = c.per_wave / g.ctas if g.ctas else 1.0
-            c.rate = _rate(cost.duration_us(d, s) * wave)
-
-    def _demand(self, c: Cohort):
-        """The model's demand of ``c``'s kernel on ``c``'s SMs, through the shared cache."""
-        key = (c.kernel.ckey, c.sms or 1)
-        demands = self.cache.demands
-        d = demands.get(key)
-        if d is None:
-            d = demands[key] = self.model.demand(c.kernel.op, self.gpu, c.sms or 1)
-        return d
-
-    def _kernel_caps(self, running: list, shares: list[float], demands: list) -> list[float]:
-        """HBM shares with each kernel's cohorts held, together, to what the kernel could pull
-        on all their SMs (``cost.bandwidth_cap``). A cohort's own cap is the kernel's on the
-        cohort's SMs, and that cap saturates at a third of the GPU: without this rule a waved
-        kernel split into a big cohort and a straggler CTA pulled more than the whole kernel
-        could, and ended before its own roofline time alone on the GPU. Shares that keep within
-        every kernel's cap are returned as they are."""
-        if not any(c.kernel.cohorts > 1 for c in running):
-            return shares  # no kernel runs as more than one cohort
-        by_kernel: dict = {}
-        for i, c in enumerate(running):
-            by_kernel.setdefault(c.kernel, []).append(i)
-        group_caps = {}
-        for k, idx in by_kernel.items():
-            if len(idx) > 1:
-                cap = self.model.bandwidth_cap(k.op, self.gpu, sum(running[i].sms for i in idx))
-                if sum(shares[i] for i in idx) > cap:
-                    group_caps[k] = cap
-        if not group_caps:
-            return shares
-        return cost.water_fill_grouped(
-            [d.cap for d in demands],
-            [c.kernel for c in running],
-            group_caps,
-            self._hbm_usable,
-        )
+            demands = cost.loaded_demands(demands, shares, kernels, self._hbm_usable)
+        for k, d, s in zip(kernels, demands, shares):
+            cohorts, ctas = groups[k], k.grid.ctas
+            if len(cohorts) == 1:
+                c = cohorts[0]
+                c.rate = _rate(cost.duration_us(d, s) * (c.per_wave / ctas if ctas else 1.0))
+                continue
+            # one kernel on several cohorts pulls its HBM as one: every CTA runs at the pace of
+            # the whole kernel on all their SMs (a straggler cohort on one SM used to get that
+            # SM's own cap, ~3x its even share, and the kernel ran faster beside a competitor)
+            n = sum(c.sms for c in cohorts)
+            dur = cost.duration_us(d, s)
+            for c in cohorts:
+                c.rate = _rate(dur * n * c.per_wave / (max(c.sms, 1) * ctas))

@@ -210,6 +210,10 @@ def check_args(args) -> None:
 
 def _check_args(args) -> None:
     cmd = getattr(args, "command", None)
+    if getattr(args, "profile", None) not in (None, "from-trace"):
+        from overlap_lab.checks import check_profile_file
+
+        check_profile_file(args.profile)
     if cmd not in ("sim", "show", "compare", "run"):
         if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
             args.mode = args.mode.lower()
@@ -228,6 +232,10 @@ def _check_args(args) -> None:
         _check_run(args)
         return
     _check_ranks(args)
+    if cmd == "compare" and args.sensitivity is not None:
+        from overlap_lab.sensitivity import design_from
+
+        design_from(args.sensitivity)  # its bounds, before the nominal runs
     if getattr(args, "out", None):
         from overlap_lab.outdir import check_out_dir
 

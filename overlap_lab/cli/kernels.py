@@ -11,6 +11,11 @@ from pathlib import Path
 
 from overlap_lab.shared.errors import ConfigError
 
+#: The most timed and untimed calls per kernel of the CPU dry run: its host timings of tiny
+#: shapes mean nothing, and at the GPU's maxima (10,000 and 1,000) it ran past two minutes.
+CPU_REPEATS = 100
+CPU_WARMUP = 10
+
 
 def add_parser(sub) -> None:
     """Register ``kernels`` on the CLI's subparsers."""
@@ -27,8 +32,10 @@ def add_parser(sub) -> None:
                    help="folder for kernels.json and kernels.md (default: print only)")  # fmt: skip
     s.add_argument("--force", action="store_true", help="write into --out even if it holds "
                    "other files")  # fmt: skip
-    s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median)")
-    s.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    s.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (median; "
+                   f"--device cpu: at most {CPU_REPEATS})")  # fmt: skip
+    s.add_argument("--warmup", type=int, default=3,
+                   help=f"untimed calls first (--device cpu: at most {CPU_WARMUP})")  # fmt: skip
     s.set_defaults(func=cmd_kernels)
 
 
@@ -42,6 +49,11 @@ def cmd_kernels(args) -> int:
                           "(--device cpu for the dry run)")  # fmt: skip
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    if args.device == "cpu" and (args.repeats > CPU_REPEATS or args.warmup > CPU_WARMUP):
+        raise ConfigError(
+            f"kernels --device cpu is a dry run: --repeats at most {CPU_REPEATS} and --warmup at "
+            f"most {CPU_WARMUP}, got {args.repeats} and {args.warmup}"
+        )
     if args.out:  # before the timing: a folder of other files is refused without --force
         from overlap_lab.outdir import check_out_dir
 

@@ -92,10 +92,8 @@ def load_spec(src: str | Path | Mapping[str, Any]) -> Spec:
     """Read and expand a spec (a YAML/JSON file, or the mapping itself: ``sweep.expand``); every
     value is checked by its option's own parser before any simulation starts."""
     if not isinstance(src, Mapping):
-        from overlap_lab.shared.inputs.preset_files import read_mapping
+        from overlap_lab.shared.files import read_mapping
 
-        if not Path(src).is_file():
-            raise ConfigError(f"sweep: no such spec file {src}")
         src = read_mapping(src, "sweep spec")
     actions = _knob_actions()
     return expand(src, actions, lambda where, k, v: _convert(actions[k], v))

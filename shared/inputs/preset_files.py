@@ -2,75 +2,24 @@
 
 It sits below ``hardware`` and ``workload`` (which hold the record types) and imports neither:
 each passes its own record class in. Reading a researcher's own file by path, and the
-HuggingFace ``config.json`` mapping, live above both in ``shared.inputs.presets``.
+HuggingFace ``config.json`` mapping, live above both in ``shared.inputs.presets``. Every file
+is read through ``shared.files`` (bounded in size, nesting and YAML aliases).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import read_mapping
 from overlap_lab.shared.inputs.knobs import knobs
 
 PRESETS = Path(__file__).parent / "presets"
 
 T = TypeVar("T")
-
-
-#: Input files (models, GPUs, sweep specs, routing samples) larger than this are refused: the
-#: largest real one is a few MB, and a device (``/dev/zero``) would otherwise be read forever.
-MAX_INPUT_BYTES = 16 << 20
-
-
-def read_capped(path: str | Path, what: str = "file", cap: int = MAX_INPUT_BYTES) -> bytes:
-    """The bytes of an input file, refused in one line when it holds more than ``cap``: a regular
-    file by its size, anything else (a device, a pipe) after reading at most ``cap + 1`` bytes."""
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            if os.path.isfile(p) and os.fstat(f.fileno()).st_size > cap:
-                raise ConfigError(f"{what} {p}: larger than {cap >> 20} MiB")
-            data = f.read(cap + 1)
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {p}: is a directory") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {p}: {e.strerror or e}") from None
-    if len(data) > cap:
-        raise ConfigError(f"{what} {p}: more than {cap >> 20} MiB (not a regular file?)")
-    return data
-
-
-def read_mapping(path: str | Path, what: str = "file") -> dict[str, Any]:
-    """A YAML or JSON file's top-level mapping (JSON is YAML, but its errors read better), read
-    with a size cap (:func:`read_capped`); ``what`` names the file in errors (gpu file, ...)."""
-    p = Path(path)
-    raw = read_capped(p, what)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} {p}: not a UTF-8 text file (binary?)") from None
-    try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            # libyaml's parser where PyYAML has it (the same safe subset, ~10x faster)
-            data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except (ValueError, ImportError) as e:
-        raise ConfigError(
-            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"
-        ) from None
-    except Exception as e:  # yaml.YAMLError
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
-    return data
 
 
 _NOTED: set[str] = set()

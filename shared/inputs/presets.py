@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import read_mapping
 from overlap_lab.shared.inputs.hardware import GPU, get_gpu, gpu_fields
-from overlap_lab.shared.inputs.preset_files import from_file, note, read_mapping
+from overlap_lab.shared.inputs.preset_files import from_file, note
 from overlap_lab.shared.inputs.workload import ModelConfig, get_model, model_file_fields
 
 SUFFIXES = (".yaml", ".yml", ".json")

@@ -37,14 +37,18 @@ DP attention: each rank's batch may hold fewer real tokens than the padded size 
 from __future__ import annotations
 
 import csv
+import io
+import itertools
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import read_text
 from overlap_lab.shared.inputs.race import Race, exponential, race_loop, random_bits, uniform
 from overlap_lab.shared.inputs.topology import Topology
 from overlap_lab.shared.jit import inline, njit
@@ -103,15 +107,32 @@ def _bad(path: str, why: str) -> ConfigError:
     return ConfigError(f"routing file {path}: {why}")
 
 
+#: Routing files larger than this are refused unread: a routing sample is a few MB (a million
+#: tokens' top-8 expert ids are ~25 MB of CSV), and parsed it takes several times its size.
+MAX_ROUTING_FILE_BYTES = 32 << 20
+_NOT_FINITE = re.compile(r"(?i)(?<![a-z_])(nan|inf|infinity)(?![a-z_])")
+
+
 def read_sample(path: str, num_experts: int, top_k: int) -> Sample:
-    """Parse a routing file (format in the module docstring), checking it against the model."""
+    """Parse a routing file (format in the module docstring), checking it against the model;
+    read through ``shared.files`` (a regular UTF-8 file of at most
+    :data:`MAX_ROUTING_FILE_BYTES`)."""
     p = Path(path)
-    if not p.is_file():
-        raise _bad(path, "no such file")
-    text = p.read_text()
-    if p.suffix.lower() == ".json":
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".csv"):
+        if not p.exists():
+            raise _bad(path, "no such file")
+        raise _bad(path, "expected a .json or .csv file")
+    text = read_text(p, "routing file", MAX_ROUTING_FILE_BYTES)
+    if "\x00" in text:
+        raise _bad(path, "not a text file (NUL bytes)")
+    if _NOT_FINITE.search(text):
+        raise _bad(path, "numbers must be finite (found NaN or Infinity)")
+    if suffix == ".json":
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise _bad(path, "invalid JSON (nested too deeply)") from None
         except json.JSONDecodeError as e:
             raise _bad(path, f"invalid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(data, dict) or not ({"expert_counts", "topk_ids"} & set(data)):
@@ -119,23 +140,26 @@ def read_sample(path: str, num_experts: int, top_k: int) -> Sample:
         if "expert_counts" in data:
             return Sample(counts=_check_counts(path, data["expert_counts"], num_experts))
         return Sample(topk_ids=_check_ids(path, data["topk_ids"], num_experts, top_k))
-    if p.suffix.lower() == ".csv":
-        rows = [r for r in csv.reader(text.splitlines()) if r and any(c.strip() for c in r)]
-        if not rows:
+    # row by row: the file's text, and no list of every row's cells, is all it holds at once
+    rows = (r for r in csv.reader(io.StringIO(text, newline="")) if any(c.strip() for c in r))
+    try:
+        first = next(rows, None)
+        if first is None:
             raise _bad(path, "empty file")
-        if [c.strip().lower() for c in rows[0]] == ["expert", "count"]:
+        if [c.strip().lower() for c in first] == ["expert", "count"]:
             counts = [0.0] * num_experts
-            for i, (e, c) in enumerate(_pairs(path, rows[1:]), 2):
+            for i, (e, c) in enumerate(_pairs(path, rows), 2):
                 if not 0 <= e < num_experts:
                     raise _bad(path, f"line {i}: expert {e} outside 0..{num_experts - 1}")
                 counts[e] += c
             return Sample(counts=_check_counts(path, counts, num_experts))
         try:
-            ids = [[int(c) for c in r] for r in rows]
+            ids = [tuple(int(c) for c in r) for r in itertools.chain((first,), rows)]
         except ValueError:
             raise _bad(path, "expected integer expert ids (or an 'expert,count' header)") from None
-        return Sample(topk_ids=_check_ids(path, ids, num_experts, top_k))
-    raise _bad(path, "expected a .json or .csv file")
+    except csv.Error as e:  # a field over the csv module's limit (128 KiB), say
+        raise _bad(path, f"not a CSV of numbers ({e})") from None
+    return Sample(topk_ids=_check_ids(path, ids, num_experts, top_k))
 
 
 def _pairs(path: str, rows):
@@ -144,7 +168,8 @@ def _pairs(path: str, rows):
             e, c = r
             yield int(e), float(c)
         except ValueError:
-            raise _bad(path, f"line {i}: expected 'expert,count', got {','.join(r)!r}") from None
+            text = ",".join(r)[:80]
+            raise _bad(path, f"line {i}: expected 'expert,count', got {text!r}") from None
 
 
 def _check_counts(path: str, counts, num_experts: int) -> tuple[float, ...]:
@@ -163,7 +188,7 @@ def _check_ids(path: str, ids, num_experts: int, top_k: int) -> tuple[tuple[int,
         raise _bad(path, "topk_ids must be a non-empty list of lists")
     out = []
     for i, row in enumerate(ids):
-        if not isinstance(row, list) or len(row) != top_k:
+        if not isinstance(row, (list, tuple)) or len(row) != top_k:
             raise _bad(path, f"token {i}: expected {top_k} expert ids, got {row!r}")
         if any(isinstance(e, bool) or not isinstance(e, int) for e in row):
             raise _bad(path, f"token {i}: expert ids must be integers")
@@ -171,7 +196,7 @@ def _check_ids(path: str, ids, num_experts: int, top_k: int) -> tuple[tuple[int,
             raise _bad(path, f"token {i}: expert id outside 0..{num_experts - 1}")
         if len(set(row)) != top_k:
             raise _bad(path, f"token {i}: repeated expert id in {row}")
-        out.append(tuple(row))
+        out.append(row if isinstance(row, tuple) else tuple(row))
     return tuple(out)
 
 

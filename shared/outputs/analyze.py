@@ -28,7 +28,6 @@ This module imports neither matplotlib nor torch; ``overlap-lab analyze`` draws 
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import read_json
 from overlap_lab.shared.outputs.trace import Span, Trace, intersect, length, union
 
 KINDS: tuple[str, ...] = ("comm", "compute", "copy")
@@ -153,12 +153,7 @@ def load_mapping(path: str | Path | None) -> Mapping:
     if path is None:
         return base
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"no such mapping file: {p}")
-    try:
-        doc = json.loads(p.read_text())
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read
-        raise ConfigError(f"mapping {p.name}: not JSON ({type(e).__name__}: {e})") from None
+    doc = read_json(p, "mapping")
     if not isinstance(doc, list):
         raise ConfigError(f"mapping {p.name}: expected a list of {{pattern, class, kind}}")
     user = []

@@ -14,12 +14,12 @@ import dataclasses
 import gzip
 import json
 import re
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.files import MAX_TRACE_BYTES, read_json
 from overlap_lab.shared.outputs.span import Span, Track
 
 # torch.profiler kernel names that are communication (NCCL, DeepEP, all-to-all) or copies.
@@ -330,19 +330,7 @@ def _spans_from_profiler(
 def _read_json(src: str | Path | dict | list) -> Any:
     if isinstance(src, (dict, list)):
         return src
-    path = Path(src)
-    if not path.exists():
-        raise ConfigError(f"no such trace file: {path}")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError, no strerror
-            raise ConfigError(f"{path}: not a readable gzip file ({e})") from None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to read
-        raise ConfigError(f"{path}: not JSON ({type(e).__name__}: {e})") from None
+    return read_json(src, "trace", MAX_TRACE_BYTES, gunzip=True)  # bounded (shared.files)
 
 
 def jsonable(x: Any) -> Any:
