@@ -41,7 +41,7 @@ def comparison_text(table: Comparison) -> str:
         if res is None:
             lines.append(
                 f"{row.schedule:<15}{'-':>6}{'-':>6}{'-':>10}{'-':>11}{'-':>12}{'-':>10}"
-                f"{'-':>14}{'-':>10}  {note}"
+                f"{'-':>14}{'-':>10}  {note}".rstrip()
             )
             continue
         m = res.metrics
@@ -50,7 +50,7 @@ def comparison_text(table: Comparison) -> str:
         lines.append(
             f"{row.schedule:<15}{m.gpus:>6}{its:>6}{m.iteration_us / 1e3:>10.3f}"
             f"{m.tokens_per_s_gpu:>11.0f}{m.tokens_per_s_node:>12.0f}{row.speedup:>10.3f}"
-            f"{exposed:>11.3f} ms{share_text(row.cost_share):>10}  {note}"
+            f"{exposed:>11.3f} ms{share_text(row.cost_share):>10}  {note}".rstrip()
         )
     lines.append("")
     caveats = table.caveats()
