@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -83,7 +82,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
             kept.append({"schedule": "serial", "size": s, "half": s != size,
                          "replay_step_us": step,
                          "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip
-        profile, gpu, info = calibrate(ctx.setup, runs, mode)
+        profile, setup, info = calibrate(ctx.setup, runs, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
         case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
         saved()
@@ -91,7 +90,6 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
     case["calibration_seconds"] = round(time.time() - t, 1)
     case["calibration_runs"] = kept
     case.update(info)
-    setup = dataclasses.replace(ctx.setup, gpu=gpu)
     case_dir = archive.work / key
     for name in names:
         if time.time() > deadline:

@@ -117,9 +117,8 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         )
         for e in runs_in
     ]
-    profile, gpu, info = calibrate(setup, runs, mode)
+    profile, at, info = calibrate(setup, runs, mode)
     out = {"workload": wl, "calibration_runs": runs_in, **info, "runs": {}}
-    at = dataclasses.replace(setup, gpu=gpu)
     w = workload(size)
     for name, rec in case.get("runs", {}).items():
         files = rec.get("files") or {}
@@ -130,7 +129,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         own = replayed = _trace(root, rec_files.get("trace"))
         if own is not None and rec_files.get("kernels"):
             kernels = _kernels(root, rec_files["kernels"])
-            own = apply_device_time(own, kernels, gpu.graph_kernel_gap_us)
+            own = apply_device_time(own, kernels, at.gpu.graph_kernel_gap_us)
             replayed = replay_trace(replayed, kernels)
         wv = w
         if name != COMM_ONLY and S.supports_pp(name):
