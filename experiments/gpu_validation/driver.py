@@ -22,6 +22,7 @@ from overlap_lab.experiments.gpu_validation.predict import (
     CalibrationRun,
     build,
     calibrate,
+    graphs_per_run,
     judge,
 )
 from overlap_lab.experiments.gpu_validation.report import (
@@ -108,7 +109,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
             own = replayed = None
             if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
                 rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
-                own, replayed = rec.trace, replay_trace(rec.executor_trace, rec.kernels)
+                own = rec.trace
+                replayed = replay_trace(rec.executor_trace, rec.kernels, graphs_per_run(prog))
                 files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
             run, pred = judge(setup, name, wv, meas, profile, own, replayed)
         except Exception as e:  # recorded; the next schedule goes on

@@ -244,6 +244,17 @@ def roofline_ops(ctx, prog, profile) -> list[str]:
     )  # fmt: skip
 
 
+def graphs_per_run(prog) -> int:
+    """The CUDA graphs one run of ``prog`` replays on its first rank (one per step of a
+    several-step Program): how many replays make the run's timeline
+    (``overlap_lab.device_time.replay_trace``)."""
+
+    def count(seq) -> int:
+        return sum(1 if isinstance(i, Graph) else 0 for i in seq)
+
+    return sum(count(th.instrs) for th in prog.ranks[0].threads)
+
+
 def build(ctx, name: str, w):
     """The Program of ``name`` (the communication-only case's for ``comm-only``) for ``w``."""
     from overlap_lab.shared import schedules as S
@@ -270,12 +281,16 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
     )  # fmt: skip
     missing = roofline_ops(ctx, executed(build(ctx, name, wp)), prof)
     step_m, source = measured_step(measured)
-    # a replay timeline is one graph's: the step's where the Program is one step of one graph
-    one_step = source == "graph replay" and len({op.step for _, op in ops_of(prog)}) == 1
+    # a replay timeline is the run's where it holds every graph the run replays
+    whole = (
+        source == "graph replay"
+        and replayed is not None
+        and replayed.meta.get("replays", 1) == graphs_per_run(prog)
+    )
     m = measured.meta
     own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
     return {
-        "comparison": comparison(measured, pred, step_m, replayed if one_step else None),
+        "comparison": comparison(measured, pred, step_m, replayed if whole else None),
         "measured_step_source": source,
         "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
         "step_times_us": m.get("step_times_us"),
