@@ -185,8 +185,11 @@ def _run_validation(opts, t0: float, deadline: float) -> dict:
 
     try:
         report["pytest_gpu"] = (
-            run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+            run_pytest(opts.pytest_timeout_s, Path(opts.out) / f"{opts.name}.pytest.log")
+            if opts.pytest
+            else {"status": "not run"}
         )
+        deadline += report["pytest_gpu"].get("seconds", 0.0)  # the budget is the schedules'
         save(False)
         try:
             ctx = Context(opts, env)
@@ -246,7 +249,12 @@ def parse(argv: list[str] | None = None):
         "--gpu", default=None, help="shared.inputs.hardware preset (default: from the name)"
     )
     p.add_argument("--budget-s", type=float, default=540.0)
-    p.add_argument("--pytest", action="store_true", help="run the GPU tests first")
+    p.add_argument(
+        "--pytest",
+        action="store_true",
+        help="run the GPU tests first (their log beside the archive; DeepGEMM's JIT "
+        "test last; not counted in --budget-s)",
+    )
     p.add_argument("--pytest-timeout-s", type=float, default=150.0)
     p.add_argument("--link-bytes", dest="link_bytes", choices=("program", "routing"),
                    default="program",
