@@ -1,14 +1,21 @@
 #!/bin/bash
-# One GPU session of the validation loop (real/README.md, "On a GPU"), about 10 minutes of
-# device time on one H100/H200 with torch (CUDA) and triton, Python 3.12, no network, no simpy:
-#   1. the GPU tests, then the loop on decode (BF16 GEMMs) with the kernel table;
-#   2. the loop on prefill (BF16);
-#   3. the interference measurement (real/interference.py);
-#   4. the loop on decode and prefill in FP8 (DeepGEMM), where deep_gemm imports.
+# One GPU session of the validation loop (real/README.md, "On a GPU"): one call of at most ten
+# minutes on one H100/H200 with torch (CUDA) and triton, Python 3.12, no network, no simpy.
+# In order of what matters most, each step under a hard limit (their sum below SESSION_S, 570 s
+# by default; a step starts only if its limit still fits, so the call ends on time):
+#   1. the loop on decode 32 and 128, BF16 GEMMs (the loop's own budget covers calibration and
+#      schedules: on the H200, 2026-11-27, decode 32 took 104 s for 11 schedules, decode 128's
+#      calibration 49 s; the schedules run in the order given, the verdict's first);
+#   2. the loop on prefill 4096, BF16, then the kernel table (--kernels, after the schedules)
+#      and the GPU tests (--pytest: written to <name>.pytest.log as they run, a per-test
+#      limit, DeepGEMM's JIT test last; neither counted in the loop's budget);
+#   3. the loop on decode 32 in FP8 (DeepGEMM), then prefill FP8 serial and sglang-overlap,
+#      where deep_gemm imports;
+#   4. the interference measurement (experiments/gpu_interference.py).
 # Everything lands under $OUT: each command's archive and log, the results files
 # (gpu_<preset>[_fp8].{json,md}, kernels_<preset>.{json,md}: commit them to experiments/results)
 # and env.txt. A command stopped at its time limit still leaves its archive (rewritten after
-# every schedule).
+# every schedule) and its GPU tests' log.
 #
 # Usage, from the checkout's root: OUT=/some/folder bash experiments/gpu_session.sh [WHEELS]
 # WHEELS (default .whl, a folder git ignores, carried with the checkout) holds the wheels
@@ -17,6 +24,7 @@
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
 WHL=${1:-.whl}
+SESSION_S=${SESSION_S:-570}
 mkdir -p "$OUT/results"
 exec > >(tee -a "$OUT/session.log") 2>&1
 
@@ -38,9 +46,17 @@ PY="python3 -P"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+fits() {  # a step of $1 seconds still fits in the session
+    if [ $((SECONDS + $1)) -gt "$SESSION_S" ]; then
+        echo "== skipped: $1 s do not fit in the $((SESSION_S - SECONDS)) s left"
+        return 1
+    fi
+}
+
 loop() {  # name, hard limit in seconds, then the loop's options
     local name=$1 limit=$2
     shift 2
+    fits "$limit" || return 0
     echo "== $name ($(date -u +%T))"
     timeout --signal=TERM "$limit" $PY -m overlap_lab.experiments.gpu_validation \
         --out "$OUT" --name "$name" --results "$OUT/results" "$@" > "$OUT/$name.log" 2>&1
@@ -48,18 +64,23 @@ loop() {  # name, hard limit in seconds, then the loop's options
     tail -n 1 "$OUT/$name.log"
 }
 
-loop bf16_decode 190 --modes decode --gemm-dtype bf16 --pytest --pytest-timeout-s 80 \
-    --kernels --budget-s 100
-loop bf16_prefill 100 --modes prefill --gemm-dtype bf16 --budget-s 75
-echo "== interference ($(date -u +%T))"
-timeout 70 $PY -m overlap_lab.experiments.gpu_interference --out "$OUT" \
-    > "$OUT/interference.log" 2>&1
-echo "   exit $?; session ${SECONDS}s"
+# pp left out: its two stages run in one process (excluded from the verdict), 139 ms a step
+loop bf16_decode 235 --modes decode --gemm-dtype bf16 --budget-s 215 --schedules \
+    serial,comm-only,tbo,sbo,sbo-off,tbo+sbo,vllm-dbo,deepseek,lightllm,sglang-overlap
+loop bf16_prefill 175 --modes prefill --gemm-dtype bf16 --budget-s 60 --kernels \
+    --pytest --pytest-timeout-s 60 --schedules \
+    serial,comm-only,tbo,sbo,sbo-off,tbo+sbo,vllm-dbo,deepseek,lightllm,sglang-overlap
 if $PY -c "import deep_gemm" 2> /dev/null; then
-    loop fp8_decode 120 --modes decode --budget-s 90
-    loop fp8_prefill 70 --modes prefill --budget-s 55
+    loop fp8_decode 60 --modes decode --batches 32 --budget-s 45
+    loop fp8_prefill 45 --modes prefill --schedules serial,sglang-overlap --budget-s 35
 else
     echo "== FP8 skipped: deep_gemm does not import (add its wheel to $WHL)"
     $PY -c "import deep_gemm" 2>&1 | tail -n 3
+fi
+if fits 25; then
+    echo "== interference ($(date -u +%T))"
+    timeout 25 $PY -m overlap_lab.experiments.gpu_interference --out "$OUT" \
+        > "$OUT/interference.log" 2>&1
+    echo "   exit $?; session ${SECONDS}s"
 fi
 ls -la "$OUT" "$OUT/results"

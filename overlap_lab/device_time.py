@@ -296,22 +296,81 @@ def op_device_us(km: KernelMap, gap_us: float = 0.0) -> dict[OpId, float]:
     }
 
 
-def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
-    """The gap a CUDA-graph replay leaves between consecutive kernels, per kernel: the replay's
-    step time ``replay_step_us`` (measured by CUDA events, without the profiler) less its
-    kernels' device time (this trace's median replay), over its kernels. None without replays
-    or a step time.
+#: The emulated backend's link kernels (``real/comm/_triton_emulated.py``): the send kernel
+#: holds its CTAs until the modelled arrival (or only copies and stamps it, before a receive
+#: hook), the receive kernel spins until the arrival, SBO's combine send polls the down GEMM's
+#: signals. Their time is the link model's (and SBO's signals'); the rest of a comm op's
+#: kernels is its data path, :func:`local_work_us`.
+LINK_KERNELS = frozenset({"send_kernel", "recv_kernel", "sbo_combine_kernel"})
 
-    Why not the gaps inside the profiled replays: the profiler's own activity records lengthen
-    them (the H200 recording of decode 128 serial: a median gap of 0.42 µs between the 715
-    kernels of a profiled replay, 10,964 µs of kernels; the unprofiled replay step, 11,156 µs,
-    leaves 0.27 µs per kernel)."""
+
+def local_work_us(
+    trace: Mapping[str, Any] | list,
+    ops: Iterable[OpId] | None = None,
+    gap_us: float = 0.0,
+    link: Iterable[str] = LINK_KERNELS,
+) -> dict[OpId, float]:
+    """Per communication op of the executor's emulated backend (``ops``: by default every op
+    with a kernel in ``link``; a normal-mode combine's receive has none), the device time of
+    its kernels outside ``link``: the mirror data path (index math, gathers,
+    unpacking) that DeepEP's own kernels do while the data is in flight and the emulation runs
+    as torch ops around its link kernels. The median over graph replays where the op ran in a
+    graph (with ``gap_us`` between each two of its kernels, as :func:`op_device_us`), else over
+    eager runs. Ops that launched no kernel are left out."""
+    link = frozenset(link)
+    runs, _ = split_runs(trace)
+    eager = [r for r in runs if not r.replay]
+    if not eager:
+        return {}
+    last = eager[-1]
+    comm = (
+        {op for op, ks in last.ops.items() if any(k.name in link for k in ks)}
+        if ops is None
+        else {op for op in ops if last.ops.get(op)}
+    )
+    replayed: dict[OpId, list[float]] = defaultdict(list)
+    for r in runs:
+        if not (r.replay and r.graph_kernels):
+            continue
+        _, pairs, _ = _match(_template(last, r), r.graph_kernels)
+        got: dict[OpId, float] = {}
+        for op, k in pairs:
+            if op in comm:
+                got[op] = got.get(op, 0.0) + (0.0 if k.name in link else k.dur)
+        for op, us in got.items():
+            replayed[op].append(us + (len(last.ops[op]) - 1) * gap_us)
+    eager_us: dict[OpId, list[float]] = defaultdict(list)
+    for r in eager:
+        for op in comm & r.ops.keys():
+            eager_us[op].append(sum(k.dur for k in r.ops[op] if k.name not in link))
+    return {op: statistics.median(replayed.get(op) or eager_us[op]) for op in sorted(comm, key=str)
+            if replayed.get(op) or eager_us.get(op)}  # fmt: skip
+
+
+def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
+    """The gap a CUDA-graph replay leaves between consecutive kernels, per kernel: the smaller
+    of two upper bounds. (1) The replay's step time ``replay_step_us`` (measured by CUDA events,
+    without the profiler) less its kernels' device time (this trace's median replay), over its
+    kernels: it also holds the wait for the graph's launch before the first kernel. (2) The
+    profiled replays' span less their kernel time, over the kernels: the profiler's activity
+    records lengthen these gaps. None without replays or a step time.
+
+    Why both: on the H200 recording of 2026-11-26 (decode 128 serial, 715 kernels) the
+    profiled replays show 0.42 µs per kernel and the unprofiled step leaves 0.27 µs; on the
+    recording of 2026-11-27 (decode 32 serial, 708 kernels: 4,000 µs of kernels, a profiled
+    span of 4,302 µs) the unprofiled step, 4,662 µs, leaves 0.94 µs per kernel, of which the
+    profiled span shows 0.43: the rest is a wait before the replay's first kernel, which is not
+    per kernel (TBO's replay, 1,310 kernels on one stream, measured 6,641 µs unprofiled against
+    a profiled span of 6,638: 0.94 µs per kernel would add 670 µs)."""
     if not km.replay_device_us or not replay_step_us:
         return None
     kernels = statistics.median(m + u for m, u in zip(km.replay_matched, km.replay_unmatched))
     if kernels <= 0:
         return None
-    return max(0.0, (replay_step_us - statistics.median(km.replay_device_us)) / kernels)
+    dev = statistics.median(km.replay_device_us)
+    step = (replay_step_us - dev) / kernels
+    span = (statistics.median(km.replay_span_us) - dev) / kernels
+    return max(0.0, min(step, span))
 
 
 def with_device_time(trace, times: Mapping[OpId, float]):
@@ -342,36 +401,71 @@ def with_device_time(trace, times: Mapping[OpId, float]):
     return Trace(tuple(spans), meta)
 
 
-def replay_trace(trace, kernels: Mapping[str, Any] | list):
-    """The last graph replay of ``kernels`` (a torch.profiler trace of the executor's run whose
-    trace is ``trace``) as a Trace: each kernel of it a span of its op, on its op's lane and of
-    its op's kind (read off ``trace``'s spans), at its device start and duration, the replay's
-    first kernel at 0. What a replayed step ran side by side, which the eager pass's spans do
-    not show (they hold launch gaps): the measured exposed communication of a graph-replayed
-    step. None without a replay, or when none of its kernels maps to an op (pp's ranks in one
-    process: the last eager run is not the replay's template)."""
+def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
+    """The last ``last`` graph replays of ``kernels`` (a torch.profiler trace of the executor's
+    run whose trace is ``trace``) as one Trace: each kernel of them a span of its op, on its
+    op's lane and of its op's kind (read off ``trace``'s spans), at its device start and
+    duration, the first replay's first kernel at 0. What a replayed run ran side by side,
+    which the eager pass's spans do not show (they hold launch gaps): the measured exposed
+    communication of a graph-replayed run. ``last``: the graphs one run of the Program
+    replays (a Program of several steps replays one per step: sglang-overlap's four); the k-th
+    of them takes the k-th step's spans where ``trace`` has several. None without a replay, or
+    when none of its kernels maps to an op (pp's ranks in one process: the last eager run is
+    not the replay's template)."""
     from overlap_lab.shared.outputs.trace import Span, Trace
 
     runs, _ = split_runs(kernels)
-    eager = [r for r in runs if not r.replay]
     replays = [r for r in runs if r.replay and r.graph_kernels]
-    if not eager or not replays:
+    if not replays:
         return None
-    r = replays[-1]
-    _, pairs, _ = _match(_template(eager[-1], r), r.graph_kernels)
-    pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
-    if not pairs:
+    chosen = replays[-max(1, last) :]
+    template = _eager_pass(runs, runs.index(chosen[0]))
+    if not template.ops:
         return None
-    like = {(s.op, s.layer, s.mb): s for s in trace.spans if s.lane.startswith("stream:")}
-    t0 = min(k.ts for _, k in pairs)
+    steps = sorted({s.step for s in trace.spans if s.step is not None})
+    like: dict[tuple, Any] = {}
+    for s in trace.spans:
+        if s.lane.startswith("stream:"):
+            like.setdefault((s.op, s.layer, s.mb, s.step), s)
+            like.setdefault((s.op, s.layer, s.mb, None), s)
+    found = []
+    for i, r in enumerate(chosen):
+        _, pairs, _ = _match(_template(template, r), r.graph_kernels)
+        pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
+        step = steps[i - len(chosen) + len(steps)] if len(steps) >= len(chosen) > 1 else None
+        found += [(op, k, step) for op, k in pairs]
+    if not found:
+        return None
+    t0 = min(k.ts for _, k, _ in found)
     spans = [
         Span(
             s.rank, s.lane, s.op, s.kind, k.ts - t0, k.ts - t0 + k.dur, s.sms, s.mb, s.layer, s.step
         )  # fmt: skip
-        for op, k in pairs
-        if (s := like.get(op)) is not None
+        for op, k, step in found
+        if (s := like.get((*op, step)) or like.get((*op, None))) is not None
     ]
-    return Trace(tuple(spans), {"spans_source": "graph replay: kernel device times"})
+    return Trace(
+        tuple(spans), {"spans_source": "graph replay: kernel device times", "replays": len(chosen)}
+    )
+
+
+def _eager_pass(runs: list[Run], before: int) -> Run:
+    """The eager runs before ``runs[before]`` (and the replays right before it) back to the
+    previous replay, as one run (an op's latest kernels win): the template of the replays
+    that follow. A Program of several steps
+    is cut into one eager run per step (its op ranges recur), so the last eager run alone
+    would be one step's tail (sglang-overlap: its scheduler ops); the ranges name no step, so
+    the steps' kernels of one op share its entry."""
+    out = Run(replay=False)
+    i = before - 1
+    while i >= 0 and runs[i].replay:
+        i -= 1
+    end = i + 1
+    while i >= 0 and not runs[i].replay:
+        i -= 1
+    for r in runs[i + 1 : end]:
+        out.ops.update({op: ks for op, ks in r.ops.items() if ks})
+    return out
 
 
 def load_chrome(path: str | Path) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from overlap_lab.device_time import (
+    GRAPH_LAUNCH,
     graph_gap_us,
     kernel_records,
     load_chrome,
@@ -242,3 +243,42 @@ def test_the_replay_trace_is_the_replayed_kernels_on_their_ops_lanes(chrome):
     eager_only = {"traceEvents": [e for e in chrome["traceEvents"]
                                   if e.get("name") != "cudaGraphLaunch"]}  # fmt: skip
     assert replay_trace(Trace(spans, {}), eager_only) is None
+
+
+def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None, **args) -> dict:
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if corr is not None:
+        e["args"] = {"correlation": corr, **args}
+    return e
+
+
+def test_replay_timeline_of_a_run_of_several_graphs():
+    """Two steps, each one graph of a compute op ``a`` and a comm op ``c``: the eager pass is
+    cut into runs where a range recurs ([a, c], [a, ...]), so its last run alone lacks ``c``;
+    the template is the whole eager pass, and the timeline holds both replays."""
+    ev = []
+    t, corr = 0.0, 1
+    for _ in range(2):  # the eager pass: a, c per step
+        for op in ("a", "c"):
+            ev.append(_x("user_annotation", f"{op}.L0.mbNone", t, 5.0))
+            ev.append(_x("cuda_runtime", "cudaLaunchKernel", t + 1, 1.0, corr))
+            ev.append(_x("kernel", f"k_{op}", t + 100, 10.0, corr, stream=7))
+            t, corr = t + 10, corr + 1
+    for i in range(2):  # the timed run: one graph per step
+        ev.append(_x("cuda_runtime", GRAPH_LAUNCH, 1000.0 + 100 * i, 2.0, corr))
+        ev.append(_x("kernel", "k_a", 1010.0 + 100 * i, 10.0, corr, stream=7))
+        ev.append(_x("kernel", "k_c", 1020.0 + 100 * i, 30.0, corr, stream=7))
+        corr += 1
+    spans = tuple(
+        Span(0, "stream:main", op, kind, 0.0, 1.0, 0, None, 0, step)
+        for step in (0, 1)
+        for op, kind in (("a", "compute"), ("c", "comm"))
+    )
+    one = replay_trace(Trace(spans, {}), {"traceEvents": ev})
+    both = replay_trace(Trace(spans, {}), {"traceEvents": ev}, last=2)
+    assert one.meta["replays"] == 1 and both.meta["replays"] == 2
+    assert sorted((s.op, s.step, s.start) for s in both.spans) == [
+        ("a", 0, 0.0), ("a", 1, 100.0), ("c", 0, 10.0), ("c", 1, 110.0)
+    ]  # fmt: skip
+    assert both.exposed_comm_us(0) == pytest.approx(60.0)
+    assert one.exposed_comm_us(0) == pytest.approx(30.0)

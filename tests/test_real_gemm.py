@@ -283,6 +283,7 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
     # the private kernel modules themselves: what is compiled is their Triton source
     import overlap_lab.real._triton_gemm as TG
     import overlap_lab.real.comm._triton_emulated as TE
+    from overlap_lab.real.comm.emulated import SEND_BLOCK
 
     i32 = "i32"
     mm = {k: i32 for k in ("M", "N", "K", "sam", "sak", "sbn", "sbk", "scm", "scn")}
@@ -311,8 +312,8 @@ def test_gpu_kernels_compile_for_hopper_without_a_gpu():
             blocks,
             8,
         ),  # fmt: skip
-        (TE.send_kernel, link, {"SPIN": True, "BLOCK": 1024, "HAS_START": False}, 32),
-        (TE.send_kernel, link, {"SPIN": False, "BLOCK": 1024, "HAS_START": True}, 32),
+        (TE.send_kernel, link, {"SPIN": True, "BLOCK": SEND_BLOCK, "HAS_START": False}, 32),
+        (TE.send_kernel, link, {"SPIN": False, "BLOCK": SEND_BLOCK, "HAS_START": True}, 32),
         (TE.stamp_kernel, {"t_start": "*i64"}, {}, 1),
         (
             TE.sbo_combine_kernel,

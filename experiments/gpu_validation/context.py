@@ -21,6 +21,8 @@ class Setup:
     gpu: Any
     device_sms: int
     env: Mapping = field(default_factory=dict)
+    #: the emulated backend's data path per (comm op, tokens), µs: ``emulated_comm.local_work``
+    comm_local: Mapping = field(default_factory=dict)
 
 
 def model_config(name: str, layers: int | None):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from overlap_lab.experiments.gpu_validation.predict import (
     CalibrationRun,
     build,
     calibrate,
+    graphs_per_run,
     judge,
 )
 from overlap_lab.experiments.gpu_validation.report import (
@@ -83,7 +83,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
             kept.append({"schedule": "serial", "size": s, "half": s != size,
                          "replay_step_us": step,
                          "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip
-        profile, gpu, info = calibrate(ctx.setup, runs, mode)
+        profile, setup, info = calibrate(ctx.setup, runs, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
         case["error"] = f"calibration failed: {type(e).__name__}: {e}"[:500]
         saved()
@@ -91,7 +91,6 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
     case["calibration_seconds"] = round(time.time() - t, 1)
     case["calibration_runs"] = kept
     case.update(info)
-    setup = dataclasses.replace(ctx.setup, gpu=gpu)
     case_dir = archive.work / key
     for name in names:
         if time.time() > deadline:
@@ -110,7 +109,8 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
             own = replayed = None
             if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
                 rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
-                own, replayed = rec.trace, replay_trace(rec.executor_trace, rec.kernels)
+                own = rec.trace
+                replayed = replay_trace(rec.executor_trace, rec.kernels, graphs_per_run(prog))
                 files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
             run, pred = judge(setup, name, wv, meas, profile, own, replayed)
         except Exception as e:  # recorded; the next schedule goes on
@@ -185,8 +185,11 @@ def _run_validation(opts, t0: float, deadline: float) -> dict:
 
     try:
         report["pytest_gpu"] = (
-            run_pytest(opts.pytest_timeout_s) if opts.pytest else {"status": "not run"}
+            run_pytest(opts.pytest_timeout_s, Path(opts.out) / f"{opts.name}.pytest.log")
+            if opts.pytest
+            else {"status": "not run"}
         )
+        deadline += report["pytest_gpu"].get("seconds", 0.0)  # the budget is the schedules'
         save(False)
         try:
             ctx = Context(opts, env)
@@ -246,7 +249,12 @@ def parse(argv: list[str] | None = None):
         "--gpu", default=None, help="shared.inputs.hardware preset (default: from the name)"
     )
     p.add_argument("--budget-s", type=float, default=540.0)
-    p.add_argument("--pytest", action="store_true", help="run the GPU tests first")
+    p.add_argument(
+        "--pytest",
+        action="store_true",
+        help="run the GPU tests first (their log beside the archive; DeepGEMM's JIT "
+        "test last; not counted in --budget-s)",
+    )
     p.add_argument("--pytest-timeout-s", type=float, default=150.0)
     p.add_argument("--link-bytes", dest="link_bytes", choices=("program", "routing"),
                    default="program",

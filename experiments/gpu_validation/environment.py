@@ -8,6 +8,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,25 +67,76 @@ def environment(device: str) -> dict:
     return env
 
 
-def run_pytest(timeout: float) -> dict:
+#: The GPU test that compiles DeepGEMM's FP8 kernels (JIT, minutes on a fresh machine): run
+#: after the others, in what time is left, so that it cannot take their results with it.
+JIT_TEST = "test_deep_gemm_fp8_matches_bf16_when_installed"
+
+
+def pytest_argv(per_test_s: float, select: str) -> list[str]:
+    """The GPU tests' pytest command: verbose (one line per test as it ends, so a run stopped
+    at its limit keeps what finished), ``-k select``, and a per-test limit: pytest-timeout's
+    ``--timeout`` where it is installed, else pytest's own ``faulthandler_timeout`` (dumps the
+    stacks of a test that runs longer, without stopping it)."""
+    import importlib.util
+
+    limit = (["-p", "pytest_timeout", f"--timeout={per_test_s:g}"]
+             if importlib.util.find_spec("pytest_timeout") is not None
+             else ["-o", f"faulthandler_timeout={per_test_s:g}"])  # fmt: skip
+    return [sys.executable, "-P", "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p",
+            "no:cacheprovider", *limit, "-k", select, "tests/test_real_gpu.py"]  # fmt: skip
+
+
+def run_pytest(timeout: float, log: Path | None = None, per_test_s: float = 60.0) -> dict:
     """``pytest -m gpu tests/test_real_gpu.py`` from the checkout (the working directory when it
-    has the tests: the project may be installed elsewhere, without them)."""
+    has the tests: the project may be installed elsewhere, without them), written to ``log`` as
+    it runs: first every test but DeepGEMM's JIT one (:data:`JIT_TEST`), then that one in the
+    time left. A phase stopped at the limit reports the tests that finished (``timeout``
+    status, their counts and the log's tail), never nothing."""
     t = time.time()
     cwd = Path.cwd() if (Path.cwd() / "tests" / "test_real_gpu.py").is_file() else ROOT
-    try:
-        r = subprocess.run(
-            [sys.executable, "-P", "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
-             "tests/test_real_gpu.py"],
-            capture_output=True, text=True, timeout=timeout, cwd=cwd,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "seconds": round(time.time() - t, 1)}
-    out = r.stdout.strip().splitlines()
-    last = out[-1] if out else ""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
+    log = Path(log) if log is not None else Path(tempfile.gettempdir()) / "pytest_gpu.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    phases = {}
+    with log.open("w") as f:
+        for name, select in (("tests", f"not {JIT_TEST}"), ("deep_gemm_jit", JIT_TEST)):
+            left = timeout - (time.time() - t)
+            if left < 5:
+                phases[name] = {"status": "not run: no time left"}
+                continue
+            argv = pytest_argv(per_test_s, select)
+            f.write(f"== {name}: -k {select!r}, {per_test_s:g} s per test, {left:.0f} s left\n")
+            f.flush()
+            start = f.tell()
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+            try:
+                rc = proc.wait(timeout=left)
+                status = "ok" if rc in (0, 5) else f"exit {rc}"  # 5: nothing selected
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                status = "timeout"
+            f.flush()
+            phases[name] = {"status": status, **_results(log.read_text()[start:])}
+    statuses = [p["status"] for p in phases.values()]
+    bad = [s for s in statuses if s != "ok" and not s.startswith("not run")]
+    counts: dict[str, int] = {}
+    for p in phases.values():
+        for k, n in p.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + n
     return {
-        "status": "ok" if r.returncode == 0 else f"exit {r.returncode}",
+        "status": bad[0] if bad else "ok",
         "counts": counts,
+        "phases": phases,
         "seconds": round(time.time() - t, 1),
-        "tail": out[-25:],
+        "log": str(log),
+        "tail": log.read_text().splitlines()[-25:],
     }
+
+
+def _results(text: str) -> dict:
+    """The tests a verbose pytest log says ended, by outcome (``tests/x.py::t PASSED``)."""
+    got = re.findall(r"::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text)
+    counts: dict[str, int] = {}
+    for _, outcome in got:
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    return {"counts": counts, "tests": {n: o.lower() for n, o in got}}

@@ -46,14 +46,16 @@ class CalibrationRun:
 
 
 def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
-    """The profile of recorded calibration runs, and the GPU to predict with: the setup's
-    with the gap between a replayed graph's kernels measured where a run has replays and an
-    unprofiled step (``overlap_lab.device_time.graph_gap_us``), else the preset's. Each op's
-    duration is its kernels' device time (graph replays where it ran in one, the gaps between
-    its own kernels included), or its span where there are no kernel records. Returns
-    (profile, gpu, info for the case's record)."""
+    """The profile of recorded calibration runs, and the setup to predict with: its GPU with
+    the gap between a replayed graph's kernels measured where a run has replays and an
+    unprofiled step (``overlap_lab.device_time.graph_gap_us``), else the preset's, and the
+    emulated backend's data path per communication op (``emulated_comm.local_work``). Each
+    op's duration is its kernels' device time (graph replays where it ran in one, the gaps
+    between its own kernels included), or its span where there are no kernel records. Returns
+    (profile, setup, info for the case's record)."""
     from overlap_lab.calibrate import apply_device_time
     from overlap_lab.device_time import graph_gap_us, map_kernels
+    from overlap_lab.experiments.gpu_validation import emulated_comm
 
     gpu, source = setup.gpu, f"the {setup.gpu.name} preset"
     for r in runs:
@@ -61,8 +63,8 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
             gap = graph_gap_us(map_kernels(r.kernels), r.replay_step_us)
             if gap is not None:
                 gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap)
-                source = (f"measured: unprofiled replay step {r.replay_step_us:.1f} us less its "
-                          "kernels' device time, per kernel")  # fmt: skip
+                source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
+                          "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
                 break
     timed = [
         (r.program, apply_device_time(r.trace, r.kernels, gpu.graph_kernel_gap_us))
@@ -71,6 +73,7 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         for r in runs
     ]
     profile = calibrate_profile(dataclasses.replace(setup, gpu=gpu), timed, mode)
+    work = emulated_comm.local_work(runs, gpu.graph_kernel_gap_us)
     dt = [tr.meta.get("device_time") for _, tr in timed]
     info = {
         "profile_rows": len(profile.rows),
@@ -88,8 +91,9 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         ),
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
+        "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    return profile, gpu, info
+    return profile, dataclasses.replace(setup, gpu=gpu, comm_local=work), info
 
 
 def calibrate_profile(ctx, runs: list, mode: str):
@@ -108,18 +112,26 @@ def calibrate_profile(ctx, runs: list, mode: str):
     )  # fmt: skip
 
 
-def predict(ctx, name: str, w, profile, transform=None):
+def predict(ctx, name: str, w, profile, transform=None, comm_local=None):
     """The simulator's prediction of schedule ``name`` with the calibration ``profile``
-    (``overlap_lab.simulate(..., profile=...)``; ``transform`` rewrites the Program first):
-    (trace, cost sources per op class)."""
+    (``overlap_lab.simulate(..., profile=...)``; ``transform`` rewrites the Program first;
+    ``comm_local``: the emulated backend's data path per communication op, charged by
+    ``emulated_comm.EmulatedCommCost`` over the roofline with ``profile``): (trace, cost
+    sources per op class)."""
     from overlap_lab.api import simulate
     from overlap_lab.sim.calibrate import cost_sources
 
-    res = simulate(name, w, ctx.gpu, profile=profile, transform=transform)
+    cost = None
+    if comm_local:
+        from overlap_lab.experiments.gpu_validation.emulated_comm import EmulatedCommCost
+        from overlap_lab.sim.cost import RooflineCostModel
+
+        cost = EmulatedCommCost(RooflineCostModel(profile), comm_local)
+    res = simulate(name, w, ctx.gpu, profile=profile, transform=transform, cost_model=cost)
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def as_executed(measured) -> Callable:
+def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
     """A Program transform: the Program as the executor ran it, read off its ``measured``
     trace (:func:`executed_changes` lists what it changes). Host work takes what the
     executor's host spans took (it runs no scheduler: under a microsecond each, where the
@@ -127,8 +139,12 @@ def as_executed(measured) -> Callable:
     limit the run reports ``not enforced`` (attention, norms and elementwise kernels run on
     every SM: DeepSeek's prefill gives attention 108) runs on every SM, as it ran; an op the
     run launched no kernel for (``no_kernel_ops``: no-ops, and ops computed inside another op,
-    whose measured time holds theirs) or did not run at all is left out. The simulator's
-    defaults (``sim``) keep SGLang's host costs and every limit."""
+    whose measured time holds theirs) or did not run at all is left out; with ``comm_local``
+    (the emulated backend's data path: ``emulated_comm``), a DeepEP receive that holds no SMs
+    but ran kernels runs them on ``num_sms``. The simulator's defaults (``sim``) keep SGLang's
+    host costs and every limit."""
+    from overlap_lab.experiments.gpu_validation import emulated_comm
+
     host: dict[tuple, list[float]] = {}
     for s in measured.spans:
         if s.lane.startswith("host:") and s.kind == "host":
@@ -156,7 +172,10 @@ def as_executed(measured) -> Callable:
             elif isinstance(ins, Launch):
                 if gone(ins.op.name):
                     continue
-                ins = dataclasses.replace(ins, op=unlimited(ins.op))
+                op = unlimited(ins.op)
+                if comm_local:
+                    op = emulated_comm.as_executed(op, comm_local, num_sms)
+                ins = dataclasses.replace(ins, op=op)
             out.append(ins)
         return tuple(out)
 
@@ -225,6 +244,17 @@ def roofline_ops(ctx, prog, profile) -> list[str]:
     )  # fmt: skip
 
 
+def graphs_per_run(prog) -> int:
+    """The CUDA graphs one run of ``prog`` replays on its first rank (one per step of a
+    several-step Program): how many replays make the run's timeline
+    (``overlap_lab.device_time.replay_trace``)."""
+
+    def count(seq) -> int:
+        return sum(1 if isinstance(i, Graph) else 0 for i in seq)
+
+    return sum(count(th.instrs) for th in prog.ranks[0].threads)
+
+
 def build(ctx, name: str, w):
     """The Program of ``name`` (the communication-only case's for ``comm-only``) for ``w``."""
     from overlap_lab.shared import schedules as S
@@ -242,19 +272,25 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
-    executed = as_executed(measured)
+    # the emulated backend's data path, where the run's communication was emulated
+    local = ctx.comm_local if measured.meta.get("emulated") else {}
+    executed = as_executed(measured, local, ctx.device_sms)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
-        transform=(lambda p: executed(comm_only(p))) if comm else executed,
+        transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,
     )  # fmt: skip
     missing = roofline_ops(ctx, executed(build(ctx, name, wp)), prof)
     step_m, source = measured_step(measured)
-    # a replay timeline is one graph's: the step's where the Program is one step of one graph
-    one_step = source == "graph replay" and len({op.step for _, op in ops_of(prog)}) == 1
+    # a replay timeline is the run's where it holds every graph the run replays
+    whole = (
+        source == "graph replay"
+        and replayed is not None
+        and replayed.meta.get("replays", 1) == graphs_per_run(prog)
+    )
     m = measured.meta
     own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
     return {
-        "comparison": comparison(measured, pred, step_m, replayed if one_step else None),
+        "comparison": comparison(measured, pred, step_m, replayed if whole else None),
         "measured_step_source": source,
         "eager_step_time_us": m.get("eager_step_time_us", m.get("median_step_time_us")),
         "step_times_us": m.get("step_times_us"),
@@ -273,6 +309,11 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
         ),
         "roofline_ops": missing,
         "predicted_as_executed": executed_note(measured, prog),
+        "predicted_comm": (
+            "link model + the emulated backend's data path measured in the calibration "
+            f"({len(local)} op sizes; experiments/gpu_validation/emulated_comm.py)"
+            if local else "link model"
+        ),
     }, pred  # fmt: skip
 
 

@@ -28,7 +28,13 @@ from pathlib import Path
 from overlap_lab.experiments.gpu_validation.archive import Archive
 from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY
 from overlap_lab.experiments.gpu_validation.context import Setup, case_workload, model_config
-from overlap_lab.experiments.gpu_validation.predict import CalibrationRun, calibrate, judge
+from overlap_lab.experiments.gpu_validation.predict import (
+    CalibrationRun,
+    build,
+    calibrate,
+    graphs_per_run,
+    judge,
+)
 from overlap_lab.experiments.gpu_validation.report import table
 from overlap_lab.experiments.gpu_validation.verdict import not_comparable, summarize, verdict
 from overlap_lab.shared.errors import ConfigError
@@ -117,26 +123,25 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         )
         for e in runs_in
     ]
-    profile, gpu, info = calibrate(setup, runs, mode)
+    profile, at, info = calibrate(setup, runs, mode)
     out = {"workload": wl, "calibration_runs": runs_in, **info, "runs": {}}
-    at = dataclasses.replace(setup, gpu=gpu)
     w = workload(size)
     for name, rec in case.get("runs", {}).items():
         files = rec.get("files") or {}
         if "measured" not in files:
             out["runs"][name] = {k: v for k, v in rec.items() if k in ("error", "skipped")}
             continue
-        rec_files = files.get("recorded") or {}  # a run under the profiler, where kept
-        own = replayed = _trace(root, rec_files.get("trace"))
-        if own is not None and rec_files.get("kernels"):
-            kernels = _kernels(root, rec_files["kernels"])
-            own = apply_device_time(own, kernels, gpu.graph_kernel_gap_us)
-            replayed = replay_trace(replayed, kernels)
         wv = w
         if name != COMM_ONLY and S.supports_pp(name):
             from overlap_lab.real.check import workload_variants  # torch: pipelines only
 
             wv = workload_variants(name, w)[0]
+        rec_files = files.get("recorded") or {}  # a run under the profiler, where kept
+        own = replayed = _trace(root, rec_files.get("trace"))
+        if own is not None and rec_files.get("kernels"):
+            kernels = _kernels(root, rec_files["kernels"])
+            own = apply_device_time(own, kernels, at.gpu.graph_kernel_gap_us)
+            replayed = replay_trace(replayed, kernels, graphs_per_run(build(at, name, wv)))
         try:
             measured = _trace(root, files["measured"])
             run, pred = judge(at, name, wv, measured, profile, own, replayed)

@@ -38,6 +38,11 @@ from overlap_lab.real.comm.loopback import LoopbackBackend
 
 _UNSET = -1  # t_arrive before the send kernel stamped it
 RECV_LIMIT_NS = 100_000_000  # a receive waits at most 100 ms for its send's stamp (no hang)
+#: int32 words a send kernel's CTA copies per loop iteration: 8 per thread of its 32 warps.
+#: With 1,024 (one per thread) each iteration is one dependent 4 KB load-store: on the H200
+#: (2026-11-27, prefill 4096) a normal dispatch's 20 CTAs copied its bytes at 177 GB/s and the
+#: copy, 1,326 µs per layer, outlasted the modelled flight it emulates.
+SEND_BLOCK = 8192
 
 
 def _kernels():
@@ -246,7 +251,7 @@ class EmulatedBackend(LoopbackBackend):
             1e3 / chan["rdma"] if "rdma" in chan else 0.0,
             t_start if t_start is not None else t_arrive,
             SPIN=not hook_split,
-            BLOCK=1024,
+            BLOCK=SEND_BLOCK,
             HAS_START=t_start is not None,
             num_warps=32,
         )
