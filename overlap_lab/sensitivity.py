@@ -391,9 +391,6 @@ class PerturbedCostModel:
             return replace(d, t_compute=d.t_compute * f, nbytes=d.nbytes * f)
         return d
 
-    def bandwidth_cap(self, op: Op, gpu: GPU, sms: int) -> float:
-        return self.inner.bandwidth_cap(op, self.gpu, sms)
-
     def hbm_bytes_per_us(self, gpu: GPU) -> float:
         return self.inner.hbm_bytes_per_us(self.gpu)
 

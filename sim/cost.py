@@ -349,48 +349,6 @@ def water_fill(caps: list[float], total: float) -> list[float]:
     return alloc
 
 
-def water_fill_grouped(
-    caps: list[float], groups: list, group_caps: dict, total: float
-) -> list[float]:
-    """:func:`water_fill` where, besides its own cap, the demands of each group ``g`` in
-    ``group_caps`` together get at most ``group_caps[g]`` (progressive filling: every demand not
-    yet frozen rises at the same pace; a demand freezes at its cap, a group's demands when the
-    group is full, all when ``total`` is spent)."""
-    n = len(caps)
-    alloc = [0.0] * n
-    live = list(range(n))
-    left = total
-    gleft = dict(group_caps)
-    while live:
-        members: dict = {}
-        for i in live:
-            g = groups[i]
-            if g in gleft:
-                members[g] = members.get(g, 0) + 1
-        inc = min(left / len(live), min(caps[i] - alloc[i] for i in live))
-        for g, m in members.items():
-            inc = min(inc, gleft[g] / m)
-        inc = max(inc, 0.0)
-        for i in live:
-            alloc[i] += inc
-        left -= inc * len(live)
-        for g, m in members.items():
-            gleft[g] -= inc * m
-        if left <= _FILL_EPS * total:
-            break
-        live = [
-            i
-            for i in live
-            if alloc[i] < caps[i] * (1 - _FILL_EPS)
-            and not (groups[i] in gleft and gleft[groups[i]] <= _FILL_EPS * group_caps[groups[i]])
-        ]
-    return alloc
-
-
-#: Relative slack under which progressive filling counts a cap as reached (float round-off).
-_FILL_EPS = 1e-12
-
-
 def hbm_shares(demands: list[KernelDemand], gpu: GPU) -> list[float]:
     return water_fill([d.cap for d in demands], gpu.hbm_bytes_per_us * HBM_USABLE)
 
@@ -512,7 +470,6 @@ class RooflineCostModel:
     # the module's functions themselves (no method frame around them: ``key`` runs per launch)
     key = staticmethod(cost_key)
     grid = staticmethod(grid)
-    bandwidth_cap = staticmethod(bandwidth_cap)
 
     def demand(self, op: Op, gpu: GPU, sms: int) -> KernelDemand:
         return demand(op, gpu, sms, self.profile)

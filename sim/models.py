@@ -88,12 +88,6 @@ class CostModel(Protocol):
         the engine re-rates a kernel on an SM count it has not asked about for that key."""
         ...
 
-    def bandwidth_cap(self, op: Op, gpu: GPU, sms: int) -> float:
-        """The most HBM bandwidth (B/µs) ``op`` can pull on ``sms`` SMs in all: the cap the
-        engine holds a kernel's cohorts to together when it runs as several at once (a waved
-        kernel's big cohort and its straggler CTAs)."""
-        ...
-
     def hbm_bytes_per_us(self, gpu: GPU) -> float:
         """The HBM bandwidth (B/µs) all kernels of ``gpu`` together may pull (the pool the
         water-fill splits). Called once per GPU when the engine is built."""
@@ -152,7 +146,7 @@ class NetworkFactory(Protocol):
 COST_MODEL_GROUP, NETWORK_GROUP = "overlap_lab.cost_models", "overlap_lab.networks"
 DEFAULT_COST_MODEL, DEFAULT_NETWORK = "roofline", "max-min"
 #: What a cost model must answer (``CostModel``), checked on the object a factory returns.
-COST_MODEL_METHODS = ("key", "grid", "demand", "bandwidth_cap", "hbm_bytes_per_us", "link")
+COST_MODEL_METHODS = ("key", "grid", "demand", "hbm_bytes_per_us", "link")
 
 
 def _a_factory(obj: Any) -> str | None:

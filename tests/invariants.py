@@ -127,12 +127,17 @@ def never_faster_than_alone(program: Program, trace: Trace, gpu) -> None:
 
 def critical_path_us(program: Program, gpu) -> float:
     """A lower bound of the step time: the longest chain of kernels alone (``_solo``) through
-    stream order, event waits and signals, ignoring host, launch and network time (they can
-    only add). Waits whose record is issued later by another thread are resolved by repeating
-    the pass until the event times settle (the Program is acyclic)."""
+    stream order, event waits, signals and received data, ignoring host, launch and network
+    latency and sharing (they can only add). A receiving op ends no earlier than the last flow
+    of its key to its rank could arrive, each flow alone on its link from its op's start; a
+    flow nobody receives ends no op (its bytes land in the peer's memory, as an NVLink store or
+    an RDMA write does, without a kernel there waiting). Waits whose record is issued later by
+    another thread, and data sent later by another rank, are resolved by repeating the pass
+    until the times settle (the Program is acyclic)."""
     fired: dict[tuple[int, str], float] = {}
+    arrival: dict[tuple[str, int], float] = {}
     for _ in range(1000):
-        before = dict(fired)
+        before, arrived = dict(fired), dict(arrival)
         longest = 0.0
         for rp in program.ranks:
             ready: dict[str, float] = defaultdict(float)
@@ -144,6 +149,15 @@ def critical_path_us(program: Program, gpu) -> float:
                         end = start + _solo(op, gpu)
                         for ev in op.waits:
                             end = max(end, fired.get((rp.rank, ev), 0.0))
+                        c = op.coll
+                        if c is not None and c.role != "send":
+                            end = max(end, arrived.get((c.key, rp.rank), 0.0))
+                        if c is not None and c.role != "recv":
+                            parts = max(1, len(op.waits))  # each part leaves on its signal
+                            for f in c.flows:
+                                at = (c.key, rp.rank if f.dst is None else f.dst)
+                                alone = f.nbytes / parts / gpu.link_bytes_per_us(f.link, True)
+                                arrival[at] = max(arrival.get(at, 0.0), start + alone)
                         ready[ins.stream] = end
                         longest = max(longest, end)
                     elif isinstance(ins, Record):
@@ -153,6 +167,6 @@ def critical_path_us(program: Program, gpu) -> float:
                         ready[ins.stream] = max(ready[ins.stream], t)
                     elif isinstance(ins, WaitStream):
                         ready[ins.stream] = max(ready[ins.stream], ready[ins.other])
-        if fired == before:
+        if fired == before and arrival == arrived:
             return longest
     return longest

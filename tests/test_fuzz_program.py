@@ -1,7 +1,8 @@
 """Fuzz: random and mutated Program texts through parse → validate → simulate.
 
 Every case must end in exactly one of: simulated, a ParseError naming the line, or a
-ProgramError naming the instruction (or, for the Program as a whole, what is wrong with it).
+ProgramError naming the instruction (or the declaration: the Program's header, a rank's or a
+thread's line) and showing it marked ``<-- ERROR HERE``.
 Never a crash, a stall or a hang (each simulation runs under a small event budget).
 Sources: every schedule's golden Program in tests/golden and a small complete Program of every
 schedule and mode; mutations: delete, duplicate, swap, rename, corrupt numbers, truncate.
@@ -36,8 +37,10 @@ GOLDEN = Path(__file__).parent / "golden"
 BUDGET = 200_000  # events per case: far above what these small Programs need
 OUTCOMES: Counter = Counter()
 
-_PROGRAM_LEVEL = re.compile(
-    r"^(meta must|the program has no ranks|world must|symmetric must|rank -?\d+[: ]|rank .* outside)"
+#: Rules about a declaration (the Program's header line, a rank's or a thread's) name it so;
+#: the text then shows that line marked, as an instruction's is.
+_DECLARATION = re.compile(
+    r"^(meta must|meta: |the program has no ranks|world must|symmetric must|rank -?\d+[: ]|rank .* outside)"
 )
 
 
@@ -291,9 +294,10 @@ def outcome(text: str, check_timing: bool = False) -> str:
         validate(program, GPU.num_sms)
     except ProgramError as e:
         msg = str(e)
-        assert re.match(r"rank -?\d+, thread \S+, instruction \d+", msg) or _PROGRAM_LEVEL.match(
+        assert re.match(r"rank -?\d+, thread \S+, instruction \d+", msg) or _DECLARATION.match(
             msg
         ), msg
+        assert msg.count("<-- ERROR HERE") == 1, msg  # the instruction or declaration, shown
         return "validation error"
     try:
         trace = Engine(program, GPU, max_events=BUDGET).run()

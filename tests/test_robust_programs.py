@@ -131,23 +131,58 @@ OK_OP = "    launch main x flops=1e9\n"
 
 
 @pytest.mark.parametrize(
-    "text, fragment",
+    "text, fragment, marked",
     [
-        ("program world=-3\nrank 0 streams=main\n  thread t\n" + OK_OP, "world must be"),
+        (
+            "program world=-3\nrank 0 streams=main\n  thread t\n" + OK_OP,
+            "world must be",
+            "program world=-3 symmetric=true",
+        ),
         (
             "program world=1\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 5 streams=main\n",
             "rank 5 outside 0..0",
+            "rank 5 streams=main",
         ),
         (
             "program world=2\nrank 0 streams=main\n  thread t\n" + OK_OP + "rank 0 streams=main\n",
             "rank 0 appears twice",
+            "rank 0 streams=main",
         ),
-        (HEAD + OK_OP + "  thread main\n" + OK_OP, "thread 'main' is declared twice"),
-        ("program world=1\nrank 0 streams=main,main\n  thread t\n" + OK_OP, "declared twice"),
+        (
+            HEAD + OK_OP + "  thread main\n" + OK_OP,
+            "thread 'main' is declared twice",
+            "  thread main",
+        ),
+        (
+            "program world=1\nrank 0 streams=main,main\n  thread t\n" + OK_OP,
+            "declared twice",
+            "rank 0 streams=main,main",
+        ),
     ],
 )
-def test_program_level_rules(text, fragment):
-    _check(text, fragment)
+def test_program_level_rules(text, fragment, marked):
+    """Rules about a declaration show its line marked, as an instruction's are (issue 32: 252
+    rejections of a fuzz named no line)."""
+    msg = _check(text, fragment)
+    assert fragment in msg.splitlines()[0]
+    assert f"\n{marked}   <-- ERROR HERE" in msg and msg.count("<-- ERROR HERE") == 1, msg
+
+
+def test_a_priority_of_an_undeclared_stream_marks_its_rank():
+    import dataclasses
+
+    p = parse(HEAD + OK_OP)
+    rp = dataclasses.replace(p.ranks[0], priorities=(("zz", -1),))
+    p = dataclasses.replace(p, ranks=(rp,))
+    msg = _check_program_error(p, "priority given for unknown stream 'zz'")
+    assert "\nrank 0 streams=main,alt   <-- ERROR HERE" in msg, msg
+
+
+def _check_program_error(program, fragment: str) -> str:
+    with pytest.raises(ProgramError) as e:
+        validate(program, 132)
+    assert fragment in str(e.value)
+    return str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -307,8 +342,9 @@ def test_meta_not_a_record_in_code(meta, match):
 
     p = parse(HEAD + OK_OP)
     p = dataclasses.replace(p, meta=meta)
-    with pytest.raises(ProgramError, match=match):
+    with pytest.raises(ProgramError, match=match) as e:
         validate(p)
+    assert str(e.value).endswith("\nprogram world=1 symmetric=true   <-- ERROR HERE")
 
 
 def test_zero_work_and_zero_bytes_simulate_to_finite_times():

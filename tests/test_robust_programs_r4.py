@@ -96,3 +96,61 @@ def test_cohorts_of_one_kernel_pull_hbm_alike_per_cta():
     assert len(cohorts) == 2 and {c.sms for c in cohorts} == {1, 131}
     rates = [c.rate for c in cohorts]  # waves per µs: one wave is one round of CTAs per SM
     assert max(rates) == pytest.approx(min(rates), rel=1e-9), rates
+
+
+def _run(text: str):
+    program = parse(text)
+    validate(program, H800.num_sms)
+    return program, Engine(program, H800, max_events=BUDGET).run()
+
+
+def _link_us(nbytes: float) -> float:
+    """An NVLink flow alone on its port, last byte leaving to arrival."""
+    return nbytes / H800.link_bytes_per_us("nvlink", True) + H800.link_latency_us("nvlink")
+
+
+def test_a_flow_nobody_receives_ends_no_kernel_and_lands_in_the_step_of_its_sender():
+    """below_cp_min: rank 1 sends 1e16 bytes of key ``k`` to rank 0, where no op receives
+    ``k`` (pp's last stage does this: rank 0 receives it in the next step). The bytes land in
+    rank 0's memory as an NVLink store does, with no kernel of rank 0 waiting: both kernels end
+    as they start (nothing to compute, nothing received), rank 0's step is its launch alone, and
+    the step ends at the sender's last byte. It was reported below a critical path that let the
+    flow end an op of rank 0; ``critical_path_us`` counts received flows only."""
+    program, trace = _run((DATA / "below_cp_min.txt").read_text())
+    kernels = [s for s in trace.spans if s.lane == "stream:main"]
+    assert [(s.rank, s.start, s.end) for s in kernels] == [(0, 5.0, 5.0), (1, 5.0, 5.0)]
+    assert trace.per_rank_step_us()[0] == 5.0
+    assert trace.step_time_us == pytest.approx(5.0 + _link_us(1e16), rel=1e-12)
+    assert trace.step_time_us >= critical_path_us(program, H800)
+
+
+def test_unreceived_sends_of_one_rank_share_its_port_and_hold_no_stream():
+    """raw_inv_below_cp_*_V13: each rank sends the other a key the other does not receive
+    (rank 1 twice, 1e16 bytes each). No kernel waits for its own sends (a DeepEP or NCCL send
+    of an unreceived key completes nothing), so rank 1's second kernel starts at its launch;
+    the two flows share rank 1's NVLink egress and end together, at all 2e16 bytes through it."""
+    text = (DATA / "raw_inv_below_cp_repro_V13_recv_sendrecv_self_pair_explicit_2.txt").read_text()
+    program, trace = _run(text)
+    kernels = [(s.rank, s.start, s.end) for s in trace.spans if s.lane == "stream:main"]
+    assert kernels == [(0, 5.0, 5.0), (1, 5.0, 5.0), (1, 10.0, 10.0)]
+    assert trace.per_rank_step_us()[0] == pytest.approx(5.0 + _link_us(1000.0), rel=1e-12)
+    assert trace.step_time_us == pytest.approx(5.0 + _link_us(2e16), rel=1e-12)
+    assert trace.step_time_us >= critical_path_us(program, H800)
+
+
+@pytest.mark.parametrize("nbytes", [1e6, 1e9])
+def test_a_received_flow_bounds_its_receiver(nbytes):
+    """The critical path counts the flows some op receives: a recv ends no earlier than its
+    data alone on the link could arrive (so the bound is not met by ignoring the network)."""
+    text = (
+        "program world=2 symmetric=false\n"
+        "rank 0 streams=main\n  thread main\n    launch main r kind=comm sms=8 coll=k:recv\n"
+        "rank 1 streams=main\n  thread main\n"
+        f"    launch main s kind=comm sms=8 coll=k:send flow=nvlink:0:{nbytes}\n"
+    )
+    program, trace = _run(text)
+    bound = critical_path_us(program, H800)
+    assert bound == pytest.approx(nbytes / H800.link_bytes_per_us("nvlink", True))
+    (recv,) = [s for s in trace.spans if s.rank == 0 and s.lane == "stream:main"]
+    assert recv.end == pytest.approx(5.0 + _link_us(nbytes), rel=1e-12)
+    assert trace.step_time_us >= bound

@@ -2,7 +2,8 @@
 
 Every rule is listed, with its reason, in ``docs/program.md`` ("Validation rules"). Each error
 names the rank, host thread and instruction (and, inside a graph, the body position), and shows
-the instruction marked ``<-- ERROR HERE``.
+the instruction marked ``<-- ERROR HERE``; an error in a declaration (the Program's header line,
+a rank's or a thread's) shows that line marked.
 
 The rules make every valid Program finish: the dependency graph of issue and completion halves
 is acyclic (a collective's send half starts at the op's start, its completion half waits for the
@@ -180,38 +181,67 @@ def _validate(program: Program, num_sms: int | None, work: ValidationWork | None
     _check_cycles(program, orders, num_sms, work)
 
 
+def _declared(why: str, lines: list[str], marked: int) -> str:
+    """The error text of a declaration (the Program's header, a rank's or a thread's line): why,
+    and the lines as ``show`` prints them, ``marked`` marked."""
+    shown = [t + ("   <-- ERROR HERE" if k == marked else "") for k, t in enumerate(lines)]
+    return why + "\n" + "\n".join(shown)
+
+
+def _header(program: Program) -> str:
+    sym = program.symmetric
+    shown = str(sym).lower() if isinstance(sym, bool) else repr(sym)
+    return f"program world={program.world!r} symmetric={shown}"
+
+
+def _rank_line(rp: RankProgram) -> str:
+    prio = dict(rp.priorities)
+    decl = ",".join(f"{s}@{prio[s]}" if prio.get(s, 0) != 0 else s for s in rp.streams)
+    return f"rank {rp.rank!r} streams={decl}"
+
+
 def _check_program(program: Program) -> None:
+    head = _header(program)
+
+    def program_fault(why: str) -> ProgramError:
+        return ProgramError(_declared(why, [head], 0))
+
     if not isinstance(program.meta, ProgramMeta):
-        raise ProgramError(f"meta must be a ProgramMeta, got {type(program.meta).__name__}")
+        raise program_fault(f"meta must be a ProgramMeta, got {type(program.meta).__name__}")
     if fault := program.meta.fault():
-        raise ProgramError(f"meta: {fault}")
+        raise program_fault(f"meta: {fault}")
     if not program.ranks:
-        raise ProgramError("the program has no ranks")
+        raise program_fault("the program has no ranks")
     w = program.world
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_RANKS:
-        raise ProgramError(f"world must be an integer in 1..{MAX_RANKS}, got {w!r}")
+        raise program_fault(f"world must be an integer in 1..{MAX_RANKS}, got {w!r}")
     if not isinstance(program.symmetric, bool):
-        raise ProgramError(f"symmetric must be true or false, got {program.symmetric!r}")
+        raise program_fault(f"symmetric must be true or false, got {program.symmetric!r}")
     seen: set[int] = set()
     for rp in program.ranks:
+
+        def rank_fault(why: str, rp=rp) -> ProgramError:
+            return ProgramError(_declared(why, [head, _rank_line(rp)], 1))
+
         if isinstance(rp.rank, bool) or not isinstance(rp.rank, int) or not 0 <= rp.rank < w:
-            raise ProgramError(f"rank {rp.rank!r} outside 0..{w - 1} (world={w})")
+            raise rank_fault(f"rank {rp.rank!r} outside 0..{w - 1} (world={w})")
         if rp.rank in seen:
-            raise ProgramError(f"rank {rp.rank} appears twice")
+            raise rank_fault(f"rank {rp.rank} appears twice")
         seen.add(rp.rank)
         if len(set(rp.streams)) != len(rp.streams):
-            raise ProgramError(f"rank {rp.rank}: a stream is declared twice in {rp.streams}")
+            raise rank_fault(f"rank {rp.rank}: a stream is declared twice in {rp.streams}")
+        for s, _ in rp.priorities:
+            if s not in rp.streams:
+                raise rank_fault(f"rank {rp.rank}: priority given for unknown stream {s!r}")
         names = [th.name for th in rp.threads]
-        for n in names:
-            if names.count(n) > 1:
-                raise ProgramError(f"rank {rp.rank}: thread {n!r} is declared twice")
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                why = f"rank {rp.rank}: thread {n!r} is declared twice"
+                raise ProgramError(_declared(why, [_rank_line(rp), f"  thread {n}"], 1))
 
 
 def _check_rank(rp: RankProgram, order, num_sms, sends, rank_ids, faults, flow_faults) -> None:
     streams = set(rp.streams)
-    for s, _ in rp.priorities:
-        if s not in streams:
-            raise ProgramError(f"rank {rp.rank}: priority given for unknown stream {s!r}")
     recorded: dict[str, Issued] = {}
     for it in order:
         if isinstance(it.instr, Graph):
