@@ -332,11 +332,12 @@ def tiny_cpu_model(args) -> bool:
 def _check_run(args) -> None:
     from overlap_lab.measure import run_choices
 
-    args.device, args.backend, args.kernels = run_choices(args.device, args.backend, args.kernels)
     if _given(args, "batch") and args.batch > RUN_LIMITS["batch"]:
         raise ConfigError(f"run: --batch must be at most {RUN_LIMITS['batch']}, got {args.batch}")
     if args.ranks > RUN_LIMITS["ranks"]:
         raise ConfigError(f"run: --ranks must be at most {RUN_LIMITS['ranks']}, got {args.ranks}")
+    # (the options' own limits first: on a machine without a GPU they are said all the same)
+    args.device, args.backend, args.kernels = run_choices(args.device, args.backend, args.kernels)
     if args.device != "cpu" and args.out:  # the GPU run writes traces there, as sim does
         from overlap_lab.outdir import check_out_dir
 
