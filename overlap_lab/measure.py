@@ -11,7 +11,7 @@ machine without them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,85 @@ def schedules_to_run(name: str | None) -> list[str]:
         return S.loadable()
     S.module(name)  # ConfigError for an unknown or missing schedule
     return [S.BASELINE, name] if name != S.BASELINE else [S.BASELINE]
+
+
+#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
+#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
+INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
+
+
+def require_torch() -> None:
+    """A ConfigError saying how to install torch where it is missing (before anything runs)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
+            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
+        )
+
+
+#: What the CPU equivalence check (:func:`check_on_cpu`) cannot honour, by the name of the
+#: workload or run parameter (``api.workload``'s, :func:`run_on_gpu`'s, ``overlap-lab run``'s
+#: options): it runs its own small workloads (tiny models, fixed decode and prefill batches:
+#: real/check.py), on the local or gloo backend, measures nothing and writes no files. Each is
+#: refused when given (:func:`check_cpu_check_inputs`), never silently dropped.
+CPU_CHECK_REFUSES = {
+    "mode": "the check runs decode and prefill batches of its own",
+    "max_events": "the check simulates nothing",
+    "allow_oversubscribe": "the check's tiny models fit in any memory",
+    "batch": "the check's batches are fixed (real/check.py)",
+    "kv_len": "the check's batches are fixed",
+    "kv_lens": "the check's batches are fixed",
+    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
+    "extend_len": "the check's batches are fixed",
+    "extend_lens": "the check's batches are fixed",
+    "prefix_len": "the check's batches are fixed",
+    "prefix_lens": "the check's batches are fixed",
+    "layers": "the check's tiny models have their own layers",
+    "mtp": "the check's tiny models have no MTP modules",
+    "model_file": "the check runs its tiny models",
+    "ep": "the check's EP size is max(2, --ranks)",
+    "gpus_per_node": "the check runs no network",
+    "attn_tp": "the check runs without attention TP",
+    "dp_attention": "the check runs DP attention",
+    "pp_size": "the check runs pp with 2 and 3 stages itself",
+    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
+    "warmup": "the check measures nothing",
+    "repeats": "the check measures nothing",
+    "out": "the check writes no files (use --json > FILE)",
+    "force": "the check writes no files",
+}
+
+
+def check_cpu_check_inputs(given: Collection[str], model: str | None) -> None:
+    """Refuse, in one line, the inputs of ``given`` (names set to other than their defaults)
+    that the CPU check cannot honour (:data:`CPU_CHECK_REFUSES`), and a ``model`` given that is
+    none of its tiny models (None: not given)."""
+    from overlap_lab.real.model import TINY_NAMES
+
+    bad = [k for k in CPU_CHECK_REFUSES if k in given]
+    if bad:
+        why = "; ".join(f"--{k.replace('_', '-')}: {CPU_CHECK_REFUSES[k]}" for k in bad)
+        raise ConfigError(f"run --device cpu --check does not take {why}")
+    if model is not None and model not in TINY_NAMES:
+        raise ConfigError(
+            f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
+            f"--model {model} runs on a GPU"
+        )
+
+
+def cpu_check_model(model: str) -> str:
+    """The tiny model the CPU check runs for ``model``: itself if it is one, else ``tiny-mla``
+    (said in a note: the check's models are scaled down)."""
+    from overlap_lab.real.model import TINY_NAMES
+
+    if model in TINY_NAMES:
+        return model
+    from overlap_lab.shared.inputs.preset_files import note
+
+    note(f"the CPU check ran tiny-mla (scaled down), not {model}")
+    return "tiny-mla"
 
 
 def check_on_cpu(
