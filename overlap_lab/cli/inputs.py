@@ -125,10 +125,6 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 
 # ---- cross-option checks -------------------------------------------------------------------------
 
-DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
-PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
-
-
 #: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
 MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
 
@@ -158,9 +154,9 @@ def _check_args(args) -> None:
         check_profile_file(args.profile)
     if cmd not in ("sim", "show", "compare", "run"):
         if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
-            args.mode = args.mode.lower()
-            if args.mode not in ("decode", "prefill"):
-                raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
+            from overlap_lab.checks import mode_of
+
+            args.mode = mode_of(args.mode)
             _check_mode_options(args)
         return
     _check_names(args, cmd)
@@ -169,7 +165,9 @@ def _check_args(args) -> None:
         from overlap_lab.checks import check_knobs_read
 
         check_knobs_read(vars(args), _schedules(args, cmd))
-    _check_hardware(args)
+    from overlap_lab.checks import check_comm_sms
+
+    check_comm_sms(vars(args), gpu_from(args).num_sms)  # --gpu, --gpu-file, --num-sms
     if cmd == "run":
         _check_run(args)
         return
@@ -185,29 +183,16 @@ def _check_args(args) -> None:
 
 
 def _check_names(args, cmd: str) -> None:
-    from overlap_lab.shared.schedules import SCHEDULES
+    from overlap_lab.checks import mode_of, schedule_names
 
-    mode = str(args.mode).lower()
-    if mode not in ("decode", "prefill"):
-        raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
-    args.mode = mode
+    args.mode = mode_of(args.mode)
     if getattr(args, "deepep_mode", None) is not None:
         args.deepep_mode = args.deepep_mode.lower()
-    choices = ", ".join(SCHEDULES)
     if cmd == "compare":
-        names = [s.strip().lower() for s in args.schedules.split(",")]
-        names = [n for n in names if n]
-        if not names:
-            raise ConfigError(f"--schedules needs at least one schedule, from {choices}")
-        for n in names:
-            if n not in SCHEDULES:
-                raise ConfigError(f"unknown schedule {n!r}; choose from {choices}")
-        args.schedules = ",".join(dict.fromkeys(names))
+        args.schedules = ",".join(schedule_names(args.schedules.split(",")))
     elif args.schedule is not None:
-        name = args.schedule.strip().lower()
-        if name not in SCHEDULES and not (cmd == "run" and name == "all"):
-            raise ConfigError(f"unknown schedule {args.schedule!r}; choose from {choices}")
-        args.schedule = name
+        extra = ("all",) if cmd == "run" else ()
+        (args.schedule,) = schedule_names([args.schedule], extra=extra)
 
 
 def _schedules(args, cmd: str) -> list[str]:
@@ -215,36 +200,13 @@ def _schedules(args, cmd: str) -> list[str]:
 
 
 def _check_mode_options(args) -> None:
-    wrong = PREFILL_ONLY if args.mode == "decode" else DECODE_ONLY
-    for dest in wrong:
-        if _given(args, dest):
-            other = "prefill" if args.mode == "decode" else "decode"
-            raise ConfigError(f"{_flag(dest)} applies to --mode {other} only, not {args.mode}")
+    from overlap_lab.checks import check_batch_fields
+
+    check_batch_fields(args.mode, vars(args))  # before the defaults: what was given
     for dest, v in MODE_DEFAULTS.items():
         mtp = dest == "tokens_per_seq" and getattr(args, "mtp", None)
         if getattr(args, dest, None) is None and not mtp:
             setattr(args, dest, v)  # --mtp N: N + 1 tokens per sequence (api.workload)
-    if args.mode == "decode" and args.kv_lens is not None and _given(args, "batch"):
-        if args.batch != len(args.kv_lens):
-            raise ConfigError(f"--batch {args.batch} but {len(args.kv_lens)} --kv-lens")
-    if args.mode == "prefill" and args.extend_lens is not None:
-        n = len(args.extend_lens)
-        if _given(args, "batch") and args.batch != n:
-            raise ConfigError(f"--batch {args.batch} but {n} --extend-lens")
-        if args.prefix_lens is not None and len(args.prefix_lens) != n:
-            raise ConfigError(f"{len(args.prefix_lens)} --prefix-lens for {n} --extend-lens")
-    elif args.mode == "prefill" and args.prefix_lens is not None:
-        raise ConfigError("--prefix-lens needs --extend-lens (one prefix per sequence)")
-
-
-def _check_hardware(args) -> None:
-    """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
-    achievable rate in ``overlap_lab.api.gpu``)."""
-    num_sms = gpu_from(args).num_sms  # --gpu, --gpu-file (a file), --num-sms
-    for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
-        v = getattr(args, dest, None)
-        if v is not None and v >= num_sms:
-            raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
 def warn_implausible(values: dict[str, float | None]) -> None:

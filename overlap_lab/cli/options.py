@@ -332,18 +332,10 @@ def config_from(args) -> ScheduleConfig:
 
 
 def check_pp_size(schedule: str, args) -> None:
-    """A ``--pp-size`` typed is run as typed: where the schedule's workload defaults would
-    replace it (``shared.schedules.prepare_workload``: pp's stages for ``--pp-size 1``), it is
-    refused; left out, the schedule's default applies (said in the run's notes)."""
-    if args.pp_size is None:
-        return
-    w = workload_from(args)
-    ready, notes = schedules.prepare_workload(schedule, w)
-    if ready.parallel.pp != w.parallel.pp:
-        raise ConfigError(
-            f"{schedule} does not run --pp-size {args.pp_size}; leave --pp-size out for "
-            f"{'; '.join(notes) or f'{ready.parallel.pp} stages'}"
-        )
+    """A ``--pp-size`` typed is run as typed (``checks.check_stages``)."""
+    from overlap_lab.checks import check_stages
+
+    check_stages(schedule, workload_from(args), args.pp_size)
 
 
 def _stage_defaults() -> str:
