@@ -11,7 +11,8 @@ machine without them.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import json
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +433,47 @@ def _driver() -> str | None:
         return r.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+#: The most timed and untimed calls per kernel of the kernel table's CPU dry run
+#: (:func:`check_kernel_run`): its host timings of tiny shapes mean nothing, and at the GPU's
+#: maxima (10,000 and 1,000) it ran past two minutes.
+KERNELS_CPU_REPEATS = 100
+KERNELS_CPU_WARMUP = 10
+
+
+def check_kernel_run(device: str, *, warmup: int, repeats: int) -> None:
+    """Refuse in one line a kernel table (``real.kernel_table.kernel_table``) that cannot run:
+    no torch, ``cuda`` without a GPU, counts out of range (the CPU dry run's bounds above)."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("kernels needs torch") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("kernels --device cuda needs a CUDA GPU; none is visible "
+                          "(--device cpu for the dry run)")  # fmt: skip
+    if repeats < 1 or warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    if device == "cpu" and (repeats > KERNELS_CPU_REPEATS or warmup > KERNELS_CPU_WARMUP):
+        raise ConfigError(
+            f"kernels --device cpu is a dry run: --repeats at most {KERNELS_CPU_REPEATS} and "
+            f"--warmup at most {KERNELS_CPU_WARMUP}, got {repeats} and {warmup}"
+        )
+
+
+def write_kernel_report(
+    report: Mapping[str, Any],
+    text: str,
+    out: str | Path,
+    command: Sequence[str] | None,
+    inputs: Mapping[str, Any],
+) -> tuple[Path, Path]:
+    """``kernels.json`` (the report with its ``provenance``: the version, ``command`` and the
+    ``inputs`` it ran with) and ``kernels.md`` (``text``, its table) in the folder ``out``."""
+    from overlap_lab.shared.outputs.trace import provenance
+
+    prov = provenance(command, dict(inputs))
+    js, md = Path(out) / "kernels.json", Path(out) / "kernels.md"
+    js.write_text(json.dumps({**report, "provenance": prov}, indent=2, sort_keys=True) + "\n")
+    md.write_text(text)
+    return js, md

@@ -8,7 +8,7 @@ trace), the CPU check's and a measured run's results in words, and strict JSON
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,20 @@ def write_comparison(
                 provenance=provenance_of(row.result),
             )
     return files
+
+
+def schedules_text(rows: Sequence[tuple[str, str | None, str]]) -> str:
+    """``overlap-lab schedules``: each schedule's summary and the upstream code it follows
+    (``shared.schedules.describe``'s rows; a broken plug-in, upstream None, with its error)."""
+    width = max(len(n) for n, _, _ in rows)
+    lines = []
+    for name, upstream, summary in rows:
+        lines.append(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
+        if upstream:
+            lines.append(f"{'':<{width}}  upstream: {upstream}")
+    return (
+        "\n".join(lines) + "\n\nRules and references of each: docs/schedules.md in the repository."
+    )
 
 
 def check_text(out: Mapping[str, Any], key: str, tolerance: float) -> str:

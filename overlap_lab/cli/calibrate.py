@@ -179,13 +179,7 @@ def cmd_validate(args) -> int:
         print(json.dumps({**res, "provenance": prov}, sort_keys=True))
         return 0
     print(f"validate {args.trace}: schedule {args.schedule}, profile {profile.name}")
-    sys.stdout.write(V.to_text(v))
-    if "what_if" in res:
-        w = res["what_if"]
-        print(
-            f"\nwhat if {w['schedule']}: predicted step {w['predicted_step_time_us']:.1f} µs, "
-            f"speed-up {w['speedup_vs_measured']:.3f} over the measured step"
-        )
+    sys.stdout.write(V.to_text(v, what_if=res.get("what_if")))
     for f in res.get("files", []):
         print(f"wrote {f}")
     return 0

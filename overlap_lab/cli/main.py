@@ -19,7 +19,6 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from overlap_lab import report
 from overlap_lab.cli import inputs
@@ -32,6 +31,7 @@ from overlap_lab.cli.options import (
     add_sim_options,
     check_pp_size,
     config_from,
+    figure_from,
     figure_options,
     gpu_from,
     profile_from,
@@ -47,10 +47,6 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.preset_files import hold_notes
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import BASELINE, SCHEDULES
-
-if TYPE_CHECKING:
-    pass
-
 
 # ---- commands ------------------------------------------------------------------------------------
 
@@ -77,11 +73,7 @@ def cmd_sim(args) -> int:
             result,
             Path(args.out),
             provenance=_provenance(args, result),
-            figure_format=args.figure_format,
-            window=args.window,
-            rank=args.rank,
-            width=args.width,
-            title=args.title,
+            **figure_from(args),
         )
         res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
@@ -119,13 +111,7 @@ def cmd_show(args) -> int:
 def cmd_schedules(args) -> int:
     from overlap_lab.shared.schedules import describe
 
-    rows = describe()
-    width = max(len(n) for n, _, _ in rows)
-    for name, upstream, summary in rows:  # a broken plug-in: listed with its error
-        print(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
-        if upstream:
-            print(f"{'':<{width}}  upstream: {upstream}")
-    print("\nRules and references of each: docs/schedules.md in the repository.")
+    print(report.schedules_text(describe()))
     return 0
 
 
@@ -154,11 +140,7 @@ def cmd_compare(args) -> int:
             table,
             Path(args.out),
             provenance_of=lambda result: _provenance(args, result),
-            figure_format=args.figure_format,
-            window=args.window,
-            rank=args.rank,
-            width=args.width,
-            title=args.title,
+            **figure_from(args),
         )
     if args.json:
         from overlap_lab.provenance import compare_record

@@ -233,6 +233,11 @@ def figure_options(p: argparse.ArgumentParser) -> None:
                    "the workload, and the window drawn)")  # fmt: skip
 
 
+def figure_from(args) -> dict[str, typing.Any]:
+    """The figure options, as ``report.write_run`` and ``report.write_comparison`` take them."""
+    return {k: getattr(args, k) for k in ("figure_format", "window", "rank", "width", "title")}
+
+
 def rank_options(p: argparse.ArgumentParser) -> None:
     """Explicit ranks, routing imbalance and DP-attention imbalance (sim, show, compare)."""
     g = p.add_argument_group("ranks and imbalance")
