@@ -39,12 +39,9 @@ from overlap_lab.sim.profile import BUILTIN, ROOFLINE, load_profile
 
 def _out_dir(args) -> Path | None:
     """The figure folder, checked and made as sim's (``outdir.check_out_dir``); None for ''."""
-    if not args.out:
-        return None
     from overlap_lab.outdir import check_out_dir
 
-    check_out_dir(args.out, mine_only=not args.force)
-    return Path(args.out)
+    return check_out_dir(args.out, mine_only=not args.force) if args.out else None
 
 
 def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -129,8 +129,9 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def flag(name: str) -> str:
+    """The option spelling of a field or ``dest`` name (``kv_len`` -> ``--kv-len``)."""
+    return "--" + name.replace("_", "-")
 
 
 def _given(args, dest: str) -> bool:
@@ -284,7 +285,7 @@ def as_options(message: str, names: tuple[str, ...]) -> str:
     import re
 
     for n in names:
-        message = re.sub(rf"(?<![\w-]){re.escape(n)}(?![\w-])", _flag(n), message)
+        message = re.sub(rf"(?<![\w-]){re.escape(n)}(?![\w-])", flag(n), message)
     return message
 
 

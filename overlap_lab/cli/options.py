@@ -19,12 +19,11 @@ import argparse
 import typing
 
 from overlap_lab.cli import inputs
-from overlap_lab.cli.inputs import _gpu_overrides, _overrides, model_spec
+from overlap_lab.cli.inputs import _gpu_overrides, _overrides, flag, model_spec
 from overlap_lab.cli.inputs import (
     gpu_from as gpu_from,  # (re-exported: every command reads it here)
 )
 from overlap_lab.shared import schedules
-from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.inputs.workload import MODELS, Workload
@@ -60,11 +59,6 @@ def _int_list(s: str) -> tuple[int, ...]:
     if not vals:
         raise argparse.ArgumentTypeError("expected at least one length")
     return vals
-
-
-def flag(name: str) -> str:
-    """The option spelling of a field or ``dest`` name (``kv_len`` -> ``--kv-len``)."""
-    return "--" + name.replace("_", "-")
 
 
 def _str_list(s: str) -> tuple[str, ...]:
@@ -345,26 +339,16 @@ def check_pp_size(schedule: str, args) -> None:
 
 def _stage_defaults() -> str:
     """``; pp: 2`` for every schedule whose workload defaults set the stages (the help text)."""
-    from overlap_lab import api
+    from overlap_lab.api import default_stages
 
-    out = ""
-    for name in schedules.pipeline_schedules():
-        staged, _ = schedules.prepare_workload(name, api.workload())
-        if staged.parallel.pp != 1:
-            out += f"; {name}: {staged.parallel.pp}"
-    return out
+    return "".join(f"; {name}: {n}" for name, n in default_stages().items())
 
 
 def _drawn(rule: str) -> str:
     """The schedules whose figures follow ``rule`` (a ``Drawing`` field), for help texts."""
-    names = []
-    for name in schedules.REGISTRY.usable():
-        try:
-            if getattr(schedules.drawing(name), rule):
-                names.append(name)
-        except ConfigError:  # a broken plug-in is reported where it is used
-            continue
-    return " and ".join(names) or "no"
+    from overlap_lab.figures.windows import drawn_by
+
+    return " and ".join(drawn_by(rule)) or "no"
 
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:

@@ -172,9 +172,7 @@ def cmd_tune(args) -> int:
         print(json.dumps(result.as_dict(), indent=1, default=str))
         return 0
     print(result.text())
-    files = [f for t in (getattr(result, "prefill", None), getattr(result, "decode", None))
-             if t is not None for f in t.files] or list(getattr(result, "files", ()))  # fmt: skip
-    for f in files:
+    for f in result.files:
         print(f"wrote {f}")
     return 0
 
