@@ -105,19 +105,6 @@ def check_cpu_check_inputs(given: Collection[str], model: str | None) -> None:
         )
 
 
-def cpu_check_model(model: str) -> str:
-    """The tiny model the CPU check runs for ``model``: itself if it is one, else ``tiny-mla``
-    (said in a note: the check's models are scaled down)."""
-    from overlap_lab.real.model import TINY_NAMES
-
-    if model in TINY_NAMES:
-        return model
-    from overlap_lab.shared.inputs.preset_files import note
-
-    note(f"the CPU check ran tiny-mla (scaled down), not {model}")
-    return "tiny-mla"
-
-
 def check_on_cpu(
     names: list[str],
     *,
@@ -137,8 +124,13 @@ def check_on_cpu(
     schedules that ran one micro-batch on some workload, so checked less than a split) and
     ``ok``. ``kernels``: kernel families whose kernels bind their ops first
     (:func:`kernel_families`), on both sides of every comparison. ``provenance``: what ran
-    (``provenance.check_record``, with ``command`` as typed; the check writes no file)."""
+    (``provenance.check_record``, with ``command`` as typed; the check writes no file).
+    A ``model`` that is none of the check's tiny ones runs as ``tiny-mla``, said in a note once
+    the check has run (never a line before an error's)."""
     from overlap_lab.provenance import check_record
+    from overlap_lab.real.model import TINY_NAMES
+
+    given, model = model, model if model in TINY_NAMES else "tiny-mla"
 
     asked = cfg
     from overlap_lab.real.check import (
@@ -191,6 +183,10 @@ def check_on_cpu(
         command, names, model=model, gpu=gpu, ranks=ranks, seed=seed, tolerance=tol,
         cfg=asked, kernels=list(kernels),
     )  # fmt: skip
+    if model != given:
+        from overlap_lab.shared.inputs.preset_files import note
+
+        note(f"the CPU check ran {model} (scaled down), not {given}")
     return out
 
 

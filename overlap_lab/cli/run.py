@@ -86,14 +86,13 @@ def _run(args) -> int:
 
 
 def _run_cpu(args) -> int:
-    from overlap_lab.measure import check_on_cpu, cpu_check_model, schedules_to_run
+    from overlap_lab.measure import check_on_cpu, schedules_to_run
 
-    model = cpu_check_model(_opt(args, "model"))
     ranks = int(_opt(args, "ranks"))
     names = schedules_to_run(_opt(args, "schedule"))
     out = check_on_cpu(
         names,
-        model=model,
+        model=_opt(args, "model"),
         gpu=_opt(args, "gpu"),
         ranks=ranks,
         seed=_opt(args, "seed"),
