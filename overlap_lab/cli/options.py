@@ -24,6 +24,7 @@ from overlap_lab.cli.inputs import (
     gpu_from as gpu_from,  # (re-exported: every command reads it here)
 )
 from overlap_lab.shared import schedules
+from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import GPU, GPUS, HostCosts, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.inputs.workload import MODELS, Workload
@@ -432,6 +433,32 @@ def add_run_options(s: argparse.ArgumentParser) -> None:
     inputs.add_force_option(s)
     s.add_argument("--json", action="store_true")
     workload_options(s)
+
+
+def given_options(args, name: str) -> set[str]:
+    """The options of subcommand ``name`` that ``args`` sets to other than their defaults."""
+    defaults = vars(subcommand_parser(name).parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+#: What ``sim --program`` still reads: the GPU the Program runs on (and its overrides), how
+#: durations and flows are costed, the budget, the outputs. Every other option builds or lowers
+#: a schedule's Program (schedule, workload, knobs, host costs, ranks) and is refused.
+PROGRAM_OPTIONS = frozenset(
+    {"gpu", "gpu_file", "profile", "cost_model", "network", "max_events", "fast_forward", "out",
+     "json", "figure_format", "window", "rank", "width", "title"}
+)  # fmt: skip
+
+
+def check_program_options(args) -> None:
+    """``sim --program``: refuse, in one line naming them, the options it cannot honour."""
+    gpu = {k.name for k in _gpu_overrides()}
+    bad = sorted(given_options(args, "sim") - PROGRAM_OPTIONS - gpu)
+    if bad:
+        raise ConfigError(
+            f"sim --program runs the Program as written; {', '.join(map(flag, bad))} build or "
+            "lower a schedule's Program (overlap-lab show takes them): leave them out"
+        )
 
 
 #: the subcommands whose options are built here, by name
