@@ -120,7 +120,10 @@ def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
         if dest in vals and schedule not in owners:
             vals[dest] = plain.get(dest)
     args = argparse.Namespace(**{**vals, "command": "sim", "out": ""})
-    inputs.check_args(args)  # fills the mode's defaults; a bad case is an error row
+    try:  # fills the mode's defaults; a bad case is an error row, in the options' words
+        inputs.check_args(args)
+    except ConfigError as e:
+        raise ConfigError(inputs.as_options(str(e), e.names)) from None
     w, gpu = workload_from(args), gpu_from(args)
     inputs.check_workload(w, gpu, args)
     profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu)
