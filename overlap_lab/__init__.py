@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _EXPORTS = {
     "simulate": "overlap_lab.api",
+    "simulate_program": "overlap_lab.program_sim",
+    "ProgramResult": "overlap_lab.program_sim",
     "compare": "overlap_lab.api",
     "lower_ranks": "overlap_lab.api",
     "workload": "overlap_lab.api",

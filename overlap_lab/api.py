@@ -179,6 +179,17 @@ def workload(
 _workload, _gpu = workload, gpu  # for the functions whose parameters shadow these names
 
 
+def default_stages() -> dict[str, int]:
+    """The pipeline stages each schedule runs by default where its workload defaults set them
+    (``shared.schedules.prepare_workload`` on a one-stage workload: pp's two)."""
+    out = {}
+    for name in registry.pipeline_schedules():
+        staged, _ = registry.prepare_workload(name, workload())
+        if staged.parallel.pp != 1:
+            out[name] = staged.parallel.pp
+    return out
+
+
 @dataclass(frozen=True)
 class Ranks:
     """How ranks are simulated: one mirrored rank (``symmetric``, fast) or every EP rank

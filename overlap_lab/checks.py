@@ -257,3 +257,84 @@ def check_knobs_read(given: Mapping[str, Any], schedules: Sequence[str]) -> None
             f"{name} applies to schedule {' or '.join(owners)} only, not {', '.join(schedules)}",
             names=(name, "schedule"),
         )
+
+
+#: Workload parameters (``api.workload``'s) that one mode reads and the other does not
+DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
+PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
+
+
+def mode_of(mode: Any) -> str:
+    """``mode`` as the workload reads it: decode or prefill, case-insensitive."""
+    m = str(mode).lower()
+    if m not in ("decode", "prefill"):
+        raise ConfigError(f"mode must be decode or prefill, got {mode!r}", names=("mode",))
+    return m
+
+
+def check_batch_fields(mode: str, given: Mapping[str, Any]) -> None:
+    """Refuse workload parameters given (``given``: name -> value, None: not given) that
+    ``mode`` does not read (they would change nothing), and explicit lengths whose count
+    contradicts the batch or each other."""
+    other = "prefill" if mode == "decode" else "decode"
+    for name in PREFILL_ONLY if mode == "decode" else DECODE_ONLY:
+        if given.get(name) is not None:
+            raise ConfigError(
+                f"{name} applies to mode {other} only, not {mode}", names=(name, "mode")
+            )
+    batch = given.get("batch")
+    kv, ext, pre = (given.get(k) for k in ("kv_lens", "extend_lens", "prefix_lens"))
+    names = ("batch", "kv_lens", "extend_lens", "prefix_lens")
+    if mode == "decode" and kv is not None and batch is not None and batch != len(kv):
+        raise ConfigError(f"batch {batch} but {len(kv)} kv_lens", names=names)
+    if mode == "prefill" and ext is not None:
+        if batch is not None and batch != len(ext):
+            raise ConfigError(f"batch {batch} but {len(ext)} extend_lens", names=names)
+        if pre is not None and len(pre) != len(ext):
+            raise ConfigError(f"{len(pre)} prefix_lens for {len(ext)} extend_lens", names=names)
+    elif mode == "prefill" and pre is not None:
+        raise ConfigError("prefix_lens needs extend_lens (one prefix per sequence)", names=names)
+
+
+def check_comm_sms(given: Mapping[str, Any], num_sms: int) -> None:
+    """Communication SMs (``comm_sms``, ``sbo_comm_sms``, ``deepep_normal_sms`` as given; None:
+    not given) below the GPU's ``num_sms``: a kernel cannot hold every SM of the GPU."""
+    for name in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
+        v = given.get(name)
+        if v is not None and v >= num_sms:
+            raise ConfigError(f"{name} {v} must be below the GPU's {num_sms} SMs", names=(name,))
+
+
+def schedule_names(names: Sequence[str], *, extra: Sequence[str] = ()) -> list[str]:
+    """Schedule names as registered (case and spaces aside, each once, in order), at least one;
+    an unknown one is refused naming the registered ones (``extra``: other names taken, such as
+    ``run``'s ``all``)."""
+    from overlap_lab.shared.schedules import SCHEDULES
+
+    choices = ", ".join(SCHEDULES)
+    out = list(dict.fromkeys(n.strip().lower() for n in names if n.strip()))
+    if not out:
+        raise ConfigError(
+            f"schedules needs at least one schedule, from {choices}", names=("schedules",)
+        )
+    for n in out:
+        if n not in SCHEDULES and n not in extra:
+            raise ConfigError(f"unknown schedule {n!r}; choose from {choices}")
+    return out
+
+
+def check_stages(schedule: str, w: Any, pp_size: int | None) -> None:
+    """A ``pp_size`` given is run as given: where ``schedule``'s workload defaults would replace
+    it (``shared.schedules.prepare_workload``: pp's stages for ``pp_size`` 1), it is refused;
+    None (not given): the schedule's default applies (said in the run's notes)."""
+    from overlap_lab.shared.schedules import prepare_workload
+
+    if pp_size is None:
+        return
+    ready, notes = prepare_workload(schedule, w)
+    if ready.parallel.pp != w.parallel.pp:
+        raise ConfigError(
+            f"{schedule} does not run pp_size {pp_size}; leave pp_size out for "
+            f"{'; '.join(notes) or f'{ready.parallel.pp} stages'}",
+            names=("pp_size",),
+        )

@@ -11,7 +11,8 @@ machine without them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,72 @@ def schedules_to_run(name: str | None) -> list[str]:
     return [S.BASELINE, name] if name != S.BASELINE else [S.BASELINE]
 
 
+#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
+#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
+INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
+
+
+def require_torch() -> None:
+    """A ConfigError saying how to install torch where it is missing (before anything runs)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(
+            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
+            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
+        )
+
+
+#: What the CPU equivalence check (:func:`check_on_cpu`) cannot honour, by the name of the
+#: workload or run parameter (``api.workload``'s, :func:`run_on_gpu`'s, ``overlap-lab run``'s
+#: options): it runs its own small workloads (tiny models, fixed decode and prefill batches:
+#: real/check.py), on the local or gloo backend, measures nothing and writes no files. Each is
+#: refused when given (:func:`check_cpu_check_inputs`), never silently dropped.
+CPU_CHECK_REFUSES = {
+    "mode": "the check runs decode and prefill batches of its own",
+    "max_events": "the check simulates nothing",
+    "allow_oversubscribe": "the check's tiny models fit in any memory",
+    "batch": "the check's batches are fixed (real/check.py)",
+    "kv_len": "the check's batches are fixed",
+    "kv_lens": "the check's batches are fixed",
+    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
+    "extend_len": "the check's batches are fixed",
+    "extend_lens": "the check's batches are fixed",
+    "prefix_len": "the check's batches are fixed",
+    "prefix_lens": "the check's batches are fixed",
+    "layers": "the check's tiny models have their own layers",
+    "mtp": "the check's tiny models have no MTP modules",
+    "model_file": "the check runs its tiny models",
+    "ep": "the check's EP size is max(2, --ranks)",
+    "gpus_per_node": "the check runs no network",
+    "attn_tp": "the check runs without attention TP",
+    "dp_attention": "the check runs DP attention",
+    "pp_size": "the check runs pp with 2 and 3 stages itself",
+    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
+    "warmup": "the check measures nothing",
+    "repeats": "the check measures nothing",
+    "out": "the check writes no files (use --json > FILE)",
+    "force": "the check writes no files",
+}
+
+
+def check_cpu_check_inputs(given: Collection[str], model: str | None) -> None:
+    """Refuse, in one line, the inputs of ``given`` (names set to other than their defaults)
+    that the CPU check cannot honour (:data:`CPU_CHECK_REFUSES`), and a ``model`` given that is
+    none of its tiny models (None: not given)."""
+    from overlap_lab.real.model import TINY_NAMES
+
+    bad = [k for k in CPU_CHECK_REFUSES if k in given]
+    if bad:
+        why = "; ".join(f"--{k.replace('_', '-')}: {CPU_CHECK_REFUSES[k]}" for k in bad)
+        raise ConfigError(f"run --device cpu --check does not take {why}")
+    if model is not None and model not in TINY_NAMES:
+        raise ConfigError(
+            f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
+            f"--model {model} runs on a GPU"
+        )
+
+
 def check_on_cpu(
     names: list[str],
     *,
@@ -57,8 +124,13 @@ def check_on_cpu(
     schedules that ran one micro-batch on some workload, so checked less than a split) and
     ``ok``. ``kernels``: kernel families whose kernels bind their ops first
     (:func:`kernel_families`), on both sides of every comparison. ``provenance``: what ran
-    (``provenance.check_record``, with ``command`` as typed; the check writes no file)."""
+    (``provenance.check_record``, with ``command`` as typed; the check writes no file).
+    A ``model`` that is none of the check's tiny ones runs as ``tiny-mla``, said in a note once
+    the check has run (never a line before an error's)."""
     from overlap_lab.provenance import check_record
+    from overlap_lab.real.model import TINY_NAMES
+
+    given, model = model, model if model in TINY_NAMES else "tiny-mla"
 
     asked = cfg
     from overlap_lab.real.check import (
@@ -111,6 +183,10 @@ def check_on_cpu(
         command, names, model=model, gpu=gpu, ranks=ranks, seed=seed, tolerance=tol,
         cfg=asked, kernels=list(kernels),
     )  # fmt: skip
+    if model != given:
+        from overlap_lab.shared.inputs.preset_files import note
+
+        note(f"the CPU check ran {model} (scaled down), not {given}")
     return out
 
 
@@ -353,3 +429,47 @@ def _driver() -> str | None:
         return r.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+#: The most timed and untimed calls per kernel of the kernel table's CPU dry run
+#: (:func:`check_kernel_run`): its host timings of tiny shapes mean nothing, and at the GPU's
+#: maxima (10,000 and 1,000) it ran past two minutes.
+KERNELS_CPU_REPEATS = 100
+KERNELS_CPU_WARMUP = 10
+
+
+def check_kernel_run(device: str, *, warmup: int, repeats: int) -> None:
+    """Refuse in one line a kernel table (``real.kernel_table.kernel_table``) that cannot run:
+    no torch, ``cuda`` without a GPU, counts out of range (the CPU dry run's bounds above)."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("kernels needs torch") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("kernels --device cuda needs a CUDA GPU; none is visible "
+                          "(--device cpu for the dry run)")  # fmt: skip
+    if repeats < 1 or warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    if device == "cpu" and (repeats > KERNELS_CPU_REPEATS or warmup > KERNELS_CPU_WARMUP):
+        raise ConfigError(
+            f"kernels --device cpu is a dry run: --repeats at most {KERNELS_CPU_REPEATS} and "
+            f"--warmup at most {KERNELS_CPU_WARMUP}, got {repeats} and {warmup}"
+        )
+
+
+def write_kernel_report(
+    report: Mapping[str, Any],
+    text: str,
+    out: str | Path,
+    command: Sequence[str] | None,
+    inputs: Mapping[str, Any],
+) -> tuple[Path, Path]:
+    """``kernels.json`` (the report with its ``provenance``: the version, ``command`` and the
+    ``inputs`` it ran with) and ``kernels.md`` (``text``, its table) in the folder ``out``."""
+    from overlap_lab.shared.outputs.trace import provenance
+
+    prov = provenance(command, dict(inputs))
+    js, md = Path(out) / "kernels.json", Path(out) / "kernels.md"
+    js.write_text(json.dumps({**report, "provenance": prov}, indent=2, sort_keys=True) + "\n")
+    md.write_text(text)
+    return js, md

@@ -60,13 +60,13 @@ def mark(p: Path) -> None:
         m.write_text("overlap-lab writes its outputs here; --out reuses this folder\n")
 
 
-def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> None:
+def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> Path:
     """An output folder that exists as a writable folder or can be made under one, never a
     filesystem root. With ``mine_only`` (sim, compare, analyze, validate without --force) it must
     also be new, empty or hold only what the tool wrote (this module's marker), and it is
     marked as the tool's now, before anything runs. Without it (the experiments' results folder,
     which keeps other runs' files that ``--draw`` reads; a folder written into with --force) the
-    folder is written into as it is and left unmarked."""
+    folder is written into as it is and left unmarked. Returns the folder."""
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a folder")
@@ -92,6 +92,7 @@ def check_out_dir(out: str | os.PathLike, *, mine_only: bool = False) -> None:
                 pass
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror})") from None
+    return p
 
 
 def _check_writable_under(p: Path, what: str) -> None:

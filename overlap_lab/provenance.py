@@ -50,6 +50,21 @@ def run_record(command: Command, result: Any, ranks: Any) -> dict[str, Any]:
     return provenance(command, inputs)
 
 
+def program_record(command: Command, result: Any) -> dict[str, Any]:
+    """``sim --program``'s (its trace and ``--json``): the Program file read (path and SHA-256),
+    the GPU it ran on, the profile, cost model and network; no workload: the Program is all."""
+    from overlap_lab.sim.calibrate import profile_name
+
+    inputs = {
+        "program": file_input(result.source),
+        "gpu": result.gpu,
+        "profile": profile_name(result.profile),
+        "cost_model": result.trace.meta["cost_model"],
+        "network": result.trace.meta["network"],
+    }
+    return provenance(command, inputs)
+
+
 def compare_record(
     command: Command,
     names: Sequence[str],

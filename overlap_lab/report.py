@@ -8,7 +8,7 @@ trace), the CPU check's and a measured run's results in words, and strict JSON
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +71,32 @@ def summary(res: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def program_summary(res: Mapping[str, Any]) -> str:
+    """``sim --program``'s summary in words, from its JSON (``ProgramResult.as_dict``): the
+    window, not per iteration, and what a bare Program cannot say."""
+    named = "" if res["schedule"] == "program" else f" of {res['schedule']}"
+    lines = [
+        f"{res['program']}: a Program{named}, world {res['world']}"
+        f"{'' if res['symmetric'] else ' (explicit ranks)'}, on {res['gpu']}",
+        f"  window           {res['window_us'] / 1e3:10.3f} ms",
+        f"  communication    {res['comm_window_us'] / 1e3:10.3f} ms",
+        f"  exposed comm     {res['exposed_comm_window_us'] / 1e3:10.3f} ms",
+        f"  SM time          {res['sm_compute'] * 100:9.1f} % compute, "
+        f"{res['sm_comm'] * 100:.1f} % comm, {res['sm_idle'] * 100:.1f} % idle",
+        f"  ops              {res['num_ops']:10d}  (durations: profile {res['profile']})",
+    ]
+    for lane, busy in sorted(res["busy_window_us"].items()):
+        lines.append(f"  busy {lane:<22s} {busy / 1e3:10.3f} ms")
+    lines.append(f"  not available without a workload: {', '.join(res['not_available'])}")
+    return "\n".join(lines)
+
+
 def workload_title(result: Any) -> str:
-    """The workload in a figure's title: model, mode, batch, layout, GPU."""
+    """The workload in a figure's title: model, mode, batch, layout, GPU (a bare Program's run,
+    ``program_sim.ProgramResult``, has none: its file and the GPU)."""
     w = result.workload
+    if w is None:
+        return f"{result.schedule}: Program {result.source or ''}, {result.gpu.name}"
     lay = f"EP{w.parallel.ep}" + (f" PP{w.parallel.pp}" if w.parallel.pp > 1 else "")
     tok = f" ({w.batch.num_tokens} tok)" if w.batch.num_tokens != w.batch.num_seqs else ""
     return (
@@ -144,6 +167,20 @@ def write_comparison(
                 provenance=provenance_of(row.result),
             )
     return files
+
+
+def schedules_text(rows: Sequence[tuple[str, str | None, str]]) -> str:
+    """``overlap-lab schedules``: each schedule's summary and the upstream code it follows
+    (``shared.schedules.describe``'s rows; a broken plug-in, upstream None, with its error)."""
+    width = max(len(n) for n, _, _ in rows)
+    lines = []
+    for name, upstream, summary in rows:
+        lines.append(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
+        if upstream:
+            lines.append(f"{'':<{width}}  upstream: {upstream}")
+    return (
+        "\n".join(lines) + "\n\nRules and references of each: docs/schedules.md in the repository."
+    )
 
 
 def check_text(out: Mapping[str, Any], key: str, tolerance: float) -> str:

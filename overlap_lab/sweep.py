@@ -377,7 +377,7 @@ def run_sweep(
         raise ConfigError(f"sweep: --limit must be a positive number of cases, got {limit}")
     out = file_target(out)  # links followed: one file, one lock, whatever name reaches it
     parquet = out.suffix == ".parquet"
-    csv_path = out.with_name(out.name + ".partial.csv") if parquet else out
+    csv_path = rows_file(out)
     if parquet and out.exists():
         raise ConfigError(
             f"sweep: {out} exists (a finished sweep, or another file); a .parquet sweep writes a "
@@ -399,6 +399,22 @@ def run_sweep(
             sweep_csv.to_parquet(csv_path, out)
             csv_path.unlink()
     return stats
+
+
+def rows_file(out: str | Path) -> Path:
+    """The CSV file a sweep into ``out`` streams its rows to: ``out`` itself, or
+    ``<out>.partial.csv`` for a ``.parquet`` sweep until every case is done."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out
+
+
+def stats_text(out: str | Path, stats: Mapping[str, int]) -> str:
+    """A finished sweep in one line: :func:`run_sweep`'s counts."""
+    return (
+        f"{out}: {stats['cases']} cases, {stats['done_before']} done before, "
+        f"{stats['simulated']} simulated, {stats['duplicates']} duplicates, "
+        f"{stats['errors']} errors"
+    )
 
 
 def _check_resumed(rows: Sequence[Mapping[str, str]], spec: Spec, out: Path) -> None:

@@ -308,6 +308,11 @@ class TuningPair:
     def as_dict(self) -> dict[str, Any]:
         return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict()}
 
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What both phases wrote."""
+        return self.prefill.files + self.decode.files
+
 
 def label(p: Point) -> str:
     """A configuration's name in the sensitivity table: its setting and batch."""

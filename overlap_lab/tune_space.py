@@ -178,6 +178,55 @@ def tunable_knobs() -> dict[str, Knob]:
     return out
 
 
+#: How ``--try`` spells a boolean knob's values (as every boolean option: ``cli.options._bool``)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _scalar(kind: type, text: str) -> Any:
+    """One value of a knob, as its record types it (ValueError for one it cannot be)."""
+    if kind is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(text)
+        return text.lower() in _TRUE
+    return kind(text) if kind in (int, float) else text
+
+
+def parse_tries(items: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+    """``KNOB=V1,V2`` items (``overlap-lab tune --try``): each knob's values to try, parsed and
+    checked by its record (``KNOB=`` holds it at its default); ``mtp_drafts``/``drafts``: the
+    MTP draft counts (:attr:`Space.drafts`). A knob the search does not vary is refused, naming
+    those it does."""
+    records = {**tunable_knobs(), **{k.name: k for k in _gpu_dims()}}
+    out: dict[str, tuple[Any, ...]] = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq:
+            raise ConfigError(f"--try takes KNOB=V1,V2, got {item!r}")
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if name in ("mtp_drafts", "drafts"):
+            try:
+                out["drafts"] = tuple(int(v) for v in values)
+            except ValueError:
+                raise ConfigError(f"--try {name}: integers, got {text!r}") from None
+            continue
+        if name not in records:
+            raise ConfigError(
+                f"--try: {name!r} is no knob the search varies; knobs: {', '.join(records)}"
+            )
+        k = records[name]
+        try:
+            vals = tuple(_scalar(k.scalar, v) for v in values)
+        except ValueError:
+            raise ConfigError(f"--try {name}: {k.expects()}, got {text!r}") from None
+        for v in vals:
+            why = k.refusal(v)
+            if why:
+                raise ConfigError(f"--try {name} {why}")
+        out[name] = vals
+    return out
+
+
 def _gpu_dims() -> tuple[Knob, ...]:
     """The GPU record's deployment fields: DeepEP's normal kernels' release and SMs."""
     return tuple(k for k in gpu_fields() if k.tune)

@@ -16,6 +16,7 @@ Library functions for ``overlap-lab validate`` and the real executor; figures ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,9 @@ def predict(program: Program, gpu: GPU, profile: Profile, seed: int = 0) -> Trac
     return simulate(program, gpu, seed=seed, profile=profile)
 
 
-def to_text(v: Validation, top: int = 15) -> str:
+def to_text(v: Validation, top: int = 15, what_if: Mapping[str, Any] | None = None) -> str:
+    """``validate``'s table: the step and exposed communication measured against predicted,
+    then the ``top`` ops with the largest error, and :func:`what_if`'s answer when given."""
     lines = [
         f"{'':<24}{'measured':>12}{'predicted':>12}{'error':>10}",
         f"{'step time (µs)':<24}{v.measured_step_us:>12.1f}{v.predicted_step_us:>12.1f}"
@@ -156,6 +159,10 @@ def to_text(v: Validation, top: int = 15) -> str:
                 f"{r:>4} {op:<24}{'' if layer is None else layer:>6}{'' if mb is None else mb:>4}"
                 f"{o.measured_us:>11.1f}{o.predicted_us:>11.1f}{o.error:>+9.2%}"
             )
+    if what_if is not None:
+        lines += ["", f"what if {what_if['schedule']}: predicted step "
+                  f"{what_if['predicted_step_time_us']:.1f} µs, speed-up "
+                  f"{what_if['speedup_vs_measured']:.3f} over the measured step"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

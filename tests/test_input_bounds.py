@@ -313,7 +313,8 @@ def test_kernels_cpu_dry_run_is_bounded(capsys):
     """H3: the dry run at the documented maxima (--repeats 10000 --warmup 1000) ran past two
     minutes."""
     pytest.importorskip("torch")
-    from overlap_lab.cli.kernels import CPU_REPEATS, CPU_WARMUP
+    from overlap_lab.measure import KERNELS_CPU_REPEATS as CPU_REPEATS
+    from overlap_lab.measure import KERNELS_CPU_WARMUP as CPU_WARMUP
 
     argv = ["kernels", "--device", "cpu", "--repeats", "10000", "--warmup", "1000"]
     refused(capsys, argv, f"--repeats at most {CPU_REPEATS}", f"--warmup at most {CPU_WARMUP}")

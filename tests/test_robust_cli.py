@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlap_lab.cli.inputs import LIMITS
 from overlap_lab.cli.main import main, parser
 from overlap_lab.experiments import runner
+from overlap_lab.limits import LIMITS
 from tests.fuzz_helpers import fuzz_settings
 
 SMALL = ["--model", "deepseek-v2-lite", "--layers", "2", "--ep", "8", "--batch", "4"]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from overlap_lab.cli.main import main
-from overlap_lab.cli.run import CPU_CHECK_REFUSES, INSTALL_REAL
+from overlap_lab.measure import CPU_CHECK_REFUSES, INSTALL_REAL
 
 
 def run(capsys, *argv):

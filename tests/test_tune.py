@@ -257,3 +257,28 @@ def _inputs(d, space):
     from overlap_lab.tune import _inputs as inputs
 
     return inputs(d, None, space, True, False)
+
+
+# ---- --try KNOB=V1,V2 -------------------------------------------------------------------------
+
+
+def test_try_values_are_parsed_and_checked_by_the_knob_record():
+    """``tune --try``: each value typed as its record types it and in its range; ``KNOB=`` holds
+    the knob at its default; a knob the search does not vary, a value of the wrong type or out
+    of range and a draft count that is no integer are each one ConfigError, never a traceback
+    (a non-integer draft count was an argparse error escaping the handler)."""
+    from overlap_lab.tune_space import parse_tries
+
+    got = parse_tries(["comm-sms=2, 12", "tbo_threshold=0.25", "deepep_release=v2", "sbo_mode="])
+    assert got == {"comm_sms": (2, 12), "tbo_threshold": (0.25,), "deepep_release": ("v2",),
+                   "sbo_mode": ()}  # fmt: skip
+    assert parse_tries(["mtp_drafts=1,2"]) == {"drafts": (1, 2)}
+    for bad, said in [
+        ("comm_sms", "KNOB=V1,V2"),
+        ("batch=8", "no knob the search varies"),
+        ("comm_sms=two", "comm_sms"),
+        ("comm_sms=0", "comm_sms"),
+        ("mtp_drafts=x", "integers"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            parse_tries([bad])

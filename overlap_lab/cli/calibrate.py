@@ -39,12 +39,9 @@ from overlap_lab.sim.profile import BUILTIN, ROOFLINE, load_profile
 
 def _out_dir(args) -> Path | None:
     """The figure folder, checked and made as sim's (``outdir.check_out_dir``); None for ''."""
-    if not args.out:
-        return None
     from overlap_lab.outdir import check_out_dir
 
-    check_out_dir(args.out, mine_only=not args.force)
-    return Path(args.out)
+    return check_out_dir(args.out, mine_only=not args.force) if args.out else None
 
 
 def _provenance(args, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -179,13 +176,7 @@ def cmd_validate(args) -> int:
         print(json.dumps({**res, "provenance": prov}, sort_keys=True))
         return 0
     print(f"validate {args.trace}: schedule {args.schedule}, profile {profile.name}")
-    sys.stdout.write(V.to_text(v))
-    if "what_if" in res:
-        w = res["what_if"]
-        print(
-            f"\nwhat if {w['schedule']}: predicted step {w['predicted_step_time_us']:.1f} µs, "
-            f"speed-up {w['speedup_vs_measured']:.3f} over the measured step"
-        )
+    sys.stdout.write(V.to_text(v, what_if=res.get("what_if")))
     for f in res.get("files", []):
         print(f"wrote {f}")
     return 0

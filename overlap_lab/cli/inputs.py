@@ -18,74 +18,16 @@ import math
 import os
 import typing
 from pathlib import Path
-from typing import Any
 
+from overlap_lab.limits import LIMITS, RUN_LIMITS, record_limits
+from overlap_lab.limits import Limit as Limit  # (re-exported: experiments' options use it)
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.inputs.hardware import GPU, gpu_fields, host_cost_fields
+from overlap_lab.shared.inputs.hardware import GPU, gpu_fields
 from overlap_lab.shared.inputs.knobs import Knob
-from overlap_lab.shared.schedules import schedule_knobs
-from overlap_lab.shared.schedules.common import MAX_SEQS, MAX_TOKENS
+from overlap_lab.shared.schedules.common import MAX_SEQS
 
 # ---- per-option limits ---------------------------------------------------------------------------
-
-
-def Limit(kind: type, lo: float, hi: float, *, is_list: bool = False, **kw: Any) -> Knob:
-    """The range of an option that is no configuration's field (the workload's, ``run``'s), as
-    the knob record every option is checked by (``Knob.refusal``), the API's fields too."""
-    tp = tuple[kind, ...] if is_list else kind  # type: ignore[valid-type]
-    return Knob("", tp, None, "", lo=lo, hi=hi, **kw)
-
-
-def _record_limits() -> dict[str, Knob]:
-    """The knob records of the schedule knobs, host costs (``host_`` options) and GPU fields
-    with a range, declared once where the field is (the API checks the same records)."""
-    out = {}
-    for prefix, records in (
-        ("", schedule_knobs()),
-        ("host_", host_cost_fields()),
-        ("", gpu_fields()),
-    ):
-        for k in records:
-            if k.scalar in (int, float) and k.lo is not None and k.hi is not None:
-                out[prefix + k.name] = k
-    return out
-
-
-_I, _F = int, float
-#: Option destination -> the record of its range: the workload's and ``run``'s here, every
-#: knob's its own. Hardware ranges bracket every real device with a wide margin and keep
-#: simulated times far from floating-point trouble.
-LIMITS: dict[str, Knob] = {
-    # workload and parallelism
-    "batch": Limit(_I, 1, MAX_SEQS),
-    "kv_len": Limit(_I, 1, MAX_TOKENS),
-    "kv_lens": Limit(_I, 1, MAX_TOKENS, is_list=True),
-    "tokens_per_seq": Limit(_I, 1, 64),
-    "extend_len": Limit(_I, 1, MAX_TOKENS),
-    "extend_lens": Limit(_I, 1, MAX_TOKENS, is_list=True),
-    "prefix_len": Limit(_I, 0, MAX_TOKENS),
-    "prefix_lens": Limit(_I, 0, MAX_TOKENS, is_list=True),
-    "layers": Limit(_I, 1, 1000),
-    "mtp": Limit(_I, 0, 8, unit="draft steps"),
-    "ep": Limit(_I, 1, 1024),
-    "gpus_per_node": Limit(_I, 1, 72),
-    "attn_tp": Limit(_I, 1, 1024),
-    "pp_size": Limit(_I, 1, 16),
-    "seed": Limit(_I, 0, 2**32 - 1),
-    "dp_imbalance": Limit(_F, 0, 1, unit="(1 excluded)", check=lambda v, _: _below_one(v)),
-    "max_events": Limit(_I, 1, 10**10),
-    # `run`
-    "warmup": Limit(_I, 0, 1000),
-    "repeats": Limit(_I, 1, 10000),
-    "tolerance": Limit(_F, 1e-12, 1),
-}
-LIMITS.update(_record_limits())
-#: `run` (CPU equivalence check and GPU) sizes: the real executor allocates them.
-RUN_LIMITS = {"batch": 4096, "ranks": 16}
-
-
-def _below_one(v: float) -> str | None:
-    return f"must be below 1, got {v!r}" if v >= 1 else None
+# (the ranges themselves are the library's: overlap_lab.limits)
 
 
 def _number(kind: type, s: str):
@@ -143,7 +85,7 @@ def _actions(parser: argparse.ArgumentParser):
 def apply_limits(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Give every limited option its checking type and state the range in its help (the knob
     records' ranges read now: a schedule installed since this module was imported has its own)."""
-    limits = {**LIMITS, **_record_limits()}
+    limits = {**LIMITS, **record_limits()}
     for a in _actions(parser):
         if a.choices is not None and a.type is None and a.option_strings:
             a.type = str.lower  # names are case-insensitive, like --model and --gpu
@@ -183,16 +125,13 @@ def add_guard_options(p: argparse.ArgumentParser) -> None:
 
 # ---- cross-option checks -------------------------------------------------------------------------
 
-DECODE_ONLY = ("kv_len", "kv_lens", "tokens_per_seq", "mtp")
-PREFILL_ONLY = ("extend_len", "extend_lens", "prefix_len", "prefix_lens")
-
-
 #: Option defaults this layer applies itself (None in the parser, so that "given" is visible).
 MODE_DEFAULTS = {"kv_len": 4096, "tokens_per_seq": 1, "extend_len": 4096, "prefix_len": 0}
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def flag(name: str) -> str:
+    """The option spelling of a field or ``dest`` name (``kv_len`` -> ``--kv-len``)."""
+    return "--" + name.replace("_", "-")
 
 
 def _given(args, dest: str) -> bool:
@@ -216,9 +155,9 @@ def _check_args(args) -> None:
         check_profile_file(args.profile)
     if cmd not in ("sim", "show", "compare", "run"):
         if isinstance(getattr(args, "mode", None), str):  # calibrate, validate: workload options
-            args.mode = args.mode.lower()
-            if args.mode not in ("decode", "prefill"):
-                raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
+            from overlap_lab.checks import mode_of
+
+            args.mode = mode_of(args.mode)
             _check_mode_options(args)
         return
     _check_names(args, cmd)
@@ -227,7 +166,9 @@ def _check_args(args) -> None:
         from overlap_lab.checks import check_knobs_read
 
         check_knobs_read(vars(args), _schedules(args, cmd))
-    _check_hardware(args)
+    from overlap_lab.checks import check_comm_sms
+
+    check_comm_sms(vars(args), gpu_from(args).num_sms)  # --gpu, --gpu-file, --num-sms
     if cmd == "run":
         _check_run(args)
         return
@@ -243,29 +184,16 @@ def _check_args(args) -> None:
 
 
 def _check_names(args, cmd: str) -> None:
-    from overlap_lab.shared.schedules import SCHEDULES
+    from overlap_lab.checks import mode_of, schedule_names
 
-    mode = str(args.mode).lower()
-    if mode not in ("decode", "prefill"):
-        raise ConfigError(f"--mode must be decode or prefill, got {args.mode!r}")
-    args.mode = mode
+    args.mode = mode_of(args.mode)
     if getattr(args, "deepep_mode", None) is not None:
         args.deepep_mode = args.deepep_mode.lower()
-    choices = ", ".join(SCHEDULES)
     if cmd == "compare":
-        names = [s.strip().lower() for s in args.schedules.split(",")]
-        names = [n for n in names if n]
-        if not names:
-            raise ConfigError(f"--schedules needs at least one schedule, from {choices}")
-        for n in names:
-            if n not in SCHEDULES:
-                raise ConfigError(f"unknown schedule {n!r}; choose from {choices}")
-        args.schedules = ",".join(dict.fromkeys(names))
+        args.schedules = ",".join(schedule_names(args.schedules.split(",")))
     elif args.schedule is not None:
-        name = args.schedule.strip().lower()
-        if name not in SCHEDULES and not (cmd == "run" and name == "all"):
-            raise ConfigError(f"unknown schedule {args.schedule!r}; choose from {choices}")
-        args.schedule = name
+        extra = ("all",) if cmd == "run" else ()
+        (args.schedule,) = schedule_names([args.schedule], extra=extra)
 
 
 def _schedules(args, cmd: str) -> list[str]:
@@ -273,36 +201,13 @@ def _schedules(args, cmd: str) -> list[str]:
 
 
 def _check_mode_options(args) -> None:
-    wrong = PREFILL_ONLY if args.mode == "decode" else DECODE_ONLY
-    for dest in wrong:
-        if _given(args, dest):
-            other = "prefill" if args.mode == "decode" else "decode"
-            raise ConfigError(f"{_flag(dest)} applies to --mode {other} only, not {args.mode}")
+    from overlap_lab.checks import check_batch_fields
+
+    check_batch_fields(args.mode, vars(args))  # before the defaults: what was given
     for dest, v in MODE_DEFAULTS.items():
         mtp = dest == "tokens_per_seq" and getattr(args, "mtp", None)
         if getattr(args, dest, None) is None and not mtp:
             setattr(args, dest, v)  # --mtp N: N + 1 tokens per sequence (api.workload)
-    if args.mode == "decode" and args.kv_lens is not None and _given(args, "batch"):
-        if args.batch != len(args.kv_lens):
-            raise ConfigError(f"--batch {args.batch} but {len(args.kv_lens)} --kv-lens")
-    if args.mode == "prefill" and args.extend_lens is not None:
-        n = len(args.extend_lens)
-        if _given(args, "batch") and args.batch != n:
-            raise ConfigError(f"--batch {args.batch} but {n} --extend-lens")
-        if args.prefix_lens is not None and len(args.prefix_lens) != n:
-            raise ConfigError(f"{len(args.prefix_lens)} --prefix-lens for {n} --extend-lens")
-    elif args.mode == "prefill" and args.prefix_lens is not None:
-        raise ConfigError("--prefix-lens needs --extend-lens (one prefix per sequence)")
-
-
-def _check_hardware(args) -> None:
-    """Communication SMs below the GPU's (a nominal link override carries over to DeepEP's
-    achievable rate in ``overlap_lab.api.gpu``)."""
-    num_sms = gpu_from(args).num_sms  # --gpu, --gpu-file (a file), --num-sms
-    for dest in ("comm_sms", "sbo_comm_sms", "deepep_normal_sms"):
-        v = getattr(args, dest, None)
-        if v is not None and v >= num_sms:
-            raise ConfigError(f"{_flag(dest)} {v} must be below the GPU's {num_sms} SMs")
 
 
 def warn_implausible(values: dict[str, float | None]) -> None:
@@ -381,7 +286,7 @@ def as_options(message: str, names: tuple[str, ...]) -> str:
     import re
 
     for n in names:
-        message = re.sub(rf"(?<![\w-]){re.escape(n)}(?![\w-])", _flag(n), message)
+        message = re.sub(rf"(?<![\w-]){re.escape(n)}(?![\w-])", flag(n), message)
     return message
 
 

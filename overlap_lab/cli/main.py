@@ -19,7 +19,6 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from overlap_lab import report
 from overlap_lab.cli import inputs
@@ -31,7 +30,9 @@ from overlap_lab.cli.options import (
     add_run_options,
     add_sim_options,
     check_pp_size,
+    check_program_options,
     config_from,
+    figure_from,
     figure_options,
     gpu_from,
     profile_from,
@@ -48,46 +49,41 @@ from overlap_lab.shared.inputs.preset_files import hold_notes
 from overlap_lab.shared.ir.validate import ProgramError
 from overlap_lab.shared.schedules import BASELINE, SCHEDULES
 
-if TYPE_CHECKING:
-    pass
-
-
 # ---- commands ------------------------------------------------------------------------------------
 
 
 def cmd_sim(args) -> int:
-    from overlap_lab import api
+    from overlap_lab import api, program_sim, provenance
 
-    check_pp_size(args.schedule, args)
-    w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    result = api.simulate(
-        args.schedule,
-        w,
-        gpu,
-        cfg,
-        ranks=ranks_from(args),
-        profile=args.profile,
-        max_events=args.max_events,
-        cost_model=args.cost_model,
-        network=args.network,
-    )
+    if args.program is not None:  # the Program as written: parsed, validated, simulated
+        result = program_sim.simulate_program(
+            args.program, gpu_from(args), profile=args.profile, max_events=args.max_events,
+            cost_model=args.cost_model, network=args.network, fast_forward=args.fast_forward,
+        )  # fmt: skip
+        prov = provenance.program_record(getattr(args, "command_line", None), result)
+        text = report.program_summary
+    else:
+        check_pp_size(args.schedule, args)
+        result = api.simulate(
+            args.schedule,
+            workload_from(args),
+            gpu_from(args),
+            config_from(args),
+            ranks=ranks_from(args),
+            profile=args.profile,
+            max_events=args.max_events,
+            cost_model=args.cost_model,
+            network=args.network,
+        )
+        prov, text = _provenance(args, result), report.summary
     res = result.as_dict()
     if args.out:
-        files = report.write_run(
-            result,
-            Path(args.out),
-            provenance=_provenance(args, result),
-            figure_format=args.figure_format,
-            window=args.window,
-            rank=args.rank,
-            width=args.width,
-            title=args.title,
-        )
+        files = report.write_run(result, Path(args.out), provenance=prov, **figure_from(args))
         res["files"] = [str(f) for f in files]
     if args.json:  # the record beside the result, not in it: Result.as_dict() is the API's
-        print(report.to_json({**res, "provenance": _provenance(args, result)}))
+        print(report.to_json({**res, "provenance": prov}))
     else:
-        print(report.summary(res))
+        print(text(res))
         for f in res.get("files", []):
             print(f"  wrote {f}")
     return 0
@@ -119,13 +115,7 @@ def cmd_show(args) -> int:
 def cmd_schedules(args) -> int:
     from overlap_lab.shared.schedules import describe
 
-    rows = describe()
-    width = max(len(n) for n, _, _ in rows)
-    for name, upstream, summary in rows:  # a broken plug-in: listed with its error
-        print(f"{name:<{width}}  {summary if upstream else 'BROKEN: ' + summary}")
-        if upstream:
-            print(f"{'':<{width}}  upstream: {upstream}")
-    print("\nRules and references of each: docs/schedules.md in the repository.")
+    print(report.schedules_text(describe()))
     return 0
 
 
@@ -154,11 +144,7 @@ def cmd_compare(args) -> int:
             table,
             Path(args.out),
             provenance_of=lambda result: _provenance(args, result),
-            figure_format=args.figure_format,
-            window=args.window,
-            rank=args.rank,
-            width=args.width,
-            title=args.title,
+            **figure_from(args),
         )
     if args.json:
         from overlap_lab.provenance import compare_record
@@ -199,6 +185,9 @@ def parser() -> argparse.ArgumentParser:
     add_sim_options(s)
     add_model_options(s)
     inputs.add_force_option(s)
+    s.add_argument("--program", default=None, metavar="FILE", help="simulate this Program text "
+                   "(as `overlap-lab show` prints it, edited or not) instead of building "
+                   "--schedule's; see docs/program.md")  # fmt: skip
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("show", help="print the Program's text form")
@@ -275,9 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     # as typed: what the results files record (provenance)
     args.command_line = ["overlap-lab", *(sys.argv[1:] if argv is None else argv)]
     hold_notes(True)  # said once the command succeeded: never a line before an error's
+    program = getattr(args, "program", None) is not None  # sim --program: no workload
     try:
+        if program:
+            check_program_options(args)
         inputs.check_args(args)  # every option, alone and together, before anything runs
-        if args.command in ("sim", "compare", "run") and not inputs.tiny_cpu_model(args):
+        if args.command in ("sim", "compare", "run") and not (
+            inputs.tiny_cpu_model(args) or program
+        ):
             w, gpu = workload_from(args), gpu_from(args)
             inputs.check_workload(w, gpu, args)
         code = args.func(args)

@@ -19,7 +19,7 @@ import argparse
 import typing
 
 from overlap_lab.cli import inputs
-from overlap_lab.cli.inputs import _gpu_overrides, _overrides, model_spec
+from overlap_lab.cli.inputs import _gpu_overrides, _overrides, flag, model_spec
 from overlap_lab.cli.inputs import (
     gpu_from as gpu_from,  # (re-exported: every command reads it here)
 )
@@ -60,11 +60,6 @@ def _int_list(s: str) -> tuple[int, ...]:
     if not vals:
         raise argparse.ArgumentTypeError("expected at least one length")
     return vals
-
-
-def flag(name: str) -> str:
-    """The option spelling of a field or ``dest`` name (``kv_len`` -> ``--kv-len``)."""
-    return "--" + name.replace("_", "-")
 
 
 def _str_list(s: str) -> tuple[str, ...]:
@@ -233,6 +228,11 @@ def figure_options(p: argparse.ArgumentParser) -> None:
                    "the workload, and the window drawn)")  # fmt: skip
 
 
+def figure_from(args) -> dict[str, typing.Any]:
+    """The figure options, as ``report.write_run`` and ``report.write_comparison`` take them."""
+    return {k: getattr(args, k) for k in ("figure_format", "window", "rank", "width", "title")}
+
+
 def rank_options(p: argparse.ArgumentParser) -> None:
     """Explicit ranks, routing imbalance and DP-attention imbalance (sim, show, compare)."""
     g = p.add_argument_group("ranks and imbalance")
@@ -332,42 +332,24 @@ def config_from(args) -> ScheduleConfig:
 
 
 def check_pp_size(schedule: str, args) -> None:
-    """A ``--pp-size`` typed is run as typed: where the schedule's workload defaults would
-    replace it (``shared.schedules.prepare_workload``: pp's stages for ``--pp-size 1``), it is
-    refused; left out, the schedule's default applies (said in the run's notes)."""
-    if args.pp_size is None:
-        return
-    w = workload_from(args)
-    ready, notes = schedules.prepare_workload(schedule, w)
-    if ready.parallel.pp != w.parallel.pp:
-        raise ConfigError(
-            f"{schedule} does not run --pp-size {args.pp_size}; leave --pp-size out for "
-            f"{'; '.join(notes) or f'{ready.parallel.pp} stages'}"
-        )
+    """A ``--pp-size`` typed is run as typed (``checks.check_stages``)."""
+    from overlap_lab.checks import check_stages
+
+    check_stages(schedule, workload_from(args), args.pp_size)
 
 
 def _stage_defaults() -> str:
     """``; pp: 2`` for every schedule whose workload defaults set the stages (the help text)."""
-    from overlap_lab import api
+    from overlap_lab.api import default_stages
 
-    out = ""
-    for name in schedules.pipeline_schedules():
-        staged, _ = schedules.prepare_workload(name, api.workload())
-        if staged.parallel.pp != 1:
-            out += f"; {name}: {staged.parallel.pp}"
-    return out
+    return "".join(f"; {name}: {n}" for name, n in default_stages().items())
 
 
 def _drawn(rule: str) -> str:
     """The schedules whose figures follow ``rule`` (a ``Drawing`` field), for help texts."""
-    names = []
-    for name in schedules.REGISTRY.usable():
-        try:
-            if getattr(schedules.drawing(name), rule):
-                names.append(name)
-        except ConfigError:  # a broken plug-in is reported where it is used
-            continue
-    return " and ".join(names) or "no"
+    from overlap_lab.figures.windows import drawn_by
+
+    return " and ".join(drawn_by(rule)) or "no"
 
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:
@@ -451,6 +433,32 @@ def add_run_options(s: argparse.ArgumentParser) -> None:
     inputs.add_force_option(s)
     s.add_argument("--json", action="store_true")
     workload_options(s)
+
+
+def given_options(args, name: str) -> set[str]:
+    """The options of subcommand ``name`` that ``args`` sets to other than their defaults."""
+    defaults = vars(subcommand_parser(name).parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+#: What ``sim --program`` still reads: the GPU the Program runs on (and its overrides), how
+#: durations and flows are costed, the budget, the outputs. Every other option builds or lowers
+#: a schedule's Program (schedule, workload, knobs, host costs, ranks) and is refused.
+PROGRAM_OPTIONS = frozenset(
+    {"gpu", "gpu_file", "profile", "cost_model", "network", "max_events", "fast_forward", "out",
+     "json", "figure_format", "window", "rank", "width", "title"}
+)  # fmt: skip
+
+
+def check_program_options(args) -> None:
+    """``sim --program``: refuse, in one line naming them, the options it cannot honour."""
+    gpu = {k.name for k in _gpu_overrides()}
+    bad = sorted(given_options(args, "sim") - PROGRAM_OPTIONS - gpu)
+    if bad:
+        raise ConfigError(
+            f"sim --program runs the Program as written; {', '.join(map(flag, bad))} build or "
+            "lower a schedule's Program (overlap-lab show takes them): leave them out"
+        )
 
 
 #: the subcommands whose options are built here, by name

@@ -24,7 +24,7 @@ import json as _json
 import sys
 
 from overlap_lab.cli import inputs
-from overlap_lab.cli.options import config_from, flag, subcommand_parser, workload_from
+from overlap_lab.cli.options import config_from, subcommand_parser, workload_from
 from overlap_lab.shared.errors import ConfigError
 
 #: `run` on a GPU keeps this many layers by default: a full-size model does not fit on one GPU
@@ -73,13 +73,6 @@ def run_main(args) -> int:
         return 2
 
 
-def _cpu_model(args) -> str:
-    from overlap_lab.real.model import TINY_NAMES
-
-    m = _opt(args, "model")
-    return m if m in TINY_NAMES else "tiny-mla"
-
-
 def _run(args) -> int:
     device = _opt(args, "device")
     if device == "cpu":
@@ -95,12 +88,11 @@ def _run(args) -> int:
 def _run_cpu(args) -> int:
     from overlap_lab.measure import check_on_cpu, schedules_to_run
 
-    model = _cpu_model(args)
     ranks = int(_opt(args, "ranks"))
     names = schedules_to_run(_opt(args, "schedule"))
     out = check_on_cpu(
         names,
-        model=model,
+        model=_opt(args, "model"),
         gpu=_opt(args, "gpu"),
         ranks=ranks,
         seed=_opt(args, "seed"),
@@ -109,10 +101,6 @@ def _run_cpu(args) -> int:
         kernels=tuple(_opt(args, "kernels")),
         command=getattr(args, "command_line", None),
     )
-    if model != _opt(args, "model"):
-        from overlap_lab.shared.inputs.preset_files import note
-
-        note(f"the CPU check ran {model} (scaled down), not {_opt(args, 'model')}")
     tol = out["tolerance"]
     key = "max_rel_diff_vs_one_process" if ranks > 1 else "max_rel_diff_vs_serial"
     if _opt(args, "json"):  # the check writes no file: this JSON, redirected, is its record
@@ -161,40 +149,6 @@ def _run_gpu(args) -> int:
 # -- the subcommand ----------------------------------------------------------------------------
 
 
-#: The install command the real executor needs, with the CPU torch wheel pinned (without the pin,
-#: pip pulls several GB of CUDA packages onto a machine that has no GPU).
-INSTALL_REAL = 'pip install "torch==2.13.0" -e ".[real]"'
-#: Options the CPU equivalence check cannot honour: it runs its own small workloads (tiny models,
-#: fixed decode and prefill batches: real/check.py), on the local or gloo backend, measures
-#: nothing and writes no files. Each is refused when given, never silently dropped.
-CPU_CHECK_REFUSES = {
-    "mode": "the check runs decode and prefill batches of its own",
-    "max_events": "the check simulates nothing",
-    "allow_oversubscribe": "the check's tiny models fit in any memory",
-    "batch": "the check's batches are fixed (real/check.py)",
-    "kv_len": "the check's batches are fixed",
-    "kv_lens": "the check's batches are fixed",
-    "tokens_per_seq": "the check's batches are fixed (one has 2 tokens per sequence)",
-    "extend_len": "the check's batches are fixed",
-    "extend_lens": "the check's batches are fixed",
-    "prefix_len": "the check's batches are fixed",
-    "prefix_lens": "the check's batches are fixed",
-    "layers": "the check's tiny models have their own layers",
-    "mtp": "the check's tiny models have no MTP modules",
-    "model_file": "the check runs its tiny models",
-    "ep": "the check's EP size is max(2, --ranks)",
-    "gpus_per_node": "the check runs no network",
-    "attn_tp": "the check runs without attention TP",
-    "dp_attention": "the check runs DP attention",
-    "pp_size": "the check runs pp with 2 and 3 stages itself",
-    "backend": "the check runs the local backend (gloo with --ranks N); --backend applies on a GPU",
-    "warmup": "the check measures nothing",
-    "repeats": "the check measures nothing",
-    "out": "the check writes no files (use --json > FILE)",
-    "force": "the check writes no files",
-}
-
-
 def _given(args) -> set[str]:
     """The options of `run` set to something other than their default."""
     d = subcommand_parser("run").parse_args(["--device", "cpu", "--check"])
@@ -206,27 +160,12 @@ def _given(args) -> set[str]:
 
 
 def cmd_run(args) -> int:
-    import importlib.util
+    from overlap_lab.measure import check_cpu_check_inputs, require_torch
 
-    if importlib.util.find_spec("torch") is None:
-        raise ConfigError(
-            f"the real executor needs torch; from the repository: {INSTALL_REAL} "
-            "(the CPU wheel; on a GPU machine install the torch build for its CUDA driver)"
-        )
+    require_torch()
     if args.device == "cpu":
         given = _given(args)
-        bad = [k for k in CPU_CHECK_REFUSES if k in given]
-        if bad:
-            why = "; ".join(f"{flag(k)}: {CPU_CHECK_REFUSES[k]}" for k in bad)
-            raise ConfigError(f"run --device cpu --check does not take {why}")
-        if "model" in given:
-            from overlap_lab.real.model import TINY_NAMES
-
-            if args.model not in TINY_NAMES:
-                raise ConfigError(
-                    f"run --device cpu --check runs the tiny models ({', '.join(TINY_NAMES)}); "
-                    f"--model {args.model} runs on a GPU"
-                )
+        check_cpu_check_inputs(given, args.model if "model" in given else None)
     args.cfg = config_from(args)
     if args.layers is None and args.device != "cpu":
         args.layers = GPU_RUN_LAYERS

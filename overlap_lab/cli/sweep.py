@@ -33,7 +33,7 @@ from typing import Any
 
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.simcase import SimCase
-from overlap_lab.sweep import MAX_CASES, Spec, expand  # noqa: F401 - MAX_CASES: the CLI's too
+from overlap_lab.sweep import MAX_CASES, Spec, expand, rows_file, stats_text  # noqa: F401 - MAX_CASES: the CLI's too
 from overlap_lab.sweep_csv import read_rows
 
 #: `sim` options that are not knobs of a simulation
@@ -120,7 +120,10 @@ def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
         if dest in vals and schedule not in owners:
             vals[dest] = plain.get(dest)
     args = argparse.Namespace(**{**vals, "command": "sim", "out": ""})
-    inputs.check_args(args)  # fills the mode's defaults; a bad case is an error row
+    try:  # fills the mode's defaults; a bad case is an error row, in the options' words
+        inputs.check_args(args)
+    except ConfigError as e:
+        raise ConfigError(inputs.as_options(str(e), e.names)) from None
     w, gpu = workload_from(args), gpu_from(args)
     inputs.check_workload(w, gpu, args)
     profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu)
@@ -198,17 +201,11 @@ def cmd_sweep(args) -> int:
             command=getattr(args, "command_line", None),
         )
     except KeyboardInterrupt:  # the rows written so far stay: running again resumes
-        partial = out.with_name(out.name + ".partial.csv") if out.suffix == ".parquet" else out
-        kept = len(read_rows(partial))
+        kept = len(read_rows(rows_file(out)))
         print(
             f"overlap-lab sweep: interrupted; {kept} rows kept in {out}, run again to resume",
             file=sys.stderr,
         )
         return 130
-    print(
-        f"{out}: {stats['cases']} cases, {stats['done_before']} done before, "
-        f"{stats['simulated']} simulated, {stats['duplicates']} duplicates, "
-        f"{stats['errors']} errors",
-        file=sys.stderr,
-    )
+    print(stats_text(out, stats), file=sys.stderr)
     return 0

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
-from overlap_lab.cli.options import _bool, _int_list, _str_list, add_profile_option, positive_int
-from overlap_lab.shared.errors import ConfigError
+from overlap_lab.cli.options import _int_list, _str_list, add_profile_option, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -113,46 +111,13 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_plot)
 
 
-def _tries(items: list[str]) -> dict[str, tuple[Any, ...]]:
-    """``--try KNOB=V1,V2``: each knob's values, parsed as its record types them."""
-    from overlap_lab.shared.inputs.hardware import gpu_fields
-    from overlap_lab.tune_space import tunable_knobs
-
-    records = {**tunable_knobs(), **{k.name: k for k in gpu_fields() if k.tune}}
-    out: dict[str, tuple[Any, ...]] = {}
-    for item in items:
-        name, eq, text = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not eq:
-            raise ConfigError(f"--try takes KNOB=V1,V2, got {item!r}")
-        if name in ("mtp_drafts", "drafts"):
-            out["drafts"] = _int_list(text) if text.strip() else ()
-            continue
-        if name not in records:
-            raise ConfigError(
-                f"--try: {name!r} is no knob the search varies; knobs: {', '.join(records)}"
-            )
-        k = records[name]
-        parse = {int: int, float: float, bool: _bool}.get(k.scalar, str)
-        try:
-            vals = tuple(parse(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise ConfigError(f"--try {name}: {k.expects()}, got {text!r}") from None
-        for v in vals:
-            why = k.refusal(v)
-            if why:
-                raise ConfigError(f"--try {name} {why}")
-        out[name] = vals
-    return out
-
-
 def cmd_tune(args) -> int:
     from overlap_lab import runner
     from overlap_lab.outdir import check_out_dir
     from overlap_lab.tune import SENSITIVITY, tune
-    from overlap_lab.tune_space import MTP_ACCEPT, MTP_DRAFTS, PP_STAGES, Space
+    from overlap_lab.tune_space import MTP_ACCEPT, MTP_DRAFTS, PP_STAGES, Space, parse_tries
 
-    values = _tries(args.tries)
+    values = parse_tries(args.tries)
     space = Space(
         schedules=tuple(s.lower() for s in args.schedules) if args.schedules else None,
         batches=args.batches,
@@ -207,9 +172,7 @@ def cmd_tune(args) -> int:
         print(json.dumps(result.as_dict(), indent=1, default=str))
         return 0
     print(result.text())
-    files = [f for t in (getattr(result, "prefill", None), getattr(result, "decode", None))
-             if t is not None for f in t.files] or list(getattr(result, "files", ()))  # fmt: skip
-    for f in files:
+    for f in result.files:
         print(f"wrote {f}")
     return 0
 

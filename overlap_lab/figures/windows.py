@@ -206,3 +206,17 @@ def clip(trace: Trace, t0: float, t1: float, *, shift: bool = True, host: bool =
 def layer_clip(trace: Trace, layer: int, *, op: str | None = None) -> Trace:
     """One layer period of ``trace`` (:func:`layer_window`), moved to 0, without host lanes."""
     return clip(trace, *layer_window(trace, layer, op=op))
+
+
+def drawn_by(rule: str) -> list[str]:
+    """The registered schedules whose figures follow ``rule`` (a ``shared.schedules.Drawing``
+    field: ``whole_window``, ``every_rank``); a broken plug-in is left out (reported where it
+    is used)."""
+    names = []
+    for name in schedules.REGISTRY.usable():
+        try:
+            if getattr(schedules.drawing(name), rule):
+                names.append(name)
+        except ConfigError:
+            continue
+    return names
