@@ -27,7 +27,9 @@ def _shown(k, default) -> str:
         rng = "each " + rng
     if rng and k.unit:
         rng += " " + k.unit
-    return f"{k.help} (default: {default})".strip() + (f" [{rng}]" if rng else "")
+    # a default of None is said in the knob's own help, never as "(default: None)"
+    shown = k.help if default is None else f"{k.help} (default: {default})"
+    return shown.strip() + (f" [{rng}]" if rng else "")
 
 
 @pytest.mark.parametrize(
@@ -40,7 +42,8 @@ def _shown(k, default) -> str:
     ids=["schedule", "host", "gpu"],
 )
 def test_records_hold_the_help_the_command_line_shows(records, shown_default, skip):
-    """`overlap-lab sim -h` (golden) shows each option as "HELP (default: D) [RANGE UNIT]": a
+    """`overlap-lab sim -h` (golden) shows each option as "HELP (default: D) [RANGE UNIT]" (no
+    default where it is None: the help says what None does): a
     command line built from the records shows the same text."""
     golden = " ".join(HELP.read_text().split())
     golden = re.sub(r"(\w)- (\w)", r"\1-\2", golden)  # argparse wraps after a hyphen

@@ -16,6 +16,7 @@ import simpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from overlap_lab.shared.errors import ConfigError
 from overlap_lab.sim import network
 from overlap_lab.sim.network import Network, max_min_rates, max_min_rates_compiled
 
@@ -132,11 +133,17 @@ def test_an_infinite_flow_stalls_instead_of_hanging():
 def test_issue_reproducers_finish(override):
     """These explicit-rank runs used to re-arm network timers forever (issue 14). The CLI now
     refuses such values up front (overlap_lab/cli/inputs.py); the simulator itself must still finish
-    them, so they go through the Python API, which takes any GPU record."""
+    them: the API refuses them too (``ol.gpu`` checks overrides as the options do), so the GPU
+    record is made by hand, as a plug-in or a notebook could."""
+    import dataclasses
+
     import overlap_lab as ol
 
     w = ol.workload("deepseek-v3", mode="decode", ep=8, layers=2)
-    r = ol.simulate("serial", w, gpu=ol.gpu("h800", **override), ranks="explicit")
+    with pytest.raises(ConfigError):
+        ol.gpu("h800", **override)
+    g = dataclasses.replace(ol.gpu("h800"), **override)
+    r = ol.simulate("serial", w, gpu=g, ranks="explicit")
     assert math.isfinite(r.trace.step_time_us) and r.trace.step_time_us > 0
 
 

@@ -5,6 +5,7 @@ names its options, and both check a value by the same knob record."""
 from __future__ import annotations
 
 import gzip
+import re
 import warnings
 
 import pytest
@@ -57,7 +58,8 @@ def test_a_bad_gzip_names_its_file(tmp_path, capsys, content, cmd):
     bad.write_bytes(content)
     assert main([cmd, str(bad), "--out", ""]) == 2
     err = _only_line(capsys)
-    assert f"{bad}: not a readable gzip file" in err and "None" not in err
+    assert re.search(rf"{re.escape(str(bad))}: not a (whole )?gzip file", err), err
+    assert "None" not in err
 
 
 def test_an_os_error_without_strerror_is_not_none(monkeypatch, capsys):

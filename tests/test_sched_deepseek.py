@@ -73,7 +73,7 @@ def test_comm_sms_override_and_its_bounds():
     p = build("deepseek", prefill_w(), H800, ScheduleConfig(comm_sms=16))
     assert (p.meta.comm_sms, p.meta.compute_sms) == (16, 116)
     for bad in (0, 132):
-        with pytest.raises(ConfigError, match="comm-sms"):
+        with pytest.raises(ConfigError, match="comm[-_]sms"):
             build("deepseek", prefill_w(), H800, ScheduleConfig(comm_sms=bad))
 
 

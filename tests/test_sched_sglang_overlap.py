@@ -364,9 +364,9 @@ def test_refusals():
         build("sglang-overlap", Workload(LITE, Batch.decode(4), Parallel(ep=8, pp=2)), GPU)
     with pytest.raises(ConfigError, match="start --iteration-modes with prefill"):
         prog(prefill_w(), iterations=2, iteration_modes=("decode",))
-    with pytest.raises(ConfigError, match="iteration-modes"):
+    with pytest.raises(ConfigError, match="iteration[-_]modes"):
         ScheduleConfig(iteration_modes=("extend",))
-    with pytest.raises(ConfigError, match="iteration-modes"):
+    with pytest.raises(ConfigError, match="iteration[-_]modes"):
         ScheduleConfig(iterations=1, iteration_modes=("prefill", "decode"))
 
 
