@@ -33,7 +33,7 @@ import dataclasses
 import gc
 import sys
 import textwrap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -731,20 +731,6 @@ def _ranges(
             )
         )
     return tuple(out)
-
-
-def input_table(inputs: Iterable[Input] = INPUTS) -> str:
-    """The inputs as a markdown table (docs/uncertainty.md's is checked against it)."""
-    lines = [
-        "| input | what | range (x nominal) | basis | varied |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for i in inputs:
-        lines.append(
-            f"| `{i.name}` | {i.what} | {i.lo:g}-{i.hi:g} | {i.basis} | "
-            f"{'yes' if i.varied else 'no'} |"
-        )
-    return "\n".join(lines)
 
 
 #: The design the experiments attach to their claims: each of the inputs that move decode and

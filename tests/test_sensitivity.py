@@ -18,7 +18,6 @@ from overlap_lab.sensitivity import (
     PerturbedCostModel,
     Point,
     design_from,
-    input_table,
     perturbed_gpu,
     sensitivity,
 )
@@ -27,6 +26,20 @@ from overlap_lab.sim.cost import RooflineCostModel
 from overlap_lab.sim.engine import Engine
 
 ROOT = Path(__file__).parents[1]
+
+
+def input_table(inputs=INPUTS) -> str:
+    """The inputs as a markdown table: docs/uncertainty.md's, written from the records."""
+    lines = [
+        "| input | what | range (x nominal) | basis | varied |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for i in inputs:
+        lines.append(
+            f"| `{i.name}` | {i.what} | {i.lo:g}-{i.hi:g} | {i.basis} | "
+            f"{'yes' if i.varied else 'no'} |"
+        )
+    return "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
