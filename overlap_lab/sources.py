@@ -96,7 +96,7 @@ def slowed_us(result: Result) -> float:
     """Rank 0's compute time over the window beyond each kernel's time alone on its SMs
     (``sim.cost.solo_duration_us``): what sharing SMs and HBM with concurrent kernels cost it,
     as the model's sharing rules give it. 0 for a plugged cost model (no solo time to read)."""
-    from overlap_lab.sim.cost import RooflineCostModel, solo_duration_us
+    from overlap_lab.sim.cost import RooflineCostModel, cost_key, solo_duration_us
     from overlap_lab.sim.models import DEFAULT_COST_MODEL
 
     model = result.cost_model
@@ -105,14 +105,15 @@ def slowed_us(result: Result) -> float:
         profile = model.profile
     elif model is not None and model != DEFAULT_COST_MODEL:
         return 0.0
-    solo: dict[int, float] = {}
+    solo: dict[tuple, float] = {}  # by what the op costs: every layer's copy is one entry
     lost = 0.0
     for op, start, end in launches(result):
         if op.kind != "compute":
             continue
-        t = solo.get(id(op))
+        k = cost_key(op)
+        t = solo.get(k)
         if t is None:
-            t = solo[id(op)] = solo_duration_us(op, result.gpu, profile=profile)
+            t = solo[k] = solo_duration_us(op, result.gpu, profile=profile)
         lost += max(0.0, end - start - t)
     return lost
 

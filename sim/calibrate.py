@@ -209,7 +209,7 @@ def source_of(gpu: GPU, profile: Profile | None, model: Any = None) -> Callable[
     with its own profile): the profile, the roofline or the link model (communication kernels
     and copies, ``sim.cost.duration_source``). For any other cost model, given by name or as an
     object, that model (its name, or its class's)."""
-    from overlap_lab.sim.cost import RooflineCostModel, duration_source
+    from overlap_lab.sim.cost import RooflineCostModel, cost_key, duration_source
     from overlap_lab.sim.models import DEFAULT_COST_MODEL, class_name
 
     if type(model) is RooflineCostModel:  # a subclass may cost otherwise: named by its class
@@ -217,7 +217,16 @@ def source_of(gpu: GPU, profile: Profile | None, model: Any = None) -> Callable[
     if model is not None and model != DEFAULT_COST_MODEL:
         label = model if isinstance(model, str) else class_name(model)
         return lambda op: label
-    return lambda op: duration_source(op, gpu, profile)
+    seen: dict[tuple, str] = {}  # by what the op costs: every layer's copy is one lookup
+
+    def source(op) -> str:
+        k = cost_key(op)
+        s = seen.get(k)
+        if s is None:
+            s = seen[k] = duration_source(op, gpu, profile)
+        return s
+
+    return source
 
 
 def cost_sources(
