@@ -143,7 +143,7 @@ class Search:
         self.chosen: dict[tuple[str, int, int], Setting] = {}
         #: the knobs tried first, on every schedule: those every schedule reads, and MTP
         self.common = {k.name for k in registry.common_knobs()} | {"drafts"}
-        self._fits: dict[tuple[int, int, int, int], bool] = {}
+        self._fits: dict[Pair, bool] = {}
 
     # ---- what is known ------------------------------------------------------------------------
 
@@ -155,12 +155,13 @@ class Search:
         ]
 
     def feasible(self, s: Setting) -> tuple[int, ...]:
-        """The ladder's batches whose weights and KV cache fit in the GPU."""
+        """The ladder's batches whose weights and KV cache (of every batch in flight) fit in
+        the GPU."""
         out = []
         for b in self.ladder:
-            key = (s.ep, s.pp, b, s.drafts)
+            key = (s, b)
             if key not in self._fits:
-                self._fits[key] = fits(self.d, s.ep, s.pp, b, s.drafts)
+                self._fits[key] = fits(self.d, s, b)
             if self._fits[key]:
                 out.append(b)
         return tuple(out)

@@ -338,17 +338,6 @@ def workload_of(d: Deployment, ep: int, pp: int, batch: int, tokens_per_seq: int
     )
 
 
-def fits(d: Deployment, ep: int, pp: int, batch: int, drafts: int = 0) -> bool:
-    """Whether the model's share and the batch's KV cache fit in the GPU's memory."""
-    from overlap_lab.checks import check_memory
-
-    try:
-        check_memory(workload_of(d, ep, pp, batch, 1 + drafts), d.gpu, allow=False)
-    except ConfigError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class CaseParser:
     """A results-file row's knobs as the simulation they name (what the sweep's workers call:
@@ -358,7 +347,8 @@ class CaseParser:
 
     deployment: Deployment
 
-    def __call__(self, knobs: Mapping[str, Any]) -> SimCase:
+    def checked(self, knobs: Mapping[str, Any]) -> tuple[Any, GPU, ScheduleConfig]:
+        """The row's workload, GPU and ScheduleConfig, its memory checked (``fits``)."""
         from overlap_lab import api
         from overlap_lab.checks import check_memory
 
@@ -369,18 +359,34 @@ class CaseParser:
         g = api.gpu(d.gpu, **gpu_set)
         w = workload_of(d, int(knobs["ep"]), int(knobs["pp"]), int(knobs["batch"]),
                         int(knobs["tokens_per_seq"]))  # fmt: skip
-        check_memory(w, g, allow=False)
         cfg = ScheduleConfig(**own)
         if cfg.resolved_deepep_mode(d.mode) == "normal" and cfg.cuda_graph is None:
             cfg = ScheduleConfig(cuda_graph=False, **own)  # as SGLang forces: see below
+        check_memory(w, g, allow=False, schedule=str(knobs["schedule"]), cfg=cfg)
+        return w, g, cfg
+
+    def __call__(self, knobs: Mapping[str, Any]) -> SimCase:
+        from overlap_lab import api
+
+        w, g, cfg = self.checked(knobs)
         return SimCase(
             str(knobs["schedule"]),
             w,
             g,
             cfg,
             api.Ranks(),
-            api.resolve_profile(d.profile, g),
+            api.resolve_profile(self.deployment.profile, g),
         )
+
+
+def fits(d: Deployment, setting: Setting, batch: int) -> bool:
+    """Whether the model's share and the KV cache of every batch ``setting`` holds at once
+    (pp's micro-batches) fit in the GPU's memory, as the simulation checks it."""
+    try:
+        CaseParser(d).checked(case_of(setting, batch))
+    except ConfigError:
+        return False
+    return True
 
 
 def space_size(d: Deployment, space: Space, names: Sequence[str]) -> int:

@@ -1,0 +1,62 @@
+"""What ``overlap-lab tune`` answers must hold for the configuration it names (issue 31,
+docs/tune.md "Measured"): pp's memory counts every micro-batch in flight, and the launch's
+running requests say the same."""
+
+from __future__ import annotations
+
+import pytest
+
+import overlap_lab as ol
+from overlap_lab.checks import GIB, check_memory, gpu_memory_bytes
+from overlap_lab.cli.main import main
+from overlap_lab.shared import schedules as registry
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.schedules import ScheduleConfig
+from overlap_lab.shared.schedules.launch import Deployment as Launched
+from overlap_lab.tune_space import Deployment, Setting, fits
+
+# ---- memory: pp's micro-batches are each a whole batch ------------------------------------
+
+
+def test_pp_holds_the_kv_cache_of_every_micro_batch_in_flight():
+    """pp's micro-batch is the whole batch (``pp.micro_batch``), so 8 micro-batches of 64
+    sequences keep 8 x 64 sequences' KV cache on a stage: refused on an 80 GiB H800, where 2 of
+    them fit (DeepSeek-V3, 4096 tokens each, EP16 x PP2)."""
+    w = ol.workload("deepseek-v3", batch=64, ep=16, pp=2, kv_len=4096)
+    gpu = ol.gpu("h800")
+    weights, one = gpu_memory_bytes(w)
+    assert gpu_memory_bytes(w, 8) == (weights, 8 * one)
+    assert weights + 2 * one < gpu.mem_gib * GIB < weights + 8 * one  # the test's premise
+    check_memory(w, gpu, False, schedule="pp", cfg=ScheduleConfig(micro_batches=2))
+    with pytest.raises(ConfigError, match="KV cache of 8 batches in flight"):
+        check_memory(w, gpu, False, schedule="pp", cfg=ScheduleConfig(micro_batches=8))
+    check_memory(w, gpu, True, schedule="pp", cfg=ScheduleConfig(micro_batches=8))  # allowed
+    check_memory(w, gpu, False, schedule="serial")  # one batch: no micro-batches to count
+
+
+def test_the_tune_does_not_try_a_pp_setting_whose_micro_batches_do_not_fit():
+    d = Deployment(ol.model("deepseek-v3"), ol.gpu("h800"), 32)
+    assert fits(d, Setting("pp", 16, 2), 64)  # 2 micro-batches (pp_size)
+    assert not fits(d, Setting("pp", 16, 2, knobs=(("micro_batches", 8),)), 64)
+    assert fits(d, Setting("pp", 16, 2, knobs=(("micro_batches", 8),)), 16)
+
+
+def test_sim_refuses_micro_batches_that_do_not_fit_and_runs_those_that_do(tmp_path, capsys):
+    base = ["sim", "--schedule", "pp", "--pp-size", "2", "--ep", "16", "--batch", "64"]
+    assert main([*base, "--micro-batches", "8", "--out", str(tmp_path / "a")]) == 2
+    assert "8 batches in flight (pp)" in capsys.readouterr().err
+    cut = [*base, "--layers", "4", "--micro-batches", "8", "--out", str(tmp_path / "b")]
+    assert main(cut) == 0  # 4 layers: 8 micro-batches' KV cache fits
+
+
+def test_launch_counts_the_sequences_the_memory_check_counts():
+    """``--pp-max-micro-batch-size`` is the batch (one micro-batch per DP rank);
+    ``--max-running-requests`` every micro-batch in flight on every DP rank."""
+    w = ol.workload("deepseek-v3", batch=16, ep=16, pp=2)
+    cfg = ScheduleConfig(micro_batches=4)
+    launch = registry.launch_flags("pp", Launched(w, ol.gpu("h800"), cfg, 32, "m"))
+    flags = {f.name: f.value for f in launch.flags}
+    in_flight = registry.batches_in_flight("pp", w, cfg)
+    assert in_flight == 4 and registry.batches_in_flight("serial", w, cfg) == 1
+    assert flags["--pp-max-micro-batch-size"] == 16
+    assert flags["--max-running-requests"] == 16 * in_flight * 16  # 16 DP ranks
