@@ -349,8 +349,15 @@ class CaseParser:
 
     def checked(self, knobs: Mapping[str, Any]) -> tuple[Any, GPU, ScheduleConfig]:
         """The row's workload, GPU and ScheduleConfig, its memory checked (``fits``)."""
-        from overlap_lab import api
         from overlap_lab.checks import check_memory
+
+        w, g, cfg = self.inputs(knobs)
+        check_memory(w, g, allow=False, schedule=str(knobs["schedule"]), cfg=cfg)
+        return w, g, cfg
+
+    def inputs(self, knobs: Mapping[str, Any]) -> tuple[Any, GPU, ScheduleConfig]:
+        """The row's workload, GPU and ScheduleConfig."""
+        from overlap_lab import api
 
         d = self.deployment
         tune = tunable_knobs()
@@ -362,7 +369,6 @@ class CaseParser:
         cfg = ScheduleConfig(**own)
         if cfg.resolved_deepep_mode(d.mode) == "normal" and cfg.cuda_graph is None:
             cfg = ScheduleConfig(cuda_graph=False, **own)  # as SGLang forces: see below
-        check_memory(w, g, allow=False, schedule=str(knobs["schedule"]), cfg=cfg)
         return w, g, cfg
 
     def __call__(self, knobs: Mapping[str, Any]) -> SimCase:
@@ -377,6 +383,15 @@ class CaseParser:
             api.Ranks(),
             api.resolve_profile(self.deployment.profile, g),
         )
+
+
+def latency_iterations(d: Deployment, setting: Setting, batch: int) -> int:
+    """Iterations of ``setting``'s window a sequence waits between two of its tokens (a prompt,
+    its prefill step): its schedule's ``latency_iterations`` (pp: every micro-batch in flight
+    on every stage; one-batch schedules: one). Times ms per iteration, what a target bounds."""
+    w, _, cfg = CaseParser(d).inputs(case_of(setting, batch))
+    w, _ = registry.prepare_workload(setting.schedule, w)
+    return registry.latency_iterations(setting.schedule, w, cfg)
 
 
 def fits(d: Deployment, setting: Setting, batch: int) -> bool:

@@ -13,7 +13,7 @@ from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.launch import Deployment as Launched
-from overlap_lab.tune_space import Deployment, Setting, fits
+from overlap_lab.tune_space import Deployment, Setting, Space, fits
 
 # ---- memory: pp's micro-batches are each a whole batch ------------------------------------
 
@@ -60,3 +60,39 @@ def test_launch_counts_the_sequences_the_memory_check_counts():
     assert in_flight == 4 and registry.batches_in_flight("serial", w, cfg) == 1
     assert flags["--pp-max-micro-batch-size"] == 16
     assert flags["--max-running-requests"] == 16 * in_flight * 16  # 16 DP ranks
+
+
+# ---- the latency a target bounds: a sequence's wait between tokens --------------------------
+
+
+def test_latency_iterations_pp_waits_a_round_of_its_micro_batches():
+    dec = ol.workload("deepseek-v3", batch=16, ep=8, pp=2, layers=4)
+    pre = ol.workload("deepseek-v3", mode="prefill", batch=1, ep=8, pp=2, layers=4)
+    cfg = ScheduleConfig(micro_batches=8)
+    assert registry.latency_iterations("pp", dec, cfg) == 8  # decode: every micro-batch's turn
+    assert registry.latency_iterations("pp", dec, ScheduleConfig()) == 2  # pp_size in flight
+    assert registry.latency_iterations("pp", pre, cfg) == 2  # prefill: through each stage
+    one = ol.workload("deepseek-v3", batch=16, ep=8, layers=4)
+    for name in ("serial", "tbo", "sglang-overlap", "not-registered"):
+        assert registry.latency_iterations(name, one, cfg) == 1
+
+
+def test_tune_compares_the_target_with_a_sequences_wait_and_shows_both(tmp_path):
+    """pp's points carry micro_batches iterations per token; the best is within the target by
+    that latency, not by ms per iteration, and the table shows both."""
+    from overlap_lab.tune import tune
+
+    space = Space(schedules=("serial", "pp"), batches=(8, 32), ep=(4,), pp=(2,), drafts=(),
+                  values={"deepep_mode": (), "micro_batches": (4,)})  # fmt: skip
+    t = tune("deepseek-v3", "h800", gpus=8, max_ms=2.0, layers=2, space=space,
+             sensitivity=False, processes=1)  # fmt: skip
+    pp = [p for p in t.points if p.setting.schedule == "pp"]
+    assert pp and all(p.iterations == (p.setting.value("micro_batches") or 2) for p in pp)
+    assert all(abs(p.ms - p.iterations * p.iteration_ms) <= 1e-12 * p.ms for p in pp)
+    assert all(p.iterations == 1 for p in t.points if p.setting.schedule == "serial")
+    assert t.best is not None and t.best.ms <= 2.0
+    text = t.text()
+    assert "ms/token" in text and "ms/iter" in text
+    assert "within 2 ms between a sequence's tokens" in text
+    best = t.as_dict()["best"]
+    assert best["latency_ms"] == t.best.ms and best["latency_iterations"] == t.best.iterations

@@ -59,7 +59,7 @@ def frontier_figure(tuning: Any, path: str | Path, *, width: str | float | None 
         b = tuning.best
         ax.scatter([b.ms], [b.tps], marker="*", s=90, color="#000000", zorder=3,
                    label=f"best: {b.setting.schedule}, batch {b.batch}")  # fmt: skip
-    ax.set_xlabel("ms per iteration" if d.mode == "decode" else "ms per prefill step")
+    ax.set_xlabel(tuning.unit)
     ax.set_ylabel("tokens/s per GPU")
     ax.grid(alpha=0.3)
     ax.set_title(

@@ -299,6 +299,13 @@ def batches_in_flight(w: Workload, cfg: ScheduleConfig) -> int:
     return cfg.of(Knobs).micro_batches or w.parallel.pp
 
 
+def latency_iterations(w: Workload, cfg: ScheduleConfig) -> int:
+    """Iterations of its window a sequence waits, which a latency target is compared with: in
+    decode, a round of every micro-batch in flight on every stage between two of a sequence's
+    tokens (:func:`batches_in_flight`); in prefill, a prompt's micro-batch through each stage."""
+    return batches_in_flight(w, cfg) if w.batch.mode == "decode" else w.parallel.pp
+
+
 def window_note(cfg: ScheduleConfig) -> str:
     return (
         "pp: iters are micro-batch iterations (mb): iterations x micro-batches on each stage, "
