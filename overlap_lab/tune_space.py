@@ -236,15 +236,22 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
     """The knobs the search varies for ``schedule``: each knob it reads that has values to try
     (``space.values`` first, else the knob's record), the GPU's deployment fields where DeepEP's
     normal kernels run (``deepep_normal``), MTP drafts where the model and the schedule run
-    them. Values equal to the default are left out (the default is always tried)."""
+    them. Values equal to the default are left out (the default is always tried), and so are
+    values of a knob every schedule reads that this schedule always refuses (:func:`refusal`:
+    lightllm's and deepseek's DeepEP mode is the phase's)."""
     out = []
     own = {k.name: k for k in registry.own_knobs(schedule)}
+    common = {k.name for k in registry.common_knobs()}
     for k in (*registry.common_knobs(), *own.values()):
         values = space.values.get(k.name, k.tune)
         default = k.default
         if k.name == "deepep_mode":  # auto is one of the two: its twin is no new value
             default = ScheduleConfig().resolved_deepep_mode(d.mode)
         vals = tuple(v for v in dict.fromkeys(values) if v != default)
+        if (
+            k.name in common
+        ):  # a knob every schedule reads: a value this one never runs is not tried
+            vals = tuple(v for v in vals if refusal(schedule, d.mode, k.name, v) is None)
         if vals:
             out.append(Dim(k.name, k.default, vals))
     if deepep_normal:
@@ -257,6 +264,29 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
     if drafts and d.mode == "decode" and d.model.mtp > 0 and runs_mtp(schedule):
         out.append(Dim("drafts", 0, drafts))
     return tuple(out)
+
+
+@functools.cache
+def refusal(schedule: str, mode: str, name: str, value: Any) -> str | None:
+    """Why ``schedule`` refuses knob ``name`` at ``value`` in ``mode`` whatever the batch and
+    layout (None: it runs it), asked up front as the sweep's checks are: its build of a small
+    workload of the phase refuses the value where it builds the default (lightllm and deepseek
+    run DeepEP's low-latency kernels in decode and the normal ones in prefill, nothing else)."""
+    from overlap_lab import api
+
+    batch = dict(batch=8) if mode == "decode" else dict(batch=1, extend_len=256)
+    w = api.workload("deepseek-v3", mode=mode, ep=8, layers=2, **batch)
+    w, _ = registry.prepare_workload(schedule, w)
+    gpu = api.gpu("h800")
+
+    def why(knobs: dict[str, Any]) -> str | None:
+        try:
+            registry.build(schedule, w, gpu, ScheduleConfig(**knobs))
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    return None if why({}) is not None else why({name: value})
 
 
 @functools.cache

@@ -96,3 +96,22 @@ def test_tune_compares_the_target_with_a_sequences_wait_and_shows_both(tmp_path)
     assert "within 2 ms between a sequence's tokens" in text
     best = t.as_dict()["best"]
     assert best["latency_ms"] == t.best.ms and best["latency_iterations"] == t.best.iterations
+
+
+# ---- values a schedule always refuses are not tried -------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_deepep_modes_a_schedule_refuses_are_not_searched(mode):
+    """lightllm and deepseek run the phase's DeepEP kernels only (``two_mb.system_deepep_mode``):
+    the other mode is never tried for them (it was counted as a failure), still for serial."""
+    from overlap_lab.tune_space import dims, refusal
+
+    d = Deployment(ol.model("deepseek-v3"), ol.gpu("h800"), 32, mode)
+    other = "normal" if mode == "decode" else "low_latency"
+    for name in ("lightllm", "deepseek"):
+        assert refusal(name, mode, "deepep_mode", other) is not None
+        assert "deepep_mode" not in {x.name for x in dims(d, Space(), name, False)}
+    assert refusal("serial", mode, "deepep_mode", other) is None
+    serial = {x.name: x.values for x in dims(d, Space(), "serial", False)}
+    assert serial["deepep_mode"] == (other,)
