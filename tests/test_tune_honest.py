@@ -115,3 +115,19 @@ def test_deepep_modes_a_schedule_refuses_are_not_searched(mode):
     assert refusal("serial", mode, "deepep_mode", other) is None
     serial = {x.name: x.values for x in dims(d, Space(), "serial", False)}
     assert serial["deepep_mode"] == (other,)
+
+
+# ---- the figure counts configurations as the text does --------------------------------------
+
+
+def test_frontier_title_counts_simulated_and_shared_as_the_text_does():
+    from overlap_lab.figures.curves import _counted
+    from overlap_lab.tune import Tuning
+
+    d = Deployment(ol.model("deepseek-v3"), ol.gpu("h800"), 32)
+    counts = {"simulated": 158, "duplicates": 21, "errors": 2, "resumed": 0, "rounds": 21}
+    t = Tuning(d, 50.0, (), (), {}, None, counts=counts)
+    title = _counted(counts)
+    assert title == "158 configurations simulated, 21 more shared an identical simulation"
+    assert "simulated 158 configurations (21 more shared an identical simulation" in t.text()
+    assert "181 read back" in _counted({"simulated": 0, "resumed": 181})
