@@ -192,6 +192,7 @@ class Tuning:
     seconds: float = 0.0
     files: tuple[str, ...] = ()
     per_schedule: bool = False
+    notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def unit(self) -> str:
@@ -232,6 +233,8 @@ class Tuning:
             for i, (p, same) in enumerate(distinct(pts)):
                 mark = "*" if self.best is not None and p == self.best else " "
                 also = f" (+{same} settings, the same numbers)" if same else ""
+                ran = self.notes.get(label(p), ())
+                also += f" [{'; '.join(n.split(':')[0] for n in ran)}]" if ran else ""
                 lines.append(
                     f" {mark}{name if i == 0 else '':<15}{p.ms:>9.3f}{p.iteration_ms:>9.3f}"
                     f"{p.tps:>11.0f}{p.batch:>7}"
@@ -309,6 +312,7 @@ class Tuning:
             "sensitivity": None if self.sensitivity is None else self.sensitivity.as_dict(),
             "launch": None if self.launch is None else self.launch.as_dict(),
             "refused": dict(self.refused),
+            "notes": {k: list(v) for k, v in self.notes.items()},
             "files": list(self.files),
         }
 
@@ -462,8 +466,9 @@ def _tune_phase(
     best = best_under(points, target)
     refused = _refused(search)
     counts = {**ev.counts, "space": space_size(d, space, names), "asked": dict(search.asked)}
-    tuning = Tuning(d, target, points, tuple(pareto(points)), by_schedule, best,
-                    refused=refused, counts=counts, per_schedule=per_schedule)  # fmt: skip
+    notes = _notes(d, [p for pts in by_schedule.values() for p in pts])
+    tuning = Tuning(d, target, points, tuple(pareto(points)), by_schedule, best, refused=refused,
+                    counts=counts, per_schedule=per_schedule, notes=notes)  # fmt: skip
     if best is not None:
         launch = _launch(d, best, model_path)
         tuning = dataclasses.replace(tuning, launch=launch)
@@ -532,6 +537,24 @@ def _refused(search: Search) -> dict[str, str]:
             probe = Setting(s, ep, pp)
             if not search.feasible(probe):
                 out[f"{s} {probe.layout}"] = "no batch fits in the GPU's memory"
+    return out
+
+
+def _notes(d: Deployment, pts: Sequence[Point]) -> dict[str, tuple[str, ...]]:
+    """Per point (:func:`label`), the fallbacks its schedule recorded, as ``compare`` says them
+    (``shared.schedules.fallbacks``: sbo on DeepEP's normal kernels ran as serial, vllm-dbo below
+    its token threshold ran unsplit): a row named after a schedule that ran as another says so.
+    Read from the Program's meta (a build, no simulation); the notes a trace shows (sbo-off's
+    shared experts overlapping nothing) are not among them."""
+    from overlap_lab.shared.schedules.fallbacks import fallback_notes
+
+    out = {}
+    for p in pts:
+        w, g, cfg = CaseParser(d).inputs(case_of(p.setting, p.batch))
+        w, _ = registry.prepare_workload(p.setting.schedule, w)
+        said = fallback_notes(registry.build(p.setting.schedule, w, g, cfg).meta)
+        if said:
+            out[label(p)] = tuple(said)
     return out
 
 

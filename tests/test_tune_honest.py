@@ -131,3 +131,31 @@ def test_frontier_title_counts_simulated_and_shared_as_the_text_does():
     assert title == "158 configurations simulated, 21 more shared an identical simulation"
     assert "simulated 158 configurations (21 more shared an identical simulation" in t.text()
     assert "181 read back" in _counted({"simulated": 0, "resumed": 181})
+
+
+# ---- rows that ran as another schedule say so ---------------------------------------------------
+
+
+def test_frontier_rows_that_ran_as_another_schedule_carry_compares_note():
+    """sbo on DeepEP's normal kernels runs as serial, and vllm-dbo below its token threshold runs
+    unsplit: their rows carry the note ``compare`` prints; serial's carry none."""
+    from overlap_lab.tune import label, tune
+
+    space = Space(schedules=("serial", "sbo", "vllm-dbo"), batches=(8, 16), ep=(8,), drafts=(),
+                  values={"deepep_mode": ("normal",), "comm_sms": (), "sbo_mode": (),
+                          "dbo_decode_token_threshold": ()})  # fmt: skip
+    t = tune("deepseek-v3", "h800", gpus=8, layers=2, space=space, sensitivity=False,
+             processes=1, per_schedule=True)  # fmt: skip
+    front = [p for pts in t.by_schedule.values() for p in pts]
+    for p in front:
+        notes = t.notes.get(label(p), ())
+        normal = p.setting.value("deepep_mode") == "normal"
+        if p.setting.schedule == "sbo" and normal:
+            assert notes and notes[0].startswith("ran as serial, without SBO")
+        if p.setting.schedule == "vllm-dbo":  # 8 or 16 tokens, below its default threshold 32
+            assert notes and notes[0].startswith("ran unsplit")
+        if p.setting.schedule == "serial":
+            assert not notes
+    assert any(p.setting.schedule == "vllm-dbo" for p in front)
+    assert "[ran unsplit]" in t.text()
+    assert t.as_dict()["notes"] == {k: list(v) for k, v in t.notes.items()}
