@@ -1,6 +1,7 @@
 """What is checked of a run's inputs before it starts, beyond each value's own range.
 
-- Memory: the GPU's (the model's weights and the KV cache of the batch against ``GPU.mem_gib``)
+- Memory: the GPU's (the model's weights and the KV cache of every batch in flight against
+  ``GPU.mem_gib``)
   and the simulator's own (an explicit-rank run's routing draw and Program against this
   machine's memory): a run that cannot fit is refused in one line instead of failing halfway or
   swapping the machine to a halt.
@@ -31,9 +32,11 @@ def _bytes_per(dtype: str) -> int:
     return 1 if dtype == "fp8" else 2
 
 
-def gpu_memory_bytes(w) -> tuple[float, float]:
+def gpu_memory_bytes(w, in_flight: int = 1) -> tuple[float, float]:
     """(weights, KV cache) bytes one GPU holds: its pipeline stage's layers, its share of the
-    experts and attention heads, the embedding and LM head; the KV cache of its sequences."""
+    experts and attention heads, the embedding and LM head; the KV cache of its sequences for
+    those layers, ``in_flight`` batches of them (pp's micro-batches, each a whole batch:
+    ``shared.schedules.batches_in_flight``)."""
     m, par, b = w.model, w.parallel, w.batch
     layers = math.ceil(m.num_layers / par.pp)
     wb = _bytes_per(m.gemm_dtype)
@@ -62,16 +65,28 @@ def gpu_memory_bytes(w) -> tuple[float, float]:
     weights = wb * (layers * attn + n_moe * moe_layer + n_dense * dense_layer)
     weights += 2 * 2 * m.vocab * m.hidden  # embedding and LM head, bf16
     cached = sum(b.seq_cached(i) + b.seq_tokens(i) for i in range(b.num_seqs))
-    return float(weights), float(cached * kv_per_token * layers)
+    return float(weights), float(cached * kv_per_token * layers * in_flight)
 
 
-def check_memory(w, gpu, allow: bool) -> None:
-    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``)."""
-    weights, kv = gpu_memory_bytes(w)
+def check_memory(w, gpu, allow: bool, *, schedule: str | None = None, cfg: Any = None) -> None:
+    """Refuse a workload whose weights plus KV cache exceed the GPU memory (unless ``allow``).
+    With its ``schedule`` (and ScheduleConfig ``cfg``), the workload that schedule runs
+    (``prepare_workload``: pp's default stages) and the KV cache of every batch it holds at
+    once (``batches_in_flight``: pp's micro-batches, each a whole batch of the sequences)."""
+    from overlap_lab.shared import schedules
+
+    in_flight, what = 1, ""
+    if schedule is not None:
+        cfg = cfg if cfg is not None else schedules.ScheduleConfig()
+        w, _ = schedules.prepare_workload(schedule, w)
+        in_flight = schedules.batches_in_flight(schedule, w, cfg)
+        if in_flight > 1:
+            what = f" of {in_flight} batches in flight ({schedule})"
+    weights, kv = gpu_memory_bytes(w, in_flight)
     have = gpu.mem_gib * GIB
     if weights + kv > have and not allow:
         raise ConfigError(
-            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache "
+            f"does not fit in GPU memory: weights {weights / GIB:.1f} GiB + KV cache{what} "
             f"{kv / GIB:.1f} GiB > {gpu.mem_gib:g} GiB ({gpu.name}, --mem-gib); use fewer or "
             "shorter sequences, more --ep/--pp-size, or --allow-oversubscribe"
         )

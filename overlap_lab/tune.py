@@ -42,6 +42,7 @@ from overlap_lab.tune_space import (
     batches,
     case_of,
     columns,
+    latency_iterations,
     layouts,
     space_size,
 )
@@ -53,6 +54,10 @@ __all__ = ["Deployment", "Point", "Setting", "Space", "Tuning", "TuningPair", "t
 SENSITIVITY = "oat=1,lhs=0,inputs=hbm+bf16_rate+rdma+profile"
 #: The results file of a tune in its ``out`` folder (a sweep CSV).
 RESULTS = "tune.csv"
+#: What a target bounds, per phase (:attr:`overlap_lab.tune_search.Point.ms`), in words and as
+#: the frontier table's column: a decode sequence waits a pp round of micro-batches per token.
+LATENCY = {"decode": "ms between a sequence's tokens", "prefill": "ms per prefill step"}
+COLUMN = {"decode": "ms/token", "prefill": "ms/step"}
 
 
 def accepted(drafts: int, accept: float) -> float:
@@ -154,7 +159,8 @@ class _Evaluator:
         tps = float(row["tokens_per_s_gpu"])
         if s.drafts:  # every draft is computed; the accepted ones count
             tps *= accepted(s.drafts, self.d.mtp_accept) / (1 + s.drafts)
-        return Point(s, b, float(row["iteration_us"]) / 1e3, tps)
+        n = latency_iterations(self.d, s, b)  # the target bounds a sequence's wait, not a turn
+        return Point(s, b, n * float(row["iteration_us"]) / 1e3, tps, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +192,17 @@ class Tuning:
     seconds: float = 0.0
     files: tuple[str, ...] = ()
     per_schedule: bool = False
+    notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        """What the target bounds and the frontier's time axis is, in words."""
+        return LATENCY[self.deployment.mode]
 
     def text(self) -> str:
         """What ``overlap-lab tune`` prints (docs/tune.md)."""
         d, c = self.deployment, self.counts
-        unit = "ms per iteration" if d.mode == "decode" else "ms per prefill step"
+        unit = self.unit
         goal = f"within {self.target_ms:g} {unit}" if self.target_ms is not None else "(no target)"
         lines = [
             f"{d.model.label} {d.mode} on {d.gpus} x {d.gpu.name} ({d.gpus_per_node} per node), "
@@ -210,18 +222,22 @@ class Tuning:
                 "was not simulated: --per-schedule fills every schedule's own)"
             )
             + ":",
-            f"  {'schedule':<15}{'ms/iter':>9}{'tok/s/GPU':>11}{'batch':>7}  layout   knobs",
+            f"  {'schedule':<15}{COLUMN[d.mode]:>9}{'ms/iter':>9}{'tok/s/GPU':>11}{'batch':>7}"
+            "  layout   knobs",
         ]
         for name, pts in self.by_schedule.items():
             if not pts:
                 why = next((v for k, v in self.refused.items() if k.startswith(name + " ")), "")
-                lines.append(f"  {name:<15}{'-':>9}{'-':>11}{'-':>7}  {why}")
+                lines.append(f"  {name:<15}{'-':>9}{'-':>9}{'-':>11}{'-':>7}  {why}")
                 continue
             for i, (p, same) in enumerate(distinct(pts)):
                 mark = "*" if self.best is not None and p == self.best else " "
                 also = f" (+{same} settings, the same numbers)" if same else ""
+                ran = self.notes.get(label(p), ())
+                also += f" [{'; '.join(n.split(':')[0] for n in ran)}]" if ran else ""
                 lines.append(
-                    f" {mark}{name if i == 0 else '':<15}{p.ms:>9.3f}{p.tps:>11.0f}{p.batch:>7}"
+                    f" {mark}{name if i == 0 else '':<15}{p.ms:>9.3f}{p.iteration_ms:>9.3f}"
+                    f"{p.tps:>11.0f}{p.batch:>7}"
                     f"  {p.setting.layout:<8} {p.setting.describe()}{also}"
                 )
         on = {(p.setting, p.batch) for p in self.frontier}
@@ -241,8 +257,13 @@ class Tuning:
         s = b.setting
         lines = [
             f"Best: {s.schedule}, {b.batch} {'sequences' if self.deployment.mode == 'decode' else 'prompts'} "
-            f"per GPU, {s.layout}, knobs {s.describe()}: {b.ms:.3f} ms per iteration, "
-            f"{b.tps:,.0f} tokens/s per GPU"
+            f"per GPU, {s.layout}, knobs {s.describe()}: {b.ms:.3f} {self.unit}"
+            + (
+                f" ({b.iterations} iterations of {b.iteration_ms:.3f} ms)"
+                if b.iterations > 1
+                else ""
+            )
+            + f", {b.tps:,.0f} tokens/s per GPU"
         ]
         if self.sensitivity is not None:
             sens, me = self.sensitivity, label(b)
@@ -273,7 +294,8 @@ class Tuning:
             s = p.setting
             return {"schedule": s.schedule, "batch": p.batch, "ep": s.ep, "pp": s.pp,
                     "mtp_drafts": s.drafts, "knobs": dict(s.knobs), "gpu": dict(s.gpu),
-                    "ms_per_iteration": p.ms, "tokens_per_s_gpu": p.tps}  # fmt: skip
+                    "latency_ms": p.ms, "latency_iterations": p.iterations,
+                    "ms_per_iteration": p.iteration_ms, "tokens_per_s_gpu": p.tps}  # fmt: skip
 
         d = self.deployment
         return {
@@ -290,6 +312,7 @@ class Tuning:
             "sensitivity": None if self.sensitivity is None else self.sensitivity.as_dict(),
             "launch": None if self.launch is None else self.launch.as_dict(),
             "refused": dict(self.refused),
+            "notes": {k: list(v) for k, v in self.notes.items()},
             "files": list(self.files),
         }
 
@@ -443,8 +466,9 @@ def _tune_phase(
     best = best_under(points, target)
     refused = _refused(search)
     counts = {**ev.counts, "space": space_size(d, space, names), "asked": dict(search.asked)}
-    tuning = Tuning(d, target, points, tuple(pareto(points)), by_schedule, best,
-                    refused=refused, counts=counts, per_schedule=per_schedule)  # fmt: skip
+    notes = _notes(d, [p for pts in by_schedule.values() for p in pts])
+    tuning = Tuning(d, target, points, tuple(pareto(points)), by_schedule, best, refused=refused,
+                    counts=counts, per_schedule=per_schedule, notes=notes)  # fmt: skip
     if best is not None:
         launch = _launch(d, best, model_path)
         tuning = dataclasses.replace(tuning, launch=launch)
@@ -513,6 +537,24 @@ def _refused(search: Search) -> dict[str, str]:
             probe = Setting(s, ep, pp)
             if not search.feasible(probe):
                 out[f"{s} {probe.layout}"] = "no batch fits in the GPU's memory"
+    return out
+
+
+def _notes(d: Deployment, pts: Sequence[Point]) -> dict[str, tuple[str, ...]]:
+    """Per point (:func:`label`), the fallbacks its schedule recorded, as ``compare`` says them
+    (``shared.schedules.fallbacks``: sbo on DeepEP's normal kernels ran as serial, vllm-dbo below
+    its token threshold ran unsplit): a row named after a schedule that ran as another says so.
+    Read from the Program's meta (a build, no simulation); the notes a trace shows (sbo-off's
+    shared experts overlapping nothing) are not among them."""
+    from overlap_lab.shared.schedules.fallbacks import fallback_notes
+
+    out = {}
+    for p in pts:
+        w, g, cfg = CaseParser(d).inputs(case_of(p.setting, p.batch))
+        w, _ = registry.prepare_workload(p.setting.schedule, w)
+        said = fallback_notes(registry.build(p.setting.schedule, w, g, cfg).meta)
+        if said:
+            out[label(p)] = tuple(said)
     return out
 
 

@@ -54,13 +54,22 @@ TOL = 1e-9
 
 @dataclass(frozen=True)
 class Point:
-    """One simulated configuration: ``ms`` per iteration and ``tps``, tokens/s per GPU (with
-    MTP, the accepted ones)."""
+    """One simulated configuration: ``ms``, the latency a target bounds (decode: the time
+    between two of a sequence's tokens; prefill: a prompt's prefill step), which is
+    ``iterations`` of its window's iterations (the schedule's ``latency_iterations``: pp's
+    micro-batches in flight; one for a schedule whose iteration is its step); ``tps``,
+    tokens/s per GPU (with MTP, the accepted ones)."""
 
     setting: Setting
     batch: int
     ms: float
     tps: float
+    iterations: int = 1
+
+    @property
+    def iteration_ms(self) -> float:
+        """ms per iteration of the simulated window (docs/metrics.md)."""
+        return self.ms / self.iterations
 
 
 def dominates(a: Point, b: Point) -> bool:
@@ -113,7 +122,8 @@ Evaluate = Callable[[Sequence[Pair]], dict[Pair, "Point | str"]]
 
 class Search:
     """One search (see the module docstring): ``run()`` fills :attr:`results`; ``rounds``
-    counts the calls of ``evaluate``. ``target``: ms per iteration (None: none).
+    counts the calls of ``evaluate``. ``target``: the most ms a point's latency may be
+    (:attr:`Point.ms`; None: none).
     ``per_schedule``: prune a batch only where a point of its own schedule dominates it, so
     that each schedule's frontier, not only the overall one, is what brute force finds."""
 
@@ -143,7 +153,7 @@ class Search:
         self.chosen: dict[tuple[str, int, int], Setting] = {}
         #: the knobs tried first, on every schedule: those every schedule reads, and MTP
         self.common = {k.name for k in registry.common_knobs()} | {"drafts"}
-        self._fits: dict[tuple[int, int, int, int], bool] = {}
+        self._fits: dict[Pair, bool] = {}
 
     # ---- what is known ------------------------------------------------------------------------
 
@@ -155,12 +165,13 @@ class Search:
         ]
 
     def feasible(self, s: Setting) -> tuple[int, ...]:
-        """The ladder's batches whose weights and KV cache fit in the GPU."""
+        """The ladder's batches whose weights and KV cache (of every batch in flight) fit in
+        the GPU."""
         out = []
         for b in self.ladder:
-            key = (s.ep, s.pp, b, s.drafts)
+            key = (s, b)
             if key not in self._fits:
-                self._fits[key] = fits(self.d, s.ep, s.pp, b, s.drafts)
+                self._fits[key] = fits(self.d, s, b)
             if self._fits[key]:
                 out.append(b)
         return tuple(out)
@@ -446,7 +457,7 @@ class Search:
         if not below or not self.safe(s):
             return False
         ref = max(below, key=lambda p: p.batch)
-        corner = Point(s, b, ref.ms, ref.tps * b / ref.batch * (1 + TOL))
+        corner = Point(s, b, ref.ms, ref.tps * b / ref.batch * (1 + TOL), ref.iterations)
         rivals = self.points()
         if self.per_schedule:
             rivals = [q for q in rivals if q.setting.schedule == s.schedule]

@@ -236,15 +236,22 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
     """The knobs the search varies for ``schedule``: each knob it reads that has values to try
     (``space.values`` first, else the knob's record), the GPU's deployment fields where DeepEP's
     normal kernels run (``deepep_normal``), MTP drafts where the model and the schedule run
-    them. Values equal to the default are left out (the default is always tried)."""
+    them. Values equal to the default are left out (the default is always tried), and so are
+    values of a knob every schedule reads that this schedule always refuses (:func:`refusal`:
+    lightllm's and deepseek's DeepEP mode is the phase's)."""
     out = []
     own = {k.name: k for k in registry.own_knobs(schedule)}
+    common = {k.name for k in registry.common_knobs()}
     for k in (*registry.common_knobs(), *own.values()):
         values = space.values.get(k.name, k.tune)
         default = k.default
         if k.name == "deepep_mode":  # auto is one of the two: its twin is no new value
             default = ScheduleConfig().resolved_deepep_mode(d.mode)
         vals = tuple(v for v in dict.fromkeys(values) if v != default)
+        if (
+            k.name in common
+        ):  # a knob every schedule reads: a value this one never runs is not tried
+            vals = tuple(v for v in vals if refusal(schedule, d.mode, k.name, v) is None)
         if vals:
             out.append(Dim(k.name, k.default, vals))
     if deepep_normal:
@@ -257,6 +264,29 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
     if drafts and d.mode == "decode" and d.model.mtp > 0 and runs_mtp(schedule):
         out.append(Dim("drafts", 0, drafts))
     return tuple(out)
+
+
+@functools.cache
+def refusal(schedule: str, mode: str, name: str, value: Any) -> str | None:
+    """Why ``schedule`` refuses knob ``name`` at ``value`` in ``mode`` whatever the batch and
+    layout (None: it runs it), asked up front as the sweep's checks are: its build of a small
+    workload of the phase refuses the value where it builds the default (lightllm and deepseek
+    run DeepEP's low-latency kernels in decode and the normal ones in prefill, nothing else)."""
+    from overlap_lab import api
+
+    batch = dict(batch=8) if mode == "decode" else dict(batch=1, extend_len=256)
+    w = api.workload("deepseek-v3", mode=mode, ep=8, layers=2, **batch)
+    w, _ = registry.prepare_workload(schedule, w)
+    gpu = api.gpu("h800")
+
+    def why(knobs: dict[str, Any]) -> str | None:
+        try:
+            registry.build(schedule, w, gpu, ScheduleConfig(**knobs))
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    return None if why({}) is not None else why({name: value})
 
 
 @functools.cache
@@ -338,17 +368,6 @@ def workload_of(d: Deployment, ep: int, pp: int, batch: int, tokens_per_seq: int
     )
 
 
-def fits(d: Deployment, ep: int, pp: int, batch: int, drafts: int = 0) -> bool:
-    """Whether the model's share and the batch's KV cache fit in the GPU's memory."""
-    from overlap_lab.checks import check_memory
-
-    try:
-        check_memory(workload_of(d, ep, pp, batch, 1 + drafts), d.gpu, allow=False)
-    except ConfigError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class CaseParser:
     """A results-file row's knobs as the simulation they name (what the sweep's workers call:
@@ -358,9 +377,17 @@ class CaseParser:
 
     deployment: Deployment
 
-    def __call__(self, knobs: Mapping[str, Any]) -> SimCase:
-        from overlap_lab import api
+    def checked(self, knobs: Mapping[str, Any]) -> tuple[Any, GPU, ScheduleConfig]:
+        """The row's workload, GPU and ScheduleConfig, its memory checked (``fits``)."""
         from overlap_lab.checks import check_memory
+
+        w, g, cfg = self.inputs(knobs)
+        check_memory(w, g, allow=False, schedule=str(knobs["schedule"]), cfg=cfg)
+        return w, g, cfg
+
+    def inputs(self, knobs: Mapping[str, Any]) -> tuple[Any, GPU, ScheduleConfig]:
+        """The row's workload, GPU and ScheduleConfig."""
+        from overlap_lab import api
 
         d = self.deployment
         tune = tunable_knobs()
@@ -369,18 +396,42 @@ class CaseParser:
         g = api.gpu(d.gpu, **gpu_set)
         w = workload_of(d, int(knobs["ep"]), int(knobs["pp"]), int(knobs["batch"]),
                         int(knobs["tokens_per_seq"]))  # fmt: skip
-        check_memory(w, g, allow=False)
         cfg = ScheduleConfig(**own)
         if cfg.resolved_deepep_mode(d.mode) == "normal" and cfg.cuda_graph is None:
             cfg = ScheduleConfig(cuda_graph=False, **own)  # as SGLang forces: see below
+        return w, g, cfg
+
+    def __call__(self, knobs: Mapping[str, Any]) -> SimCase:
+        from overlap_lab import api
+
+        w, g, cfg = self.checked(knobs)
         return SimCase(
             str(knobs["schedule"]),
             w,
             g,
             cfg,
             api.Ranks(),
-            api.resolve_profile(d.profile, g),
+            api.resolve_profile(self.deployment.profile, g),
         )
+
+
+def latency_iterations(d: Deployment, setting: Setting, batch: int) -> int:
+    """Iterations of ``setting``'s window a sequence waits between two of its tokens (a prompt,
+    its prefill step): its schedule's ``latency_iterations`` (pp: every micro-batch in flight
+    on every stage; one-batch schedules: one). Times ms per iteration, what a target bounds."""
+    w, _, cfg = CaseParser(d).inputs(case_of(setting, batch))
+    w, _ = registry.prepare_workload(setting.schedule, w)
+    return registry.latency_iterations(setting.schedule, w, cfg)
+
+
+def fits(d: Deployment, setting: Setting, batch: int) -> bool:
+    """Whether the model's share and the KV cache of every batch ``setting`` holds at once
+    (pp's micro-batches) fit in the GPU's memory, as the simulation checks it."""
+    try:
+        CaseParser(d).checked(case_of(setting, batch))
+    except ConfigError:
+        return False
+    return True
 
 
 def space_size(d: Deployment, space: Space, names: Sequence[str]) -> int:

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs.tiny_cpu_model(args) or program
         ):
             w, gpu = workload_from(args), gpu_from(args)
-            inputs.check_workload(w, gpu, args)
+            inputs.check_workload(w, gpu, args, config_from(args))
         code = args.func(args)
         for kind, msg in hold_notes(False):
             print(f"overlap-lab: {kind}: {msg}", file=sys.stderr)

@@ -125,11 +125,10 @@ def case_inputs(knobs: Mapping[str, Any]) -> SimCase:
     except ConfigError as e:
         raise ConfigError(inputs.as_options(str(e), e.names)) from None
     w, gpu = workload_from(args), gpu_from(args)
-    inputs.check_workload(w, gpu, args)
+    cfg = config_from(args)
+    inputs.check_workload(w, gpu, args, cfg)
     profile = api.resolve_profile(getattr(args, "profile", "auto"), gpu)
-    return SimCase(
-        args.schedule, w, gpu, config_from(args), ranks_from(args), profile, args.max_events
-    )
+    return SimCase(args.schedule, w, gpu, cfg, ranks_from(args), profile, args.max_events)
 
 
 def run_sweep(

@@ -37,6 +37,16 @@ def _series(i: int) -> dict[str, Any]:
     return {**series_style(i), "color": SERIES_COLORS[i % len(SERIES_COLORS)]}
 
 
+def _counted(c: Any) -> str:
+    """The configurations of a tune as its text counts them (``Tuning.text``)."""
+    parts = [f"{c.get('simulated', 0)} configurations simulated"]
+    if c.get("duplicates"):
+        parts.append(f"{c['duplicates']} more shared an identical simulation")
+    if c.get("resumed"):
+        parts.append(f"{c['resumed']} read back")
+    return ", ".join(parts)
+
+
 def frontier_figure(tuning: Any, path: str | Path, *, width: str | float | None = "double") -> Path:
     """A tune's points (``overlap_lab.tune.Tuning``): every configuration simulated as a grey
     dot, each schedule's Pareto frontier as a line, the target as a dashed vertical line and the
@@ -59,13 +69,13 @@ def frontier_figure(tuning: Any, path: str | Path, *, width: str | float | None 
         b = tuning.best
         ax.scatter([b.ms], [b.tps], marker="*", s=90, color="#000000", zorder=3,
                    label=f"best: {b.setting.schedule}, batch {b.batch}")  # fmt: skip
-    ax.set_xlabel("ms per iteration" if d.mode == "decode" else "ms per prefill step")
+    ax.set_xlabel(tuning.unit)
     ax.set_ylabel("tokens/s per GPU")
     ax.grid(alpha=0.3)
     ax.set_title(
         st.wrap(
             f"{d.model.label} {d.mode} on {d.gpus} x {d.gpu.name}: Pareto frontier per schedule "
-            f"({len(pts)} configurations simulated)"
+            f"({_counted(tuning.counts)})"
         ),
         loc="left",
         fontsize=st.font,

@@ -4,7 +4,8 @@ A schedule module owns everything about its schedule (docs/schedules.md, "What a
 declares"): ``UPSTREAM``, ``SUMMARY`` and ``build(workload, gpu, cfg)`` always; where it has them,
 its own knobs (``Knobs``), whether it runs pipeline stages (``SUPPORTS_PP``), its workload
 defaults (``prepare_workload``), how its window's iterations and tokens are counted
-(``iterations_and_tokens``), how figures draw it (``DRAWING``), what a comparison says of its
+(``iterations_and_tokens``), the batches it holds at once (``batches_in_flight``), the iterations a sequence waits between
+tokens (``latency_iterations``), how figures draw it (``DRAWING``), what a comparison says of its
 window (``window_note``), the configuration the CPU check runs it with (``cpu_check_config``),
 its own summary of a trace (``report``) and how a configuration is launched on the system that
 runs it (``launch_flags``). Code outside this package asks the functions below
@@ -29,6 +30,7 @@ from overlap_lab.shared.schedules.registry import (
     REGISTRY,
     SCHEDULES,
     available,
+    batches_in_flight,
     check_own_knobs,
     common_knobs,
     cpu_check_config,
@@ -39,6 +41,7 @@ from overlap_lab.shared.schedules.registry import (
     knob_default,
     knob_readers,
     knobs_of,
+    latency_iterations,
     launch_flags,
     loadable,
     module,
@@ -60,6 +63,7 @@ __all__ = [
     "SCHEDULES",
     "ScheduleConfig",
     "available",
+    "batches_in_flight",
     "build",
     "check_own_knobs",
     "common_knobs",
@@ -71,6 +75,7 @@ __all__ = [
     "knob_default",
     "knob_readers",
     "knobs_of",
+    "latency_iterations",
     "launch_flags",
     "loadable",
     "module",

@@ -92,7 +92,9 @@ STREAMS = ("main", "pp_recv", "pp_send")
 
 
 def micro_batch(w: Workload, k: int) -> MicroBatch:
-    """Micro-batch k: one whole ScheduleBatch of the workload's batch (every mb alike)."""
+    """Micro-batch k: one whole ScheduleBatch of the workload's batch (every mb alike): the
+    workload's batch is the sequences of one micro-batch, and a stage holds ``micro_batches``
+    of them (:func:`batches_in_flight`)."""
     whole = whole_batch(w)
     return MicroBatch(
         k, whole.seq_lo, whole.seq_hi, whole.tok_lo, whole.tok_hi, whole.padded_tokens
@@ -290,17 +292,33 @@ def iterations_and_tokens(program: Program, w: Workload) -> tuple[int, int]:
     return g, g * w.batch.num_tokens // pp
 
 
+def batches_in_flight(w: Workload, cfg: ScheduleConfig) -> int:
+    """Batches a GPU holds at once: ``micro_batches`` (default ``pp_size``) micro-batches, each a
+    whole batch of the workload's sequences (:func:`micro_batch`), so a stage keeps the KV cache
+    of all of them for its layers, and a launch runs that many batches' requests."""
+    return cfg.of(Knobs).micro_batches or w.parallel.pp
+
+
+def latency_iterations(w: Workload, cfg: ScheduleConfig) -> int:
+    """Iterations of its window a sequence waits, which a latency target is compared with: in
+    decode, a round of every micro-batch in flight on every stage between two of a sequence's
+    tokens (:func:`batches_in_flight`); in prefill, a prompt's micro-batch through each stage."""
+    return batches_in_flight(w, cfg) if w.batch.mode == "decode" else w.parallel.pp
+
+
 def window_note(cfg: ScheduleConfig) -> str:
     return (
         "pp: iters are micro-batch iterations (mb): iterations x micro-batches on each stage, "
-        "each a micro-batch's share of the batch."
+        "each micro-batch a whole batch of the given sequences."
     )
 
 
 def launch_flags(d: Deployment) -> ServerLaunch:
     """SGLang with pipeline stages: ``--pp-size`` (in the layout) and
-    ``--pp-max-micro-batch-size``, the sequences of one micro-batch per DP rank; SGLang keeps
-    ``pp_size`` micro-batches in flight, so ``micro_batches`` has no flag (docs/tune.md)."""
+    ``--pp-max-micro-batch-size``, the sequences of one micro-batch (the workload's batch) per DP
+    rank; ``--max-running-requests`` counts every batch in flight (:func:`batches_in_flight`, as
+    the memory check does). SGLang keeps ``pp_size`` micro-batches in flight, so
+    ``micro_batches`` has no flag (docs/tune.md)."""
     k = d.cfg.of(Knobs)
     b = d.workload.batch.num_seqs
     flags = (sglang_flag("pp_max_micro_batch_size", b, "batch"),)
@@ -313,5 +331,4 @@ def launch_flags(d: Deployment) -> ServerLaunch:
                 "(python/sglang/srt/managers/scheduler_pp_mixin.py); no flag",
             ),
         )
-    in_flight = k.micro_batches or d.workload.parallel.pp
-    return sglang(d, flags, unmapped, running=b * in_flight)
+    return sglang(d, flags, unmapped, running=b * batches_in_flight(d.workload, d.cfg))

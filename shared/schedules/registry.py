@@ -51,6 +51,8 @@ BASELINE = "serial"
 HOOKS = (
     "prepare_workload",
     "iterations_and_tokens",
+    "batches_in_flight",
+    "latency_iterations",
     "window_note",
     "cpu_check_config",
     "report",
@@ -219,6 +221,23 @@ def iterations_and_tokens(name: str | None, program, workload) -> tuple[int, int
     if hook is None:
         return 1, workload.batch.num_tokens
     return hook(program, workload)
+
+
+def batches_in_flight(name: str | None, workload, cfg: CommonKnobs) -> int:
+    """Batches of the workload's size a GPU of schedule ``name`` holds at once (its module's
+    ``batches_in_flight(workload, cfg)``: pp's micro-batches, each a whole batch), else one:
+    what the memory check counts the KV cache of (``overlap_lab.checks.check_memory``)."""
+    hook = _hook(name, "batches_in_flight")
+    return 1 if hook is None else int(hook(workload, cfg))
+
+
+def latency_iterations(name: str | None, workload, cfg: CommonKnobs) -> int:
+    """Iterations of schedule ``name``'s window between two of a sequence's tokens in decode (a
+    prompt's whole prefill step in prefill): what a latency target is compared with, as a number
+    of its iterations (its module's ``latency_iterations(workload, cfg)``: pp's round of
+    micro-batches), else one: a one-batch schedule's iteration is its step."""
+    hook = _hook(name, "latency_iterations")
+    return 1 if hook is None else int(hook(workload, cfg))
 
 
 def iteration_unit(name: str | None) -> str:
