@@ -118,6 +118,25 @@ def sim_memory_bytes(w, ranks: str = "symmetric", imbalance: str = "balanced") -
     return float(routing + program)
 
 
+def check_workload(
+    w, gpu, cfg: Any, schedules: Sequence[str | None], allow: bool, sim: tuple[str, str] | None
+) -> None:
+    """The memory checks of a built workload for each schedule of ``schedules`` with the
+    ScheduleConfig ``cfg`` (:func:`check_memory`: the batches it holds at once, pp's
+    micro-batches; a name that is no schedule, ``run``'s ``all``, as a one-batch schedule; a
+    broken plug-in is left to the command, which refuses its row), and with ``sim`` = (ranks,
+    imbalance) the simulator's own (:func:`check_sim_memory`)."""
+    from overlap_lab.shared.schedules import SCHEDULES, loadable
+
+    usable = set(loadable())
+    for name in schedules:
+        if name in SCHEDULES and name not in usable:
+            continue
+        check_memory(w, gpu, allow, schedule=name if name in SCHEDULES else None, cfg=cfg)
+    if sim is not None:
+        check_sim_memory(w, *sim)
+
+
 def check_sim_memory(w, ranks: str = "symmetric", imbalance: str = "balanced") -> None:
     """Refuse an explicit-rank run whose estimated footprint exceeds 80 % of this machine."""
     need, have = sim_memory_bytes(w, ranks, imbalance), 0.8 * host_memory_bytes()

@@ -38,3 +38,13 @@ def build(case: SimCase) -> tuple[Workload, Program, float]:
     program = build_schedule(case.schedule, w, case.gpu, case.config)
     lowered = api.lower_ranks(program, w, case.gpu, case.ranks)
     return w, lowered, 0.0 if lowered is program else api.NET_GROUP_TOL
+
+
+def shown(case: SimCase) -> Program:
+    """What ``overlap-lab show`` prints: the lowered Program the simulator runs, validated as it
+    would be (a ProgramError before anything is printed)."""
+    from overlap_lab.shared.ir.validate import validate
+
+    _, lowered, _ = build(case)
+    validate(lowered, case.gpu.num_sms)
+    return lowered

@@ -268,22 +268,14 @@ def add_force_option(s: argparse.ArgumentParser) -> None:
 
 
 def check_workload(w, gpu, args, cfg) -> None:
-    """The memory checks of a built workload (sim, compare, run): ``overlap_lab.checks``, for
-    each schedule named with the ScheduleConfig ``cfg`` (the batches it holds at once: pp's
-    micro-batches)."""
+    """The memory checks of a built workload (sim, compare, run): ``checks.check_workload``."""
     from overlap_lab import checks
-    from overlap_lab.shared.schedules import SCHEDULES
 
+    cmd = getattr(args, "command", None)
+    named = args.schedules.split(",") if cmd == "compare" else [getattr(args, "schedule", None)]
+    sim = (getattr(args, "ranks", "symmetric"), getattr(args, "imbalance", "balanced"))
     allow = getattr(args, "allow_oversubscribe", False)
-    named = [getattr(args, "schedule", None)]
-    if getattr(args, "command", None) == "compare":
-        named = args.schedules.split(",")
-    for name in named:
-        known = name if name in SCHEDULES else None  # run's "all"
-        checks.check_memory(w, gpu, allow, schedule=known, cfg=cfg)
-    if getattr(args, "command", None) in ("sim", "compare"):
-        ranks = getattr(args, "ranks", "symmetric")
-        checks.check_sim_memory(w, ranks, getattr(args, "imbalance", "balanced"))
+    checks.check_workload(w, gpu, cfg, named, allow, sim if cmd in ("sim", "compare") else None)
 
 
 # ---- output --------------------------------------------------------------------------------------

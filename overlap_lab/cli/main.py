@@ -97,13 +97,11 @@ def _provenance(args, result) -> dict:
 
 
 def cmd_show(args) -> int:
-    from overlap_lab.shared.ir.validate import validate
-    from overlap_lab.simcase import SimCase, build
+    from overlap_lab.simcase import SimCase, shown
 
     check_pp_size(args.schedule, args)
     w, gpu, cfg = workload_from(args), gpu_from(args), config_from(args)
-    _, lowered, _ = build(SimCase(args.schedule, w, gpu, cfg, ranks_from(args)))
-    validate(lowered, gpu.num_sms)  # what is shown is what is simulated: the lowered Program
+    lowered = shown(SimCase(args.schedule, w, gpu, cfg, ranks_from(args)))
     sys.stdout.write(str(lowered))
     if args.profile != "auto":  # durations only when asked: the default output is the Program
         from overlap_lab.calibrate import cost_comments

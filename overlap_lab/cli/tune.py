@@ -50,12 +50,8 @@ def add_parsers(sub) -> None:
     g.add_argument("--model-path", default=None,
                    help="what the launch command loads (default: the model's name)")  # fmt: skip
     g = s.add_argument_group("target")
-    g.add_argument(
-        "--max-ms",
-        type=float,
-        default=None,
-        help="decode: most ms between a sequence's tokens (one step; pp: a round of its micro-batches)",
-    )
+    g.add_argument("--max-ms", type=float, default=None, help="decode: most ms between a "
+                   "sequence's tokens (one step; pp: a round of its micro-batches)")  # fmt: skip
     g.add_argument("--max-prefill-ms", type=float, default=None,
                    help="prefill: most ms per prefill step")  # fmt: skip
     g = s.add_argument_group("search space (default: learnt from the schedules' knob records)")
