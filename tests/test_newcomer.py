@@ -13,21 +13,7 @@ from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs import preset_files
 from overlap_lab.shared.inputs.presets import load_model
 from overlap_lab.shared.inputs.workload import MODELS
-
-QWEN3_30B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "num_hidden_layers": 48,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "vocab_size": 151936,
-}
+from tests.test_presets import QWEN3_30B
 
 
 def _config(tmp_path, **changes):
