@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from overlap_lab.experiments.gpu_validation.report import step_figure, table
+from overlap_lab.shared.errors import ConfigError
 
 
 class Archive:
@@ -42,11 +43,30 @@ class Archive:
         (self.work / "table.md").write_text(table(report))
         if final:
             step_figure(report, self.work / "step_times.png")
+        self.pack(compresslevel=6 if final else 1)  # after every schedule: fast until the last
+
+    def pack(self, compresslevel: int = 6) -> Path:
+        """The working folder packed into the archive (through a ``.part`` file, then renamed):
+        sorted, owner-free, no times, so the same files make the same archive; its path."""
         tmp = self.path.with_name(self.path.name + ".part")
-        # rewritten after every schedule: fast compression until the last write
-        with tarfile.open(tmp, "w:gz", compresslevel=6 if final else 1) as tar:
-            tar.add(self.work, arcname=self.name)
+        with (
+            open(tmp, "wb") as f,
+            gzip.GzipFile(fileobj=f, mode="wb", mtime=0, compresslevel=compresslevel) as gz,
+            tarfile.open(fileobj=gz, mode="w") as tar,
+        ):
+            for p in [self.work, *sorted(self.work.rglob("*"))]:
+                rel = p.relative_to(self.work)
+                info = tar.gettarinfo(p, arcname=f"{self.name}/{rel}" if rel.parts else self.name)
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = 0
+                if p.is_file():
+                    with open(p, "rb") as fh:
+                        tar.addfile(info, fh)
+                else:
+                    tar.addfile(info)
         tmp.replace(self.path)
+        return self.path
 
     def keep_run(self, rel_dir: str, stem: str, rec) -> dict[str, str]:
         """A recorded run (``overlap_lab.calibrate.DeviceTimed``) kept for a replay: the
@@ -72,3 +92,25 @@ def write_json_gz(path: Path, doc) -> None:
     data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as g:
         g.write(data)
+
+
+def unpack(path: str | Path, what: str) -> tuple[Path, dict]:
+    """A loop's archive ``path`` unpacked into a temporary folder: (its top folder, its
+    results.json). The caller removes the top folder's parent when done; ``what`` names the
+    reader in its errors (``--replay``, ``convert``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what}: no archive at {p}")
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_validation_unpacked_"))
+    try:
+        with tarfile.open(p) as tar:
+            tar.extractall(tmp, filter="data")
+        found = sorted(tmp.glob("*/results.json"))
+        if not found:
+            raise ConfigError(f"{what}: {p} holds no <name>/results.json")
+        return found[0].parent, json.loads(found[0].read_text())
+    except (ConfigError, tarfile.TarError, OSError, ValueError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{what}: cannot read {p}: {e}") from None

@@ -22,15 +22,13 @@ fixture: tests/data/ is built with ``--last-runs 1``); ``--schedules`` keeps onl
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-from overlap_lab.experiments.gpu_validation.archive import Archive, write_json_gz
+from overlap_lab.experiments.gpu_validation.archive import Archive, unpack, write_json_gz
 from overlap_lab.experiments.gpu_validation.driver import GPU_DEFAULTS
 from overlap_lab.shared.errors import ConfigError
 
@@ -65,16 +63,9 @@ def convert(old: str | Path, calibration: dict[str, list[tuple[str, str | None]]
     from overlap_lab.device_time import kernel_records, load_chrome
     from overlap_lab.shared.outputs.trace import Trace
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpu_validation_convert_"))
+    root, rec = unpack(old, "convert")
     archive = Archive(Path(out), name)
     try:
-        with tarfile.open(old) as tar:
-            tar.extractall(tmp, filter="data")
-        found = sorted(tmp.glob("*/results.json"))
-        if not found:
-            raise ConfigError(f"{old} holds no <name>/results.json")
-        root = found[0].parent
-        rec = json.loads(found[0].read_text())
         keep = ("environment", "preset", "model", "layers", "ep", "backend", "precision",
                 "timing_meaningful", "commands", "pytest_gpu")  # fmt: skip
         report = {k: rec[k] for k in keep if k in rec}
@@ -127,27 +118,10 @@ def convert(old: str | Path, calibration: dict[str, list[tuple[str, str | None]]
         (archive.work / "results.json").write_text(
             json.dumps(report, indent=1, sort_keys=True, default=str) + "\n"
         )
-        tgz = archive.path.with_name(archive.path.name + ".part")
-        with (
-            open(tgz, "wb") as f,
-            gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz,
-            tarfile.open(fileobj=gz, mode="w") as tar,
-        ):
-            for p in sorted(archive.work.rglob("*")):  # sorted, owner-free: rebuilt the same
-                info = tar.gettarinfo(p, arcname=f"{name}/{p.relative_to(archive.work)}")
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = 0
-                if p.is_file():
-                    with open(p, "rb") as fh:
-                        tar.addfile(info, fh)
-                else:
-                    tar.addfile(info)
-        tgz.replace(archive.path)
-        return archive.path
+        return archive.pack()
     finally:
         archive.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root.parent, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

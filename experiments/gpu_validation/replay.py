@@ -19,13 +19,10 @@ an op today's calibration cannot time from the recording stays on the roofline a
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
-import tarfile
-import tempfile
 from pathlib import Path
 
-from overlap_lab.experiments.gpu_validation.archive import Archive
+from overlap_lab.experiments.gpu_validation.archive import Archive, unpack
 from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY
 from overlap_lab.experiments.gpu_validation.context import Setup, case_workload, model_config
 from overlap_lab.experiments.gpu_validation.predict import (
@@ -37,28 +34,9 @@ from overlap_lab.experiments.gpu_validation.predict import (
 )
 from overlap_lab.experiments.gpu_validation.report import table
 from overlap_lab.experiments.gpu_validation.verdict import not_comparable, summarize, verdict
-from overlap_lab.shared.errors import ConfigError
 
 #: What a case of an archive without calibration runs says (a loop older than replays).
 NO_CALIBRATION = "no calibration runs recorded: an archive older than replays (convert it)"
-
-
-def read(path: str | Path) -> tuple[Path, dict]:
-    """Unpack the archive ``path`` into a temporary folder: (its top folder, results.json)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--replay: no archive at {p}")
-    tmp = Path(tempfile.mkdtemp(prefix="gpu_validation_replay_"))
-    try:
-        with tarfile.open(p) as tar:
-            tar.extractall(tmp, filter="data")
-        found = sorted(tmp.glob("*/results.json"))
-        if not found:
-            raise ConfigError(f"--replay: {p} holds no <name>/results.json")
-        return found[0].parent, json.loads(found[0].read_text())
-    except (tarfile.TarError, OSError, ValueError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"--replay: cannot read {p}: {e}") from None
 
 
 def setup_of(report: dict) -> tuple[Setup, object]:
@@ -77,7 +55,7 @@ def setup_of(report: dict) -> tuple[Setup, object]:
 
 def replay_setup(path: str | Path) -> tuple[Setup, object]:
     """:func:`setup_of` the archive ``path`` (its machine and model), read without the rest."""
-    root, report = read(path)
+    root, report = unpack(path, "--replay")
     shutil.rmtree(root.parent, ignore_errors=True)
     return setup_of(report)
 
@@ -165,7 +143,7 @@ def replay(path: str | Path, out: str | Path | None = None, name: str | None = N
     table.md of the replay)."""
     from overlap_lab.experiments.gpu_validation.environment import environment_commit
 
-    root, recorded = read(path)
+    root, recorded = unpack(path, "--replay")
     archive = None
     if out is not None:
         archive = Archive(Path(out), name or f"{Path(path).name.split('.')[0]}_replay")
