@@ -257,3 +257,24 @@ def test_a_replayed_steps_exposed_communication_is_its_replays_not_the_eager_pas
     assert ex["exposed_comm_us"]["measured"] == pytest.approx(comm, rel=1e-9)
     eager = Trace.from_chrome(_member("serial.measured.trace.json.gz"))
     assert eager.exposed_comm_us(eager.ranks[0]) > 1.5 * comm
+
+
+def test_an_archive_packs_the_same_files_into_the_same_bytes(tmp_path):
+    """Archive.pack (the loop's archive and convert's): sorted, owner-free, no times, so the
+    same working folder makes the same archive, whenever it is packed."""
+    import os
+
+    from overlap_lab.experiments.gpu_validation.archive import Archive, unpack
+
+    a = Archive(tmp_path / "a", "x")
+    try:
+        (a.work / "case").mkdir()
+        (a.work / "case" / "b.txt").write_text("b")
+        (a.work / "results.json").write_text('{"cases": {}}')
+        first = a.pack().read_bytes()
+        os.utime(a.work / "case" / "b.txt", (1, 1))
+        assert a.pack().read_bytes() == first
+    finally:
+        a.close()
+    root, rec = unpack(tmp_path / "a" / "x.tar.gz", "test")
+    assert rec == {"cases": {}} and (root / "case" / "b.txt").read_text() == "b"
