@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overlap_lab.checks import check_overrides, verify_tokens
+from overlap_lab.limits import check_values
 from overlap_lab.metrics import Metrics, measure
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
@@ -153,6 +154,11 @@ def workload(
     mode = str(mode).lower()  # as the command line: names are case-insensitive
     if mode not in ("decode", "prefill"):
         raise ConfigError(f"mode must be decode or prefill, got {mode!r}", names=("mode",))
+    given = dict(batch=batch, kv_len=kv_len, kv_lens=kv_lens, tokens_per_seq=tokens_per_seq,
+                 extend_len=extend_len, extend_lens=extend_lens, prefix_len=prefix_len,
+                 prefix_lens=prefix_lens, layers=layers, mtp=mtp, ep=ep,
+                 gpus_per_node=gpus_per_node, attn_tp=attn_tp, pp=pp)  # fmt: skip
+    check_values(given, {"pp": "pp_size"})  # the ranges the command line's options check
     m = model(model_spec, layers=layers)
     tokens_per_seq = verify_tokens(mtp, tokens_per_seq, mode)
     if mtp is not None and (mtp == 0) != (m.mtp == 0):  # off, or a module where it has none

@@ -5,13 +5,16 @@ knob records: ``shared.inputs.knobs``); the workload's parameters (``api.workloa
 lengths, layout) and the real executor's (``run``: warm-up, repeats, tolerance) are no
 configuration's field, so their ranges are declared here, as the same records
 (:func:`Limit`). The command line checks every option against :data:`LIMITS`
-(``cli.inputs.apply_limits``), names and units as the record says them.
+(``cli.inputs.apply_limits``), names and units as the record says them; the API checks the
+values it is given against the same records (:func:`check_values`: ``api.workload``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.hardware import gpu_fields, host_cost_fields
 from overlap_lab.shared.inputs.knobs import Knob
 from overlap_lab.shared.schedules import schedule_knobs
@@ -75,3 +78,18 @@ RUN_LIMITS = {"batch": 4096, "ranks": 16}
 
 def _below_one(v: float) -> str | None:
     return f"must be below 1, got {v!r}" if v >= 1 else None
+
+
+def check_values(values: Mapping[str, Any], records: Mapping[str, str] | None = None) -> None:
+    """Refuse a value outside its :data:`LIMITS` range, in the words an option's refusal uses
+    (``batch must be an integer in 1..65536, got 0``): what the API checks that the command
+    line's options check before it. ``values``: parameter -> value (None: not given; a list is
+    read as the tuple a list option gives); ``records``: a parameter whose range is another
+    option's (the API's ``pp`` is ``--pp-size``)."""
+    for name, v in values.items():
+        if v is None:
+            continue
+        lim = LIMITS[(records or {}).get(name, name)]
+        why = lim.refusal(tuple(v) if lim.is_tuple and isinstance(v, list) else v)
+        if why:
+            raise ConfigError(f"{name} {why}", names=(name,))
