@@ -251,7 +251,7 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
         if (
             k.name in common
         ):  # a knob every schedule reads: a value this one never runs is not tried
-            vals = tuple(v for v in vals if refusal(schedule, d.mode, k.name, v) is None)
+            vals = tuple(v for v in vals if refusal(d, schedule, k.name, v) is None)
         if vals:
             out.append(Dim(k.name, k.default, vals))
     if deepep_normal:
@@ -261,23 +261,41 @@ def dims(d: Deployment, space: Space, schedule: str, deepep_normal: bool) -> tup
             if vals:
                 out.append(Dim(k.name, base, vals, on_gpu=True))
     drafts = tuple(n for n in space.values.get("drafts", space.drafts) if n > 0)
-    if drafts and d.mode == "decode" and d.model.mtp > 0 and runs_mtp(schedule):
+    if drafts and d.mode == "decode" and d.model.mtp > 0 and runs_mtp(d, schedule):
         out.append(Dim("drafts", 0, drafts))
     return tuple(out)
 
 
-@functools.cache
-def refusal(schedule: str, mode: str, name: str, value: Any) -> str | None:
-    """Why ``schedule`` refuses knob ``name`` at ``value`` in ``mode`` whatever the batch and
-    layout (None: it runs it), asked up front as the sweep's checks are: its build of a small
-    workload of the phase refuses the value where it builds the default (lightllm and deepseek
-    run DeepEP's low-latency kernels in decode and the normal ones in prefill, nothing else)."""
+def refusal(d: Deployment, schedule: str, name: str, value: Any) -> str | None:
+    """Why ``schedule`` refuses knob ``name`` at ``value`` in ``d``'s phase whatever the batch
+    and layout (None: it runs it), asked up front as the sweep's checks are: its build of a small
+    workload of the deployment's own model (cut to two layers) on its own GPU refuses the value
+    where it builds the default (lightllm and deepseek run DeepEP's low-latency kernels in decode
+    and the normal ones in prefill, nothing else; a schedule may refuse by model or GPU too)."""
+    return _refusal(schedule, d.model, d.gpu, d.mode, _probe_ep(d), name, value)
+
+
+def _probe_ep(d: Deployment) -> int:
+    """The EP size a refusal is asked at: the largest within one node that divides the model's
+    experts and the GPUs (a layout the search tries)."""
+    top = min(d.gpus, d.gpus_per_node)
+    return max(e for e in range(1, top + 1) if d.model.num_experts % e == 0 and d.gpus % e == 0)
+
+
+def _probe(model: ModelConfig, mode: str, ep: int, **kw: Any):
+    """A two-layer workload of ``model`` in ``mode`` at EP ``ep``, prepared as ``schedule``'s
+    build takes it: what :func:`refusal` and :func:`runs_mtp` build (a build, no simulation)."""
     from overlap_lab import api
 
     batch = dict(batch=8) if mode == "decode" else dict(batch=1, extend_len=256)
-    w = api.workload("deepseek-v3", mode=mode, ep=8, layers=2, **batch)
-    w, _ = registry.prepare_workload(schedule, w)
-    gpu = api.gpu("h800")
+    return api.workload(model, mode=mode, ep=ep, layers=2, **batch, **kw)
+
+
+@functools.cache
+def _refusal(
+    schedule: str, model: ModelConfig, gpu: GPU, mode: str, ep: int, name: str, value: Any
+) -> str | None:
+    w, _ = registry.prepare_workload(schedule, _probe(model, mode, ep))
 
     def why(knobs: dict[str, Any]) -> str | None:
         try:
@@ -289,17 +307,20 @@ def refusal(schedule: str, mode: str, name: str, value: Any) -> str | None:
     return None if why({}) is not None else why({name: value})
 
 
+def runs_mtp(d: Deployment, schedule: str) -> bool:
+    """Whether ``schedule`` runs ``d``'s model's MTP module in a decode step with draft tokens:
+    its Program for the model cut to two layers, on the deployment's GPU, has the module's ops
+    (``mtp.*``)."""
+    return _runs_mtp(schedule, d.model, d.gpu, _probe_ep(d))
+
+
 @functools.cache
-def runs_mtp(schedule: str) -> bool:
-    """Whether ``schedule`` runs the model's MTP module in a decode step with draft tokens: its
-    Program for a two-layer model with a module has the module's ops (``mtp.*``)."""
-    from overlap_lab import api
+def _runs_mtp(schedule: str, model: ModelConfig, gpu: GPU, ep: int) -> bool:
     from overlap_lab.shared.ir.program import ops_of
 
-    w = api.workload("deepseek-v3", batch=8, ep=8, layers=2, tokens_per_seq=2, mtp=1)
     try:
-        w, _ = registry.prepare_workload(schedule, w)
-        program = registry.build(schedule, w, api.gpu("h800"), ScheduleConfig())
+        w, _ = registry.prepare_workload(schedule, _probe(model, "decode", ep, mtp=1))
+        program = registry.build(schedule, w, gpu, ScheduleConfig())
     except ConfigError:
         return False
     return any(op.name.startswith("mtp.") for _, op in ops_of(program))

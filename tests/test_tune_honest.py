@@ -13,7 +13,8 @@ from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.launch import Deployment as Launched
-from overlap_lab.tune_space import Deployment, Setting, Space, fits
+from overlap_lab.tune_space import Deployment, Setting, Space, dims, fits, refusal
+from tests.plugin_dist import installed
 
 # ---- memory: pp's micro-batches are each a whole batch ------------------------------------
 
@@ -105,16 +106,49 @@ def test_tune_compares_the_target_with_a_sequences_wait_and_shows_both(tmp_path)
 def test_deepep_modes_a_schedule_refuses_are_not_searched(mode):
     """lightllm and deepseek run the phase's DeepEP kernels only (``two_mb.system_deepep_mode``):
     the other mode is never tried for them (it was counted as a failure), still for serial."""
-    from overlap_lab.tune_space import dims, refusal
-
     d = Deployment(ol.model("deepseek-v3"), ol.gpu("h800"), 32, mode)
     other = "normal" if mode == "decode" else "low_latency"
     for name in ("lightllm", "deepseek"):
-        assert refusal(name, mode, "deepep_mode", other) is not None
+        assert refusal(d, name, "deepep_mode", other) is not None
         assert "deepep_mode" not in {x.name for x in dims(d, Space(), name, False)}
-    assert refusal("serial", mode, "deepep_mode", other) is None
+    assert refusal(d, "serial", "deepep_mode", other) is None
     serial = {x.name: x.values for x in dims(d, Space(), "serial", False)}
     assert serial["deepep_mode"] == (other,)
+
+
+PICKY = """
+from overlap_lab.shared.errors import ConfigError
+from overlap_lab.shared.schedules import serial
+
+UPSTREAM = "none (a test plugin)"
+SUMMARY = "picky: serial, without DeepEP's normal kernels on Qwen3 models or on an H100"
+
+
+def build(workload, gpu, cfg):
+    if cfg.deepep_mode == "normal" and (workload.model.name.startswith("qwen3") or gpu.name == "h100"):
+        raise ConfigError("picky has no normal-kernel path on " + workload.model.name + "/" + gpu.name)
+    return serial.build(workload, gpu, cfg)
+"""
+
+
+def test_a_refusal_is_asked_on_the_deployments_own_model_and_gpu(tmp_path):
+    """A schedule that refuses a knob value by model or by GPU is asked on the deployment's own
+    (cut to two layers), not on another deployment's: a plug-in refusing DeepEP's normal kernels
+    on Qwen3 and on H100s has them searched on DeepSeek-V3 on H800s only."""
+    eps = {"overlap_lab.schedules": {"picky-normal": "overlap_lab_picky"}}
+    with installed(tmp_path / "site", "overlap-lab-picky", {"overlap_lab_picky": PICKY}, eps):
+        for model, gpu, refused in [
+            ("qwen3-30b-a3b", "h800", True),
+            ("deepseek-v3", "h100", True),
+            ("deepseek-v3", "h800", False),
+        ]:
+            d = Deployment(ol.model(model), ol.gpu(gpu), 8)
+            why = refusal(d, "picky-normal", "deepep_mode", "normal")
+            assert (why is not None) == refused, (model, gpu, why)
+            if refused:
+                assert f"no normal-kernel path on {model}/{gpu}" in why
+            tried = {x.name: x.values for x in dims(d, Space(), "picky-normal", False)}
+            assert tried.get("deepep_mode") == (None if refused else ("normal",))
 
 
 # ---- the figure counts configurations as the text does --------------------------------------
