@@ -462,18 +462,25 @@ def _tune_phase(
         )
         search.run()
     points = tuple(search.points())
-    by_schedule = {n: tuple(pareto(p for p in points if p.setting.schedule == n)) for n in names}
-    best = best_under(points, target)
+    mine = {n: [p for p in points if p.setting.schedule == n] for n in names}
+    # the notes of every point a tie could put first: each schedule's frontier holds them all
+    notes = _notes(d, [p for pts in mine.values() for p in pareto(pts)])
+
+    def fell_back(p: Point) -> bool:
+        return label(p) in notes
+
+    by_schedule = {n: tuple(pareto(pts, fell_back)) for n, pts in mine.items()}
+    best = best_under(points, target, fell_back)
     refused = _refused(search)
     counts = {**ev.counts, "space": space_size(d, space, names), "asked": dict(search.asked)}
-    notes = _notes(d, [p for pts in by_schedule.values() for p in pts])
-    tuning = Tuning(d, target, points, tuple(pareto(points)), by_schedule, best, refused=refused,
-                    counts=counts, per_schedule=per_schedule, notes=notes)  # fmt: skip
+    tuning = Tuning(d, target, points, tuple(pareto(points, fell_back)), by_schedule, best,
+                    refused=refused, counts=counts, per_schedule=per_schedule,
+                    notes=notes)  # fmt: skip
     if best is not None:
         launch = _launch(d, best, model_path)
         tuning = dataclasses.replace(tuning, launch=launch)
         if sensitivity:
-            rival_pts = _rivals(points, best, target, rivals)
+            rival_pts = _rivals(points, best, target, rivals, fell_back)
             sens = _sensitivity(d, (best, *rival_pts), sensitivity, processes, backend)
             tuning = dataclasses.replace(tuning, rivals=rival_pts, sensitivity=sens)
     tuning = dataclasses.replace(tuning, seconds=time.perf_counter() - t0)
@@ -558,13 +565,16 @@ def _notes(d: Deployment, pts: Sequence[Point]) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _rivals(points: Sequence[Point], best: Point, target: float | None, n: int) -> tuple:
-    """The best point of each other schedule within the target, the ``n`` best of them."""
+def _rivals(
+    points: Sequence[Point], best: Point, target: float | None, n: int, fell_back=None
+) -> tuple:
+    """The best point of each other schedule within the target, the ``n`` best of them (ties
+    as the best's: :func:`overlap_lab.tune_search.best_under`)."""
     per: dict[str, Point] = {}
     for name in dict.fromkeys(p.setting.schedule for p in points):
         if name == best.setting.schedule:
             continue
-        b = best_under((p for p in points if p.setting.schedule == name), target)
+        b = best_under((p for p in points if p.setting.schedule == name), target, fell_back)
         if b is not None:
             per[name] = b
     return tuple(sorted(per.values(), key=lambda p: -p.tps)[:n])

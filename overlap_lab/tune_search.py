@@ -77,17 +77,26 @@ def dominates(a: Point, b: Point) -> bool:
     return a.ms <= b.ms and a.tps >= b.tps and (a.ms < b.ms or a.tps > b.tps)
 
 
-def _order(p: Point) -> tuple:
-    """Ties broken the same way every time: the setting with fewer knobs set first."""
+#: ``fell_back(point)``: whether a point's schedule ran as another (a fallback its Program
+#: records: ``tune._notes``), so that of points with the same numbers one that ran as its name
+#: is the answer, not a row labelled ``[ran as serial, without SBO]``.
+FellBack = Callable[[Point], bool]
+
+
+def _order(p: Point, fell_back: FellBack | None = None) -> tuple:
+    """Ties broken the same way every time: a point that ran as its schedule's name before one
+    that fell back, then the setting with fewer knobs set, then by label."""
     s = p.setting
-    return (len(s.knobs) + len(s.gpu) + (s.drafts > 0), s.label(), p.batch)
+    fb = fell_back is not None and fell_back(p)
+    return (fb, len(s.knobs) + len(s.gpu) + (s.drafts > 0), s.label(), p.batch)
 
 
-def pareto(points: Iterable[Point]) -> list[Point]:
-    """The points no other point dominates, by time per iteration (identical points all stay)."""
+def pareto(points: Iterable[Point], fell_back: FellBack | None = None) -> list[Point]:
+    """The points no other point dominates, by time per iteration (identical points all stay,
+    in :func:`_order`)."""
     out: list[Point] = []
     best = -math.inf
-    for p in sorted(points, key=lambda p: (p.ms, -p.tps, *_order(p))):
+    for p in sorted(points, key=lambda p: (p.ms, -p.tps, *_order(p, fell_back))):
         if p.tps > best:
             out.append(p)
             best = p.tps
@@ -96,11 +105,14 @@ def pareto(points: Iterable[Point]) -> list[Point]:
     return out
 
 
-def best_under(points: Iterable[Point], target: float | None) -> Point | None:
+def best_under(
+    points: Iterable[Point], target: float | None, fell_back: FellBack | None = None
+) -> Point | None:
     """The most tokens/s per GPU within ``target`` ms per iteration (None: any), ties to the
-    faster, then by label: one answer for the same points."""
+    faster, then as :func:`_order` (one that ran as its name first): one answer for the same
+    points."""
     ok = [p for p in points if target is None or p.ms <= target]
-    return min(ok, key=lambda p: (-p.tps, p.ms, *_order(p)), default=None)
+    return min(ok, key=lambda p: (-p.tps, p.ms, *_order(p, fell_back)), default=None)
 
 
 def distinct(points: Sequence[Point]) -> list[tuple[Point, int]]:

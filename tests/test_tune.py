@@ -46,6 +46,23 @@ def test_best_under_a_target_is_the_most_throughput_within_it():
     assert best_under(pts, 5) is None
 
 
+def test_of_tied_points_one_that_ran_as_its_name_comes_before_a_fallback():
+    """sbo on DeepEP's normal kernels runs as serial: the same numbers as serial's. Ties go to
+    fewer knobs, then by label (sbo before serial), unless a point fell back: then the other."""
+    sbo, serial = _p(10, 100, "sbo"), _p(10, 100, "serial")
+    assert best_under([serial, sbo], None) == sbo  # by label, nothing said of fallbacks
+
+    def fell_back(p):
+        return p.setting.schedule == "sbo"
+
+    assert best_under([sbo, serial], None, fell_back) == serial
+    assert best_under([sbo, serial, _p(9, 100, "sbo")], None, fell_back).ms == 9  # faster first
+    assert pareto([sbo, serial], fell_back) == [serial, sbo]
+    fewer = _p(10, 100, "sbo")  # no knobs; a fallback all the same
+    knobbed = Point(Setting("serial", 8, knobs=(("comm_sms", 6),)), 8, 10, 100)
+    assert best_under([fewer, knobbed], None, fell_back) == knobbed
+
+
 # ---- the search against brute force, on a synthetic evaluator -------------------------------
 
 

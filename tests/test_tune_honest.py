@@ -193,3 +193,22 @@ def test_frontier_rows_that_ran_as_another_schedule_carry_compares_note():
     assert any(p.setting.schedule == "vllm-dbo" for p in front)
     assert "[ran unsplit]" in t.text()
     assert t.as_dict()["notes"] == {k: list(v) for k, v in t.notes.items()}
+
+
+def test_a_tie_goes_to_the_row_that_ran_as_its_name_not_to_the_fallback():
+    """In prefill (DeepEP's normal kernels) sbo runs as serial: the same simulation, the same
+    numbers. The best, its star and the overall frontier's first point are serial's, not the
+    row labelled ``[ran as serial, without SBO]`` that the label order put first."""
+    from overlap_lab.tune import label, tune
+
+    held = ("deepep_mode", "comm_sms", "sbo_mode", "deepep_normal_sms", "deepep_release")
+    space = Space(schedules=("sbo", "serial"), batches=(1,), ep=(8,), drafts=(),
+                  values=dict.fromkeys(held, ()))  # fmt: skip
+    t = tune("deepseek-v3", "h800", gpus=8, mode="prefill", layers=2, extend_len=1024,
+             space=space, sensitivity=False, processes=1)  # fmt: skip
+    sbo, serial = (next(p for p in t.points if p.setting.schedule == n) for n in ("sbo", "serial"))
+    assert (sbo.ms, sbo.tps) == (serial.ms, serial.tps)  # the test's premise: a tie
+    assert t.notes[label(sbo)][0].startswith("ran as serial, without SBO")
+    assert t.best == serial and t.frontier[0] == serial
+    starred = [line for line in t.text().splitlines() if line.startswith(" *")]
+    assert len(starred) == 1 and starred[0].split()[0] == "*serial"
