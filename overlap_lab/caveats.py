@@ -18,7 +18,10 @@ printed once, naming them. The rules:
 - **not like for like**: a kind of kernel (op class and dtype) that one schedule times from the
   profile and another, compared with it, from the roofline (``overlap_lab.sources.unlike``);
 - **a win inside the sensitivity range** (``compare --sensitivity``): a schedule ahead of
-  serial, or the nominal winner, whose throughput range overlaps the one it beats.
+  serial, or the nominal winner, whose throughput range overlaps the one it beats;
+- **DeepEP's normal kernels in decode** (``tune``): the answer, or a configuration it is not
+  separated from, runs a decode step on DeepEP's normal kernels, which the model has ahead of
+  the low-latency ones where nothing measured says so (:func:`normal_kernels_in_decode`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ ROOFLINE = "Timed from the roofline"
 UNLIKE = "Not like for like"
 SLOWED = "Kernels slowed beside others"
 SENSITIVE = "A win inside the sensitivity range"
+NORMAL_DECODE = "DeepEP's normal kernels in decode"
 
 
 def _pct(xs: Sequence[float]) -> str:
@@ -217,3 +221,18 @@ def _sensitive(table: Comparison) -> list[Caveat]:
                 )
             )
     return out
+
+
+def normal_kernels_in_decode(schedules: Sequence[str]) -> list[Caveat]:
+    """The caveat of configurations, named by their ``schedules``, whose decode step runs
+    DeepEP's normal kernels (``tune``: its best, and those it is not separated from): where the
+    search chose them over the low-latency ones, the answer rests on the model's timing of the
+    two modes at decode sizes, which no measurement here checks."""
+    if not schedules:
+        return []
+    text = (
+        "decode on DeepEP's normal kernels (CUDA graphs off), which the model has ahead of the "
+        "low-latency ones; nothing measured says whether that holds, so this answer is the "
+        "model's, not a deployment's"
+    )
+    return [Caveat("normal_decode", tuple(dict.fromkeys(schedules)), text, NORMAL_DECODE)]

@@ -42,6 +42,7 @@ from overlap_lab.tune_space import (
     batches,
     case_of,
     columns,
+    deepep_normal,
     latency_iterations,
     layouts,
     space_size,
@@ -174,7 +175,9 @@ class Tuning:
     ``best``: the most tokens/s per GPU within ``target_ms`` (None: none was);
     ``sensitivity``: ``overlap_lab.sensitivity.Sensitivity`` of the best and ``rivals`` (the
     best of other schedules within the target), keyed by :func:`label`; ``launch``: how to
-    launch the best; ``refused``: per schedule and layout without a point, why; ``counts``:
+    launch the best; ``caveats``: one line each where the answer rests on something the model
+    treats roughly (``overlap_lab.caveats``); ``refused``: per schedule and layout without a
+    point, why; ``counts``:
     configurations simulated, shared with an identical simulation, failed, read back from an
     earlier run, rounds, and ``space`` (what brute force would simulate)."""
 
@@ -193,6 +196,7 @@ class Tuning:
     files: tuple[str, ...] = ()
     per_schedule: bool = False
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    caveats: tuple[str, ...] = ()
 
     @property
     def unit(self) -> str:
@@ -284,6 +288,7 @@ class Tuning:
                     or "none"
                 )  # fmt: skip
             )
+        lines += [f"  {c}" for c in self.caveats]
         if self.launch is not None:
             lines.append("")
             lines.append(self.launch.text())
@@ -313,6 +318,7 @@ class Tuning:
             "launch": None if self.launch is None else self.launch.as_dict(),
             "refused": dict(self.refused),
             "notes": {k: list(v) for k, v in self.notes.items()},
+            "caveats": list(self.caveats),
             "files": list(self.files),
         }
 
@@ -483,6 +489,7 @@ def _tune_phase(
             rival_pts = _rivals(points, best, target, rivals, fell_back)
             sens = _sensitivity(d, (best, *rival_pts), sensitivity, processes, backend)
             tuning = dataclasses.replace(tuning, rivals=rival_pts, sensitivity=sens)
+        tuning = dataclasses.replace(tuning, caveats=_caveats(tuning))
     tuning = dataclasses.replace(tuning, seconds=time.perf_counter() - t0)
     if out is not None:
         tuning = dataclasses.replace(tuning, files=tuple(_write(tuning, out, figure_format)))
@@ -563,6 +570,19 @@ def _notes(d: Deployment, pts: Sequence[Point]) -> dict[str, tuple[str, ...]]:
         if said:
             out[label(p)] = tuple(said)
     return out
+
+
+def _caveats(t: Tuning) -> tuple[str, ...]:
+    """The caveats of the answer (``overlap_lab.caveats``, as ``compare`` prints them): of the
+    best, and of the rivals the sensitivity run did not separate from it."""
+    from overlap_lab.caveats import normal_kernels_in_decode
+
+    b, sens = t.best, t.sensitivity
+    close = set(sens[label(b)].not_separated) if sens is not None else set()
+    pts = [b, *(p for p in t.rivals if label(p) in close)]
+    decode = t.deployment.mode == "decode"
+    normal = [p.setting.schedule for p in pts if decode and deepep_normal(t.deployment, p.setting)]
+    return tuple(c.line() for c in normal_kernels_in_decode(normal))
 
 
 def _rivals(

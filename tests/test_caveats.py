@@ -35,7 +35,7 @@ def test_every_caveat_points_to_a_section_that_exists():
     heads = set(re.findall(r"^### (.+)$", DOC.read_text(), re.M))
     from overlap_lab import caveats
 
-    for name in ("EXPOSED", "SLOWED", "ROOFLINE", "UNLIKE", "SENSITIVE"):
+    for name in ("EXPOSED", "SLOWED", "ROOFLINE", "UNLIKE", "SENSITIVE", "NORMAL_DECODE"):
         assert getattr(caveats, name) in heads, name
 
 

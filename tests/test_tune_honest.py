@@ -4,6 +4,8 @@ running requests say the same."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import overlap_lab as ol
@@ -13,6 +15,7 @@ from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules import ScheduleConfig
 from overlap_lab.shared.schedules.launch import Deployment as Launched
+from overlap_lab.tune_search import Point
 from overlap_lab.tune_space import Deployment, Setting, Space, dims, fits, refusal
 from tests.plugin_dist import installed
 
@@ -212,3 +215,56 @@ def test_a_tie_goes_to_the_row_that_ran_as_its_name_not_to_the_fallback():
     assert t.best == serial and t.frontier[0] == serial
     starred = [line for line in t.text().splitlines() if line.startswith(" *")]
     assert len(starred) == 1 and starred[0].split()[0] == "*serial"
+
+
+# ---- an answer on DeepEP's normal kernels in decode says what it rests on --------------------
+
+
+def test_a_decode_answer_on_deepeps_normal_kernels_prints_its_caveat():
+    """serial on 2 layers, 128 sequences: the model has the normal kernels ahead, so the best
+    runs them and the printed answer carries the caveat, in ``compare``'s form; held at the
+    low-latency kernels, it does not."""
+    from overlap_lab.caveats import NORMAL_DECODE
+    from overlap_lab.tune import tune
+
+    def run(modes):
+        space = Space(schedules=("serial",), batches=(128,), ep=(8,), drafts=(),
+                      values={"deepep_mode": modes, "deepep_normal_sms": (),
+                              "deepep_release": ()})  # fmt: skip
+        return tune("deepseek-v3", "h800", gpus=8, layers=2, space=space, sensitivity=False,
+                    processes=1)  # fmt: skip
+
+    t = run(("normal",))
+    assert t.best.setting.value("deepep_mode") == "normal"  # the test's premise
+    said = [line.strip() for line in t.text().splitlines() if line.strip().startswith("caveat")]
+    assert said == list(t.caveats) == t.as_dict()["caveats"]
+    assert said[0].startswith("caveat (serial): decode on DeepEP's normal kernels")
+    assert said[0].endswith(f'(docs/uncertainty.md, "{NORMAL_DECODE}")')
+    held = run(())
+    assert held.best.setting.value("deepep_mode") is None and held.caveats == ()
+    assert "caveat" not in held.text()
+
+
+def test_the_caveat_names_a_rival_the_best_is_not_separated_from():
+    """The best on the low-latency kernels, a rival on the normal ones: the caveat is printed
+    where the two are not separated (naming the rival), not where they are; nor in prefill,
+    whose kernels are the normal ones by default."""
+    from types import SimpleNamespace
+
+    from overlap_lab.tune import Tuning, _caveats, label
+
+    normal = (("deepep_mode", "normal"),)
+    best = Point(Setting("sbo", 32), 128, 45.0, 2800.0)
+    rival = Point(Setting("sbo-off", 32, knobs=normal), 128, 46.0, 2780.0)
+    d = Deployment(ol.model("deepseek-v3"), ol.gpu("h800"), 32)
+
+    def caveats(close, mode="decode"):
+        sens = {label(best): SimpleNamespace(not_separated=close)}
+        t = Tuning(dataclasses.replace(d, mode=mode), 50.0, (best, rival), (), {}, best,
+                   rivals=(rival,), sensitivity=sens)  # fmt: skip
+        return _caveats(t)
+
+    (line,) = caveats((label(rival),))
+    assert line.startswith("caveat (sbo-off): decode on DeepEP's normal kernels")
+    assert caveats(()) == ()
+    assert caveats((label(rival),), mode="prefill") == ()
