@@ -232,7 +232,6 @@ def normal_kernels_in_decode(schedules: Sequence[str]) -> list[Caveat]:
         return []
     text = (
         "decode on DeepEP's normal kernels (CUDA graphs off), which the model has ahead of the "
-        "low-latency ones; nothing measured says whether that holds, so this answer is the "
-        "model's, not a deployment's"
+        "low-latency ones and no measurement checks: the model's answer, not a deployment's"
     )
     return [Caveat("normal_decode", tuple(dict.fromkeys(schedules)), text, NORMAL_DECODE)]

@@ -32,7 +32,7 @@ from overlap_lab import runner, sweep, sweep_csv
 from overlap_lab.shared import schedules as registry
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.schedules.launch import ServerLaunch
-from overlap_lab.tune_search import Point, Search, best_under, distinct, pareto
+from overlap_lab.tune_search import FellBack, Point, Search, best_under, distinct, pareto
 from overlap_lab.tune_space import (
     MTP_ACCEPT,
     CaseParser,
@@ -586,7 +586,11 @@ def _caveats(t: Tuning) -> tuple[str, ...]:
 
 
 def _rivals(
-    points: Sequence[Point], best: Point, target: float | None, n: int, fell_back=None
+    points: Sequence[Point],
+    best: Point,
+    target: float | None,
+    n: int,
+    fell_back: FellBack | None = None,
 ) -> tuple:
     """The best point of each other schedule within the target, the ``n`` best of them (ties
     as the best's: :func:`overlap_lab.tune_search.best_under`)."""
