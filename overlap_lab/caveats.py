@@ -1,8 +1,8 @@
 """Caveats: one line where a result rests on something the model is known to treat roughly.
 
-``sim`` and ``compare`` print them under their output, each naming the assumption and the
-section of docs/uncertainty.md that explains it ("Caveats a result prints"), so a surprising
-number arrives with what it depends on. A caveat shared by several schedules of a comparison is
+``sim`` and ``compare`` print them under their output (``tune`` under its best), each naming
+the assumption and the section of docs/uncertainty.md that explains it ("Caveats a result
+prints"), so a surprising number arrives with what it depends on. A caveat shared by several schedules of a comparison is
 printed once, naming them. The rules:
 
 - **exposed communication** above :data:`EXPOSED_SHARE` of the step: the step, and any gain

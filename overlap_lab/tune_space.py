@@ -283,8 +283,8 @@ def _probe_ep(d: Deployment) -> int:
 
 
 def _probe(model: ModelConfig, mode: str, ep: int, **kw: Any):
-    """A two-layer workload of ``model`` in ``mode`` at EP ``ep``, prepared as ``schedule``'s
-    build takes it: what :func:`refusal` and :func:`runs_mtp` build (a build, no simulation)."""
+    """A two-layer workload of ``model`` in ``mode`` at EP ``ep``, a small batch: what
+    :func:`refusal` and :func:`runs_mtp` build a schedule's Program of (no simulation)."""
     from overlap_lab import api
 
     batch = dict(batch=8) if mode == "decode" else dict(batch=1, extend_len=256)
