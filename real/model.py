@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from overlap_lab.real.norm import rms_norm
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.workload import with_layers
 
@@ -297,18 +298,6 @@ def init_weights(
 # ----------------------------------------------------------------------------------------------
 # Building blocks (pure functions)
 # ----------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
-def fused_add_rms_norm(x, residual, weight, eps=1e-6):
-    """SGLang's fused (x + residual) -> (norm(sum), sum)."""
-    s = x + residual
-    return rms_norm(s, weight, eps), s
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
