@@ -89,8 +89,11 @@ def test_triton_sm_limited_gemms_bf16_match_torch():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b = G.ComputeBudget(sms - 24, "cuda")
     assert b.mechanism in ("triton_persistent", "deep_gemm")
-    full = G.ComputeBudget(None, "cuda")  # no limit: the same kernels on every SM
-    assert full.mechanism == b.mechanism and full.sms == sms and full.limited
+    full = G.ComputeBudget(None, "cuda")  # no limit: BF16 by cuBLAS on every SM
+    assert full.mechanism == b.mechanism and full.sms == sms and b.limited and not full.limited
+    with full as f:
+        assert torch.equal(f.linear(a, w), a @ w.t())
+    assert full.applied.get(G.TORCH_BF16)
 
 
 def test_low_latency_path_runs_without_host_sync_on_gpu():
