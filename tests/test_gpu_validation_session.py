@@ -68,3 +68,44 @@ def test_the_session_fits_one_ten_minute_call():
     assert loops[0][1] == "bf16_decode" and "decode" in loops[0]
     for a in loops:
         assert float(a[a.index("--budget-s") + 1]) < int(a[2])
+
+
+def test_the_session_runs_the_kernel_table_first_and_the_gpu_tests_last():
+    """The order the session keeps: kernel table, BF16 loops, FP8 loops, interference, GPU
+    tests (each later step skipped, not cut, when its limit no longer fits)."""
+    text = SCRIPT.read_text()
+    steps = ["gpu_session_steps kernels", "loop bf16_decode", "loop bf16_prefill",
+             "loop fp8_decode", "loop fp8_prefill", "-m overlap_lab.experiments.gpu_interference",
+             "gpu_session_steps pytest"]  # fmt: skip
+    at = [text.index(s) for s in steps]
+    assert at == sorted(at)
+    assert "--kernels" not in text and "--pytest" not in text  # not inside a loop's budget
+
+
+def test_the_kernel_table_step_dry_runs_on_the_cpu(tmp_path, capsys):
+    """The session's kernel table step, as the session runs it, on the CPU: the table into
+    results/kernels_<preset>.{json,md} (``cpu`` here), its goal line printed."""
+    import json
+
+    from overlap_lab.experiments.gpu_session_steps import main
+
+    assert main(["kernels", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    goal = capsys.readouterr().out.strip()
+    report = json.loads((tmp_path / "results" / "kernels_cpu.json").read_text())
+    assert report["timing_meaningful"] is False and goal.startswith("GOAL ")
+    assert (tmp_path / "results" / "kernels_cpu.md").read_text().rstrip().endswith(goal)
+
+
+def test_the_gpu_tests_step_writes_its_summary(tmp_path, monkeypatch):
+    import json
+
+    from overlap_lab.experiments.gpu_session_steps import main
+
+    def argv(per_test_s, select):
+        return [sys.executable, "-c", f"print('t.py::{select.split()[-1]} PASSED')"]
+
+    monkeypatch.setattr(E, "pytest_argv", argv)
+    assert main(["pytest", "--out", str(tmp_path), "--limit-s", "30"]) == 0
+    got = json.loads((tmp_path / "pytest_gpu.json").read_text())
+    assert got["status"] == "ok" and got["counts"] == {"passed": 2}
+    assert (tmp_path / "pytest_gpu.log").is_file()
