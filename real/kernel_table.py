@@ -222,33 +222,38 @@ def _gemm_cases(s, dev, rnd, fp8_ready) -> list[Case]:
 
 def _scaled_mm_ref(x, w, qa, wq) -> tuple[Ref | None, str]:
     """``torch._scaled_mm`` with DeepSeek's block scales (1x128 activations, 128x128 weights:
-    cuBLASLt's block scaling on Hopper where this torch and CUDA have it), in the first scale
-    layout this torch accepts whose result matches the BF16 GEMM; None and why otherwise."""
+    cuBLASLt's block scaling on Hopper where this torch and CUDA have it), None and why where it
+    does not run or does not match the BF16 GEMM. The layouts torch checks (PyTorch
+    aten/src/ATen/native/cuda/ScaledBlas.cpp ``is_blockwise_1x128_scaling``,
+    ``is_blockwise_128x128_scaling``): the activation scales (M, K/128) MN-major, which is
+    DeepGEMM's layout (stride (1, M) where M is a multiple of 4); the weight's, checked on
+    ``b.t()`` = w (N, K) as (N/128, K/128) row-major, which is ``quant_blocks``' own."""
     fn = getattr(torch, "_scaled_mm", None)
     if fn is None:
         return None, "torch has no _scaled_mm"
     a, sa = qa[0], qa[1]
-    b, sb = wq[0].t(), wq[1]  # [K, N] column-major, scales [N/128, K/128]
+    b, sb = wq[0].t(), wq[1]  # [K, N] column-major, scales [N/128, K/128] row-major
     want = (x.float() @ w.float().t()).to(torch.bfloat16)
-    layouts = {
-        "sa MN-major, sb [K/128, N/128]": (sa, sb.t().contiguous()),
-        "sa MN-major, sb [N/128, K/128]^T": (sa, sb.t()),
-        "sa row-major, sb [K/128, N/128]": (sa.contiguous(), sb.t().contiguous()),
-    }
-    errs = []
-    for label, (s_a, s_b) in layouts.items():
-        try:
-            got = fn(a, b, s_a, s_b, out_dtype=torch.bfloat16)
-            rel = float((got.float() - want.float()).norm() / want.float().norm())
-        except Exception as e:  # layout refused, or no block scaling in this torch/CUDA
-            errs.append(f"{label}: {type(e).__name__}: {str(e)[:80]}")
-            continue
-        if rel < 0.05:
-            return (Ref("torch._scaled_mm (cuBLASLt, 1x128 / 128x128 scales)",
-                        lambda s_a=s_a, s_b=s_b: fn(a, b, s_a, s_b, out_dtype=torch.bfloat16)),
-                    f"torch._scaled_mm runs with {label}")  # fmt: skip
-        errs.append(f"{label}: relative error {rel:.3f}")
-    return None, "torch._scaled_mm with block scales does not run here: " + "; ".join(errs)
+    if sa.stride() != (1, sa.shape[0]):  # M not a multiple of 4: DeepGEMM pads, torch does not
+        sa = sa.t().contiguous().t()
+    sb = sb.t()
+
+    def call():
+        return fn(a, b, sa, sb, out_dtype=torch.bfloat16)
+
+    try:
+        rel = float((call().float() - want.float()).norm() / want.float().norm())
+    except Exception as e:  # no block scaling in this torch / CUDA / device
+        return (
+            None,
+            f"torch._scaled_mm with block scales does not run here: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:120]}",
+        )
+    if rel >= 0.05:
+        return None, f"torch._scaled_mm with block scales: relative error {rel:.3f}, not used"
+    return Ref(
+        "torch._scaled_mm (cuBLASLt, 1x128 / 128x128 scales)", call
+    ), "torch._scaled_mm runs with block scales"
 
 
 def _attention_cases(s, dev, rnd, roofline) -> list[Case]:
