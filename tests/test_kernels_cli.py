@@ -103,3 +103,33 @@ def test_kernels_cuda_without_a_gpu_is_one_error_line(capsys):
     assert main(["kernels", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a CUDA GPU" in err[0]
+
+
+def test_the_flash_mla_row_where_flash_mla_runs(monkeypatch):
+    """Where FlashMLA runs (a fake asserting its preconditions, tests/test_real_flash_mla.py,
+    at FlashMLA's head sizes in bf16), the decode row is the executor's FlashMLA call, counted,
+    against the best installed kernels for its work (FlashMLA alone on prepared queries + the
+    absorptions as cuBLAS bmm, summed), its roofline reported beside it; the SDPA path is the
+    uncounted fallback row and computes the same output."""
+    import overlap_lab.real.kernel_table as kt
+    import overlap_lab.real.kernels.attention as A
+    from overlap_lab.real import model as M
+    from tests.test_real_flash_mla import FakeFlashMLA1
+
+    fm = FakeFlashMLA1(use_legacy=True)
+    monkeypatch.setattr(A, "flash_mla_module", lambda: fm)
+    monkeypatch.setattr(M, "flash_mla_unusable", lambda cfg, cache, module: None)  # a CPU cache
+    monkeypatch.setattr(kt, "_dtype", lambda dev: torch.bfloat16)
+    shapes = [s for s in kt.SHAPES["cpu"] if s["case"] == "attention decode"]
+    shapes = [{**shapes[0], "C": 512, "R": 64, "S": 2, "L": 64}]
+    monkeypatch.setitem(kt.SHAPES, "cpu", shapes)
+    flash, sdpa = kt.build_cases("cpu")
+    assert flash.counted and flash.skipped is None and flash.combine == "sum"
+    assert not sdpa.counted and sdpa.refs is flash.refs
+    a, b = flash.executor(), sdpa.executor()
+    assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+    report = kt.kernel_table("cpu", warmup=0, repeats=1)
+    row = report["rows"][0]
+    assert row["best_us"] == pytest.approx(sum(row["references_us"][r.label] for r in flash.refs))
+    assert row["roofline_ratio"] > 0 and set(report["worst_ratio_by_class"]) == {"attention"}
+    assert report["rows"][1]["counted"] is False
