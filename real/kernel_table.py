@@ -17,13 +17,17 @@ call counted into its run log, against the device's best for that work:
   against ``torch.bmm`` (BF16) or DeepGEMM's masked FP8 GEMM alone (torch has no block-scaled
   grouped GEMM);
 - ``attention`` prefill: SDPA with ``is_causal`` on 4-D inputs (the flash kernel on a GPU);
-- ``attention`` decode (absorbed MLA, with its two absorption GEMMs): FlashMLA where it runs, the
-  batched SDPA path as the fallback row (counted only where FlashMLA cannot run), against the
-  device's roofline for that work: the larger of its bytes (KV cache, W_UK, W_UV) read at the
-  copy bandwidth and its FLOPs at cuBLAS's dense BF16 rate, both measured here. With 128 heads
-  and one query per sequence, MLA decode does ~240 FLOP per cache byte, above an H200's ridge
-  (~200): a bandwidth floor alone would ask for more than the device can do (FlashMLA's own
-  table on the H200: 122 µs for 128 x 2048 tokens, 75.6 µs to read the cache);
+- ``attention`` decode (absorbed MLA, with its two absorption GEMMs): FlashMLA where it runs,
+  the batched SDPA path as the fallback row (counted only where FlashMLA cannot run), against
+  the best installed kernels for that work without the executor's glue: FlashMLA alone on
+  prepared latent queries plus the two absorptions as cuBLAS bmm. The roofline is reported
+  beside it (the larger of the op's bytes, KV cache, W_UK and W_UV, read at the copy bandwidth
+  and its FLOPs at cuBLAS's dense BF16 rate, both measured), and is the best itself where no
+  MLA decode kernel is installed. It is no target where FlashMLA runs: with 128 heads and one
+  query per sequence, MLA decode does ~240 FLOP per cache byte, above an H200's ridge (~200),
+  and attention never reaches a dense GEMM's rate (FlashMLA's own table on the H200,
+  2026-11-26: 122 µs for 128 sequences of 2048 tokens, where reading their cache takes
+  75.6 µs and their FLOPs at cuBLAS's rate ~95 µs);
 - ``elementwise`` (RMSNorm, and RMSNorm fused with the residual add): a device-to-device copy
   of the same bytes (read + write).
 
