@@ -25,13 +25,16 @@ def kernels(out: Path, device: str) -> Path:
     from overlap_lab.real.kernel_table import kernel_table, table_text
 
     warm, reps = (3, 10) if device == "cuda" else (0, 1)
-    report = kernel_table(device, warmup=warm, repeats=reps)
     name = device_preset(torch.cuda.get_device_name(0)) if device == "cuda" else "cpu"
     d = out / "results"
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"kernels_{name}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    md = d / f"kernels_{name}.md"
-    md.write_text(table_text(report))
+    js, md = d / f"kernels_{name}.json", d / f"kernels_{name}.md"
+
+    def write(report: dict) -> None:  # after every row: a step stopped at its limit keeps them
+        js.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        md.write_text(table_text(report))
+
+    write(kernel_table(device, warmup=warm, repeats=reps, on_row=write))
     return md
 
 

@@ -453,33 +453,48 @@ def _best(
     return ok[pick], label, times
 
 
-def kernel_table(device: str = "cuda", *, warmup: int = 3, repeats: int = 10) -> dict:
+def kernel_table(device: str = "cuda", *, warmup: int = 3, repeats: int = 10, on_row=None) -> dict:
     """Every case timed: executor vs best, ratio, and whether the goal holds. ``device``:
-    ``cuda`` (a GPU) or ``cpu`` (the dry run)."""
+    ``cuda`` (a GPU) or ``cpu`` (the dry run). ``on_row(report)``: called with the report so
+    far (``complete`` False) after each row, so a run stopped at its time limit still leaves
+    what it measured. A call that raises is a row with its error, the goal not met."""
     dev = torch.device(device)
-    rows = []
+    rows: list[dict] = []
     for c in build_cases(dev):
-        row = {"case": c.name, "op_class": c.op_class, "shape": c.shape, "unit": c.unit,
-               "counted": c.counted and c.skipped is None, "notes": list(c.notes)}  # fmt: skip
-        if c.skipped is not None:
-            rows.append({**row, "skipped": c.skipped, "goal_met": None})
-            continue
+        rows.append(_row(c, dev, warmup, repeats))
+        if on_row is not None:
+            on_row(_report(dev, rows, warmup, repeats, complete=False))
+    return _report(dev, rows, warmup, repeats, complete=True)
+
+
+def _row(c: Case, dev, warmup: int, repeats: int) -> dict:
+    row = {"case": c.name, "op_class": c.op_class, "shape": c.shape, "unit": c.unit,
+           "counted": c.counted and c.skipped is None, "notes": list(c.notes)}  # fmt: skip
+    if c.skipped is not None:
+        return {**row, "skipped": c.skipped, "goal_met": None}
+    try:
         ex, how = time_us(c.executor, dev, warmup=warmup, repeats=repeats)
-        best, best_label, refs = _best(c, dev, warmup, repeats)
-        if c.floors and c.floors is not c.refs:
-            roof, _, floor_us = _best(c, dev, warmup, repeats, c.floors, "max")
-            refs = {**refs, **floor_us}
-            row["roofline_ratio"] = roof / ex if ex > 0 else math.inf
-            row["notes"].append(f"roofline {roof:.1f} µs (ratio {roof / ex:.2f}): the larger of "
-                                "the floors, a bound no kernel reaches")  # fmt: skip
-        ratio = best / ex if ex > 0 else math.inf
-        rows.append({
-            **row, "executor_kernel": c.kernel_label(), "best_kernel": best_label,
-            "references_us": refs, "timing": how,
-            "executor_us": ex, "best_us": best, "ratio": ratio,
-            "executor_rate": _rate(c.work, ex, c.unit), "best_rate": _rate(c.work, best, c.unit),
-            "goal_met": ratio >= GOAL,
-        })  # fmt: skip
+    except Exception as e:  # the executor's own call failed: reported, the goal not met
+        msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        return {**row, "error": msg, "ratio": 0.0, "goal_met": False}
+    best, best_label, refs = _best(c, dev, warmup, repeats)
+    if c.floors and c.floors is not c.refs:
+        roof, _, floor_us = _best(c, dev, warmup, repeats, c.floors, "max")
+        refs = {**refs, **floor_us}
+        row["roofline_ratio"] = roof / ex if ex > 0 else math.inf
+        row["notes"].append(f"roofline {roof:.1f} µs (ratio {roof / ex:.2f}): the larger of "
+                            "the floors, a bound no kernel reaches")  # fmt: skip
+    ratio = best / ex if ex > 0 else math.inf
+    return {
+        **row, "executor_kernel": c.kernel_label(), "best_kernel": best_label,
+        "references_us": refs, "timing": how,
+        "executor_us": ex, "best_us": best, "ratio": ratio,
+        "executor_rate": _rate(c.work, ex, c.unit), "best_rate": _rate(c.work, best, c.unit),
+        "goal_met": ratio >= GOAL,
+    }  # fmt: skip
+
+
+def _report(dev, rows: list[dict], warmup: int, repeats: int, *, complete: bool) -> dict:
     by_class: dict[str, float] = {}
     for r in rows:
         if r["counted"]:
@@ -487,9 +502,9 @@ def kernel_table(device: str = "cuda", *, warmup: int = 3, repeats: int = 10) ->
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {
         "device": name, "device_type": dev.type, "torch": torch.__version__,
-        "timing_meaningful": dev.type == "cuda", "goal": GOAL, "rows": rows,
-        "worst_ratio_by_class": by_class,
-        "goal_met": bool(by_class) and all(v >= GOAL for v in by_class.values()),
+        "timing_meaningful": dev.type == "cuda", "goal": GOAL, "rows": list(rows),
+        "worst_ratio_by_class": by_class, "complete": complete,
+        "goal_met": complete and bool(by_class) and all(v >= GOAL for v in by_class.values()),
         "warmup": warmup, "repeats": repeats, "calls_per_graph": CALLS,
     }  # fmt: skip
 
@@ -510,6 +525,9 @@ def table_text(report: dict) -> str:
         if r.get("skipped"):
             lines.append(f"| {r['case']} | {shape} | skipped: {r['skipped']} | | | | | | |")
             continue
+        if r.get("error"):
+            lines.append(f"| {r['case']} | {shape} | failed: {r['error']} | | | | | | 0 ! |")
+            continue
         mark = "" if r["goal_met"] else " !"
         mark += "" if r["counted"] else " (not counted)"
         lines.append(
@@ -524,6 +542,8 @@ def table_text(report: dict) -> str:
     worst = ", ".join(f"{c} {v:.2f}" for c, v in sorted(report["worst_ratio_by_class"].items()))
     lines += ["", *notes, ""]
     dry = "" if report["timing_meaningful"] else " [CPU dry run: meaningless]"
+    if not report.get("complete", True):
+        dry += " [INCOMPLETE: stopped before every case ran]"
     lines.append(f"GOAL {'MET' if report['goal_met'] else 'NOT MET'}: every op class at least "
                  f"{report['goal']:.1f} of the device's best (worst per class: {worst}){dry}")  # fmt: skip
     return "\n".join(lines) + "\n"

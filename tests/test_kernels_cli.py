@@ -133,3 +133,29 @@ def test_the_flash_mla_row_where_flash_mla_runs(monkeypatch):
     assert row["best_us"] == pytest.approx(sum(row["references_us"][r.label] for r in flash.refs))
     assert row["roofline_ratio"] > 0 and set(report["worst_ratio_by_class"]) == {"attention"}
     assert report["rows"][1]["counted"] is False
+
+
+def test_a_failing_call_is_a_row_and_every_row_is_reported_as_it_ends(monkeypatch):
+    """An executor call that raises is a row with its error and the goal not met (the table
+    still ends); ``on_row`` sees the report after each row, incomplete until the last."""
+    import overlap_lab.real.kernel_table as kt
+
+    def boom():
+        raise RuntimeError("JIT\nfailed")
+
+    ok = kt.Case("ok", "gemm", {}, lambda: torch.ones(2), [kt.Ref("r", lambda: torch.ones(2))],
+                 "k", 1.0, "TFLOP/s")  # fmt: skip
+    bad = kt.Case("bad", "gemm", {}, boom, [kt.Ref("r", lambda: torch.ones(2))], "k", 1.0,
+                  "TFLOP/s")  # fmt: skip
+    monkeypatch.setattr(kt, "build_cases", lambda dev: [ok, bad])
+    seen = []
+    report = kt.kernel_table("cpu", warmup=0, repeats=1, on_row=seen.append)
+    assert [len(r["rows"]) for r in seen] == [1, 2] and not any(r["complete"] for r in seen)
+    assert report["complete"] and not report["goal_met"]
+    assert report["rows"][1]["error"] == "RuntimeError: JIT failed"
+    assert report["worst_ratio_by_class"] == {"gemm": 0.0}
+    text = kt.table_text(seen[0])
+    assert "failed" not in text and text.rstrip().endswith(
+        "[INCOMPLETE: stopped before every case ran]"
+    )
+    assert "| bad |  | failed: RuntimeError: JIT failed |" in kt.table_text(report)
