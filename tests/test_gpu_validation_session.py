@@ -109,3 +109,31 @@ def test_the_gpu_tests_step_writes_its_summary(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "pytest_gpu.json").read_text())
     assert got["status"] == "ok" and got["counts"] == {"passed": 2}
     assert (tmp_path / "pytest_gpu.log").is_file()
+
+
+def test_the_sessions_own_steps_dry_run_through_the_readme_map(tmp_path):
+    """The session's two steps as it runs them (``python3 -P -m ...`` through real/README.md's
+    map of the namespace, no install), on the CPU: the kernel table's dry run writes its
+    results, and the GPU tests step runs pytest -m gpu (skipping without a GPU) and writes its
+    summary."""
+    import json
+    import os
+    import subprocess
+
+    root = SCRIPT.parents[1]
+    text = (root / "real" / "README.md").read_text()
+    m = re.search(r"(mkdir -p /tmp/ol/overlap_lab.*?)export PYTHONPATH", text, re.S)
+    setup = m.group(1).replace("/tmp/ol", str(tmp_path / "ol")).rstrip().rstrip("&\\ \n")
+    subprocess.run(["bash", "-c", setup.replace("\\\n", " ")], cwd=root, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "ol")}
+    out = tmp_path / "out"
+    for argv in (["kernels", "--device", "cpu"], ["pytest", "--limit-s", "120"]):
+        r = subprocess.run(
+            [sys.executable, "-P", "-m", "overlap_lab.experiments.gpu_session_steps", *argv,
+             "--out", str(out)],
+            cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (out / "results" / "kernels_cpu.md").read_text().rstrip().endswith("meaningless]")
+    got = json.loads((out / "pytest_gpu.json").read_text())
+    assert got["status"] == "ok" and set(got["counts"]) <= {"skipped"}, got
