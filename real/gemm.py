@@ -314,10 +314,11 @@ class ComputeBudget:
         if self.mechanism == "deep_gemm":
             self._scope = deep_gemm_num_sms(self.sms)
             self._dg = self._scope.__enter__()
-        if self.mechanism in ("deep_gemm", "triton_persistent") and not self.limited:
-            self.note(TORCH_BF16)
-        elif self.mechanism != "none" and self.mechanism != "deep_gemm":
-            self.note(self.mechanism)  # deep_gemm: each call counts its own entry point
+        if self.mechanism in ("deep_gemm", "triton_persistent"):
+            if not self.limited:  # the budget kernels' calls count themselves, each its own
+                self.note(TORCH_BF16)
+        elif self.mechanism != "none":
+            self.note(self.mechanism)  # torch, torch_unlimited
         return self
 
     def __exit__(self, *exc):
@@ -407,6 +408,8 @@ class ComputeBudget:
                 return out.reshape(*x.shape[:-1], w.shape[0])
         elif self._dg is not None:
             self.note("triton_persistent (under deep_gemm: not bf16)")
+        else:
+            self.note("triton_persistent")
         return matmul(x, w, num_sms=self.sms)
 
     def grouped_masked(
@@ -442,6 +445,8 @@ class ComputeBudget:
                 return out
         elif self._dg is not None:
             self.note("triton_persistent (under deep_gemm: not bf16)")
+        else:
+            self.note("triton_persistent")
         return grouped_matmul_masked(x, w, counts, num_sms=self.sms)
 
     def grouped_contiguous(self, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
@@ -453,8 +458,9 @@ class ComputeBudget:
             if y is not None:
                 return y
         x = fp8.dequant(x)
-        if self._dg is not None:
-            self.note("triton_persistent (under deep_gemm: contiguous layout)")
+        self.note(
+            "triton_persistent" + (" (under deep_gemm: contiguous layout)" if self._dg else "")
+        )
         return grouped_matmul_contiguous(x, w, counts, num_sms=self.sms)
 
 

@@ -149,12 +149,13 @@ def _on_gpu(budget, device_sms=132):
     return budget
 
 
-def test_bf16_on_every_sm_runs_cublas_fp8_and_sm_limits_the_budget_kernels():
+def test_bf16_on_every_sm_runs_cublas_fp8_and_sm_limits_the_budget_kernels(monkeypatch):
     """SGLang's rule per dtype: BF16 GEMMs on every SM by cuBLAS (torch), FP8 by DeepGEMM on
     any budget; an SM limit below the device's takes the budget kernels, the only ones that
     honour it. Each is counted in the run's log under its own label."""
     from overlap_lab.real import fp8
 
+    monkeypatch.setattr(G, "matmul", lambda x, w, num_sms: x @ w.t())  # Triton's, on a GPU
     for mech in ("deep_gemm", "triton_persistent"):
         for sms, limited in ((None, False), (132, False), (200, False), (108, True)):
             b = _on_gpu(G.ComputeBudget(sms, mechanism=mech))
@@ -164,8 +165,9 @@ def test_bf16_on_every_sm_runs_cublas_fp8_and_sm_limits_the_budget_kernels():
         assert torch.equal(b.linear(a, w), a @ w.t())
     assert b.applied == {G.TORCH_BF16: 1}
     with _on_gpu(G.ComputeBudget(108, mechanism="triton_persistent")) as b:
-        pass
-    assert b.applied == {"triton_persistent": 1}
+        torch.testing.assert_close(b.linear(a, w), a @ w.t())  # each budget GEMM counts itself
+        b.linear(a, w)
+    assert b.applied == {"triton_persistent": 2}
     dg = types.SimpleNamespace(**dict.fromkeys(fp8.ENTRY_POINTS, print))
     b = _on_gpu(G.ComputeBudget(None, mechanism="deep_gemm", dtype="fp8",
                                 precision=fp8.resolve("fp8", cuda=True, module=dg)))  # fmt: skip
