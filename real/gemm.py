@@ -1,20 +1,22 @@
-"""Compute-side SM budgets: GEMMs that run on at most ``sms`` SMs.
+"""The compute ops' GEMM kernels, and their SM budgets: GEMMs that run on at most ``sms`` SMs.
 
 A schedule limits a compute op with ``Op.sms`` (SBO's ``compute_num_sms``, DeepSeek prefill's
 132 - 24 = 108, TBO prefill's DeepGEMM limit ``num_sms - DeepEP's SMs``). cuBLAS ignores such
 limits. The kernel registry runs every compute op's GEMMs through :class:`ComputeBudget`, which
 picks the kernel per dtype as SGLang does:
 
-- BF16 on every SM (no limit, or one at least the device's SMs): cuBLAS (torch), as SGLang runs
-  its unquantised linears (``UnquantizedLinearMethod.apply``: ``F.linear``) and the kernel the
-  device's best is; the masked grouped GEMM a batched cuBLAS GEMM over the padded rows (SGLang's
-  BF16 MoE is Triton's ``fused_moe``, no faster than cuBLAS over the same expert batches).
+- BF16 on every SM (no limit, or one at least the device's SMs): cuBLAS (torch), the device's
+  best BF16 GEMM and what SGLang runs for unquantised linears (python/sglang/srt/layers/
+  quantization/unquant.py ``UnquantizedLinearMethod.apply``: ``F.linear``); the masked grouped
+  GEMM a batched cuBLAS GEMM over the padded rows (SGLang's BF16 MoE runs Triton's
+  ``fused_moe``; the kernel table holds both to cuBLAS over the same expert batches).
 - FP8 (1x128 / 128x128 block scales): DeepGEMM, on the op's budget or every SM, as SGLang
-  dispatches block-FP8 GEMMs to DeepGEMM where it is enabled (``fp8_utils.py``
-  ``dispatch_w8a8_block_fp8_linear`` -> ``deepgemm_w8a8_block_fp8_linear_with_fallback``).
+  dispatches block-FP8 GEMMs to DeepGEMM where it is enabled (python/sglang/srt/layers/
+  quantization/fp8_utils.py ``dispatch_w8a8_block_fp8_linear`` ->
+  ``deepgemm_w8a8_block_fp8_linear_with_fallback``).
 - BF16 with an SM limit below the device's (what cuBLAS cannot honour): the budget kernels
-  below, DeepGEMM's BF16 kernels scoped by ``set_num_sms`` where this build has them (SGLang's
-  ``deep_gemm_wrapper`` entry points ``gemm_nt_bf16bf16bf16``,
+  below, DeepGEMM's BF16 kernels scoped by ``set_num_sms`` where this build has them (SGLang
+  wraps the same entry points: ``deep_gemm_wrapper`` ``gemm_nt_bf16bf16bf16``,
   ``grouped_gemm_nt_bf16bf16bf16_masked``), else persistent Triton GEMMs with that grid.
 
 The budget kernels:
