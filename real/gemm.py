@@ -1,9 +1,25 @@
-"""Compute-side SM budgets: GEMMs that run on at most ``sms`` SMs.
+"""The compute ops' GEMM kernels, and their SM budgets: GEMMs that run on at most ``sms`` SMs.
 
 A schedule limits a compute op with ``Op.sms`` (SBO's ``compute_num_sms``, DeepSeek prefill's
 132 - 24 = 108, TBO prefill's DeepGEMM limit ``num_sms - DeepEP's SMs``). cuBLAS ignores such
-limits, so on a GPU, when an op's limit is below the device's SMs, the kernel registry runs its
-GEMMs through :class:`ComputeBudget`:
+limits. The kernel registry runs every compute op's GEMMs through :class:`ComputeBudget`, which
+picks the kernel per dtype as SGLang does:
+
+- BF16 on every SM (no limit, or one at least the device's SMs): cuBLAS (torch), the device's
+  best BF16 GEMM and what SGLang runs for unquantised linears (python/sglang/srt/layers/
+  quantization/unquant.py ``UnquantizedLinearMethod.apply``: ``F.linear``); the masked grouped
+  GEMM a batched cuBLAS GEMM over the padded rows (SGLang's BF16 MoE runs Triton's
+  ``fused_moe``; the kernel table holds both to cuBLAS over the same expert batches).
+- FP8 (1x128 / 128x128 block scales): DeepGEMM, on the op's budget or every SM, as SGLang
+  dispatches block-FP8 GEMMs to DeepGEMM where it is enabled (python/sglang/srt/layers/
+  quantization/fp8_utils.py ``dispatch_w8a8_block_fp8_linear`` ->
+  ``deepgemm_w8a8_block_fp8_linear_with_fallback``).
+- BF16 with an SM limit below the device's (what cuBLAS cannot honour): the budget kernels
+  below, DeepGEMM's BF16 kernels scoped by ``set_num_sms`` where this build has them (SGLang
+  wraps the same entry points: ``deep_gemm_wrapper`` ``gemm_nt_bf16bf16bf16``,
+  ``grouped_gemm_nt_bf16bf16bf16_masked``), else persistent Triton GEMMs with that grid.
+
+The budget kernels:
 
 - ``deep_gemm`` imports: ``deep_gemm.set_num_sms(sms)`` scoped by :func:`deep_gemm_num_sms` (the
   previous value restored on exit, even on error), and DeepGEMM's BF16 kernels when this build
@@ -205,16 +221,18 @@ def deep_gemm_num_sms(sms: int | None, module=None):
 
 MECHANISMS = ("none", "deep_gemm", "triton_persistent", "torch", "torch_unlimited")
 
+#: The label a BF16 GEMM on every SM is counted under (``sm_budget_mechanisms``).
+TORCH_BF16 = "torch (cuBLAS: bf16 on every SM)"
+
 
 def choose_mechanism(
     sms: int | None, *, device_sms: int | None, cuda: bool, deep_gemm: bool, triton: bool
 ) -> str:
-    """Which GEMM kernels a compute op runs, with or without a limit ``sms``. On a GPU every op
-    runs the SAME kernel family whatever its limit (only the grid differs: the limit, or every
-    SM), so schedules differ by their SM budgets, not by their kernels: "deep_gemm"
-    (set_num_sms scoped; DeepGEMM's kernels where this build has them, the Triton ones with the
-    same budget otherwise), else "triton_persistent". Without either: "torch" (no limit asked)
-    or "torch_unlimited" (a limit that cannot be honoured: recorded so the trace says so).
+    """Which budget kernels a compute op's GEMMs may take (:class:`ComputeBudget` then runs
+    BF16 on every SM through cuBLAS whatever this says): "deep_gemm" (set_num_sms scoped;
+    DeepGEMM's kernels where this build has them, the Triton ones with the same budget
+    otherwise), else "triton_persistent". Without either: "torch" (no limit asked) or
+    "torch_unlimited" (a limit that cannot be honoured: recorded so the trace says so).
     "none": the CPU (plain torch, no SMs)."""
     if not cuda:
         return "none"
@@ -238,9 +256,10 @@ def device_sms(device: torch.device) -> int:
 
 class ComputeBudget:
     """``with ComputeBudget(op.sms, device) as g:`` then ``g.linear``, ``g.grouped_masked``,
-    ``g.grouped_contiguous`` run the op's GEMMs within its SM budget (``g.mechanism`` says
-    which family; ``g.sms`` the grid: the limit, or every SM of the device when the op has
-    none). ``applied`` counts the kernels actually run, by label, into the run's ``log``
+    ``g.grouped_contiguous`` run the op's GEMMs: BF16 on every SM by cuBLAS, FP8 or an SM
+    limit by the budget kernels (``g.limited``; ``g.mechanism`` says which family; ``g.sms``
+    the grid: the limit, or every SM of the device when the op has none; the module's
+    docstring says why). ``applied`` counts the kernels actually run, by label, into the run's ``log``
     (real.runlog.RunLog, one per run: a trace reports its own run). ``precision``: the run's
     (real.fp8.resolve); ``fp8_weights``: the FP8 weights quantised at load. A DeepGEMM call that fails (JIT compilation, an unsupported shape) falls back to
     the Triton kernel with the same budget and is counted under its own label, never as
@@ -265,7 +284,8 @@ class ComputeBudget:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.device = dev
         cuda = dev.type == "cuda"
-        dsms = device_sms(dev) if cuda and mechanism is None else None
+        dsms = device_sms(dev) if cuda else None
+        self.device_sms = dsms
         if mechanism is None:
             mechanism = choose_mechanism(
                 self.requested,
@@ -296,8 +316,11 @@ class ComputeBudget:
         if self.mechanism == "deep_gemm":
             self._scope = deep_gemm_num_sms(self.sms)
             self._dg = self._scope.__enter__()
+        if self.mechanism in ("deep_gemm", "triton_persistent"):
+            if not self.limited:  # the budget kernels' calls count themselves, each its own
+                self.note(TORCH_BF16)
         elif self.mechanism != "none":
-            self.note(self.mechanism)
+            self.note(self.mechanism)  # torch, torch_unlimited
         return self
 
     def __exit__(self, *exc):
@@ -307,9 +330,19 @@ class ComputeBudget:
         return False
 
     @property
+    def sm_limited(self) -> bool:
+        """The op asks for fewer SMs than the device has (every SM of an unknown device)."""
+        if self.requested is None:
+            return False
+        return self.device_sms is None or self.requested < self.device_sms
+
+    @property
     def limited(self) -> bool:
-        """True when the GEMMs run through the budget kernels (DeepGEMM or Triton persistent)."""
-        return self.mechanism in ("deep_gemm", "triton_persistent") and bool(self.sms)
+        """True when the GEMMs run through the budget kernels (DeepGEMM or Triton persistent):
+        FP8 GEMMs (DeepGEMM's), and BF16 ones under an SM limit; BF16 on every SM is cuBLAS."""
+        if self.mechanism not in ("deep_gemm", "triton_persistent") or not self.sms:
+            return False
+        return self.sm_limited or self.fp8
 
     @property
     def mm(self):
@@ -360,6 +393,11 @@ class ComputeBudget:
         """``x @ w.T``."""
         if not self.limited:
             return x @ w.t()
+        return self.budget_linear(x, w)
+
+    def budget_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` by the budget kernels on ``self.sms`` SMs whatever the dtype: what an op
+        with an SM limit runs (``overlap-lab kernels`` times it on every SM against cuBLAS)."""
         if self.fp8:
             x2 = x.reshape(-1, x.shape[-1])
             y = self._fp8("fp8_gemm_nt", fp8.linear, x2, w)
@@ -372,6 +410,8 @@ class ComputeBudget:
                 return out.reshape(*x.shape[:-1], w.shape[0])
         elif self._dg is not None:
             self.note("triton_persistent (under deep_gemm: not bf16)")
+        else:
+            self.note("triton_persistent")
         return matmul(x, w, num_sms=self.sms)
 
     def grouped_masked(
@@ -387,6 +427,13 @@ class ComputeBudget:
             y = torch.bmm(x, w.transpose(1, 2))
             valid = torch.arange(x.shape[1], device=x.device)[None, :] < counts[:, None]
             return torch.where(valid[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return self.budget_grouped_masked(x, w, counts, expected_m)
+
+    def budget_grouped_masked(
+        self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, expected_m: int | None = None
+    ):
+        """:meth:`grouped_masked` by the budget kernels whatever the dtype (rows past the count
+        unwritten): what an op with an SM limit runs."""
         m = expected_m if expected_m else _rows(x)
         m = max(1, min(int(m), _rows(x)))
         if self.fp8:
@@ -400,6 +447,8 @@ class ComputeBudget:
                 return out
         elif self._dg is not None:
             self.note("triton_persistent (under deep_gemm: not bf16)")
+        else:
+            self.note("triton_persistent")
         return grouped_matmul_masked(x, w, counts, num_sms=self.sms)
 
     def grouped_contiguous(self, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
@@ -411,8 +460,9 @@ class ComputeBudget:
             if y is not None:
                 return y
         x = fp8.dequant(x)
-        if self._dg is not None:
-            self.note("triton_persistent (under deep_gemm: contiguous layout)")
+        self.note(
+            "triton_persistent" + (" (under deep_gemm: contiguous layout)" if self._dg else "")
+        )
         return grouped_matmul_contiguous(x, w, counts, num_sms=self.sms)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from overlap_lab.real.norm import rms_norm
 from overlap_lab.shared.errors import ConfigError
 from overlap_lab.shared.inputs.workload import with_layers
 
@@ -299,18 +300,6 @@ def init_weights(
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
-def fused_add_rms_norm(x, residual, weight, eps=1e-6):
-    """SGLang's fused (x + residual) -> (norm(sum), sum)."""
-    s = x + residual
-    return rms_norm(s, weight, eps), s
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE on the last dim of x [T, ..., d] at integer positions [T]."""
     d = x.shape[-1]
@@ -539,6 +528,17 @@ def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
     h = q_nope.shape[1]
     q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).view(S, r, h, -1).contiguous()
+    o = flash_mla_latent(cfg, q.to(cache.dtype), cache, q_pos, fm, block_table)
+    o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
+
+
+def flash_mla_latent(cfg, q, cache, q_pos, fm, block_table) -> torch.Tensor:
+    """FlashMLA's decode kernel alone: latent queries ``q`` [S, r, h, c + r_pe] (contiguous,
+    the cache's dtype) over the paged ``cache`` -> the latent outputs [S, r, h, c] (the
+    arguments of :func:`mla_attend_flash`)."""
+    S, r = q_pos.shape
+    h = q.shape[2]
     pages = cache.reshape(-1, FLASH_MLA_PAGE, 1, cache.shape[-1])
     seqlens = (q_pos[:, -1] + 1).to(torch.int32)
     api = flash_mla_api(fm)
@@ -550,12 +550,11 @@ def mla_attend_flash(cfg, lw, q_nope, q_pe, cache, q_pos, fm, block_table):
         if api.use_legacy:
             extra["use_legacy"] = True
     o, _lse = fm.flash_mla_with_kvcache(
-        q.to(cache.dtype), pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
+        q, pages, block_table, seqlens, cfg.kv_lora_rank, meta, splits,
         softmax_scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
         causal=r > 1, **extra,
     )  # fmt: skip
-    o_lat = o.reshape(S * r, h, -1).to(q_nope.dtype)
-    return torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(S * r, -1)
+    return o
 
 
 # -- GQA ---------------------------------------------------------------------------------------

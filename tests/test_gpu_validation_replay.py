@@ -224,8 +224,8 @@ def test_rows_from_a_schedules_own_run_are_device_time_not_eager_spans():
 
 
 def test_the_gpu_session_scripts_loop_commands_parse():
-    """experiments/gpu_session.sh (one GPU session: BF16 and FP8 loops, the kernel table, the
-    GPU tests, the interference run): bash reads it, and every loop it starts takes its
+    """experiments/gpu_session.sh (one GPU session: the kernel table, BF16 and FP8 loops, the
+    interference run, the GPU tests): bash reads it, and every loop it starts takes its
     options (a typo would cost a GPU session)."""
     import shlex
     import subprocess
@@ -240,8 +240,8 @@ def test_the_gpu_session_scripts_loop_commands_parse():
         opts = GV.parse(["--out", "/tmp/x", "--name", "n", "--results", "/tmp/r", *argv])
         assert opts.modes in ("decode", "prefill") and opts.budget_s > 0
     assert sum("--gemm-dtype" in " ".join(a) for a in calls) == 2
-    assert any("--kernels" in a and "--pytest" in a for a in calls)
     assert "overlap_lab.experiments.gpu_interference" in text
+    assert "gpu_session_steps kernels" in text and "gpu_session_steps pytest" in text
 
 
 def test_a_replayed_steps_exposed_communication_is_its_replays_not_the_eager_passs(replayed):

@@ -68,3 +68,72 @@ def test_the_session_fits_one_ten_minute_call():
     assert loops[0][1] == "bf16_decode" and "decode" in loops[0]
     for a in loops:
         assert float(a[a.index("--budget-s") + 1]) < int(a[2])
+
+
+def test_the_session_runs_the_kernel_table_first_and_the_gpu_tests_last():
+    """The order the session keeps: kernel table, BF16 loops, FP8 loops, interference, GPU
+    tests (each later step skipped, not cut, when its limit no longer fits)."""
+    text = SCRIPT.read_text()
+    steps = ["gpu_session_steps kernels", "loop bf16_decode", "loop bf16_prefill",
+             "loop fp8_decode", "loop fp8_prefill", "-m overlap_lab.experiments.gpu_interference",
+             "gpu_session_steps pytest"]  # fmt: skip
+    at = [text.index(s) for s in steps]
+    assert at == sorted(at)
+    assert "--kernels" not in text and "--pytest" not in text  # not inside a loop's budget
+
+
+def test_the_kernel_table_step_dry_runs_on_the_cpu(tmp_path, capsys):
+    """The session's kernel table step, as the session runs it, on the CPU: the table into
+    results/kernels_<preset>.{json,md} (``cpu`` here), its goal line printed."""
+    import json
+
+    from overlap_lab.experiments.gpu_session_steps import main
+
+    assert main(["kernels", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    goal = capsys.readouterr().out.strip()
+    report = json.loads((tmp_path / "results" / "kernels_cpu.json").read_text())
+    assert report["timing_meaningful"] is False and goal.startswith("GOAL ")
+    assert (tmp_path / "results" / "kernels_cpu.md").read_text().rstrip().endswith(goal)
+
+
+def test_the_gpu_tests_step_writes_its_summary(tmp_path, monkeypatch):
+    import json
+
+    from overlap_lab.experiments.gpu_session_steps import main
+
+    def argv(per_test_s, select):
+        return [sys.executable, "-c", f"print('t.py::{select.split()[-1]} PASSED')"]
+
+    monkeypatch.setattr(E, "pytest_argv", argv)
+    assert main(["pytest", "--out", str(tmp_path), "--limit-s", "30"]) == 0
+    got = json.loads((tmp_path / "pytest_gpu.json").read_text())
+    assert got["status"] == "ok" and got["counts"] == {"passed": 2}
+    assert (tmp_path / "pytest_gpu.log").is_file()
+
+
+def test_the_sessions_own_steps_dry_run_through_the_readme_map(tmp_path):
+    """The session's two steps as it runs them (``python3 -P -m ...`` through real/README.md's
+    map of the namespace, no install), on the CPU: the kernel table's dry run writes its
+    results, and the GPU tests step runs pytest -m gpu (skipping without a GPU) and writes its
+    summary."""
+    import json
+    import os
+    import subprocess
+
+    root = SCRIPT.parents[1]
+    text = (root / "real" / "README.md").read_text()
+    m = re.search(r"(mkdir -p /tmp/ol/overlap_lab.*?)export PYTHONPATH", text, re.S)
+    setup = m.group(1).replace("/tmp/ol", str(tmp_path / "ol")).rstrip().rstrip("&\\ \n")
+    subprocess.run(["bash", "-c", setup.replace("\\\n", " ")], cwd=root, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "ol")}
+    out = tmp_path / "out"
+    for argv in (["kernels", "--device", "cpu"], ["pytest", "--limit-s", "120"]):
+        r = subprocess.run(
+            [sys.executable, "-P", "-m", "overlap_lab.experiments.gpu_session_steps", *argv,
+             "--out", str(out)],
+            cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (out / "results" / "kernels_cpu.md").read_text().rstrip().endswith("meaningless]")
+    got = json.loads((out / "pytest_gpu.json").read_text())
+    assert got["status"] == "ok" and set(got["counts"]) <= {"skipped"}, got

@@ -142,6 +142,39 @@ def _fake_deep_gemm(start=132):
     return mod, state
 
 
+def _on_gpu(budget, device_sms=132):
+    """A budget as __init__ sets it up on a GPU of ``device_sms`` SMs (its device is the CPU)."""
+    budget.device_sms = device_sms
+    budget.sms = min(budget.requested or device_sms, device_sms)
+    return budget
+
+
+def test_bf16_on_every_sm_runs_cublas_fp8_and_sm_limits_the_budget_kernels(monkeypatch):
+    """SGLang's rule per dtype: BF16 GEMMs on every SM by cuBLAS (torch), FP8 by DeepGEMM on
+    any budget; an SM limit below the device's takes the budget kernels, the only ones that
+    honour it. Each is counted in the run's log under its own label."""
+    from overlap_lab.real import fp8
+
+    monkeypatch.setattr(G, "matmul", lambda x, w, num_sms: x @ w.t())  # Triton's, on a GPU
+    for mech in ("deep_gemm", "triton_persistent"):
+        for sms, limited in ((None, False), (132, False), (200, False), (108, True)):
+            b = _on_gpu(G.ComputeBudget(sms, mechanism=mech))
+            assert b.limited is limited and (b.mm is not None) is limited, (mech, sms)
+    with _on_gpu(G.ComputeBudget(None, mechanism="triton_persistent")) as b:
+        a, w = torch.randn(3, 8), torch.randn(5, 8)
+        assert torch.equal(b.linear(a, w), a @ w.t())
+    assert b.applied == {G.TORCH_BF16: 1}
+    with _on_gpu(G.ComputeBudget(108, mechanism="triton_persistent")) as b:
+        torch.testing.assert_close(b.linear(a, w), a @ w.t())  # each budget GEMM counts itself
+        b.linear(a, w)
+    assert b.applied == {"triton_persistent": 2}
+    dg = types.SimpleNamespace(**dict.fromkeys(fp8.ENTRY_POINTS, print))
+    b = _on_gpu(G.ComputeBudget(None, mechanism="deep_gemm", dtype="fp8",
+                                precision=fp8.resolve("fp8", cuda=True, module=dg)))  # fmt: skip
+    b._dg = dg  # what __enter__ sets from deep_gemm_num_sms on a GPU
+    assert b.fp8 and b.limited  # FP8 on every SM: DeepGEMM's kernels
+
+
 def test_deep_gemm_num_sms_is_scoped_and_restored(monkeypatch):
     mod, state = _fake_deep_gemm()
     monkeypatch.setitem(sys.modules, "deep_gemm", mod)

@@ -89,8 +89,11 @@ def test_triton_sm_limited_gemms_bf16_match_torch():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b = G.ComputeBudget(sms - 24, "cuda")
     assert b.mechanism in ("triton_persistent", "deep_gemm")
-    full = G.ComputeBudget(None, "cuda")  # no limit: the same kernels on every SM
-    assert full.mechanism == b.mechanism and full.sms == sms and full.limited
+    full = G.ComputeBudget(None, "cuda")  # no limit: BF16 by cuBLAS on every SM
+    assert full.mechanism == b.mechanism and full.sms == sms and b.limited and not full.limited
+    with full as f:
+        assert torch.equal(f.linear(a, w), a @ w.t())
+    assert full.applied.get(G.TORCH_BF16)
 
 
 def test_low_latency_path_runs_without_host_sync_on_gpu():
@@ -277,3 +280,39 @@ def test_prefill_attention_with_a_prefix_matches_the_masked_form_on_gpu():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         got = M.prefill_attention(q, k, v)
         assert (got.float() - ref).abs().max() < 2e-2
+
+
+def test_the_norm_kernels_match_the_formula_on_gpu():
+    """torch's fused RMSNorm (F.rms_norm -> _fused_rms_norm) and the Triton add+RMSNorm in bf16
+    against the eager fp32 formula: the sum bit for bit, the norm within one bf16 rounding."""
+    from overlap_lab.real import norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 7168, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    r = torch.randn(300, 7168, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(7168, device="cuda", generator=g)).to(torch.bfloat16)
+    ref = norm.rms_norm_reference(x, w)
+    torch.testing.assert_close(norm.rms_norm(x, w), ref, rtol=1e-2, atol=1e-2)
+    y, s = norm.fused_add_rms_norm(x, r, w)
+    assert torch.equal(s, x + r)
+    torch.testing.assert_close(y, norm.rms_norm_reference(x + r, w), rtol=1e-2, atol=1e-2)
+
+
+def test_the_kernel_tables_references_compute_what_the_executor_computes():
+    """Every reference of the kernel table that computes the executor's output (cuBLAS, SDPA,
+    DeepGEMM's FP8 GEMM on the same pre-quantised operands, torch._scaled_mm) gives its numbers
+    on the GPU: a ratio between two kernels is only fair if they do the same work."""
+    from overlap_lab.real.kernel_table import build_cases
+
+    checked = 0
+    for c in build_cases("cuda"):
+        if c.skipped or c.executor is None:
+            continue
+        a = c.executor()
+        for r in c.refs:
+            if r.same_work:
+                b = r.fn()
+                err = (a.float().reshape(b.shape) - b.float()).norm() / b.float().norm()
+                assert err < 0.05, (c.name, r.label, float(err))
+                checked += 1
+    assert checked >= 5

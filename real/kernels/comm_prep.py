@@ -4,7 +4,7 @@ around a layer's two halves; here their norms and residual adds (``comm_prepare_
 
 from __future__ import annotations
 
-from overlap_lab.real import model as M
+from overlap_lab.real import norm
 from overlap_lab.real.kernels.context import KernelCtx
 from overlap_lab.real.kernels.registry import KernelFamily
 
@@ -13,12 +13,12 @@ def comm_prepare_attn(ctx: KernelCtx) -> None:
     """Input RMSNorm; the hidden state entering the layer becomes the residual."""
     h = ctx.get("hidden")
     ctx.put("residual", h)
-    ctx.put("attn_in", M.rms_norm(h, ctx.lw["input_norm"], ctx.cfg.eps))
+    ctx.put("attn_in", norm.rms_norm(h, ctx.lw["input_norm"], ctx.cfg.eps))
 
 
 def comm_prepare_mlp(ctx: KernelCtx) -> None:
     h, res = ctx.get("hidden"), ctx.get("residual")
-    normed, s = M.fused_add_rms_norm(h, res, ctx.lw["post_attn_norm"], ctx.cfg.eps)
+    normed, s = norm.fused_add_rms_norm(h, res, ctx.lw["post_attn_norm"], ctx.cfg.eps)
     ctx.put("residual", s)
     ctx.put("mlp_in", normed)
 

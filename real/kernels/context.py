@@ -290,9 +290,9 @@ class KernelCtx:
     def sm_budget(self, device=None):
         """Scope the op's SM limit (``op.sms``) around its GEMMs: ``with ctx.sm_budget(device)
         as g`` then ``g.mm`` (None: plain torch), ``g.grouped_masked``, ``g.grouped_contiguous``
-        (real.gemm.ComputeBudget: DeepGEMM's set_num_sms scoped, or persistent Triton GEMMs
-        whose grid is the budget, on a GPU with more SMs than the limit; torch otherwise), in
-        the op's GEMM dtype and the run's precision. Kernels used are counted in the run's
+        (real.gemm.ComputeBudget: BF16 on every SM by cuBLAS; FP8, or an SM limit below the
+        device's, by DeepGEMM with set_num_sms scoped or persistent Triton GEMMs whose grid is
+        the budget), in the op's GEMM dtype and the run's precision. Kernels used are counted in the run's
         log."""
         from overlap_lab.real.gemm import ComputeBudget
 

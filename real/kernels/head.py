@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap_lab.real import model as M
+from overlap_lab.real import norm
 from overlap_lab.real.kernels.context import KernelCtx
 from overlap_lab.real.kernels.registry import KernelFamily
 
@@ -24,7 +24,7 @@ def logits(ctx: KernelCtx) -> None:
     if res is not None:
         h = h + res
     n = ctx.real_rows()
-    final = M.rms_norm(h[:n], ctx.weights.final_norm, ctx.cfg.eps)
+    final = norm.rms_norm(h[:n], ctx.weights.final_norm, ctx.cfg.eps)
     lo = ctx.mb["tok_lo"]
     sampled = [t - lo for t in ctx.step.layout.sampled() if lo <= t < ctx.mb["tok_hi"]]
     rows = ctx.step.const(
