@@ -19,9 +19,10 @@ printed once, naming them. The rules:
   profile and another, compared with it, from the roofline (``overlap_lab.sources.unlike``);
 - **a win inside the sensitivity range** (``compare --sensitivity``): a schedule ahead of
   serial, or the nominal winner, whose throughput range overlaps the one it beats;
-- **DeepEP's normal kernels in decode** (``tune``): the answer, or a configuration it is not
-  separated from, runs a decode step on DeepEP's normal kernels, which the model has ahead of
-  the low-latency ones where nothing measured says so (:func:`normal_kernels_in_decode`).
+- **DeepEP's normal kernels in decode**: a decode step run on DeepEP's normal kernels (``sim``
+  and ``compare``: a schedule whose DeepEP mode resolves to normal; ``tune``: the answer, or a
+  configuration it is not separated from), which the model has ahead of the low-latency ones
+  where nothing measured says so (:func:`normal_kernels_in_decode`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,23 @@ def _roofline(rows: Sequence[tuple[str, Result]]) -> list[Caveat]:
 def result_caveats(result: Result) -> list[Caveat]:
     """The caveats of one simulated schedule (``overlap-lab sim``)."""
     rows = [(result.schedule, result)]
-    return _exposed(rows, None) + _slowed(rows) + _roofline(rows)
+    return _exposed(rows, None) + _slowed(rows) + _roofline(rows) + _normal_decode(rows)
+
+
+def _normal_decode(rows: Sequence[tuple[str, Result]]) -> list[Caveat]:
+    """The schedules among ``rows`` whose decode step ran DeepEP's normal kernels."""
+    return normal_kernels_in_decode([n for n, r in rows if runs_normal_in_decode(r)])
+
+
+def runs_normal_in_decode(result: Result) -> bool:
+    """Whether ``result`` is a decode step whose expert parallelism ran DeepEP's normal kernels
+    (its DeepEP mode resolved for decode; no DeepEP below EP 2)."""
+    w = result.workload
+    return (
+        w.batch.mode == "decode"
+        and w.parallel.ep > 1
+        and result.config.resolved_deepep_mode("decode") == "normal"
+    )
 
 
 def comparison_caveats(table: Comparison) -> list[Caveat]:
@@ -159,7 +176,7 @@ def comparison_caveats(table: Comparison) -> list[Caveat]:
     base = table.baseline
     from overlap_lab.shared.schedules import BASELINE
 
-    out = _exposed(rows, BASELINE) + _slowed(rows) + _roofline(rows)
+    out = _exposed(rows, BASELINE) + _slowed(rows) + _roofline(rows) + _normal_decode(rows)
     for (cls, dtype), p, differ in unlike((BASELINE, base), rows):
         theirs = "; ".join(f"{100 * q:.0f} % in {', '.join(ns)}" for q, ns in differ.items())
         names = tuple(n for ns in differ.values() for n in ns)

@@ -13,6 +13,7 @@ import pytest
 import overlap_lab as ol
 from overlap_lab.caveats import (
     EXPOSED,
+    NORMAL_DECODE,
     SENSITIVE,
     SLOWED,
     comparison_caveats,
@@ -132,3 +133,20 @@ def test_a_win_inside_the_sensitivity_range_is_named():
     fastest = [x for x in got if "fastest" in x.text]
     assert bool(fastest) == bool(rivals)
     assert all(f'"{SENSITIVE}"' in x.line() for x in got)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "auto"])
+def test_a_decode_step_on_deepeps_normal_kernels_says_so(mode):
+    """sim and compare name the decode runs whose DeepEP mode resolves to normal (the model has
+    those kernels ahead of the low-latency ones; nothing measured says so), and only those."""
+    w = ol.workload("deepseek-v3", batch=64, ep=16, layers=2)
+    r = ol.simulate("serial", w, "h800", {"deepep_mode": mode})
+    said = [c for c in result_caveats(r) if c.kind == "normal_decode"]
+    assert len(said) == (mode == "normal")
+    if said:
+        assert said[0].schedules == ("serial",) and NORMAL_DECODE in said[0].line()
+
+
+def test_prefill_on_the_normal_kernels_is_no_such_caveat():
+    r = ol.simulate("serial", _prefill(layers=2), "h800", {"deepep_mode": "normal"})
+    assert not [c for c in result_caveats(r) if c.kind == "normal_decode"]
