@@ -373,6 +373,97 @@ def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
     return max(0.0, min(step, span))
 
 
+def graph_launch_wait_us(km: KernelMap, replay_step_us: float | None) -> float | None:
+    """The wait before a replayed graph's first kernel, once per replay: the replay's step
+    time ``replay_step_us`` (CUDA events around ``graph.replay()``, without the profiler) less
+    the profiled replays' span (median, first kernel's start to last kernel's end), at least 0.
+    None without replays or a step time.
+
+    Why: the start event fires on an idle stream, then ``cudaGraphLaunch`` holds the host
+    before the graph's first kernel runs (in the profiled serial decode-32 replays of
+    2026-11-27 on an H200 the first kernel of the 708-kernel graph starts as its
+    ``cudaGraphLaunch`` returns, 1,124-3,079 µs later under the profiler); the kernels then run
+    back to back. The simulator charges it as the host cost of a graph's launch
+    (``GPU.graph_launch_us``, ``sim.engine``): one constant per replay, measured on serial. It
+    is not a property of the graph's size (the same recording, unprofiled: serial's 708 kernels
+    354 µs, the communication-only case's 210 kernels 94 µs, TBO's 1,310 kernels 3 µs)."""
+    if not km.replay_span_us or not replay_step_us:
+        return None
+    return max(0.0, replay_step_us - statistics.median(km.replay_span_us))
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    """The executor's host time to launch an op in an eager run (µs): ``per_op`` from the op's
+    profiler range opening to its first launch call (the executor's Python around the op),
+    ``per_kernel`` from one launch call to the next inside the op's range (PyTorch's dispatch,
+    the CUDA launch and the Python between two kernels), medians over ``launches`` intervals
+    of ``ops`` op ranges, taken under the profiler, whose records lengthen both; ``kernels``:
+    per op name the kernels one launch runs (:func:`kernels_per_op`); ``by_op``: per op name
+    the host time of its launch measured without the profiler (the executor's trace meta
+    ``host_launch_us``), which wins where given."""
+
+    per_op: float
+    per_kernel: float
+    ops: int = 0
+    launches: int = 0
+    kernels: Mapping[str, int] = field(default_factory=dict)
+    by_op: Mapping[str, float] = field(default_factory=dict)
+
+    def op_us(self, name: str) -> float:
+        """The host time an eager launch of op ``name`` holds its host thread for: measured
+        unprofiled, else ``per_op + kernels x per_kernel`` (an op never seen: one kernel)."""
+        if name in self.by_op:
+            return self.by_op[name]
+        return self.per_op + max(self.kernels.get(name, 1), 1) * self.per_kernel
+
+
+def host_launch(trace: Mapping[str, Any] | list) -> HostLaunch | None:
+    """:class:`HostLaunch` of the executor's eager runs in ``trace`` (its profiler records:
+    op ranges and the launch calls of device records, as :func:`kernel_records` keeps them);
+    graph launches are not counted (a replay's kernels cost the host nothing each). None
+    without an op range that launched two kernels. The medians leave out the few intervals
+    that hold a host synchronisation (a ``.item()`` inside an op)."""
+    ev = _events(trace)
+    ranges = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in ev
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and parse_range(str(e.get("name"))) is not None
+    )
+    dev = {int(e["args"]["correlation"]) for e in ev
+           if e.get("cat") in DEVICE_CATS and "correlation" in e.get("args", {})}  # fmt: skip
+    calls = sorted(
+        float(e["ts"])
+        for e in ev
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and e.get("name") != GRAPH_LAUNCH
+        and int(e.get("args", {}).get("correlation", -1)) in dev
+    )
+    first, between = [], []
+    for a, b in ranges:
+        inside = calls[bisect.bisect_left(calls, a) : bisect.bisect_right(calls, b)]
+        if inside:
+            first.append(inside[0] - a)
+            between += [y - x for x, y in zip(inside, inside[1:])]
+    if not between:
+        return None
+    return HostLaunch(statistics.median(first), statistics.median(between), len(first),
+                      len(between))  # fmt: skip
+
+
+def kernels_per_op(km: KernelMap) -> dict[str, int]:
+    """Per op name the kernels one launch of it runs (the median over its layers and
+    micro-batches in the last eager run): what an eager launch of it costs the host
+    (:class:`HostLaunch`)."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for (name, _, _), t in km.ops.items():
+        by[name].append(t.kernels)
+    return {n: int(statistics.median(ks)) for n, ks in sorted(by.items())}
+
+
 def with_device_time(trace, times: Mapping[OpId, float]):
     """``trace`` (a ``shared.outputs.trace.Trace`` of the executor) with each op's stream spans shrunk
     or stretched so that they sum to the op's device time: the spans keep their starts (the

@@ -68,20 +68,22 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                      "sizes_calibrated": sizes},
         "runs": {},
     }  # fmt: skip
-    serial_run = None  # serial's unprofiled run at the case's size: the gap, and serial's step
+    serial_run = None  # serial's unprofiled run at the case's size: the gap, the launches, its step
     try:
         runs, kept = [], []
         for s in sizes:  # isolated op durations at the token counts the schedules run
             ws = ctx.workload(mode, s, half=s != size)
             p = S.build("serial", ws, ctx.gpu)
             rec = ctx.record(p, ws)
-            step = None
+            step = host = None
             if s == size:
                 serial_run = ctx.measure(p, ws)
                 step = serial_run.meta.get("graph_replay_step_time_us")
-            runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}"))
+                host = serial_run.meta.get("host_launch_us")  # unprofiled, per op
+            runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}",
+                                       host))  # fmt: skip
             kept.append({"schedule": "serial", "size": s, "half": s != size,
-                         "replay_step_us": step,
+                         "replay_step_us": step, "host_launch_us": host,
                          "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip
         profile, setup, info = calibrate(ctx.setup, runs, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on

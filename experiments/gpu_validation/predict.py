@@ -43,29 +43,67 @@ class CalibrationRun:
     kernels: Mapping | None = None
     replay_step_us: float | None = None
     label: str = ""  # "serial 128": the schedule and its size, for the record
+    #: per op name the host time of its eager launch in the unprofiled run of the same Program
+    #: (the executor's trace meta ``host_launch_us``); None where it was not recorded
+    host_launch_us: Mapping | None = None
 
 
 def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
     """The profile of recorded calibration runs, and the setup to predict with: its GPU with
-    the gap between a replayed graph's kernels measured where a run has replays and an
-    unprofiled step (``overlap_lab.device_time.graph_gap_us``), else the preset's, and the
-    emulated backend's data path per communication op (``emulated_comm.local_work``). Each
-    op's duration is its kernels' device time (graph replays where it ran in one, the gaps
-    between its own kernels included), or its span where there are no kernel records. Returns
-    (profile, setup, info for the case's record)."""
+    what the runs measured of the executor's launches where they can (else the preset's, and
+    the record says so): the gap between a replayed graph's kernels and the wait before its
+    first kernel (``overlap_lab.device_time.graph_gap_us``, ``graph_launch_wait_us``: a run
+    with replays and an unprofiled step), the host time of an eager launch per op and per
+    kernel (``device_time.host_launch``) with each op's kernels; and the emulated backend's
+    data path per communication op (``emulated_comm.local_work``). Each op's duration is its
+    kernels' device time (graph replays where it ran in one, the gaps between its own kernels
+    included), or its span where there are no kernel records. Returns (profile, setup, info
+    for the case's record)."""
     from overlap_lab.calibrate import apply_device_time
-    from overlap_lab.device_time import graph_gap_us, map_kernels
+    from overlap_lab.device_time import (
+        HostLaunch,
+        graph_gap_us,
+        graph_launch_wait_us,
+        host_launch,
+        kernels_per_op,
+        map_kernels,
+    )
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
-    gpu, source = setup.gpu, f"the {setup.gpu.name} preset"
+    gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
+    source = wait_source = launch_source = preset
+    host, kernels, by_op = None, {}, {}
     for r in runs:
-        if r.kernels and r.replay_step_us:
-            gap = graph_gap_us(map_kernels(r.kernels), r.replay_step_us)
-            if gap is not None:
-                gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap)
-                source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
-                          "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
-                break
+        if r.host_launch_us and not by_op:
+            by_op = dict(r.host_launch_us)
+            launch_source = f"measured: {r.label}'s unprofiled eager launches, per op"
+        if not r.kernels:
+            continue
+        km = map_kernels(r.kernels)
+        kernels = kernels_per_op(km) | kernels  # the first run's counts win
+        if host is None and (host := host_launch(r.kernels)) is not None and not by_op:
+            launch_source = (
+                f"measured in {r.label}'s eager runs under the profiler: {host.per_op:.1f} us "
+                f"per op before its first launch, {host.per_kernel:.1f} us per kernel (medians "
+                f"over {host.ops} op ranges, {host.launches} launch intervals)"
+            )
+        if source != preset or not r.replay_step_us:
+            continue
+        gap = graph_gap_us(km, r.replay_step_us)
+        wait = graph_launch_wait_us(km, r.replay_step_us)
+        if gap is not None and wait is not None:
+            gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap, graph_launch_us=wait)
+            source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
+                      "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
+            wait_source = (f"measured: {r.label}'s unprofiled replay step "
+                           f"{r.replay_step_us:.1f} us less its profiled replays' span, "
+                           "once per graph replayed")  # fmt: skip
+    if host is not None:
+        host = dataclasses.replace(host, kernels=kernels, by_op=by_op)
+    elif by_op:
+        host = HostLaunch(0.0, 0.0, by_op=by_op)
+    if host is not None:  # a launch pays the last kernel's share; a Host before it the rest
+        gpu = dataclasses.replace(gpu, launch_us=host.per_kernel)
     timed = [
         (r.program, apply_device_time(r.trace, r.kernels, gpu.graph_kernel_gap_us))
         if r.kernels
@@ -91,9 +129,18 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         ),
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
+        "graph_launch_us": {"us": gpu.graph_launch_us, "source": wait_source},
+        "host_launch_us": {
+            "per_op": host.per_op if host else None,
+            "per_kernel": host.per_kernel if host else None,
+            "by_op": by_op or None,
+            "op_kernels": kernels or None,
+            "source": launch_source if host else f"{preset}: launch_us {gpu.launch_us} per op",
+        },
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    return profile, dataclasses.replace(setup, gpu=gpu, comm_local=work), info
+    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
+    return profile, at, info
 
 
 def calibrate_profile(ctx, runs: list, mode: str):
@@ -131,7 +178,7 @@ def predict(ctx, name: str, w, profile, transform=None, comm_local=None):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
+def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -> Callable:
     """A Program transform: the Program as the executor ran it, read off its ``measured``
     trace (:func:`executed_changes` lists what it changes). Host work takes what the
     executor's host spans took (it runs no scheduler: under a microsecond each, where the
@@ -141,8 +188,13 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
     run launched no kernel for (``no_kernel_ops``: no-ops, and ops computed inside another op,
     whose measured time holds theirs) or did not run at all is left out; with ``comm_local``
     (the emulated backend's data path: ``emulated_comm``), a DeepEP receive that holds no SMs
-    but ran kernels runs them on ``num_sms``. The simulator's defaults (``sim``) keep SGLang's
-    host costs and every limit."""
+    but ran kernels runs them on ``num_sms``; with ``host_launch`` (``device_time.HostLaunch``,
+    the GPU's ``launch_us`` being its ``per_kernel``), an eager launch of an op holds the host
+    for the executor's time to launch it (``HostLaunch.op_us``: measured per op, else
+    ``per_op + kernels x per_kernel``): a ``Host`` named ``launch`` before the launch, which
+    pays the last kernel's share. A launch inside a ``Graph`` costs nothing per kernel (the
+    graph's launch, ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
+    defaults (``sim``) keep SGLang's host costs, one ``launch_us`` per op and every limit."""
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
     host: dict[tuple, list[float]] = {}
@@ -162,13 +214,14 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
             return dataclasses.replace(op, sms=None)
         return op
 
-    def instrs(seq) -> tuple:
-        out = []
+    def instrs(seq, eager: bool = True) -> tuple:
+        out: list = []
         for ins in seq:
             if isinstance(ins, Host):
                 ins = dataclasses.replace(ins, us=host_us(ins))
             elif isinstance(ins, Graph):
-                ins = dataclasses.replace(ins, body=instrs(ins.body))
+                ins = dataclasses.replace(ins, body=instrs(ins.body, eager=False))
+
             elif isinstance(ins, Launch):
                 if gone(ins.op.name):
                     continue
@@ -176,6 +229,9 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
                 if comm_local:
                     op = emulated_comm.as_executed(op, comm_local, num_sms)
                 ins = dataclasses.replace(ins, op=op)
+                if eager and host_launch is not None:
+                    us = max(host_launch.op_us(op.name) - host_launch.per_kernel, 0.0)
+                    out.append(Host("launch", us, op.mb, op.layer, op.step))
             out.append(ins)
         return tuple(out)
 
@@ -274,7 +330,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
     # the emulated backend's data path, where the run's communication was emulated
     local = ctx.comm_local if measured.meta.get("emulated") else {}
-    executed = as_executed(measured, local, ctx.device_sms)
+    executed = as_executed(measured, local, ctx.device_sms, ctx.host_launch)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
         transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,

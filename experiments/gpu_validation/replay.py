@@ -98,6 +98,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             _kernels(root, e["files"].get("kernels")),
             e.get("replay_step_us"),
             f"{e['schedule']} {e['size']}",
+            e.get("host_launch_us"),
         )
         for e in runs_in
     ]

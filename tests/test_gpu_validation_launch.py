@@ -1,0 +1,141 @@
+"""The executor's launch costs as the loop measures and predicts them (overlap_lab.device_time
+``host_launch``, ``graph_launch_wait_us``; experiments/gpu_validation/predict.py).
+
+Hand-built profiler records (the shape ``device_time.kernel_records`` keeps) with known host
+times, so every number asserted is computed here from the records; then the rule the
+prediction follows: an eager launch holds the host for the op's measured launch time, a graph's
+launch for the measured wait before its first kernel, and the simulator charges them there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from overlap_lab.device_time import (
+    GRAPH_LAUNCH,
+    HostLaunch,
+    KernelMap,
+    OpTime,
+    graph_launch_wait_us,
+    host_launch,
+    kernels_per_op,
+)
+from overlap_lab.experiments.gpu_validation.predict import as_executed
+from overlap_lab.shared.inputs.hardware import get_gpu
+from overlap_lab.shared.ir.program import (
+    Graph,
+    Host,
+    HostThread,
+    Launch,
+    Op,
+    Program,
+    ProgramMeta,
+    RankProgram,
+)
+from overlap_lab.shared.outputs.trace import Span, Trace
+
+
+def _records(ops: dict[str, tuple[float, list[float]]], graph_at: float | None = None) -> dict:
+    """An op range per entry (name -> (range start, launch call starts)), each launch with a
+    1 µs device kernel; ``graph_at``: a cudaGraphLaunch there (with a kernel of its own)."""
+    ev, c = [], 0
+    for name, (t0, calls) in ops.items():
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"{name}.L1.mb0", "ts": t0,
+                   "dur": calls[-1] + 5.0 - t0})  # fmt: skip
+        for t in calls:
+            c += 1
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t,
+                       "dur": 2.0, "args": {"correlation": c}})  # fmt: skip
+            ev.append({"ph": "X", "cat": "kernel", "name": f"k{c}", "ts": t + 3.0, "dur": 1.0,
+                       "args": {"correlation": c, "stream": 7}})  # fmt: skip
+    if graph_at is not None:
+        c += 1
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": GRAPH_LAUNCH, "ts": graph_at,
+                   "dur": 3.0, "args": {"correlation": c}})  # fmt: skip
+        ev.append({"ph": "X", "cat": "kernel", "name": "g", "ts": graph_at + 4.0, "dur": 1.0,
+                   "args": {"correlation": c, "stream": 7}})  # fmt: skip
+    # a launch call without a device record (a cudaStreamSynchronize, say) is not a launch
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 101.0,
+               "dur": 50.0, "args": {"correlation": 999}})  # fmt: skip
+    return {"traceEvents": ev}
+
+
+def test_host_launch_is_the_median_time_before_and_between_an_ops_launches():
+    rec = _records(
+        {
+            "a": (0.0, [10.0, 40.0, 70.0, 100.0]),  # 10 before, 30 between
+            "b": (200.0, [220.0, 250.0]),  # 20 before, 30 between
+            "c": (300.0, [340.0, 360.0, 460.0]),  # 40 before, 20 and 100 (a sync) between
+        },
+        graph_at=600.0,  # the graph's launch is no kernel launch of an op
+    )
+    h = host_launch(rec)
+    assert (h.per_op, h.per_kernel, h.ops, h.launches) == (20.0, 30.0, 3, 6)
+    # an op of k kernels holds the host for per_op + k x per_kernel, unless measured unprofiled
+    h = dataclasses.replace(h, kernels={"a": 4, "b": 2}, by_op={"b": 7.5})
+    assert h.op_us("a") == 20.0 + 4 * 30.0
+    assert h.op_us("b") == 7.5
+    assert h.op_us("never-seen") == 20.0 + 30.0
+    assert host_launch({"traceEvents": []}) is None
+
+
+def _km(spans: tuple[float, ...], ops: dict | None = None) -> KernelMap:
+    return KernelMap(ops or {}, (), (100.0,) * len(spans), spans, (10,) * len(spans),
+                     (0,) * len(spans), 0)  # fmt: skip
+
+
+def test_the_graph_launch_wait_is_the_unprofiled_step_less_the_profiled_span():
+    km = _km((4300.0, 4310.0, 4290.0))
+    assert graph_launch_wait_us(km, 4662.3) == pytest.approx(4662.3 - 4300.0)
+    assert graph_launch_wait_us(km, 4000.0) == 0.0  # never negative
+    assert graph_launch_wait_us(km, None) is None
+    assert graph_launch_wait_us(_km(()), 4662.3) is None
+
+
+def test_kernels_per_op_is_the_median_over_its_layers():
+    t = OpTime(1.0, None, 1, 0, kernels=3)
+    km = _km((), {("x", 1, 0): t, ("x", 2, 0): dataclasses.replace(t, kernels=5),
+                  ("x", 3, 0): dataclasses.replace(t, kernels=4), ("y", 1, 0): t})  # fmt: skip
+    assert kernels_per_op(km) == {"x": 4, "y": 3}
+
+
+def _program() -> Program:
+    ops = [Op("a", layer=1, mb=0, hbm_bytes=1e6), Op("b", layer=1, mb=0, hbm_bytes=1e6),
+           Op("c", layer=1, mb=0, hbm_bytes=1e6)]  # fmt: skip
+    body = (Launch(ops[1], "main"), Launch(ops[2], "main"))
+    th = HostThread("main", (Launch(ops[0], "main"), Graph("g", body)))
+    return Program((RankProgram(0, ("main",), (th,)),), meta=ProgramMeta(schedule="t"))
+
+
+def _measured() -> Trace:
+    return Trace(tuple(Span(0, "stream:main", n, "compute", i, i + 1.0, 0, 0, 1)
+                       for i, n in enumerate("abc")), {})  # fmt: skip
+
+
+def test_an_eager_launch_holds_the_host_for_the_ops_launch_time_a_graphs_does_not_per_kernel():
+    h = HostLaunch(per_op=20.0, per_kernel=30.0, kernels={"a": 4, "b": 9, "c": 9})
+    prog = as_executed(_measured(), host_launch=h)(_program())
+    instrs = prog.ranks[0].threads[0].instrs
+    # before a: its launch less the last kernel's share, which the launch itself pays
+    assert instrs[0] == Host("launch", 20.0 + 4 * 30.0 - 30.0, 0, 1, None)
+    assert isinstance(instrs[1], Launch) and instrs[1].op.name == "a"
+    assert isinstance(instrs[2], Graph)
+    assert not any(isinstance(i, Host) for i in instrs[2].body)  # replayed: nothing per kernel
+    assert as_executed(_measured())(_program()).ranks[0].threads[0].instrs[0].op.name == "a"
+
+
+def test_the_simulator_charges_both_where_the_prediction_puts_them():
+    from overlap_lab.sim import simulate
+
+    h = HostLaunch(per_op=20.0, per_kernel=30.0, kernels={"a": 4})
+    gpu = dataclasses.replace(get_gpu("h200"), launch_us=h.per_kernel, graph_launch_us=354.0,
+                              graph_kernel_gap_us=0.0)  # fmt: skip
+    tr = simulate(as_executed(_measured(), host_launch=h)(_program()), gpu)
+    start = {s.op: s.start for s in tr.spans if s.lane.startswith("stream:")}
+    end = {s.op: s.end for s in tr.spans if s.lane.startswith("stream:")}
+    assert start["a"] == pytest.approx(20.0 + 4 * 30.0)  # after the whole launch of a
+    # the graph is launched once a's launch is done; its first kernel waits for that launch
+    assert start["b"] == pytest.approx(max(20.0 + 4 * 30.0 + 354.0, end["a"]))
+    assert start["c"] == pytest.approx(end["b"])
