@@ -139,3 +139,19 @@ def test_the_simulator_charges_both_where_the_prediction_puts_them():
     # the graph is launched once a's launch is done; its first kernel waits for that launch
     assert start["b"] == pytest.approx(max(20.0 + 4 * 30.0 + 354.0, end["a"]))
     assert start["c"] == pytest.approx(end["b"])
+
+
+def test_the_executor_records_each_ops_median_launch_time():
+    """real.timing.run_meta: the host time of each eager launch of an op (``RunLog.launched``,
+    timed around the launch in ``real.runner`` on a GPU) as its median, by op name."""
+    pytest.importorskip("torch")
+    from overlap_lab.real.fp8 import Precision
+    from overlap_lab.real.runlog import RunLog
+    from overlap_lab.real.timing import run_meta
+
+    log = RunLog()
+    for op, us in (("experts", 40.0), ("experts", 90.0), ("experts", 50.0), ("gate", 7.0)):
+        log.launched(op, us)
+    meta = run_meta([], object(), log, Precision("bf16", "bf16", ""))
+    assert meta["host_launch_us"] == {"experts": 50.0, "gate": 7.0}
+    assert "host_launch_us" not in run_meta([], object(), RunLog(), Precision("bf16", "bf16", ""))
