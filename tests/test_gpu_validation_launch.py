@@ -17,10 +17,13 @@ from overlap_lab.device_time import (
     GRAPH_LAUNCH,
     HostLaunch,
     KernelMap,
+    OpHost,
     OpTime,
     graph_launch_wait_us,
     host_launch,
+    idle_scale,
     kernels_per_op,
+    op_host,
 )
 from overlap_lab.experiments.gpu_validation.predict import as_executed
 from overlap_lab.shared.inputs.hardware import get_gpu
@@ -33,6 +36,8 @@ from overlap_lab.shared.ir.program import (
     Program,
     ProgramMeta,
     RankProgram,
+    Record,
+    Sync,
 )
 from overlap_lab.shared.outputs.trace import Span, Trace
 
@@ -72,13 +77,40 @@ def test_host_launch_is_the_median_time_before_and_between_an_ops_launches():
         graph_at=600.0,  # the graph's launch is no kernel launch of an op
     )
     h = host_launch(rec)
-    assert (h.per_op, h.per_kernel, h.ops, h.launches) == (20.0, 30.0, 3, 6)
-    # an op of k kernels holds the host for per_op + k x per_kernel, unless measured unprofiled
-    h = dataclasses.replace(h, kernels={"a": 4, "b": 2}, by_op={"b": 7.5})
-    assert h.op_us("a") == 20.0 + 4 * 30.0
-    assert h.op_us("b") == 7.5
-    assert h.op_us("never-seen") == 20.0 + 30.0
+    assert (h.per_op, h.per_kernel, h.ranges, h.intervals) == (20.0, 30.0, 3, 6)
+    # an op never measured: per_op + k x per_kernel, then its launch; scaled as a whole
+    h = dataclasses.replace(h, kernels={"x": 4}, measured={}, scale=0.5)
+    assert h.op("x").steps == (("host", (20.0 + 4 * 30.0) / 2), ("launch", 0.0))
+    assert h.op("never-seen").steps == (("host", (20.0 + 30.0) / 2), ("launch", 0.0))
     assert host_launch({"traceEvents": []}) is None
+
+
+def test_an_ops_host_steps_leave_out_its_waits_for_read_backs():
+    """One op range opened at 0: kernels launched at 10 and 30 (1 µs each), a device-to-host
+    copy called at 50 whose copy ends on the device at 250 (the host waited 200 µs), then the
+    op's big kernel (launched at 260, 100 µs: half of its device time from there) and one more
+    at 300, the last call ending at 302."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "experts.L1.mb0", "ts": 0.0, "dur": 310.0}]
+    for c, (t, kind, dev_ts, dur) in enumerate(
+        [
+            (10.0, "kernel", 12.0, 1.0),
+            (30.0, "kernel", 32.0, 1.0),
+            (50.0, "gpu_memcpy", 249.0, 1.0),
+            (260.0, "kernel", 262.0, 100.0),
+            (300.0, "kernel", 362.0, 1.0),
+        ]  # fmt: skip
+    ):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "call", "ts": t, "dur": 2.0,
+                   "args": {"correlation": c}})  # fmt: skip
+        name = "Memcpy DtoH (Device -> Pageable)" if kind == "gpu_memcpy" else f"k{c}"
+        ev.append({"ph": "X", "cat": kind, "name": name, "ts": dev_ts, "dur": dur,
+                   "args": {"correlation": c, "stream": 7}})  # fmt: skip
+    h = op_host({"traceEvents": ev})["experts"]
+    # 50 µs of work, the read-back (its wait 50 -> 250 not counted), 10 µs to the big kernel's
+    # launch, then 42 µs to the end of the last call
+    assert h == OpHost((("host", 50.0), ("sync", 0.0), ("host", 10.0), ("launch", 0.0),
+                        ("host", 42.0)))  # fmt: skip
+    assert (h.us, h.syncs) == (102.0, 1)
 
 
 def _km(spans: tuple[float, ...], ops: dict | None = None) -> KernelMap:
@@ -114,31 +146,53 @@ def _measured() -> Trace:
                        for i, n in enumerate("abc")), {})  # fmt: skip
 
 
-def test_an_eager_launch_holds_the_host_for_the_ops_launch_time_a_graphs_does_not_per_kernel():
-    h = HostLaunch(per_op=20.0, per_kernel=30.0, kernels={"a": 4, "b": 9, "c": 9})
+def _host(**steps) -> HostLaunch:
+    measured = {n: OpHost(tuple(v)) for n, v in steps.items()}
+    return HostLaunch(per_op=20.0, per_kernel=30.0, kernels={"b": 9, "c": 9}, measured=measured)
+
+
+def test_an_eager_launch_takes_its_ops_host_steps_a_graphs_takes_none():
+    h = _host(a=[("host", 50.0), ("sync", 0.0), ("host", 70.0), ("launch", 0.0), ("host", 9.0)])
     prog = as_executed(_measured(), host_launch=h)(_program())
     instrs = prog.ranks[0].threads[0].instrs
-    # before a: its launch less the last kernel's share, which the launch itself pays
-    assert instrs[0] == Host("launch", 20.0 + 4 * 30.0 - 30.0, 0, 1, None)
-    assert isinstance(instrs[1], Launch) and instrs[1].op.name == "a"
-    assert isinstance(instrs[2], Graph)
-    assert not any(isinstance(i, Host) for i in instrs[2].body)  # replayed: nothing per kernel
+    ev = "readback.0.a.L1.mb0"
+    assert instrs[:4] == (Host("launch", 50.0, 0, 1, None), Record(ev, "main"), Sync(ev),
+                          Host("launch", 70.0 - 30.0, 0, 1, None))  # fmt: skip
+    assert isinstance(instrs[4], Launch) and instrs[4].op.name == "a"
+    assert instrs[5] == Host("launch", 9.0, 0, 1, None)  # after its launch: it overlaps a
+    assert isinstance(instrs[6], Graph)
+    assert not any(isinstance(i, Host) for i in instrs[6].body)  # replayed: nothing per kernel
     assert as_executed(_measured())(_program()).ranks[0].threads[0].instrs[0].op.name == "a"
 
 
-def test_the_simulator_charges_both_where_the_prediction_puts_them():
+def test_the_simulator_charges_the_host_steps_and_the_graphs_wait_where_they_are():
     from overlap_lab.sim import simulate
 
-    h = HostLaunch(per_op=20.0, per_kernel=30.0, kernels={"a": 4})
+    h = _host(a=[("host", 50.0), ("launch", 0.0), ("host", 500.0)])
     gpu = dataclasses.replace(get_gpu("h200"), launch_us=h.per_kernel, graph_launch_us=354.0,
                               graph_kernel_gap_us=0.0)  # fmt: skip
     tr = simulate(as_executed(_measured(), host_launch=h)(_program()), gpu)
     start = {s.op: s.start for s in tr.spans if s.lane.startswith("stream:")}
     end = {s.op: s.end for s in tr.spans if s.lane.startswith("stream:")}
-    assert start["a"] == pytest.approx(20.0 + 4 * 30.0)  # after the whole launch of a
-    # the graph is launched once a's launch is done; its first kernel waits for that launch
-    assert start["b"] == pytest.approx(max(20.0 + 4 * 30.0 + 354.0, end["a"]))
+    assert start["a"] == pytest.approx(50.0)  # its launch, at the host's 50 µs
+    # the host's 500 µs after a's launch, then the graph's launch: its first kernel waits both
+    assert start["b"] == pytest.approx(max(50.0 + 500.0 + 354.0, end["a"]))
     assert start["c"] == pytest.approx(end["b"])
+
+
+def test_the_profilers_share_is_the_devices_waits_inside_ops_unprofiled_over_profiled():
+    t = OpTime(100.0, None, 1, 0, kernels=3)
+    km = _km((), {("a", 1, 0): t, ("b", 1, 0): t, ("c", 1, 0): t})
+
+    def trace(a: float, b: float, c: float) -> Trace:
+        return Trace(tuple(Span(0, "stream:main", n, "compute", 0.0, us, 0, 0, 1)
+                           for n, us in (("a", a), ("b", b), ("c", c))), {})  # fmt: skip
+
+    # a waited 60 profiled, 30 unprofiled; b 20 and 15; c never waited (left out)
+    assert idle_scale(trace(160.0, 120.0, 100.0), trace(130.0, 115.0, 90.0), km) == (
+        pytest.approx((30.0 + 15.0) / (60.0 + 20.0))
+    )
+    assert idle_scale(trace(100.0, 90.0, 100.0), trace(100.0, 90.0, 100.0), km) is None
 
 
 def test_the_executor_records_each_ops_median_launch_time():

@@ -81,7 +81,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                 step = serial_run.meta.get("graph_replay_step_time_us")
                 host = serial_run.meta.get("host_launch_us")  # unprofiled, per op
             runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}",
-                                       host))  # fmt: skip
+                                       host, serial_run if s == size else None))  # fmt: skip
             kept.append({"schedule": "serial", "size": s, "half": s != size,
                          "replay_step_us": step, "host_launch_us": host,
                          "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip

@@ -7,12 +7,13 @@ just recorded, a replay (``replay``) the runs an archive kept."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY, comm_only, comm_program
-from overlap_lab.shared.ir.program import Graph, Host, Launch, ops_of
+from overlap_lab.shared.ir.program import Graph, Host, Launch, Record, Sync, ops_of
 
 
 def prediction_workload(w, measured_meta: dict):
@@ -46,6 +47,9 @@ class CalibrationRun:
     #: per op name the host time of its eager launch in the unprofiled run of the same Program
     #: (the executor's trace meta ``host_launch_us``); None where it was not recorded
     host_launch_us: Mapping | None = None
+    #: the executor's trace of the unprofiled run of the same Program (serial at the case's
+    #: size: the loop's measured run), for the profiler's share of host time; None elsewhere
+    unprofiled: object = None
 
 
 def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
@@ -61,32 +65,36 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
     for the case's record)."""
     from overlap_lab.calibrate import apply_device_time
     from overlap_lab.device_time import (
-        HostLaunch,
         graph_gap_us,
         graph_launch_wait_us,
         host_launch,
+        idle_scale,
         kernels_per_op,
         map_kernels,
     )
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
-    source = wait_source = launch_source = preset
-    host, kernels, by_op = None, {}, {}
+    source = wait_source = preset
+    host, kernels, scale, scaled_by = None, {}, None, ""
     for r in runs:
-        if r.host_launch_us and not by_op:
-            by_op = dict(r.host_launch_us)
-            launch_source = f"measured: {r.label}'s unprofiled eager launches, per op"
         if not r.kernels:
             continue
         km = map_kernels(r.kernels)
         kernels = kernels_per_op(km) | kernels  # the first run's counts win
-        if host is None and (host := host_launch(r.kernels)) is not None and not by_op:
-            launch_source = (
-                f"measured in {r.label}'s eager runs under the profiler: {host.per_op:.1f} us "
-                f"per op before its first launch, {host.per_kernel:.1f} us per kernel (medians "
-                f"over {host.ops} op ranges, {host.launches} launch intervals)"
-            )
+        if host is None and (host := host_launch(r.kernels)) is not None:
+            label = r.label
+            if r.host_launch_us:
+                scale = profiler_scale(host, r.host_launch_us)
+                scaled_by = (
+                    "its unprofiled launch times over the profiled ones (ops without a read-back)"
+                )
+            elif r.unprofiled is not None:
+                scale = idle_scale(r.trace, r.unprofiled, km)
+                scaled_by = (
+                    "the device's waits inside its ops in the unprofiled run over the "
+                    "profiled one (CUDA-event spans less kernel time)"
+                )
         if source != preset or not r.replay_step_us:
             continue
         gap = graph_gap_us(km, r.replay_step_us)
@@ -98,12 +106,23 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
             wait_source = (f"measured: {r.label}'s unprofiled replay step "
                            f"{r.replay_step_us:.1f} us less its profiled replays' span, "
                            "once per graph replayed")  # fmt: skip
+    launch = {"source": f"{preset}: launch_us {gpu.launch_us} per op"}
     if host is not None:
-        host = dataclasses.replace(host, kernels=kernels, by_op=by_op)
-    elif by_op:
-        host = HostLaunch(0.0, 0.0, by_op=by_op)
-    if host is not None:  # a launch pays the last kernel's share; a Host before it the rest
-        gpu = dataclasses.replace(gpu, launch_us=host.per_kernel)
+        host = dataclasses.replace(host, kernels=kernels)
+        if scale is not None:
+            host = dataclasses.replace(host, scale=scale)
+        # a launch pays the last kernel's share; a Host before it the rest (as_executed)
+        gpu = dataclasses.replace(gpu, launch_us=host.per_kernel * host.scale)
+        launch = {
+            "per_op": host.per_op, "per_kernel": host.per_kernel, "scale": host.scale,
+            "ops": {n: dataclasses.asdict(h) for n, h in host.measured.items()},
+            "source": (
+                f"measured in {label}'s eager runs under the profiler (medians over "
+                f"{host.ranges} op ranges, {host.intervals} launch intervals), "
+                + (f"x {scale:.3f}: {scaled_by}" if scale is not None
+                   else "not scaled: no unprofiled run to compare with")
+            ),
+        }  # fmt: skip
     timed = [
         (r.program, apply_device_time(r.trace, r.kernels, gpu.graph_kernel_gap_us))
         if r.kernels
@@ -130,17 +149,23 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
         "graph_launch_us": {"us": gpu.graph_launch_us, "source": wait_source},
-        "host_launch_us": {
-            "per_op": host.per_op if host else None,
-            "per_kernel": host.per_kernel if host else None,
-            "by_op": by_op or None,
-            "op_kernels": kernels or None,
-            "source": launch_source if host else f"{preset}: launch_us {gpu.launch_us} per op",
-        },
+        "host_launch_us": launch,
+        "op_kernels": kernels or None,
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
     at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
     return profile, at, info
+
+
+def profiler_scale(host, unprofiled: Mapping[str, float]) -> float | None:
+    """The unprofiled host time of the executor's eager launches over the profiled one: the
+    sum over the ops without a read-back that both measured (``unprofiled``: per op name, the
+    executor's trace meta ``host_launch_us``, which holds any wait for a read-back; ``host``:
+    a ``device_time.HostLaunch``). None where they share no such op."""
+    both = [n for n, h in host.measured.items() if not h.syncs and h.us > 0 and n in unprofiled]
+    if not both:
+        return None
+    return sum(float(unprofiled[n]) for n in both) / sum(host.measured[n].us for n in both)
 
 
 def calibrate_profile(ctx, runs: list, mode: str):
@@ -189,11 +214,14 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
     whose measured time holds theirs) or did not run at all is left out; with ``comm_local``
     (the emulated backend's data path: ``emulated_comm``), a DeepEP receive that holds no SMs
     but ran kernels runs them on ``num_sms``; with ``host_launch`` (``device_time.HostLaunch``,
-    the GPU's ``launch_us`` being its ``per_kernel``), an eager launch of an op holds the host
-    for the executor's time to launch it (``HostLaunch.op_us``: measured per op, else
-    ``per_op + kernels x per_kernel``): a ``Host`` named ``launch`` before the launch, which
-    pays the last kernel's share. A launch inside a ``Graph`` costs nothing per kernel (the
-    graph's launch, ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
+    the GPU's ``launch_us`` its scaled ``per_kernel``), an eager launch of an op holds the
+    host for the executor's time to launch it, in the steps the calibration measured
+    (``HostLaunch.op``, ``device_time.OpHost``): ``Host``s named ``launch`` for its host work,
+    a ``Record`` and a ``Sync`` on the op's stream where it reads device data back, and the
+    launch itself where half of its device time has been launched (it pays the last kernel's
+    share of the host work before it).
+    A launch inside a ``Graph`` costs nothing per kernel (the graph's launch,
+    ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
     defaults (``sim``) keep SGLang's host costs, one ``launch_us`` per op and every limit."""
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
@@ -214,6 +242,25 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
             return dataclasses.replace(op, sms=None)
         return op
 
+    readbacks = itertools.count()
+
+    def launched(ins: Launch) -> list:
+        """An eager launch with what its host does around it (the docstring)."""
+        op, h = ins.op, host_launch.op(ins.op.name)
+        last = host_launch.per_kernel * host_launch.scale  # the launch's own cost
+        out: list = []
+        for kind, us in h.steps:
+            if kind == "host":
+                out.append(Host("launch", us, op.mb, op.layer, op.step))
+            elif kind == "sync":
+                ev = f"readback.{next(readbacks)}.{op.name}.L{op.layer}.mb{op.mb}"
+                out += [Record(ev, ins.stream), Sync(ev)]
+            else:
+                if out and isinstance(out[-1], Host):  # the launch pays the last kernel's share
+                    out[-1] = dataclasses.replace(out[-1], us=max(out[-1].us - last, 0.0))
+                out.append(ins)
+        return out
+
     def instrs(seq, eager: bool = True) -> tuple:
         out: list = []
         for ins in seq:
@@ -221,7 +268,6 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
                 ins = dataclasses.replace(ins, us=host_us(ins))
             elif isinstance(ins, Graph):
                 ins = dataclasses.replace(ins, body=instrs(ins.body, eager=False))
-
             elif isinstance(ins, Launch):
                 if gone(ins.op.name):
                     continue
@@ -230,8 +276,8 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
                     op = emulated_comm.as_executed(op, comm_local, num_sms)
                 ins = dataclasses.replace(ins, op=op)
                 if eager and host_launch is not None:
-                    us = max(host_launch.op_us(op.name) - host_launch.per_kernel, 0.0)
-                    out.append(Host("launch", us, op.mb, op.layer, op.step))
+                    out += launched(ins)
+                    continue
             out.append(ins)
         return tuple(out)
 

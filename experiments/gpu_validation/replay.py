@@ -91,6 +91,9 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
     def workload(size: int, half: bool = False):
         return case_workload(mc, mode, size, half=half, **kw)
 
+    # the unprofiled run of a calibration's Program: the schedule's measured run at that size
+    measured = {name: (rec.get("files") or {}).get("measured")
+                for name, rec in case.get("runs", {}).items()}  # fmt: skip
     runs = [
         CalibrationRun(
             S.build(e["schedule"], workload(int(e["size"]), bool(e.get("half"))), setup.gpu),
@@ -99,6 +102,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             e.get("replay_step_us"),
             f"{e['schedule']} {e['size']}",
             e.get("host_launch_us"),
+            _trace(root, measured.get(e["schedule"])) if int(e["size"]) == size else None,
         )
         for e in runs_in
     ]
