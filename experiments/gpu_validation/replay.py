@@ -92,6 +92,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         return case_workload(mc, mode, size, half=half, **kw)
 
     # the unprofiled run of a calibration's Program: the schedule's measured run at that size
+    # (not where the calibration run is that measured run: an archive converted from before)
     measured = {name: (rec.get("files") or {}).get("measured")
                 for name, rec in case.get("runs", {}).items()}  # fmt: skip
     runs = [
@@ -102,7 +103,10 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             e.get("replay_step_us"),
             f"{e['schedule']} {e['size']}",
             e.get("host_launch_us"),
-            _trace(root, measured.get(e["schedule"])) if int(e["size"]) == size else None,
+            _trace(root, unprofiled)
+            if int(e["size"]) == size
+            and (unprofiled := measured.get(e["schedule"])) != e["files"]["trace"]
+            else None,
         )
         for e in runs_in
     ]
