@@ -57,8 +57,9 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
     what the runs measured of the executor's launches where they can (else the preset's, and
     the record says so): the gap between a replayed graph's kernels and the wait before its
     first kernel (``overlap_lab.device_time.graph_gap_us``, ``graph_launch_wait_us``: a run
-    with replays and an unprofiled step), the host time of an eager launch per op and per
-    kernel (``device_time.host_launch``) with each op's kernels; and the emulated backend's
+    with replays and an unprofiled step), each eager op's host steps and read-backs
+    (``device_time.host_launch``, ``op_host``) scaled by the profiler's share in serial's
+    unprofiled run (:func:`profiler_scale`, else ``device_time.idle_scale``); and the emulated backend's
     data path per communication op (``emulated_comm.local_work``). Each op's duration is its
     kernels' device time (graph replays where it ran in one, the gaps between its own kernels
     included), or its span where there are no kernel records. Returns (profile, setup, info
