@@ -396,8 +396,8 @@ def graph_launch_wait_us(km: KernelMap, replay_step_us: float | None) -> float |
 class OpHost:
     """One op's host side in the executor's eager runs (µs): ``steps`` in host order, each
     ``("host", µs)`` of its host work, ``("sync", 0.0)`` where it reads device data back (a
-    device-to-host copy: ``.item()``, ``.tolist()``, ``nonzero``'s count: the host waits for
-    the work issued so far, a wait not counted as work) and one ``("launch", 0.0)`` where the
+    device-to-host copy the host waits for: ``.item()``, ``.tolist()``, ``nonzero``'s count:
+    the work issued so far must be done, a wait not counted as work) and one ``("launch", 0.0)`` where the
     launches so far hold half of the op's device time (from there the op runs on the device
     while the host goes on)."""
 
@@ -504,16 +504,35 @@ def op_host(trace: Mapping[str, Any] | list) -> dict[str, OpHost]:
     after its big kernels overlaps them."""
     ranges, calls = _host_calls(trace)
     starts = [c[0] for c in calls]
+    found = [(a, b, op[0], calls[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)])
+             for a, b, op in ranges]  # fmt: skip
+    found = [f for f in found if f[3]]
+    # an op whose host ever went on before its copy was done does not wait for its copies
+    blocking: dict[str, bool] = {}
+    for _, b, name, inside in found:
+        blocking[name] = blocking.get(name, True) and all(_waited(b, inside))
     got: dict[str, list[OpHost]] = defaultdict(list)
-    for a, b, op in ranges:
-        inside = calls[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)]
-        if inside:
-            got[op[0]].append(_op_steps(a, inside))
+    for a, b, name, inside in found:
+        got[name].append(_op_steps(a, b, inside, blocking[name]))
     return {n: sorted(hs, key=lambda h: h.us)[(len(hs) - 1) // 2] for n, hs in sorted(got.items())}
 
 
-def _op_steps(start: float, calls: list) -> OpHost:
-    """:class:`OpHost` of one op range opened at ``start`` with its launch ``calls``."""
+def _waited(end: float, calls: list) -> list[bool]:
+    """Per device-to-host copy among ``calls`` (an op range's, ending at ``end``): whether
+    the host went on (its next call, or the range's end) only once the copy was done."""
+    out = []
+    for i, (_, _, recs) in enumerate(calls):
+        if _is_readback(recs):
+            done = max(float(r["ts"]) + float(r.get("dur", 0.0)) for r in recs)
+            out.append((calls[i + 1][0] if i + 1 < len(calls) else end) >= done)
+    return out
+
+
+def _op_steps(start: float, end: float, calls: list, blocking: bool = True) -> OpHost:
+    """:class:`OpHost` of one op range from ``start`` to ``end`` with its launch ``calls``. A
+    device-to-host copy is a read-back where the op's copies block (``blocking``: in no range
+    of the op did the host go on before its copy was done) and the host went on only once this
+    one was done; a ``non_blocking`` copy is a launch like any other."""
     kernel = [sum(float(r.get("dur", 0.0)) for r in c[2] if r.get("cat") == "kernel")
               for c in calls]  # fmt: skip
     total, acc, point = sum(kernel), 0.0, len(calls) - 1
@@ -530,12 +549,13 @@ def _op_steps(start: float, calls: list) -> OpHost:
         if i == point:
             steps += [("host", work), ("launch", 0.0)]
             work = 0.0
-        if _is_readback(recs):
+        if not _is_readback(recs):
+            continue
+        done = max(float(r["ts"]) + float(r.get("dur", 0.0)) for r in recs)
+        resumed = calls[i + 1][0] if i + 1 < len(calls) else end
+        if blocking and resumed >= done:  # the host waited for it: not its work
             steps += [("host", work), ("sync", 0.0)]
-            work = 0.0
-            done = max(float(r["ts"]) + float(r.get("dur", 0.0)) for r in recs)
-            resumed = calls[i + 1][0] if i + 1 < len(calls) else done
-            cursor = max(cursor, min(done, resumed))
+            work, cursor = 0.0, max(cursor, done)
     work += max(0.0, max(c[1] for c in calls) - cursor)
     steps.append(("host", work))
     return OpHost(tuple(s for s in steps if s[0] != "host" or s[1] > 0))

@@ -25,7 +25,7 @@ from overlap_lab.device_time import (
     kernels_per_op,
     op_host,
 )
-from overlap_lab.experiments.gpu_validation.predict import as_executed
+from overlap_lab.experiments.gpu_validation.predict import as_executed, own_host_steps
 from overlap_lab.shared.inputs.hardware import get_gpu
 from overlap_lab.shared.ir.program import (
     Graph,
@@ -111,6 +111,21 @@ def test_an_ops_host_steps_leave_out_its_waits_for_read_backs():
     assert h == OpHost((("host", 50.0), ("sync", 0.0), ("host", 10.0), ("launch", 0.0),
                         ("host", 42.0)))  # fmt: skip
     assert (h.us, h.syncs) == (102.0, 1)
+    # the same op name with a copy the host did not wait for (the range ends at 70, the copy
+    # at 250): its copies do not block, in this range nor the other
+    late = [dict(e, ts=e["ts"] + 1000.0) for e in ev]
+    late[0]["dur"] = 70.0
+    both = op_host({"traceEvents": ev + late})["experts"]
+    assert both.syncs == 0
+    assert own_host_steps(None, _program(), {"traceEvents": ev}) == (None, [])
+
+
+def test_ops_the_calibration_never_ran_take_their_host_steps_from_the_schedules_own_run():
+    ev = _records({"b": (0.0, [10.0, 40.0])})["traceEvents"]
+    h = HostLaunch(per_op=20.0, per_kernel=30.0, measured={"a": OpHost((("host", 5.0),))})
+    got, names = own_host_steps(h, _program(), {"traceEvents": ev})
+    assert names == ["b"] and got.measured["a"] == h.measured["a"]  # the calibration's wins
+    assert got.measured["b"] == op_host({"traceEvents": ev})["b"]
 
 
 def _km(spans: tuple[float, ...], ops: dict | None = None) -> KernelMap:

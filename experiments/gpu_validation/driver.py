@@ -108,13 +108,14 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                 meas = serial_run
             else:
                 meas = ctx.measure(prog, wv)
-            own = replayed = None
+            own = replayed = kernels = None
             if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
                 rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
                 own = rec.trace
                 replayed = replay_trace(rec.executor_trace, rec.kernels, graphs_per_run(prog))
+                kernels = rec.kernels
                 files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
-            run, pred = judge(setup, name, wv, meas, profile, own, replayed)
+            run, pred = judge(setup, name, wv, meas, profile, own, replayed, kernels)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)

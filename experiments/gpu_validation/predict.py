@@ -365,19 +365,22 @@ def build(ctx, name: str, w):
     return comm_program(w, ctx.gpu) if name == COMM_ONLY else S.build(name, w, ctx.gpu)
 
 
-def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> tuple:
+def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
+          own_kernels=None) -> tuple:  # fmt: skip
     """Predict schedule ``name`` on ``w`` as the executor ran it (:func:`as_executed` of its
-    ``measured`` trace; rows of its ``own_run`` where the profile has none) and compare with
-    the measurement (its exposed communication from ``replayed``, the timeline of a graph
-    replay, where given: ``overlap_lab.device_time.replay_trace``): (the run's record for the
-    report, the predicted trace)."""
+    ``measured`` trace; rows of its ``own_run`` where the profile has none, and the host steps
+    of its eager ops the calibration never ran from ``own_kernels``, that run's profiler
+    records) and compare with the measurement (its exposed communication from ``replayed``,
+    the timeline of a graph replay, where given: ``overlap_lab.device_time.replay_trace``):
+    (the run's record for the report, the predicted trace)."""
     comm = name == COMM_ONLY
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
     # the emulated backend's data path, where the run's communication was emulated
     local = ctx.comm_local if measured.meta.get("emulated") else {}
-    executed = as_executed(measured, local, ctx.device_sms, ctx.host_launch)
+    host, own_host = own_host_steps(ctx.host_launch, prog, own_kernels)
+    executed = as_executed(measured, local, ctx.device_sms, host)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
         transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,
@@ -407,6 +410,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
         "deep_gemm_errors": m.get("deep_gemm_errors"),
         "cost_sources": sources,
         "rows_from_own_run": own,
+        "host_steps_from_own_run": own_host,
         "own_run_durations": None if not own else (
             "kernel device time" if own_dt else "CUDA-event / host spans of the measured run"
         ),
@@ -418,6 +422,23 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
             if local else "link model"
         ),
     }, pred  # fmt: skip
+
+
+def own_host_steps(host, prog, own_kernels) -> tuple:
+    """``host`` (a ``device_time.HostLaunch``) with the host steps of the ops of ``prog`` it
+    has none for (SBO's and LightLLM's split experts) taken from ``own_kernels``, the profiler
+    records of a run of ``prog`` itself (``device_time.op_host``), as :func:`own_rows` takes
+    their device time; (that, the names so taken)."""
+    from overlap_lab.device_time import op_host
+
+    if host is None or not own_kernels:
+        return host, []
+    names = {op.name for _, op in ops_of(prog)}
+    extra = {n: h for n, h in op_host(own_kernels).items()
+             if n in names and n not in host.measured}  # fmt: skip
+    if not extra:
+        return host, []
+    return dataclasses.replace(host, measured={**host.measured, **extra}), sorted(extra)
 
 
 def executed_note(measured, prog) -> str:

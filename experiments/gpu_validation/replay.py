@@ -125,13 +125,14 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             wv = workload_variants(name, w)[0]
         rec_files = files.get("recorded") or {}  # a run under the profiler, where kept
         own = replayed = _trace(root, rec_files.get("trace"))
+        kernels = None
         if own is not None and rec_files.get("kernels"):
             kernels = _kernels(root, rec_files["kernels"])
             own = apply_device_time(own, kernels, at.gpu.graph_kernel_gap_us)
             replayed = replay_trace(replayed, kernels, graphs_per_run(build(at, name, wv)))
         try:
             measured = _trace(root, files["measured"])
-            run, pred = judge(at, name, wv, measured, profile, own, replayed)
+            run, pred = judge(at, name, wv, measured, profile, own, replayed, kernels)
         except Exception as e:  # recorded; the next schedule goes on
             out["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "files": files}
             continue
