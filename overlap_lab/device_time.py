@@ -373,6 +373,230 @@ def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
     return max(0.0, min(step, span))
 
 
+def graph_launch_wait_us(km: KernelMap, replay_step_us: float | None) -> float | None:
+    """The wait before a replayed graph's first kernel, once per replay: the replay's step
+    time ``replay_step_us`` (CUDA events around ``graph.replay()``, without the profiler) less
+    the profiled replays' span (median, first kernel's start to last kernel's end), at least 0.
+    None without replays or a step time.
+
+    Why: the start event fires on an idle stream, then ``cudaGraphLaunch`` holds the host
+    before the graph's first kernel runs (in the profiled serial decode-32 replays of
+    2026-11-27 on an H200 the first kernel of the 708-kernel graph starts as its
+    ``cudaGraphLaunch`` returns, 1,124-3,079 µs later under the profiler); the kernels then run
+    back to back. The simulator charges it as the host cost of a graph's launch
+    (``GPU.graph_launch_us``, ``sim.engine``): one constant per replay, measured on serial. It
+    is not a property of the graph's size (the same recording, unprofiled: serial's 708 kernels
+    354 µs, the communication-only case's 210 kernels 94 µs, TBO's 1,310 kernels 3 µs)."""
+    if not km.replay_span_us or not replay_step_us:
+        return None
+    return max(0.0, replay_step_us - statistics.median(km.replay_span_us))
+
+
+@dataclass(frozen=True)
+class OpHost:
+    """One op's host side in the executor's eager runs (µs): ``steps`` in host order, each
+    ``("host", µs)`` of its host work, ``("sync", 0.0)`` where it reads device data back (a
+    device-to-host copy the host waits for: ``.item()``, ``.tolist()``, ``nonzero``'s count:
+    the work issued so far must be done, a wait not counted as work) and one ``("launch", 0.0)`` where the
+    launches so far hold half of the op's device time (from there the op runs on the device
+    while the host goes on)."""
+
+    steps: tuple[tuple[str, float], ...]
+
+    @property
+    def us(self) -> float:
+        return sum(us for kind, us in self.steps if kind == "host")
+
+    @property
+    def syncs(self) -> int:
+        return sum(1 for kind, _ in self.steps if kind == "sync")
+
+    def scaled(self, f: float) -> OpHost:
+        return OpHost(tuple((k, us * f) for k, us in self.steps))
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    """The executor's host time to launch an op in an eager run (µs), from a calibration
+    run's profiler records: ``per_op`` from the op's range opening to its first launch call
+    (the executor's Python around the op) and ``per_kernel`` from one launch call to the next
+    inside the range (PyTorch's dispatch, the CUDA launch, the Python between two kernels),
+    medians over ``intervals`` intervals of ``ranges`` op ranges; ``kernels``: per op name the
+    kernels one launch runs (:func:`kernels_per_op`); ``measured``: per op name its host work
+    and read-backs (:func:`op_host`), which win over ``per_op + kernels x per_kernel``.
+    ``scale``: the unprofiled host time over the profiled one (the profiler's records lengthen
+    every launch), where the loop measured both."""
+
+    per_op: float
+    per_kernel: float
+    ranges: int = 0
+    intervals: int = 0
+    kernels: Mapping[str, int] = field(default_factory=dict)
+    measured: Mapping[str, OpHost] = field(default_factory=dict)
+    scale: float = 1.0
+
+    def op(self, name: str) -> OpHost:
+        """What an eager launch of op ``name`` holds its host thread for (an op never seen:
+        ``per_op + kernels x per_kernel``, then the launch; one kernel where not counted)."""
+        us = self.per_op + max(self.kernels.get(name, 1), 1) * self.per_kernel
+        h = self.measured.get(name) or OpHost((("host", us), ("launch", 0.0)))
+        return h.scaled(self.scale)
+
+
+def _host_calls(trace: Mapping[str, Any] | list):
+    """(op ranges [(start, end, op id)], launch calls [(start, end, device records)]) of a
+    profiler trace, both sorted: a call is a CUDA runtime or driver call with device records,
+    graph launches left out."""
+    ev = _events(trace)
+    ranges = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), op)
+        for e in ev
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and (op := parse_range(str(e.get("name")))) is not None
+    )
+    dev: dict[int, list[dict]] = defaultdict(list)
+    for e in ev:
+        if e.get("cat") in DEVICE_CATS and "correlation" in e.get("args", {}):
+            dev[int(e["args"]["correlation"])].append(e)
+    calls = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+         tuple(dev[int(e["args"]["correlation"])]))
+        for e in ev
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and e.get("name") != GRAPH_LAUNCH
+        and int(e.get("args", {}).get("correlation", -1)) in dev
+    )  # fmt: skip
+    return ranges, calls
+
+
+def host_launch(trace: Mapping[str, Any] | list) -> HostLaunch | None:
+    """:class:`HostLaunch` of the executor's eager runs in ``trace`` (its profiler records:
+    op ranges and the launch calls of device records, as :func:`kernel_records` keeps them),
+    with each op's :func:`op_host`; graph launches are not counted (a replay's kernels cost
+    the host nothing each). None without an op range that launched two kernels. The medians
+    leave out the few intervals that hold a read-back (a ``.item()`` inside an op)."""
+    ranges, calls = _host_calls(trace)
+    starts = [c[0] for c in calls]
+    first, between = [], []
+    for a, b, _ in ranges:
+        inside = starts[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)]
+        if inside:
+            first.append(inside[0] - a)
+            between += [y - x for x, y in zip(inside, inside[1:])]
+    if not between:
+        return None
+    return HostLaunch(statistics.median(first), statistics.median(between), len(first),
+                      len(between), measured=op_host(trace))  # fmt: skip
+
+
+def _is_readback(records: tuple) -> bool:
+    return any(str(r.get("name", "")).startswith("Memcpy DtoH") for r in records)
+
+
+def op_host(trace: Mapping[str, Any] | list) -> dict[str, OpHost]:
+    """Per op name its :class:`OpHost` in the eager runs of ``trace`` (the executor's profiler
+    records): the steps of its op range whose host work is the median of the name's ranges.
+    Why the read-backs apart: while the host waits for one the device runs what was issued
+    before it (device time, which the prediction has), and after it the device waits for the
+    host; why the launch point: an op's kernels run as they are launched, so the host's work
+    after its big kernels overlaps them."""
+    ranges, calls = _host_calls(trace)
+    starts = [c[0] for c in calls]
+    found = [(a, b, op[0], calls[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)])
+             for a, b, op in ranges]  # fmt: skip
+    found = [f for f in found if f[3]]
+    # an op whose host ever went on before its copy was done does not wait for its copies
+    blocking: dict[str, bool] = {}
+    for _, b, name, inside in found:
+        blocking[name] = blocking.get(name, True) and all(_waited(b, inside))
+    got: dict[str, list[OpHost]] = defaultdict(list)
+    for a, b, name, inside in found:
+        got[name].append(_op_steps(a, b, inside, blocking[name]))
+    return {n: sorted(hs, key=lambda h: h.us)[(len(hs) - 1) // 2] for n, hs in sorted(got.items())}
+
+
+def _waited(end: float, calls: list) -> list[bool]:
+    """Per device-to-host copy among ``calls`` (an op range's, ending at ``end``): whether
+    the host went on (its next call, or the range's end) only once the copy was done."""
+    out = []
+    for i, (_, _, recs) in enumerate(calls):
+        if _is_readback(recs):
+            done = max(float(r["ts"]) + float(r.get("dur", 0.0)) for r in recs)
+            out.append((calls[i + 1][0] if i + 1 < len(calls) else end) >= done)
+    return out
+
+
+def _op_steps(start: float, end: float, calls: list, blocking: bool = True) -> OpHost:
+    """:class:`OpHost` of one op range from ``start`` to ``end`` with its launch ``calls``. A
+    device-to-host copy is a read-back where the op's copies block (``blocking``: in no range
+    of the op did the host go on before its copy was done) and the host went on only once this
+    one was done; a ``non_blocking`` copy is a launch like any other."""
+    kernel = [sum(float(r.get("dur", 0.0)) for r in c[2] if r.get("cat") == "kernel")
+              for c in calls]  # fmt: skip
+    total, acc, point = sum(kernel), 0.0, len(calls) - 1
+    for i, k in enumerate(kernel):
+        acc += k
+        if total > 0 and acc >= total / 2:
+            point = i
+            break
+    steps: list[tuple[str, float]] = []
+    work, cursor = 0.0, start
+    for i, (t0, _, recs) in enumerate(calls):
+        work += max(0.0, t0 - cursor)
+        cursor = max(cursor, t0)
+        if i == point:
+            steps += [("host", work), ("launch", 0.0)]
+            work = 0.0
+        if not _is_readback(recs):
+            continue
+        done = max(float(r["ts"]) + float(r.get("dur", 0.0)) for r in recs)
+        resumed = calls[i + 1][0] if i + 1 < len(calls) else end
+        if blocking and resumed >= done:  # the host waited for it: not its work
+            steps += [("host", work), ("sync", 0.0)]
+            work, cursor = 0.0, max(cursor, done)
+    work += max(0.0, max(c[1] for c in calls) - cursor)
+    steps.append(("host", work))
+    return OpHost(tuple(s for s in steps if s[0] != "host" or s[1] > 0))
+
+
+def idle_scale(profiled, unprofiled, km: KernelMap) -> float | None:
+    """How much less the host holds the device up without the profiler: over the ops of an
+    eager run, the time their CUDA-event spans exceed their kernels' device time (``km``'s
+    eager medians), in ``unprofiled`` (a run of the executor without the profiler) over the
+    same in ``profiled`` (a run of the same Program under it; both ``Trace``s). Inside an op
+    the device waits for the host's launches and read-backs; the profiler's records lengthen
+    the host's part (on the H200, 2026-11-27, BF16 prefill 4096 serial: 6,841 µs against
+    12,055). None where no op waited in the profiled run."""
+
+    def spans(tr) -> dict[OpId, float]:
+        out: dict[OpId, float] = defaultdict(float)
+        for sp in tr.spans:
+            if sp.lane.startswith("stream:"):
+                out[(sp.op, sp.layer, sp.mb)] += sp.duration
+        return out
+
+    p, u = spans(profiled), spans(unprofiled)
+    waited = unwaited = 0.0
+    for op, t in km.ops.items():
+        if t.eager_us is None or op not in p or op not in u or p[op] <= t.eager_us:
+            continue
+        waited += p[op] - t.eager_us
+        unwaited += max(u[op] - t.eager_us, 0.0)
+    return unwaited / waited if waited > 0 else None
+
+
+def kernels_per_op(km: KernelMap) -> dict[str, int]:
+    """Per op name the kernels one launch of it runs (the median over its layers and
+    micro-batches in the last eager run): what an eager launch of it costs the host
+    (:class:`HostLaunch`)."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for (name, _, _), t in km.ops.items():
+        by[name].append(t.kernels)
+    return {n: int(statistics.median(ks)) for n, ks in sorted(by.items())}
+
+
 def with_device_time(trace, times: Mapping[OpId, float]):
     """``trace`` (a ``shared.outputs.trace.Trace`` of the executor) with each op's stream spans shrunk
     or stretched so that they sum to the op's device time: the spans keep their starts (the

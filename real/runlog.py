@@ -12,11 +12,14 @@ class RunLog:
     """``gemms``: GEMM kernels by label (trace meta ``sm_budget_mechanisms``); ``notes``: what a
     kernel could not do as its op says on this backend, by op name (``kernel_notes``: never
     silently a no-op); ``kernels``: which kernel ran where a kernel has alternatives, by family
-    and label (``attention_kernels``)."""
+    and label (``attention_kernels``); ``launches``: see the field."""
 
     gemms: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: host µs of each eager launch of an op on a GPU, by op name (``host_launch_us``): the
+    #: executor's Python and every kernel launch of the op, without the profiler
+    launches: dict[str, list[float]] = field(default_factory=dict)
 
     def count_gemm(self, label: str) -> None:
         self.gemms[label] = self.gemms.get(label, 0) + 1
@@ -27,3 +30,6 @@ class RunLog:
     def count_kernel(self, family: str, label: str) -> None:
         d = self.kernels.setdefault(family, {})
         d[label] = d.get(label, 0) + 1
+
+    def launched(self, op: str, us: float) -> None:
+        self.launches.setdefault(op, []).append(us)

@@ -243,6 +243,7 @@ class RankRunner:
             with torch.cuda.stream(s):
                 fn(ctx)
             return
+        t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with (
             torch.cuda.stream(s),
@@ -252,6 +253,7 @@ class RankRunner:
             fn(ctx)
             end.record(s)
         self.gpu.timed.append((op, stream, start, end))
+        self.log.launched(op.name, (time.perf_counter() - t0) * 1e6)  # its host time
 
     def _can_poll_signals(self) -> bool:
         from overlap_lab.real.deps import available, interpreting

@@ -54,6 +54,8 @@ def run_meta(runners: list[RankRunner], backend, log: RunLog, precision: fp8.Pre
         meta["kernel_notes"] = dict(log.notes)
     if "attention" in log.kernels:
         meta["attention_kernels"] = dict(log.kernels["attention"])
+    if log.launches:  # per op name the median host time of its eager launches (µs)
+        meta["host_launch_us"] = {n: statistics.median(v) for n, v in sorted(log.launches.items())}
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta

@@ -9,7 +9,9 @@ DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
    gaps; made a profile by the simulator's own calibration path
    (``sim.calibrate.profile_from_trace``). The gap a replayed graph leaves before each kernel
    is measured too (serial's unprofiled replay step less its kernels' device time, per kernel)
-   and predicted with (``GPU.graph_kernel_gap_us``);
+   and predicted with (``GPU.graph_kernel_gap_us``), and so are the executor's launches: the
+   wait before a replayed graph's first kernel (``GPU.graph_launch_us``) and each eager op's
+   host steps and read-backs, scaled by serial's unprofiled run (``predict.calibrate``);
 2. prediction: ``overlap_lab.simulate(schedule, ..., profile=that profile)`` of the Program as
    the executor ran it (``predict.as_executed``: the executor's host spans for the Program's
    host work, not SGLang's scheduler costs; every SM for an op whose SM limit the run reports

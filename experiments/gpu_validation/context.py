@@ -23,6 +23,9 @@ class Setup:
     env: Mapping = field(default_factory=dict)
     #: the emulated backend's data path per (comm op, tokens), µs: ``emulated_comm.local_work``
     comm_local: Mapping = field(default_factory=dict)
+    #: the executor's host time per eager launch (``device_time.HostLaunch``), None: the
+    #: preset's ``launch_us`` per op
+    host_launch: Any = None
 
 
 def model_config(name: str, layers: int | None):

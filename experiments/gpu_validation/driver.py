@@ -68,20 +68,22 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                      "sizes_calibrated": sizes},
         "runs": {},
     }  # fmt: skip
-    serial_run = None  # serial's unprofiled run at the case's size: the gap, and serial's step
+    serial_run = None  # serial's unprofiled run at the case's size: the gap, the launches, its step
     try:
         runs, kept = [], []
         for s in sizes:  # isolated op durations at the token counts the schedules run
             ws = ctx.workload(mode, s, half=s != size)
             p = S.build("serial", ws, ctx.gpu)
             rec = ctx.record(p, ws)
-            step = None
+            step = host = None
             if s == size:
                 serial_run = ctx.measure(p, ws)
                 step = serial_run.meta.get("graph_replay_step_time_us")
-            runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}"))
+                host = serial_run.meta.get("host_launch_us")  # unprofiled, per op
+            runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}",
+                                       host, serial_run if s == size else None))  # fmt: skip
             kept.append({"schedule": "serial", "size": s, "half": s != size,
-                         "replay_step_us": step,
+                         "replay_step_us": step, "host_launch_us": host,
                          "files": archive.keep_run(f"{key}/calibration", f"serial_{s}", rec)})  # fmt: skip
         profile, setup, info = calibrate(ctx.setup, runs, mode)
     except Exception as e:  # no profile, no prediction: the case is reported, the loop goes on
@@ -106,13 +108,14 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                 meas = serial_run
             else:
                 meas = ctx.measure(prog, wv)
-            own = replayed = None
+            own = replayed = kernels = None
             if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
                 rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
                 own = rec.trace
                 replayed = replay_trace(rec.executor_trace, rec.kernels, graphs_per_run(prog))
+                kernels = rec.kernels
                 files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
-            run, pred = judge(setup, name, wv, meas, profile, own, replayed)
+            run, pred = judge(setup, name, wv, meas, profile, own, replayed, kernels)
         except Exception as e:  # recorded; the next schedule goes on
             case["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  {key} {name}: {case['runs'][name]['error'][:200]}", flush=True)

@@ -7,12 +7,13 @@ just recorded, a replay (``replay``) the runs an archive kept."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from overlap_lab.experiments.gpu_validation.comm_only import COMM_ONLY, comm_only, comm_program
-from overlap_lab.shared.ir.program import Graph, Host, Launch, ops_of
+from overlap_lab.shared.ir.program import Graph, Host, Launch, Record, Sync, ops_of
 
 
 def prediction_workload(w, measured_meta: dict):
@@ -43,29 +44,86 @@ class CalibrationRun:
     kernels: Mapping | None = None
     replay_step_us: float | None = None
     label: str = ""  # "serial 128": the schedule and its size, for the record
+    #: per op name the host time of its eager launch in the unprofiled run of the same Program
+    #: (the executor's trace meta ``host_launch_us``); None where it was not recorded
+    host_launch_us: Mapping | None = None
+    #: the executor's trace of the unprofiled run of the same Program (serial at the case's
+    #: size: the loop's measured run), for the profiler's share of host time; None elsewhere
+    unprofiled: object = None
 
 
 def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
     """The profile of recorded calibration runs, and the setup to predict with: its GPU with
-    the gap between a replayed graph's kernels measured where a run has replays and an
-    unprofiled step (``overlap_lab.device_time.graph_gap_us``), else the preset's, and the
-    emulated backend's data path per communication op (``emulated_comm.local_work``). Each
-    op's duration is its kernels' device time (graph replays where it ran in one, the gaps
-    between its own kernels included), or its span where there are no kernel records. Returns
-    (profile, setup, info for the case's record)."""
+    what the runs measured of the executor's launches where they can (else the preset's, and
+    the record says so): the gap between a replayed graph's kernels and the wait before its
+    first kernel (``overlap_lab.device_time.graph_gap_us``, ``graph_launch_wait_us``: a run
+    with replays and an unprofiled step), each eager op's host steps and read-backs
+    (``device_time.host_launch``, ``op_host``) scaled by the profiler's share in serial's
+    unprofiled run (:func:`profiler_scale`, else ``device_time.idle_scale``); and the emulated backend's
+    data path per communication op (``emulated_comm.local_work``). Each op's duration is its
+    kernels' device time (graph replays where it ran in one, the gaps between its own kernels
+    included), or its span where there are no kernel records. Returns (profile, setup, info
+    for the case's record)."""
     from overlap_lab.calibrate import apply_device_time
-    from overlap_lab.device_time import graph_gap_us, map_kernels
+    from overlap_lab.device_time import (
+        graph_gap_us,
+        graph_launch_wait_us,
+        host_launch,
+        idle_scale,
+        kernels_per_op,
+        map_kernels,
+    )
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
-    gpu, source = setup.gpu, f"the {setup.gpu.name} preset"
+    gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
+    source = wait_source = preset
+    host, kernels, scale, scaled_by = None, {}, None, ""
     for r in runs:
-        if r.kernels and r.replay_step_us:
-            gap = graph_gap_us(map_kernels(r.kernels), r.replay_step_us)
-            if gap is not None:
-                gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap)
-                source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
-                          "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
-                break
+        if not r.kernels:
+            continue
+        km = map_kernels(r.kernels)
+        kernels = kernels_per_op(km) | kernels  # the first run's counts win
+        if host is None and (host := host_launch(r.kernels)) is not None:
+            label = r.label
+            if r.host_launch_us:
+                scale = profiler_scale(host, r.host_launch_us)
+                scaled_by = (
+                    "its unprofiled launch times over the profiled ones (ops without a read-back)"
+                )
+            elif r.unprofiled is not None:
+                scale = idle_scale(r.trace, r.unprofiled, km)
+                scaled_by = (
+                    "the device's waits inside its ops in the unprofiled run over the "
+                    "profiled one (CUDA-event spans less kernel time)"
+                )
+        if source != preset or not r.replay_step_us:
+            continue
+        gap = graph_gap_us(km, r.replay_step_us)
+        wait = graph_launch_wait_us(km, r.replay_step_us)
+        if gap is not None and wait is not None:
+            gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap, graph_launch_us=wait)
+            source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
+                      "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
+            wait_source = (f"measured: {r.label}'s unprofiled replay step "
+                           f"{r.replay_step_us:.1f} us less its profiled replays' span, "
+                           "once per graph replayed")  # fmt: skip
+    launch = {"source": f"{preset}: launch_us {gpu.launch_us} per op"}
+    if host is not None:
+        host = dataclasses.replace(host, kernels=kernels)
+        if scale is not None:
+            host = dataclasses.replace(host, scale=scale)
+        # a launch pays the last kernel's share; a Host before it the rest (as_executed)
+        gpu = dataclasses.replace(gpu, launch_us=host.per_kernel * host.scale)
+        launch = {
+            "per_op": host.per_op, "per_kernel": host.per_kernel, "scale": host.scale,
+            "ops": {n: dataclasses.asdict(h) for n, h in host.measured.items()},
+            "source": (
+                f"measured in {label}'s eager runs under the profiler (medians over "
+                f"{host.ranges} op ranges, {host.intervals} launch intervals), "
+                + (f"x {scale:.3f}: {scaled_by}" if scale is not None
+                   else "not scaled: no unprofiled run to compare with")
+            ),
+        }  # fmt: skip
     timed = [
         (r.program, apply_device_time(r.trace, r.kernels, gpu.graph_kernel_gap_us))
         if r.kernels
@@ -91,9 +149,24 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         ),
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
+        "graph_launch_us": {"us": gpu.graph_launch_us, "source": wait_source},
+        "host_launch_us": launch,
+        "op_kernels": kernels or None,
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    return profile, dataclasses.replace(setup, gpu=gpu, comm_local=work), info
+    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
+    return profile, at, info
+
+
+def profiler_scale(host, unprofiled: Mapping[str, float]) -> float | None:
+    """The unprofiled host time of the executor's eager launches over the profiled one: the
+    sum over the ops without a read-back that both measured (``unprofiled``: per op name, the
+    executor's trace meta ``host_launch_us``, which holds any wait for a read-back; ``host``:
+    a ``device_time.HostLaunch``). None where they share no such op."""
+    both = [n for n, h in host.measured.items() if not h.syncs and h.us > 0 and n in unprofiled]
+    if not both:
+        return None
+    return sum(float(unprofiled[n]) for n in both) / sum(host.measured[n].us for n in both)
 
 
 def calibrate_profile(ctx, runs: list, mode: str):
@@ -131,7 +204,7 @@ def predict(ctx, name: str, w, profile, transform=None, comm_local=None):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
+def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -> Callable:
     """A Program transform: the Program as the executor ran it, read off its ``measured``
     trace (:func:`executed_changes` lists what it changes). Host work takes what the
     executor's host spans took (it runs no scheduler: under a microsecond each, where the
@@ -141,8 +214,16 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
     run launched no kernel for (``no_kernel_ops``: no-ops, and ops computed inside another op,
     whose measured time holds theirs) or did not run at all is left out; with ``comm_local``
     (the emulated backend's data path: ``emulated_comm``), a DeepEP receive that holds no SMs
-    but ran kernels runs them on ``num_sms``. The simulator's defaults (``sim``) keep SGLang's
-    host costs and every limit."""
+    but ran kernels runs them on ``num_sms``; with ``host_launch`` (``device_time.HostLaunch``,
+    the GPU's ``launch_us`` its scaled ``per_kernel``), an eager launch of an op holds the
+    host for the executor's time to launch it, in the steps the calibration measured
+    (``HostLaunch.op``, ``device_time.OpHost``): ``Host``s named ``launch`` for its host work,
+    a ``Record`` and a ``Sync`` on the op's stream where it reads device data back, and the
+    launch itself where half of its device time has been launched (it pays the last kernel's
+    share of the host work before it).
+    A launch inside a ``Graph`` costs nothing per kernel (the graph's launch,
+    ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
+    defaults (``sim``) keep SGLang's host costs, one ``launch_us`` per op and every limit."""
     from overlap_lab.experiments.gpu_validation import emulated_comm
 
     host: dict[tuple, list[float]] = {}
@@ -162,13 +243,32 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
             return dataclasses.replace(op, sms=None)
         return op
 
-    def instrs(seq) -> tuple:
-        out = []
+    readbacks = itertools.count()
+
+    def launched(ins: Launch) -> list:
+        """An eager launch with what its host does around it (the docstring)."""
+        op, h = ins.op, host_launch.op(ins.op.name)
+        last = host_launch.per_kernel * host_launch.scale  # the launch's own cost
+        out: list = []
+        for kind, us in h.steps:
+            if kind == "host":
+                out.append(Host("launch", us, op.mb, op.layer, op.step))
+            elif kind == "sync":
+                ev = f"readback.{next(readbacks)}.{op.name}.L{op.layer}.mb{op.mb}"
+                out += [Record(ev, ins.stream), Sync(ev)]
+            else:
+                if out and isinstance(out[-1], Host):  # the launch pays the last kernel's share
+                    out[-1] = dataclasses.replace(out[-1], us=max(out[-1].us - last, 0.0))
+                out.append(ins)
+        return out
+
+    def instrs(seq, eager: bool = True) -> tuple:
+        out: list = []
         for ins in seq:
             if isinstance(ins, Host):
                 ins = dataclasses.replace(ins, us=host_us(ins))
             elif isinstance(ins, Graph):
-                ins = dataclasses.replace(ins, body=instrs(ins.body))
+                ins = dataclasses.replace(ins, body=instrs(ins.body, eager=False))
             elif isinstance(ins, Launch):
                 if gone(ins.op.name):
                     continue
@@ -176,6 +276,9 @@ def as_executed(measured, comm_local=None, num_sms: int = 0) -> Callable:
                 if comm_local:
                     op = emulated_comm.as_executed(op, comm_local, num_sms)
                 ins = dataclasses.replace(ins, op=op)
+                if eager and host_launch is not None:
+                    out += launched(ins)
+                    continue
             out.append(ins)
         return tuple(out)
 
@@ -262,19 +365,22 @@ def build(ctx, name: str, w):
     return comm_program(w, ctx.gpu) if name == COMM_ONLY else S.build(name, w, ctx.gpu)
 
 
-def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> tuple:
+def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
+          own_kernels=None) -> tuple:  # fmt: skip
     """Predict schedule ``name`` on ``w`` as the executor ran it (:func:`as_executed` of its
-    ``measured`` trace; rows of its ``own_run`` where the profile has none) and compare with
-    the measurement (its exposed communication from ``replayed``, the timeline of a graph
-    replay, where given: ``overlap_lab.device_time.replay_trace``): (the run's record for the
-    report, the predicted trace)."""
+    ``measured`` trace; rows of its ``own_run`` where the profile has none, and the host steps
+    of its eager ops the calibration never ran from ``own_kernels``, that run's profiler
+    records) and compare with the measurement (its exposed communication from ``replayed``,
+    the timeline of a graph replay, where given: ``overlap_lab.device_time.replay_trace``):
+    (the run's record for the report, the predicted trace)."""
     comm = name == COMM_ONLY
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
     # the emulated backend's data path, where the run's communication was emulated
     local = ctx.comm_local if measured.meta.get("emulated") else {}
-    executed = as_executed(measured, local, ctx.device_sms)
+    host, own_host = own_host_steps(ctx.host_launch, prog, own_kernels)
+    executed = as_executed(measured, local, ctx.device_sms, host)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
         transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,
@@ -304,6 +410,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
         "deep_gemm_errors": m.get("deep_gemm_errors"),
         "cost_sources": sources,
         "rows_from_own_run": own,
+        "host_steps_from_own_run": own_host,
         "own_run_durations": None if not own else (
             "kernel device time" if own_dt else "CUDA-event / host spans of the measured run"
         ),
@@ -315,6 +422,23 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None) -> 
             if local else "link model"
         ),
     }, pred  # fmt: skip
+
+
+def own_host_steps(host, prog, own_kernels) -> tuple:
+    """``host`` (a ``device_time.HostLaunch``) with the host steps of the ops of ``prog`` it
+    has none for (SBO's and LightLLM's split experts) taken from ``own_kernels``, the profiler
+    records of a run of ``prog`` itself (``device_time.op_host``), as :func:`own_rows` takes
+    their device time; (that, the names so taken)."""
+    from overlap_lab.device_time import op_host
+
+    if host is None or not own_kernels:
+        return host, []
+    names = {op.name for _, op in ops_of(prog)}
+    extra = {n: h for n, h in op_host(own_kernels).items()
+             if n in names and n not in host.measured}  # fmt: skip
+    if not extra:
+        return host, []
+    return dataclasses.replace(host, measured={**host.measured, **extra}), sorted(extra)
 
 
 def executed_note(measured, prog) -> str:

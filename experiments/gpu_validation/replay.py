@@ -91,6 +91,10 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
     def workload(size: int, half: bool = False):
         return case_workload(mc, mode, size, half=half, **kw)
 
+    # the unprofiled run of a calibration's Program: the schedule's measured run at that size
+    # (not where the calibration run is that measured run: an archive converted from before)
+    measured = {name: (rec.get("files") or {}).get("measured")
+                for name, rec in case.get("runs", {}).items()}  # fmt: skip
     runs = [
         CalibrationRun(
             S.build(e["schedule"], workload(int(e["size"]), bool(e.get("half"))), setup.gpu),
@@ -98,6 +102,11 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             _kernels(root, e["files"].get("kernels")),
             e.get("replay_step_us"),
             f"{e['schedule']} {e['size']}",
+            e.get("host_launch_us"),
+            _trace(root, unprofiled)
+            if int(e["size"]) == size
+            and (unprofiled := measured.get(e["schedule"])) != e["files"]["trace"]
+            else None,
         )
         for e in runs_in
     ]
@@ -116,13 +125,14 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             wv = workload_variants(name, w)[0]
         rec_files = files.get("recorded") or {}  # a run under the profiler, where kept
         own = replayed = _trace(root, rec_files.get("trace"))
+        kernels = None
         if own is not None and rec_files.get("kernels"):
             kernels = _kernels(root, rec_files["kernels"])
             own = apply_device_time(own, kernels, at.gpu.graph_kernel_gap_us)
             replayed = replay_trace(replayed, kernels, graphs_per_run(build(at, name, wv)))
         try:
             measured = _trace(root, files["measured"])
-            run, pred = judge(at, name, wv, measured, profile, own, replayed)
+            run, pred = judge(at, name, wv, measured, profile, own, replayed, kernels)
         except Exception as e:  # recorded; the next schedule goes on
             out["runs"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "files": files}
             continue

@@ -66,9 +66,15 @@ def table(report: dict) -> str:
     for key, case in report["cases"].items():
         if case.get("calibration_durations"):
             gap = case.get("graph_kernel_gap_us") or {}
+            wait = case.get("graph_launch_us") or {}
+            host = case.get("host_launch_us") or {}
             lines.append(f"- {key}: profile rows from {case['calibration_durations']}"
                          + (f"; graph gap {gap['us']:.3f} µs per kernel ({gap['source']})"
-                            if gap else ""))  # fmt: skip
+                            if gap else "")
+                         + (f"; graph launch {wait['us']:.1f} µs per replay ({wait['source']})"
+                            if wait else "")
+                         + (f"; eager launches: each op's host steps {host['source']}"
+                            if host.get("ops") else ""))  # fmt: skip
     for key, s in report.get("summary", {}).items():
         lines.append(f"- {key}: median |step error| {s['median_abs_step_error']:.1%}; ranking "
                      f"{'the same' if s['same_ranking'] else 'DIFFERS'} (predicted "
