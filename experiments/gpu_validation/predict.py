@@ -74,9 +74,11 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         map_kernels,
     )
     from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.graph_launch import first_segment, per_node_us
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
     source = wait_source = preset
+    per_node = segment = None
     host, kernels, scale, scaled_by = None, {}, None, ""
     for r in runs:
         if not r.kernels:
@@ -104,9 +106,14 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
             gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap, graph_launch_us=wait)
             source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
                       "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
+            segment = first_segment(r.kernels)
+            per_node = per_node_us(wait, segment)
             wait_source = (f"measured: {r.label}'s unprofiled replay step "
-                           f"{r.replay_step_us:.1f} us less its profiled replays' span, "
-                           "once per graph replayed")  # fmt: skip
+                           f"{r.replay_step_us:.1f} us less its profiled replays' span"
+                           + (f", over its graph's first segment ({segment} device records "
+                              f"before its first memset, or all): {per_node:.3f} us per "
+                              "record of a graph's first segment" if per_node is not None
+                              else ", once per graph replayed"))  # fmt: skip
     launch = {"source": f"{preset}: launch_us {gpu.launch_us} per op"}
     if host is not None:
         host = dataclasses.replace(host, kernels=kernels)
@@ -149,12 +156,18 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         ),
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
-        "graph_launch_us": {"us": gpu.graph_launch_us, "source": wait_source},
+        "graph_launch_us": {
+            "us": gpu.graph_launch_us,
+            "source": wait_source,
+            "per_node_us": per_node,
+            "first_segment": segment,
+        },
         "host_launch_us": launch,
         "op_kernels": kernels or None,
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
+    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host,
+                             graph_launch_per_node_us=per_node)  # fmt: skip
     return profile, at, info
 
 
@@ -374,6 +387,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     the timeline of a graph replay, where given: ``overlap_lab.device_time.replay_trace``):
     (the run's record for the report, the predicted trace)."""
     comm = name == COMM_ONLY
+    ctx, wait = graph_wait(ctx, own_kernels)
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
@@ -415,6 +429,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
             "kernel device time" if own_dt else "CUDA-event / host spans of the measured run"
         ),
         "roofline_ops": missing,
+        "graph_launch_us": wait,
         "predicted_as_executed": executed_note(measured, prog),
         "predicted_comm": (
             "link model + the emulated backend's data path measured in the calibration "
@@ -422,6 +437,28 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
             if local else "link model"
         ),
     }, pred  # fmt: skip
+
+
+def graph_wait(ctx, own_kernels) -> tuple:
+    """``ctx`` with its GPU's graph launch set to the wait of this schedule's graph: the
+    calibrated cost per device record (``ctx.graph_launch_per_node_us``) times the records
+    of the graph's first segment in ``own_kernels``, the profiler records of a run of the
+    schedule itself (``overlap_lab.graph_launch``); else ``ctx`` as it is (serial's wait per
+    replay, or the preset's). Returns (ctx, the record of which)."""
+    from overlap_lab.graph_launch import first_segment, wait_us
+
+    per_node = ctx.graph_launch_per_node_us
+    segment = first_segment(own_kernels) if own_kernels is not None else None
+    if per_node is None or segment is None:
+        return ctx, {"us": ctx.gpu.graph_launch_us, "source": "the case's graph launch" + (
+            "" if per_node is None else ": no profiled replay of this schedule")}  # fmt: skip
+    us = wait_us(per_node, segment)
+    gpu = dataclasses.replace(ctx.gpu, graph_launch_us=us)
+    return dataclasses.replace(ctx, gpu=gpu), {
+        "us": us, "first_segment": segment,
+        "source": f"{per_node:.3f} us x {segment} device records of its graph's first "
+                  "segment (before its first memset) in its profiled replays",
+    }  # fmt: skip
 
 
 def own_host_steps(host, prog, own_kernels) -> tuple:

@@ -98,7 +98,11 @@ def _rows_text(r: dict) -> str:
                     for c, n in (r.get("rows_from_own_run") or {}).items())  # fmt: skip
     own = f"rows from its own run: {own}" if own else ""
     roof = r.get("roofline_ops")
-    return (f"; {own}" if own else "") + (f"; ROOFLINE: {', '.join(roof)}" if roof else "")
+    wait = r.get("graph_launch_us") or {}
+    seg = wait.get("first_segment")
+    wait = f"graph launch {wait['us']:.1f} µs ({seg} records to its first memset)" if seg else ""
+    return ((f"; {own}" if own else "") + (f"; {wait}" if wait else "")
+            + (f"; ROOFLINE: {', '.join(roof)}" if roof else ""))  # fmt: skip
 
 
 def step_figure(report: dict, path: Path) -> None:
