@@ -100,3 +100,23 @@ def per_node_us(wait_us: float | None, segment: int | None) -> float | None:
 def wait_us(per_node: float, segment: int) -> float:
     """A replay's wait before its first kernel: ``per_node`` per record of its first segment."""
     return per_node * segment
+
+
+def unprofiled_launch(meta: Mapping[str, Any] | None) -> dict | None:
+    """What an unprofiled graph-timed run recorded of its replays' launches (the executor's
+    trace meta ``graph_launch_host_us``, ``graph_replay_spans_us``, from the GPU runs after
+    2026-11-27 on), medians over its timed runs of each run's sums: the host's
+    ``cudaGraphLaunch`` time and the graphs' CUDA-event spans (the step less these is host
+    work outside the graphs). None where the run recorded neither. With the profiled replays'
+    span and first segment it decides the rule: the wait in a graph's span (its span less the
+    profiled one) against the launch's share up to the first memset."""
+    if not meta:
+        return None
+    host = [sum(sum(v) for v in r.values()) for r in meta.get("graph_launch_host_us") or () if r]
+    spans = [sum(r) for r in meta.get("graph_replay_spans_us") or () if r]
+    if not host and not spans:
+        return None
+    return {
+        "launch_host_us": statistics.median(host) if host else None,
+        "graph_spans_us": statistics.median(spans) if spans else None,
+    }

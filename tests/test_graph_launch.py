@@ -19,6 +19,7 @@ from overlap_lab.graph_launch import (
     first_segment,
     per_node_us,
     replay_launches,
+    unprofiled_launch,
     wait_us,
 )
 from overlap_lab.shared.inputs.hardware import get_gpu
@@ -89,3 +90,15 @@ def test_a_schedule_is_charged_its_graph_s_first_segment():
     assert same is ctx and rec["us"] == 360.0 and "no profiled replay" in rec["source"]
     same, rec = graph_wait(dataclasses.replace(ctx, graph_launch_per_node_us=None), own)
     assert same.gpu.graph_launch_us == 360.0 and rec["source"] == "the case's graph launch"
+
+
+def test_an_unprofiled_run_s_replay_launches_are_summed_per_run_and_median_over_runs():
+    meta = {
+        "graph_launch_host_us": [{"forward": [300.0]}, {"forward": [280.0]}, {"a": [100.0, 90.0]}],
+        "graph_replay_spans_us": [[4600.0], [4700.0], [2000.0, 2100.0]],
+    }
+    assert unprofiled_launch(meta) == {"launch_host_us": 280.0, "graph_spans_us": 4600.0}
+    assert unprofiled_launch({"graph_launch_host_us": [{}, {}]}) is None  # runs before 11-28
+    assert unprofiled_launch(None) is None
+    assert unprofiled_launch({"graph_replay_spans_us": [[10.0]]}) == {
+        "launch_host_us": None, "graph_spans_us": 10.0}  # fmt: skip

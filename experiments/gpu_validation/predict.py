@@ -74,11 +74,11 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         map_kernels,
     )
     from overlap_lab.experiments.gpu_validation import emulated_comm
-    from overlap_lab.graph_launch import first_segment, per_node_us
+    from overlap_lab.graph_launch import first_segment, per_node_us, unprofiled_launch
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
     source = wait_source = preset
-    per_node = segment = None
+    per_node = segment = unprofiled = None
     host, kernels, scale, scaled_by = None, {}, None, ""
     for r in runs:
         if not r.kernels:
@@ -108,6 +108,7 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
                       "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
             segment = first_segment(r.kernels)
             per_node = per_node_us(wait, segment)
+            unprofiled = unprofiled_launch(r.unprofiled.meta if r.unprofiled is not None else None)
             wait_source = (f"measured: {r.label}'s unprofiled replay step "
                            f"{r.replay_step_us:.1f} us less its profiled replays' span"
                            + (f", over its graph's first segment ({segment} device records "
@@ -161,6 +162,7 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
             "source": wait_source,
             "per_node_us": per_node,
             "first_segment": segment,
+            "unprofiled": unprofiled,
         },
         "host_launch_us": launch,
         "op_kernels": kernels or None,

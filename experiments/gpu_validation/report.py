@@ -73,6 +73,7 @@ def table(report: dict) -> str:
                             if gap else "")
                          + (f"; graph launch {wait['us']:.1f} µs per replay ({wait['source']})"
                             if wait else "")
+                         + _unprofiled_text(wait.get("unprofiled"))
                          + (f"; eager launches: each op's host steps {host['source']}"
                             if host.get("ops") else ""))  # fmt: skip
     for key, s in report.get("summary", {}).items():
@@ -89,6 +90,18 @@ def _note(name: str, r: dict) -> str:
     if r["comparable"]:
         return ""
     return "comm only: target within 5 %" if name == COMM_ONLY else "excluded: one GPU"
+
+
+def _unprofiled_text(u: dict | None) -> str:
+    """serial's unprofiled replays as recorded (``graph_launch.unprofiled_launch``)."""
+    if not u:
+        return ""
+    got = [
+        f"{k.replace('_us', '').replace('_', ' ')} {v:.1f} µs"
+        for k, v in u.items()
+        if v is not None
+    ]
+    return f"; serial's unprofiled replays: {', '.join(got)}" if got else ""
 
 
 def _rows_text(r: dict) -> str:
