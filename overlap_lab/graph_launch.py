@@ -14,9 +14,10 @@ the device the work before a memset node when its launch reaches that node (obse
 documented), so the device waits for the launch of the graph's first segment only: the
 records before its first memset (:func:`first_segment`), all of them where it has none.
 
-The rule (:func:`wait_us`): a replay's wait is ``per_node_us`` per record of the graph's first
-segment, ``per_node_us`` measured on serial (its unprofiled replay step less its profiled
-replays' span, ``device_time.graph_launch_wait_us``, over its first segment). The profiler's
+The rule (:class:`LaunchWait`, :func:`fit_wait`): a replay's wait is a cost per record of the
+graph's first segment (plus a fixed part where serial's wait was measured at two first
+segments), measured on serial (its unprofiled replay step less its profiled replays' span,
+``device_time.graph_launch_wait_us``). The profiler's
 host costs are many times the unprofiled ones, so the profiled launch durations give the
 shape (where the first kernel starts), never the time. The unprofiled step also holds the
 host's work before the graph's start event and after its end event (under the profiler
@@ -89,17 +90,40 @@ def first_segment(trace: Mapping[str, Any] | list | None) -> int | None:
     return int(statistics.median(r.first_segment for r in got)) if got else None
 
 
-def per_node_us(wait_us: float | None, segment: int | None) -> float | None:
-    """The wait per record of the first segment, from a graph whose wait and first segment
-    were both measured (serial's); None where either is missing."""
-    if wait_us is None or not segment:
+@dataclass(frozen=True)
+class LaunchWait:
+    """The wait before a replay's first kernel: ``fixed_us`` plus ``per_record_us`` per device
+    record of the graph's first segment (:func:`first_segment`); ``source`` says from what."""
+
+    fixed_us: float
+    per_record_us: float
+    source: str
+
+    def us(self, segment: int) -> float:
+        return self.fixed_us + self.per_record_us * segment
+
+
+def fit_wait(points: list[tuple[int | None, float | None]]) -> LaunchWait | None:
+    """The rule from serial's graphs whose wait was measured (unprofiled replay step less the
+    profiled span, ``device_time.graph_launch_wait_us``), as (first segment, wait) pairs. One
+    first segment: its wait spread over its records (the host's work outside the graph
+    included). Several: the least-squares line, through 0 where its intercept would be
+    negative; a wait that does not grow with the first segment is one wait per replay (the
+    rule does not hold: the source says so). None without a measured pair."""
+    pts = [(s, w) for s, w in points if s and w is not None]
+    if not pts:
         return None
-    return wait_us / segment
-
-
-def wait_us(per_node: float, segment: int) -> float:
-    """A replay's wait before its first kernel: ``per_node`` per record of its first segment."""
-    return per_node * segment
+    xs, ys = [float(s) for s, _ in pts], [w for _, w in pts]
+    said = ", ".join(f"{w:.1f} us at {s} records" for s, w in pts)
+    if len(set(xs)) == 1:
+        return LaunchWait(0.0, statistics.median(ys) / xs[0], f"{said}: one first segment")
+    slope, fixed = statistics.linear_regression(xs, ys)
+    if slope <= 0:
+        w = statistics.median(ys)
+        return LaunchWait(w, 0.0, f"{said}: not growing with the first segment, one wait")
+    if fixed < 0:
+        slope, fixed = statistics.linear_regression(xs, ys, proportional=True)[0], 0.0
+    return LaunchWait(fixed, slope, f"{said}: least squares")
 
 
 def unprofiled_launch(meta: Mapping[str, Any] | None) -> dict | None:

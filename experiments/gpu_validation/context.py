@@ -26,9 +26,9 @@ class Setup:
     #: the executor's host time per eager launch (``device_time.HostLaunch``), None: the
     #: preset's ``launch_us`` per op
     host_launch: Any = None
-    #: the wait before a replayed graph's first kernel per device record of the graph's first
-    #: segment (``overlap_lab.graph_launch``), None: ``gpu.graph_launch_us`` per replay
-    graph_launch_per_node_us: float | None = None
+    #: the wait before a replayed graph's first kernel by the records of the graph's first
+    #: segment (``overlap_lab.graph_launch.LaunchWait``), None: ``gpu.graph_launch_us`` each
+    graph_wait: Any = None
 
 
 def model_config(name: str, layers: int | None):
