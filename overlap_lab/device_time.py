@@ -374,19 +374,15 @@ def graph_gap_us(km: KernelMap, replay_step_us: float | None) -> float | None:
 
 
 def graph_launch_wait_us(km: KernelMap, replay_step_us: float | None) -> float | None:
-    """The wait before a replayed graph's first kernel, once per replay: the replay's step
+    """The wait before a replayed graph's first kernel in one run (serial's): the replay's step
     time ``replay_step_us`` (CUDA events around ``graph.replay()``, without the profiler) less
     the profiled replays' span (median, first kernel's start to last kernel's end), at least 0.
     None without replays or a step time.
 
     Why: the start event fires on an idle stream, then ``cudaGraphLaunch`` holds the host
-    before the graph's first kernel runs (in the profiled serial decode-32 replays of
-    2026-11-27 on an H200 the first kernel of the 708-kernel graph starts as its
-    ``cudaGraphLaunch`` returns, 1,124-3,079 µs later under the profiler); the kernels then run
-    back to back. The simulator charges it as the host cost of a graph's launch
-    (``GPU.graph_launch_us``, ``sim.engine``): one constant per replay, measured on serial. It
-    is not a property of the graph's size (the same recording, unprofiled: serial's 708 kernels
-    354 µs, the communication-only case's 210 kernels 94 µs, TBO's 1,310 kernels 3 µs)."""
+    before the graph's first kernel runs. How long depends on the graph: the first kernel
+    waits for the launch of the records before the graph's first memset
+    (``overlap_lab.graph_launch``, which spreads this wait, measured on serial, over them)."""
     if not km.replay_span_us or not replay_step_us:
         return None
     return max(0.0, replay_step_us - statistics.median(km.replay_span_us))

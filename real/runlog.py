@@ -20,6 +20,9 @@ class RunLog:
     #: host µs of each eager launch of an op on a GPU, by op name (``host_launch_us``): the
     #: executor's Python and every kernel launch of the op, without the profiler
     launches: dict[str, list[float]] = field(default_factory=dict)
+    #: host µs of each ``graph.replay()`` (its ``cudaGraphLaunch``), by graph name
+    #: (``graph_launch_host_us``): what the device waits on before a replay's first kernel
+    graph_launches: dict[str, list[float]] = field(default_factory=dict)
 
     def count_gemm(self, label: str) -> None:
         self.gemms[label] = self.gemms.get(label, 0) + 1
@@ -33,3 +36,6 @@ class RunLog:
 
     def launched(self, op: str, us: float) -> None:
         self.launches.setdefault(op, []).append(us)
+
+    def graph_launched(self, graph: str, us: float) -> None:
+        self.graph_launches.setdefault(graph, []).append(us)

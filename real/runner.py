@@ -436,7 +436,9 @@ class RankRunner:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(cap):
             a.record(cap)
+            t0 = time.perf_counter()
             st["graph"].replay()
+            self.log.graph_launched(g.name, (time.perf_counter() - t0) * 1e6)
             b.record(cap)
         self.gpu.timed_graphs.append((g, plan, a, b))
         for name in plan.exported_events:  # real events for waits after the graph

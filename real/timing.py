@@ -35,6 +35,17 @@ def timing_meta(graph_traces: list[Trace], eager_traces: list[Trace]) -> tuple[T
     return eager_traces[med], meta
 
 
+def replay_launch_meta(timed) -> dict:
+    """What decides the wait before a replayed graph's first kernel (``overlap_lab.graph_launch``),
+    per timed replay run: the host time of each ``graph.replay()`` (``graph_launch_host_us``,
+    its ``cudaGraphLaunch`` without the profiler) and each graph's CUDA-event span
+    (``graph_replay_spans_us``: start event to end event; the step less these is the host's
+    work before and after the graphs)."""
+    launches = [r.meta.get("graph_launch_host_us") or {} for r in timed]
+    spans = [[s.duration for s in r.trace.spans if s.op.startswith("graph:")] for r in timed]
+    return {"graph_launch_host_us": launches, "graph_replay_spans_us": spans}
+
+
 def run_meta(runners: list[RankRunner], backend, log: RunLog, precision: fp8.Precision) -> dict:
     """What one timed run used: the GEMM kernels by label (counted for this run only), how each
     SM limit of the Program was honoured (compute ops here, all-to-alls by the backend)."""
@@ -56,6 +67,8 @@ def run_meta(runners: list[RankRunner], backend, log: RunLog, precision: fp8.Pre
         meta["attention_kernels"] = dict(log.kernels["attention"])
     if log.launches:  # per op name the median host time of its eager launches (µs)
         meta["host_launch_us"] = {n: statistics.median(v) for n, v in sorted(log.launches.items())}
+    if log.graph_launches:  # per graph name the host time of each of its replays (µs)
+        meta["graph_launch_host_us"] = {n: list(v) for n, v in sorted(log.graph_launches.items())}
     if DEEP_GEMM_ERRORS:
         meta["deep_gemm_errors"] = dict(DEEP_GEMM_ERRORS)
     return meta
@@ -152,6 +165,7 @@ def timing(su: Setup, runs: Runs) -> tuple[Trace, dict, dict]:
     med = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
     if su.graph_timed:
         trace, tmeta = timing_meta([r.trace for r in runs.timed], [r.trace for r in runs.eager])
+        tmeta.update(replay_launch_meta(runs.timed))
         # the eager pass's bookkeeping: replays run no Python kernels
         run_meta = next(r.meta for r in runs.eager if r.trace is trace)
         captured = any(

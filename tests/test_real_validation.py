@@ -102,6 +102,29 @@ def test_graph_timed_runs_keep_eager_op_spans_and_graph_step_times_apart():
     assert meta["step_time_source"] == "graph_replay" and "eager" in meta["spans_source"]
 
 
+def test_graph_timed_runs_record_each_replay_s_launch_and_graph_span():
+    """What decides the wait before a graph's first kernel next run (overlap_lab.graph_launch):
+    each timed run's host time of every graph.replay() and each graph's CUDA-event span."""
+    from overlap_lab.real.fp8 import Precision
+    from overlap_lab.real.runlog import RunLog
+    from overlap_lab.real.timing import Run, replay_launch_meta, run_meta
+
+    bf16 = Precision("bf16", "bf16", "gemm_dtype=bf16")
+    log = RunLog()
+    for us in (310.0, 290.0):
+        log.graph_launched("forward", us)
+    meta = run_meta([], None, log, bf16)
+    assert meta["graph_launch_host_us"] == {"forward": [310.0, 290.0]}
+    assert "graph_launch_host_us" not in run_meta([], None, RunLog(), bf16)
+    runs = [
+        Run(_tr([("schedule", 0, 1), ("graph:forward", 5, 405), ("d2h", 406, 410)]), meta),
+        Run(_tr([("graph:forward", 3, 383), ("graph:forward", 390, 770)]), {}),
+    ]
+    got = replay_launch_meta(runs)
+    assert got["graph_launch_host_us"] == [{"forward": [310.0, 290.0]}, {}]
+    assert got["graph_replay_spans_us"] == [[400.0], [380.0, 380.0]]
+
+
 def test_kernel_counters_are_per_run_and_sm_limits_are_all_reported():
     from overlap_lab.real.executor import execute
 

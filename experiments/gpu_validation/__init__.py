@@ -10,7 +10,8 @@ DeepSeek-V3 shape (EP 32 emulated on one GPU by the ``emulated`` backend):
    (``sim.calibrate.profile_from_trace``). The gap a replayed graph leaves before each kernel
    is measured too (serial's unprofiled replay step less its kernels' device time, per kernel)
    and predicted with (``GPU.graph_kernel_gap_us``), and so are the executor's launches: the
-   wait before a replayed graph's first kernel (``GPU.graph_launch_us``) and each eager op's
+   wait before a replayed graph's first kernel (``GPU.graph_launch_us``, per graph by its
+   first segment: ``overlap_lab.graph_launch``) and each eager op's
    host steps and read-backs, scaled by serial's unprofiled run (``predict.calibrate``);
 2. prediction: ``overlap_lab.simulate(schedule, ..., profile=that profile)`` of the Program as
    the executor ran it (``predict.as_executed``: the executor's host spans for the Program's

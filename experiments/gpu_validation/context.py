@@ -26,6 +26,9 @@ class Setup:
     #: the executor's host time per eager launch (``device_time.HostLaunch``), None: the
     #: preset's ``launch_us`` per op
     host_launch: Any = None
+    #: the wait before a replayed graph's first kernel by the records of the graph's first
+    #: segment (``overlap_lab.graph_launch.LaunchWait``), None: ``gpu.graph_launch_us`` each
+    graph_wait: Any = None
 
 
 def model_config(name: str, layers: int | None):

@@ -80,6 +80,9 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
                 serial_run = ctx.measure(p, ws)
                 step = serial_run.meta.get("graph_replay_step_time_us")
                 host = serial_run.meta.get("host_launch_us")  # unprofiled, per op
+            elif ctx.device == "cuda" and graphs_per_run(p):
+                # the graph launch's wait at a second first segment (graph_launch.fit_wait)
+                step = ctx.measure(p, ws).meta.get("graph_replay_step_time_us")
             runs.append(CalibrationRun(p, rec.executor_trace, rec.kernels, step, f"serial {s}",
                                        host, serial_run if s == size else None))  # fmt: skip
             kept.append({"schedule": "serial", "size": s, "half": s != size,

@@ -74,9 +74,12 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         map_kernels,
     )
     from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.graph_launch import first_segment, fit_wait, unprofiled_launch
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
     source = wait_source = preset
+    segment = unprofiled = None
+    points = []  # (first segment, wait) of each run with an unprofiled replay step
     host, kernels, scale, scaled_by = None, {}, None, ""
     for r in runs:
         if not r.kernels:
@@ -96,17 +99,25 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
                     "the device's waits inside its ops in the unprofiled run over the "
                     "profiled one (CUDA-event spans less kernel time)"
                 )
-        if source != preset or not r.replay_step_us:
+        if not r.replay_step_us:
             continue
-        gap = graph_gap_us(km, r.replay_step_us)
         wait = graph_launch_wait_us(km, r.replay_step_us)
-        if gap is not None and wait is not None:
-            gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap, graph_launch_us=wait)
-            source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
-                      "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
-            wait_source = (f"measured: {r.label}'s unprofiled replay step "
-                           f"{r.replay_step_us:.1f} us less its profiled replays' span, "
-                           "once per graph replayed")  # fmt: skip
+        points.append((first_segment(r.kernels), wait))
+        gap = graph_gap_us(km, r.replay_step_us)
+        if source != preset or gap is None or wait is None:
+            continue
+        gpu = dataclasses.replace(gpu, graph_kernel_gap_us=gap, graph_launch_us=wait)
+        source = (f"measured: the lesser of (unprofiled replay step {r.replay_step_us:.1f} "
+                  "us, profiled replay span) less the kernels' device time, per kernel")  # fmt: skip
+        segment = points[-1][0]
+        unprofiled = unprofiled_launch(r.unprofiled.meta if r.unprofiled is not None else None)
+        wait_source = (f"measured: {r.label}'s unprofiled replay step {r.replay_step_us:.1f} us "
+                       "less its profiled replays' span")  # fmt: skip
+    graph_wait = fit_wait(points)
+    if graph_wait is not None:
+        wait_source += (f"; per graph: {graph_wait.fixed_us:.1f} us + {graph_wait.per_record_us:.3f}"
+                        " us per device record before its first memset (all where none): "
+                        f"{graph_wait.source}")  # fmt: skip
     launch = {"source": f"{preset}: launch_us {gpu.launch_us} per op"}
     if host is not None:
         host = dataclasses.replace(host, kernels=kernels)
@@ -149,12 +160,20 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         ),
         "calibration_device_time": dt,
         "graph_kernel_gap_us": {"us": gpu.graph_kernel_gap_us, "source": source},
-        "graph_launch_us": {"us": gpu.graph_launch_us, "source": wait_source},
+        "graph_launch_us": {
+            "us": gpu.graph_launch_us,
+            "source": wait_source,
+            "fixed_us": None if graph_wait is None else graph_wait.fixed_us,
+            "per_record_us": None if graph_wait is None else graph_wait.per_record_us,
+            "first_segment": segment,
+            "unprofiled": unprofiled,
+        },
         "host_launch_us": launch,
         "op_kernels": kernels or None,
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
+    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host,
+                             graph_wait=graph_wait)  # fmt: skip
     return profile, at, info
 
 
@@ -374,6 +393,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     the timeline of a graph replay, where given: ``overlap_lab.device_time.replay_trace``):
     (the run's record for the report, the predicted trace)."""
     comm = name == COMM_ONLY
+    ctx, wait = graph_wait(ctx, own_kernels)
     prog = build(ctx, name, w)
     wp = prediction_workload(w, measured.meta)
     prof, own = own_rows(ctx, name, profile, prog, own_run if own_run is not None else measured)
@@ -415,6 +435,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
             "kernel device time" if own_dt else "CUDA-event / host spans of the measured run"
         ),
         "roofline_ops": missing,
+        "graph_launch_us": wait,
         "predicted_as_executed": executed_note(measured, prog),
         "predicted_comm": (
             "link model + the emulated backend's data path measured in the calibration "
@@ -422,6 +443,29 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
             if local else "link model"
         ),
     }, pred  # fmt: skip
+
+
+def graph_wait(ctx, own_kernels) -> tuple:
+    """``ctx`` with its GPU's graph launch set to the wait of this schedule's graph: the
+    calibrated rule (``ctx.graph_wait``, ``overlap_lab.graph_launch.LaunchWait``) for the
+    records of the graph's first segment in ``own_kernels``, the profiler records of a run of
+    the schedule itself; else ``ctx`` as it is (serial's wait per replay, or the preset's).
+    Returns (ctx, the record of which)."""
+    from overlap_lab.graph_launch import first_segment
+
+    rule = ctx.graph_wait
+    segment = first_segment(own_kernels) if own_kernels is not None else None
+    if rule is None or segment is None:
+        return ctx, {"us": ctx.gpu.graph_launch_us, "source": "the case's graph launch" + (
+            "" if rule is None else ": no profiled replay of this schedule")}  # fmt: skip
+    us = rule.us(segment)
+    gpu = dataclasses.replace(ctx.gpu, graph_launch_us=us)
+    return dataclasses.replace(ctx, gpu=gpu), {
+        "us": us, "first_segment": segment,
+        "source": f"{rule.fixed_us:.1f} us + {rule.per_record_us:.3f} us x {segment} device "
+                  "records of its graph's first segment (before its first memset) in its "
+                  "profiled replays",
+    }  # fmt: skip
 
 
 def own_host_steps(host, prog, own_kernels) -> tuple:

@@ -73,6 +73,7 @@ def table(report: dict) -> str:
                             if gap else "")
                          + (f"; graph launch {wait['us']:.1f} µs per replay ({wait['source']})"
                             if wait else "")
+                         + _unprofiled_text(wait.get("unprofiled"))
                          + (f"; eager launches: each op's host steps {host['source']}"
                             if host.get("ops") else ""))  # fmt: skip
     for key, s in report.get("summary", {}).items():
@@ -91,6 +92,18 @@ def _note(name: str, r: dict) -> str:
     return "comm only: target within 5 %" if name == COMM_ONLY else "excluded: one GPU"
 
 
+def _unprofiled_text(u: dict | None) -> str:
+    """serial's unprofiled replays as recorded (``graph_launch.unprofiled_launch``)."""
+    if not u:
+        return ""
+    got = [
+        f"{k.replace('_us', '').replace('_', ' ')} {v:.1f} µs"
+        for k, v in u.items()
+        if v is not None
+    ]
+    return f"; serial's unprofiled replays: {', '.join(got)}" if got else ""
+
+
 def _rows_text(r: dict) -> str:
     """Which classes took rows measured in the schedule's own run, and which ops the roofline
     still times (the validation's gaps)."""
@@ -98,7 +111,11 @@ def _rows_text(r: dict) -> str:
                     for c, n in (r.get("rows_from_own_run") or {}).items())  # fmt: skip
     own = f"rows from its own run: {own}" if own else ""
     roof = r.get("roofline_ops")
-    return (f"; {own}" if own else "") + (f"; ROOFLINE: {', '.join(roof)}" if roof else "")
+    wait = r.get("graph_launch_us") or {}
+    seg = wait.get("first_segment")
+    wait = f"graph launch {wait['us']:.1f} µs ({seg} records to its first memset)" if seg else ""
+    return ((f"; {own}" if own else "") + (f"; {wait}" if wait else "")
+            + (f"; ROOFLINE: {', '.join(roof)}" if roof else ""))  # fmt: skip
 
 
 def step_figure(report: dict, path: Path) -> None:
