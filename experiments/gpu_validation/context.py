@@ -26,6 +26,9 @@ class Setup:
     #: the executor's host time per eager launch (``device_time.HostLaunch``), None: the
     #: preset's ``launch_us`` per op
     host_launch: Any = None
+    #: per op name the share of its host work the executor spends per sequence piece
+    #: (``host_pieces.PieceShare``): an op it runs once per piece of its micro-batch
+    host_pieces: Mapping = field(default_factory=dict)
 
 
 def model_config(name: str, layers: int | None):

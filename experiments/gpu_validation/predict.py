@@ -73,11 +73,11 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         kernels_per_op,
         map_kernels,
     )
-    from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.experiments.gpu_validation import emulated_comm, host_pieces
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
     source = wait_source = preset
-    host, kernels, scale, scaled_by = None, {}, None, ""
+    host, kernels, scale, scaled_by, shares = None, {}, None, "", {}
     for r in runs:
         if not r.kernels:
             continue
@@ -85,6 +85,8 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         kernels = kernels_per_op(km) | kernels  # the first run's counts win
         if host is None and (host := host_launch(r.kernels)) is not None:
             label = r.label
+            if n := host_pieces.calibration_pieces(r.trace.meta.get("micro_batches")):
+                shares = host_pieces.piece_shares(r.kernels, n)
             if r.host_launch_us:
                 scale = profiler_scale(host, r.host_launch_us)
                 scaled_by = (
@@ -117,11 +119,14 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         launch = {
             "per_op": host.per_op, "per_kernel": host.per_kernel, "scale": host.scale,
             "ops": {n: dataclasses.asdict(h) for n, h in host.measured.items()},
+            "per_piece": {n: dataclasses.asdict(p) for n, p in shares.items()},
             "source": (
                 f"measured in {label}'s eager runs under the profiler (medians over "
                 f"{host.ranges} op ranges, {host.intervals} launch intervals), "
                 + (f"x {scale:.3f}: {scaled_by}" if scale is not None
                    else "not scaled: no unprofiled run to compare with")
+                + "".join(f"; {n}: {p.share:.0%} of its host work once per sequence piece "
+                          f"({p.pieces} in the calibration)" for n, p in shares.items())
             ),
         }  # fmt: skip
     timed = [
@@ -154,7 +159,7 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         "op_kernels": kernels or None,
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
-    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host)
+    at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host, host_pieces=shares)
     return profile, at, info
 
 
@@ -204,7 +209,9 @@ def predict(ctx, name: str, w, profile, transform=None, comm_local=None):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -> Callable:
+def as_executed(
+    measured, comm_local=None, num_sms: int = 0, host_launch=None, pieces: Mapping | None = None
+) -> Callable:
     """A Program transform: the Program as the executor ran it, read off its ``measured``
     trace (:func:`executed_changes` lists what it changes). Host work takes what the
     executor's host spans took (it runs no scheduler: under a microsecond each, where the
@@ -220,11 +227,13 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
     (``HostLaunch.op``, ``device_time.OpHost``): ``Host``s named ``launch`` for its host work,
     a ``Record`` and a ``Sync`` on the op's stream where it reads device data back, and the
     launch itself where half of its device time has been launched (it pays the last kernel's
-    share of the host work before it).
+    share of the host work before it); with ``pieces`` (per op name a
+    ``host_pieces.PieceShare``), an op the executor runs once per sequence piece holds the host
+    for its micro-batch's pieces (the measured run's ``micro_batches``), not the calibration's.
     A launch inside a ``Graph`` costs nothing per kernel (the graph's launch,
     ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
     defaults (``sim``) keep SGLang's host costs, one ``launch_us`` per op and every limit."""
-    from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.experiments.gpu_validation import emulated_comm, host_pieces
 
     host: dict[tuple, list[float]] = {}
     for s in measured.spans:
@@ -232,6 +241,7 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
             host.setdefault((s.op, s.mb, s.layer, s.step), []).append(s.duration)
             host.setdefault((s.op,), []).append(s.duration)
     free, gone = executed_changes(measured)
+    per_mb = host_pieces.pieces_per_mb(measured.meta.get("micro_batches"))
 
     def host_us(h: Host) -> float:
         got = host.get((h.name, h.mb, h.layer, h.step)) or host.get((h.name,))
@@ -248,6 +258,8 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
     def launched(ins: Launch) -> list:
         """An eager launch with what its host does around it (the docstring)."""
         op, h = ins.op, host_launch.op(ins.op.name)
+        if (p := (pieces or {}).get(op.name)) is not None and op.mb in per_mb:
+            h = h.scaled(p.factor(per_mb[op.mb]))
         last = host_launch.per_kernel * host_launch.scale  # the launch's own cost
         out: list = []
         for kind, us in h.steps:
@@ -380,7 +392,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     # the emulated backend's data path, where the run's communication was emulated
     local = ctx.comm_local if measured.meta.get("emulated") else {}
     host, own_host = own_host_steps(ctx.host_launch, prog, own_kernels)
-    executed = as_executed(measured, local, ctx.device_sms, host)
+    executed = as_executed(measured, local, ctx.device_sms, host, ctx.host_pieces)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
         transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,
