@@ -101,3 +101,30 @@ def test_a_micro_batch_of_one_sequence_takes_its_share_of_the_per_piece_host_wor
     # without the shares every launch keeps the calibration's host work
     plain = as_executed(measured, host_launch=h)(prog).ranks[0].threads[0].instrs
     assert [i.us for i in plain if isinstance(i, Host)] == [100.0, 40.0] * 3
+
+
+def test_a_converted_archives_profiler_share_is_the_waits_of_whole_eager_passes():
+    """Two profiled eager passes of ops a and b (one kernel each): the first waits 50 µs
+    between them (span 250, kernels 200), the second 70 (span 270): median span 260, kernel
+    time 200. The unprofiled run's eager step 215: it waited 15 where the profiled waited 60."""
+    from overlap_lab.experiments.gpu_validation.predict import pass_idle_scale
+
+    ev, c = [], 0
+    for t0, gap in ((0.0, 50.0), (1000.0, 70.0)):
+        for name, start in (("a.L1.mb0", t0), ("b.L1.mb0", t0 + 100.0 + gap)):
+            c += 1
+            ev += [
+                {"ph": "X", "cat": "user_annotation", "name": name, "ts": start, "dur": 5.0},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": start + 1.0,
+                 "dur": 2.0, "args": {"correlation": c}},
+                {"ph": "X", "cat": "kernel", "name": "k", "ts": start, "dur": 100.0,
+                 "args": {"correlation": c, "stream": 7}},
+            ]  # fmt: skip
+    rec = {"traceEvents": ev}
+    eager = Trace((), {"step_time_source": "eager", "median_step_time_us": 215.0})
+    assert pass_idle_scale(eager, rec) == pytest.approx(15.0 / 60.0)
+    # a graph-replay run's eager step is its own record; without one, nothing to compare
+    replayed = Trace((), {"step_time_source": "graph_replay", "median_step_time_us": 99.0,
+                          "eager_step_time_us": 230.0})  # fmt: skip
+    assert pass_idle_scale(replayed, rec) == pytest.approx(30.0 / 60.0)
+    assert pass_idle_scale(Trace((), {"step_time_source": "graph_replay"}), rec) is None
