@@ -192,8 +192,8 @@ def pass_idle_scale(unprofiled, kernels) -> float | None:
     of a separate run of the same Program) less the same. The waits inside ops and between
     them are taken together: such a recording has no CUDA-event spans of its profiled run
     (``device_time.idle_scale`` compares those). On the H200, 2026-11-26, serial prefill 4096:
-    3,037 µs of 237,982 unprofiled, 9,305 of 244,213 profiled. None without an eager pass or
-    an eager step, or where the profiled passes never waited."""
+    3,025 µs of 237,982 unprofiled, 9,256 of 244,213 profiled (x 0.327). None without an
+    eager pass or an eager step, or where the profiled passes never waited."""
     from overlap_lab.device_time import split_runs
 
     m = unprofiled.meta
