@@ -439,7 +439,7 @@ class HostLaunch:
         return h.scaled(self.scale)
 
 
-def _host_calls(trace: Mapping[str, Any] | list):
+def host_calls(trace: Mapping[str, Any] | list):
     """(op ranges [(start, end, op id)], launch calls [(start, end, device records)]) of a
     profiler trace, both sorted: a call is a CUDA runtime or driver call with device records,
     graph launches left out."""
@@ -473,7 +473,7 @@ def host_launch(trace: Mapping[str, Any] | list) -> HostLaunch | None:
     with each op's :func:`op_host`; graph launches are not counted (a replay's kernels cost
     the host nothing each). None without an op range that launched two kernels. The medians
     leave out the few intervals that hold a read-back (a ``.item()`` inside an op)."""
-    ranges, calls = _host_calls(trace)
+    ranges, calls = host_calls(trace)
     starts = [c[0] for c in calls]
     first, between = [], []
     for a, b, _ in ranges:
@@ -498,7 +498,7 @@ def op_host(trace: Mapping[str, Any] | list) -> dict[str, OpHost]:
     before it (device time, which the prediction has), and after it the device waits for the
     host; why the launch point: an op's kernels run as they are launched, so the host's work
     after its big kernels overlaps them."""
-    ranges, calls = _host_calls(trace)
+    ranges, calls = host_calls(trace)
     starts = [c[0] for c in calls]
     found = [(a, b, op[0], calls[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)])
              for a, b, op in ranges]  # fmt: skip

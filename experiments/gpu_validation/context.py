@@ -29,6 +29,9 @@ class Setup:
     #: the wait before a replayed graph's first kernel by the records of the graph's first
     #: segment (``overlap_lab.graph_launch.LaunchWait``), None: ``gpu.graph_launch_us`` each
     graph_wait: Any = None
+    #: per op name the share of its host work the executor spends per sequence piece
+    #: (``host_pieces.PieceShare``): an op it runs once per piece of its micro-batch
+    host_pieces: Mapping = field(default_factory=dict)
 
 
 def model_config(name: str, layers: int | None):

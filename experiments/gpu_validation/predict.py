@@ -50,6 +50,10 @@ class CalibrationRun:
     #: the executor's trace of the unprofiled run of the same Program (serial at the case's
     #: size: the loop's measured run), for the profiler's share of host time; None elsewhere
     unprofiled: object = None
+    #: ``trace`` is itself that unprofiled run and ``kernels`` come from a separate profiled
+    #: run of the same Program (an archive converted from before replays): the profiler's
+    #: share from whole eager passes (:func:`pass_idle_scale`)
+    trace_unprofiled: bool = False
 
 
 def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
@@ -73,14 +77,14 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         kernels_per_op,
         map_kernels,
     )
-    from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.experiments.gpu_validation import emulated_comm, host_pieces
     from overlap_lab.graph_launch import first_segment, fit_wait, unprofiled_launch
 
     gpu, preset = setup.gpu, f"the {setup.gpu.name} preset"
     source = wait_source = preset
     segment = unprofiled = None
     points = []  # (first segment, wait) of each run with an unprofiled replay step
-    host, kernels, scale, scaled_by = None, {}, None, ""
+    host, kernels, scale, scaled_by, shares = None, {}, None, "", {}
     for r in runs:
         if not r.kernels:
             continue
@@ -88,6 +92,8 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         kernels = kernels_per_op(km) | kernels  # the first run's counts win
         if host is None and (host := host_launch(r.kernels)) is not None:
             label = r.label
+            if n := host_pieces.calibration_pieces(r.trace.meta.get("micro_batches")):
+                shares = host_pieces.piece_shares(r.kernels, n)
             if r.host_launch_us:
                 scale = profiler_scale(host, r.host_launch_us)
                 scaled_by = (
@@ -98,6 +104,12 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
                 scaled_by = (
                     "the device's waits inside its ops in the unprofiled run over the "
                     "profiled one (CUDA-event spans less kernel time)"
+                )
+            elif r.trace_unprofiled:
+                scale = pass_idle_scale(r.trace, r.kernels)
+                scaled_by = (
+                    "the device's waits in the unprofiled run's median eager step over those "
+                    "in the profiled run's median eager pass (each less the pass's kernel time)"
                 )
         if not r.replay_step_us:
             continue
@@ -128,11 +140,14 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         launch = {
             "per_op": host.per_op, "per_kernel": host.per_kernel, "scale": host.scale,
             "ops": {n: dataclasses.asdict(h) for n, h in host.measured.items()},
+            "per_piece": {n: dataclasses.asdict(p) for n, p in shares.items()},
             "source": (
                 f"measured in {label}'s eager runs under the profiler (medians over "
                 f"{host.ranges} op ranges, {host.intervals} launch intervals), "
                 + (f"x {scale:.3f}: {scaled_by}" if scale is not None
                    else "not scaled: no unprofiled run to compare with")
+                + "".join(f"; {n}: {p.share:.0%} of its host work once per sequence piece "
+                          f"({p.pieces} in the calibration)" for n, p in shares.items())
             ),
         }  # fmt: skip
     timed = [
@@ -173,7 +188,7 @@ def calibrate(setup, runs: list[CalibrationRun], mode: str) -> tuple:
         "emulated_comm_local_us": emulated_comm.rows(work),
     }
     at = dataclasses.replace(setup, gpu=gpu, comm_local=work, host_launch=host,
-                             graph_wait=graph_wait)  # fmt: skip
+                             graph_wait=graph_wait, host_pieces=shares)  # fmt: skip
     return profile, at, info
 
 
@@ -186,6 +201,39 @@ def profiler_scale(host, unprofiled: Mapping[str, float]) -> float | None:
     if not both:
         return None
     return sum(float(unprofiled[n]) for n in both) / sum(host.measured[n].us for n in both)
+
+
+def pass_idle_scale(unprofiled, kernels) -> float | None:
+    """How much less the device waits for the host without the profiler, from whole eager
+    passes: the unprofiled run's median eager step (``unprofiled``, the executor's trace)
+    less the profiled passes' median kernel time (the union of their kernels' intervals), over
+    the profiled passes' median span (first kernel to last; ``kernels``, the profiler records
+    of a separate run of the same Program) less the same. The waits inside ops and between
+    them are taken together: such a recording has no CUDA-event spans of its profiled run
+    (``device_time.idle_scale`` compares those). On the H200, 2026-11-26, serial prefill 4096:
+    3,025 µs of 237,982 unprofiled, 9,256 of 244,213 profiled (x 0.327). None without an
+    eager pass or an eager step, or where the profiled passes never waited."""
+    from overlap_lab.device_time import split_runs
+
+    m = unprofiled.meta
+    step = m.get("eager_step_time_us") or (
+        m.get("median_step_time_us") if m.get("step_time_source") == "eager" else None
+    )
+    spans, busy = [], []
+    for r in split_runs(kernels)[0]:
+        ks = sorted((k.ts, k.ts + k.dur) for v in r.ops.values() for k in v)
+        if r.replay or not ks:
+            continue
+        spans.append(max(b for _, b in ks) - ks[0][0])
+        total, end = 0.0, ks[0][0]
+        for a, b in ks:
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        busy.append(total)
+    if not step or not spans:
+        return None
+    waited = statistics.median(spans) - statistics.median(busy)
+    return max(float(step) - statistics.median(busy), 0.0) / waited if waited > 0 else None
 
 
 def calibrate_profile(ctx, runs: list, mode: str):
@@ -223,7 +271,9 @@ def predict(ctx, name: str, w, profile, transform=None, comm_local=None):
     return res.trace, cost_sources(res.program, ctx.gpu, profile)
 
 
-def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -> Callable:
+def as_executed(
+    measured, comm_local=None, num_sms: int = 0, host_launch=None, pieces: Mapping | None = None
+) -> Callable:
     """A Program transform: the Program as the executor ran it, read off its ``measured``
     trace (:func:`executed_changes` lists what it changes). Host work takes what the
     executor's host spans took (it runs no scheduler: under a microsecond each, where the
@@ -239,11 +289,13 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
     (``HostLaunch.op``, ``device_time.OpHost``): ``Host``s named ``launch`` for its host work,
     a ``Record`` and a ``Sync`` on the op's stream where it reads device data back, and the
     launch itself where half of its device time has been launched (it pays the last kernel's
-    share of the host work before it).
+    share of the host work before it); with ``pieces`` (per op name a
+    ``host_pieces.PieceShare``), an op the executor runs once per sequence piece holds the host
+    for its micro-batch's pieces (the measured run's ``micro_batches``), not the calibration's.
     A launch inside a ``Graph`` costs nothing per kernel (the graph's launch,
     ``GPU.graph_launch_us``, is the wait before its first kernel). The simulator's
     defaults (``sim``) keep SGLang's host costs, one ``launch_us`` per op and every limit."""
-    from overlap_lab.experiments.gpu_validation import emulated_comm
+    from overlap_lab.experiments.gpu_validation import emulated_comm, host_pieces
 
     host: dict[tuple, list[float]] = {}
     for s in measured.spans:
@@ -251,6 +303,7 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
             host.setdefault((s.op, s.mb, s.layer, s.step), []).append(s.duration)
             host.setdefault((s.op,), []).append(s.duration)
     free, gone = executed_changes(measured)
+    per_mb = host_pieces.pieces_per_mb(measured.meta.get("micro_batches"))
 
     def host_us(h: Host) -> float:
         got = host.get((h.name, h.mb, h.layer, h.step)) or host.get((h.name,))
@@ -267,6 +320,8 @@ def as_executed(measured, comm_local=None, num_sms: int = 0, host_launch=None) -
     def launched(ins: Launch) -> list:
         """An eager launch with what its host does around it (the docstring)."""
         op, h = ins.op, host_launch.op(ins.op.name)
+        if (p := (pieces or {}).get(op.name)) is not None and op.mb in per_mb:
+            h = h.scaled(p.factor(per_mb[op.mb]))
         last = host_launch.per_kernel * host_launch.scale  # the launch's own cost
         out: list = []
         for kind, us in h.steps:
@@ -400,7 +455,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     # the emulated backend's data path, where the run's communication was emulated
     local = ctx.comm_local if measured.meta.get("emulated") else {}
     host, own_host = own_host_steps(ctx.host_launch, prog, own_kernels)
-    executed = as_executed(measured, local, ctx.device_sms, host)
+    executed = as_executed(measured, local, ctx.device_sms, host, ctx.host_pieces)
     pred, sources = predict(
         ctx, "serial" if comm else name, wp, prof,
         transform=(lambda p: executed(comm_only(p))) if comm else executed, comm_local=local,

@@ -107,6 +107,9 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
             if int(e["size"]) == size
             and (unprofiled := measured.get(e["schedule"])) != e["files"]["trace"]
             else None,
+            # the calibration trace is the measured run itself: unprofiled
+            trace_unprofiled=bool(e["files"].get("kernels"))
+            and measured.get(e["schedule"]) == e["files"]["trace"],
         )
         for e in runs_in
     ]
