@@ -24,6 +24,7 @@ installed SimPy and fails loudly if one changes):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from heapq import heappush
 from typing import Protocol
@@ -61,8 +62,16 @@ class InstantTimers:
 
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
+        # the float SimPy itself computes for the event's time
+        self.call_at(self.env._now + delay, fn, delay)
+
+    def call_at(
+        self, when: float, fn: Callable[[simpy.Event], None], delay: float | None = None
+    ) -> None:
+        """Call ``fn(event)`` at the instant ``when`` (>= now), that very float: an instant
+        computed ahead (``sim.alone``) is not moved by the round-off of ``now + (when - now)``.
+        ``delay``: ``when - now`` as the caller computed it, when ``now + delay`` gave ``when``."""
         env = self.env
-        when = env._now + delay  # the float SimPy itself computes for the event's time
         at = self._at
         ev = at.get(when)
         if ev is None or ev.callbacks is None:  # none yet, or processed (callbacks None)
@@ -76,7 +85,7 @@ class InstantTimers:
             if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
                 heappush(self._queue, (when, NORMAL, next(self._eid), ev))
             else:
-                env.schedule(ev, NORMAL, delay)
+                env.schedule(ev, NORMAL, _delay_to(env._now, when) if delay is None else delay)
             at[when] = ev
             return
         ev.callbacks.append(fn)
@@ -95,6 +104,15 @@ class InstantTimers:
         else:
             env.schedule(ev, priority, delay)
         return ev
+
+
+def _delay_to(now: float, when: float) -> float:
+    """The delay that SimPy adds to ``now`` to get exactly ``when`` (``when - now`` can be an
+    ulp off where ``when`` is more than twice ``now``)."""
+    delay = when - now
+    while now + delay != when:
+        delay = math.nextafter(delay, math.inf if now + delay < when else -math.inf)
+    return delay
 
 
 class EndOfInstant(Protocol):
