@@ -385,23 +385,43 @@ class Engine:
             r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
 
     def _time_alone(self, r: _Rank, name: str, ins: Launch, gap: float) -> bool:
-        """Time ``ins``'s kernel alone on its idle GPU (``sim.alone``), its end one timer;
-        False where the GPU must time it (a collective, a signal, a copy, a hook...)."""
-        op = ins.op
-        a = self._plans.get(id(op), False)
-        if a is False:  # (the Program holds op: its id stays its own)
-            limit = self.gpu.num_sms if op.sms is None else op.sms
-            a = self._plans[id(op)] = alone.plan(r.gpu, op, limit)
+        """Time ``ins``'s kernel alone on its idle GPU (``sim.alone``), and the plain kernels
+        queued right behind it on the stream, each from the end of the one before (the instant
+        its gap's timer would have had): one timer at the last end. False where the GPU must
+        time ``ins`` (a collective, a signal, a copy, a hook...)."""
+        a = self._plan(r.gpu, ins.op)
         if a is None:
             return False
-        now = self.env._now
-        segs, end = alone.timeline(a, now + gap if gap > 0 else now)  # (SimPy's gap timer)
-        self._timers.call_at(end, partial(self._alone_done, r, name, op, segs))
+        q, t, done = r.queues[name], self.env._now, []
+        while True:
+            segs, t = alone.timeline(a, t + gap if gap > 0 else t)  # (SimPy's gap timer)
+            done.append((ins.op, segs, t))
+            if not q or type(q[0][1]) is not Launch:
+                break
+            a = self._plan(r.gpu, q[0][1].op)
+            if a is None:
+                break
+            seq, ins, gap = q.popleft()
+            r.popped[name] = seq
+            r.busy[name] = ins
+        self._timers.call_at(t, partial(self._alone_done, r, name, done))
         return True
 
-    def _alone_done(self, r: _Rank, name: str, op: Op, segs: list, _ev=None) -> None:
-        """A kernel timed alone has ended (its timer's callback)."""
-        self._spans_of(r, r.lanes[name], op, segs)
+    def _plan(self, gpu: Gpu, op: Op) -> Alone | None:
+        """``sim.alone.plan`` of ``op``, once per op: every rank's GPU (of one model, one cost
+        cache) gives the same (the Program holds op: its id stays its own)."""
+        a = self._plans.get(id(op), False)
+        if a is False:
+            limit = self.gpu.num_sms if op.sms is None else op.sms
+            a = self._plans[id(op)] = alone.plan(gpu, op, limit)
+        return a
+
+    def _alone_done(self, r: _Rank, name: str, done: list, _ev=None) -> None:
+        """Kernels timed alone have ended (their last one's timer): their spans, then the
+        stream goes on."""
+        lane = r.lanes[name]
+        for op, segs, end in done:
+            self._spans_of(r, lane, op, segs, end)
         self._release(r, name)
 
     def _gap_over(self, r: _Rank, name: str, ins: Launch, seq: int, _ev=None) -> None:
@@ -444,12 +464,13 @@ class Engine:
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
-        self._spans_of(r, r.lanes[k.stream], k.op, k.segments)
+        self._spans_of(r, r.lanes[k.stream], k.op, k.segments, self.env.now)
         self._release(r, k.stream)
 
-    def _spans_of(self, r: _Rank, lane: str, op: Op, segs: list) -> None:
-        """A kernel's spans, now that it has ended: one per change of its SMs (``segs``)."""
-        rank, now, spans = r.rp.rank, self.env.now, self.spans
+    def _spans_of(self, r: _Rank, lane: str, op: Op, segs: list, now: float) -> None:
+        """A kernel's spans, once it has ended at ``now``: one per change of its SMs
+        (``segs``)."""
+        rank, spans = r.rp.rank, self.spans
         if len(segs) == 1:  # its SMs never changed: one span
             t0, sms = segs[0]
             spans.append(
