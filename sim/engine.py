@@ -190,6 +190,8 @@ class Engine:
     def _setup(self, program, gpu, max_events, network, net_group_tol, fast_forward, alone) -> None:
         """The ranks, the flows each collective expects, the network, the fast-forward."""
         self._plans: dict[int, Alone | None] = {}  # id(op) -> ``sim.alone.plan``
+        #: kernels timed by ``sim.alone`` (work the run does with no SimPy event of its own)
+        self.timed_alone = 0
         self._timers = timers(self.env)
         self.max_events = max_events or default_max_events(  # sim.budget
             program, gpu.num_sms, self.cost_model.grid, self.cost_model.key
@@ -405,6 +407,7 @@ class Engine:
             r.popped[name] = seq
             r.busy[name] = ins
         self._timers.call_at(t, partial(self._alone_done, r, name, done))
+        self.timed_alone += len(done)
         return True
 
     def _plan(self, gpu: Gpu, op: Op) -> Alone | None:
