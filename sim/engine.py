@@ -228,9 +228,11 @@ class Engine:
                 self._ff_note = f"not used: {ff}"
             else:
                 self._ff = ff
-        # (the fast-forward compares the Gpu's state and timers at its cuts: it times every kernel)
+        # (the fast-forward compares the Gpu's state and timers at its cuts: it times every kernel;
+        # an environment with a ``schedule`` of its own cannot be handed an instant computed ahead)
+        alone = alone and self._ff is None and self._timers.exact
         for r in self.ranks.values():
-            r.alone = alone and self._ff is None and len(r.rp.streams) == 1
+            r.alone = alone and len(r.rp.streams) == 1
 
     # -- processes -----------------------------------------------------------------------------
 

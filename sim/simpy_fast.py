@@ -24,7 +24,6 @@ installed SimPy and fails loudly if one changes):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from heapq import heappush
 from typing import Protocol
@@ -57,6 +56,9 @@ class InstantTimers:
         #: SimPy's own ``schedule`` (not a subclass's, such as a test's tie-shuffling one, nor
         #: one set on the instance): a new event is pushed directly, the entry it would push
         self._plain = getattr(env.schedule, "__func__", None) is simpy.Environment.schedule
+        #: ``call_at`` lands on the very instant asked for (an environment with a ``schedule``
+        #: of its own adds a delay to now, which can be an ulp off)
+        self.exact = self._plain
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``AT_PRUNE``)
         self._prune_at = AT_PRUNE
 
@@ -68,9 +70,10 @@ class InstantTimers:
     def call_at(
         self, when: float, fn: Callable[[simpy.Event], None], delay: float | None = None
     ) -> None:
-        """Call ``fn(event)`` at the instant ``when`` (>= now), that very float: an instant
-        computed ahead (``sim.alone``) is not moved by the round-off of ``now + (when - now)``.
-        ``delay``: ``when - now`` as the caller computed it, when ``now + delay`` gave ``when``."""
+        """Call ``fn(event)`` at the instant ``when`` (>= now), that very float where the
+        environment schedules as SimPy does (``exact``): an instant computed ahead
+        (``sim.alone``) is not moved by the round-off of ``now + (when - now)``. ``delay``:
+        ``when - now`` as the caller computed it, when ``now + delay`` gave ``when``."""
         env = self.env
         at = self._at
         ev = at.get(when)
@@ -85,7 +88,7 @@ class InstantTimers:
             if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
                 heappush(self._queue, (when, NORMAL, next(self._eid), ev))
             else:
-                env.schedule(ev, NORMAL, _delay_to(env._now, when) if delay is None else delay)
+                env.schedule(ev, NORMAL, when - env._now if delay is None else delay)
             at[when] = ev
             return
         ev.callbacks.append(fn)
@@ -104,15 +107,6 @@ class InstantTimers:
         else:
             env.schedule(ev, priority, delay)
         return ev
-
-
-def _delay_to(now: float, when: float) -> float:
-    """The delay that SimPy adds to ``now`` to get exactly ``when`` (``when - now`` can be an
-    ulp off where ``when`` is more than twice ``now``)."""
-    delay = when - now
-    while now + delay != when:
-        delay = math.nextafter(delay, math.inf if now + delay < when else -math.inf)
-    return delay
 
 
 class EndOfInstant(Protocol):
