@@ -51,7 +51,7 @@ def plan(gpu: Gpu, op: Op, limit: int) -> Alone | None:
     cache = gpu.cache
     k = Kernel(op, limit)
     numbers = cache.numbers
-    k.ckey = ck = numbers.setdefault(gpu._key(op), len(numbers))  # as ``Gpu.acquire``
+    k.ckey = ck = numbers.setdefault(gpu.model.key(op), len(numbers))  # as ``Gpu.acquire``
     g = cache.grids.get((ck, limit))
     if g is None:
         g = cache.grids[(ck, limit)] = gpu.model.grid(op, limit)
