@@ -12,8 +12,9 @@ are medians, in CPU time (``time.process_time``, robust to a shared machine) and
 processes and ``events_per_op`` divides them by the Program's ops (all ranks); ``pass_rounds``
 counts the block scheduler's rounds of passes, which run between events with no SimPy event of
 their own (``sim.budget``), and ``budget_events_per_op`` counts them as events, as the budget
-does. ``raw_simpy`` is a bare ``env.timeout`` loop measured in the same run, the ceiling for
-events per CPU-second.
+does; ``timed_alone`` counts the kernels the engine timed in closed form with no event of their
+own (``sim.alone``: plain kernels on a one-stream rank). ``raw_simpy`` is a bare ``env.timeout``
+loop measured in the same run, the ceiling for events per CPU-second.
 ``*_reduced`` runs a balanced explicit case as ``overlap-lab sim`` now does: its ranks are
 detected alike and simulated once (``shared.ir.symmetry``; build: + detection and the quotient's
 validation, sim: + the Trace copied to every rank), where the case without the suffix simulates
@@ -203,6 +204,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
             trace = expand_trace(trace, red)
         sims.append(_since(t))
         events, rounds = counter
+        alone = eng.timed_alone
         t = _clock()
         metrics = measure(trace, lowered, w, gpu.num_sms)
         Result(schedule, w, gpu, ScheduleConfig(), lowered, trace, metrics).as_dict()
@@ -231,6 +233,7 @@ def run_case(name: str, repeats: int | None = None) -> dict:
         "events_per_op": round(events / ops, 2),
         "pass_rounds": rounds,
         "budget_events_per_op": round((events + rounds) / ops, 2),
+        "timed_alone": alone,
         "events_per_cpu_s": round(events / sim_cpu) if sim_cpu > 0 else None,
         "repeats": reps,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

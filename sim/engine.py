@@ -64,11 +64,12 @@ from overlap_lab.shared.ir.program import (
 from overlap_lab.shared.ir.validate import validate
 from overlap_lab.shared.outputs.trace import Span, Trace, no_gc
 from overlap_lab.shared.outputs.trace import new_span as _span
-from overlap_lab.sim import models
+from overlap_lab.sim import alone, models
+from overlap_lab.sim.alone import Alone
 from overlap_lab.sim.budget import default_max_events, run_budgeted
 from overlap_lab.sim.host_plan import ENQUEUE, HOST, LAUNCH, SYNC, host_plan
 from overlap_lab.sim.models import CostModel, NetworkFactory
-from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link
+from overlap_lab.sim.resources import CostCache, Gpu, Kernel, Link, timers
 
 #: Link kinds carried by the network model (per-rank egress and ingress ports); PCIe copies stay
 #: on each rank's own ``Link``.
@@ -128,6 +129,8 @@ class _Rank:
         self.rename_from: float = math.inf
         self.renames: list[tuple[int, int]] = []
         self.host_proc = None  # the SimPy process walking ``plan``
+        #: its kernels each reach an idle GPU (one stream): plain ones are timed by ``sim.alone``
+        self.alone = False
 
     def event(self, name: str) -> simpy.Event:
         """The SimPy event of ``name`` for a waiter that must block: only events someone waits
@@ -160,6 +163,7 @@ class Engine:
         network: NetworkFactory | str | None = None,
         env: simpy.Environment | None = None,
         fast_forward: bool = True,
+        alone: bool = True,
     ):
         """``cost_model`` and ``network``: objects, registered names or None for the defaults,
         ``roofline`` (``sim.cost.RooflineCostModel``) and ``max-min`` (``sim.network.Network``)
@@ -169,7 +173,10 @@ class Engine:
         processes simultaneous events in a shuffled order). ``fast_forward``: layers whose state
         repeats an earlier layer's are not simulated but copied (``sim.fastforward``: the same
         Trace to float round-off; ``meta["fast_forward"]`` says what was skipped, or why
-        nothing was); False simulates every layer (and the meta has no such key)."""
+        nothing was); False simulates every layer (and the meta has no such key). ``alone``:
+        on a rank with one stream, a kernel with no collective and no signal is timed in closed
+        form (``sim.alone``: the same floats, one event); False leaves every kernel to the
+        ``sim.resources.Gpu`` (for tests)."""
         self.program, self.gpu, self.seed = program, gpu, seed
         built = cost_model is None or isinstance(cost_model, str)
         self.profile = profile if built else None
@@ -178,10 +185,14 @@ class Engine:
         self._names = {"cost_model": cost_name, "network": net_name}  # recorded in the meta
         self.env = simpy.Environment() if env is None else env
         with no_gc():  # (thousands of tuples, none in a cycle: see ``run``)
-            self._setup(program, gpu, max_events, network, net_group_tol, fast_forward)
+            self._setup(program, gpu, max_events, network, net_group_tol, fast_forward, alone)
 
-    def _setup(self, program, gpu, max_events, network, net_group_tol, fast_forward) -> None:
+    def _setup(self, program, gpu, max_events, network, net_group_tol, fast_forward, alone) -> None:
         """The ranks, the flows each collective expects, the network, the fast-forward."""
+        self._plans: dict[int, Alone | None] = {}  # id(op) -> ``sim.alone.plan``
+        #: kernels timed by ``sim.alone`` (work the run does with no SimPy event of its own)
+        self.timed_alone = 0
+        self._timers = timers(self.env)
         self.max_events = max_events or default_max_events(  # sim.budget
             program, gpu.num_sms, self.cost_model.grid, self.cost_model.key
         )
@@ -217,6 +228,11 @@ class Engine:
                 self._ff_note = f"not used: {ff}"
             else:
                 self._ff = ff
+        # (the fast-forward compares the Gpu's state and timers at its cuts: it times every kernel;
+        # an environment with a ``schedule`` of its own cannot be handed an instant computed ahead)
+        alone = alone and self._ff is None and self._timers.exact
+        for r in self.ranks.values():
+            r.alone = alone and len(r.rp.streams) == 1
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -351,6 +367,8 @@ class Engine:
                         r.event(ins.event).callbacks.append(partial(self._released, r, name))
                 else:
                     busy[name] = ins
+                    if r.alone and self._time_alone(r, name, ins, gap):
+                        continue
                     if gap > 0:  # the stream idles through the graph's gap, then runs it
                         self.env.timeout(gap).callbacks.append(
                             partial(self._gap_over, r, name, ins, seq)
@@ -369,6 +387,47 @@ class Engine:
         else:
             limit = self.gpu.num_sms if op.sms is None else op.sms
             r.gpu.acquire(Kernel(op, limit, name, r.prio[name], seq))
+
+    def _time_alone(self, r: _Rank, name: str, ins: Launch, gap: float) -> bool:
+        """Time ``ins``'s kernel alone on its idle GPU (``sim.alone``), and the plain kernels
+        queued right behind it on the stream, each from the end of the one before (the instant
+        its gap's timer would have had): one timer at the last end. False where the GPU must
+        time ``ins`` (a collective, a signal, a copy, a hook...)."""
+        a = self._plan(r.gpu, ins.op)
+        if a is None:
+            return False
+        q, t, done = r.queues[name], self.env._now, []
+        while True:
+            segs, t = alone.timeline(a, t + gap if gap > 0 else t)  # (SimPy's gap timer)
+            done.append((ins.op, segs, t))
+            if not q or type(q[0][1]) is not Launch:
+                break
+            a = self._plan(r.gpu, q[0][1].op)
+            if a is None:
+                break
+            seq, ins, gap = q.popleft()
+            r.popped[name] = seq
+            r.busy[name] = ins
+        self._timers.call_at(t, partial(self._alone_done, r, name, done))
+        self.timed_alone += len(done)
+        return True
+
+    def _plan(self, gpu: Gpu, op: Op) -> Alone | None:
+        """``sim.alone.plan`` of ``op``, once per op: every rank's GPU (of one model, one cost
+        cache) gives the same (the Program holds op: its id stays its own)."""
+        a = self._plans.get(id(op), False)
+        if a is False:
+            limit = self.gpu.num_sms if op.sms is None else op.sms
+            a = self._plans[id(op)] = alone.plan(gpu, op, limit)
+        return a
+
+    def _alone_done(self, r: _Rank, name: str, done: list, _ev=None) -> None:
+        """Kernels timed alone have ended (their last one's timer): their spans, then the
+        stream goes on."""
+        lane = r.lanes[name]
+        for op, segs, end in done:
+            self._spans_of(r, lane, op, segs, end)
+        self._release(r, name)
 
     def _gap_over(self, r: _Rank, name: str, ins: Launch, seq: int, _ev=None) -> None:
         """A replayed graph's gap before ``ins`` is over (its timer's callback, which the
@@ -410,8 +469,13 @@ class Engine:
 
     def _kernel_done(self, r: _Rank, k: Kernel) -> None:
         """``k`` has ended: its spans (one per change of its SMs), then its stream goes on."""
-        op, rank, lane, now = k.op, r.rp.rank, r.lanes[k.stream], self.env.now
-        segs, spans = k.segments, self.spans
+        self._spans_of(r, r.lanes[k.stream], k.op, k.segments, self.env.now)
+        self._release(r, k.stream)
+
+    def _spans_of(self, r: _Rank, lane: str, op: Op, segs: list, now: float) -> None:
+        """A kernel's spans, once it has ended at ``now``: one per change of its SMs
+        (``segs``)."""
+        rank, spans = r.rp.rank, self.spans
         if len(segs) == 1:  # its SMs never changed: one span
             t0, sms = segs[0]
             spans.append(
@@ -424,7 +488,6 @@ class Engine:
                     spans.append(
                         _span(rank, lane, op.name, op.kind, t0, t1, sms, op.mb, op.layer, op.step)
                     )
-        self._release(r, k.stream)
 
     def _begin(self, r: _Rank, k: Kernel) -> None:
         """The kernel holds its first SMs: its sends leave, its receive waits for arrival, its

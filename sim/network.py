@@ -35,7 +35,7 @@ import numpy as np
 import simpy
 
 from overlap_lab.shared.errors import ConfigError
-from overlap_lab.shared.jit import njit
+from overlap_lab.shared.jit import inline, njit
 
 _EPS = 1e-9
 #: Bytes below which a flow counts as delivered (float round-off of rate * time).
@@ -188,15 +188,31 @@ def _next_loop(left, rate, t0, now, group_tol):
     return last, due
 
 
-_step_loops = None  # None: not tried yet; False: numba missing; else (finish, next)
+def _step_loop(src, dst, kind, tag, left, rate, t0, due, cap, level_tol, eps, byte_eps, time_eps,
+               now, group_tol):  # fmt: skip
+    """One change of :meth:`Network._changed_compiled` in one compiled call (a call into
+    numba costs microseconds, a change three of them): :func:`_finish_loop`, then
+    :func:`_max_min_loop` over the flows left, then :func:`_next_loop`. Returns how many flows
+    stay, the tags and kinds of those done, the new rates, the next timer and the flows due at
+    it."""  # pragma: no cover - compiled by numba
+    m, done_tag, done_kind = _finish_loop(src, dst, kind, tag, left, rate, t0, due, byte_eps,
+                                          time_eps)  # fmt: skip
+    new_rate = _max_min_loop(src[:m], dst[:m], cap, level_tol, eps)
+    nxt, next_due = _next_loop(left[:m], new_rate, t0[:m], now, group_tol)
+    return m, done_tag, done_kind, new_rate, nxt, next_due
+
+
+_step_loops = None  # None: not tried yet; False: numba missing; else the compiled step
 
 
 def _compiled_step_loops():
-    """:func:`_finish_loop` and :func:`_next_loop` compiled (numba), None without numba."""
+    """:func:`_step_loop` compiled (numba), None without numba."""
     global _step_loops
     if _step_loops is None:
-        fin, nxt = njit(_finish_loop, nogil=True), njit(_next_loop, nogil=True)
-        _step_loops = (fin, nxt) if fin and nxt else False
+        _step_loops = inline(_finish_loop, _max_min_loop, _next_loop) and njit(
+            _step_loop, nogil=True
+        )
+        _step_loops = _step_loops or False
     return _step_loops or None
 
 
@@ -311,9 +327,9 @@ class Network:
         loops (:meth:`_changed_compiled`): the same floats, so the same times and order.
         """
         if self.rerates >= _COMPILED_AFTER:
-            loops = _compiled_step_loops()
-            if loops is not None:
-                return self._changed_compiled(due, *loops)
+            step = _compiled_step_loops()
+            if step is not None:
+                return self._changed_compiled(due, step)
         if len(self.left):
             t_left = self._time_left()
             done = (self.left <= _BYTE_EPS) | (t_left <= _TIME_EPS)
@@ -343,24 +359,24 @@ class Network:
         t = self.env.timeout(max(nxt, 0.0))
         t.callbacks.append(partial(self._timer, self._gen, due))
 
-    def _changed_compiled(self, due, finish, next_due) -> None:
-        """:meth:`_changed` with its loops over flows compiled (~1000 live flows at EP 32, where
-        a dozen numpy passes a change cost more than the re-rate itself)."""
+    def _changed_compiled(self, due, step) -> None:
+        """:meth:`_changed` with its loops over flows compiled into one ``step`` (~1000 live
+        flows at EP 32, where a dozen numpy passes a change cost more than the re-rate itself)."""
         n = len(self.left)
-        if n:
-            d = np.zeros(n, dtype=np.bool_) if due is None else due
-            m, tags, kinds = finish(self.src, self.dst, self.kind, self.tag, self.left,
-                                    self.rate, self.t0, d, _BYTE_EPS, _TIME_EPS)  # fmt: skip
-            if m < n:
-                self.src, self.dst, self.kind = self.src[:m], self.dst[:m], self.kind[:m]
-                self.left, self.tag, self.t0 = self.left[:m], self.tag[:m], self.t0[:m]
-                self._report(tags, kinds)
+        d = np.zeros(n, dtype=np.bool_) if due is None else due
+        m, tags, kinds, rate, nxt, due = step(
+            self.src, self.dst, self.kind, self.tag, self.left, self.rate, self.t0, d, self.cap,
+            float(self.group_tol), _EPS, _BYTE_EPS, _TIME_EPS, self.env.now, float(self.group_tol),
+        )  # fmt: skip
+        if m < n:
+            self.src, self.dst, self.kind = self.src[:m], self.dst[:m], self.kind[:m]
+            self.left, self.tag, self.t0 = self.left[:m], self.tag[:m], self.t0[:m]
+            self._report(tags, kinds)
         self.rerates += 1
-        self.rate = max_min_rates_compiled(self.src, self.dst, self.cap, self.group_tol)
+        self.rate = rate
         self._gen += 1
-        if not len(self.left):
+        if not m:
             return
-        nxt, due = next_due(self.left, self.rate, self.t0, self.env.now, self.group_tol)
         if not nxt < np.inf:  # a stall, as in _changed
             return
         t = self.env.timeout(max(nxt, 0.0))

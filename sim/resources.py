@@ -399,7 +399,7 @@ class Gpu(Fluid):
         self._granting_now = False
         self._reshaped = False  # this pass cut or grew a cohort (``_grant``)
         self._solo: dict[tuple, float] = {}  # a cohort's rate alone, by what it reads (``_rates``)
-        self._solo_t: dict[tuple[int, int], float] = {}  # a kernel's time alone (``_solo_us``)
+        self._solo_t: dict[tuple[int, int], float] = {}  # a kernel's time alone (``solo_us``)
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -684,8 +684,8 @@ class Gpu(Fluid):
             self.pending.remove(k)
         if k.pending == 0 and k.cohorts == 0:
             # the launch-to-finish floor is the kernel's, however its CTAs were dispatched, and
-            # so is its time alone: sharing never makes a kernel faster (``_solo_us``)
-            rest = k.t0 + self._solo_us(k) - self._t if k.op.flops or k.op.hbm_bytes else 0
+            # so is its time alone: sharing never makes a kernel faster (``solo_us``)
+            rest = k.t0 + self.solo_us(k) - self._t if k.op.flops or k.op.hbm_bytes else 0
             if rest > _TIME_EPS:  # its SMs are free; it is drawn with none until it ends
                 segs, now = k.segments, self._t
                 if segs and segs[-1][0] == now:
@@ -706,7 +706,7 @@ class Gpu(Fluid):
             self._grant_due = True  # ``_request_grant``, inline
             self._timers.request_pass(self)
 
-    def _solo_us(self, k: Kernel) -> float:
+    def solo_us(self, k: Kernel) -> float:
         """``k``'s duration alone on this GPU from its first SMs (``cost.solo_duration_us``,
         through this GPU's cost model), at least the launch-to-finish floor.
 
@@ -738,6 +738,19 @@ class Gpu(Fluid):
             t = self._solo_t[key] = max(t, self.gpu.kernel_min_us)
         return t
 
+    def solo_rate(self, k: Kernel, sms: int, per_wave: int) -> float:
+        """The rate (waves per µs) of a cohort of ``k`` alone on the GPU: ``per_wave`` CTAs on
+        ``sms`` SMs. What it reads (the kernel's cost, whose key's number names its grid too, its
+        SMs and its wave's CTAs) gives the same float each time, so it is kept."""
+        solo = (k.ckey, sms, per_wave)
+        rate = self._solo.get(solo)
+        if rate is None:
+            d = self._demand_on(k, sms)
+            dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
+            dur *= per_wave / k.grid.ctas if k.grid.ctas else 1.0
+            rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
+        return rate
+
     def _demand_on(self, k: Kernel, sms: int):
         """The model's demand of ``k`` on ``sms`` SMs, through the shared cache."""
         key = (k.ckey, sms or 1)
@@ -758,16 +771,8 @@ class Gpu(Fluid):
         if len(running) == 1:  # alone: the plain roofline (water-filling one demand is its cap)
             c = running[0]
             k = c.kernel
-            # what the rate reads: the kernel's cost (its key's number names its grid too), its
-            # SMs and its wave's CTAs; the same inputs give the same float, so it is kept
-            solo = (k.ckey, c.sms, c.per_wave)
-            rate = self._solo.get(solo)
-            if rate is None:
-                d = self._demand_on(k, c.sms)
-                dur = cost.duration_us(d, min(d.cap, self._hbm_usable))
-                dur *= c.per_wave / k.grid.ctas if k.grid.ctas else 1.0
-                rate = self._solo[solo] = 1.0 / dur if dur > 0 else _INF  # a pure wait: at once
-            c.rate = rate
+            rate = self._solo.get((k.ckey, c.sms, c.per_wave))
+            c.rate = self.solo_rate(k, c.sms, c.per_wave) if rate is None else rate
             return
         groups: dict[Kernel, list[Cohort]] = {}  # a kernel's running cohorts, in job order
         for c in running:

@@ -56,13 +56,25 @@ class InstantTimers:
         #: SimPy's own ``schedule`` (not a subclass's, such as a test's tie-shuffling one, nor
         #: one set on the instance): a new event is pushed directly, the entry it would push
         self._plain = getattr(env.schedule, "__func__", None) is simpy.Environment.schedule
+        #: ``call_at`` lands on the very instant asked for (an environment with a ``schedule``
+        #: of its own adds a delay to now, which can be an ulp off)
+        self.exact = self._plain
         self._at: dict[float, simpy.Event] = {}  # instant -> its event (some past: ``AT_PRUNE``)
         self._prune_at = AT_PRUNE
 
     def call_later(self, delay: float, fn: Callable[[simpy.Event], None]) -> None:
         """Call ``fn(event)`` ``delay`` µs from now (``delay`` >= 0)."""
+        # the float SimPy itself computes for the event's time
+        self.call_at(self.env._now + delay, fn, delay)
+
+    def call_at(
+        self, when: float, fn: Callable[[simpy.Event], None], delay: float | None = None
+    ) -> None:
+        """Call ``fn(event)`` at the instant ``when`` (>= now), that very float where the
+        environment schedules as SimPy does (``exact``): an instant computed ahead
+        (``sim.alone``) is not moved by the round-off of ``now + (when - now)``. ``delay``:
+        ``when - now`` as the caller computed it, when ``now + delay`` gave ``when``."""
         env = self.env
-        when = env._now + delay  # the float SimPy itself computes for the event's time
         at = self._at
         ev = at.get(when)
         if ev is None or ev.callbacks is None:  # none yet, or processed (callbacks None)
@@ -76,7 +88,7 @@ class InstantTimers:
             if self._plain:  # exactly ``env.schedule(ev, NORMAL, delay)``: the same entry
                 heappush(self._queue, (when, NORMAL, next(self._eid), ev))
             else:
-                env.schedule(ev, NORMAL, delay)
+                env.schedule(ev, NORMAL, when - env._now if delay is None else delay)
             at[when] = ev
             return
         ev.callbacks.append(fn)

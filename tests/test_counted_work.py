@@ -5,7 +5,8 @@ it shows in a benchmark.
 
 Work counted: the validator's graph nodes and edges made and visited, and the nodes its
 starvation searches visit (``shared.ir.starvation.ValidationWork``); the engine's SimPy events
-and rounds of block-scheduler passes (the steps ``sim.budget.run_budgeted`` takes). Cases:
+and rounds of block-scheduler passes (the steps ``sim.budget.run_budgeted`` takes) and the
+kernels it times alone with no event of their own (``sim.alone``). Cases:
 explicit ranks with skewed routing, where every rank's Program is its own: the regression's
 TBO decode (one stream), SGLang's overlap scheduler in prefill (three streams, one of them
 never waited on until the end: the case that defeats a search bound taken from any launch not
@@ -89,7 +90,8 @@ def _work(schedule: str, layers: int, ep: int) -> dict[str, int]:
 
     eng.env.step, t.run_passes = counting_step, counting_passes
     eng.run()
-    steps = counts["events"] + counts["passes"]  # what the event budget counts
+    counts["alone"] = eng.timed_alone
+    steps = counts["events"] + counts["passes"] + counts["alone"]  # (the budget: but alone)
     return {"size": _items(program), "validation": work.total(), "steps": steps, **counts}
 
 
@@ -97,8 +99,11 @@ def _work(schedule: str, layers: int, ep: int) -> dict[str, int]:
 def test_work_grows_linearly_in_layers(schedule):
     runs = [_work(schedule, n, RANKS[0]) for n in LAYERS]
     assert runs[0]["validation"] > 0 and runs[0]["events"] > 0
+    assert (runs[0]["alone"] > 0) == (schedule == "tbo")  # one stream: its kernels timed alone
     for small, large in zip(runs, runs[1:]):
-        for what in ("validation", "events", "passes"):
+        for what in ("validation", "events", "passes", "alone"):
+            if not small[what]:
+                continue
             ratio = large[what] / small[what]
             assert ratio <= BOUND, (what, small, large)
 

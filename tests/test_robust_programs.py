@@ -426,7 +426,8 @@ def test_default_event_budget_has_a_margin_of_five(capsys, schedule, ranks):
     program = parse(text)
     Engine(program, H800, max_events=default_max_events(program) // 5).run()
     with pytest.raises(SimulationBudgetExceeded, match="raise --max-events"):
-        Engine(program, H800, max_events=50).run()
+        # (kernels timed alone take no event: TBO's two layers on one stream need ~45)
+        Engine(program, H800, max_events=10).run()
 
 
 @pytest.mark.parametrize("gpu", ["h800", "b200"])

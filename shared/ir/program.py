@@ -315,8 +315,12 @@ def ops_of(program: Program) -> list[tuple[int, Op]]:
 def first_rank_ops(program: Program) -> list[Op]:
     """The ops the Program's first rank launches, in issue order per thread (a symmetric
     Program's one rank): what a measured trace's kernels are labelled with."""
-    first = program.ranks[0].rank
-    return [op for r, op in ops_of(program) if r == first]
+    return [
+        ins.op
+        for th in program.ranks[0].threads
+        for ins in iter_gpu_instrs(th.instrs)
+        if isinstance(ins, Launch)
+    ]
 
 
 def num_ops(program: Program) -> int:
