@@ -291,6 +291,7 @@ def race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, trie
     hid, cnt = np.empty((C, kg), np.int64), np.empty((C, kg), np.int64)
     ptr, q = np.empty(C, np.uint64), np.empty(C, np.int64)
     w, cum = np.empty(size), np.empty(size)
+    jbs, hs, todo = np.empty(C, np.int64), np.empty(C, np.int64), np.empty(C, np.int64)
     taken = np.zeros((C, len(p)), np.bool_)  # each token's experts so far
 
     def pick(u, g, r):
@@ -342,51 +343,65 @@ def race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, trie
                 cnt[c, j] = 0
             ptr[c], q[c] = picks_at, 2 * G
         for s in range(k):  # the merge, a step of every token in turn
-            for c in range(n):
+            nl = 0
+            for c in range(n):  # each token's earliest head, and which need their expert drawn
                 jb, tb = 0, t[c, 0]  # the first of the earliest heads, without branches
                 for j in range(1, kg):
                     b = t[c, j] < tb
                     jb, tb = (j if b else jb), min(t[c, j], tb)
                 h = hid[c, jb]
+                jbs[c], hs[c], todo[nl] = jb, h, c
+                nl += h < 0
+            for i in range(nl):  # the heads whose expert is not drawn yet
+                c = todo[i]
+                jb = jbs[c]
+                h = -1
+                base = np.uint64(c0 + c) * np.uint64(stride)
+                g = kept[c, jb]
+                r = 0
+                while r < depth - 1 and taken[c, heavy[g * size + r]]:
+                    r += 1
+                for _ in range(tries):
+                    ex = pick(uniform(random_bits(key, base + ptr[c])), g, r)
+                    ptr[c] += np.uint64(1)
+                    if not taken[c, ex]:
+                        h = ex
+                        break
                 if h < 0:
-                    base = np.uint64(c0 + c) * np.uint64(stride)
-                    g = kept[c, jb]
-                    r = 0
-                    while r < depth - 1 and taken[c, heavy[g * size + r]]:
-                        r += 1
-                    for _ in range(tries):
-                        ex = pick(uniform(random_bits(key, base + ptr[c])), g, r)
-                        ptr[c] += np.uint64(1)
-                        if not taken[c, ex]:
-                            h = ex
+                    acc = 0.0
+                    for x in range(size):
+                        w[x] = 0.0 if taken[c, g * size + x] else p[g * size + x]
+                        acc += w[x]
+                        cum[x] = acc
+                    lim = uniform(random_bits(key, base + ptr[c])) * cum[size - 1]
+                    ptr[c] += np.uint64(1)
+                    j = 0
+                    for x in range(size):
+                        j += cum[x] <= lim
+                    last = size - 1
+                    for x in range(size - 1, -1, -1):
+                        if w[x] > 0:
+                            last = x
                             break
-                    if h < 0:
-                        acc = 0.0
-                        for x in range(size):
-                            w[x] = 0.0 if taken[c, g * size + x] else p[g * size + x]
-                            acc += w[x]
-                            cum[x] = acc
-                        lim = uniform(random_bits(key, base + ptr[c])) * cum[size - 1]
-                        ptr[c] += np.uint64(1)
-                        j = 0
-                        for x in range(size):
-                            j += cum[x] <= lim
-                        last = size - 1
-                        for x in range(size - 1, -1, -1):
-                            if w[x] > 0:
-                                last = x
-                                break
-                        h = g * size + min(j, last)
-                    ms[c, jb] -= p[h]
+                    h = g * size + min(j, last)
+                ms[c, jb] -= p[h]
+                hs[c] = h
+            for c in range(n):  # the heads taken
+                h = hs[c]
                 out[c0 + c - lo, s] = h
                 taken[c, h] = True
                 load[h] += 1
-                if s == k - 1:
-                    continue
+            if s == k - 1:
+                break
+            for c in range(n):  # the time after each head taken: drawn if not yet
+                jb = jbs[c]
                 nxt = tn[c, jb]
-                if np.isnan(nxt):
-                    nxt = t[c, jb] + xs[q[c], c] / ms[c, jb]
-                    q[c] += 1
+                late = np.isnan(nxt)
+                # computed for every token and selected, no branch (xs[q] exists: at most s of
+                # the k - 1 later times are drawn before step s)
+                later = t[c, jb] + xs[q[c], c] / ms[c, jb]
+                nxt = later if late else nxt
+                q[c] += late
                 if size <= k:
                     cnt[c, jb] += 1
                     if cnt[c, jb] >= size:
