@@ -11,9 +11,10 @@ Expert load (``--imbalance``):
   exact race sampler of ``shared/inputs/race.py``, a few random numbers per expert taken, not
   one per expert, from a counter-based generator seeded per layer). ``zipf:0`` is uniformly
   random routing *with*
-  sampling noise. Cost (compiled, DeepSeek-V3 at EP32): ~0.5-0.6 us per token drawn, about a
-  third computing its ~40 random numbers (the exponentials' logs), two thirds the group pick
-  and the k-way merge's chains of dependent steps; the numpy code ~4 us.
+  sampling noise. Cost (compiled, DeepSeek-V3 at EP32, one core of the 2-core bench machine):
+  ~0.26 us per token drawn: ~75 ns the 31 numbers it draws in bulk (23 exponentials: logs),
+  ~50 ns the groups' first arrivals and the kept groups, ~120 ns the k-way merge's chains of
+  dependent steps, and ~20 ns counting it per rank; the numpy code ~4 us.
 - ``file:PATH``: a routing sample, in one of these forms (``.json`` or ``.csv``):
 
   * JSON ``{"expert_counts": [c_0, ..., c_{E-1}]}``: tokens routed to each expert in some
