@@ -275,18 +275,23 @@ def race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, trie
     """:meth:`Race._merge` compiled (numba): the same random numbers (computed here, only those
     used) and float operations, so the same ids, written as out[token - lo, s] (the ids table's
     own layout) and counted in ``load`` (per expert). Like the numpy code it goes step by step
-    over a chunk of tokens, not token by token: a token's merge is a chain of dependent
-    latencies (draw an expert, its rate, the next time, the next head), and the tokens of a
-    chunk, independent, fill each other's waits."""  # pragma: no cover - compiled
+    over a chunk of tokens, not token by token: the random numbers and the groups' first
+    arrivals and scores in loops along the chunk's tokens, which vectorise; then the merge,
+    a chain of dependent latencies per token (draw an expert, its rate, the next time, the
+    next head), where the chunk's tokens, independent, fill each other's waits."""  # pragma: no cover - compiled
     G, C = len(mass), 64
     nexp, picks_at = 2 * G + k - 1, np.uint64(3 * G + k - 1)  # exponentials, then uniforms
-    xs, us = np.empty((C, nexp)), np.empty((C, G))
-    first, t1, t2, rest = np.empty(G, np.int64), np.empty(G), np.empty(G), np.empty(G)
-    score, kept = np.empty(G), np.empty((C, G), np.int64)  # kept[c, kg:]: scratch
+    # (number or group, token) of a chunk: the loops before the merge run along the tokens
+    xs, us = np.empty((nexp, C)), np.empty((G, C))
+    first, t1, t2 = np.empty((G, C), np.int64), np.empty((G, C)), np.empty((G, C))
+    rest, score = np.empty((G, C)), np.empty((G, C))
+    kept = np.empty((C, G), np.int64)  # kept[c, kg:]: scratch
+    m, rank = np.empty(C, np.int64), np.empty(C, np.int64)
     t, tn, ms = np.empty((C, kg)), np.empty((C, kg)), np.empty((C, kg))
     hid, cnt = np.empty((C, kg), np.int64), np.empty((C, kg), np.int64)
     ptr, q = np.empty(C, np.uint64), np.empty(C, np.int64)
     w, cum = np.empty(size), np.empty(size)
+    jbs, hs, todo = np.empty(C, np.int64), np.empty(C, np.int64), np.empty(C, np.int64)
     taken = np.zeros((C, len(p)), np.bool_)  # each token's experts so far
 
     def pick(u, g, r):
@@ -299,79 +304,104 @@ def race_loop(key, lo, hi, p, mass, heavy, prob, alias, kg, k, size, depth, trie
 
     for c0 in range(lo, hi, C):
         n = min(C, hi - c0)
-        for c in range(n):  # the exponentials and first uniforms, in loops that vectorise
-            at = np.uint64(c0 + c) * np.uint64(stride)
-            for x in range(nexp):
-                xs[c, x] = exponential(random_bits(key, at + np.uint64(x)))
-            for x in range(G):
-                us[c, x] = uniform(random_bits(key, at + np.uint64(nexp + x)))
-        for c in range(n):  # every group's first two arrivals, the kept groups
-            for g in range(G):
-                first[g] = pick(us[c, g], g, 0)
-                t1[g] = xs[c, g] / mass[g]
-                rest[g] = mass[g] - p[first[g]]
-                t2[g] = t1[g] + xs[c, G + g] / rest[g] if size > 1 else np.inf
-                score[g] = t1[g] * t2[g]
-            # the kept in group order: rank < kg, ranks of the (score, group) pairs as
-            # _smallest_rows, without branches
-            m = 0
-            for g in range(G):
-                rank = 0
-                for h in range(G):
-                    rank += (score[h] < score[g]) | ((score[h] == score[g]) & (h < g))
-                kept[c, m] = g
-                m += rank < kg
+        base0 = np.uint64(c0) * np.uint64(stride)
+        for x in range(nexp):  # the exponentials and first uniforms, in loops that vectorise
+            for c in range(n):
+                xs[x, c] = exponential(
+                    random_bits(key, base0 + np.uint64(c) * np.uint64(stride) + np.uint64(x))
+                )
+        for x in range(G):
+            for c in range(n):
+                us[x, c] = uniform(
+                    random_bits(key, base0 + np.uint64(c) * np.uint64(stride) + np.uint64(nexp + x))
+                )
+        for g in range(G):  # every group's first two arrivals, a group of every token at once
+            for c in range(n):
+                f = pick(us[g, c], g, 0)
+                first[g, c] = f
+                a = xs[g, c] / mass[g]
+                rest[g, c] = mass[g] - p[f]
+                b = a + xs[G + g, c] / rest[g, c] if size > 1 else np.inf
+                t1[g, c], t2[g, c], score[g, c] = a, b, a * b
+        # the kept in group order: rank < kg, ranks of the (score, group) pairs as
+        # _smallest_rows, without branches
+        m[:n] = 0
+        for g in range(G):
+            rank[:n] = 0
+            for h in range(G):
+                for c in range(n):
+                    rank[c] += (score[h, c] < score[g, c]) | (
+                        (score[h, c] == score[g, c]) & (h < g)
+                    )
+            for c in range(n):
+                kept[c, m[c]] = g
+                m[c] += rank[c] < kg
+        for c in range(n):
             for j in range(kg):
                 g = kept[c, j]
-                t[c, j], hid[c, j], tn[c, j], ms[c, j] = t1[g], first[g], t2[g], rest[g]
+                t[c, j], hid[c, j], tn[c, j], ms[c, j] = t1[g, c], first[g, c], t2[g, c], rest[g, c]
                 cnt[c, j] = 0
             ptr[c], q[c] = picks_at, 2 * G
         for s in range(k):  # the merge, a step of every token in turn
-            for c in range(n):
+            nl = 0
+            for c in range(n):  # each token's earliest head, and which need their expert drawn
                 jb, tb = 0, t[c, 0]  # the first of the earliest heads, without branches
                 for j in range(1, kg):
                     b = t[c, j] < tb
                     jb, tb = (j if b else jb), min(t[c, j], tb)
                 h = hid[c, jb]
+                jbs[c], hs[c], todo[nl] = jb, h, c
+                nl += h < 0
+            for i in range(nl):  # the heads whose expert is not drawn yet
+                c = todo[i]
+                jb = jbs[c]
+                h = -1
+                base = np.uint64(c0 + c) * np.uint64(stride)
+                g = kept[c, jb]
+                r = 0
+                while r < depth - 1 and taken[c, heavy[g * size + r]]:
+                    r += 1
+                for _ in range(tries):
+                    ex = pick(uniform(random_bits(key, base + ptr[c])), g, r)
+                    ptr[c] += np.uint64(1)
+                    if not taken[c, ex]:
+                        h = ex
+                        break
                 if h < 0:
-                    base = np.uint64(c0 + c) * np.uint64(stride)
-                    g = kept[c, jb]
-                    r = 0
-                    while r < depth - 1 and taken[c, heavy[g * size + r]]:
-                        r += 1
-                    for _ in range(tries):
-                        ex = pick(uniform(random_bits(key, base + ptr[c])), g, r)
-                        ptr[c] += np.uint64(1)
-                        if not taken[c, ex]:
-                            h = ex
+                    acc = 0.0
+                    for x in range(size):
+                        w[x] = 0.0 if taken[c, g * size + x] else p[g * size + x]
+                        acc += w[x]
+                        cum[x] = acc
+                    lim = uniform(random_bits(key, base + ptr[c])) * cum[size - 1]
+                    ptr[c] += np.uint64(1)
+                    j = 0
+                    for x in range(size):
+                        j += cum[x] <= lim
+                    last = size - 1
+                    for x in range(size - 1, -1, -1):
+                        if w[x] > 0:
+                            last = x
                             break
-                    if h < 0:
-                        acc = 0.0
-                        for x in range(size):
-                            w[x] = 0.0 if taken[c, g * size + x] else p[g * size + x]
-                            acc += w[x]
-                            cum[x] = acc
-                        lim = uniform(random_bits(key, base + ptr[c])) * cum[size - 1]
-                        ptr[c] += np.uint64(1)
-                        j = 0
-                        for x in range(size):
-                            j += cum[x] <= lim
-                        last = size - 1
-                        for x in range(size - 1, -1, -1):
-                            if w[x] > 0:
-                                last = x
-                                break
-                        h = g * size + min(j, last)
-                    ms[c, jb] -= p[h]
+                    h = g * size + min(j, last)
+                ms[c, jb] -= p[h]
+                hs[c] = h
+            for c in range(n):  # the heads taken
+                h = hs[c]
                 out[c0 + c - lo, s] = h
                 taken[c, h] = True
                 load[h] += 1
-                if s == k - 1:
-                    continue
+            if s == k - 1:
+                break
+            for c in range(n):  # the time after each head taken: drawn if not yet
+                jb = jbs[c]
                 nxt = tn[c, jb]
-                if np.isnan(nxt):
-                    nxt = t[c, jb] + xs[c, q[c]] / ms[c, jb]
-                    q[c] += 1
+                late = np.isnan(nxt)
+                # computed for every token and selected, no branch (xs[q] exists: at most s of
+                # the k - 1 later times are drawn before step s)
+                later = t[c, jb] + xs[q[c], c] / ms[c, jb]
+                nxt = later if late else nxt
+                q[c] += late
                 if size <= k:
                     cnt[c, jb] += 1
                     if cnt[c, jb] >= size:
