@@ -14,22 +14,19 @@ def add_parser(sub) -> None:
     s = sub.add_parser(
         "kernels",
         help="the executor's kernels against the device's best on the same shapes",
-        description="Time every op class the executor runs (GEMM and grouped GEMM in BF16, on "
-        "an SM budget and in FP8; attention; RMSNorm) against the device's best on the same "
-        "shapes (cuBLAS torch.mm / bmm; DeepGEMM's FP8 GEMM alone or torch._scaled_mm; SDPA "
-        "is_causal; FlashMLA alone plus cuBLAS bmm, with the roofline beside it; a "
-        "device-to-device copy for bandwidth), each call inside a CUDA graph on a GPU; the "
-        "goal is at least 0.7 of the best for every class. --device cpu is a dry run on tiny "
-        "shapes.",
+        description="Time every op class the executor runs (GEMM and grouped GEMM: BF16, on an "
+        "SM budget, FP8; attention; RMSNorm), each call in a CUDA graph on a GPU, against the "
+        "device's best on the same shapes (cuBLAS, DeepGEMM alone or torch._scaled_mm, SDPA, "
+        "FlashMLA alone, a device-to-device copy; the roofline beside); the goal is 0.7 of the "
+        "best for every class. --device cpu is a dry run on tiny shapes.",
     )
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     s.add_argument("--out", default=None,
                    help="folder for kernels.json and kernels.md (default: print only)")  # fmt: skip
     s.add_argument("--force", action="store_true", help="write into --out even if it holds "
                    "other files")  # fmt: skip
-    s.add_argument("--repeats", type=int, default=10, help="timings per kernel (median; a GPU "
-                   f"times a CUDA graph of ten calls each; --device cpu: at most "
-                   f"{KERNELS_CPU_REPEATS})")  # fmt: skip
+    s.add_argument("--repeats", type=int, default=10, help="timings per kernel (median; "
+                   f"--device cpu: at most {KERNELS_CPU_REPEATS})")  # fmt: skip
     s.add_argument("--warmup", type=int, default=3,
                    help=f"untimed calls first (--device cpu: at most {KERNELS_CPU_WARMUP})")  # fmt: skip
     s.set_defaults(func=cmd_kernels)
