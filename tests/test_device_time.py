@@ -21,10 +21,10 @@ from overlap_lab.device_time import (
     map_kernels,
     op_device_us,
     parse_range,
-    replay_trace,
     split_runs,
     with_device_time,
 )
+from overlap_lab.kernel_timeline import replay_trace
 from overlap_lab.shared.outputs.trace import Span, Trace
 
 FIXTURE = Path(__file__).parent / "data" / "h200_decode128_serial_layer1.trace.json.gz"
