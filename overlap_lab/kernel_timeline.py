@@ -10,8 +10,10 @@ such a span also holds the stream's idle time while the host launches the op's n
 communication counts host waits as communication. Read from the run's device records (CUPTI,
 ``torch.profiler``), it is the prediction's definition: the one definition both sides use.
 
-:func:`replay_trace` is the timeline of a graph-replayed run (its last replays), and
-:func:`eager_trace` that of an eager run (its last pass), both from the same records
+:func:`replay_trace` is the timeline of a graph-replayed run (its last replays: an op from its
+first kernel to its last, the graph's gaps between them being the device's), and
+:func:`eager_trace` that of an eager run (its last pass: each kernel, the waits for the host
+between them left out, as the simulator leaves them on the host lane), both from the records
 (``overlap_lab.device_time.split_runs``). No torch import: tested on the CPU.
 """
 
@@ -56,8 +58,9 @@ def _step_of(trace, i: int, chosen: int) -> int | None:
 
 def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
     """The last ``last`` graph replays of ``kernels`` (a torch.profiler trace of the executor's
-    run whose trace is ``trace``) as one Trace (:func:`_timeline`): what a replayed run ran side
-    by side, which the eager pass's spans do not show (they hold launch gaps). ``last``: the
+    run whose trace is ``trace``) as one Trace (:func:`_timeline`), one span per op and stream
+    of each replay (:func:`_extents`): what a replayed run ran side by side, which the eager
+    pass's spans do not show (they hold launch gaps). ``last``: the
     graphs one run of the Program replays (a Program of several steps replays one per step:
     sglang-overlap's four). None without a replay, or when none of its kernels maps to an op
     (pp's ranks in one process: the last eager run is not the replay's template)."""
@@ -73,10 +76,27 @@ def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
     for i, r in enumerate(chosen):
         _, pairs, _ = _match(_template(template, r), r.graph_kernels)
         pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
-        step = _step_of(trace, i, len(chosen))
-        found += [(op, k, step) for op, k in pairs]
-    meta = {"spans_source": "graph replay: kernel device times", "replays": len(chosen)}
+        found += _extents(pairs, _step_of(trace, i, len(chosen)))
+    meta = {"spans_source": "graph replay: each op's kernels, first start to last end",
+            "replays": len(chosen)}  # fmt: skip
     return _timeline(trace, found, meta)
+
+
+def _extents(pairs: list[tuple[OpId, DeviceKernel]], step: int | None):
+    """Per op and stream of one replay, one record from its first kernel's start to its last
+    kernel's end: the op as the simulator times it in a graph (its kernels and the
+    ``(kernels - 1) x graph gap`` between them, ``device_time.op_device_us``). Inside a replay
+    those gaps are the device's, not the host's."""
+    by: dict[tuple, list[DeviceKernel]] = {}
+    for op, k in pairs:
+        by.setdefault((op, k.stream), []).append(k)
+    out = []
+    for (op, stream), ks in by.items():
+        start, end = min(k.ts for k in ks), max(k.ts + k.dur for k in ks)
+        out.append(
+            (op, DeviceKernel(ks[0].name, start, end - start, stream, ks[0].correlation), step)
+        )
+    return out
 
 
 def eager_trace(trace, kernels: Mapping[str, Any] | list):

@@ -103,3 +103,25 @@ def test_the_comparison_reads_exposed_comm_from_the_kernel_timeline():
     assert with_k["exposed_comm_source"] == "an eager run's kernels (torch.profiler)"
     assert without["exposed_comm_us"]["measured"] == pytest.approx(100.0)
     assert without["exposed_comm_source"] == "the measured trace's spans"
+
+
+def test_a_replayed_op_is_one_span_over_its_kernels_and_the_graph_gaps():
+    """In a replay an op is timed as the simulator times it from a graph: its first kernel's
+    start to its last one's end (comm ``c``: kernels at 10-20 and 20.5-30.5, the 0.5 us between
+    them the graph's), so the gap is communication in flight too: exposed 20.5 us, not 20."""
+    ev = [
+        _x("user_annotation", "c.L0.mbNone", 0.0, 5.0),
+        _x("cuda_runtime", "cudaLaunchKernel", 1.0, 1.0, 1),
+        _x("kernel", "gather", 10.0, 10.0, 1, stream=8),
+        _x("cuda_runtime", "cudaLaunchKernel", 2.0, 1.0, 2),
+        _x("kernel", "send_kernel", 30.0, 10.0, 2, stream=8),
+        _x("cuda_runtime", "cudaGraphLaunch", 100.0, 1.0, 3),
+        _x("kernel", "gather", 110.0, 10.0, 3, stream=9),
+        _x("kernel", "send_kernel", 120.5, 10.0, 3, stream=9),
+    ]
+    spans = Trace((Span(0, "stream:comm", "c", "comm", 0.0, 40.0, 0, None, 0, 0),), {})
+    rt = replay_trace(spans, {"traceEvents": ev})
+    assert [(s.op, s.start, s.end) for s in rt.spans] == [("c", 0.0, 20.5)]
+    assert rt.exposed_comm_us(0) == pytest.approx(20.5)
+    assert run_timeline(spans, {"traceEvents": ev}) == rt
+    assert eager_trace(spans, {"traceEvents": ev}) is None
