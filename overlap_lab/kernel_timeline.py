@@ -19,6 +19,7 @@ between them left out, as the simulator leaves them on the host lane), both from
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,8 +59,8 @@ def _step_of(trace, i: int, chosen: int) -> int | None:
 
 def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
     """The last ``last`` graph replays of ``kernels`` (a torch.profiler trace of the executor's
-    run whose trace is ``trace``) as one Trace (:func:`_timeline`), one span per op and stream
-    of each replay (:func:`_extents`): what a replayed run ran side by side, which the eager
+    run whose trace is ``trace``) as one Trace (:func:`_timeline`), one span per run of an
+    op's consecutive kernels on a stream (:func:`_extents`): what a replayed run ran side by side, which the eager
     pass's spans do not show (they hold launch gaps). ``last``: the
     graphs one run of the Program replays (a Program of several steps replays one per step:
     sglang-overlap's four). None without a replay, or when none of its kernels maps to an op
@@ -77,25 +78,29 @@ def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
         _, pairs, _ = _match(_template(template, r), r.graph_kernels)
         pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
         found += _extents(pairs, _step_of(trace, i, len(chosen)))
-    meta = {"spans_source": "graph replay: each op's kernels, first start to last end",
+    meta = {"spans_source": "graph replay: each op's consecutive kernels, first start to last end",
             "replays": len(chosen)}  # fmt: skip
     return _timeline(trace, found, meta)
 
 
 def _extents(pairs: list[tuple[OpId, DeviceKernel]], step: int | None):
-    """Per op and stream of one replay, one record from its first kernel's start to its last
-    kernel's end: the op as the simulator times it in a graph (its kernels and the
-    ``(kernels - 1) x graph gap`` between them, ``device_time.op_device_us``). Inside a replay
-    those gaps are the device's, not the host's."""
-    by: dict[tuple, list[DeviceKernel]] = {}
-    for op, k in pairs:
-        by.setdefault((op, k.stream), []).append(k)
-    out = []
-    for (op, stream), ks in by.items():
-        start, end = min(k.ts for k in ks), max(k.ts + k.dur for k in ks)
-        out.append(
-            (op, DeviceKernel(ks[0].name, start, end - start, stream, ks[0].correlation), step)
-        )
+    """The kernels of one replay, each run of consecutive kernels of one op on one stream as
+    one record from the run's first start to its last end: the op as the simulator times it in
+    a graph (its kernels and the ``(kernels - 1) x graph gap`` between them,
+    ``device_time.op_device_us``). Inside a replay those gaps are the device's, not the host's.
+    Runs, not an op's first-to-last kernel: a kernel matched by name to the wrong op
+    (``device_time._match``) stays one kernel long instead of stretching its op's span."""
+    out: list[tuple[OpId, DeviceKernel, int | None]] = []
+    last: dict[int, int] = {}  # stream -> index in out of its latest record
+    for op, k in sorted(pairs, key=lambda p: (p[1].stream, p[1].ts)):
+        i = last.get(k.stream)
+        if i is not None and out[i][0] == op:
+            prev = out[i][1]
+            end = max(prev.ts + prev.dur, k.ts + k.dur)
+            out[i] = (op, dataclasses.replace(prev, dur=end - prev.ts), step)
+            continue
+        last[k.stream] = len(out)
+        out.append((op, k, step))
     return out
 
 

@@ -125,3 +125,38 @@ def test_a_replayed_op_is_one_span_over_its_kernels_and_the_graph_gaps():
     assert rt.exposed_comm_us(0) == pytest.approx(20.5)
     assert run_timeline(spans, {"traceEvents": ev}) == rt
     assert eager_trace(spans, {"traceEvents": ev}) is None
+
+
+def test_a_kernel_of_an_op_elsewhere_in_the_replay_does_not_stretch_its_span():
+    """Only consecutive kernels of one op on a stream are one span: ``c``'s kernel after ``a``'s
+    (a kernel matched to ``c`` by name) stays its own 1 us span, so ``a``'s 9.5 us are not
+    counted as communication."""
+    ev = [
+        _x("user_annotation", "c.L0.mbNone", 0.0, 3.0),
+        _x("user_annotation", "a.L0.mbNone", 4.0, 2.0),
+    ]
+    ev += [_x("cuda_runtime", "cudaLaunchKernel", 1.0 + i, 0.5, i + 1) for i in range(2)]
+    ev += [_x("cuda_runtime", "cudaLaunchKernel", 4.5, 0.5, 3)]
+    ev += [
+        _x("kernel", n, t, 1.0, i + 1, stream=8)
+        for i, (n, t) in enumerate((("gather", 10.0), ("send_kernel", 11.0), ("gemm", 12.0)))
+    ]
+    ev += [_x("cuda_runtime", "cudaGraphLaunch", 100.0, 1.0, 4)]
+    ev += [
+        _x("kernel", n, t, d, 4, stream=9)
+        for n, t, d in (("gather", 110.0, 10.0), ("gemm", 120.5, 9.5), ("send_kernel", 130.5, 1.0))
+    ]
+    spans = Trace(
+        (
+            Span(0, "stream:comm", "c", "comm", 0.0, 40.0, 0, None, 0, 0),
+            Span(0, "stream:comm", "a", "compute", 0.0, 40.0, 0, None, 0, 0),
+        ),
+        {},
+    )
+    rt = replay_trace(spans, {"traceEvents": ev})
+    assert sorted((s.op, s.start, s.end) for s in rt.spans) == [
+        ("a", 10.5, 20.0),
+        ("c", 0.0, 10.0),
+        ("c", 20.5, 21.5),
+    ]
+    assert rt.exposed_comm_us(0) == pytest.approx(11.0)
