@@ -621,54 +621,6 @@ def with_device_time(trace, times: Mapping[OpId, float]):
     return Trace(tuple(spans), meta)
 
 
-def replay_trace(trace, kernels: Mapping[str, Any] | list, last: int = 1):
-    """The last ``last`` graph replays of ``kernels`` (a torch.profiler trace of the executor's
-    run whose trace is ``trace``) as one Trace: each kernel of them a span of its op, on its
-    op's lane and of its op's kind (read off ``trace``'s spans), at its device start and
-    duration, the first replay's first kernel at 0. What a replayed run ran side by side,
-    which the eager pass's spans do not show (they hold launch gaps): the measured exposed
-    communication of a graph-replayed run. ``last``: the graphs one run of the Program
-    replays (a Program of several steps replays one per step: sglang-overlap's four); the k-th
-    of them takes the k-th step's spans where ``trace`` has several. None without a replay, or
-    when none of its kernels maps to an op (pp's ranks in one process: the last eager run is
-    not the replay's template)."""
-    from overlap_lab.shared.outputs.trace import Span, Trace
-
-    runs, _ = split_runs(kernels)
-    replays = [r for r in runs if r.replay and r.graph_kernels]
-    if not replays:
-        return None
-    chosen = replays[-max(1, last) :]
-    template = _eager_pass(runs, runs.index(chosen[0]))
-    if not template.ops:
-        return None
-    steps = sorted({s.step for s in trace.spans if s.step is not None})
-    like: dict[tuple, Any] = {}
-    for s in trace.spans:
-        if s.lane.startswith("stream:"):
-            like.setdefault((s.op, s.layer, s.mb, s.step), s)
-            like.setdefault((s.op, s.layer, s.mb, None), s)
-    found = []
-    for i, r in enumerate(chosen):
-        _, pairs, _ = _match(_template(template, r), r.graph_kernels)
-        pairs += [(op, k) for op, ks in r.ops.items() for k in ks]
-        step = steps[i - len(chosen) + len(steps)] if len(steps) >= len(chosen) > 1 else None
-        found += [(op, k, step) for op, k in pairs]
-    if not found:
-        return None
-    t0 = min(k.ts for _, k, _ in found)
-    spans = [
-        Span(
-            s.rank, s.lane, s.op, s.kind, k.ts - t0, k.ts - t0 + k.dur, s.sms, s.mb, s.layer, s.step
-        )  # fmt: skip
-        for op, k, step in found
-        if (s := like.get((*op, step)) or like.get((*op, None))) is not None
-    ]
-    return Trace(
-        tuple(spans), {"spans_source": "graph replay: kernel device times", "replays": len(chosen)}
-    )
-
-
 def _eager_pass(runs: list[Run], before: int) -> Run:
     """The eager runs before ``runs[before]`` (and the replays right before it) back to the
     previous replay, as one run (an op's latest kernels win): the template of the replays

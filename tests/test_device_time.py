@@ -21,10 +21,10 @@ from overlap_lab.device_time import (
     map_kernels,
     op_device_us,
     parse_range,
-    replay_trace,
     split_runs,
     with_device_time,
 )
+from overlap_lab.kernel_timeline import replay_trace
 from overlap_lab.shared.outputs.trace import Span, Trace
 
 FIXTURE = Path(__file__).parent / "data" / "h200_decode128_serial_layer1.trace.json.gz"
@@ -223,23 +223,23 @@ def test_the_graph_gap_is_the_unprofiled_step_less_kernel_time_per_kernel(chrome
     assert graph_gap_us(map_kernels(eager_only), 1000.0) is None
 
 
-def test_the_replay_trace_is_the_replayed_kernels_on_their_ops_lanes(chrome):
-    """replay_trace: every kernel of the (last) replay a span of its op, on the lane and of the
-    kind its op has in the executor's trace, at device time from the replay's first kernel."""
+def test_the_replay_trace_is_the_replayed_ops_on_their_lanes(chrome):
+    """replay_trace: each op of the (last) replay one span from its first kernel to its last,
+    on the lane and of the kind its op has in the executor's trace, at device time from the
+    replay's first kernel: its kernels' time and the graph's gaps between them."""
     km = map_kernels(chrome)
     ops = sorted(km.ops)
     kind = {op: "comm" if op[0].startswith(("dispatch", "combine")) else "compute" for op in ops}
     spans = [Span(0, "stream:main", op, kind[(op, layer, mb)], 10.0 * i, 10.0 * i + 5.0, 0, mb,
                   layer, 0) for i, (op, layer, mb) in enumerate(ops)]  # fmt: skip
     rt = replay_trace(Trace(spans, {}), chrome)
-    assert len(rt.spans) == 197 and min(s.start for s in rt.spans) == 0.0
-    assert sum(s.duration for s in rt.spans) == pytest.approx(km.replay_device_us[-1])
+    assert len(rt.spans) == len(ops) and min(s.start for s in rt.spans) == 0.0
     assert rt.step_time_us == pytest.approx(km.replay_span_us[-1])
-    per_op: dict = {}
     for s in rt.spans:
-        per_op[(s.op, s.layer, s.mb)] = per_op.get((s.op, s.layer, s.mb), 0.0) + s.duration
         assert s.kind == kind[(s.op, s.layer, s.mb)] and s.lane == "stream:main"
-    assert per_op == pytest.approx({op: km.ops[op].replay_us for op in ops})
+        op = km.ops[(s.op, s.layer, s.mb)]
+        assert op.replay_us - 1e-3 <= s.duration <= op.replay_us + (op.kernels - 1) * 2.0 + 1e-3
+    assert sum(s.duration for s in rt.spans) >= km.replay_device_us[-1]
     eager_only = {"traceEvents": [e for e in chrome["traceEvents"]
                                   if e.get("name") != "cudaGraphLaunch"]}  # fmt: skip
     assert replay_trace(Trace(spans, {}), eager_only) is None

@@ -245,13 +245,17 @@ def test_the_gpu_session_scripts_loop_commands_parse():
 
 
 def test_a_replayed_steps_exposed_communication_is_its_replays_not_the_eager_passs(replayed):
-    """A graph-replayed step's exposed communication is measured on the replay's timeline (its
-    kernels' device times, each on its op's lane): serial runs everything on one stream, so its
-    comm kernels are all exposed; the eager pass's spans, which hold launch gaps, say far more."""
+    """A graph-replayed step's exposed communication is measured on the replay's timeline (each
+    op from its first kernel to its last, on its op's lane): serial runs everything on one
+    stream, so its comm ops are all exposed, each with the graph's gaps between its kernels;
+    the eager pass's spans, which hold launch gaps, say far more."""
     report, _ = replayed
-    ops, _ = _by_hand(_member("calibration/serial_128.kernels.json.gz"))
-    comm = sum(us for (op, *_), (_, us) in ops.items()
-               if op in ("dispatch_a", "dispatch_b", "combine_a", "combine_b"))  # fmt: skip
+    ops, replay = _by_hand(_member("calibration/serial_128.kernels.json.gz"))
+    comm, i = 0.0, 0
+    for (op, *_), (n, _) in ops.items():  # in device order: one stream, op after op
+        ks, i = replay[i : i + n], i + n
+        if op in ("dispatch_a", "dispatch_b", "combine_a", "combine_b"):
+            comm += ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
     ex = report["cases"]["decode_128"]["runs"]["serial"]["comparison"]
     assert ex["exposed_comm_source"].startswith("a graph replay")
     assert ex["exposed_comm_us"]["measured"] == pytest.approx(comm, rel=1e-9)

@@ -56,7 +56,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
     """Calibrate, predict, measure and compare every schedule on one workload; the case is
     ``cases[key]`` from the start, and ``saved()`` runs after every schedule. The calibration
     runs, and each schedule's own-rows run, are kept in the archive for a replay."""
-    from overlap_lab.device_time import replay_trace
+    from overlap_lab.kernel_timeline import run_timeline
     from overlap_lab.real.check import workload_variants
     from overlap_lab.shared import schedules as S
 
@@ -115,7 +115,7 @@ def run_case(ctx: Context, mode: str, size: int, names: list[str], archive: Arch
             if ctx.device == "cuda":  # a short run under the profiler: the replay's timeline,
                 rec = ctx.record(prog, wv, warmup=1, repeats=1)  # and own rows' device time
                 own = rec.trace
-                replayed = replay_trace(rec.executor_trace, rec.kernels, graphs_per_run(prog))
+                replayed = run_timeline(rec.executor_trace, rec.kernels, graphs_per_run(prog))
                 kernels = rec.kernels
                 files["recorded"] = archive.keep_run(key, f"{name}.recorded", rec)
             run, pred = judge(setup, name, wv, meas, profile, own, replayed, kernels)

@@ -424,7 +424,7 @@ def roofline_ops(ctx, prog, profile) -> list[str]:
 def graphs_per_run(prog) -> int:
     """The CUDA graphs one run of ``prog`` replays on its first rank (one per step of a
     several-step Program): how many replays make the run's timeline
-    (``overlap_lab.device_time.replay_trace``)."""
+    (``overlap_lab.kernel_timeline.replay_trace``)."""
 
     def count(seq) -> int:
         return sum(1 if isinstance(i, Graph) else 0 for i in seq)
@@ -445,7 +445,7 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     ``measured`` trace; rows of its ``own_run`` where the profile has none, and the host steps
     of its eager ops the calibration never ran from ``own_kernels``, that run's profiler
     records) and compare with the measurement (its exposed communication from ``replayed``,
-    the timeline of a graph replay, where given: ``overlap_lab.device_time.replay_trace``):
+    the timeline of the run's kernels, where given: ``overlap_lab.kernel_timeline``):
     (the run's record for the report, the predicted trace)."""
     comm = name == COMM_ONLY
     ctx, wait = graph_wait(ctx, own_kernels)
@@ -462,11 +462,11 @@ def judge(ctx, name: str, w, measured, profile, own_run=None, replayed=None,
     )  # fmt: skip
     missing = roofline_ops(ctx, executed(build(ctx, name, wp)), prof)
     step_m, source = measured_step(measured)
-    # a replay timeline is the run's where it holds every graph the run replays
-    whole = (
-        source == "graph replay"
-        and replayed is not None
-        and replayed.meta.get("replays", 1) == graphs_per_run(prog)
+    # a timeline is the run's where it holds every graph the run replays, or its eager pass
+    whole = replayed is not None and (
+        replayed.meta.get("replays", 1) == graphs_per_run(prog)
+        if source == "graph replay"
+        else "eager_runs" in replayed.meta
     )
     m = measured.meta
     own_dt = own_run.meta.get("device_time") if own and own_run is not None else None
@@ -556,16 +556,18 @@ def executed_note(measured, prog) -> str:
 def comparison(measured, predicted, measured_step_us: float, replayed=None) -> dict:
     """``overlap_lab.validate.compare`` (the simulator's validation), against the step time the
     run reports (graph replay where captured), with each op's error summarised per op name.
-    ``replayed``: the timeline of a graph replay of the run (kernel records), whose exposed
-    communication is the step's; else the measured trace's (its eager pass where graphs were
-    replayed, which holds launch gaps: ``exposed_comm_source`` says which)."""
+    ``replayed``: the timeline of the run's kernels (a graph replay's or an eager pass's,
+    ``overlap_lab.kernel_timeline``), whose exposed communication is the prediction's
+    definition; else the measured trace's CUDA-event spans (they hold the stream's waits for the
+    host: ``exposed_comm_source`` says which)."""
     from overlap_lab.validate import compare
 
     v = dataclasses.replace(compare(measured, predicted), measured_step_us=measured_step_us)
     exposed_from = "the measured trace's spans"
     if replayed is not None and replayed.spans:
         v = dataclasses.replace(v, measured_exposed_us=replayed.exposed_comm_us(replayed.ranks[0]))
-        exposed_from = "a graph replay's kernels (torch.profiler)"
+        exposed_from = ("an eager run's kernels (torch.profiler)" if "eager_runs" in replayed.meta
+                        else "a graph replay's kernels (torch.profiler)")  # fmt: skip
     by_op: dict[str, list[float]] = {}
     for o in v.ops:
         if o.measured_us > 0:

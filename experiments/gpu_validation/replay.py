@@ -78,7 +78,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
     with today's simulator and compared with its recorded measurement (the predicted traces
     written under ``work/<key>/`` where given)."""
     from overlap_lab.calibrate import apply_device_time
-    from overlap_lab.device_time import replay_trace
+    from overlap_lab.kernel_timeline import run_timeline
     from overlap_lab.shared import schedules as S
 
     runs_in = case.get("calibration_runs")
@@ -132,7 +132,7 @@ def replay_case(root: Path, report: dict, key: str, case: dict, setup: Setup, mc
         if own is not None and rec_files.get("kernels"):
             kernels = _kernels(root, rec_files["kernels"])
             own = apply_device_time(own, kernels, at.gpu.graph_kernel_gap_us)
-            replayed = replay_trace(replayed, kernels, graphs_per_run(build(at, name, wv)))
+            replayed = run_timeline(replayed, kernels, graphs_per_run(build(at, name, wv)))
         try:
             measured = _trace(root, files["measured"])
             run, pred = judge(at, name, wv, measured, profile, own, replayed, kernels)
