@@ -5,13 +5,12 @@ variable set runs every ``_interp_*`` check below. The mechanism choice and Deep
 set_num_sms (with a fake module) are pure. bf16 does not survive the interpreter (even a copy),
 so numerics use fp32 and fp16; bf16 is checked on a GPU (tests/test_real_gpu.py)."""
 
-import json
 import sys
 import types
 
 import pytest
 
-from tests.triton_interp import interpreted
+from tests.triton_interp import interpreted, report
 
 torch = pytest.importorskip("torch")
 
@@ -295,14 +294,7 @@ if __name__ == "__main__":  # the interpreter child (see interpreter_results)
         ),
         "sbo_mode1_executor_polls_the_signal": _interp_sbo_mode1_executor_polls_the_signal,
     }
-    out = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # reported to the parent test, which names the check
-            out[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    report(checks)
 
 
 def test_gpu_kernels_compile_for_hopper_without_a_gpu():

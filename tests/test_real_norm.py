@@ -4,12 +4,11 @@ kernel there) against the formula, the fused add's fallback, and the Triton kern
 Triton's CPU interpreter in a child process (tests/triton_interp.py; fp32 and fp16: bf16 does
 not survive the interpreter). The CUDA kernels themselves: tests/test_real_gpu.py."""
 
-import json
 import sys
 
 import pytest
 
-from tests.triton_interp import interpreted
+from tests.triton_interp import interpreted, report
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
@@ -100,12 +99,5 @@ if __name__ == "__main__":  # the interpreter child (see interpreter_results)
         "fp16": lambda: _interp_matches(torch.float16, (4, 256)),
         "odd_k_3d_strided": lambda: _interp_matches(torch.float32, (2, 3, 72), strided=True),
     }
-    out = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            out[name] = "ok"
-        except Exception as e:  # reported to the parent test, which names the check
-            out[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out))
+    report(checks)
     sys.exit(0)

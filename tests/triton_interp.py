@@ -27,3 +27,16 @@ def interpreted(test_file: str) -> dict:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def report(checks: dict) -> None:
+    """The child's side: run each named check and print one JSON line, ``"ok"`` or the error
+    per check, for :func:`interpreted` to return to the parent test, which names the check."""
+    out = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
