@@ -9,20 +9,15 @@ import pytest
 import simpy
 
 
-class TieShuffledEnvironment(simpy.Environment):
-    """A SimPy environment that processes events of the same time and SimPy priority in a seeded
-    random order (and runs each event's callbacks in a seeded random order). The simulator's
-    result must not depend on that order; tests run Programs under it (``Engine(env=...)``) to
-    prove so. It reaches into SimPy's queue as ``sim.simpy_fast`` does (checked by
-    tests/test_simpy_fast.py)."""
+class CallbacksShuffledEnvironment(simpy.Environment):
+    """A SimPy environment that runs each event's callbacks in a seeded random order, with
+    SimPy's own ``schedule`` (so instants the engine computes ahead land exactly, and its
+    closed-form timing of lone kernels, ``sim.alone``, stays on). The simulator's result must
+    not depend on that order."""
 
     def __init__(self, seed: int):
         super().__init__()
         self._rng = random.Random(seed)
-
-    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
-        key = (self._rng.random(), next(self._eid))
-        heapq.heappush(self._queue, (self._now + delay, priority, key, event))
 
     def step(self) -> None:
         if self._queue:
@@ -32,8 +27,25 @@ class TieShuffledEnvironment(simpy.Environment):
         super().step()
 
 
+class TieShuffledEnvironment(CallbacksShuffledEnvironment):
+    """Also processes events of the same time and SimPy priority in a seeded random order. The
+    simulator's result must not depend on that order; tests run Programs under it
+    (``Engine(env=...)``) to prove so. It reaches into SimPy's queue as ``sim.simpy_fast`` does
+    (checked by tests/test_simpy_fast.py)."""
+
+    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
+        key = (self._rng.random(), next(self._eid))
+        heapq.heappush(self._queue, (self._now + delay, priority, key, event))
+
+
 @pytest.fixture(scope="session")
 def tie_shuffled():
     """``TieShuffledEnvironment``: call it with a seed for a fresh environment (session-scoped,
     so hypothesis tests may take it)."""
     return TieShuffledEnvironment
+
+
+@pytest.fixture(scope="session")
+def callbacks_shuffled():
+    """``CallbacksShuffledEnvironment``: call it with a seed for a fresh environment."""
+    return CallbacksShuffledEnvironment

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 import pytest
 import simpy
@@ -90,34 +89,18 @@ def test_a_kernel_alone_ends_where_the_block_scheduler_ends_it(ops, start, graph
     assert n > 0 or all(o.grid == "dynamic" for o in ops)
 
 
-class _CallbacksShuffled(simpy.Environment):
-    """SimPy's own ``schedule`` (so instants computed ahead land exactly), each event's
-    callbacks run in a seeded random order: the engine's result must not depend on it."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        self._rng = random.Random(seed)
-
-    def step(self) -> None:
-        if self._queue:
-            event = self._queue[0][3]
-            if event.callbacks and len(event.callbacks) > 1:
-                self._rng.shuffle(event.callbacks)
-        super().step()
-
-
 def _skewed(schedule: str, layers: int):
     w = Workload(with_layers(get_model("deepseek-v3"), layers), Batch.decode(64), Parallel(ep=8))
     return lower_ranks(build(schedule, w, GPU), w, GPU, Ranks("explicit", "zipf:1.2"))
 
 
-def test_shuffled_callbacks_give_the_same_trace():
+def test_shuffled_callbacks_give_the_same_trace(callbacks_shuffled):
     p = _skewed("tbo", 2)
     timed, slow, n = _both(p, net_group_tol=0.02)
     assert timed == slow and n > 0
     for seed in (1, 2):
         shuffled, _, m = _both(
-            p, env=lambda seed=seed: _CallbacksShuffled(seed), net_group_tol=0.02
+            p, env=lambda seed=seed: callbacks_shuffled(seed), net_group_tol=0.02
         )
         assert shuffled == timed and m == n
 
